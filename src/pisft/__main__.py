@@ -1,0 +1,3 @@
+from pisft.cli import main
+
+raise SystemExit(main())

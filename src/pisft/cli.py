@@ -1,0 +1,100 @@
+"""`python -m pisft <command>`: one command per non-training stage, plus tools.
+
+Stages (each reads the config, writes under results/):
+  fetch_base, demo_recap, convert_recap, evaluate
+Training stages run through the launcher, which starts torchrun:
+  smoke_1card, train_8card   (python -m pisft launch <stage> --config FILE)
+Tools:
+  validate [FILE], estimate, dvc-yaml, bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from pisft import config as config_mod
+from pisft.errors import PisftError
+
+# stage name -> "module:function"; each function takes the validated PisftConfig.
+STAGES = {
+    "fetch_base": "pisft.model.fetch:run",
+    "demo_recap": "pisft.data.demo:run",
+    "convert_recap": "pisft.data.convert:run",
+    "evaluate": "pisft.evaluate.offline:run",
+}
+TRAINING_STAGES = ("smoke_1card", "train_8card")
+
+
+def _resolve(target: str):
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def _add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=str(config_mod.DEFAULT_CONFIG), help="run config (YAML)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key, e.g. --set train.steps=10 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pisft", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("validate", help="check a config; exit non-zero with the problem")
+    p.add_argument("file", nargs="?", default=str(config_mod.DEFAULT_CONFIG))
+
+    for name in STAGES:
+        _add_config(sub.add_parser(name, help=f"run the {name} stage"))
+
+    p = sub.add_parser("launch", help="run a training stage under torchrun")
+    p.add_argument("stage", choices=TRAINING_STAGES)
+    _add_config(p)
+
+    p = sub.add_parser("estimate", help="parameter count and per-device memory estimate")
+    _add_config(p)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("dvc-yaml", help="write dvc.yaml from the workflow rules")
+    p.add_argument("--check", action="store_true", help="exit 1 if the committed dvc.yaml is stale")
+    p.add_argument("--output", default="dvc.yaml")
+
+    p = sub.add_parser("bench", help="benchmarks, written to results/bench/bench.json")
+    _add_config(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "validate":
+            cfg = config_mod.load(args.file)
+            print(f"{args.file}: OK (world size {cfg.world_size}, "
+                  f"gradient accumulation {cfg.grad_accum_steps})")
+            return 0
+        if args.command == "dvc-yaml":
+            from pisft.workflow import dvc_yaml
+            return dvc_yaml.main(check=args.check, output=args.output)
+        cfg = config_mod.load(args.config, args.overrides)
+        if args.command in STAGES:
+            _resolve(STAGES[args.command])(cfg)
+            return 0
+        if args.command == "launch":
+            from pisft.train import launch
+            return launch.main(args.stage, cfg, args.config, args.overrides)
+        if args.command == "estimate":
+            from pisft.model import estimate
+            return estimate.main(cfg, as_json=args.json)
+        if args.command == "bench":
+            from pisft.bench import run as bench
+            return bench.main(cfg, args.config)
+    except PisftError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,287 @@
+"""The run configuration: one schema in code, the single source of keys, types and defaults.
+
+`config/config.yaml` is both Snakemake's configfile and DVC's params file. It is merged onto
+the structured schema below in OmegaConf struct mode, so an unknown key or a wrong type is an
+error that names the file, the key and the nearest valid key. Derived values (world size,
+gradient accumulation) are computed here, never typed by hand.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from pisft.errors import PisftError
+
+DEFAULT_CONFIG = Path("config/config.yaml")
+
+DEVICES = ("auto", "npu", "cuda", "cpu")
+PRESETS = ("tiny", "pi05")
+PRECISIONS = ("fp32", "bf16")
+
+
+class ConfigError(PisftError):
+    """A configuration a user wrote is wrong; the message says where and what to do."""
+
+
+@dataclass
+class ModelConfig:
+    # `tiny` (built locally, random init, fixed seed), a local directory in LeRobot layout,
+    # or `hf://<repo_id>[@revision]` on the Hugging Face hub.
+    source: str = "tiny"
+    # Architecture preset: `tiny` (a few million parameters) or `pi05` (gemma_2b + gemma_300m).
+    preset: str = "tiny"
+    # Tokenizer: "" means the source's own (the tiny preset builds one locally); else a local
+    # directory or `hf://<repo_id>`.
+    tokenizer: str = ""
+    # Seed of the random initialisation of the tiny preset.
+    init_seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    # RECAP-format LIBERO dataset (LeRobot layout). The default is written by `demo_recap`.
+    recap_dir: str = "results/demo_recap"
+    # Synthetic demo data (used only when recap_dir is the demo directory).
+    demo_episodes_per_task: int = 6
+    demo_episode_length: int = 40
+    demo_failure_fraction: float = 0.2
+    demo_image_size: int = 64
+    demo_seed: int = 0
+    # Conversion options.
+    success_only: bool = False
+    tasks: list[str] = field(default_factory=list)
+    advantage_tag: str = ""
+    image_size: int = 0  # 0 keeps the input resolution
+    eval_fraction: float = 0.2
+    split_seed: int = 0
+
+
+@dataclass
+class SmokeConfig:
+    steps: int = 4
+    # The smoke stage fails when less than this fraction of device memory would remain free.
+    min_memory_headroom: float = 0.05
+
+
+@dataclass
+class TrainConfig:
+    nproc_per_node: int = 2
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    steps: int = 150
+    save_every: int = 50
+    keep_last: int = 2
+    precision: str = "fp32"
+    seed: int = 0
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    decay_lr: float = 1e-4
+    weight_decay: float = 1e-2
+    grad_clip: float = 1.0
+    activation_checkpointing: bool = False
+    # Peak dense bf16 FLOP/s of one device for MFU; 0 looks the device up in a table.
+    peak_flops: float = 0.0
+    num_workers: int = 0
+
+
+@dataclass
+class EvalConfig:
+    # At most this many held-out episodes (0: all of them).
+    max_episodes: int = 0
+    batch_size: int = 8
+
+
+@dataclass
+class PisftConfig:
+    device: str = "auto"
+    results_dir: str = "results"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    smoke: SmokeConfig = field(default_factory=SmokeConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    # ---- derived values: computed, never typed by hand ----
+    @property
+    def world_size(self) -> int:
+        return self.train.nproc_per_node * self.train.nnodes
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.world_size)
+
+    def results(self, *parts: str) -> Path:
+        return Path(self.results_dir, *parts)
+
+    @property
+    def uses_demo_data(self) -> bool:
+        return Path(self.data.recap_dir) == self.results("demo_recap")
+
+
+def all_keys(schema: type = PisftConfig, prefix: str = "") -> list[str]:
+    """Every dotted key the schema knows, e.g. `train.micro_batch_size`."""
+    keys: list[str] = []
+    for f in fields(schema):
+        dotted = f"{prefix}{f.name}"
+        sub = f.default_factory() if f.default_factory is not field().default_factory else None  # type: ignore[misc]
+        if sub is not None and is_dataclass(sub):
+            keys.extend(all_keys(type(sub), dotted + "."))
+        else:
+            keys.append(dotted)
+    return keys
+
+
+def nearest_key(key: str) -> str | None:
+    known = all_keys()
+    match = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    if match:
+        return match[0]
+    leaf = key.rsplit(".", 1)[-1]
+    by_leaf = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
+    if by_leaf:
+        return by_leaf[0]
+    match = difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in known], n=1, cutoff=0.6)
+    if match:
+        return next(k for k in known if k.endswith("." + match[0]) or k == match[0])
+    return None
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(node, dict):
+        for k, v in node.items():
+            dotted = f"{prefix}{k}"
+            if isinstance(v, dict):
+                out.update(_flatten(v, dotted + "."))
+            else:
+                out[dotted] = v
+    return out
+
+
+def _check_unknown_keys(raw: dict, source: str) -> None:
+    known = set(all_keys())
+    sections = {k.split(".")[0] for k in known if "." in k}
+    for key in _flatten(raw):
+        if key in known:
+            continue
+        top = key.split(".")[0]
+        if top in sections and key.count(".") == 0:
+            continue
+        hint = nearest_key(key)
+        hint_text = f"; did you mean '{hint}'?" if hint else ""
+        raise ConfigError(
+            f"{source}: unknown key '{key}'{hint_text} "
+            f"(every key is listed in config/README.md)"
+        )
+
+
+def _cross_check(cfg: PisftConfig, source: str) -> None:
+    t = cfg.train
+    problems: list[str] = []
+    if cfg.device not in DEVICES:
+        problems.append(f"device: '{cfg.device}' is not one of {', '.join(DEVICES)}")
+    if cfg.model.preset not in PRESETS:
+        problems.append(f"model.preset: '{cfg.model.preset}' is not one of {', '.join(PRESETS)}")
+    if t.precision not in PRECISIONS:
+        problems.append(f"train.precision: '{t.precision}' is not one of {', '.join(PRECISIONS)}")
+    for key in ("nproc_per_node", "nnodes", "micro_batch_size", "global_batch_size", "steps",
+                "save_every", "keep_last"):
+        if getattr(t, key) < 1:
+            problems.append(f"train.{key}: must be at least 1, got {getattr(t, key)}")
+    if not 0 <= t.node_rank < max(t.nnodes, 1):
+        problems.append(f"train.node_rank: must be in [0, train.nnodes), got {t.node_rank}")
+    if t.nnodes > 1 and not t.rdzv_endpoint:
+        problems.append("train.rdzv_endpoint: required when train.nnodes > 1 (host:port of node 0)")
+    per_step = t.micro_batch_size * max(cfg.world_size, 1)
+    if t.micro_batch_size >= 1 and cfg.world_size >= 1 and t.global_batch_size % per_step:
+        problems.append(
+            f"train.global_batch_size: {t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size × world size = {t.micro_batch_size} × {cfg.world_size} = "
+            f"{per_step}; pick a multiple of {per_step} (e.g. {per_step * max(1, round(t.global_batch_size / per_step))})"
+        )
+    if cfg.smoke.steps < 2:
+        problems.append("smoke.steps: must be at least 2 (the smoke run checks the loss falls)")
+    if not 0 <= cfg.smoke.min_memory_headroom < 1:
+        problems.append("smoke.min_memory_headroom: must be a fraction in [0, 1)")
+    if not 0 < cfg.data.eval_fraction < 1:
+        problems.append(f"data.eval_fraction: must be in (0, 1), got {cfg.data.eval_fraction}")
+    if not 0 <= cfg.data.demo_failure_fraction < 1:
+        problems.append("data.demo_failure_fraction: must be in [0, 1)")
+    if cfg.data.image_size < 0:
+        problems.append("data.image_size: must be 0 (keep) or a positive size in pixels")
+    if t.warmup_steps < 0 or t.lr <= 0:
+        problems.append("train.lr must be > 0 and train.warmup_steps >= 0")
+    if problems:
+        raise ConfigError(f"{source}: invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def from_dict(raw: dict | None, source: str = "<config>") -> PisftConfig:
+    """Validate a plain mapping against the schema; return the typed config."""
+    raw = raw or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    _check_unknown_keys(raw, source)
+    schema = OmegaConf.structured(PisftConfig)
+    OmegaConf.set_struct(schema, True)
+    try:
+        merged = OmegaConf.merge(schema, OmegaConf.create(raw))
+    except ConfigKeyError as exc:  # pragma: no cover - caught by _check_unknown_keys first
+        raise ConfigError(f"{source}: {exc.msg}") from None
+    except ValidationError as exc:
+        key = exc.full_key or "?"
+        raise ConfigError(
+            f"{source}: key '{key}' has the wrong type: {exc.msg.splitlines()[0]}"
+        ) from None
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    cfg: PisftConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    _cross_check(cfg, source)
+    return cfg
+
+
+def load(path: str | Path = DEFAULT_CONFIG, overrides: list[str] | None = None) -> PisftConfig:
+    """Load and validate a YAML config file (safe loader), with optional `key=value` overrides."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found; pass --config PATH (default {DEFAULT_CONFIG})")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}': expected KEY=VALUE, e.g. train.steps=10")
+        key, value = item.split("=", 1)
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = yaml.safe_load(value)
+    return from_dict(raw, str(path))
+
+
+def to_dict(cfg: PisftConfig) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
+
+
+def resolved(cfg: PisftConfig) -> dict:
+    """The config plus its derived values: what every stage output carries."""
+    out = to_dict(cfg)
+    out["derived"] = {"world_size": cfg.world_size, "grad_accum_steps": cfg.grad_accum_steps}
+    return out
+
+
+def write_resolved(cfg: PisftConfig, path: Path) -> None:
+    path.write_text(json.dumps(resolved(cfg), indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,106 @@
+"""Atomic outputs and manifests: a failed stage leaves nothing that looks finished."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces `final` in one rename.
+
+    On any exception the temporary directory is removed and `final` is left untouched
+    (an older complete output stays; no half-written one appears).
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if final.exists() or final.is_symlink():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        if old.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def build_manifest(root: str | Path, exclude: tuple[str, ...] = ("MANIFEST.json",)) -> dict[str, dict]:
+    """sha256 and size of every file under root (links followed), keyed by relative path."""
+    root = Path(root)
+    files: dict[str, dict] = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_dir() or rel in exclude:
+            continue
+        files[rel] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+    return files
+
+
+def write_manifest(root: str | Path) -> dict[str, dict]:
+    files = build_manifest(root)
+    write_json_atomic(Path(root, "MANIFEST.json"), {"files": files})
+    return files
+
+
+def verify_manifest(root: str | Path) -> list[str]:
+    """Problems found comparing root with its MANIFEST.json (empty list: all good)."""
+    root = Path(root)
+    manifest_path = root / "MANIFEST.json"
+    if not manifest_path.is_file():
+        return [f"{manifest_path}: missing"]
+    expected = json.loads(manifest_path.read_text())["files"]
+    actual = build_manifest(root)
+    problems = []
+    for rel, meta in expected.items():
+        if rel not in actual:
+            problems.append(f"{root / rel}: listed in MANIFEST.json but missing")
+        elif actual[rel]["sha256"] != meta["sha256"]:
+            problems.append(f"{root / rel}: sha256 differs from MANIFEST.json")
+    for rel in actual.keys() - expected.keys():
+        problems.append(f"{root / rel}: present but not listed in MANIFEST.json")
+    return problems
