@@ -16,6 +16,7 @@ import sys
 
 from pisft import config as config_mod
 from pisft.errors import PisftError
+from pisft.logs import tee_output
 
 # stage name -> "module:function"; each function takes the validated PisftConfig.
 STAGES = {
@@ -36,6 +37,8 @@ def _add_config(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=str(config_mod.DEFAULT_CONFIG), help="run config (YAML)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. --set train.steps=10 (repeatable)")
+    p.add_argument("--log", default=None, metavar="FILE",
+                   help="also write everything printed (child processes too) to FILE")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,13 +64,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="exit 1 if the committed dvc.yaml is stale")
     p.add_argument("--output", default="dvc.yaml")
 
+    p = sub.add_parser("summary", help="print the evaluation figures of the last run")
+    _add_config(p)
+
     p = sub.add_parser("bench", help="benchmarks, written to results/bench/bench.json")
     _add_config(p)
     return parser
 
 
+def _summary(cfg: config_mod.PisftConfig) -> int:
+    import json
+
+    path = cfg.results("eval", "metrics.json")
+    if not path.is_file():
+        print(f"no evaluation yet ({path} missing): run `snakemake --cores all` first")
+        return 1
+    metrics = json.loads(path.read_text())
+    base = metrics.get("base", {}).get("action_mse")
+    tuned = metrics.get("finetuned", {}).get("action_mse")
+    print(f"held-out action MSE: base {base:.4g} -> fine-tuned {tuned:.4g}"
+          + (f" ({base / tuned:.1f}x lower)" if base and tuned else ""))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    with tee_output(getattr(args, "log", None)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "validate":
             cfg = config_mod.load(args.file)
@@ -87,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "estimate":
             from pisft.model import estimate
             return estimate.main(cfg, as_json=args.json)
+        if args.command == "summary":
+            return _summary(cfg)
         if args.command == "bench":
             from pisft.bench import run as bench
             return bench.main(cfg, args.config)

@@ -1,0 +1,53 @@
+"""Per-stage log files: everything a stage prints (its child processes too) also goes to a log.
+
+Snakemake and DVC call the same command with `--log results/logs/<stage>.log`, so both tools
+leave the same log, and the console still shows the output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def tee_output(log_path: str | Path | None) -> Iterator[None]:
+    """Copy file descriptors 1 and 2 (this process and its children) to `log_path`."""
+    if not log_path:
+        yield
+        return
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_out, saved_err = os.dup(1), os.dup(2)
+    read_fd, write_fd = os.pipe()
+    log = open(log_path, "wb")  # noqa: SIM115 - closed by the pump thread's owner below
+
+    def pump() -> None:
+        while chunk := os.read(read_fd, 65536):
+            os.write(saved_out, chunk)
+            log.write(chunk)
+            log.flush()
+
+    thread = threading.Thread(target=pump, name="pisft-log-tee", daemon=True)
+    thread.start()
+    os.dup2(write_fd, 1)
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved_out, 1)
+        os.dup2(saved_err, 2)
+        thread.join(timeout=30)
+        os.close(read_fd)
+        os.close(saved_out)
+        os.close(saved_err)
+        log.close()

@@ -1,0 +1,75 @@
+"""Generate dvc.yaml from the Snakemake rules, so the two drivers share one DAG.
+
+Each rule becomes a stage with the same command, its inputs as deps, the config keys it
+tracks as params, and its outputs as outs. Conventions read from the rules:
+- an output named `metrics` ending in `.json` is a DVC metric (not cached);
+- an output ending in `.png` is a DVC plot; `.jsonl`/`.csv` step logs are plots too;
+- `params.persist` paths (training checkpoints) are outs with `persist: true, cache: false`,
+  so `dvc repro` neither deletes nor caches them and a rerun resumes from them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+from pisft.workflow.snakemake_rules import RuleSpec, load_rules
+
+HEADER = (
+    "# Generated from workflow/rules/*.smk by `python -m pisft dvc-yaml`; do not edit by hand.\n"
+    "# A test fails when this file is stale.\n"
+)
+
+
+def stage_for(rule: RuleSpec) -> dict:
+    stage: dict = {"cmd": rule.cmd}
+    if rule.inputs:
+        stage["deps"] = list(rule.inputs)
+    if rule.tracked_keys:
+        stage["params"] = [{rule.config_file: list(rule.tracked_keys)}]
+    outs: list = []
+    metrics: list = []
+    plots: list = []
+    for name, path in rule.outputs.items():
+        if name == "metrics" and path.endswith(".json"):
+            metrics.append({path: {"cache": False}})
+        elif path.endswith(".png"):
+            plots.append(path)
+        elif path.endswith((".jsonl", ".csv")) and name == "metrics":
+            plots.append({path: {"cache": False}})
+        else:
+            outs.append(path)
+    outs.extend({p: {"persist": True, "cache": False}} for p in rule.persist)
+    if outs:
+        stage["outs"] = outs
+    if metrics:
+        stage["metrics"] = metrics
+    if plots:
+        stage["plots"] = plots
+    return stage
+
+
+def render(rules: list[RuleSpec]) -> str:
+    doc = {"stages": {rule.name: stage_for(rule) for rule in rules}}
+    return HEADER + yaml.safe_dump(doc, sort_keys=False, width=120)
+
+
+def main(check: bool = False, output: str = "dvc.yaml") -> int:
+    text = render(load_rules())
+    path = Path(output)
+    if check:
+        current = path.read_text() if path.is_file() else ""
+        if current != text:
+            print(
+                f"{path} is stale: it differs from what the workflow rules generate. "
+                "Run `python -m pisft dvc-yaml` and commit the result.",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"{path} matches the workflow rules")
+        return 0
+    path.write_text(text)
+    print(f"wrote {path} from the workflow rules")
+    return 0

@@ -1,0 +1,81 @@
+"""Read the workflow's rules through Snakemake's own parser (the DAG's single source of truth)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SNAKEFILE = Path("workflow/Snakefile")
+
+
+@dataclass
+class RuleSpec:
+    name: str
+    cmd: str
+    inputs: list[str]
+    outputs: dict[str, str]  # output name (or its path when unnamed) -> path
+    directories: set[str]
+    tracked_keys: list[str]
+    config_file: str
+    persist: list[str] = field(default_factory=list)
+
+
+def _format_shell(template: str, params: dict, log: list[str]) -> str:
+    def repl(match: re.Match) -> str:
+        key = match.group(1)
+        if key == "log":
+            return " ".join(log)
+        if key.startswith("params."):
+            return str(params[key.split(".", 1)[1]])
+        raise ValueError(f"shell command uses {{{key}}}, which dvc-yaml cannot translate")
+
+    return re.sub(r"\{([a-zA-Z_.]+)\}", repl, template)
+
+
+def load_rules(snakefile: Path = SNAKEFILE, workdir: Path = Path(".")) -> list[RuleSpec]:
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.types import (
+        ConfigSettings,
+        OutputSettings,
+        ResourceSettings,
+        StorageSettings,
+    )
+
+    specs: list[RuleSpec] = []
+    with contextlib.redirect_stdout(io.StringIO()), SnakemakeApi(OutputSettings(quiet=None)) as api:
+        workflow_api = api.workflow(
+            resource_settings=ResourceSettings(cores=1),
+            config_settings=ConfigSettings(),
+            storage_settings=StorageSettings(),
+            snakefile=snakefile,
+            workdir=workdir,
+        )
+        workflow = workflow_api._workflow  # noqa: SLF001 - pinned Snakemake; guarded by tests
+        for rule in workflow.rules:
+            if not rule.shellcmd:
+                continue
+            params = dict(rule.params.items())
+            names = {i: name for name, (i, _end) in rule.output._names.items()}  # noqa: SLF001
+            outputs: dict[str, str] = {}
+            directories: set[str] = set()
+            for i, out in enumerate(rule.output):
+                outputs[names.get(i, str(out))] = str(out)
+                if getattr(out, "flags", {}).get("directory"):
+                    directories.add(str(out))
+            persist = params.get("persist", [])
+            specs.append(
+                RuleSpec(
+                    name=rule.name,
+                    cmd=_format_shell(rule.shellcmd, params, [str(x) for x in rule.log]),
+                    inputs=[str(x) for x in rule.input],
+                    outputs=outputs,
+                    directories=directories,
+                    tracked_keys=list(params.get("tracked", {}).keys()),
+                    config_file=str(params["config"]),
+                    persist=[persist] if isinstance(persist, str) else list(persist),
+                )
+            )
+    return specs

@@ -1,0 +1,50 @@
+"""Helpers the Snakefile calls at parse time (kept here so the workflow files stay thin)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+from pisft import config as pisft_config
+from pisft.io import write_text_atomic
+from pisft.workflow.stages import STAGE_KEYS, lookup
+
+DEFAULT_FILE = pisft_config.DEFAULT_CONFIG.as_posix()
+
+
+def _source_name(workflow) -> str:
+    files = [str(f) for f in getattr(workflow, "configfiles", [])] or [DEFAULT_FILE]
+    return " + ".join(files)
+
+
+def validated_config(config: dict, workflow) -> tuple[pisft_config.PisftConfig, str]:
+    """Validate Snakemake's merged config before any job; return it and the file to pass on.
+
+    Stages read one config file. When Snakemake's config is exactly config/config.yaml, that
+    file is passed on (the same command DVC runs). When `--configfile`/`--config` changed it,
+    the merged config is written to results/config/effective.yaml (rewritten only when its
+    content changes, so its timestamp does not trigger reruns) and that file is passed on.
+    """
+    try:
+        cfg = pisft_config.from_dict(dict(config), _source_name(workflow))
+    except pisft_config.ConfigError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        raise SystemExit(2) from None
+    default_path = Path(DEFAULT_FILE)
+    default_raw = yaml.safe_load(default_path.read_text()) if default_path.is_file() else None
+    if default_raw == dict(config):
+        return cfg, DEFAULT_FILE
+    effective = Path(cfg.results_dir, "config", "effective.yaml")
+    text = "# written by the Snakefile: config/config.yaml merged with --configfile/--config\n"
+    text += yaml.safe_dump(pisft_config.to_dict(cfg), sort_keys=False)
+    if not effective.is_file() or effective.read_text() != text:
+        write_text_atomic(effective, text)
+    return cfg, effective.as_posix()
+
+
+def tracked_params(config: dict, stage: str) -> dict:
+    """The values of the config keys `stage` reads (validated config, defaults filled in)."""
+    cfg = pisft_config.to_dict(pisft_config.from_dict(dict(config)))
+    return {key: lookup(cfg, key) for key in STAGE_KEYS[stage]}

@@ -1,0 +1,22 @@
+# Shared set-up: validate the config before any job, pick the interpreter, and name the
+# config sections each stage reads (Snakemake reruns a stage when one of them changes).
+import os
+import sys
+from pathlib import Path
+
+from pisft import config as pisft_config
+from pisft.workflow import snakemake_support as support
+
+# Commands run `python -m pisft ...`; make `python` the interpreter that runs Snakemake.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+CFG, CONFIG_FILE = support.validated_config(config, workflow)
+RESULTS = CFG.results_dir
+LOGS = f"{RESULTS}/logs"
+BENCH = f"{RESULTS}/benchmarks"
+
+
+def tracked(stage):
+    """The config sections `stage` reads; a change in any of them reruns it."""
+    return support.tracked_params(config, stage)

@@ -1,0 +1,19 @@
+rule evaluate:
+    input:
+        f"{RESULTS}/base_model",
+        f"{RESULTS}/dataset",
+        f"{RESULTS}/train/model",
+        f"{RESULTS}/train/metrics.jsonl",
+    output:
+        metrics=f"{RESULTS}/eval/metrics.json",
+        report=f"{RESULTS}/eval/report.md",
+        loss_plot=f"{RESULTS}/eval/loss.png",
+    params:
+        config=CONFIG_FILE,
+        tracked=tracked("evaluate"),
+    log:
+        f"{LOGS}/evaluate.log",
+    benchmark:
+        f"{BENCH}/evaluate.tsv"
+    shell:
+        "python -m pisft evaluate --config {params.config} --log {log}"
