@@ -1,0 +1,113 @@
+"""The config schema: unknown keys, wrong types and failed cross-checks are clear errors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pisft import config as C
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path, data) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_embedded_default_is_valid_and_matches_the_schema_defaults():
+    cfg = C.load(ROOT / "config/config.yaml")
+    assert cfg.world_size == 2
+    assert cfg.grad_accum_steps == cfg.train.global_batch_size // (cfg.train.micro_batch_size * 2)
+    # config.yaml spells out every key of the schema, so users see them all.
+    raw = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    flat = set(C._flatten(raw))
+    assert flat == set(C.all_keys())
+
+
+def test_every_key_is_documented_in_config_readme():
+    text = (ROOT / "config/README.md").read_text()
+    missing = [k for k in C.all_keys() if f"`{k}`" not in text]
+    assert not missing, f"undocumented keys: {missing}"
+
+
+def test_unknown_key_names_file_key_and_nearest_valid_key(tmp_path):
+    path = write(tmp_path, {"train": {"micro_batch": 2}})
+    with pytest.raises(C.ConfigError) as err:
+        C.load(path)
+    msg = str(err.value)
+    assert str(path) in msg and "train.micro_batch" in msg and "train.micro_batch_size" in msg
+
+
+def test_unknown_section_suggests_the_right_one(tmp_path):
+    with pytest.raises(C.ConfigError, match="did you mean 'train.steps'"):
+        C.load(write(tmp_path, {"trian": {"steps": 3}}))
+
+
+def test_wrong_type_names_the_key(tmp_path):
+    with pytest.raises(C.ConfigError, match="train.steps.*wrong type"):
+        C.load(write(tmp_path, {"train": {"steps": "many"}}))
+
+
+def test_global_batch_must_divide_by_micro_times_world(tmp_path):
+    path = write(tmp_path, {"train": {"nproc_per_node": 8, "micro_batch_size": 4, "global_batch_size": 100}})
+    with pytest.raises(C.ConfigError, match=r"global_batch_size: 100 is not divisible by .* 4 × 8 = 32"):
+        C.load(path)
+
+
+@pytest.mark.parametrize(
+    "patch, fragment",
+    [
+        ({"device": "tpu"}, "device: 'tpu'"),
+        ({"model": {"preset": "pi0"}}, "model.preset"),
+        ({"train": {"precision": "fp16"}}, "train.precision"),
+        ({"train": {"nnodes": 2}}, "train.rdzv_endpoint"),
+        ({"data": {"eval_fraction": 1.5}}, "data.eval_fraction"),
+        ({"smoke": {"steps": 1}}, "smoke.steps"),
+    ],
+)
+def test_cross_checks(tmp_path, patch, fragment):
+    with pytest.raises(C.ConfigError) as err:
+        C.load(write(tmp_path, patch))
+    assert fragment in str(err.value)
+
+
+def test_overrides_apply_and_are_validated(tmp_path):
+    cfg = C.load(ROOT / "config/config.yaml", ["train.steps=7", "data.tasks=[0, 3]"])
+    assert cfg.train.steps == 7 and cfg.data.tasks == ["0", "3"]
+    with pytest.raises(C.ConfigError, match="expected KEY=VALUE"):
+        C.load(ROOT / "config/config.yaml", ["train.steps"])
+
+
+def test_resolved_config_carries_derived_values():
+    cfg = C.from_dict({})
+    res = C.resolved(cfg)
+    assert res["derived"] == {"world_size": 2, "grad_accum_steps": 2}
+
+
+def test_profiles_are_valid():
+    for profile in sorted((ROOT / "config/profiles").glob("*.yaml")):
+        base = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+        over = yaml.safe_load(profile.read_text())
+        merged = C.to_dict(C.from_dict(_merge(base, over), str(profile)))
+        assert merged["train"]["nproc_per_node"] == 8
+
+
+def _merge(a, b):
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+    return out
+
+
+def test_cli_validate_exit_codes(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "pisft", "validate", str(ROOT / "config/config.yaml")],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "pisft", "validate", str(write(tmp_path, {"train": {"lr": "x"}}))],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "train.lr" in bad.stderr and "Traceback" not in bad.stderr

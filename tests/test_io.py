@@ -1,0 +1,63 @@
+"""Atomic outputs, manifests and per-stage logs."""
+
+import subprocess
+import sys
+
+import pytest
+
+from pisft import io
+
+
+def test_atomic_dir_publishes_on_success_and_replaces_old(tmp_path):
+    final = tmp_path / "out"
+    with io.atomic_dir(final) as tmp:
+        (tmp / "a.txt").write_text("1")
+    assert (final / "a.txt").read_text() == "1"
+    with io.atomic_dir(final) as tmp:
+        (tmp / "b.txt").write_text("2")
+    assert sorted(p.name for p in final.iterdir()) == ["b.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_atomic_dir_leaves_nothing_on_failure(tmp_path):
+    final = tmp_path / "out"
+    with pytest.raises(RuntimeError), io.atomic_dir(final) as tmp:
+        (tmp / "half.txt").write_text("x")
+        raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_dir_keeps_previous_output_on_failure(tmp_path):
+    final = tmp_path / "out"
+    with io.atomic_dir(final) as tmp:
+        (tmp / "good.txt").write_text("ok")
+    with pytest.raises(ValueError), io.atomic_dir(final):
+        raise ValueError
+    assert (final / "good.txt").read_text() == "ok"
+
+
+def test_manifest_detects_changes(tmp_path):
+    (tmp_path / "w.bin").write_bytes(b"abc")
+    files = io.write_manifest(tmp_path)
+    assert files["w.bin"]["size"] == 3
+    assert io.verify_manifest(tmp_path) == []
+    (tmp_path / "w.bin").write_bytes(b"abd")
+    (tmp_path / "extra").write_text("")
+    problems = io.verify_manifest(tmp_path)
+    assert any("sha256 differs" in p for p in problems)
+    assert any("not listed" in p for p in problems)
+
+
+def test_log_captures_child_processes(tmp_path):
+    log = tmp_path / "logs" / "stage.log"
+    code = (
+        "import subprocess, sys\n"
+        "from pisft.logs import tee_output\n"
+        f"with tee_output({str(log)!r}):\n"
+        "    print('parent says hi', flush=True)\n"
+        "    subprocess.run([sys.executable, '-c', 'import sys; print(\"child out\"); print(\"child err\", file=sys.stderr)'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    text = log.read_text()
+    for line in ("parent says hi", "child out", "child err"):
+        assert line in text and line in out.stdout

@@ -1,0 +1,84 @@
+"""The DAG's single source of truth: Snakemake rules; dvc.yaml is generated from them."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from pisft.workflow import dvc_yaml
+from pisft.workflow.snakemake_rules import load_rules
+from pisft.workflow.stages import STAGE_KEYS
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ["fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card", "evaluate"]
+
+
+def snakemake(*args, cwd=ROOT, check=True):
+    exe = Path(sys.executable).with_name("snakemake")
+    return subprocess.run([str(exe), *args], cwd=cwd, capture_output=True, text=True, check=check)
+
+
+def test_committed_dvc_yaml_is_not_stale(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    rules = load_rules()
+    assert [r.name for r in rules] == STAGES
+    assert (ROOT / "dvc.yaml").read_text() == dvc_yaml.render(rules), (
+        "dvc.yaml is stale: run `python -m pisft dvc-yaml` and commit it"
+    )
+
+
+def test_dvc_stages_mirror_the_rules(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    for rule in load_rules():
+        stage = stages[rule.name]
+        assert stage["cmd"].startswith("python -m pisft ")
+        assert f"--config {rule.config_file}" in stage["cmd"]
+        assert stage.get("deps", []) == rule.inputs
+        assert stage["params"] == [{"config/config.yaml": list(STAGE_KEYS[rule.name])}]
+    assert {"results/checkpoints/train": {"persist": True, "cache": False}} in stages["train_8card"]["outs"]
+    assert stages["evaluate"]["metrics"] == [{"results/eval/metrics.json": {"cache": False}}]
+
+
+def test_stale_check_fails_when_a_rule_changes(tmp_path):
+    work = tmp_path / "wf"
+    shutil.copytree(ROOT / "workflow", work / "workflow")
+    shutil.copytree(ROOT / "config", work / "config")
+    shutil.copy(ROOT / "dvc.yaml", work / "dvc.yaml")
+    smk = work / "workflow/rules/evaluate.smk"
+    smk.write_text(smk.read_text().replace("--log {log}", "--log {log} --set eval.batch_size=4"))
+    run = subprocess.run([sys.executable, "-m", "pisft", "dvc-yaml", "--check"], cwd=work,
+                         capture_output=True, text=True)
+    assert run.returncode == 1 and "dvc.yaml is stale" in run.stderr
+    subprocess.run([sys.executable, "-m", "pisft", "dvc-yaml"], cwd=work, check=True, capture_output=True)
+    assert "eval.batch_size=4" in (work / "dvc.yaml").read_text()
+
+
+def test_dry_run_lists_the_whole_dag():
+    out = snakemake("-n", "--cores", "2", "--quiet", "rules").stdout
+    for stage in STAGES:
+        assert stage in out
+
+
+def test_bad_config_stops_snakemake_before_any_job(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  micro_batch: 3\n")
+    run = snakemake("-n", "--cores", "1", "--configfile", str(bad), check=False)
+    assert run.returncode != 0
+    assert "unknown key 'train.micro_batch'" in run.stderr + run.stdout
+    assert "train.micro_batch_size" in run.stderr + run.stdout
+
+
+def test_configfile_override_is_passed_to_stages_as_one_file(tmp_path):
+    work = tmp_path / "wf"
+    for name in ("workflow", "config", "profiles"):
+        shutil.copytree(ROOT / name, work / name)
+    override = work / "more.yaml"
+    override.write_text("train:\n  steps: 3\n")
+    out = snakemake("-n", "--cores", "1", "--configfile", "config/config.yaml", str(override),
+                    "-p", cwd=work).stdout
+    assert "--config results/config/effective.yaml" in out
+    effective = yaml.safe_load((work / "results/config/effective.yaml").read_text())
+    assert effective["train"]["steps"] == 3
