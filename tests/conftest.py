@@ -1,0 +1,63 @@
+"""Shared fixtures: copies of the project in which real Snakemake / DVC runs happen."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+PROJECT_FILES = ("workflow", "config", "profiles", "dvc.yaml", ".dvc/config", ".dvcignore")
+
+
+def tool_env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
+    env["PYTHONUNBUFFERED"] = "1"
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def copy_project(dest: Path, *, git: bool = False) -> Path:
+    """A working copy of the workflow files (the library comes from the installed package)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in PROJECT_FILES:
+        src = ROOT / name
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, target)
+        else:
+            shutil.copy(src, target)
+    (dest / ".gitignore").write_text("/results/\n/.snakemake/\n")
+    if git:
+        run(["git", "init", "-q"], dest)
+        run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A"], dest)
+        run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init"], dest)
+    return dest
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 1800) -> subprocess.CompletedProcess:
+    exe = cmd[0]
+    if (BIN / exe).exists():
+        cmd = [str(BIN / exe), *cmd[1:]]
+    proc = subprocess.run(cmd, cwd=cwd, env=tool_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode})\n--- stdout\n{proc.stdout[-6000:]}\n"
+            f"--- stderr\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+@pytest.fixture(scope="session")
+def default_pipeline(tmp_path_factory) -> Path:
+    """The whole pipeline on the embedded default, run once through Snakemake."""
+    work = copy_project(tmp_path_factory.mktemp("default_pipeline"))
+    run(["snakemake", "--cores", "2"], work)
+    return work
