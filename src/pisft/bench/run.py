@@ -1,0 +1,130 @@
+"""`make bench`: figures measured side by side in one run, written to results/bench/bench.json.
+
+- stage wall times: the whole pipeline through Snakemake in a scratch copy of the project
+  (Snakemake's own `benchmark:` files, one per rule);
+- no-op cost: `snakemake -n` and `dvc status` right after that full run;
+- component benchmarks contributed by the data and training layers, when present.
+Ratios are measured in the same run on the same machine, never compared with stored numbers.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pisft import config as config_mod
+from pisft.io import write_json_atomic
+
+PROJECT_FILES = ("workflow", "config", "profiles", "dvc.yaml", ".dvc/config", ".dvcignore")
+# name -> "module:function"; each takes (cfg, workdir) and returns a JSON-able dict.
+COMPONENT_BENCHES = {
+    "convert_recap": "pisft.bench.convert_bench:run",
+    "train_loop": "pisft.bench.train_bench:run",
+}
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _tool(name: str) -> str:
+    path = Path(sys.executable).with_name(name)
+    return str(path) if path.exists() else name
+
+
+def _timed(cmd: list[str], cwd: Path) -> tuple[float, subprocess.CompletedProcess]:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return elapsed, proc
+
+
+def copy_project(src: Path, dest: Path) -> Path:
+    for name in PROJECT_FILES:
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if (src / name).is_dir():
+            shutil.copytree(src / name, target)
+        else:
+            shutil.copy(src / name, target)
+    (dest / ".gitignore").write_text("/results/\n/.snakemake/\n")
+    git = ["git", "-c", "user.email=bench@pisft", "-c", "user.name=bench"]
+    for cmd in (["git", "init", "-q"], [*git, "add", "-A"], [*git, "commit", "-qm", "bench"]):
+        subprocess.run(cmd, cwd=dest, check=True, capture_output=True)
+    return dest
+
+
+def read_snakemake_benchmarks(bench_dir: Path) -> dict[str, dict]:
+    stages = {}
+    for tsv in sorted(bench_dir.glob("*.tsv")):
+        with tsv.open() as fh:
+            row = next(csv.DictReader(fh, delimiter="\t"))
+        stages[tsv.stem] = {
+            "wall_s": float(row["s"]),
+            "max_rss_mb": float(row["max_rss"]) if row.get("max_rss") not in (None, "", "NA", "-") else None,
+        }
+    return stages
+
+
+def pipeline_bench(project: Path, work: Path) -> dict:
+    copy_project(project, work)
+    total, _ = _timed([_tool("snakemake"), "--cores", "all", "--quiet", "all"], work)
+    stages = read_snakemake_benchmarks(work / "results" / "benchmarks")
+    noop_snakemake, _ = _timed([_tool("snakemake"), "-n", "--cores", "all", "--quiet", "all"], work)
+    return {"stages": stages, "pipeline_wall_s": total, "noop": {"snakemake_dry_run_s": noop_snakemake}}
+
+
+def _call_bench(func, cfg: config_mod.PisftConfig, work: Path) -> dict:
+    """Component benchmarks take the config, a scratch directory, or both (by parameter name)."""
+    import inspect
+
+    kwargs = {}
+    for name in inspect.signature(func).parameters:
+        if name in ("cfg", "config"):
+            kwargs[name] = cfg
+        elif name in ("work", "workdir", "tmp", "tmp_dir", "scratch"):
+            kwargs[name] = work
+    return func(**kwargs)
+
+
+def main(cfg: config_mod.PisftConfig, config_path: str) -> int:
+    project = Path.cwd()
+    out: dict = {
+        "machine": {"python": platform.python_version(), "platform": platform.platform(),
+                    "cpus": os.cpu_count()},
+        "config": config_path,
+    }
+    with tempfile.TemporaryDirectory(prefix="pisft-bench-") as tmp:
+        tmp_path = Path(tmp)
+        print("bench: whole pipeline through Snakemake (stage wall times)", flush=True)
+        out["pipeline"] = pipeline_bench(project, tmp_path / "pipeline")
+        for name, target in COMPONENT_BENCHES.items():
+            module_name, func_name = target.split(":")
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError:
+                out[name] = {"skipped": f"{module_name} not available"}
+                continue
+            print(f"bench: {name}", flush=True)
+            work = tmp_path / name
+            work.mkdir()
+            out[name] = _call_bench(getattr(module, func_name), cfg, work)
+    path = cfg.results("bench", "bench.json")
+    write_json_atomic(path, out)
+    print(json.dumps(out, indent=2))
+    print(f"bench: wrote {path}")
+    return 0
