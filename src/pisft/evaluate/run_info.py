@@ -1,0 +1,93 @@
+"""How the run was made: versions, device, world size, and the wall time of every stage.
+
+Reads what exists and requires nothing: Snakemake's benchmark files
+(`results/benchmarks/<rule>.tsv`), `results/bench/bench.json`, the smoke report and the
+resolved configs that every stage writes next to its output.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.metadata
+import json
+import platform
+import sys
+from pathlib import Path
+
+PACKAGES = ("pisft", "torch", "lerobot", "transformers", "numpy", "safetensors", "snakemake", "dvc")
+STAGE_DIRS = ("base_model", "dataset", "smoke", "train", "eval")
+
+
+def package_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    if "torch_npu" in sys.modules:  # never imported here; only reported when already loaded
+        out["torch_npu"] = getattr(sys.modules["torch_npu"], "__version__", "?")
+    return out
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def stage_wall_times(results_dir: Path) -> dict[str, float]:
+    """rule -> wall seconds, from Snakemake benchmark files (`s` column, first row)."""
+    out: dict[str, float] = {}
+    for bench_dir in (results_dir / "benchmarks", Path("benchmarks")):
+        if not bench_dir.is_dir():
+            continue
+        for tsv in sorted(bench_dir.glob("*.tsv")):
+            try:
+                with tsv.open() as fh:
+                    row = next(csv.DictReader(fh, delimiter="\t"), None)
+                if row and row.get("s"):
+                    out.setdefault(tsv.stem, float(row["s"]))
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+def training_run(results_dir: Path) -> dict:
+    """Device, world size and batch geometry of the training run, from its resolved config."""
+    cfg = _read_json(results_dir / "train" / "pisft_config.json")
+    if not cfg:
+        return {}
+    train = cfg.get("train", {})
+    derived = cfg.get("derived", {})
+    return {
+        "device": cfg.get("device"),
+        "world_size": derived.get("world_size"),
+        "grad_accum_steps": derived.get("grad_accum_steps"),
+        "micro_batch_size": train.get("micro_batch_size"),
+        "global_batch_size": train.get("global_batch_size"),
+        "steps": train.get("steps"),
+        "precision": train.get("precision"),
+        "model_preset": cfg.get("model", {}).get("preset"),
+        "model_source": cfg.get("model", {}).get("source"),
+    }
+
+
+def collect(results_dir: Path) -> dict:
+    info: dict = {
+        "versions": package_versions(),
+        "host": {"platform": platform.platform(), "machine": platform.machine()},
+        "training": training_run(results_dir),
+        "stage_wall_time_s": stage_wall_times(results_dir),
+        "stage_configs": sorted(d for d in STAGE_DIRS
+                                if (results_dir / d / "pisft_config.json").is_file()),
+    }
+    smoke = _read_json(results_dir / "smoke" / "report.json")
+    if smoke is not None:
+        info["smoke"] = {k: v for k, v in smoke.items() if not isinstance(v, (dict, list))}
+    bench = _read_json(results_dir / "bench" / "bench.json")
+    if bench is not None:
+        info["bench"] = bench
+    return info

@@ -1,0 +1,1 @@
+"""pisft.serve: the model over openpi's websocket policy protocol."""
