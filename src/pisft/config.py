@@ -99,6 +99,22 @@ class EvalConfig:
     # At most this many held-out episodes (0: all of them).
     max_episodes: int = 0
     batch_size: int = 8
+    # Offline: evaluate every k-th frame of each held-out episode (1: every frame).
+    frame_stride: int = 1
+    # Seed of the flow-matching noise (fixed per frame, same for both models) and the bootstrap.
+    seed: int = 0
+    # Bootstrap resamples of the held-out episodes for confidence intervals (0: none).
+    bootstrap_samples: int = 1000
+    # Closed-loop LIBERO (stage closed_loop; needs the LIBERO simulator, MUJOCO_GL=egl).
+    closed_loop: bool = False
+    libero_suites: list[str] = field(default_factory=lambda: [
+        "libero_spatial", "libero_object", "libero_goal", "libero_10"])
+    trials_per_task: int = 50
+    replan_steps: int = 5
+    num_wait_steps: int = 10
+    closed_loop_seed: int = 7
+    # Images are resized with padding to this square size before they reach the policy (openpi).
+    resize_size: int = 224
 
 
 @dataclass
@@ -221,6 +237,17 @@ def _cross_check(cfg: PisftConfig, source: str) -> None:
         problems.append("data.image_size: must be 0 (keep) or a positive size in pixels")
     if t.warmup_steps < 0 or t.lr <= 0:
         problems.append("train.lr must be > 0 and train.warmup_steps >= 0")
+    e = cfg.eval
+    for key in ("batch_size", "frame_stride", "trials_per_task", "replan_steps", "resize_size"):
+        if getattr(e, key) < 1:
+            problems.append(f"eval.{key}: must be at least 1, got {getattr(e, key)}")
+    for key in ("max_episodes", "bootstrap_samples", "num_wait_steps"):
+        if getattr(e, key) < 0:
+            problems.append(f"eval.{key}: must be at least 0, got {getattr(e, key)}")
+    libero_suites = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
+    for suite in e.libero_suites:
+        if suite not in libero_suites:
+            problems.append(f"eval.libero_suites: unknown suite '{suite}'; one of {', '.join(libero_suites)}")
     if problems:
         raise ConfigError(f"{source}: invalid configuration:\n  - " + "\n  - ".join(problems))
 
