@@ -17,6 +17,7 @@ import sys
 from pisft import config as config_mod
 from pisft.errors import PisftError
 from pisft.logs import tee_output
+from pisft.workflow.invalidate import invalidate_downstream
 
 # stage name -> "module:function"; each function takes the validated PisftConfig.
 STAGES = {
@@ -105,10 +106,13 @@ def _run(args: argparse.Namespace) -> int:
             return dvc_yaml.main(check=args.check, output=args.output)
         cfg = config_mod.load(args.config, args.overrides)
         if args.command in STAGES:
+            invalidate_downstream(args.command)
             _resolve(STAGES[args.command])(cfg)
             return 0
         if args.command == "launch":
             from pisft.train import launch
+
+            invalidate_downstream(args.stage)
             return launch.main(args.stage, cfg, args.config, args.overrides)
         if args.command == "estimate":
             from pisft.model import estimate

@@ -1,0 +1,33 @@
+"""A starting stage removes what was derived from its previous outputs (the Snakemake 9 trap)."""
+
+import shutil
+from pathlib import Path
+
+from pisft.workflow.invalidate import downstream_outputs, invalidate_downstream, load_dag
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_downstream_of_training_is_the_evaluation_only():
+    dag = load_dag(ROOT / "dvc.yaml")
+    assert downstream_outputs("train_8card", dag) == [
+        "results/eval/loss.png", "results/eval/metrics.json", "results/eval/report.md",
+    ]
+    down = downstream_outputs("convert_recap", dag)
+    assert "results/train/model" in down and "results/smoke/report.json" in down
+    assert "results/checkpoints/train" not in down  # persistent: never removed
+    assert "results/base_model" not in down
+    assert downstream_outputs("evaluate", dag) == []
+
+
+def test_invalidate_removes_files_and_dirs_but_keeps_checkpoints(tmp_path, monkeypatch):
+    shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    monkeypatch.chdir(tmp_path)
+    for d in ("results/train/model", "results/checkpoints/train/step_000010", "results/eval"):
+        Path(d).mkdir(parents=True)
+    Path("results/eval/metrics.json").write_text("{}")
+    Path("results/train/metrics.jsonl").write_text("")
+    removed = invalidate_downstream("smoke_1card")
+    assert set(removed) == {"results/train/model", "results/train/metrics.jsonl", "results/eval/metrics.json"}
+    assert Path("results/checkpoints/train/step_000010").is_dir()
+    assert invalidate_downstream("smoke_1card") == []
