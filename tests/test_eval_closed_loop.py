@@ -1,0 +1,261 @@
+"""Closed-loop LIBERO rollout loop, against a stand-in simulator with LIBERO's interface."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from pisft import config as C
+from pisft.errors import PisftError
+from pisft.evaluate import closed_loop, libero_sim
+
+RES = libero_sim.RENDER_RESOLUTION
+
+
+class StandInEnv:
+    """LIBERO's OffScreenRenderEnv interface: the end effector is a point that must reach a goal.
+
+    The agent-view image is a gradient whose top-left pixel is dark and bottom-right bright,
+    so a request built without LIBERO's 180° rotation shows. `explode_at` makes `step` raise.
+    """
+
+    def __init__(self, goal, seed, explode_at=None):
+        self.goal = np.asarray(goal, dtype=float)
+        self.seed = seed
+        self.explode_at = explode_at
+        self.actions: list[list[float]] = []
+        self.init_states: list = []
+        self.closed = False
+        self.pos = np.zeros(3)
+
+    def _obs(self):
+        ramp = np.linspace(0, 255, RES).astype(np.uint8)
+        img = np.repeat(np.add.outer(ramp // 2, ramp // 2)[:, :, None], 3, axis=2).astype(np.uint8)
+        return {"agentview_image": img, "robot0_eye_in_hand_image": img.copy(),
+                "robot0_eef_pos": self.pos.copy(),
+                "robot0_eef_quat": np.array([0.0, 0.0, math.sin(0.25), math.cos(0.25)]),
+                "robot0_gripper_qpos": np.array([0.04, -0.04])}
+
+    def reset(self):
+        self.pos = np.zeros(3)
+        return self._obs()
+
+    def set_init_state(self, state):
+        self.init_states.append(state)
+        self.pos = np.asarray(state, dtype=float)[:3].copy()
+        return self._obs()
+
+    def step(self, action):
+        assert isinstance(action, list) and len(action) == 7
+        self.actions.append(action)
+        if self.explode_at is not None and len(self.actions) >= self.explode_at:
+            raise RuntimeError("physics blew up")
+        self.pos = self.pos + 0.05 * np.asarray(action[:3])
+        done = bool(np.linalg.norm(self.pos - self.goal) < 0.03)
+        return self._obs(), float(done), done, {}
+
+    def close(self):
+        self.closed = True
+
+
+class StandInTask:
+    def __init__(self, language, goal, explode_at=None):
+        self.language, self.goal, self.explode_at = language, goal, explode_at
+
+
+class StandInSuite:
+    def __init__(self, tasks, n_init):
+        self.tasks = tasks
+        self.n_tasks = len(tasks)
+        self.n_init = n_init
+
+    def get_task(self, i):
+        return self.tasks[i]
+
+    def get_task_init_states(self, i):
+        # initial state k puts the effector at (0.01 k, 0, 0)
+        return [np.array([0.01 * k, 0.0, 0.0, 9.0]) for k in range(self.n_init)]
+
+
+class StandInSimulator:
+    def __init__(self, tasks, n_init=50):
+        self.tasks = tasks
+        self.n_init = n_init
+        self.envs: list[StandInEnv] = []
+
+    def suite(self, name):
+        return StandInSuite(self.tasks, self.n_init)
+
+    def make_env(self, task, *, resolution, seed):
+        assert resolution == RES
+        env = StandInEnv(task.goal, seed, task.explode_at)
+        self.envs.append(env)
+        return env
+
+
+class GoalSeekingPolicy:
+    """Reads the goal from the prompt ("reach x y z") and the position from the state."""
+
+    def __init__(self, horizon=8):
+        self.horizon = horizon
+        self.requests: list[dict] = []
+        self.seeds: list = []
+
+    def reset(self, seed=None):
+        self.seeds.append(seed)
+
+    def infer(self, obs):
+        self.requests.append(obs)
+        goal = np.array([float(x) for x in obs["prompt"].split()[1:4]])
+        pos = obs["observation/state"][:3]
+        step = np.clip((goal - pos) / 0.05, -1, 1)
+        action = np.concatenate([step, np.zeros(3), [1.0]])
+        return {"actions": np.tile(action, (self.horizon, 1))}
+
+
+def settings(**kw):
+    base = dict(suites=("libero_spatial",), trials_per_task=3, replan_steps=5, num_wait_steps=10,
+                seed=7, resize_size=224)
+    base.update(kw)
+    return closed_loop.Settings(**base)
+
+
+def test_episode_follows_openpi_loop():
+    sim = StandInSimulator([StandInTask("reach 0.5 0 0", [0.5, 0, 0])])
+    policy = GoalSeekingPolicy()
+    results = closed_loop.evaluate_suite(sim, policy, "libero_spatial", settings(trials_per_task=2))
+    env = sim.envs[0]
+    assert env.seed == 7 and env.closed
+    # trial k starts from initial state k
+    assert [s[0] for s in env.init_states] == [0.0, 0.01]
+    # 10 dummy actions (still, gripper open) before the first policy step of each episode
+    assert env.actions[:10] == [libero_sim.DUMMY_ACTION] * 10
+    r0 = results[0]
+    assert r0.success and r0.error is None
+    # from 0 to 0.5 at 0.05 per step: 10 steps; replanning every 5 steps: 2 policy calls
+    assert r0.steps == 10 and r0.policy_calls == 2
+    assert len(env.actions) == 10 + 10 + 10 + results[1].steps
+    assert results[1].steps == 10  # from 0.01: 9.8 steps of 0.05 -> 10 (last within tolerance)
+    # each episode gets its own noise seed, reproducibly
+    assert policy.seeds[0] != policy.seeds[1]
+    assert policy.seeds[0] == closed_loop.episode_seed(7, "libero_spatial", 0, 0)
+
+
+def test_request_matches_openpi_libero_client():
+    sim = StandInSimulator([StandInTask("reach 0.5 0 0", [0.5, 0, 0])])
+    policy = GoalSeekingPolicy()
+    closed_loop.evaluate_suite(sim, policy, "libero_spatial", settings(trials_per_task=1))
+    req = policy.requests[0]
+    assert set(req) == {"observation/image", "observation/wrist_image", "observation/state", "prompt"}
+    img = req["observation/image"]
+    assert img.shape == (224, 224, 3) and img.dtype == np.uint8
+    # rotated 180°: the bright corner of the render is now top-left
+    assert img[0, 0, 0] > 200 and img[-1, -1, 0] < 50
+    state = req["observation/state"]
+    assert state.shape == (8,)
+    # quaternion (0, 0, sin .25, cos .25) is a rotation of 0.5 rad about z
+    np.testing.assert_allclose(state[3:6], [0.0, 0.0, 0.5], atol=1e-9)
+    np.testing.assert_allclose(state[6:], [0.04, -0.04])
+    assert req["prompt"] == "reach 0.5 0 0"
+
+
+def test_failures_time_out_at_the_suite_step_limit_and_crashes_are_recorded():
+    sim = StandInSimulator([
+        StandInTask("reach 0.5 0 0", [0.5, 0, 0]),
+        StandInTask("reach 99 0 0", [99.0, 0, 0]),        # unreachable in 220 steps
+        StandInTask("reach 0.5 0 0", [0.5, 0, 0], explode_at=13),
+    ])
+    policy = GoalSeekingPolicy()
+    results = closed_loop.evaluate_suite(sim, policy, "libero_spatial", settings(trials_per_task=2))
+    by_task = {}
+    for r in results:
+        by_task.setdefault(r.task_id, []).append(r)
+    assert all(r.success for r in by_task[0])
+    assert [r.steps for r in by_task[1]] == [220, 220] and not any(r.success for r in by_task[1])
+    assert by_task[1][0].policy_calls == 44  # 220 / 5
+    assert all("physics blew up" in r.error for r in by_task[2]) and not any(r.success for r in by_task[2])
+    metrics = closed_loop.summarize(results)
+    s = metrics["suites"]["libero_spatial"]
+    assert (s["successes"], s["trials"], s["errors"]) == (2, 6, 2)
+    assert s["per_task"]["reach 99 0 0"]["success_rate"] == 0.0
+    assert metrics["success_rate"] == pytest.approx(2 / 6)
+    assert all(e.closed for e in sim.envs)
+
+
+def test_short_chunks_and_too_few_initial_states_are_clear_errors():
+    sim = StandInSimulator([StandInTask("reach 0.5 0 0", [0.5, 0, 0])], n_init=2)
+    with pytest.raises(PisftError, match="trials_per_task"):
+        closed_loop.evaluate_suite(sim, GoalSeekingPolicy(), "libero_spatial", settings(trials_per_task=3))
+    results = closed_loop.evaluate_suite(sim, GoalSeekingPolicy(horizon=3), "libero_spatial",
+                                         settings(trials_per_task=1))
+    assert "replan_steps" in results[0].error
+
+
+def make_cfg(tmp_path, **eval_keys):
+    return C.from_dict({"results_dir": str(tmp_path / "results"),
+                        "eval": {"closed_loop": True, "trials_per_task": 2,
+                                 "libero_suites": ["libero_spatial", "libero_10"], **eval_keys}})
+
+
+def test_stage_writes_success_per_task_and_suite(tmp_path):
+    sim = StandInSimulator([StandInTask("reach 0.5 0 0", [0.5, 0, 0]),
+                            StandInTask("reach 99 0 0", [99.0, 0, 0])])
+    cfg = make_cfg(tmp_path)
+    metrics = closed_loop.run(cfg, simulator=sim, policy=GoalSeekingPolicy())
+    out = tmp_path / "results" / "closed_loop"
+    on_disk = json.loads((out / "metrics.json").read_text())
+    assert on_disk["success_rate"] == metrics["success_rate"] == 0.5
+    assert set(on_disk["suites"]) == {"libero_spatial", "libero_10"}
+    assert on_disk["suites"]["libero_10"]["per_task"]["reach 99 0 0"]["trials"] == 2
+    episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    assert len(episodes) == 8
+    # libero_10 allows 520 steps
+    assert max(e["steps"] for e in episodes if e["suite"] == "libero_10") == 520
+    assert "| libero_10 | 0.500 | 2 / 4 | 0 |" in (out / "report.md").read_text()
+    assert json.loads((out / "pisft_config.json").read_text())["eval"]["closed_loop"] is True
+
+
+def test_stage_is_off_by_default_and_needs_the_simulator(tmp_path, monkeypatch):
+    cfg = C.from_dict({"results_dir": str(tmp_path / "results")})
+    with pytest.raises(PisftError, match="eval.closed_loop"):
+        closed_loop.run(cfg)
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_libero(name, *args, **kwargs):
+        if name.startswith("libero"):
+            raise ImportError(f"No module named '{name}'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_libero)
+    with pytest.raises(libero_sim.SimulatorUnavailable, match="MUJOCO_GL=egl"):
+        closed_loop.run(make_cfg(tmp_path))
+    assert not (tmp_path / "results" / "closed_loop").exists()
+
+
+def test_a_crash_of_the_stage_leaves_no_output(tmp_path):
+    class Broken(StandInSimulator):
+        def suite(self, name):
+            raise RuntimeError("simulator died")
+
+    with pytest.raises(RuntimeError):
+        closed_loop.run(make_cfg(tmp_path), simulator=Broken([]), policy=GoalSeekingPolicy())
+    assert not (tmp_path / "results" / "closed_loop").exists()
+
+
+def test_quaternion_to_axis_angle():
+    np.testing.assert_allclose(libero_sim.quat_to_axis_angle([0, 0, 0, 1]), [0, 0, 0])
+    half = math.pi / 4  # 90° about x
+    np.testing.assert_allclose(libero_sim.quat_to_axis_angle([math.sin(half), 0, 0, math.cos(half)]),
+                               [math.pi / 2, 0, 0], atol=1e-12)
+
+
+def test_resize_with_pad_keeps_aspect():
+    img = np.full((100, 200, 3), 255, np.uint8)
+    out = libero_sim.resize_with_pad(img, 224, 224)
+    assert out.shape == (224, 224, 3)
+    assert out[0, 112].sum() == 0 and out[112, 112].min() == 255  # padded top, image in middle
