@@ -1,0 +1,208 @@
+"""`demo_recap`: a synthetic RECAP-format LIBERO-10 dataset, so the pipeline runs anywhere.
+
+Written in the LeRobot v2.1 layout that `physical-intelligence/libero` and RLinf's RECAP
+datasets use (see `recap_layout`). The data is made to be learnable:
+
+- each of the ten LIBERO-10 tasks has its own goal pose, gain, phase wave and gripper timing;
+- the action is a task-specific linear function of the state plus a smooth phase term
+  (`a = k_task * (goal_task - s) + amp_task * sin(2 pi f_task phase)`, gripper a smooth tanh
+  step at a task-specific phase), and the state integrates the action;
+- the base camera shows a task-coloured textured table, the end effector as a disc whose
+  position/size/colour follow the state, and a progress bar for the phase; the wrist camera
+  shows a state-dependent gradient and the gripper opening, so image + state + task determine
+  the action;
+- a `demo_failure_fraction` of each task's episodes fail: they drift away from the goal and
+  never close the gripper (`is_success` false), some successful ones carry a short
+  `intervene_flag` window, and the side files hold returns and advantages (positive for
+  successes, negative for failures).
+
+Deterministic for `data.demo_seed`: the same config gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from pisft.config import PisftConfig, write_resolved
+from pisft.data.libero import ACTION_DIM, FPS, LIBERO_10_TASKS, STATE_DIM
+from pisft.data.recap_layout import RecapEpisode, write_recap_dataset
+from pisft.io import atomic_dir
+
+SIDE_TAG = "demo"
+# One distinct RGB base colour per task (the table the base camera looks at).
+_PALETTE = np.array([
+    [200, 80, 70], [70, 160, 90], [80, 100, 200], [210, 180, 60], [150, 80, 180],
+    [60, 170, 170], [220, 130, 60], [120, 120, 120], [170, 60, 110], [90, 140, 40],
+], dtype=np.float32)
+
+
+class TaskDynamics:
+    """The hidden controller of one task (fixed by the seed and the task index)."""
+
+    def __init__(self, task_index: int, seed: int, image_size: int):
+        rng = np.random.default_rng([seed, 1000 + task_index])
+        self.goal = rng.uniform(-0.6, 0.6, 6)
+        self.gain = rng.uniform(0.08, 0.15)
+        self.amp = rng.uniform(0.01, 0.03, 6) * rng.choice([-1.0, 1.0], 6)
+        self.freq = float(rng.choice([1.0, 2.0]))
+        self.grip_phase = rng.uniform(0.35, 0.65)
+        self.texture = self._texture(rng, task_index, image_size)
+        self.color = _PALETTE[task_index % len(_PALETTE)]
+
+    @staticmethod
+    def _texture(rng: np.random.Generator, task_index: int, size: int) -> np.ndarray:
+        yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
+        base = _PALETTE[task_index % len(_PALETTE)]
+        stripes = 18.0 * np.sin(2 * np.pi * (3 + task_index % 4) * (xx + 0.5 * yy))
+        noise = rng.normal(0.0, 7.0, (size, size, 3))
+        return (base[None, None, :] * 0.8 + stripes[..., None] + noise).astype(np.float32)
+
+
+def simulate(dyn: TaskDynamics, length: int, rng: np.random.Generator, failed: bool
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Roll out the task controller: (states (T, 8), actions (T, 7)), float32."""
+    s = np.zeros(STATE_DIM)
+    s[:6] = rng.normal(0.0, 0.15, 6)
+    s[6], s[7] = 0.04, -0.04
+    drift = rng.normal(0.0, 1.0, 6)
+    drift *= 0.03 / np.linalg.norm(drift)
+    states = np.empty((length, STATE_DIM), dtype=np.float32)
+    actions = np.empty((length, ACTION_DIM), dtype=np.float32)
+    for k in range(length):
+        phase = k / max(length - 1, 1)
+        a = np.empty(ACTION_DIM)
+        a[:6] = dyn.gain * (dyn.goal - s[:6]) + dyn.amp * np.sin(2 * np.pi * dyn.freq * phase)
+        g = np.tanh(8.0 * (phase - dyn.grip_phase))
+        if failed:  # drifts off (smoothly) after 40% of the episode and never grasps
+            a[:6] += drift * (1.0 / (1.0 + np.exp(-20.0 * (phase - 0.4))))
+            g = -np.abs(g)
+        a[6] = g
+        states[k] = s
+        actions[k] = a
+        s = s.copy()
+        s[:6] += a[:6]
+        s[6] = 0.02 * (1.0 - g)
+        s[7] = -s[6]
+    return states, actions
+
+
+def render(dyn: TaskDynamics, states: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Base and wrist camera frames (T, size, size, 3) uint8 for a state trajectory."""
+    t = states.shape[0]
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+    base = np.empty((t, size, size, 3), dtype=np.uint8)
+    wrist = np.empty((t, size, size, 3), dtype=np.uint8)
+    bar_h = max(2, size // 16)
+    for k, s in enumerate(states):
+        phase = k / max(t - 1, 1)
+        opening = float(np.clip(s[6] / 0.04, 0.0, 1.0))
+        # base camera: textured table, end-effector disc, goal marker, progress bar
+        img = dyn.texture.copy()
+        cx, cy = (0.5 + 0.35 * np.tanh(s[0])) * size, (0.5 + 0.35 * np.tanh(s[1])) * size
+        radius = size * (0.08 + 0.04 * np.tanh(s[2]))
+        disc = (xx - cx) ** 2 + (yy - cy) ** 2 <= radius**2
+        img[disc] = np.array([230.0, 60.0, 40.0]) * opening + np.array([40.0, 80.0, 230.0]) * (1 - opening)
+        gx, gy = (0.5 + 0.35 * np.tanh(dyn.goal[0])) * size, (0.5 + 0.35 * np.tanh(dyn.goal[1])) * size
+        marker = (np.abs(xx - gx) <= size * 0.03) & (np.abs(yy - gy) <= size * 0.03)
+        img[marker] = 255.0
+        img[size - bar_h:, : int(round(phase * size))] = 250.0
+        base[k] = np.clip(img, 0, 255).astype(np.uint8)
+        # wrist camera: orientation-dependent gradient tinted by the task, gripper jaws
+        w = (dyn.color[None, None, :] * 0.5
+             + 60.0 * np.tanh(s[3:6])[None, None, :]
+             + 50.0 * (yy[..., None] / size - 0.5))
+        gap = size * (0.05 + 0.3 * opening)
+        jaw_w = size * 0.08
+        left = (xx >= size / 2 - gap - jaw_w) & (xx < size / 2 - gap)
+        right = (xx > size / 2 + gap) & (xx <= size / 2 + gap + jaw_w)
+        w[(left | right) & (yy > size * 0.55)] = 20.0
+        wrist[k] = np.clip(w + 64.0, 0, 255).astype(np.uint8)
+    return base, wrist
+
+
+def _failed_episodes(rng: np.random.Generator, per_task: int, fraction: float) -> set[int]:
+    n_fail = int(round(fraction * per_task))
+    n_fail = min(n_fail, per_task - 1) if per_task > 1 else n_fail
+    return set(rng.choice(per_task, size=n_fail, replace=False).tolist()) if n_fail else set()
+
+
+def _side_info(episodes: list[RecapEpisode]) -> None:
+    """RECAP returns and advantages: reward -1/T per step, -1 more on failure; baseline per task."""
+    for ep in episodes:
+        t = ep.length
+        reward = np.full(t, -1.0 / t, dtype=np.float64)
+        reward[-1] = 0.0 if ep.is_success[-1] else -1.0
+        ep.side["reward"] = reward
+        ep.side["return"] = np.cumsum(reward[::-1])[::-1]
+    by_task: dict[int, list[RecapEpisode]] = {}
+    for ep in episodes:
+        by_task.setdefault(ep.task_index, []).append(ep)
+    for group in by_task.values():
+        horizon = max(ep.length for ep in group)
+        sums, counts = np.zeros(horizon), np.zeros(horizon)
+        for ep in group:
+            sums[: ep.length] += ep.side["return"]
+            counts[: ep.length] += 1
+        baseline = sums / np.maximum(counts, 1)
+        for ep in group:
+            ep.side["advantage_continuous"] = ep.side["return"] - baseline[: ep.length]
+
+
+def generate(episodes_per_task: int, length: int, image_size: int, failure_fraction: float, seed: int,
+             tasks: tuple[str, ...] = LIBERO_10_TASKS) -> list[RecapEpisode]:
+    """All demo episodes, task-major (episode_index = task * episodes_per_task + i)."""
+    episodes: list[RecapEpisode] = []
+    for task_index in range(len(tasks)):
+        dyn = TaskDynamics(task_index, seed, image_size)
+        rng = np.random.default_rng([seed, task_index])
+        failed = _failed_episodes(rng, episodes_per_task, failure_fraction)
+        for i in range(episodes_per_task):
+            ep_rng = np.random.default_rng([seed, task_index, i])
+            is_failed = i in failed
+            states, actions = simulate(dyn, length, ep_rng, is_failed)
+            base, wrist = render(dyn, states, image_size)
+            success = np.zeros(length, dtype=bool)
+            success[-1] = not is_failed
+            done = np.zeros(length, dtype=bool)
+            done[-1] = True
+            intervene = np.zeros(length, dtype=bool)
+            if not is_failed and length >= 10 and ep_rng.random() < 0.3:
+                start = int(ep_rng.integers(1, length - 5))
+                intervene[start:start + 5] = True
+            episodes.append(RecapEpisode(
+                episode_index=len(episodes), task_index=task_index, state=states, actions=actions,
+                images={"image": base, "wrist_image": wrist}, is_success=success, done=done,
+                intervene_flag=intervene,
+            ))
+    _side_info(episodes)
+    return episodes
+
+
+def build(out_dir: Path, *, episodes_per_task: int, length: int, image_size: int, failure_fraction: float,
+          seed: int, version: str = "v2.1", naming: str = "recap", video: bool = False,
+          workers: int | None = None) -> None:
+    """Generate and write a demo dataset into `out_dir` (an existing empty directory)."""
+    episodes = generate(episodes_per_task, length, image_size, failure_fraction, seed)
+    write_recap_dataset(out_dir, episodes, LIBERO_10_TASKS, version=version, naming=naming, video=video,
+                        side_tag=SIDE_TAG, fps=FPS, workers=workers if workers is not None else (os.cpu_count() or 1))
+
+
+def output_dir(cfg: PisftConfig) -> Path:
+    return Path(cfg.data.recap_dir) if cfg.uses_demo_data else cfg.results("demo_recap")
+
+
+def run(cfg: PisftConfig) -> Path:
+    d = cfg.data
+    out = output_dir(cfg)
+    with atomic_dir(out) as tmp:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a dataset is meant to be shared
+        build(tmp, episodes_per_task=d.demo_episodes_per_task, length=d.demo_episode_length,
+              image_size=d.demo_image_size, failure_fraction=d.demo_failure_fraction, seed=d.demo_seed)
+        write_resolved(cfg, tmp / "pisft_config.json")
+    n = d.demo_episodes_per_task * len(LIBERO_10_TASKS)
+    print(f"demo_recap: {n} episodes x {d.demo_episode_length} frames "
+          f"({d.demo_image_size}px, 2 cameras) -> {out}")
+    return out

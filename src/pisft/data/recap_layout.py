@@ -1,0 +1,320 @@
+"""Write RECAP-format LIBERO datasets in the LeRobot on-disk layouts users bring.
+
+Used by the `demo_recap` stage (v2.1, PNG images in parquet, RECAP names) and by tests and the
+benchmark to produce the other inputs `convert_recap` reads: LeRobot v2.0 / v2.1 / v3.0, the
+RECAP or `libero_v2` naming, images as PNG-in-parquet or MP4 video, rollout columns and the
+RECAP side files `meta/returns_<tag>.parquet` and `meta/advantages_<tag>.parquet`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pisft.data import images as imgs
+from pisft.data.libero import ACTION_DIM, CAMERAS, FPS, NAMINGS, ROLLOUT_COLUMNS, STATE_DIM
+
+VERSIONS = ("v2.0", "v2.1", "v3.0")
+V2_DATA_PATH = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
+V2_VIDEO_PATH = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"
+V3_DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+V3_VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+CHUNKS_SIZE = 1000
+
+
+@dataclass
+class RecapEpisode:
+    """One episode in memory: arrays over its T frames."""
+
+    episode_index: int
+    task_index: int
+    state: np.ndarray  # (T, 8) float32
+    actions: np.ndarray  # (T, 7) float32
+    images: dict[str, np.ndarray]  # camera -> (T, H, W, 3) uint8
+    is_success: np.ndarray  # (T,) bool
+    done: np.ndarray  # (T,) bool
+    intervene_flag: np.ndarray  # (T,) bool
+    side: dict[str, np.ndarray] = field(default_factory=dict)  # return, reward, advantage_continuous
+
+    @property
+    def length(self) -> int:
+        return int(self.state.shape[0])
+
+
+def input_features(image_shape: tuple[int, int, int], naming: str, video: bool, fps: int = FPS) -> dict:
+    """info.json `features` of a RECAP input dataset."""
+    names = NAMINGS[naming]
+    feats: dict = {}
+    for cam in CAMERAS:
+        ft = {"dtype": "video" if video else "image", "shape": list(image_shape),
+              "names": ["height", "width", "channel"]}
+        if video:
+            ft["info"] = {"video.fps": fps, "video.height": image_shape[0], "video.width": image_shape[1],
+                          "video.channels": 3, "video.codec": "h264", "video.pix_fmt": "yuv420p",
+                          "video.is_depth_map": False, "has_audio": False}
+        feats[names[cam]] = ft
+    feats[names["state"]] = {"dtype": "float32", "shape": [STATE_DIM], "names": ["state"]}
+    feats[names["actions"]] = {"dtype": "float32", "shape": [ACTION_DIM], "names": ["actions"]}
+    for key, dtype in (("timestamp", "float32"), ("frame_index", "int64"), ("episode_index", "int64"),
+                       ("index", "int64"), ("task_index", "int64")):
+        feats[key] = {"dtype": dtype, "shape": [1], "names": None}
+    for key in ROLLOUT_COLUMNS:
+        feats[key] = {"dtype": "bool", "shape": [1], "names": None}
+    return feats
+
+
+_ARROW_TYPES = {"float32": pa.float32(), "float64": pa.float64(), "int64": pa.int64(), "bool": pa.bool_()}
+
+
+def arrow_schema(features: dict) -> pa.Schema:
+    """The parquet schema LeRobot (HF `datasets` 4) writes for these non-video features.
+
+    Built here rather than with `datasets.Features` so that the demo stage does not pay the
+    import of LeRobot/torch (the demo must take seconds).
+    """
+    fields, hf = [], {}
+    for key, ft in features.items():
+        shape = tuple(ft["shape"])
+        if ft["dtype"] == "image":
+            fields.append(pa.field(key, pa.struct([("bytes", pa.binary()), ("path", pa.string())])))
+            hf[key] = {"_type": "Image"}
+        elif shape == (1,):
+            fields.append(pa.field(key, _ARROW_TYPES[ft["dtype"]]))
+            hf[key] = {"dtype": ft["dtype"], "_type": "Value"}
+        else:
+            fields.append(pa.field(key, pa.list_(pa.field("element", _ARROW_TYPES[ft["dtype"]]), shape[0])))
+            hf[key] = {"feature": {"dtype": ft["dtype"], "_type": "Value"}, "length": shape[0], "_type": "List"}
+    meta = {"huggingface": json.dumps({"info": {"features": hf}})}
+    return pa.schema(fields, metadata=meta)
+
+
+def simple_stats(values: np.ndarray, image: bool = False) -> dict[str, list]:
+    """min/max/mean/std/count as in a LeRobot v2.1 `episodes_stats.jsonl` (images: per channel,
+    (3, 1, 1), scaled to [0, 1])."""
+    if image:  # (T, H, W, 3) uint8 -> channel rows, reduced along contiguous memory
+        ch = np.ascontiguousarray(np.asarray(values).reshape(-1, 3).T)
+        x = ch.astype(np.float32)
+        mean = x.mean(1, dtype=np.float64)
+        std = np.sqrt(((x - mean[:, None].astype(np.float32)) ** 2).mean(1, dtype=np.float64))
+        out = {"min": ch.min(1) / 255.0, "max": ch.max(1) / 255.0, "mean": mean / 255.0, "std": std / 255.0}
+        out = {k: np.asarray(x, dtype=np.float64).reshape(3, 1, 1).tolist() for k, x in out.items()}
+    else:
+        v = np.asarray(values, dtype=np.float64)
+        if v.ndim == 1:
+            v = v[:, None]
+        out = {"min": v.min(0).tolist(), "max": v.max(0).tolist(), "mean": v.mean(0).tolist(),
+               "std": v.std(0).tolist()}
+    out["count"] = [int(np.asarray(values).shape[0])]
+    return out
+
+
+def aggregate_simple(per_episode: list[dict]) -> dict:
+    """Dataset stats (v2.0 `stats.json`) from per-episode simple stats."""
+    out = {}
+    for key in per_episode[0]:
+        counts = np.array([ep[key]["count"][0] for ep in per_episode], dtype=np.float64)
+        means = np.array([ep[key]["mean"] for ep in per_episode])
+        stds = np.array([ep[key]["std"] for ep in per_episode])
+        w = counts.reshape((-1,) + (1,) * (means.ndim - 1))
+        mean = (means * w).sum(0) / counts.sum()
+        var = ((stds**2 + (means - mean) ** 2) * w).sum(0) / counts.sum()
+        out[key] = {"min": np.min([ep[key]["min"] for ep in per_episode], 0).tolist(),
+                    "max": np.max([ep[key]["max"] for ep in per_episode], 0).tolist(),
+                    "mean": mean.tolist(), "std": np.sqrt(var).tolist(), "count": [int(counts.sum())]}
+    return out
+
+
+def _png_column(frames: np.ndarray, pool: ThreadPoolExecutor | None) -> list[dict]:
+    encoded = list(pool.map(imgs.encode_png, frames)) if pool else [imgs.encode_png(f) for f in frames]
+    return [{"bytes": b, "path": None} for b in encoded]
+
+
+def episode_table(ep: RecapEpisode, first_index: int, features: dict, naming: str, video: bool,
+                  pool: ThreadPoolExecutor | None, fps: int = FPS) -> pa.Table:
+    """The parquet rows of one episode."""
+    names = NAMINGS[naming]
+    t = ep.length
+    cols: dict[str, object] = {}
+    if not video:
+        for cam in CAMERAS:
+            cols[names[cam]] = _png_column(ep.images[cam], pool)
+    cols[names["state"]] = list(ep.state.astype(np.float32))
+    cols[names["actions"]] = list(ep.actions.astype(np.float32))
+    cols["timestamp"] = (np.arange(t, dtype=np.float32) / np.float32(fps)).astype(np.float32)
+    cols["frame_index"] = np.arange(t, dtype=np.int64)
+    cols["episode_index"] = np.full(t, ep.episode_index, dtype=np.int64)
+    cols["index"] = np.arange(first_index, first_index + t, dtype=np.int64)
+    cols["task_index"] = np.full(t, ep.task_index, dtype=np.int64)
+    cols["is_success"] = ep.is_success.astype(bool)
+    cols["done"] = ep.done.astype(bool)
+    cols["intervene_flag"] = ep.intervene_flag.astype(bool)
+    schema = arrow_schema({k: v for k, v in features.items() if v["dtype"] != "video"})
+    arrays = [pa.array(cols[f.name], type=f.type) for f in schema]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _episode_stats(ep: RecapEpisode, first_index: int, naming: str, fps: int) -> dict:
+    names = NAMINGS[naming]
+    t = ep.length
+    numeric = {
+        names["state"]: ep.state, names["actions"]: ep.actions,
+        "timestamp": np.arange(t, dtype=np.float32) / fps, "frame_index": np.arange(t),
+        "episode_index": np.full(t, ep.episode_index), "index": np.arange(first_index, first_index + t),
+        "task_index": np.full(t, ep.task_index), "is_success": ep.is_success, "done": ep.done,
+        "intervene_flag": ep.intervene_flag,
+    }
+    out = {names[cam]: simple_stats(ep.images[cam], image=True) for cam in CAMERAS}
+    out.update({k: simple_stats(v) for k, v in numeric.items()})
+    return out
+
+
+def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=4) + "\n")
+
+
+def write_side_files(root: Path, episodes: Sequence[RecapEpisode], tasks: Sequence[str], tag: str) -> None:
+    """meta/returns_<tag>.parquet and meta/advantages_<tag>.parquet, one row per frame."""
+    ep_col, fr_col, ret, rew, prompt, adv_c = [], [], [], [], [], []
+    for ep in episodes:
+        t = ep.length
+        ep_col.append(np.full(t, ep.episode_index, dtype=np.int64))
+        fr_col.append(np.arange(t, dtype=np.int64))
+        ret.append(ep.side["return"].astype(np.float32))
+        rew.append(ep.side["reward"].astype(np.float32))
+        adv_c.append(ep.side["advantage_continuous"].astype(np.float32))
+        prompt.extend([tasks[ep.task_index]] * t)
+    ep_a, fr_a = np.concatenate(ep_col), np.concatenate(fr_col)
+    returns = pa.table({"episode_index": ep_a, "frame_index": fr_a, "return": np.concatenate(ret),
+                        "reward": np.concatenate(rew), "prompt": pa.array(prompt, type=pa.string())})
+    adv = np.concatenate(adv_c)
+    advantages = pa.table({"episode_index": ep_a, "frame_index": fr_a, "advantage_continuous": adv,
+                           "advantage": adv > 0})
+    pq.write_table(returns, root / "meta" / f"returns_{tag}.parquet")
+    pq.write_table(advantages, root / "meta" / f"advantages_{tag}.parquet")
+
+
+def write_recap_dataset(root: Path, episodes: Sequence[RecapEpisode], tasks: Sequence[str], *,
+                        version: str = "v2.1", naming: str = "recap", video: bool = False,
+                        side_tag: str | None = "demo", fps: int = FPS, workers: int = 0,
+                        robot_type: str = "panda") -> None:
+    """Write `episodes` under `root` (an existing empty directory) in the given layout."""
+    if version not in VERSIONS:
+        raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
+    if naming not in NAMINGS:
+        raise ValueError(f"naming must be one of {tuple(NAMINGS)}, got {naming!r}")
+    shape = tuple(episodes[0].images[CAMERAS[0]].shape[1:])
+    features = input_features(shape, naming, video, fps)
+    (root / "meta").mkdir(parents=True, exist_ok=True)
+    pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
+    try:
+        if version == "v3.0":
+            _write_v3(root, episodes, tasks, features, naming, video, fps, pool, robot_type)
+        else:
+            _write_v2(root, episodes, tasks, features, naming, video, fps, pool, version, robot_type)
+    finally:
+        if pool:
+            pool.shutdown()
+    if side_tag:
+        write_side_files(root, episodes, tasks, side_tag)
+
+
+def _write_v2(root, episodes, tasks, features, naming, video, fps, pool, version, robot_type) -> None:
+    names = NAMINGS[naming]
+    first = 0
+    ep_rows, stats_rows = [], []
+    all_stats = []
+    for ep in episodes:
+        chunk = ep.episode_index // CHUNKS_SIZE
+        path = root / V2_DATA_PATH.format(episode_chunk=chunk, episode_index=ep.episode_index)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(episode_table(ep, first, features, naming, video, pool, fps), path)
+        if video:
+            for cam in CAMERAS:
+                vpath = root / V2_VIDEO_PATH.format(episode_chunk=chunk, video_key=names[cam],
+                                                    episode_index=ep.episode_index)
+                imgs.encode_mp4(ep.images[cam], vpath, fps)
+        ep_stats = _episode_stats(ep, first, naming, fps)
+        all_stats.append(ep_stats)
+        ep_rows.append({"episode_index": ep.episode_index, "tasks": [tasks[ep.task_index]], "length": ep.length})
+        stats_rows.append({"episode_index": ep.episode_index, "stats": ep_stats})
+        first += ep.length
+    n_chunks = max(ep.episode_index for ep in episodes) // CHUNKS_SIZE + 1
+    info = {
+        "codebase_version": version, "robot_type": robot_type, "total_episodes": len(episodes),
+        "total_frames": first, "total_tasks": len(tasks), "total_videos": len(episodes) * 2 if video else 0,
+        "total_chunks": n_chunks, "chunks_size": CHUNKS_SIZE, "fps": fps,
+        "splits": {"train": f"0:{len(episodes)}"}, "data_path": V2_DATA_PATH,
+        "video_path": V2_VIDEO_PATH if video else None, "features": features,
+    }
+    _write_json(root / "meta" / "info.json", info)
+    _write_jsonl(root / "meta" / "tasks.jsonl", [{"task_index": i, "task": t} for i, t in enumerate(tasks)])
+    _write_jsonl(root / "meta" / "episodes.jsonl", ep_rows)
+    if version == "v2.1":
+        _write_jsonl(root / "meta" / "episodes_stats.jsonl", stats_rows)
+    else:
+        _write_json(root / "meta" / "stats.json", aggregate_simple(all_stats))
+
+
+def _write_v3(root, episodes, tasks, features, naming, video, fps, pool, robot_type) -> None:
+    names = NAMINGS[naming]
+    data_path = root / V3_DATA_PATH.format(chunk_index=0, file_index=0)
+    data_path.parent.mkdir(parents=True, exist_ok=True)
+    writer = None
+    first = 0
+    rows: list[dict] = []
+    all_stats = []
+    for ep in episodes:
+        table = episode_table(ep, first, features, naming, video, pool, fps)
+        if writer is None:
+            writer = pq.ParquetWriter(data_path, table.schema)
+        writer.write_table(table)
+        ep_stats = _episode_stats(ep, first, naming, fps)
+        all_stats.append(ep_stats)
+        row = {"episode_index": ep.episode_index, "tasks": [tasks[ep.task_index]], "length": ep.length,
+               "data/chunk_index": 0, "data/file_index": 0, "dataset_from_index": first,
+               "dataset_to_index": first + ep.length, "meta/episodes/chunk_index": 0,
+               "meta/episodes/file_index": 0}
+        if video:
+            for cam in CAMERAS:
+                row[f"videos/{names[cam]}/chunk_index"] = 0
+                row[f"videos/{names[cam]}/file_index"] = 0
+                row[f"videos/{names[cam]}/from_timestamp"] = first / fps
+                row[f"videos/{names[cam]}/to_timestamp"] = (first + ep.length) / fps
+        for key, val in ep_stats.items():
+            for stat, v in val.items():
+                row[f"stats/{key}/{stat}"] = v
+        rows.append(row)
+        first += ep.length
+    writer.close()
+    if video:
+        for cam in CAMERAS:
+            frames = np.concatenate([ep.images[cam] for ep in episodes])
+            imgs.encode_mp4(frames, root / V3_VIDEO_PATH.format(video_key=names[cam], chunk_index=0, file_index=0), fps)
+    ep_dir = root / "meta" / "episodes" / "chunk-000"
+    ep_dir.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), ep_dir / "file-000.parquet")
+    # As LeRobot writes it: a pandas frame indexed by the task string.
+    pd.DataFrame({"task_index": np.arange(len(tasks), dtype=np.int64)},
+                 index=pd.Index(list(tasks), name="task")).to_parquet(root / "meta" / "tasks.parquet")
+    v3_features = {k: ({**v, "fps": fps} if v["dtype"] != "video" else v) for k, v in features.items()}
+    info = {
+        "codebase_version": "v3.0", "robot_type": robot_type, "total_episodes": len(episodes),
+        "total_frames": first, "total_tasks": len(tasks), "chunks_size": CHUNKS_SIZE,
+        "data_files_size_in_mb": 100, "video_files_size_in_mb": 200, "fps": fps,
+        "splits": {"train": f"0:{len(episodes)}"}, "data_path": V3_DATA_PATH,
+        "video_path": V3_VIDEO_PATH if video else None, "features": v3_features,
+    }
+    _write_json(root / "meta" / "info.json", info)
+    _write_json(root / "meta" / "stats.json", aggregate_simple(all_stats))

@@ -1,0 +1,68 @@
+"""Normalisation statistics in LeRobot's format, computed with LeRobot's own functions.
+
+Per episode: exactly what LeRobot's recorder stores (`compute_episode_stats`): min, max, mean,
+std, count and the quantiles q01/q10/q50/q90/q99 of every numeric feature over all frames, and
+of every camera per channel over LeRobot's frame sample (`sample_indices`), scaled to [0, 1].
+
+Dataset level (`meta/stats.json`, what pi0.5's quantile normalisation reads): LeRobot's
+`aggregate_stats` averages per-episode quantiles, which is not the dataset's quantile when
+episodes differ (e.g. one task's state range never overlaps another's, so the averaged q01 sits
+far inside the real 1% tail). For numeric features we therefore compute the quantiles over all
+frames at once with LeRobot's `get_feature_stats` (its RunningQuantileStats histogram); camera
+statistics are aggregated from the per-episode ones as LeRobot does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from lerobot.datasets.compute_stats import (
+    aggregate_stats,
+    auto_downsample_height_width,
+    get_feature_stats,
+    sample_indices,
+)
+
+
+def image_sample_indices(num_frames: int) -> list[int]:
+    """The frames LeRobot samples from an episode for camera statistics."""
+    return sample_indices(num_frames)
+
+
+def image_stats(frames: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-channel stats of already-sampled HWC uint8 frames, LeRobot layout (3, 1, 1) in [0, 1]."""
+    chw = np.stack([auto_downsample_height_width(np.transpose(f, (2, 0, 1))) for f in frames])
+    stats = get_feature_stats(chw, axis=(0, 2, 3), keepdims=True)
+    return {k: v if k == "count" else np.squeeze(v / 255.0, axis=0) for k, v in stats.items()}
+
+
+def numeric_stats(values: np.ndarray) -> dict[str, np.ndarray]:
+    """Stats of a (frames,) or (frames, dim) array, LeRobot layout ((1,) or (dim,))."""
+    values = np.asarray(values)
+    if values.dtype == np.bool_:
+        values = values.astype(np.float32)
+    return get_feature_stats(values, axis=0, keepdims=values.ndim == 1)
+
+
+def episode_stats(numeric: dict[str, np.ndarray], sampled_images: dict[str, Sequence[np.ndarray]]) -> dict:
+    """All features of one episode."""
+    out = {key: numeric_stats(v) for key, v in numeric.items()}
+    out.update({key: image_stats(frames) for key, frames in sampled_images.items()})
+    return out
+
+
+def dataset_stats(all_numeric: dict[str, np.ndarray], per_episode: list[dict]) -> dict:
+    """Dataset stats: exact-over-all-frames for numeric features, aggregated for cameras."""
+    image_keys = sorted({k for ep in per_episode for k in ep if k not in all_numeric})
+    out: dict = {}
+    if image_keys:
+        out.update(aggregate_stats([{k: ep[k] for k in image_keys if k in ep} for ep in per_episode]))
+    for key, values in all_numeric.items():
+        out[key] = numeric_stats(values)
+    return out
+
+
+def to_jsonable(stats: dict) -> dict:
+    """np arrays -> nested lists (the layout of LeRobot's stats.json / episodes_stats.jsonl)."""
+    return {k: to_jsonable(v) if isinstance(v, dict) else np.asarray(v).tolist() for k, v in stats.items()}
