@@ -1,0 +1,253 @@
+"""THE ONE PLACE where pisft reaches into LeRobot 0.6.1's pi0.5 internals.
+
+Everything here depends on how `lerobot.policies.pi05` is written, not on a public API, so
+`tests/test_model_internals.py` checks every assumption below and fails loudly when LeRobot
+changes underneath. Nothing else in pisft patches or inspects LeRobot's private structure.
+
+1. Model sizes (`sized_construction`). LeRobot hard-codes pi0.5's sizes:
+   - `modeling_pi05.get_gemma_config(variant)` knows only `gemma_300m` and `gemma_2b`;
+   - `PaliGemmaWithExpertModel.__init__` sets vocabulary 257152, SigLIP `intermediate_size`
+     4304, `projection_dim` 2048 and the default SigLIP depth/width, then builds
+     `PaliGemmaForConditionalGenerationWithPiGemma(config=...)` and
+     `PiGemmaForCausalLM(config=...)`.
+   While a tiny policy is constructed we replace, in `modeling_pi05`'s namespace only,
+   `get_gemma_config` (tiny Gemma sizes) and the two model classes (by factories that rewrite the
+   hard-coded sizes in the config LeRobot just built, then build the real class). LeRobot's
+   own constructor runs unchanged, so everything else it configures is kept.
+   `compute_layer_complete` reshapes the attention output with a hard-coded `8 * head_dim`, so
+   every preset keeps 8 attention heads (checked in `Arch.validate`).
+2. Tied embeddings (`tie_vlm_embeddings`). PaliGemma ties `lm_head` to `embed_tokens`
+   (`tie_word_embeddings=True`), but LeRobot's `PaliGemmaForConditionalGenerationWithPiGemma`
+   replaces the inner model after the tie, leaving two independent vocab x width matrices (0.53B
+   parameters for pi0.5, of which `lm_head` never takes part in the flow-matching loss). We tie
+   them again: the forward pass is unchanged, memory drops by 2 GB (fp32) plus its optimizer
+   state, and checkpoints in either layout (openpi/`lerobot/pi05_base` keep `lm_head`) load.
+3. Processors (`pi05_processors`). `make_pi05_pre_post_processors` creates its tokenizer step
+   with `tokenizer_name="google/paligemma-3b-pt-224"` (a hub download). We call it with
+   `processor_pi05.TokenizerProcessorStep` replaced by one that receives a local tokenizer
+   object, so the pipeline (order of steps, prompt format, quantile normalisation) stays
+   LeRobot's.
+4. Construction on the meta device: `PI05Policy.__init__` ends with `self.model.to(config.device)`
+   and the config validates `device` against real devices, so `build_on_meta` sets
+   `config.device = "meta"` after validation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+# LeRobot's hard-coded sizes that the tiny preset must never inherit (see the structure test).
+LEROBOT_HARDCODED = {"vocab": 257152, "siglip_intermediate": 4304, "projection_dim": 2048}
+# The attention output reshape in compute_layer_complete assumes exactly this many heads.
+REQUIRED_NUM_HEADS = 8
+
+_PATCH_LOCK = threading.RLock()
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmaSize:
+    width: int
+    depth: int
+    mlp_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionSize:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    patch_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """Sizes of a pi0.5-architecture model that LeRobot does not know (the tiny preset)."""
+
+    vlm: GemmaSize
+    expert: GemmaSize
+    vision: VisionSize
+    vocab_size: int
+
+    def validate(self) -> None:
+        problems = []
+        for name, size in (("vlm", self.vlm), ("expert", self.expert)):
+            if size.num_heads != REQUIRED_NUM_HEADS:
+                problems.append(f"{name}.num_heads must be {REQUIRED_NUM_HEADS} (LeRobot reshapes "
+                                f"attention output with a hard-coded 8 * head_dim)")
+        if self.vlm.depth != self.expert.depth:
+            problems.append("vlm.depth and expert.depth must be equal (layers run in pairs)")
+        if (self.vlm.head_dim, self.vlm.num_kv_heads) != (self.expert.head_dim, self.expert.num_kv_heads):
+            problems.append("vlm and expert must share head_dim and num_kv_heads (joint attention)")
+        if problems:
+            raise ValueError("invalid model sizes: " + "; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Arch:
+        return cls(
+            vlm=GemmaSize(**raw["vlm"]),
+            expert=GemmaSize(**raw["expert"]),
+            vision=VisionSize(**raw["vision"]),
+            vocab_size=int(raw["vocab_size"]),
+        )
+
+
+def _modeling():
+    from lerobot.policies.pi05 import modeling_pi05
+
+    return modeling_pi05
+
+
+@contextlib.contextmanager
+def _patched(module: Any, replacements: dict[str, Any]) -> Iterator[None]:
+    originals = {}
+    try:
+        for name, value in replacements.items():
+            originals[name] = getattr(module, name)  # AttributeError: LeRobot changed (tested)
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in originals.items():
+            setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def sized_construction(arch: Arch | None) -> Iterator[None]:
+    """Within this block, `PI05Policy(config)` builds a model of `arch`'s sizes (None: LeRobot's)."""
+    if arch is None:
+        yield
+        return
+    arch.validate()
+    m = _modeling()
+    real_vlm_cls = m.PaliGemmaForConditionalGenerationWithPiGemma
+    real_expert_cls = m.PiGemmaForCausalLM
+    real_gemma_config_cls = m.GemmaConfig
+
+    def get_gemma_config(variant: str):
+        size = {"gemma_2b": arch.vlm, "gemma_300m": arch.expert}.get(variant)
+        if size is None:
+            raise ValueError(f"unknown gemma variant {variant!r}")
+        return real_gemma_config_cls(**dataclasses.asdict(size))
+
+    def build_vlm(config):
+        v = arch.vision
+        config.vocab_size = arch.vocab_size
+        config._vocab_size = arch.vocab_size  # noqa: SLF001 (LeRobot sets it too)
+        config.image_token_index = arch.vocab_size
+        config.text_config.vocab_size = arch.vocab_size
+        config.projection_dim = arch.vlm.width
+        config.hidden_size = arch.vlm.width
+        vc = config.vision_config
+        vc.hidden_size = v.hidden_size
+        vc.intermediate_size = v.intermediate_size
+        vc.num_hidden_layers = v.num_hidden_layers
+        vc.num_attention_heads = v.num_attention_heads
+        vc.patch_size = v.patch_size
+        vc.projection_dim = arch.vlm.width
+        config.text_config.num_image_tokens = (vc.image_size // vc.patch_size) ** 2
+        return real_vlm_cls(config=config)
+
+    def build_expert(config):
+        config.vocab_size = arch.vocab_size
+        return real_expert_cls(config=config)
+
+    with _PATCH_LOCK, _patched(m, {
+        "get_gemma_config": get_gemma_config,
+        "PaliGemmaForConditionalGenerationWithPiGemma": build_vlm,
+        "PiGemmaForCausalLM": build_expert,
+    }):
+        yield
+
+
+def vlm_embedding_pair(policy) -> tuple[torch.nn.Linear, torch.nn.Embedding]:
+    paligemma = policy.model.paligemma_with_expert.paligemma
+    return paligemma.lm_head, paligemma.model.language_model.embed_tokens
+
+
+def tie_vlm_embeddings(policy) -> None:
+    """Make PaliGemma's lm_head share embed_tokens' weight (as its config declares)."""
+    lm_head, embed = vlm_embedding_pair(policy)
+    lm_head.weight = embed.weight
+
+
+def vlm_embeddings_tied(policy) -> bool:
+    lm_head, embed = vlm_embedding_pair(policy)
+    return lm_head.weight is embed.weight
+
+
+def build_on_meta(make: Any, config) -> Any:
+    """Run `make(config)` (PI05Policy) on the meta device: no memory is allocated."""
+    saved = config.device
+    config.device = "meta"
+    try:
+        with torch.device("meta"):
+            return make(config)
+    finally:
+        config.device = saved
+
+
+def pi05_processors(config, dataset_stats, tokenizer):
+    """LeRobot's own pi0.5 processor pipelines, with a local tokenizer object instead of the hub's."""
+    from lerobot.policies.pi05 import processor_pi05
+
+    real_step = processor_pi05.TokenizerProcessorStep
+
+    def tokenizer_step(**kwargs):
+        kwargs.pop("tokenizer_name", None)
+        return real_step(tokenizer=tokenizer, **kwargs)
+
+    with _PATCH_LOCK, _patched(processor_pi05, {"TokenizerProcessorStep": tokenizer_step}):
+        return processor_pi05.make_pi05_pre_post_processors(config, dataset_stats=dataset_stats)
+
+
+def structure_problems() -> list[str]:
+    """Every assumption above checked against the installed LeRobot; empty list: all hold."""
+    problems: list[str] = []
+    try:
+        m = _modeling()
+        from lerobot.policies.pi05 import processor_pi05
+    except Exception as exc:  # pragma: no cover - import failure is itself the report
+        return [f"cannot import lerobot.policies.pi05: {exc}"]
+    for name in ("get_gemma_config", "GemmaConfig", "PaliGemmaWithExpertModel", "PI05Pytorch",
+                 "PaliGemmaForConditionalGenerationWithPiGemma", "PiGemmaForCausalLM",
+                 "compute_layer_complete", "PI05Policy"):
+        if not hasattr(m, name):
+            problems.append(f"modeling_pi05.{name} no longer exists")
+    if problems:
+        return problems
+    src_expert = inspect.getsource(m.PaliGemmaWithExpertModel.__init__)
+    for needle in ("PaliGemmaForConditionalGenerationWithPiGemma(config=", "PiGemmaForCausalLM(config=",
+                   "CONFIG_MAPPING[\"paligemma\"]()", "257152", "4304", "2048"):
+        if needle not in src_expert:
+            problems.append(f"PaliGemmaWithExpertModel.__init__ no longer contains {needle!r}")
+    src_core = inspect.getsource(m.PI05Pytorch.__init__)
+    for needle in ("get_gemma_config(config.paligemma_variant)",
+                   "get_gemma_config(config.action_expert_variant)", "PaliGemmaWithExpertModel("):
+        if needle not in src_core:
+            problems.append(f"PI05Pytorch.__init__ no longer contains {needle!r}")
+    params = inspect.signature(m.GemmaConfig.__init__).parameters
+    for field in ("width", "depth", "mlp_dim", "num_heads", "num_kv_heads", "head_dim"):
+        if field not in params:
+            problems.append(f"modeling_pi05.GemmaConfig no longer takes {field!r}")
+    if "8 * head_dim" not in inspect.getsource(m.compute_layer_complete):
+        problems.append("compute_layer_complete no longer hard-codes 8 heads: revisit REQUIRED_NUM_HEADS")
+    if "self.model.to(config.device)" not in inspect.getsource(m.PI05Policy.__init__):
+        problems.append("PI05Policy.__init__ no longer ends with self.model.to(config.device)")
+    if not hasattr(processor_pi05, "TokenizerProcessorStep"):
+        problems.append("processor_pi05.TokenizerProcessorStep no longer exists")
+    elif "TokenizerProcessorStep(" not in inspect.getsource(processor_pi05.make_pi05_pre_post_processors):
+        problems.append("make_pi05_pre_post_processors no longer builds a TokenizerProcessorStep")
+    return problems
