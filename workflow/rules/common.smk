@@ -8,7 +8,9 @@ from pisft import config as pisft_config
 from pisft.workflow import snakemake_support as support
 
 # Commands run `python -m pisft ...`; make `python` the interpreter that runs Snakemake.
-os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+os.environ["PATH"] = os.pathsep.join(
+    [str(Path(sys.executable).parent), os.environ.get("PATH", "")]
+)
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 CFG, CONFIG_FILE = support.validated_config(config, workflow)

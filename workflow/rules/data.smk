@@ -3,13 +3,13 @@ if CFG.uses_demo_data:
     rule demo_recap:
         output:
             directory(CFG.data.recap_dir),
-        params:
-            config=CONFIG_FILE,
-            tracked=tracked("demo_recap"),
         log:
             f"{LOGS}/demo_recap.log",
         benchmark:
             f"{BENCH}/demo_recap.tsv"
+        params:
+            config=CONFIG_FILE,
+            tracked=tracked("demo_recap"),
         shell:
             "python -m pisft demo_recap --config {params.config} --log {log}"
 
@@ -19,12 +19,12 @@ rule convert_recap:
         CFG.data.recap_dir,
     output:
         directory(f"{RESULTS}/dataset"),
-    params:
-        config=CONFIG_FILE,
-        tracked=tracked("convert_recap"),
     log:
         f"{LOGS}/convert_recap.log",
     benchmark:
         f"{BENCH}/convert_recap.tsv"
+    params:
+        config=CONFIG_FILE,
+        tracked=tracked("convert_recap"),
     shell:
         "python -m pisft convert_recap --config {params.config} --log {log}"

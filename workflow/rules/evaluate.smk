@@ -8,12 +8,12 @@ rule evaluate:
         metrics=f"{RESULTS}/eval/metrics.json",
         report=f"{RESULTS}/eval/report.md",
         loss_plot=f"{RESULTS}/eval/loss.png",
-    params:
-        config=CONFIG_FILE,
-        tracked=tracked("evaluate"),
     log:
         f"{LOGS}/evaluate.log",
     benchmark:
         f"{BENCH}/evaluate.tsv"
+    params:
+        config=CONFIG_FILE,
+        tracked=tracked("evaluate"),
     shell:
         "python -m pisft evaluate --config {params.config} --log {log}"

@@ -9,14 +9,16 @@ rule smoke_1card:
         f"{RESULTS}/dataset",
     output:
         f"{RESULTS}/smoke/report.json",
-    params:
-        config=CONFIG_FILE,
-        tracked=tracked("smoke_1card"),
     log:
         f"{LOGS}/smoke_1card.log",
     benchmark:
         f"{BENCH}/smoke_1card.tsv"
     threads: workflow.cores
+    resources:
+        **support.accelerator_resources(CFG, 1),
+    params:
+        config=CONFIG_FILE,
+        tracked=tracked("smoke_1card"),
     shell:
         "python -m pisft launch smoke_1card --config {params.config} --log {log}"
 
@@ -29,14 +31,16 @@ rule train_8card:
     output:
         model=directory(f"{RESULTS}/train/model"),
         metrics=f"{RESULTS}/train/metrics.jsonl",
-    params:
-        config=CONFIG_FILE,
-        tracked=tracked("train_8card"),
-        persist=f"{RESULTS}/checkpoints/train",
     log:
         f"{LOGS}/train_8card.log",
     benchmark:
         f"{BENCH}/train_8card.tsv"
     threads: workflow.cores
+    resources:
+        **support.accelerator_resources(CFG, CFG.train.nproc_per_node),
+    params:
+        config=CONFIG_FILE,
+        tracked=tracked("train_8card"),
+        persist=f"{RESULTS}/checkpoints/train",
     shell:
         "python -m pisft launch train_8card --config {params.config} --log {log}"

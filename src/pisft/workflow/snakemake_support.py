@@ -48,3 +48,17 @@ def tracked_params(config: dict, stage: str) -> dict:
     """The values of the config keys `stage` reads (validated config, defaults filled in)."""
     cfg = pisft_config.to_dict(pisft_config.from_dict(dict(config)))
     return {key: lookup(cfg, key) for key in STAGE_KEYS[stage]}
+
+
+def accelerator_resources(cfg: pisft_config.PisftConfig, nproc: int) -> dict:
+    """Resources a training rule asks for: a whole node's accelerators for the run.
+
+    `accelerators` is what the local scheduler counts; `gres` is what a cluster executor
+    (snakemake-executor-plugin-slurm) requests. On the CPU none are asked for. The launcher
+    also checks that the node really shows `nproc` devices, so a smaller allocation fails
+    loudly instead of shrinking the run.
+    """
+    kind = {"npu": "npu", "cuda": "gpu"}.get(cfg.device)
+    if kind is None:
+        return {"accelerators": 0}
+    return {"accelerators": nproc, "gres": f"{kind}:{nproc}"}
