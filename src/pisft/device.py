@@ -1,0 +1,252 @@
+"""The device layer: `auto | npu | cuda | cpu` -> backend, local device, process environment.
+
+Rules (DESIGN.md, "Training semantics"):
+- `npu` uses `torch_npu` and `torch.npu` explicitly. `torch_npu.contrib.transfer_to_npu` is never
+  imported: it rewrites `torch.cuda` globally and code then believes it runs on CUDA.
+- torch-npu is only imported when it is installed (it is never installed off Ascend: without
+  CANN it breaks `import torch`).
+- `LOCAL_RANK` (set by torchrun) picks the device of a process.
+- The Ascend runtime settings below are defaults: a value already in the user's environment wins.
+- Training processes get `JAX_PLATFORMS=cpu`: JAX, imported by some dependency only for
+  bookkeeping, must not try to start CUDA on an NPU host.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import resource
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from pisft.errors import DeviceError
+
+KINDS = ("npu", "cuda", "cpu")
+BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+
+# Ascend runtime defaults for training processes (each overridable by the user's environment).
+ASCEND_ENV_DEFAULTS: dict[str, str] = {
+    # Level-2 task queue: host-side operator dispatch pipelined with device execution.
+    "TASK_QUEUE_ENABLE": "2",
+    # Bind each process's operator-dispatch threads to CPU cores near its card (coarse binding).
+    "CPU_AFFINITY_CONF": "1",
+    # Expandable segments: less fragmentation of device memory with varying activation sizes.
+    "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+    # HCCL link set-up timeout (s): 8 processes loading a 3.6B model can take minutes to meet.
+    "HCCL_CONNECT_TIMEOUT": "1200",
+    # HCCL collective execution timeout (s): long enough for a checkpoint save between steps.
+    "HCCL_EXEC_TIMEOUT": "1800",
+}
+
+# Set for every training process, whatever the device (forced, not a default: no training
+# process needs a JAX accelerator, and a JAX that grabs CUDA/NPU crashes the run).
+TRAINING_ENV_FORCED: dict[str, str] = {"JAX_PLATFORMS": "cpu"}
+
+
+def _torch_npu_installed() -> bool:
+    if "torch_npu" in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec("torch_npu") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _import_torch_npu() -> ModuleType:
+    """Import torch_npu (which registers `torch.npu`) and return `torch.npu`."""
+    try:
+        importlib.import_module("torch_npu")
+    except Exception as exc:  # ImportError, or a broken CANN install raising anything
+        raise DeviceError(
+            "device 'npu' requested but torch_npu cannot be imported "
+            f"({type(exc).__name__}: {exc}). On an Ascend host: install torch-npu matching "
+            "torch 2.11 and CANN (see README, Ascend guide) and `source "
+            "/usr/local/Ascend/ascend-toolkit/set_env.sh`; elsewhere set `device: cpu` or `cuda`."
+        ) from None
+    npu = getattr(torch, "npu", None)
+    if npu is None:
+        raise DeviceError(
+            "torch_npu was imported but did not register torch.npu; check that torch-npu "
+            f"matches torch {torch.__version__}"
+        )
+    return npu
+
+
+def npu_module() -> ModuleType:
+    return _import_torch_npu()
+
+
+def _npu_available() -> bool:
+    if not _torch_npu_installed():
+        return False
+    try:
+        npu = _import_torch_npu()
+        return bool(npu.is_available()) and npu.device_count() > 0
+    except DeviceError:
+        return False
+
+
+def resolve_kind(requested: str) -> str:
+    """`auto | npu | cuda | cpu` -> the device kind to use here; DeviceError if unavailable."""
+    if requested == "auto":
+        if _npu_available():
+            return "npu"
+        if torch.cuda.is_available():
+            return "cuda"
+        return "cpu"
+    if requested == "npu":
+        npu = _import_torch_npu()
+        if not npu.is_available() or npu.device_count() == 0:
+            raise DeviceError(
+                "device 'npu' requested but no Ascend NPU is visible (torch.npu.is_available() "
+                "is False). Check `npu-smi info`, ASCEND_RT_VISIBLE_DEVICES and the CANN "
+                "environment; or set `device: cpu`."
+            )
+        return "npu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(
+                "device 'cuda' requested but torch.cuda.is_available() is False here. Check "
+                "`nvidia-smi`, CUDA_VISIBLE_DEVICES and that torch was built with CUDA; or set "
+                "`device: cpu`."
+            )
+        return "cuda"
+    if requested == "cpu":
+        return "cpu"
+    raise DeviceError(f"device: '{requested}' is not one of auto, npu, cuda, cpu")
+
+
+def backend_for(kind: str) -> str:
+    return BACKENDS[kind]
+
+
+def device_count(kind: str) -> int:
+    if kind == "npu":
+        return int(_import_torch_npu().device_count())
+    if kind == "cuda":
+        return torch.cuda.device_count()
+    return 1
+
+
+def local_rank(env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    value = env.get("LOCAL_RANK", "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise DeviceError(f"LOCAL_RANK='{value}' is not an integer (it is set by torchrun)") from None
+
+
+def local_device(kind: str, rank: int | None = None) -> torch.device:
+    """The device of this process (`npu:<LOCAL_RANK>`, `cuda:<LOCAL_RANK>` or cpu); selects it."""
+    rank = local_rank() if rank is None else rank
+    if kind == "cpu":
+        return torch.device("cpu")
+    count = device_count(kind)
+    if rank >= count:
+        raise DeviceError(
+            f"LOCAL_RANK {rank} has no {kind} device: only {count} visible on this host; lower "
+            f"train.nproc_per_node to at most {count}"
+        )
+    if kind == "npu":
+        _import_torch_npu().set_device(rank)
+        return torch.device(f"npu:{rank}")
+    torch.cuda.set_device(rank)
+    return torch.device(f"cuda:{rank}")
+
+
+def process_env(kind: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for training processes: `base` plus device defaults (base wins)."""
+    env = dict(os.environ if base is None else base)
+    if kind == "npu":
+        for key, value in ASCEND_ENV_DEFAULTS.items():
+            env.setdefault(key, value)
+    env.update(TRAINING_ENV_FORCED)
+    return env
+
+
+def apply_process_env(kind: str) -> dict[str, str]:
+    """Inside a training process: set the defaults that are missing; return what was set."""
+    wanted = process_env(kind, os.environ)
+    changed = {k: v for k, v in wanted.items() if os.environ.get(k) != v}
+    os.environ.update(changed)
+    return changed
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    kind: str
+    backend: str
+    device: torch.device
+    name: str
+
+
+def device_name(kind: str, device: torch.device) -> str:
+    if kind == "npu":
+        return str(_import_torch_npu().get_device_name(device.index or 0))
+    if kind == "cuda":
+        return torch.cuda.get_device_name(device.index or 0)
+    return "cpu"
+
+
+def setup(requested: str) -> DeviceInfo:
+    """For a training process: resolve the device, apply the environment, select the device."""
+    kind = resolve_kind(requested)
+    apply_process_env(kind)
+    dev = local_device(kind)
+    return DeviceInfo(kind=kind, backend=backend_for(kind), device=dev, name=device_name(kind, dev))
+
+
+def _accel(kind: str) -> ModuleType | None:
+    if kind == "npu":
+        return _import_torch_npu()
+    if kind == "cuda":
+        return torch.cuda
+    return None
+
+
+def synchronize(kind: str) -> None:
+    accel = _accel(kind)
+    if accel is not None:
+        accel.synchronize()
+
+
+def reset_peak_memory(kind: str) -> None:
+    accel = _accel(kind)
+    if accel is not None:
+        accel.reset_peak_memory_stats()
+
+
+def peak_memory_bytes(kind: str) -> int:
+    """Peak device memory allocated by this process (CPU: peak resident set size)."""
+    accel = _accel(kind)
+    if accel is not None:
+        return int(accel.max_memory_allocated())
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss_kib) * (1 if sys.platform == "darwin" else 1024)
+
+
+def capacity_bytes(kind: str, device: torch.device) -> int | None:
+    """Total memory of the device; None on CPU (no fixed capacity to check against)."""
+    accel = _accel(kind)
+    if accel is None:
+        return None
+    return int(accel.get_device_properties(device.index or 0).total_memory)
+
+
+def fused_adamw_supported(kind: str) -> bool:
+    """Whether `torch.optim.AdamW(fused=True)` has a kernel for this device kind.
+
+    torch lists the device types with fused optimizer kernels; torch_npu renames the
+    PrivateUse1 backend to `npu`, so the NPU appears there when torch-npu provides them.
+    """
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # pragma: no cover - torch internals moved
+        return kind == "cuda"
+    return kind in _get_fused_kernels_supported_devices()

@@ -1,0 +1,147 @@
+"""Device layer: kinds, backends, LOCAL_RANK, environment; NPU via a stand-in torch_npu."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from pisft import device
+from pisft.errors import DeviceError
+
+# A stand-in for torch_npu, importable in a fresh interpreter: registers `torch.npu` and renames
+# the PrivateUse1 backend to "npu" the way the real package does. Never install torch-npu here.
+FAKE_TORCH_NPU = textwrap.dedent('''
+    import json, os, types
+    import torch
+    torch.utils.rename_privateuse1_backend("npu")
+    calls = []
+    npu = types.SimpleNamespace(
+        is_available=lambda: True,
+        device_count=lambda: 8,
+        set_device=lambda i: calls.append(("set_device", i)),
+        get_device_name=lambda i=0: "Ascend910B2",
+        synchronize=lambda: None,
+        reset_peak_memory_stats=lambda: None,
+        max_memory_allocated=lambda: 123,
+        get_device_properties=lambda i: types.SimpleNamespace(total_memory=64 * 2**30),
+        calls=calls,
+    )
+    torch.npu = npu
+''')
+
+
+@pytest.fixture
+def fake_npu_path(tmp_path: Path) -> Path:
+    pkg = tmp_path / "fake_npu" / "torch_npu"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_TORCH_NPU)
+    return pkg.parent
+
+
+def _run_with_fake_npu(fake_npu_path: Path, code: str, **env_extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in device.ASCEND_ENV_DEFAULTS and k != "JAX_PLATFORMS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(fake_npu_path), env.get("PYTHONPATH", "")])
+    env.update(env_extra)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_cpu_kind_backend_and_device():
+    assert device.resolve_kind("cpu") == "cpu"
+    assert device.backend_for("cpu") == "gloo"
+    assert device.backend_for("cuda") == "nccl"
+    assert device.backend_for("npu") == "hccl"
+    assert device.local_device("cpu", 1) == torch.device("cpu")
+    assert device.capacity_bytes("cpu", torch.device("cpu")) is None
+    assert device.peak_memory_bytes("cpu") > 0
+
+
+def test_missing_cuda_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match="cuda.*device: cpu"):
+        device.resolve_kind("cuda")
+    assert device.resolve_kind("auto") in ("npu", "cpu")
+
+
+def test_missing_torch_npu_is_a_clear_error(monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    real_import = __import__("importlib").import_module
+
+    def fake_import(name, *a, **k):
+        if name == "torch_npu":
+            raise ImportError("No module named 'torch_npu'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(device.importlib, "import_module", fake_import)
+    with pytest.raises(DeviceError, match="torch_npu cannot be imported.*set_env.sh"):
+        device.resolve_kind("npu")
+
+
+def test_npu_without_visible_cards_is_a_clear_error(monkeypatch):
+    fake = types.ModuleType("torch_npu")
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: False,
+                                                            device_count=lambda: 0),
+                        raising=False)
+    with pytest.raises(DeviceError, match="no Ascend NPU is visible"):
+        device.resolve_kind("npu")
+
+
+def test_local_rank_beyond_devices(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: True,
+                                                            device_count=lambda: 2),
+                        raising=False)
+    with pytest.raises(DeviceError, match="LOCAL_RANK 5 has no npu device.*at most 2"):
+        device.local_device("npu", 5)
+
+
+def test_process_env_defaults_and_overrides():
+    env = device.process_env("cpu", {"PATH": "/bin", "JAX_PLATFORMS": "cuda"})
+    assert env["JAX_PLATFORMS"] == "cpu"  # forced for training processes
+    assert "TASK_QUEUE_ENABLE" not in env
+    env = device.process_env("npu", {"TASK_QUEUE_ENABLE": "1"})
+    assert env["TASK_QUEUE_ENABLE"] == "1"  # the user's value wins
+    for key, value in device.ASCEND_ENV_DEFAULTS.items():
+        if key != "TASK_QUEUE_ENABLE":
+            assert env[key] == value
+    assert env["JAX_PLATFORMS"] == "cpu"
+
+
+def test_npu_branches_with_stand_in_torch_npu(fake_npu_path):
+    result = _run_with_fake_npu(fake_npu_path, """
+        import json, os, sys
+        import torch
+        from pisft import device
+        info = device.setup("auto")
+        print(json.dumps({
+            "kind": info.kind, "backend": info.backend, "device": str(info.device),
+            "name": info.name, "calls": torch.npu.calls,
+            "env": {k: os.environ.get(k) for k in list(device.ASCEND_ENV_DEFAULTS) + ["JAX_PLATFORMS"]},
+            "fused": device.fused_adamw_supported("npu"),
+            "capacity": device.capacity_bytes("npu", info.device),
+            "transfer_to_npu": any("transfer_to_npu" in m for m in sys.modules),
+        }))
+    """, LOCAL_RANK="3", HCCL_EXEC_TIMEOUT="999")
+    assert result["kind"] == "npu"
+    assert result["backend"] == "hccl"
+    assert result["device"] == "npu:3"
+    assert result["calls"] == [["set_device", 3]]
+    assert result["name"] == "Ascend910B2"
+    assert result["env"]["TASK_QUEUE_ENABLE"] == device.ASCEND_ENV_DEFAULTS["TASK_QUEUE_ENABLE"]
+    assert result["env"]["HCCL_EXEC_TIMEOUT"] == "999"
+    assert result["env"]["JAX_PLATFORMS"] == "cpu"
+    assert result["fused"] is True
+    assert result["capacity"] == 64 * 2**30
+    assert result["transfer_to_npu"] is False
