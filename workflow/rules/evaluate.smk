@@ -6,8 +6,16 @@ rule evaluate:
         f"{RESULTS}/train/metrics.jsonl",
     output:
         metrics=f"{RESULTS}/eval/metrics.json",
-        report=f"{RESULTS}/eval/report.md",
-        loss_plot=f"{RESULTS}/eval/loss.png",
+        report=report(
+            f"{RESULTS}/eval/report.md",
+            caption="../report/eval_report.rst",
+            category="Evaluation",
+        ),
+        loss_plot=report(
+            f"{RESULTS}/eval/loss.png",
+            caption="../report/loss.rst",
+            category="Training",
+        ),
     log:
         f"{LOGS}/evaluate.log",
     benchmark:
