@@ -91,7 +91,13 @@ def _summary(cfg: config_mod.PisftConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with tee_output(getattr(args, "log", None)):
-        return _run(args)
+        try:
+            return _run(args)
+        except Exception:  # a bug, not a user error: show the traceback in the log too
+            import traceback
+
+            traceback.print_exc()
+            return 1
 
 
 def _run(args: argparse.Namespace) -> int:
