@@ -1,0 +1,135 @@
+"""Day-to-day behaviour of both drivers: reruns after a change or a failure, locks, DVC."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from conftest import BIN, copy_project, run, tool_env
+
+pytestmark = pytest.mark.integration
+
+JOB = re.compile(r"^(?:local)?rule (\w+):", re.M)
+
+
+def clone_run(src: Path, dest: Path) -> Path:
+    """A copy of a finished run (results + Snakemake metadata), timestamps preserved."""
+    shutil.copytree(src, dest, symlinks=True)
+    return dest
+
+
+def set_key(work: Path, dotted: str, value) -> None:
+    path = work / "config/config.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    node = cfg
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        node = node[p]
+    node[leaf] = value
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def planned_jobs(work: Path, *targets: str) -> set[str]:
+    out = run(["snakemake", "-n", "--cores", "2", *targets], work).stdout
+    return set(JOB.findall(out)) - {"all"}
+
+
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("train.steps", 12, {"train_8card", "evaluate"}),
+        ("eval.batch_size", 4, {"evaluate"}),
+        ("data.success_only", True, {"convert_recap", "smoke_1card", "train_8card", "evaluate"}),
+        ("model.init_seed", 1, {"fetch_base", "smoke_1card", "train_8card", "evaluate"}),
+    ],
+)
+def test_snakemake_reruns_exactly_what_reads_a_changed_key(default_pipeline, tmp_path, key, value, expected):
+    work = clone_run(default_pipeline, tmp_path / "w")
+    assert planned_jobs(work) == set()
+    set_key(work, key, value)
+    assert planned_jobs(work) == expected
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _complete_checkpoints(work: Path) -> list[Path]:
+    root = work / "results/checkpoints/train"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _training_workers(root_pid: int) -> list[psutil.Process]:
+    try:
+        procs = psutil.Process(root_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    return [p for p in procs if "pisft.train" in " ".join(p.cmdline())]
+
+
+def test_failed_training_reruns_alone_and_resumes(default_pipeline, tmp_path):
+    work = clone_run(default_pipeline, tmp_path / "w")
+    shutil.rmtree(work / "results/checkpoints/train")
+    set_key(work, "train.steps", 160)  # retrain: only train_8card and evaluate are due
+    upstream = {p: p.stat().st_mtime for p in (work / "results/dataset").rglob("*") if p.is_file()}
+    proc = subprocess.Popen([str(BIN / "snakemake"), "--cores", "2", "train_8card"], cwd=work,
+                            env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(lambda: _complete_checkpoints(work), 600, "a first checkpoint")
+    workers = _wait_for(lambda: _training_workers(proc.pid), 60, "training workers")
+    workers[-1].send_signal(signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert not (work / "results/train/model").exists(), "a failed stage must leave no finished-looking output"
+    assert not (work / "results/eval/metrics.json").exists(), "the stale evaluation must be gone"
+    assert _complete_checkpoints(work), "checkpoints survive the failure"
+
+    # The Snakemake 9 trap does not bite: the whole DAG still knows training must rerun.
+    assert planned_jobs(work) == {"train_8card", "evaluate"}
+    rerun = run(["snakemake", "--cores", "2", "train_8card"], work)
+    log = (work / "results/logs/train_8card.log").read_text()
+    assert re.search(r"resum\w* from .*step", log, re.I), log[-2000:]
+    assert "convert_recap" not in set(JOB.findall(rerun.stdout))
+    assert upstream == {p: p.stat().st_mtime for p in upstream}, "upstream outputs untouched"
+    assert len((work / "results/train/metrics.jsonl").read_text().splitlines()) == 160
+    run(["snakemake", "--cores", "2"], work)
+    assert json.loads((work / "results/eval/metrics.json").read_text())["finetuned"]["action_mse"] > 0
+
+
+def test_killed_snakemake_is_recovered_with_unlock_and_rerun_incomplete(default_pipeline, tmp_path):
+    work = clone_run(default_pipeline, tmp_path / "w")
+    set_key(work, "train.steps", 160)
+    proc = subprocess.Popen([str(BIN / "snakemake"), "--cores", "2", "train_8card"], cwd=work,
+                            env=tool_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    _wait_for(lambda: _training_workers(proc.pid), 120, "training workers")
+    time.sleep(2)
+    for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=60)
+    locked = run(["snakemake", "--cores", "2", "train_8card"], work, check=False)
+    assert locked.returncode != 0 and "--unlock" in locked.stdout + locked.stderr
+    run(["snakemake", "--unlock"], work)
+    incomplete = run(["snakemake", "--cores", "2", "train_8card"], work, check=False)
+    assert incomplete.returncode != 0 and "--rerun-incomplete" in incomplete.stdout + incomplete.stderr
+    run(["snakemake", "--cores", "2", "--rerun-incomplete", "train_8card"], work)
+    assert len((work / "results/train/metrics.jsonl").read_text().splitlines()) == 160
