@@ -20,6 +20,9 @@ def tool_env() -> dict:
     env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
     env["PYTHONUNBUFFERED"] = "1"
     env["HF_HUB_OFFLINE"] = "1"
+    for who in ("AUTHOR", "COMMITTER"):  # dvc exp and git commits in scratch repos
+        env.setdefault(f"GIT_{who}_NAME", "pisft-tests")
+        env.setdefault(f"GIT_{who}_EMAIL", "tests@pisft.invalid")
     return env
 
 

@@ -3,7 +3,8 @@
 Each rule becomes a stage with the same command, its inputs as deps, the config keys it
 tracks as params, and its outputs as outs. Conventions read from the rules:
 - an output named `metrics` ending in `.json` is a DVC metric (not cached);
-- an output ending in `.png` is a DVC plot; `.jsonl`/`.csv` step logs are plots too;
+- an output ending in `.png`, or a `.csv` table, is a DVC plot (DVC cannot plot JSON lines:
+  the per-step `.jsonl` log is an uncached out, and evaluate writes CSV tables for plots);
 - `params.persist` paths (training checkpoints) are outs with `persist: true, cache: false`,
   so `dvc repro` neither deletes nor caches them and a rerun resumes from them.
 """
@@ -37,8 +38,10 @@ def stage_for(rule: RuleSpec) -> dict:
             metrics.append({path: {"cache": False}})
         elif path.endswith(".png"):
             plots.append(path)
-        elif path.endswith((".jsonl", ".csv")) and name == "metrics":
+        elif path.endswith(".csv"):
             plots.append({path: {"cache": False}})
+        elif path.endswith(".jsonl"):
+            outs.append({path: {"cache": False}})
         else:
             outs.append(path)
     outs.extend({p: {"persist": True, "cache": False}} for p in rule.persist)
