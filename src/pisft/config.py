@@ -92,6 +92,9 @@ class TrainConfig:
     # Peak dense bf16 FLOP/s of one device for MFU; 0 looks the device up in a table.
     peak_flops: float = 0.0
     num_workers: int = 0
+    # Also write the per-step metrics as TensorBoard scalars (results/checkpoints/train/tensorboard;
+    # needs the `tensorboard` package).
+    tensorboard: bool = False
 
 
 @dataclass
