@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from conftest import copy_project, run
+from conftest import run
 
 pytestmark = pytest.mark.integration
 
@@ -35,21 +35,3 @@ def test_snakemake_runs_the_whole_dag_and_it_learns(default_pipeline):
 def test_second_snakemake_call_does_no_work(default_pipeline):
     out = run(["snakemake", "--cores", "2"], default_pipeline)
     assert "Nothing to be done" in out.stdout + out.stderr
-
-
-def test_dvc_repro_runs_the_dag_then_is_up_to_date(tmp_path):
-    work = copy_project(tmp_path / "dvc", git=True)
-    cfg_path = work / "config/config.yaml"
-    cfg = yaml.safe_load(cfg_path.read_text())
-    cfg["train"]["steps"] = 6
-    cfg["train"]["save_every"] = 3
-    cfg["smoke"]["steps"] = 2
-    cfg["data"]["demo_episodes_per_task"] = 2
-    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    run(["dvc", "repro"], work)
-    assert (work / "results/eval/metrics.json").is_file()
-    assert len((work / "results/train/metrics.jsonl").read_text().splitlines()) == 6
-    again = run(["dvc", "repro"], work)
-    assert "up to date" in again.stdout.lower()
-    status = run(["dvc", "status"], work)
-    assert "up to date" in status.stdout.lower()
