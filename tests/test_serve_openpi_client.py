@@ -1,0 +1,230 @@
+"""`pisft serve` with a real tiny model, driven by the real `openpi-client` from PyPI.
+
+openpi-client needs numpy<2, so it cannot share the project's environment: the test builds a
+small virtual environment for it (once; cached under build/, or $PISFT_OPENPI_CLIENT_VENV)
+with the pyenv Python 3.12 (or this interpreter), as openpi's own LIBERO example keeps its
+client in an environment of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pisft.serve.libero_policy import LiberoPolicy
+
+ROOT = Path(__file__).resolve().parents[1]
+# openpi-client 0.1.2 imports typing_extensions without declaring it.
+CLIENT_REQUIREMENTS = ["openpi-client==0.1.2", "numpy==1.26.4", "typing-extensions==4.16.0"]
+PYENV_PYTHON = Path("/root/.pyenv/versions/3.12.1/bin/python3.12")
+
+
+def _base_python() -> str:
+    return str(PYENV_PYTHON) if PYENV_PYTHON.is_file() else sys.executable
+
+
+def openpi_client_python() -> Path:
+    """The interpreter of the openpi-client environment; built if missing (atomic rename)."""
+    root = Path(os.environ.get("PISFT_OPENPI_CLIENT_VENV", ROOT / "build" / "openpi-client-venv"))
+    python = root / "bin" / "python"
+    stamp = root / "pisft-requirements.txt"
+    wanted = "\n".join(CLIENT_REQUIREMENTS) + "\n"
+    if python.exists() and stamp.is_file() and stamp.read_text() == wanted:
+        return python
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
+    try:
+        subprocess.run([_base_python(), "-m", "venv", str(tmp)], check=True, capture_output=True)
+        proc = subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "install", "--quiet",
+                               "--disable-pip-version-check", *CLIENT_REQUIREMENTS],
+                              capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"installing {CLIENT_REQUIREMENTS} failed:\n{proc.stderr[-3000:]}")
+        (tmp / stamp.name).write_text(wanted)
+        if root.exists():
+            shutil.rmtree(root)
+        tmp.rename(root)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return python
+
+
+def write_tiny_model(out: Path) -> Path:
+    """A tiny pi0.5 in the exported layout, with normalisation stats."""
+    from pisft.model.policy import build_policy, save_model
+    from pisft.model.tokenizer import save_tiny_tokenizer
+
+    tok = out / "tokenizer-src"
+    tok.mkdir(parents=True)
+    save_tiny_tokenizer(tok)
+    stats = {
+        "observation.state": {"q01": np.full(8, -1.0, np.float32), "q99": np.full(8, 1.0, np.float32),
+                              "mean": np.zeros(8, np.float32), "std": np.ones(8, np.float32)},
+        "action": {"q01": np.linspace(-1, 0, 7).astype(np.float32), "q99": np.linspace(1, 3, 7).astype(np.float32),
+                   "mean": np.zeros(7, np.float32), "std": np.ones(7, np.float32)},
+    }
+    model = out / "model"
+    model.mkdir()
+    save_model(build_policy("tiny", seed=0), model, tokenizer_dir=tok, dataset_stats=stats)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("serve_model"))
+
+
+def libero_request(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "observation/image": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8),
+        "observation/wrist_image": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8),
+        "observation/state": rng.uniform(-1, 1, 8),
+        "prompt": "put the bowl on the plate",
+    }
+
+
+def test_libero_policy_is_reproducible_and_in_raw_units(tiny_model):
+    policy = LiberoPolicy.from_model_dir(tiny_model, device="cpu", seed=3)
+    assert policy.metadata["action_horizon"] == 10 and policy.metadata["action_dim"] == 7
+    first = policy.infer(libero_request())["actions"]
+    second = policy.infer(libero_request())["actions"]
+    assert first.shape == (10, 7) and first.dtype == np.float32
+    assert not np.array_equal(first, second)  # fresh noise for the next request
+    policy.reset(3)
+    np.testing.assert_array_equal(policy.infer(libero_request())["actions"], first)
+    # raw units: the postprocessor maps the model's [-1, 1] onto [q01, q99] of each dimension
+    p = policy.predictor
+    batch = {k: v for k, v in p.preprocessor({
+        "observation.images.base_0_rgb": torch.rand(1, 3, 8, 8),
+        "observation.images.left_wrist_0_rgb": torch.rand(1, 3, 8, 8),
+        "observation.state": torch.zeros(1, 8), "task": ["x"]}).items()}
+    norm = p.policy.predict_action_chunk(batch, noise=torch.zeros(1, 10, 32))
+    raw = p.postprocessor(norm)
+    q01, q99 = np.linspace(-1, 0, 7), np.linspace(1, 3, 7)
+    np.testing.assert_allclose(raw[0].numpy(), (norm[0].numpy() + 1) / 2 * (q99 - q01) + q01, atol=1e-5)
+
+
+def test_a_model_without_stats_needs_a_dataset(tmp_path, tiny_model):
+    from pisft.errors import ModelLoadError
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model, bare)
+    (bare / "normalization_stats.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="--dataset"):
+        LiberoPolicy.from_model_dir(bare, device="cpu")
+
+
+CLIENT_SCRIPT = r"""
+import json, sys
+import numpy as np
+from openpi_client import image_tools, websocket_client_policy
+
+host, port = sys.argv[1], int(sys.argv[2])
+rng = np.random.default_rng(0)
+def element():
+    img = rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)[::-1, ::-1]
+    img = image_tools.convert_to_uint8(image_tools.resize_with_pad(np.ascontiguousarray(img), 224, 224))
+    return {"observation/image": img, "observation/wrist_image": img.copy(),
+            "observation/state": rng.uniform(-0.5, 0.5, 8),  # float64, as LIBERO's obs give it
+            "prompt": "pick up the black bowl and place it on the plate"}
+
+out = {"numpy": np.__version__}
+client = websocket_client_policy.WebsocketClientPolicy(host, port)
+out["metadata"] = client.get_server_metadata()
+good = element()
+first = client.infer(good)
+out["actions_shape"] = list(first["actions"].shape)
+out["actions_dtype"] = str(first["actions"].dtype)
+out["actions_finite"] = bool(np.isfinite(first["actions"]).all())
+out["server_timing"] = sorted(first.get("server_timing", {}))
+bad = dict(good)
+bad["observation/state"] = np.zeros(5)
+try:
+    client.infer(bad)
+    out["bad_error"] = None
+except RuntimeError as exc:
+    out["bad_error"] = str(exc)
+missing = {k: v for k, v in good.items() if k != "observation/wrist_image"}
+try:
+    client.infer(missing)
+    out["missing_error"] = None
+except RuntimeError as exc:
+    out["missing_error"] = str(exc)
+again = client.infer(good)  # same connection, after two errors
+out["again_shape"] = list(again["actions"].shape)
+client2 = websocket_client_policy.WebsocketClientPolicy(host, port)  # and a new connection
+out["second_client_shape"] = list(client2.infer(good)["actions"].shape)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _start_server(model: Path) -> tuple[subprocess.Popen, int, queue.Queue]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "pisft.serve.server", "--model", str(model),
+                             "--host", "127.0.0.1", "--port", "0", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    seen = []
+    while True:
+        try:
+            line = lines.get(timeout=120)
+        except queue.Empty:
+            proc.kill()
+            raise AssertionError("server did not start:\n" + "".join(seen)) from None
+        seen.append(line)
+        match = re.search(r"ws://127\.0\.0\.1:(\d+)", line)
+        if match:
+            return proc, int(match.group(1)), lines
+        if proc.poll() is not None:
+            raise AssertionError("server exited:\n" + "".join(seen))
+
+
+def test_openpi_client_gets_an_action_chunk_and_errors_keep_the_server_up(tiny_model):
+    client_python = openpi_client_python()
+    server, port, lines = _start_server(tiny_model)
+    try:
+        script = Path(tempfile.mkdtemp()) / "client.py"
+        script.write_text(CLIENT_SCRIPT)
+        proc = subprocess.run([str(client_python), str(script), "127.0.0.1", str(port)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+        assert result["numpy"].startswith("1.")  # the client really runs with numpy<2
+        assert result["metadata"]["action_horizon"] == 10 and result["metadata"]["action_dim"] == 7
+        assert result["actions_shape"] == [10, 7] and result["actions_dtype"] == "float32"
+        assert result["actions_finite"] and result["server_timing"] == ["infer_ms"]
+        assert "observation/state" in result["bad_error"] and "shape (8,)" in result["bad_error"]
+        assert "observation/wrist_image" in result["missing_error"]
+        assert result["again_shape"] == [10, 7] and result["second_client_shape"] == [10, 7]
+        assert server.poll() is None
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+    log = []
+    while not lines.empty():
+        log.append(lines.get())
+    assert server.returncode == 0, "".join(log)
+    assert "stopped after 5 requests (2 errors)" in "".join(log)
+
+
+def test_serve_refuses_a_missing_model_directory(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pisft.serve.server", "--model", str(tmp_path / "nope"),
+                           "--port", "0", "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "nope" in proc.stderr and "not found" in proc.stderr
