@@ -1,0 +1,399 @@
+"""`convert_recap`: RECAP-format LIBERO (LeRobot v2.0/v2.1/v3.0) -> pi0.5-ready LeRobot v3.0.
+
+Two passes over the input:
+
+1. metadata and every episode's non-image columns (cheap, column projection): the layout and
+   naming are detected, every episode is checked (`validate.check_episode`), the filters
+   (`data.success_only`, `data.tasks`) decide what is kept and why the rest is dropped, the
+   advantages side file is matched to the frames, and the train/eval split is drawn;
+2. the kept episodes' camera frames, on all cores (a thread pool; OpenCV and PyAV release the
+   GIL): every frame is decoded (a frame that does not decode, or has the wrong size, is an
+   error), resized when `data.image_size` asks for it, and the PNG bytes are passed through
+   untouched otherwise; the main thread writes episodes in order and computes statistics.
+
+The output is written into a temporary sibling directory and renamed at the end, so a failure
+leaves no output behind.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from pisft.config import PisftConfig, write_resolved
+from pisft.data import images as imgs
+from pisft.data import stats as st
+from pisft.data.libero import ACTION_DIM, CAMERAS, OUTPUT_NAMES, STATE_DIM, advantage_prompt
+from pisft.data.recap_reader import EpisodeRef, RecapSource
+from pisft.data.split import stratified_split
+from pisft.data.v30_writer import V30Writer
+from pisft.data.validate import check_episode
+from pisft.errors import DataError
+from pisft.io import atomic_dir, write_json_atomic
+
+STATE_NAMES = ["eef_x", "eef_y", "eef_z", "eef_ax", "eef_ay", "eef_az", "gripper_left", "gripper_right"]
+ACTION_NAMES = ["dx", "dy", "dz", "dax", "day", "daz", "gripper"]
+
+
+@dataclass
+class Options:
+    success_only: bool = False
+    tasks: list[str] = field(default_factory=list)
+    advantage_tag: str = ""
+    image_size: int = 0
+    eval_fraction: float = 0.2
+    split_seed: int = 0
+    workers: int = 0  # 0: every core this process may use
+
+    @classmethod
+    def from_config(cls, cfg: PisftConfig) -> Options:
+        d = cfg.data
+        return cls(success_only=d.success_only, tasks=[str(t) for t in d.tasks], advantage_tag=d.advantage_tag,
+                   image_size=d.image_size, eval_fraction=d.eval_fraction, split_seed=d.split_seed)
+
+    def n_workers(self) -> int:
+        if self.workers > 0:
+            return self.workers
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # pragma: no cover - not Linux
+            return max(1, os.cpu_count() or 1)
+
+
+@dataclass
+class _Kept:
+    ref: EpisodeRef
+    cols: dict[str, np.ndarray]
+    task_index: int
+    prompts: list[str]
+
+
+# ------------------------------------------------------------------------- pass 1
+
+def _resolve_tasks(src: RecapSource, wanted: list[str]) -> set[int] | None:
+    """data.tasks entries (task index or instruction text) -> source task indices."""
+    if not wanted:
+        return None
+    by_text = {t.strip().lower(): i for i, t in src.tasks.items()}
+    chosen: set[int] = set()
+    for entry in wanted:
+        text = str(entry).strip()
+        if text.lstrip("-").isdigit() and int(text) in src.tasks:
+            chosen.add(int(text))
+        elif text.lower() in by_text:
+            chosen.add(by_text[text.lower()])
+        else:
+            known = "; ".join(f"{i}: {t}" for i, t in sorted(src.tasks.items()))
+            raise DataError(f"data.tasks: '{entry}' is neither a task_index nor an instruction in "
+                            f"{src.where(src.tasks_path)}; known tasks: {known}")
+    return chosen
+
+
+def _episode_task(cols: dict[str, np.ndarray]) -> int:
+    return int(cols["task_index"][0])
+
+
+def _load_advantages(src: RecapSource, tag: str, lowdim: dict[int, dict[str, np.ndarray]]) -> dict[int, np.ndarray]:
+    """meta/advantages_<tag>.parquet -> episode -> bool per frame; rows must match the frames."""
+    path = src.root / "meta" / f"advantages_{tag}.parquet"
+    if not path.is_file():
+        found = sorted(p.name[len("advantages_"):-len(".parquet")] for p in (src.root / "meta").glob("advantages_*.parquet"))
+        raise DataError(f"{src.where(path)}: missing (data.advantage_tag is '{tag}'); tags present: "
+                        f"{found or 'none'}")
+    where = src.where(path)
+    names = pq.read_schema(path).names
+    for col in ("episode_index", "frame_index", "advantage"):
+        if col not in names:
+            raise DataError(f"{where}: column '{col}' is missing (found {names})")
+    table = pq.read_table(path, columns=["episode_index", "frame_index", "advantage"])
+    ep = table.column("episode_index").to_numpy(zero_copy_only=False).astype(np.int64)
+    fr = table.column("frame_index").to_numpy(zero_copy_only=False).astype(np.int64)
+    adv_col = table.column("advantage")
+    if adv_col.null_count:
+        raise DataError(f"{where}: column 'advantage' has {adv_col.null_count} null value(s)")
+    adv = adv_col.to_numpy(zero_copy_only=False).astype(bool)
+    order = np.lexsort((fr, ep))
+    ep, fr, adv = ep[order], fr[order], adv[order]
+    dup = (np.diff(ep) == 0) & (np.diff(fr) == 0)
+    if dup.any():
+        i = int(np.flatnonzero(dup)[0])
+        raise DataError(f"{where}: episode {ep[i]}, frame_index {fr[i]} appears more than once "
+                        "(columns 'episode_index', 'frame_index')")
+    unknown = sorted(set(np.unique(ep).tolist()) - set(lowdim))
+    if unknown:
+        raise DataError(f"{where}: column 'episode_index' has rows for episode(s) {unknown[:10]} that the "
+                        "dataset does not have; the side file belongs to another dataset?")
+    out: dict[int, np.ndarray] = {}
+    starts = np.searchsorted(ep, list(lowdim), side="left")
+    ends = np.searchsorted(ep, list(lowdim), side="right")
+    for (idx, cols), a, b in zip(lowdim.items(), starts, ends, strict=True):
+        n = len(cols["frame_index"])
+        frames = fr[a:b]
+        if len(frames) != n or not np.array_equal(frames, np.arange(n)):
+            missing = sorted(set(range(n)) - set(frames.tolist()))
+            extra = sorted(set(frames.tolist()) - set(range(n)))
+            raise DataError(f"{where}: episode {idx}, column 'frame_index': {len(frames)} row(s) for {n} frames"
+                            + (f"; missing frame_index {missing[:10]}" if missing else "")
+                            + (f"; frame_index {extra[:10]} beyond the episode" if extra else "")
+                            + "; the side file must have one row per frame")
+        out[idx] = adv[a:b]
+    return out
+
+
+def _select(src: RecapSource, lowdim: dict[int, dict[str, np.ndarray]], opts: Options
+            ) -> tuple[list[_Kept], list[dict]]:
+    wanted_tasks = _resolve_tasks(src, opts.tasks)
+    if opts.success_only and "is_success" not in src.names:
+        raise DataError(f"{src.where(src.info_path)}: data.success_only is set but the dataset has no "
+                        "'is_success' column; unset data.success_only or use rollout data")
+    advantages = _load_advantages(src, opts.advantage_tag, lowdim) if opts.advantage_tag else None
+    kept: list[_Kept] = []
+    dropped: list[dict] = []
+    for ref in src.episodes:
+        cols = lowdim[ref.episode_index]
+        task = _episode_task(cols)
+        reason = None
+        if wanted_tasks is not None and task not in wanted_tasks:
+            reason = "task_not_selected"
+        elif opts.success_only and not bool(cols["is_success"].any()):
+            reason = "not_successful"
+        if reason:
+            dropped.append({"source_episode_index": ref.episode_index, "task_index": task,
+                            "task": src.tasks[task], "frames": len(cols["frame_index"]), "reason": reason,
+                            "detail": _REASONS[reason]})
+            continue
+        frame_tasks = [src.tasks[int(t)] for t in cols["task_index"]]
+        if advantages is not None:
+            prompts = [advantage_prompt(t, a) for t, a in zip(frame_tasks, advantages[ref.episode_index], strict=True)]
+        else:
+            prompts = frame_tasks
+        kept.append(_Kept(ref, cols, task, prompts))
+    return kept, dropped
+
+
+_REASONS = {
+    "task_not_selected": "its task is not in data.tasks",
+    "not_successful": "data.success_only is set and is_success is never true in the episode",
+}
+
+
+# ------------------------------------------------------------------------- pass 2
+
+@dataclass
+class _Frames:
+    png: dict[str, list[bytes]]
+    sampled: dict[str, list[np.ndarray]]
+    shape: tuple[int, int, int]
+
+
+def _episode_frames(src: RecapSource, ref: EpisodeRef, n: int, image_size: int) -> _Frames:
+    """Decode, check (and resize) every camera frame of one episode; runs in a worker thread."""
+    sample = set(st.image_sample_indices(n))
+    png: dict[str, list[bytes]] = {}
+    sampled: dict[str, list[np.ndarray]] = {}
+    out_shape = None
+    for cam in CAMERAS:
+        col = src.names[cam]
+        declared = src.image_shape(cam)
+        where = f"{src.where(ref.data_file)}: episode {ref.episode_index}, column '{col}'"
+        frames_png: list[bytes] = []
+        frames_sampled: list[np.ndarray] = []
+        if src.video[cam]:
+            decoded = src.read_video_frames(ref, cam, n)
+            where = f"{src.where(ref.videos[cam][0])}: episode {ref.episode_index}, column '{col}'"
+            raw = None
+        else:
+            raw = src.read_png_bytes(ref, cam)
+            if len(raw) != n:  # pragma: no cover - same file as the low-dim columns
+                raise DataError(f"{where}: {len(raw)} images for {n} frames")
+            decoded = None
+        for i in range(n):
+            if raw is not None:
+                data = raw[i]
+                if not data:
+                    raise DataError(f"{where}, frame {i}: no image bytes; restore the frame")
+                try:
+                    img = imgs.decode_png(data)
+                except imgs.ImageDecodeError as exc:
+                    raise DataError(f"{where}, frame {i}: image does not decode: {exc}") from None
+            else:
+                img = decoded[i]  # type: ignore[index]
+            if img.shape != declared:
+                raise DataError(f"{where}, frame {i}: image is {'x'.join(map(str, img.shape))}, but "
+                                f"meta/info.json declares {'x'.join(map(str, declared))}")
+            if image_size and (img.shape[0] != image_size or img.shape[1] != image_size):
+                img = imgs.resize(img, image_size)
+                frames_png.append(imgs.encode_png(img))
+            elif raw is not None:
+                frames_png.append(raw[i])  # type: ignore[arg-type]
+            else:
+                frames_png.append(imgs.encode_png(img))
+            if i in sample:
+                frames_sampled.append(img)
+            out_shape = img.shape
+        png[OUTPUT_NAMES[cam]] = frames_png
+        sampled[OUTPUT_NAMES[cam]] = frames_sampled
+    return _Frames(png, sampled, out_shape)  # type: ignore[arg-type]
+
+
+def _ordered_results(pool: ThreadPoolExecutor, jobs: list[Callable[[], _Frames]], window: int) -> Iterator[_Frames]:
+    """Run jobs on the pool with at most `window` in flight; yield results in submission order."""
+    pending: list[Future] = []
+    it = iter(jobs)
+    for job in it:
+        pending.append(pool.submit(job))
+        if len(pending) >= window:
+            break
+    while pending:
+        fut = pending.pop(0)
+        try:
+            result = fut.result()
+        except BaseException:
+            for other in pending:
+                other.cancel()
+            raise
+        nxt = next(it, None)
+        if nxt is not None:
+            pending.append(pool.submit(nxt))
+        yield result
+
+
+def _output_features(shape: tuple[int, int, int]) -> dict:
+    img = {"dtype": "image", "shape": list(shape), "names": ["height", "width", "channel"]}
+    return {
+        OUTPUT_NAMES["image"]: dict(img),
+        OUTPUT_NAMES["wrist_image"]: dict(img),
+        OUTPUT_NAMES["state"]: {"dtype": "float32", "shape": [STATE_DIM], "names": STATE_NAMES},
+        OUTPUT_NAMES["actions"]: {"dtype": "float32", "shape": [ACTION_DIM], "names": ACTION_NAMES},
+    }
+
+
+def _check_output_shape(src: RecapSource, opts: Options) -> tuple[int, int, int]:
+    shapes = {cam: src.image_shape(cam) for cam in CAMERAS}
+    if opts.image_size:
+        return (opts.image_size, opts.image_size, 3)
+    if shapes["image"] != shapes["wrist_image"]:
+        raise DataError(f"{src.where(src.info_path)}: the cameras differ in size ({shapes['image']} vs "
+                        f"{shapes['wrist_image']}); set data.image_size to convert both to one size")
+    return shapes["image"]
+
+
+# ------------------------------------------------------------------------- entry points
+
+def convert_recap(src_dir: str | Path, out_dir: Path, opts: Options, cfg: PisftConfig | None = None) -> dict:
+    """Convert `src_dir` into `out_dir` (written atomically). Returns the conversion report."""
+    t0 = time.perf_counter()
+    src = RecapSource.open(src_dir)
+    out_shape = _check_output_shape(src, opts)
+    lowdim: dict[int, dict[str, np.ndarray]] = {}
+    for ref in src.episodes:
+        cols = src.read_lowdim(ref)
+        check_episode(src, ref, cols)
+        lowdim[ref.episode_index] = cols
+    if not src.episodes:
+        raise DataError(f"{src.where(src.episodes_path)}: lists no episodes; nothing to convert")
+    kept, dropped = _select(src, lowdim, opts)
+    frames_in = sum(len(c["frame_index"]) for c in lowdim.values())
+    if not kept:
+        reasons = Counter(d["reason"] for d in dropped)
+        raise DataError(f"{src.root}: nothing left to convert after filtering: all {len(src.episodes)} episodes "
+                        f"were dropped ({', '.join(f'{k}: {v}' for k, v in sorted(reasons.items()))}); "
+                        "relax data.success_only / data.tasks")
+    split = stratified_split({i: src.tasks[k.task_index] for i, k in enumerate(kept)},
+                             opts.eval_fraction, opts.split_seed)
+    t_meta = time.perf_counter()
+
+    prompt_index: dict[str, int] = {}
+    for k in kept:
+        for p in k.prompts:
+            prompt_index.setdefault(p, len(prompt_index))
+    out = Path(out_dir)
+    with atomic_dir(out) as tmp:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a dataset is meant to be shared
+        writer = V30Writer(tmp, _output_features(out_shape), src.fps, robot_type=src.info.get("robot_type"))
+        per_episode_stats: list[dict] = []
+        numeric_all: dict[str, list[np.ndarray]] = {}
+        jobs = [lambda k=k: _episode_frames(src, k.ref, len(k.cols["frame_index"]), opts.image_size) for k in kept]
+        workers = opts.n_workers()
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
+            for out_idx, (k, frames) in enumerate(zip(kept, _ordered_results(pool, jobs, 2 * workers), strict=True)):
+                n = len(k.cols["frame_index"])
+                start = writer.total_frames
+                numeric = {
+                    OUTPUT_NAMES["state"]: k.cols["state"].astype(np.float32),
+                    OUTPUT_NAMES["actions"]: k.cols["actions"].astype(np.float32),
+                    "timestamp": (np.arange(n) / src.fps).astype(np.float32),
+                    "frame_index": np.arange(n, dtype=np.int64),
+                    "episode_index": np.full(n, out_idx, dtype=np.int64),
+                    "index": np.arange(start, start + n, dtype=np.int64),
+                    "task_index": np.array([prompt_index[p] for p in k.prompts], dtype=np.int64),
+                }
+                ep_stats = st.episode_stats(numeric, frames.sampled)
+                writer.add_episode({**numeric, **frames.png}, sorted(set(k.prompts), key=prompt_index.get), ep_stats)
+                per_episode_stats.append(ep_stats)
+                for key, v in numeric.items():
+                    numeric_all.setdefault(key, []).append(v)
+        tasks_out = sorted(prompt_index, key=prompt_index.get)
+        stats = st.dataset_stats({k: np.concatenate(v) for k, v in numeric_all.items()}, per_episode_stats)
+        writer.finish(tasks_out, stats)
+        t_write = time.perf_counter()
+        report = _report(src, opts, lowdim, kept, dropped, split, frames_in, tasks_out, out_shape)
+        write_json_atomic(tmp / "split.json", split)
+        write_json_atomic(tmp / "conversion_report.json", report)
+        if cfg is not None:
+            write_resolved(cfg, tmp / "pisft_config.json")
+    frames_out = report["out"]["frames"]
+    total = time.perf_counter() - t0
+    report["_timing"] = {"total_s": total, "metadata_s": t_meta - t0, "frames_s": t_write - t_meta,
+                         "frames_per_s": frames_out / total if total > 0 else 0.0, "workers": workers}
+    return report
+
+
+def _report(src, opts, lowdim, kept, dropped, split, frames_in, tasks_out, out_shape) -> dict:
+    in_split = {i: name for name, ids in split.items() for i in ids}
+    success = "is_success" in src.names
+    episodes = []
+    for i, k in enumerate(kept):
+        episodes.append({
+            "episode_index": i, "source_episode_index": k.ref.episode_index, "task_index": k.task_index,
+            "task": src.tasks[k.task_index], "frames": len(k.cols["frame_index"]),
+            "success": bool(k.cols["is_success"].any()) if success else None, "split": in_split[i],
+        })
+    source_tasks = sorted({_episode_task(c) for c in lowdim.values()})
+    return {
+        "source": {"path": str(src.root), "codebase_version": src.version, "naming": src.naming,
+                   "image_storage": "video" if src.has_video else "png_in_parquet", "fps": src.fps,
+                   "image_shape": list(src.image_shape("image"))},
+        "options": {k: v for k, v in asdict(opts).items() if k != "workers"},
+        "in": {"episodes": len(lowdim), "frames": int(frames_in), "tasks": len(source_tasks)},
+        "out": {"episodes": len(kept), "frames": int(sum(e["frames"] for e in episodes)),
+                "tasks": len({k.task_index for k in kept}), "prompts": len(tasks_out),
+                "image_shape": list(out_shape), "train_episodes": len(split["train"]),
+                "eval_episodes": len(split["eval"])},
+        "dropped": dropped,
+        "dropped_by_reason": dict(sorted(Counter(d["reason"] for d in dropped).items())),
+        "episodes": episodes,
+    }
+
+
+def output_dir(cfg: PisftConfig) -> Path:
+    return cfg.results("dataset")
+
+
+def run(cfg: PisftConfig) -> Path:
+    out = output_dir(cfg)
+    report = convert_recap(cfg.data.recap_dir, out, Options.from_config(cfg), cfg)
+    t = report["_timing"]
+    print(f"convert_recap: {report['out']['episodes']}/{report['in']['episodes']} episodes, "
+          f"{report['out']['frames']} frames, {report['out']['tasks']} tasks "
+          f"({len(report['dropped'])} dropped) in {t['total_s']:.1f} s "
+          f"({t['frames_per_s']:.0f} frames/s, {t['workers']} workers) -> {out}")
+    return out

@@ -1,0 +1,83 @@
+"""Read the converted dataset (`results/dataset/`) for training and evaluation.
+
+- `load_stats(dataset_dir)`: LeRobot stats (min/max/mean/std/count/q01/q10/q50/q90/q99 per
+  feature) as numpy arrays, the `dataset_stats` LeRobot's normalisation processors take.
+- `split_episodes(dataset_dir)`: `{"train": [...], "eval": [...]}` episode indices.
+- `episode_tasks(dataset_dir)`: episode index -> task instruction (without any advantage suffix).
+- `load_split(dataset_dir, split, chunk_size=...)`: LeRobot's `LeRobotDataset` restricted to the
+  split's episodes; items carry the action chunk (`action` (chunk_size, 7), `action_is_pad`),
+  the cameras as float CHW in [0, 1], `observation.state` (8,) and `task` (the prompt).
+
+Everything is read from disk; nothing is ever downloaded (a missing file is a DataError).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from pisft.data.libero import REPO_ID
+from pisft.errors import DataError
+
+SPLITS = ("train", "eval")
+
+
+def _require(dataset_dir: Path, rel: str) -> Path:
+    path = Path(dataset_dir) / rel
+    if not path.exists():
+        raise DataError(f"{path}: missing; {dataset_dir} is not a converted dataset; run the convert_recap "
+                        "stage (python -m pisft convert_recap --config FILE)")
+    return path
+
+
+def load_stats(dataset_dir: str | Path) -> dict[str, dict[str, np.ndarray]]:
+    from lerobot.datasets.io_utils import load_stats as lerobot_load_stats
+
+    _require(Path(dataset_dir), "meta/stats.json")
+    stats = lerobot_load_stats(Path(dataset_dir))
+    assert stats is not None
+    return stats
+
+
+def split_episodes(dataset_dir: str | Path) -> dict[str, list[int]]:
+    path = _require(Path(dataset_dir), "split.json")
+    split = json.loads(path.read_text())
+    return {name: [int(i) for i in split[name]] for name in SPLITS}
+
+
+def episode_tasks(dataset_dir: str | Path) -> dict[int, str]:
+    report = json.loads(_require(Path(dataset_dir), "conversion_report.json").read_text())
+    return {int(e["episode_index"]): e["task"] for e in report["episodes"]}
+
+
+def fps(dataset_dir: str | Path) -> int:
+    return int(json.loads(_require(Path(dataset_dir), "meta/info.json").read_text())["fps"])
+
+
+def load_split(dataset_dir: str | Path, split: str, *, chunk_size: int):
+    """A LeRobotDataset over the episodes of `split` ("train" or "eval")."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    root = Path(dataset_dir)
+    for rel in ("meta/info.json", "meta/tasks.parquet", "meta/episodes", "data"):
+        _require(root, rel)
+    episodes = split_episodes(root)[split]
+    if not episodes:
+        raise DataError(f"{root / 'split.json'}: split '{split}' has no episodes; lower/raise data.eval_fraction "
+                        "or add episodes")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local root never needs the hub
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    rate = fps(root)
+    return LeRobotDataset(
+        repo_id=REPO_ID,
+        root=root,
+        episodes=episodes,
+        delta_timestamps={"action": [i / rate for i in range(chunk_size)]},
+        video_backend="pyav",  # images are stored as PNG; also skips torchcodec's noisy probe
+    )
