@@ -183,10 +183,10 @@ def generate(episodes_per_task: int, length: int, image_size: int, failure_fract
 
 def build(out_dir: Path, *, episodes_per_task: int, length: int, image_size: int, failure_fraction: float,
           seed: int, version: str = "v2.1", naming: str = "recap", video: bool = False,
-          workers: int | None = None) -> None:
+          workers: int | None = None, tasks: tuple[str, ...] = LIBERO_10_TASKS) -> None:
     """Generate and write a demo dataset into `out_dir` (an existing empty directory)."""
-    episodes = generate(episodes_per_task, length, image_size, failure_fraction, seed)
-    write_recap_dataset(out_dir, episodes, LIBERO_10_TASKS, version=version, naming=naming, video=video,
+    episodes = generate(episodes_per_task, length, image_size, failure_fraction, seed, tasks)
+    write_recap_dataset(out_dir, episodes, tasks, version=version, naming=naming, video=video,
                         side_tag=SIDE_TAG, fps=FPS, workers=workers if workers is not None else (os.cpu_count() or 1))
 
 
