@@ -145,16 +145,11 @@ def save_model(policy, out_dir: str | Path, *, tokenizer_dir: str | Path,
     `state_dict`: a full (unsharded) state dict to save instead of `policy.state_dict()`, e.g.
     gathered from an FSDP-sharded policy. The caller makes the directory atomic.
     """
-    from lerobot.configs import PreTrainedConfig
-    import draccus
-
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise FileNotFoundError(f"{out_dir}: output directory must exist (the caller creates it atomically)")
     info = model_info(policy)
-    config = copy.copy(policy.config)
-    config.device = "cpu"
-    (out_dir / CONFIG_FILE).write_text(json.dumps(draccus.encode(config, PreTrainedConfig), indent=4) + "\n")
+    write_config(policy.config, out_dir / CONFIG_FILE)
     weights_mod.save_weights(policy, out_dir / WEIGHTS_FILE, state_dict=state_dict)
     (out_dir / MODEL_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     tokenizer_src = Path(tokenizer_dir)
@@ -165,6 +160,21 @@ def save_model(policy, out_dir: str | Path, *, tokenizer_dir: str | Path,
     if dataset_stats is not None:
         check_stats(dataset_stats, "dataset_stats")
         save_stats(dataset_stats, out_dir / STATS_FILE)
+
+
+def write_config(config, path: str | Path) -> None:
+    """config.json as LeRobot writes it (draccus encoding with "type"), device set to cpu."""
+    import draccus
+    from lerobot.configs import PreTrainedConfig
+
+    config = copy.copy(config)
+    config.device = "cpu"
+    Path(path).write_text(json.dumps(draccus.encode(config, PreTrainedConfig), indent=4) + "\n")
+
+
+def implied_model_info() -> dict[str, Any]:
+    """The info of a directory without pisft_model.json: LeRobot's own pi0.5 sizes."""
+    return {"format_version": MODEL_INFO_VERSION, "preset": "pi05", "arch": None}
 
 
 def read_config(path: str | Path, *, tolerate_unknown: bool = False):
@@ -205,7 +215,7 @@ def read_model_info(model_dir: str | Path) -> dict[str, Any]:
     """pisft_model.json, or the implied info of a plain LeRobot directory (LeRobot's sizes)."""
     path = Path(model_dir) / MODEL_INFO_FILE
     if not path.is_file():
-        return {"format_version": MODEL_INFO_VERSION, "preset": "pi05", "arch": None}
+        return implied_model_info()
     try:
         info = json.loads(path.read_text())
         if info.get("arch") is not None:
@@ -244,7 +254,7 @@ def load_policy(model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtyp
         raise ModelLoadError(f"{model_dir}: holds a '{info['preset']}' model but model.preset is "
                              f"'{preset}'; set model.preset: {info['preset']} or fetch the right model")
     policy = policy_from_config(config, info, device="cpu", dtype=dtype, init=False)
-    weights_mod.load_strict(policy, model_dir / WEIGHTS_FILE)
+    weights_mod.load_strict(policy, model_dir / WEIGHTS_FILE, rename=weights_mod.lerobot_name)
     if str(device) != "cpu":
         policy.to(device)
     policy.config.device = str(device)

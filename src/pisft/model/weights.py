@@ -24,6 +24,16 @@ from pisft.errors import ModelLoadError
 LIST_LIMIT = 12  # names shown per list in an error message
 
 
+def lerobot_name(name: str) -> str:
+    """A file's tensor name as the policy's state dict names it.
+
+    openpi's converted PyTorch checkpoints name tensors as LeRobot does but without the policy's
+    `model.` prefix; LeRobot's own loader adds it the same way. A one-to-one rename: two file
+    names that map to one model name are an error (see `load_strict`).
+    """
+    return name if name.startswith("model.") else f"model.{name}"
+
+
 def tied_groups(module: torch.nn.Module) -> list[list[str]]:
     """Groups (size > 1) of state-dict names that are one and the same tensor in `module`."""
     by_tensor: dict[int, list[str]] = {}
@@ -99,6 +109,10 @@ def raise_if_not_strict(source: str, missing: list[str], unexpected: list[str], 
         parts.append(f"  in the file but not in the model ({len(unexpected)}):{_fmt(unexpected)}")
     if misshaped:
         parts.append(f"  wrong shape ({len(misshaped)}):{_fmt(misshaped)}")
+    pi0_names = [n for n in unexpected if ".state_proj." in f".{n}" or "action_time_mlp_" in n]
+    if pi0_names:
+        parts.append(f"  {pi0_names[0]} is a pi0 tensor (pi0 has state_proj and action_time_mlp_*; "
+                     f"pi0.5 has time_mlp_* and adaRMS norms): this is a pi0 checkpoint, not pi0.5.")
     parts.append(hint or "  Check that model.preset matches the checkpoint (pi0.5, not pi0) and that the "
                          "checkpoint is complete; nothing was loaded.")
     raise ModelLoadError("\n".join(parts))
