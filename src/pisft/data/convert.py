@@ -180,9 +180,15 @@ def _select(src: RecapSource, lowdim: dict[int, dict[str, np.ndarray]], opts: Op
 
 
 _REASONS = {
-    "task_not_selected": "its task is not in data.tasks",
-    "not_successful": "data.success_only is set and is_success is never true in the episode",
+    "task_not_selected": "the task (column 'task_index') is not in data.tasks",
+    "not_successful": "data.success_only is set and column 'is_success' is never true",
 }
+
+
+def _short(items: list[int], limit: int = 12) -> str:
+    if len(items) <= limit:
+        return str(items)
+    return str(items[:limit])[:-1] + f", ...] ({len(items)} episodes)"
 
 
 # ------------------------------------------------------------------------- pass 2
@@ -223,12 +229,14 @@ def _episode_frames(src: RecapSource, ref: EpisodeRef, n: int, image_size: int) 
                 try:
                     img = imgs.decode_png(data)
                 except imgs.ImageDecodeError as exc:
-                    raise DataError(f"{where}, frame {i}: image does not decode: {exc}") from None
+                    raise DataError(f"{where}, frame {i}: image does not decode ({exc}); restore the frame "
+                                    "or remove the episode") from None
             else:
                 img = decoded[i]  # type: ignore[index]
             if img.shape != declared:
                 raise DataError(f"{where}, frame {i}: image is {'x'.join(map(str, img.shape))}, but "
-                                f"meta/info.json declares {'x'.join(map(str, declared))}")
+                                f"meta/info.json declares {'x'.join(map(str, declared))}; re-export the frame at the "
+                                "declared size or fix the feature shape in meta/info.json")
             if image_size and (img.shape[0] != image_size or img.shape[1] != image_size):
                 img = imgs.resize(img, image_size)
                 frames_png.append(imgs.encode_png(img))
@@ -303,10 +311,12 @@ def convert_recap(src_dir: str | Path, out_dir: Path, opts: Options, cfg: PisftC
     kept, dropped = _select(src, lowdim, opts)
     frames_in = sum(len(c["frame_index"]) for c in lowdim.values())
     if not kept:
-        reasons = Counter(d["reason"] for d in dropped)
-        raise DataError(f"{src.root}: nothing left to convert after filtering: all {len(src.episodes)} episodes "
-                        f"were dropped ({', '.join(f'{k}: {v}' for k, v in sorted(reasons.items()))}); "
-                        "relax data.success_only / data.tasks")
+        by_reason: dict[str, list[int]] = {}
+        for d in dropped:
+            by_reason.setdefault(d["reason"], []).append(d["source_episode_index"])
+        parts = [f"episode(s) {_short(eps)}: {_REASONS[r]}" for r, eps in sorted(by_reason.items())]
+        raise DataError(f"{src.root}: nothing left to convert after filtering; all {len(src.episodes)} episodes "
+                        f"were dropped: {'; '.join(parts)}. Relax data.success_only / data.tasks")
     split = stratified_split({i: src.tasks[k.task_index] for i, k in enumerate(kept)},
                              opts.eval_fraction, opts.split_seed)
     t_meta = time.perf_counter()

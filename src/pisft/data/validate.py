@@ -36,13 +36,14 @@ def check_episode(src: RecapSource, ep: EpisodeRef, cols: dict[str, np.ndarray])
         if (step <= 0).any():
             bad = int(np.flatnonzero(step <= 0)[0]) + 1
             raise DataError(f"{where}, column 'timestamp': does not increase at frame {bad} "
-                            f"({ts[bad - 1]:.4f} s -> {ts[bad]:.4f} s)")
+                            f"({ts[bad - 1]:.4f} s -> {ts[bad]:.4f} s); timestamps must be frame_index / fps; "
+                            "repair or remove the episode")
         dt = 1.0 / src.fps
         off = np.abs(step - dt) > max(1e-3, 0.05 * dt)
         if off.any():
             bad = int(np.flatnonzero(off)[0]) + 1
             raise DataError(f"{where}, column 'timestamp': step {step[bad - 1]:.4f} s at frame {bad}, but fps "
-                            f"{src.fps} means {dt:.4f} s (dropped or duplicated frames?)")
+                            f"{src.fps} means {dt:.4f} s (dropped or duplicated frames?); repair or remove the episode")
 
     for canon in ("state", "actions"):
         values = cols[canon]
@@ -57,4 +58,4 @@ def check_episode(src: RecapSource, ep: EpisodeRef, cols: dict[str, np.ndarray])
     unknown = [int(t) for t in tasks if int(t) not in src.tasks]
     if unknown:
         raise DataError(f"{where}, column 'task_index': task_index {unknown} not in "
-                        f"{src.where(src.tasks_path)} (known: {sorted(src.tasks)[:20]})")
+                        f"{src.where(src.tasks_path)} (known: {sorted(src.tasks)[:20]}); add the task there or fix the column")
