@@ -1,0 +1,40 @@
+"""Export the trained model: gather the full state dict, write `results/train/` atomically.
+
+`results/train/` (the Snakemake output of train_8card) appears in one rename on rank 0 after
+everything in it is written:
+  model/              LeRobot layout (config.json, model.safetensors, tokenizer/, normalisation
+                      stats, MANIFEST.json) — loadable with pisft.model.policy.load_policy
+  metrics.jsonl       one JSON object per optimizer step of the whole run (resumes included)
+  train_summary.json  world size, device, resume point, wall time, sharding figures
+  pisft_config.json   the resolved config
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from typing import Any
+
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from pisft.io import atomic_dir, write_json_atomic, write_manifest
+
+
+def export_model(ctx: Any, built: Any, metrics_log: Any, summary: dict, resolved: dict) -> None:
+    from pisft.model.policy import save_model
+
+    # Collective: every rank takes part in gathering; only rank 0 receives the full tensors.
+    full = get_model_state_dict(built.policy,
+                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not ctx.is_main:
+        return
+    with atomic_dir(ctx.cfg.results("train")) as tmp:
+        model_dir = tmp / "model"
+        model_dir.mkdir()
+        save_model(built.policy, model_dir, tokenizer_dir=built.base_dir / "tokenizer",
+                   dataset_stats=built.stats, state_dict=full)
+        (model_dir / "pisft_config.json").write_text(json.dumps(resolved, indent=2, sort_keys=True) + "\n")
+        write_manifest(model_dir)
+        shutil.copy2(metrics_log.path, tmp / "metrics.jsonl")
+        write_json_atomic(tmp / "train_summary.json", summary)
+        write_json_atomic(tmp / "pisft_config.json", resolved)

@@ -1,0 +1,191 @@
+"""`python -m pisft launch smoke_1card|train_8card`: start the training processes under torchrun.
+
+The command is an argument list (no shell), the environment comes from the device layer
+(Ascend defaults, JAX_PLATFORMS=cpu). Every worker's stdout/stderr goes to the console and to
+`results/logs/<stage>/<launch>/…/<local_rank>/{stdout,stderr}.log`; torchrun's own output to
+`launcher.log` beside them. On failure the launcher says which rank failed and how, where its
+log is, and that rerunning the same command resumes from the latest complete checkpoint.
+
+Single node: `torchrun --standalone` (a free port is picked). Several nodes: run the same
+command on every node with `train.nnodes`, `train.node_rank` and `train.rdzv_endpoint`
+(host:port of node 0) set; the results and checkpoint folders must be on storage all nodes share.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pisft import device as devices
+from pisft.config import PisftConfig
+from pisft.errors import PisftError
+
+# Settings of the smoke run that must match the training run for its report to be meaningful.
+SMOKE_MUST_MATCH = ("device", "model.source", "model.preset", "train.micro_batch_size",
+                    "train.precision", "train.activation_checkpointing")
+
+
+@dataclass
+class Failure:
+    rank: str
+    local_rank: str
+    exitcode: str
+    log: Path | None
+
+
+def split_endpoint(endpoint: str) -> tuple[str, str]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise PisftError(f"train.rdzv_endpoint: '{endpoint}' must be HOST:PORT of node 0 "
+                         "(e.g. 10.0.0.1:29500)")
+    return host, port
+
+
+def nproc_for(stage: str, cfg: PisftConfig) -> int:
+    return 1 if stage == "smoke_1card" else cfg.train.nproc_per_node
+
+
+def torchrun_command(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str],
+                     log_dir: Path) -> list[str]:
+    t = cfg.train
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if stage == "smoke_1card" or t.nnodes == 1:
+        cmd += ["--standalone", "--nnodes", "1"]
+    else:
+        host, port = split_endpoint(t.rdzv_endpoint)
+        cmd += ["--nnodes", str(t.nnodes), "--node-rank", str(t.node_rank),
+                "--master-addr", host, "--master-port", port]
+    cmd += ["--nproc-per-node", str(nproc_for(stage, cfg)), "--max-restarts", "0",
+            "--log-dir", str(log_dir), "--tee", "3",
+            "-m", "pisft.train", "--stage", stage, "--config", str(config_path)]
+    for item in overrides:
+        cmd += ["--set", item]
+    return cmd
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_smoke_report(cfg: PisftConfig) -> None:
+    """train_8card needs a passing smoke report made with the same model and micro batch."""
+    from pisft.config import resolved
+
+    path = cfg.results("smoke", "report.json")
+    if not path.is_file():
+        raise PisftError(f"train_8card: {path} not found; run smoke_1card first "
+                         "(`python -m pisft launch smoke_1card`, or let the workflow do it)")
+    report = json.loads(path.read_text())
+    if not report.get("passed"):
+        msgs = "\n  - ".join(report.get("messages") or ["(no message)"])
+        raise PisftError(f"train_8card: the smoke report {path} did not pass:\n  - {msgs}\n"
+                         "fix the cause and rerun smoke_1card")
+    then = _flat(report.get("pisft_config") or {})
+    now = _flat(resolved(cfg))
+    stale = [f"{k}: smoke {then.get(k)!r}, now {now.get(k)!r}" for k in SMOKE_MUST_MATCH
+             if then.get(k) != now.get(k)]
+    if stale:
+        raise PisftError(f"train_8card: the smoke report {path} was made with other settings:\n  - "
+                         + "\n  - ".join(stale) + "\nrerun smoke_1card with the current config")
+
+
+def _failures(output: str, log_dir: Path) -> list[Failure]:
+    """Failed ranks from torchrun's summary ('rank : 1 (local_rank: 1)', 'exitcode : -9 ...')."""
+    failures = []
+    for m in re.finditer(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)",
+                         output):
+        rank, local_rank, code = m.groups()
+        logs = sorted(log_dir.glob(f"*/attempt_*/{local_rank}/stderr.log"))
+        failures.append(Failure(rank, local_rank, code, logs[-1] if logs else None))
+    return failures
+
+
+def _describe_exit(code: str) -> str:
+    n = int(code)
+    if n < 0:
+        try:
+            return f"killed by {signal.Signals(-n).name} (exit code {n})"
+        except ValueError:
+            return f"killed by signal {-n}"
+    return {2: "stopped with a configuration/input error (exit code 2)",
+            3: "smoke check failed (exit code 3)"}.get(n, f"exit code {n}")
+
+
+def _latest_checkpoint(cfg: PisftConfig) -> str:
+    from pisft.train.checkpoint import latest_complete
+    from pisft.train.run import checkpoint_root
+
+    found = latest_complete(checkpoint_root(cfg), log=lambda _msg: None)
+    if found is None:
+        return "no complete checkpoint yet: a rerun starts from step 0"
+    return f"latest complete checkpoint: {found.path} (step {found.step}); a rerun resumes from it"
+
+
+def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path) -> tuple[int, str]:
+    lines: list[str] = []
+    with log_file.open("w") as log, subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            bufsize=1) as proc:
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                log.write(line)
+                lines.append(line)
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGINT)
+            proc.wait()
+            raise
+        rc = proc.wait()
+    return rc, "".join(lines)
+
+
+def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -> int:
+    if stage not in ("smoke_1card", "train_8card"):
+        raise PisftError(f"unknown training stage '{stage}'")
+    kind = devices.resolve_kind(cfg.device)
+    nproc = nproc_for(stage, cfg)
+    if kind != "cpu" and devices.device_count(kind) < nproc:
+        raise PisftError(f"{stage}: {nproc} processes need {nproc} {kind} devices but "
+                         f"{devices.device_count(kind)} are visible; lower train.nproc_per_node")
+    if stage == "train_8card":
+        check_smoke_report(cfg)
+    stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+    log_dir = cfg.results("logs", stage, stamp)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cmd = torchrun_command(stage, cfg, config_path, overrides, log_dir)
+    env = devices.process_env(kind)
+    print(f"[launch] {stage}: {nproc} process(es) × {cfg.train.nnodes if stage == 'train_8card' else 1} "
+          f"node(s) on {kind}; logs in {log_dir}", file=sys.stderr, flush=True)
+    rc, output = _run_tee(cmd, env, log_dir / "launcher.log")
+    if rc == 0:
+        return 0
+    failures = _failures(output, log_dir)
+    lines = [f"{stage} failed (torchrun exit code {rc})."]
+    for f in failures:
+        where = f"its log: {f.log}" if f.log else f"logs under {log_dir}"
+        lines.append(f"rank {f.rank} (local rank {f.local_rank}) {_describe_exit(f.exitcode)}; {where}")
+    if not failures:
+        lines.append(f"torchrun output: {log_dir / 'launcher.log'}")
+    if stage == "train_8card":
+        lines.append(_latest_checkpoint(cfg))
+        lines.append("Rerun the same command (`snakemake --cores all train_8card`, `dvc repro "
+                     "train_8card` or `python -m pisft launch train_8card ...`) to resume.")
+    else:
+        lines.append(f"smoke report (if written): {cfg.results('logs', 'smoke_1card', 'report.json')}")
+    print("error: " + "\n  ".join(lines), file=sys.stderr, flush=True)
+    return 3 if stage == "smoke_1card" and any(f.exitcode == "3" for f in failures) else 1

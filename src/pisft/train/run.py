@@ -1,0 +1,119 @@
+"""The `train_8card` stage inside one process: resume, train, checkpoint, export."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from pisft import config as config_mod
+from pisft.errors import PisftError
+from pisft.train import loop, optim
+from pisft.train.checkpoint import CheckpointManager
+from pisft.train.data import make_loader
+from pisft.train.export import export_model
+from pisft.train.fsdp import sharding_report
+from pisft.train.metrics import MetricsLog, Progress, TensorBoardSink
+from pisft.train.stage import (Context, build, env_summary, make_sampler, peak_flops,
+                               run_fingerprint)
+
+CHECKPOINT_SUBDIR = ("checkpoints", "train")
+
+
+def checkpoint_root(cfg) -> Path:
+    return cfg.results(*CHECKPOINT_SUBDIR)
+
+
+def run_training(ctx: Context) -> int:
+    cfg = ctx.cfg
+    t_start = time.perf_counter()
+    built = build(ctx)
+    t = cfg.train
+    scheduler = optim.build_scheduler(built.optimizer, lr=t.lr, warmup_steps=t.warmup_steps,
+                                      decay_lr=t.decay_lr, steps=t.steps)
+    resolved = config_mod.resolved(cfg)
+    ckpt_root = checkpoint_root(cfg)
+    ckpt = CheckpointManager(ckpt_root, keep_last=t.keep_last, rank=ctx.rank,
+                             world_size=ctx.world_size, fingerprint=run_fingerprint(cfg),
+                             config=resolved, log=ctx.log)
+    start_step = 0
+    resumed_from = None
+    found = ckpt.find_resume()
+    if found is not None:
+        state = ckpt.load(found, built.policy, built.optimizer, scheduler)
+        start_step = int(state["step"])
+        resumed_from = {"path": str(found.path), "step": start_step,
+                        "world_size": state.get("world_size")}
+        ctx.log(f"resuming from {found.path} (step {start_step}, written by "
+                f"{state.get('world_size')} processes; now {ctx.world_size})")
+    metrics_log = MetricsLog(ckpt_root / "metrics.jsonl")
+    if ctx.is_main:
+        metrics_log.reset(keep_upto_step=start_step)
+
+    sampler = make_sampler(cfg, built.train_set, ctx.world_size)
+    loader = make_loader(built.train_set, sampler, rank=ctx.rank, start_step=start_step,
+                         end_step=t.steps, seed=t.seed, draw=built.task.draw,
+                         num_workers=t.num_workers, pin_memory=ctx.info.kind != "cpu")
+    peak, peak_source = peak_flops(ctx)
+    ctx.log(f"{ctx.world_size} process(es) on {ctx.info.kind} ({ctx.info.name}), "
+            f"micro batch {t.micro_batch_size} × accumulation {cfg.grad_accum_steps} × "
+            f"{ctx.world_size} = global batch {t.global_batch_size}; steps {start_step}..{t.steps}; "
+            f"train set {len(built.train_set)} frames; precision {t.precision}; peak FLOP/s: "
+            f"{peak_source}")
+    progress = Progress(t.steps, start_step, enabled=ctx.is_main, desc="train_8card")
+    tb = TensorBoardSink(ckpt_root / "tensorboard") if (t.tensorboard and ctx.is_main) else None
+
+    def on_step(record: dict) -> None:
+        if ctx.is_main:
+            record = {**record, "epoch": sampler.epoch_of(record["step"])}
+            metrics_log.append(record)
+            progress.update(record)
+            if tb is not None:
+                tb.write(record)
+
+    def save(step: int) -> None:
+        path = ckpt.save(step, built.policy, built.optimizer, scheduler)
+        ctx.log(f"checkpoint {path}")
+
+    settings = loop.LoopSettings(
+        steps=t.steps, accum=cfg.grad_accum_steps, global_batch=t.global_batch_size,
+        grad_clip=t.grad_clip, kind=ctx.info.kind, device=ctx.info.device,
+        world_size=ctx.world_size, rank=ctx.rank, peak_flops=peak, save_every=t.save_every)
+    try:
+        loop.run(built.policy, built.optimizer, scheduler, built.task, iter(loader), settings,
+                 start_step=start_step, on_step=on_step, save=save)
+    except loop.NonFiniteError as exc:
+        raise PisftError(
+            f"train_8card: {exc}. Lower train.lr (now {t.lr}) or raise train.warmup_steps; with "
+            "bf16 try train.precision: fp32 to rule out overflow; check the data "
+            f"({built.dataset_dir}/conversion_report.json). The last good checkpoint is kept in "
+            f"{ckpt_root}."
+        ) from None
+    finally:
+        progress.close()
+        if tb is not None:
+            tb.close()
+
+    report = sharding_report(built.policy, built.optimizer, built.units)
+    summary = {
+        "stage": "train_8card",
+        "steps": t.steps,
+        "world_size": ctx.world_size,
+        "device": {"kind": ctx.info.kind, "name": ctx.info.name, "backend": ctx.info.backend},
+        "resumed_from": resumed_from,
+        "wall_time_s": time.perf_counter() - t_start,
+        "peak_flops": peak,
+        "peak_flops_source": peak_source,
+        "sharding_rank0": report,
+        "environment": env_summary(),
+    }
+    export_model(ctx, built, metrics_log, summary, resolved)
+    dist.barrier()
+    ctx.log(f"done: {cfg.results('train')}")
+    return 0
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,99 @@
+"""Which samples each optimizer step trains on: a function of (seed, step) only.
+
+The train set is read as an endless stream of seeded permutations (epoch e uses the permutation
+seeded by (seed, e)). The global batch of optimizer step k is the stream's positions
+[k*G, (k+1)*G). That global batch is cut into `world_size × accum` micro-batches of equal size;
+rank r at micro-step a takes micro-batch m = a*world_size + r. Whatever the number of
+processes, the union over ranks and micro-steps of step k is the same G samples, so 1 process
+and N processes train on the same data in the same order, and a run can resume at step k on a
+different number of processes.
+
+Each sample also carries its (step, position in the global batch): the per-sample random draws
+of the objective (flow-matching noise and time) are derived from (seed, step, position) too,
+never from a process's RNG, so they do not depend on the world size either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    index: int  # index into the train dataset
+    step: int  # optimizer step that consumes it
+    position: int  # position in that step's global batch, 0..G-1
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    global_batch: int
+    micro_batch: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        per = self.micro_batch * self.world_size
+        if self.global_batch % per:
+            raise ValueError(
+                f"global batch {self.global_batch} not divisible by micro batch × world size = {per}"
+            )
+
+    @property
+    def accum(self) -> int:
+        return self.global_batch // (self.micro_batch * self.world_size)
+
+    def micro_index(self, rank: int, micro_step: int) -> int:
+        return micro_step * self.world_size + rank
+
+
+class StepSampler:
+    """Deterministic sample stream over `num_samples` items, keyed by (seed, step)."""
+
+    def __init__(self, num_samples: int, seed: int, layout: StepLayout) -> None:
+        if num_samples < 1:
+            raise ValueError("the train set is empty")
+        self.num_samples = num_samples
+        self.seed = seed
+        self.layout = layout
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            if len(self._perms) > 4:  # keep memory bounded for long runs
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = perm
+        return perm
+
+    def global_batch(self, step: int) -> list[int]:
+        g = self.layout.global_batch
+        out = []
+        for pos in range(step * g, (step + 1) * g):
+            epoch, offset = divmod(pos, self.num_samples)
+            out.append(int(self._perm(epoch)[offset]))
+        return out
+
+    def micro_batch(self, step: int, rank: int, micro_step: int) -> list[SampleRef]:
+        lay = self.layout
+        m = lay.micro_index(rank, micro_step)
+        start = m * lay.micro_batch
+        indices = self.global_batch(step)[start:start + lay.micro_batch]
+        return [SampleRef(i, step, start + j) for j, i in enumerate(indices)]
+
+    def rank_batches(self, rank: int, start_step: int, end_step: int) -> Iterator[list[SampleRef]]:
+        """The micro-batches of one rank, step by step, from start_step (inclusive)."""
+        for step in range(start_step, end_step):
+            for a in range(self.layout.accum):
+                yield self.micro_batch(step, rank, a)
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.layout.global_batch / self.num_samples
+
+
+def sample_rng(seed: int, ref: SampleRef) -> np.random.Generator:
+    """The generator for the per-sample random draws of one sample of one step."""
+    return np.random.default_rng([seed, 0x5EED, ref.step, ref.position])
