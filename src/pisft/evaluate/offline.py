@@ -1,0 +1,199 @@
+"""The `evaluate` stage: open-loop action error of the base and the fine-tuned model, side by side.
+
+On the held-out episodes of `results/dataset` (split.json "eval"; at most `eval.max_episodes`,
+taken round-robin over tasks so every task keeps its share), every `eval.frame_stride`-th frame
+of each episode (frame_index % stride == 0) is fed to both models: preprocessor ->
+`predict_action_chunk` -> postprocessor (raw units). The predicted chunk is compared with the
+dataset's chunk of the next `chunk_size` actions; steps past the episode's end are padding and
+left out. The flow-matching noise of a frame is fixed by (eval.seed, episode, frame), the same
+for both models, so the comparison is paired and a rerun gives the same figures.
+
+Writes `results/eval/` atomically:
+  metrics.json     base / finetuned sections (action_mse, action_l1, their `_norm` variants,
+                   bootstrap intervals, per task), comparison ratios, improvement (DVC metrics)
+  per_step.csv     error per step of the chunk, per_dim.csv per action dimension,
+                   per_task.csv per task (DVC plots)
+  loss.png, throughput.png, per_task.png, per_step.png, report.md
+  eval_info.json   what was evaluated and how (device, frames, stats used, wall time)
+  pisft_config.json
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pisft import config as config_mod
+from pisft import device as device_mod
+from pisft.errors import DataError, ModelLoadError
+from pisft.evaluate import closed_loop as closed_loop_mod
+from pisft.evaluate import plots, report, run_info, summary, train_log
+from pisft.evaluate.action_error import ErrorAccumulator
+from pisft.evaluate.inference import ChunkPredictor, frame_noise, quantile_normalize
+from pisft.io import atomic_dir, write_json_atomic, write_text_atomic
+
+# LIBERO's 7-D action: end-effector delta position, delta rotation (axis-angle), gripper.
+ACTION_NAMES = ["x", "y", "z", "roll", "pitch", "yaw", "gripper"]
+
+
+def action_names(dim: int) -> list[str]:
+    return ACTION_NAMES if dim == len(ACTION_NAMES) else [f"a{i}" for i in range(dim)]
+
+
+def select_episodes(eval_episodes: list[int], tasks: dict[int, str], max_episodes: int) -> list[int]:
+    """All held-out episodes, or `max_episodes` of them taken round-robin over tasks (sorted)."""
+    if max_episodes <= 0 or max_episodes >= len(eval_episodes):
+        return sorted(eval_episodes)
+    by_task: dict[str, list[int]] = {}
+    for ep in sorted(eval_episodes):
+        by_task.setdefault(tasks.get(ep, ""), []).append(ep)
+    queues = [by_task[t] for t in sorted(by_task)]
+    chosen: list[int] = []
+    depth = 0
+    while len(chosen) < max_episodes:
+        for q in queues:
+            if depth < len(q) and len(chosen) < max_episodes:
+                chosen.append(q[depth])
+        depth += 1
+    return sorted(chosen)
+
+
+def frame_positions(dataset, episodes: list[int], stride: int) -> list[int]:
+    """Dataset positions of the frames to evaluate: the chosen episodes, every stride-th frame."""
+    cols = dataset.select_columns(["episode_index", "frame_index"])
+    ep = np.asarray([int(x) for x in cols["episode_index"]])
+    frame = np.asarray([int(x) for x in cols["frame_index"]])
+    keep = np.isin(ep, episodes) & (frame % stride == 0)
+    return np.flatnonzero(keep).tolist()
+
+
+def _device(requested: str) -> str:
+    kind = device_mod.resolve_kind(requested)
+    return "cpu" if kind == "cpu" else str(device_mod.local_device(kind, 0))
+
+
+def _require_dir(path: Path, stage: str) -> None:
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: not found; run the {stage} stage first "
+                             f"(python -m pisft {stage} ... or snakemake {stage})")
+
+
+def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tuple[dict, dict, dict]:
+    """(metrics, accumulators by model name, eval_info). Writes nothing."""
+    from torch.utils.data import DataLoader, Subset
+
+    from pisft.data import dataset as data
+
+    dataset_dir = cfg.results("dataset")
+    model_dirs = {"base": cfg.results("base_model"), "finetuned": cfg.results("train", "model")}
+    if not dataset_dir.is_dir():
+        raise DataError(f"{dataset_dir}: not found; run the convert_recap stage first")
+    _require_dir(model_dirs["base"], "fetch_base")
+    _require_dir(model_dirs["finetuned"], "train_8card")
+    device = _device(cfg.device)
+    stats = data.load_stats(dataset_dir)
+    predictors = {name: ChunkPredictor.load(d, device=device, dataset_stats=stats)
+                  for name, d in model_dirs.items()}
+    chunk = predictors["base"].chunk_size
+    for name, p in predictors.items():
+        if p.chunk_size != chunk or p.action_dim != predictors["base"].action_dim:
+            raise ModelLoadError(
+                f"{model_dirs[name]}: chunk_size {p.chunk_size} / action dim {p.action_dim} differ from "
+                f"the base model's {chunk} / {predictors['base'].action_dim}; the two cannot be compared")
+    action_dim = predictors["base"].action_dim
+    q01 = np.asarray(stats["action"]["q01"], dtype=np.float64)
+    q99 = np.asarray(stats["action"]["q99"], dtype=np.float64)
+
+    tasks = data.episode_tasks(dataset_dir)
+    eval_eps = data.split_episodes(dataset_dir)["eval"]
+    if not eval_eps:
+        raise DataError(f"{dataset_dir / 'split.json'}: no held-out episodes; raise data.eval_fraction")
+    episodes = select_episodes(eval_eps, tasks, cfg.eval.max_episodes)
+    ds = data.load_split(dataset_dir, "eval", chunk_size=chunk)
+    positions = frame_positions(ds, episodes, cfg.eval.frame_stride)
+    loader = DataLoader(Subset(ds, positions), batch_size=cfg.eval.batch_size, shuffle=False,
+                        num_workers=0)
+
+    accs = {name: ErrorAccumulator(chunk_size=chunk, action_dim=action_dim) for name in predictors}
+    start = time.monotonic()
+    done = 0
+    for batch in loader:
+        ep_ids = [int(e) for e in batch["episode_index"]]
+        frames = [int(f) for f in batch["frame_index"]]
+        noise = frame_noise(list(zip(ep_ids, frames)), seed=cfg.eval.seed, chunk_size=chunk,
+                            max_action_dim=predictors["base"].max_action_dim)
+        target_raw = batch["action"].to(torch.float64).numpy()
+        target_norm = quantile_normalize(target_raw, q01, q99)
+        batch_tasks = [tasks.get(e, t) for e, t in zip(ep_ids, batch["task"], strict=True)]
+        for name, predictor in predictors.items():
+            pred_raw = predictor.predict(batch, noise).to(torch.float64).numpy()
+            accs[name].add(episodes=ep_ids, tasks=batch_tasks, pred_norm=quantile_normalize(pred_raw, q01, q99),
+                           target_norm=target_norm, pred_raw=pred_raw, target_raw=target_raw,
+                           is_pad=batch["action_is_pad"])
+        done += len(ep_ids)
+        if progress:
+            print(f"evaluate: {done}/{len(positions)} frames ({time.monotonic() - start:.0f} s)", flush=True)
+    if done == 0:
+        raise DataError(f"{dataset_dir}: no frames selected for evaluation (episodes {episodes}, "
+                        f"eval.frame_stride {cfg.eval.frame_stride})")
+    metrics = summary.summarize(accs["base"], accs["finetuned"], n_bootstrap=cfg.eval.bootstrap_samples,
+                                seed=cfg.eval.seed)
+    from pisft.model.stats import STATS_FILE
+
+    info = {
+        "device": device,
+        "batch_size": cfg.eval.batch_size,
+        "frame_stride": cfg.eval.frame_stride,
+        "chunk_size": chunk,
+        "seed": cfg.eval.seed,
+        "episodes": episodes,
+        "frames": done,
+        "models": {name: str(d) for name, d in model_dirs.items()},
+        "normalisation_stats": {name: ("model" if (d / STATS_FILE).is_file() else "dataset")
+                                for name, d in model_dirs.items()},
+        "wall_time_s": time.monotonic() - start,
+    }
+    return metrics, accs, info
+
+
+def run(cfg: config_mod.PisftConfig) -> dict:
+    stage_start = time.monotonic()
+    metrics, accs, info = evaluate_models(cfg)
+    results_dir = Path(cfg.results_dir)
+    records = train_log.read_metrics(cfg.results("train", "metrics.jsonl"))
+    closed = None
+    closed_path = cfg.results(closed_loop_mod.OUTPUT_DIR, "metrics.json")
+    if closed_path.is_file():
+        closed = json.loads(closed_path.read_text())
+    with atomic_dir(cfg.results("eval")) as out:
+        write_json_atomic(out / "metrics.json", metrics)
+        write_text_atomic(out / "per_step.csv", summary.per_step_csv(accs))
+        write_text_atomic(out / "per_dim.csv", summary.per_dim_csv(accs, action_names(accs["base"].action_dim)))
+        write_text_atomic(out / "per_task.csv", summary.per_task_csv(metrics))
+        made = {
+            "loss": plots.loss_and_lr(records, out / "loss.png"),
+            "throughput": plots.throughput_and_memory(records, out / "throughput.png"),
+            "per_task": plots.per_task_error(metrics, out / "per_task.png"),
+            "per_step": plots.per_step_error({n: a.per_step("action_mse_norm") for n, a in accs.items()},
+                                             out / "per_step.png", "action_mse_norm"),
+        }
+        info["wall_time_s"] = time.monotonic() - stage_start
+        write_json_atomic(out / "eval_info.json", info)
+        resolved = config_mod.resolved(cfg)
+        text = report.build(metrics=metrics, eval_info=info, train_summary=train_log.summary(records),
+                            run_info=run_info.collect(results_dir),
+                            plots={k: (p.name if p else None) for k, p in made.items()},
+                            resolved_config=resolved, closed_loop=closed)
+        write_text_atomic(out / "report.md", text)
+        config_mod.write_resolved(cfg, out / "pisft_config.json")
+    b, f = metrics["base"]["action_mse"], metrics["finetuned"]["action_mse"]
+    ratio = metrics["comparison"]["action_mse"]["ratio"]
+    print(f"evaluate: held-out action MSE base {b:.4g}, fine-tuned {f:.4g} "
+          f"(ratio {ratio if ratio is None else round(ratio, 3)}) on {metrics['episodes']} episodes, "
+          f"{metrics['frames']} frames -> "
+          f"{cfg.results('eval')}/report.md", flush=True)
+    return metrics

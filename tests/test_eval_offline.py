@@ -1,0 +1,169 @@
+"""The evaluate stage end to end on a tiny converted dataset and two tiny models."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pisft import config as C
+from pisft.errors import PisftError
+from pisft.evaluate import offline
+
+TASK_COUNT = 10
+EPISODE_LENGTH = 12
+
+
+def make_cfg(results: Path, **eval_keys) -> C.PisftConfig:
+    return C.from_dict({
+        "device": "cpu",
+        "results_dir": str(results),
+        "data": {"recap_dir": str(results / "demo_recap"), "demo_episodes_per_task": 2,
+                 "demo_episode_length": EPISODE_LENGTH, "demo_image_size": 16, "eval_fraction": 0.5},
+        "eval": {"batch_size": 8, "frame_stride": 4, "bootstrap_samples": 200, **eval_keys},
+    })
+
+
+def fabricated_train_log(path: Path, steps: int = 30) -> None:
+    """A training log shaped like train_8card's (keys from DESIGN.md)."""
+    rng = np.random.default_rng(0)
+    with path.open("w") as fh:
+        for step in range(1, steps + 1):
+            fh.write(json.dumps({
+                "step": step, "loss": float(2.0 * np.exp(-step / 10) + 0.05 * rng.random()),
+                "grad_norm": 1.0, "lr": 1e-3 * min(1.0, step / 5), "step_time_s": 0.2 + 0.01 * rng.random(),
+                "samples_per_s": 80.0, "data_wait_s": 0.01, "peak_memory_gb": [1.5, 1.6], "mfu": 0.01,
+            }) + "\n")
+        # a resumed run logs step 30 again; the later record wins
+        fh.write(json.dumps({"step": steps, "loss": 0.123, "lr": 1e-4}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    """demo_recap + convert_recap (the real stages, small), a base and a 'fine-tuned' model."""
+    from pisft.data import convert, demo
+    from pisft.data import dataset as data
+    from pisft.model.policy import build_policy, save_model
+    from pisft.model.tokenizer import save_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("eval") / "results"
+    cfg = make_cfg(root)
+    demo.run(cfg)
+    convert.run(cfg)
+    tok = root / "tokenizer-src"
+    tok.mkdir()
+    save_tiny_tokenizer(tok)
+    (root / "base_model").mkdir()
+    save_model(build_policy("tiny", seed=0), root / "base_model", tokenizer_dir=tok)
+    (root / "train" / "model").mkdir(parents=True)
+    save_model(build_policy("tiny", seed=1), root / "train" / "model", tokenizer_dir=tok,
+               dataset_stats=data.load_stats(root / "dataset"))
+    fabricated_train_log(root / "train" / "metrics.jsonl")
+    (root / "benchmarks").mkdir()
+    (root / "benchmarks" / "train_8card.tsv").write_text("s\th:m:s\tmax_rss\n12.5\t0:00:12\t900\n")
+    (root / "train" / "pisft_config.json").write_text(json.dumps(C.resolved(cfg)))
+    return root
+
+
+@pytest.fixture(scope="module")
+def evaluated(results) -> dict:
+    return offline.run(make_cfg(results))
+
+
+def test_metrics_have_both_models_per_task_and_intervals(results, evaluated):
+    m = json.loads((results / "eval" / "metrics.json").read_text())
+    assert m == json.loads(json.dumps(evaluated))
+    eval_eps = json.loads((results / "dataset" / "split.json").read_text())["eval"]
+    assert m["episodes"] == len(eval_eps) == TASK_COUNT
+    # every 4th frame of 12: frames 0, 4, 8
+    assert m["frames"] == TASK_COUNT * 3
+    for name in ("base", "finetuned"):
+        section = m[name]
+        for metric in ("action_mse", "action_l1", "action_mse_norm", "action_l1_norm"):
+            value = section[metric]
+            assert value > 0
+            assert section[f"{metric}_ci_low"] <= value <= section[f"{metric}_ci_high"]
+        assert len(section["per_task"]) == TASK_COUNT
+        assert all(t["episodes"] == 1 and t["frames"] == 3 for t in section["per_task"].values())
+        # the overall figure pools the tasks' elements (all tasks have the same number here)
+        per_task = [t["action_mse"] for t in section["per_task"].values()]
+        assert np.mean(per_task) == pytest.approx(section["action_mse"], rel=1e-9)
+    assert m["base"]["action_mse"] != m["finetuned"]["action_mse"]
+    comp = m["comparison"]["action_mse"]
+    assert comp["ratio"] == pytest.approx(m["finetuned"]["action_mse"] / m["base"]["action_mse"])
+    assert comp["ratio_ci_low"] <= comp["ratio"] <= comp["ratio_ci_high"]
+    assert m["improvement"] == pytest.approx(1 - comp["ratio"])
+
+
+def test_metrics_are_flat_enough_for_dvc(results):
+    m = json.loads((results / "eval" / "metrics.json").read_text())
+
+    def depth(node, level=0):
+        assert not isinstance(node, list), "lists do not diff in `dvc metrics diff`"
+        if isinstance(node, dict):
+            return max((depth(v, level + 1) for v in node.values()), default=level)
+        return level
+
+    assert depth(m) <= 4
+
+
+def test_plot_tables_and_report(results):
+    out = results / "eval"
+    for png in ("loss.png", "throughput.png", "per_task.png", "per_step.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    rows = list(csv.DictReader((out / "per_step.csv").open()))
+    assert [int(r["step"]) for r in rows] == list(range(10))  # tiny chunk_size
+    assert {"base_action_mse", "finetuned_action_mse_norm"} <= set(rows[0])
+    assert [r["dim"] for r in csv.DictReader((out / "per_dim.csv").open())] == offline.ACTION_NAMES
+    assert len(list(csv.DictReader((out / "per_task.csv").open()))) == TASK_COUNT
+    text = (out / "report.md").read_text()
+    for needle in ("| action_mse |", "![Training loss and learning rate](loss.png)", "(per_task.png)",
+                   "| train_8card | 12.5 |", "| lerobot | 0.6.1 |", "put both moka pots on the stove",
+                   "\"frame_stride\": 4", "world_size"):
+        assert needle in text, needle
+    assert "loss 0.123" not in text and "→ 0.123" in text  # the resumed record of step 30 wins
+    info = json.loads((out / "eval_info.json").read_text())
+    assert info["normalisation_stats"] == {"base": "dataset", "finetuned": "model"}
+    assert json.loads((out / "pisft_config.json").read_text())["eval"]["frame_stride"] == 4
+
+
+def test_figures_do_not_depend_on_batching_and_the_same_model_twice_gives_ratio_one(results, evaluated, tmp_path):
+    # fewer episodes, another batch size: each episode's figures are unchanged (noise per frame)
+    part, _, _ = offline.evaluate_models(make_cfg(results, max_episodes=3, batch_size=5, bootstrap_samples=0),
+                                         progress=False)
+    assert part["episodes"] == 3 and len(part["base"]["per_task"]) == 3  # round-robin over tasks
+    assert "action_mse_ci_low" not in part["base"]
+    for name in ("base", "finetuned"):
+        for task, entry in part[name]["per_task"].items():
+            for metric in ("action_mse", "action_l1_norm"):
+                assert entry[metric] == pytest.approx(evaluated[name]["per_task"][task][metric], rel=1e-5)
+    # the same weights as "fine-tuned": the paired noise makes every frame's error identical
+    twin = tmp_path / "results"
+    twin.mkdir()
+    for name in ("dataset", "base_model"):
+        (twin / name).symlink_to(results / name)
+    (twin / "train").mkdir()
+    shutil.copytree(results / "base_model", twin / "train" / "model")
+    same, _, _ = offline.evaluate_models(make_cfg(twin, max_episodes=2, bootstrap_samples=0), progress=False)
+    assert same["comparison"]["action_mse"]["ratio"] == 1.0
+
+
+def test_missing_fine_tuned_model_is_a_clear_error(results, tmp_path):
+    partial = tmp_path / "results"
+    partial.mkdir()
+    for name in ("dataset", "base_model"):
+        (partial / name).symlink_to(results / name)
+    with pytest.raises(PisftError, match=r"train/model: not found; run the train_8card stage"):
+        offline.run(make_cfg(partial))
+    assert not (partial / "eval").exists()
+
+
+def test_select_episodes_round_robin():
+    tasks = {1: "b", 2: "a", 3: "a", 4: "b", 5: "c"}
+    assert offline.select_episodes([1, 2, 3, 4, 5], tasks, 3) == [1, 2, 5]
+    assert offline.select_episodes([1, 2, 3, 4, 5], tasks, 4) == [1, 2, 3, 5]
+    assert offline.select_episodes([1, 2, 3, 4, 5], tasks, 0) == [1, 2, 3, 4, 5]
