@@ -68,7 +68,7 @@ def test_run_is_byte_identical_for_a_seed_and_differs_across_seeds(tmp_path):
 
 
 def test_failure_fraction_and_rollout_columns():
-    eps = demo.generate(episodes_per_task=5, length=20, image_size=16, failure_fraction=0.2, seed=0)
+    eps = demo.generate_all(episodes_per_task=5, length=20, image_size=16, failure_fraction=0.2, seed=0)
     assert len(eps) == 50
     failed = [ep for ep in eps if not ep.is_success.any()]
     assert len(failed) == 10  # one per task
@@ -82,7 +82,7 @@ def test_failure_fraction_and_rollout_columns():
 
 
 def test_actions_are_smooth_and_determined_by_state_and_task():
-    eps = demo.generate(episodes_per_task=4, length=40, image_size=16, failure_fraction=0.0, seed=0)
+    eps = demo.generate_all(episodes_per_task=4, length=40, image_size=16, failure_fraction=0.0, seed=0)
     for ep in eps:
         jumps = np.abs(np.diff(ep.actions, axis=0)).max()
         assert jumps < 0.35  # smooth: no step larger than a fraction of the action range
@@ -103,7 +103,7 @@ def test_actions_are_smooth_and_determined_by_state_and_task():
 
 @pytest.mark.parametrize("size", [64, 256])
 def test_image_sizes(size):
-    eps = demo.generate(episodes_per_task=1, length=3, image_size=size, failure_fraction=0.0, seed=0)
+    eps = demo.generate_all(episodes_per_task=1, length=3, image_size=size, failure_fraction=0.0, seed=0)
     assert eps[0].images["image"].shape == (3, size, size, 3)
     assert eps[0].images["wrist_image"].dtype == np.uint8
 

@@ -22,6 +22,7 @@ Deterministic for `data.demo_seed`: the same config gives byte-identical files.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +58,7 @@ class TaskDynamics:
         yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
         base = _PALETTE[task_index % len(_PALETTE)]
         stripes = 18.0 * np.sin(2 * np.pi * (3 + task_index % 4) * (xx + 0.5 * yy))
-        noise = rng.normal(0.0, 7.0, (size, size, 3))
+        noise = rng.normal(0.0, 4.0, (size, size, 1))  # luminance grain: PNG sizes like LIBERO's
         return (base[None, None, :] * 0.8 + stripes[..., None] + noise).astype(np.float32)
 
 
@@ -129,7 +130,7 @@ def _failed_episodes(rng: np.random.Generator, per_task: int, fraction: float) -
     return set(rng.choice(per_task, size=n_fail, replace=False).tolist()) if n_fail else set()
 
 
-def _side_info(episodes: list[RecapEpisode]) -> None:
+def side_info(episodes: list[RecapEpisode]) -> None:
     """RECAP returns and advantages: reward -1/T per step, -1 more on failure; baseline per task."""
     for ep in episodes:
         t = ep.length
@@ -152,9 +153,10 @@ def _side_info(episodes: list[RecapEpisode]) -> None:
 
 
 def generate(episodes_per_task: int, length: int, image_size: int, failure_fraction: float, seed: int,
-             tasks: tuple[str, ...] = LIBERO_10_TASKS) -> list[RecapEpisode]:
-    """All demo episodes, task-major (episode_index = task * episodes_per_task + i)."""
-    episodes: list[RecapEpisode] = []
+             tasks: tuple[str, ...] = LIBERO_10_TASKS) -> Iterator[RecapEpisode]:
+    """The demo episodes, task-major (episode_index = task * episodes_per_task + i), one at a
+    time (side-file values are filled by `side_info` once all exist)."""
+    index = 0
     for task_index in range(len(tasks)):
         dyn = TaskDynamics(task_index, seed, image_size)
         rng = np.random.default_rng([seed, task_index])
@@ -172,12 +174,18 @@ def generate(episodes_per_task: int, length: int, image_size: int, failure_fract
             if not is_failed and length >= 10 and ep_rng.random() < 0.3:
                 start = int(ep_rng.integers(1, length - 5))
                 intervene[start:start + 5] = True
-            episodes.append(RecapEpisode(
-                episode_index=len(episodes), task_index=task_index, state=states, actions=actions,
+            yield RecapEpisode(
+                episode_index=index, task_index=task_index, state=states, actions=actions,
                 images={"image": base, "wrist_image": wrist}, is_success=success, done=done,
                 intervene_flag=intervene,
-            ))
-    _side_info(episodes)
+            )
+            index += 1
+
+
+def generate_all(*args, **kwargs) -> list[RecapEpisode]:
+    """`generate` collected, with the side-file values filled in."""
+    episodes = list(generate(*args, **kwargs))
+    side_info(episodes)
     return episodes
 
 
@@ -187,7 +195,8 @@ def build(out_dir: Path, *, episodes_per_task: int, length: int, image_size: int
     """Generate and write a demo dataset into `out_dir` (an existing empty directory)."""
     episodes = generate(episodes_per_task, length, image_size, failure_fraction, seed, tasks)
     write_recap_dataset(out_dir, episodes, tasks, version=version, naming=naming, video=video,
-                        side_tag=SIDE_TAG, fps=FPS, workers=workers if workers is not None else (os.cpu_count() or 1))
+                        side_tag=SIDE_TAG, fps=FPS, side_info=side_info,
+                        workers=workers if workers is not None else (os.cpu_count() or 1))
 
 
 def output_dir(cfg: PisftConfig) -> Path:

@@ -55,26 +55,45 @@ def resize(img: np.ndarray, size: int) -> np.ndarray:
 
 # ---------------------------------------------------------------- video (MP4 via PyAV)
 
-def encode_mp4(frames: Sequence[np.ndarray] | np.ndarray, path: Path, fps: int, codec: str = "libx264") -> None:
-    """Write RGB frames to an MP4 (yuv420p, every frame pts = index / fps)."""
-    import av
+class Mp4Writer:
+    """Append RGB frames to an MP4 (yuv420p; frame i has pts i, time base 1/fps)."""
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    h, w = frames[0].shape[:2]
-    with av.open(str(path), mode="w") as container:
-        stream = container.add_stream(codec, rate=fps)
-        stream.width, stream.height = w, h
+    def __init__(self, path: Path, fps: int, width: int, height: int, codec: str = "libx264"):
+        import av
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._container = av.open(str(path), mode="w")
+        stream = self._container.add_stream(codec, rate=fps)
+        stream.width, stream.height = width, height
         stream.pix_fmt = "yuv420p"
         stream.time_base = Fraction(1, fps)
         if codec == "libx264":
             stream.options = {"crf": "18", "g": "2", "preset": "veryfast"}
-        for i, img in enumerate(frames):
+        self._stream = stream
+        self._next_pts = 0
+
+    def write(self, frames: Sequence[np.ndarray] | np.ndarray) -> None:
+        import av
+
+        for img in frames:
             frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")
-            frame.pts = i
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
+            frame.pts = self._next_pts
+            self._next_pts += 1
+            for packet in self._stream.encode(frame):
+                self._container.mux(packet)
+
+    def close(self) -> None:
+        for packet in self._stream.encode():
+            self._container.mux(packet)
+        self._container.close()
+
+
+def encode_mp4(frames: Sequence[np.ndarray] | np.ndarray, path: Path, fps: int, codec: str = "libx264") -> None:
+    """Write RGB frames to one MP4."""
+    h, w = frames[0].shape[:2]
+    writer = Mp4Writer(path, fps, w, h, codec)
+    writer.write(frames)
+    writer.close()
 
 
 def iter_mp4(path: Path, start_s: float = 0.0) -> Iterator[tuple[float, np.ndarray]]:

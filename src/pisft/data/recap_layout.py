@@ -9,7 +9,7 @@ RECAP side files `meta/returns_<tag>.parquet` and `meta/advantages_<tag>.parquet
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,116 +205,158 @@ def write_side_files(root: Path, episodes: Sequence[RecapEpisode], tasks: Sequen
     pq.write_table(advantages, root / "meta" / f"advantages_{tag}.parquet")
 
 
-def write_recap_dataset(root: Path, episodes: Sequence[RecapEpisode], tasks: Sequence[str], *,
+def write_recap_dataset(root: Path, episodes: Iterable[RecapEpisode], tasks: Sequence[str], *,
                         version: str = "v2.1", naming: str = "recap", video: bool = False,
                         side_tag: str | None = "demo", fps: int = FPS, workers: int = 0,
-                        robot_type: str = "panda") -> None:
-    """Write `episodes` under `root` (an existing empty directory) in the given layout."""
+                        robot_type: str = "panda",
+                        side_info: Callable[[list[RecapEpisode]], None] | None = None) -> None:
+    """Write `episodes` under `root` (an existing empty directory) in the given layout.
+
+    Episodes are written one at a time and their images released afterwards, so a large
+    dataset never sits in memory whole. `side_info(episodes)` (run after all are written, on
+    the image-less episodes) fills `ep.side` for the side files.
+    """
     if version not in VERSIONS:
         raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
     if naming not in NAMINGS:
         raise ValueError(f"naming must be one of {tuple(NAMINGS)}, got {naming!r}")
-    shape = tuple(episodes[0].images[CAMERAS[0]].shape[1:])
-    features = input_features(shape, naming, video, fps)
     (root / "meta").mkdir(parents=True, exist_ok=True)
     pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
     try:
-        if version == "v3.0":
-            _write_v3(root, episodes, tasks, features, naming, video, fps, pool, robot_type)
-        else:
-            _write_v2(root, episodes, tasks, features, naming, video, fps, pool, version, robot_type)
+        writer = (_V3Writer if version == "v3.0" else _V2Writer)(root, tasks, naming, video, fps, pool, version,
+                                                                 robot_type)
+        written = []
+        for ep in episodes:
+            writer.add(ep)
+            ep.images = {}
+            written.append(ep)
+        writer.close()
     finally:
         if pool:
             pool.shutdown()
     if side_tag:
-        write_side_files(root, episodes, tasks, side_tag)
+        if side_info is not None:
+            side_info(written)
+        write_side_files(root, written, tasks, side_tag)
 
 
-def _write_v2(root, episodes, tasks, features, naming, video, fps, pool, version, robot_type) -> None:
-    names = NAMINGS[naming]
-    first = 0
-    ep_rows, stats_rows = [], []
-    all_stats = []
-    for ep in episodes:
+class _V2Writer:
+    def __init__(self, root, tasks, naming, video, fps, pool, version, robot_type):
+        self.root, self.tasks, self.naming, self.video, self.fps = root, tasks, naming, video, fps
+        self.pool, self.version, self.robot_type = pool, version, robot_type
+        self.first = 0
+        self.ep_rows: list[dict] = []
+        self.stats_rows: list[dict] = []
+        self.all_stats: list[dict] = []
+        self.features: dict | None = None
+        self.max_episode = 0
+
+    def add(self, ep: RecapEpisode) -> None:
+        names = NAMINGS[self.naming]
+        if self.features is None:
+            self.features = input_features(tuple(ep.images[CAMERAS[0]].shape[1:]), self.naming, self.video, self.fps)
         chunk = ep.episode_index // CHUNKS_SIZE
-        path = root / V2_DATA_PATH.format(episode_chunk=chunk, episode_index=ep.episode_index)
+        path = self.root / V2_DATA_PATH.format(episode_chunk=chunk, episode_index=ep.episode_index)
         path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(episode_table(ep, first, features, naming, video, pool, fps), path)
-        if video:
+        pq.write_table(episode_table(ep, self.first, self.features, self.naming, self.video, self.pool, self.fps),
+                       path)
+        if self.video:
             for cam in CAMERAS:
-                vpath = root / V2_VIDEO_PATH.format(episode_chunk=chunk, video_key=names[cam],
-                                                    episode_index=ep.episode_index)
-                imgs.encode_mp4(ep.images[cam], vpath, fps)
-        ep_stats = _episode_stats(ep, first, naming, fps)
-        all_stats.append(ep_stats)
-        ep_rows.append({"episode_index": ep.episode_index, "tasks": [tasks[ep.task_index]], "length": ep.length})
-        stats_rows.append({"episode_index": ep.episode_index, "stats": ep_stats})
-        first += ep.length
-    n_chunks = max(ep.episode_index for ep in episodes) // CHUNKS_SIZE + 1
-    info = {
-        "codebase_version": version, "robot_type": robot_type, "total_episodes": len(episodes),
-        "total_frames": first, "total_tasks": len(tasks), "total_videos": len(episodes) * 2 if video else 0,
-        "total_chunks": n_chunks, "chunks_size": CHUNKS_SIZE, "fps": fps,
-        "splits": {"train": f"0:{len(episodes)}"}, "data_path": V2_DATA_PATH,
-        "video_path": V2_VIDEO_PATH if video else None, "features": features,
-    }
-    _write_json(root / "meta" / "info.json", info)
-    _write_jsonl(root / "meta" / "tasks.jsonl", [{"task_index": i, "task": t} for i, t in enumerate(tasks)])
-    _write_jsonl(root / "meta" / "episodes.jsonl", ep_rows)
-    if version == "v2.1":
-        _write_jsonl(root / "meta" / "episodes_stats.jsonl", stats_rows)
-    else:
-        _write_json(root / "meta" / "stats.json", aggregate_simple(all_stats))
+                vpath = self.root / V2_VIDEO_PATH.format(episode_chunk=chunk, video_key=names[cam],
+                                                         episode_index=ep.episode_index)
+                imgs.encode_mp4(ep.images[cam], vpath, self.fps)
+        ep_stats = _episode_stats(ep, self.first, self.naming, self.fps)
+        self.all_stats.append(ep_stats)
+        self.ep_rows.append({"episode_index": ep.episode_index, "tasks": [self.tasks[ep.task_index]],
+                             "length": ep.length})
+        self.stats_rows.append({"episode_index": ep.episode_index, "stats": ep_stats})
+        self.first += ep.length
+        self.max_episode = max(self.max_episode, ep.episode_index)
+
+    def close(self) -> None:
+        n = len(self.ep_rows)
+        info = {
+            "codebase_version": self.version, "robot_type": self.robot_type, "total_episodes": n,
+            "total_frames": self.first, "total_tasks": len(self.tasks), "total_videos": n * 2 if self.video else 0,
+            "total_chunks": self.max_episode // CHUNKS_SIZE + 1, "chunks_size": CHUNKS_SIZE, "fps": self.fps,
+            "splits": {"train": f"0:{n}"}, "data_path": V2_DATA_PATH,
+            "video_path": V2_VIDEO_PATH if self.video else None, "features": self.features,
+        }
+        meta = self.root / "meta"
+        _write_json(meta / "info.json", info)
+        _write_jsonl(meta / "tasks.jsonl", [{"task_index": i, "task": t} for i, t in enumerate(self.tasks)])
+        _write_jsonl(meta / "episodes.jsonl", self.ep_rows)
+        if self.version == "v2.1":
+            _write_jsonl(meta / "episodes_stats.jsonl", self.stats_rows)
+        else:
+            _write_json(meta / "stats.json", aggregate_simple(self.all_stats))
 
 
-def _write_v3(root, episodes, tasks, features, naming, video, fps, pool, robot_type) -> None:
-    names = NAMINGS[naming]
-    data_path = root / V3_DATA_PATH.format(chunk_index=0, file_index=0)
-    data_path.parent.mkdir(parents=True, exist_ok=True)
-    writer = None
-    first = 0
-    rows: list[dict] = []
-    all_stats = []
-    for ep in episodes:
-        table = episode_table(ep, first, features, naming, video, pool, fps)
-        if writer is None:
-            writer = pq.ParquetWriter(data_path, table.schema)
-        writer.write_table(table)
-        ep_stats = _episode_stats(ep, first, naming, fps)
-        all_stats.append(ep_stats)
-        row = {"episode_index": ep.episode_index, "tasks": [tasks[ep.task_index]], "length": ep.length,
-               "data/chunk_index": 0, "data/file_index": 0, "dataset_from_index": first,
-               "dataset_to_index": first + ep.length, "meta/episodes/chunk_index": 0,
+class _V3Writer:
+    def __init__(self, root, tasks, naming, video, fps, pool, version, robot_type):
+        self.root, self.tasks, self.naming, self.video, self.fps = root, tasks, naming, video, fps
+        self.pool, self.robot_type = pool, robot_type
+        self.first = 0
+        self.rows: list[dict] = []
+        self.all_stats: list[dict] = []
+        self.features: dict | None = None
+        self.writer: pq.ParquetWriter | None = None
+        self.videos: dict[str, imgs.Mp4Writer] = {}
+
+    def add(self, ep: RecapEpisode) -> None:
+        names = NAMINGS[self.naming]
+        if self.features is None:
+            shape = tuple(ep.images[CAMERAS[0]].shape[1:])
+            self.features = input_features(shape, self.naming, self.video, self.fps)
+            data_path = self.root / V3_DATA_PATH.format(chunk_index=0, file_index=0)
+            data_path.parent.mkdir(parents=True, exist_ok=True)
+            if self.video:
+                for cam in CAMERAS:
+                    path = self.root / V3_VIDEO_PATH.format(video_key=names[cam], chunk_index=0, file_index=0)
+                    self.videos[cam] = imgs.Mp4Writer(path, self.fps, shape[1], shape[0])
+        table = episode_table(ep, self.first, self.features, self.naming, self.video, self.pool, self.fps)
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.root / V3_DATA_PATH.format(chunk_index=0, file_index=0), table.schema)
+        self.writer.write_table(table)
+        for cam, vw in self.videos.items():
+            vw.write(ep.images[cam])
+        ep_stats = _episode_stats(ep, self.first, self.naming, self.fps)
+        self.all_stats.append(ep_stats)
+        row = {"episode_index": ep.episode_index, "tasks": [self.tasks[ep.task_index]], "length": ep.length,
+               "data/chunk_index": 0, "data/file_index": 0, "dataset_from_index": self.first,
+               "dataset_to_index": self.first + ep.length, "meta/episodes/chunk_index": 0,
                "meta/episodes/file_index": 0}
-        if video:
+        if self.video:
             for cam in CAMERAS:
                 row[f"videos/{names[cam]}/chunk_index"] = 0
                 row[f"videos/{names[cam]}/file_index"] = 0
-                row[f"videos/{names[cam]}/from_timestamp"] = first / fps
-                row[f"videos/{names[cam]}/to_timestamp"] = (first + ep.length) / fps
+                row[f"videos/{names[cam]}/from_timestamp"] = self.first / self.fps
+                row[f"videos/{names[cam]}/to_timestamp"] = (self.first + ep.length) / self.fps
         for key, val in ep_stats.items():
             for stat, v in val.items():
                 row[f"stats/{key}/{stat}"] = v
-        rows.append(row)
-        first += ep.length
-    writer.close()
-    if video:
-        for cam in CAMERAS:
-            frames = np.concatenate([ep.images[cam] for ep in episodes])
-            imgs.encode_mp4(frames, root / V3_VIDEO_PATH.format(video_key=names[cam], chunk_index=0, file_index=0), fps)
-    ep_dir = root / "meta" / "episodes" / "chunk-000"
-    ep_dir.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), ep_dir / "file-000.parquet")
-    # As LeRobot writes it: a pandas frame indexed by the task string.
-    pd.DataFrame({"task_index": np.arange(len(tasks), dtype=np.int64)},
-                 index=pd.Index(list(tasks), name="task")).to_parquet(root / "meta" / "tasks.parquet")
-    v3_features = {k: ({**v, "fps": fps} if v["dtype"] != "video" else v) for k, v in features.items()}
-    info = {
-        "codebase_version": "v3.0", "robot_type": robot_type, "total_episodes": len(episodes),
-        "total_frames": first, "total_tasks": len(tasks), "chunks_size": CHUNKS_SIZE,
-        "data_files_size_in_mb": 100, "video_files_size_in_mb": 200, "fps": fps,
-        "splits": {"train": f"0:{len(episodes)}"}, "data_path": V3_DATA_PATH,
-        "video_path": V3_VIDEO_PATH if video else None, "features": v3_features,
-    }
-    _write_json(root / "meta" / "info.json", info)
-    _write_json(root / "meta" / "stats.json", aggregate_simple(all_stats))
+        self.rows.append(row)
+        self.first += ep.length
+
+    def close(self) -> None:
+        self.writer.close()
+        for vw in self.videos.values():
+            vw.close()
+        meta = self.root / "meta"
+        ep_dir = meta / "episodes" / "chunk-000"
+        ep_dir.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(self.rows), ep_dir / "file-000.parquet")
+        # As LeRobot writes it: a pandas frame indexed by the task string.
+        pd.DataFrame({"task_index": np.arange(len(self.tasks), dtype=np.int64)},
+                     index=pd.Index(list(self.tasks), name="task")).to_parquet(meta / "tasks.parquet")
+        feats = {k: ({**v, "fps": self.fps} if v["dtype"] != "video" else v) for k, v in self.features.items()}
+        n = len(self.rows)
+        info = {
+            "codebase_version": "v3.0", "robot_type": self.robot_type, "total_episodes": n,
+            "total_frames": self.first, "total_tasks": len(self.tasks), "chunks_size": CHUNKS_SIZE,
+            "data_files_size_in_mb": 100, "video_files_size_in_mb": 200, "fps": self.fps,
+            "splits": {"train": f"0:{n}"}, "data_path": V3_DATA_PATH,
+            "video_path": V3_VIDEO_PATH if self.video else None, "features": feats,
+        }
+        _write_json(meta / "info.json", info)
+        _write_json(meta / "stats.json", aggregate_simple(self.all_stats))
