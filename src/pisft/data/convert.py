@@ -196,7 +196,7 @@ def _short(items: list[int], limit: int = 12) -> str:
 @dataclass
 class _Frames:
     png: dict[str, list[bytes]]
-    sampled: dict[str, list[np.ndarray]]
+    image_stats: dict[str, dict]  # output camera key -> LeRobot per-episode stats
     shape: tuple[int, int, int]
 
 
@@ -204,7 +204,7 @@ def _episode_frames(src: RecapSource, ref: EpisodeRef, n: int, image_size: int) 
     """Decode, check (and resize) every camera frame of one episode; runs in a worker thread."""
     sample = set(st.image_sample_indices(n))
     png: dict[str, list[bytes]] = {}
-    sampled: dict[str, list[np.ndarray]] = {}
+    cam_stats: dict[str, dict] = {}
     out_shape = None
     for cam in CAMERAS:
         col = src.names[cam]
@@ -248,8 +248,8 @@ def _episode_frames(src: RecapSource, ref: EpisodeRef, n: int, image_size: int) 
                 frames_sampled.append(img)
             out_shape = img.shape
         png[OUTPUT_NAMES[cam]] = frames_png
-        sampled[OUTPUT_NAMES[cam]] = frames_sampled
-    return _Frames(png, sampled, out_shape)  # type: ignore[arg-type]
+        cam_stats[OUTPUT_NAMES[cam]] = st.image_stats(frames_sampled)
+    return _Frames(png, cam_stats, out_shape)  # type: ignore[arg-type]
 
 
 def _ordered_results(pool: ThreadPoolExecutor, jobs: list[Callable[[], _Frames]], window: int) -> Iterator[_Frames]:
@@ -346,7 +346,7 @@ def convert_recap(src_dir: str | Path, out_dir: Path, opts: Options, cfg: PisftC
                     "index": np.arange(start, start + n, dtype=np.int64),
                     "task_index": np.array([prompt_index[p] for p in k.prompts], dtype=np.int64),
                 }
-                ep_stats = st.episode_stats(numeric, frames.sampled)
+                ep_stats = {**st.episode_stats(numeric, {}), **frames.image_stats}
                 writer.add_episode({**numeric, **frames.png}, sorted(set(k.prompts), key=prompt_index.get), ep_stats)
                 per_episode_stats.append(ep_stats)
                 for key, v in numeric.items():

@@ -18,11 +18,15 @@ from collections.abc import Sequence
 
 import numpy as np
 from lerobot.datasets.compute_stats import (
+    DEFAULT_QUANTILES,
     aggregate_stats,
     auto_downsample_height_width,
     get_feature_stats,
     sample_indices,
 )
+
+
+QUANTILE_KEYS = [f"q{int(q * 100):02d}" for q in DEFAULT_QUANTILES]
 
 
 def image_sample_indices(num_frames: int) -> list[int]:
@@ -31,10 +35,33 @@ def image_sample_indices(num_frames: int) -> list[int]:
 
 
 def image_stats(frames: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-    """Per-channel stats of already-sampled HWC uint8 frames, LeRobot layout (3, 1, 1) in [0, 1]."""
+    """Per-channel stats of already-sampled HWC uint8 frames, LeRobot layout (3, 1, 1) in [0, 1].
+
+    Same frames (LeRobot's sample, downsampled as LeRobot does above 300 px) and same keys as
+    LeRobot's `compute_episode_stats`, but computed from an exact 256-bin histogram per channel
+    (`np.bincount`) instead of LeRobot's 5000-bin `np.histogram`, which costs ~1 s per camera per
+    100-frame 256 px episode and dominated the conversion (see notes/issue-3.md). Quantiles are
+    the exact lower quantiles of the pixel values (LeRobot interpolates within its bins).
+    """
     chw = np.stack([auto_downsample_height_width(np.transpose(f, (2, 0, 1))) for f in frames])
-    stats = get_feature_stats(chw, axis=(0, 2, 3), keepdims=True)
-    return {k: v if k == "count" else np.squeeze(v / 255.0, axis=0) for k, v in stats.items()}
+    channels = chw.shape[1]
+    values = np.arange(256, dtype=np.float64)
+    out: dict[str, list] = {k: [] for k in ("min", "max", "mean", "std", *QUANTILE_KEYS)}
+    for c in range(channels):
+        hist = np.bincount(chw[:, c].reshape(-1), minlength=256).astype(np.float64)
+        n = hist.sum()
+        nz = np.flatnonzero(hist)
+        mean = float((hist * values).sum() / n)
+        out["min"].append(float(nz[0]))
+        out["max"].append(float(nz[-1]))
+        out["mean"].append(mean)
+        out["std"].append(float(np.sqrt(max(0.0, (hist * (values - mean) ** 2).sum() / n))))
+        cum = np.cumsum(hist)
+        for key, q in zip(QUANTILE_KEYS, DEFAULT_QUANTILES, strict=True):
+            out[key].append(float(np.searchsorted(cum, q * n, side="left")))
+    stats = {k: (np.asarray(v, dtype=np.float64) / 255.0).reshape(channels, 1, 1) for k, v in out.items()}
+    stats["count"] = np.array([chw.shape[0]])
+    return stats
 
 
 def numeric_stats(values: np.ndarray) -> dict[str, np.ndarray]:
