@@ -36,7 +36,8 @@ def fabricated_train_log(path: Path, steps: int = 30) -> None:
             fh.write(json.dumps({
                 "step": step, "loss": float(2.0 * np.exp(-step / 10) + 0.05 * rng.random()),
                 "grad_norm": 1.0, "lr": 1e-3 * min(1.0, step / 5), "step_time_s": 0.2 + 0.01 * rng.random(),
-                "samples_per_s": 80.0, "data_wait_s": 0.01, "peak_memory_gb": [1.5, 1.6], "mfu": 0.01,
+                "samples_per_s": 80.0, "data_wait_s": 0.01, "peak_memory_bytes": 3 * 2**29, "mfu": None,
+                "flops_per_sample": 1.0e9,
             }) + "\n")
         # a resumed run logs step 30 again; the later record wins
         fh.write(json.dumps({"step": steps, "loss": 0.123, "lr": 1e-4}) + "\n")
@@ -123,7 +124,7 @@ def test_plot_tables_and_report(results):
     text = (out / "report.md").read_text()
     for needle in ("| action_mse |", "![Training loss and learning rate](loss.png)", "(per_task.png)",
                    "| train_8card | 12.5 |", "| lerobot | 0.6.1 |", "put both moka pots on the stove",
-                   "\"frame_stride\": 4", "world_size"):
+                   "\"frame_stride\": 4", "world_size", "every 4th frame", "peak_memory_gib: 1.5"):
         assert needle in text, needle
     assert "loss 0.123" not in text and "→ 0.123" in text  # the resumed record of step 30 wins
     info = json.loads((out / "eval_info.json").read_text())

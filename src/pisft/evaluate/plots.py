@@ -90,7 +90,8 @@ def throughput_and_memory(records: list[dict], path: Path) -> Path | None:
             for key in mem_keys:
                 for label, (s, v) in train_log.memory_series(records, key).items():
                     ax.plot(s, v, label=label)
-            ax.set_ylabel("peak memory")
+            ax.set_ylabel("peak memory (GiB)" if all(k.endswith("_bytes") for k in mem_keys)
+                          else "peak memory")
             ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("optimizer step")

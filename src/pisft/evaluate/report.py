@@ -23,6 +23,13 @@ def _ci(section: dict, metric: str) -> str:
     return f" [{_fmt(low)}, {_fmt(high)}]"
 
 
+def _every(stride: int) -> str:
+    if stride == 1:
+        return "every frame"
+    suffix = {2: "nd", 3: "rd"}.get(stride % 10 if stride % 100 not in (11, 12, 13) else 0, "th")
+    return f"every {stride}{suffix} frame (frame_index % {stride} == 0)"
+
+
 def _headline(metrics: dict) -> list[str]:
     comp = metrics["comparison"]["action_mse"]
     ratio = comp.get("ratio")
@@ -40,13 +47,13 @@ def _headline(metrics: dict) -> list[str]:
             sure = f" The {level}% interval of the ratio lies above 1: fine-tuning increased the error."
         else:
             sure = f" The {level}% interval of the ratio contains 1: no clear difference."
-        sure = f" (ratio {level}% CI [{_fmt(low, 3)}, {_fmt(high, 3)}])." + sure
+        sure = f"; ratio {level}% CI [{_fmt(low, 3)}, {_fmt(high, 3)}])." + sure
     else:
-        sure = "."
+        sure = ")."
     lines.append(
         f"Fine-tuned held-out action MSE is **{_fmt(ratio, 3)}×** the base model's "
         f"({_fmt(metrics['finetuned']['action_mse'])} vs {_fmt(metrics['base']['action_mse'])}, "
-        f"raw units){sure}"
+        f"raw units{sure}"
     )
     return lines
 
@@ -61,7 +68,7 @@ def build(*, metrics: dict, eval_info: dict, train_summary: dict, run_info: dict
     out += ["## Open-loop action error on held-out episodes", ""]
     out.append(
         f"{metrics['episodes']} held-out episodes, {metrics['tasks']} tasks, {metrics['frames']} "
-        f"evaluated frames (every {eval_info['frame_stride']}th frame of each episode; "
+        f"evaluated frames ({_every(eval_info['frame_stride'])} of each episode; "
         f"chunk of {eval_info['chunk_size']} steps, padded steps past the episode end excluded). "
         f"Flow-matching noise is fixed per frame (seed {eval_info['seed']}), the same for both "
         f"models. Intervals: {level}% percentile bootstrap over episodes "

@@ -59,18 +59,20 @@ def memory_keys(records: list[dict]) -> list[str]:
 
 
 def memory_series(records: list[dict], key: str) -> dict[str, tuple[list[int], list[float]]]:
-    """Per-device curves of one memory key: label -> (steps, values).
+    """Per-device curves of one memory key: label -> (steps, values); `*_bytes` keys in GiB.
 
     A plain number is one curve labelled by the key; a list gives `key[i]` per device; a
     mapping gives `key[name]`.
     """
     curves: dict[str, tuple[list[int], list[float]]] = {}
 
+    scale = 1.0 / 2**30 if key.endswith("_bytes") else 1.0  # bytes are shown in GiB
+
     def put(label: str, step: int, value) -> None:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             s, v = curves.setdefault(label, ([], []))
             s.append(step)
-            v.append(float(value))
+            v.append(float(value) * scale)
 
     for r in records:
         value = r.get(key)
@@ -105,5 +107,5 @@ def summary(records: list[dict]) -> dict:
     for key in memory_keys(records):
         peaks = [max(v) for _, v in memory_series(records, key).values() if v]
         if peaks:
-            out[f"max_{key}"] = max(peaks)
+            out[f"max_{key.removesuffix('_bytes') + '_gib' if key.endswith('_bytes') else key}"] = max(peaks)
     return out
