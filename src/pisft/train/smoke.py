@@ -60,14 +60,19 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 def _estimate(cfg: Any) -> Any:
+    """pisft.model.estimate's analytic per-device memory for 1 and for N devices (informative)."""
     try:
         from pisft.model.estimate import estimate_memory
     except ImportError:
         return None
-    try:
-        return estimate_memory(cfg)
-    except Exception as exc:  # an estimate is informative only
-        return {"error": f"{type(exc).__name__}: {exc}"}
+    out: dict[str, Any] = {}
+    for n in sorted({1, cfg.world_size}):
+        try:
+            est = estimate_memory(cfg, world_size=n)
+            out[str(n)] = {"total_bytes": est["total_bytes"], "bytes": est["bytes"]}
+        except Exception as exc:  # an estimate is informative only
+            out[str(n)] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
 
 
 def _advice(cfg: Any) -> str:

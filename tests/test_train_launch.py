@@ -1,0 +1,132 @@
+"""The launcher: torchrun argument lists, environment, failure messages, the smoke gate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pisft import config as config_mod
+from pisft import device as devices
+from pisft.errors import PisftError
+from pisft.train import launch
+
+CONFIG = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
+
+TORCHRUN_FAILURE = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+pisft.train FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-01-01_00:00:00
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 4242)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4242
+============================================================
+"""
+
+
+def _cfg(tmp_path, *extra):
+    return config_mod.load(CONFIG, [f"results_dir={tmp_path}", *extra])
+
+
+def test_single_node_command_is_an_argument_list(tmp_path):
+    cfg = _cfg(tmp_path, "train.nproc_per_node=4", "train.global_batch_size=32")
+    overrides = ["train.nproc_per_node=4", "data.tasks=['put it; rm -rf /']"]
+    cmd = launch.torchrun_command("train_8card", cfg, "config/config.yaml", overrides, tmp_path)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert "--standalone" in cmd
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "4"
+    assert cmd[cmd.index("--max-restarts") + 1] == "0"
+    tail = cmd[cmd.index("pisft.train") - 1:]
+    assert tail[:6] == ["-m", "pisft.train", "--stage", "train_8card", "--config", "config/config.yaml"]
+    assert tail[6:] == ["--set", overrides[0], "--set", overrides[1]]  # one argument each, no shell
+
+
+def test_multi_node_and_smoke_commands(tmp_path):
+    cfg = _cfg(tmp_path, "train.nnodes=2", "train.node_rank=1", "train.rdzv_endpoint=10.0.0.1:29500",
+               "train.nproc_per_node=8", "train.global_batch_size=128")
+    cmd = launch.torchrun_command("train_8card", cfg, "c.yaml", [], tmp_path)
+    for flag, value in (("--nnodes", "2"), ("--node-rank", "1"), ("--master-addr", "10.0.0.1"),
+                        ("--master-port", "29500"), ("--nproc-per-node", "8")):
+        assert cmd[cmd.index(flag) + 1] == value
+    assert "--standalone" not in cmd
+    smoke = launch.torchrun_command("smoke_1card", cfg, "c.yaml", [], tmp_path)
+    assert smoke[smoke.index("--nproc-per-node") + 1] == "1" and "--standalone" in smoke
+    with pytest.raises(PisftError, match="HOST:PORT"):
+        launch.split_endpoint("10.0.0.1")
+
+
+def test_failure_report_names_rank_signal_and_log(tmp_path):
+    log = tmp_path / "run-id_x" / "attempt_0" / "1" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("boom\n")
+    (failure,) = launch._failures(TORCHRUN_FAILURE, tmp_path)
+    assert (failure.rank, failure.local_rank, failure.exitcode, failure.log) == ("1", "1", "-9", log)
+    assert "SIGKILL" in launch._describe_exit("-9")
+
+
+def test_launcher_passes_device_environment(tmp_path, monkeypatch, capsys):
+    """device npu: the Ascend defaults and JAX_PLATFORMS reach torchrun; 8 processes."""
+    cfg = _cfg(tmp_path, "device=npu", "train.nproc_per_node=8", "train.global_batch_size=32")
+    _write_report(cfg, passed=True)
+    monkeypatch.setattr(devices, "resolve_kind", lambda requested: "npu")
+    monkeypatch.setattr(devices, "device_count", lambda kind: 8)
+    monkeypatch.delenv("TASK_QUEUE_ENABLE", raising=False)
+    monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "77")
+    seen = {}
+
+    def fake_run(cmd, env, log_file):
+        seen.update(cmd=cmd, env=env)
+        return 1, TORCHRUN_FAILURE
+
+    monkeypatch.setattr(launch, "_run_tee", fake_run)
+    rc = launch.main("train_8card", cfg, "c.yaml", [])
+    assert rc != 0
+    assert seen["cmd"][seen["cmd"].index("--nproc-per-node") + 1] == "8"
+    assert seen["env"]["TASK_QUEUE_ENABLE"] == devices.ASCEND_ENV_DEFAULTS["TASK_QUEUE_ENABLE"]
+    assert seen["env"]["HCCL_CONNECT_TIMEOUT"] == "77"
+    assert seen["env"]["JAX_PLATFORMS"] == "cpu"
+    err = capsys.readouterr().err
+    assert "rank 1 (local rank 1) killed by SIGKILL" in err
+    assert "no complete checkpoint yet" in err and "Rerun the same command" in err
+
+
+def test_too_few_devices_fails_before_starting(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path, "device=cuda", "train.nproc_per_node=8", "train.global_batch_size=32")
+    monkeypatch.setattr(devices, "resolve_kind", lambda requested: "cuda")
+    monkeypatch.setattr(devices, "device_count", lambda kind: 2)
+    with pytest.raises(PisftError, match="8 processes need 8 cuda devices but 2"):
+        launch.main("train_8card", cfg, "c.yaml", [])
+
+
+def _write_report(cfg, *, passed, **config_changes):
+    resolved = config_mod.resolved(cfg)
+    for key, value in config_changes.items():
+        section, leaf = key.split("__")
+        resolved[section][leaf] = value
+    path = cfg.results("smoke", "report.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"passed": passed, "messages": ["loss is NaN"], "pisft_config": resolved}))
+
+
+def test_smoke_gate(tmp_path):
+    cfg = _cfg(tmp_path)
+    with pytest.raises(PisftError, match="run smoke_1card first"):
+        launch.check_smoke_report(cfg)
+    _write_report(cfg, passed=False)
+    with pytest.raises(PisftError, match="did not pass:\n  - loss is NaN"):
+        launch.check_smoke_report(cfg)
+    _write_report(cfg, passed=True, train__micro_batch_size=2)
+    with pytest.raises(PisftError, match="train.micro_batch_size: smoke 2, now 4"):
+        launch.check_smoke_report(cfg)
+    _write_report(cfg, passed=True)
+    launch.check_smoke_report(cfg)

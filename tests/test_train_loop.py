@@ -1,0 +1,196 @@
+"""The loop and the checkpoints, in one process (gloo, world size 1), with a small module."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from pisft.train import checkpoint as ckpt_mod
+from pisft.train import fsdp, loop, optim
+from pisft.train.checkpoint import CheckpointManager, CheckpointMismatch
+from pisft.train.data import make_loader
+from pisft.train.sampler import StepLayout, StepSampler
+
+METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "step_time_s", "samples_per_s", "data_wait_s",
+               "peak_memory_bytes", "mfu"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group(tmp_path_factory):
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class ToyTask:
+    """Regression with per-sample input noise drawn from the sample's (seed, step, position)."""
+
+    def draw(self, rng):
+        return {"noise": rng.standard_normal(6).astype(np.float32)}
+
+    def prepare(self, batch):
+        return batch
+
+    def loss(self, model, batch, rand):
+        return ((model(batch["x"] + 0.1 * rand["noise"]) - batch["y"]) ** 2).mean()
+
+    def flops_per_sample(self, batch):
+        return 1000.0
+
+
+def toy_data(n=64):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 6, generator=g)
+    w = torch.randn(6, 3, generator=g)
+    return [{"x": x[i], "y": torch.tanh(x[i] @ w)} for i in range(n)]
+
+
+def toy_model(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
+    units = fsdp.shard(model, init_device_mesh("cpu", (1,)), "fp32")
+    return model, units
+
+
+def train(micro, steps, *, start=0, model=None, opt=None, sched=None, save=None, lr=1e-2):
+    data = toy_data()
+    if model is None:
+        model, _ = toy_model()
+        opt = optim.build_optimizer(model.parameters(), lr=lr, weight_decay=0.01, fused=False)
+        sched = optim.build_scheduler(opt, lr=lr, warmup_steps=2, decay_lr=1e-3, steps=steps)
+    layout = StepLayout(8, micro, 1)
+    sampler = StepSampler(len(data), 0, layout)
+    loader = make_loader(data, sampler, rank=0, start_step=start, end_step=steps, seed=0,
+                         draw=ToyTask().draw, num_workers=0)
+    s = loop.LoopSettings(steps=steps, accum=layout.accum, global_batch=8, grad_clip=1.0, kind="cpu",
+                          device=torch.device("cpu"), world_size=1, rank=0, peak_flops=1e9,
+                          save_every=3)
+    records = loop.run(model, opt, sched, ToyTask(), iter(loader), s, start_step=start, save=save)
+    return model, opt, sched, records
+
+
+def weights(model):
+    return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+
+def test_loop_learns_and_records_every_metric():
+    _, _, _, records = train(micro=8, steps=12)
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert METRIC_KEYS <= set(records[0])
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert all(math.isfinite(r["grad_norm"]) for r in records)
+    assert records[0]["mfu"] == pytest.approx(1000.0 * records[0]["samples_per_s"] / 1e9)
+
+
+def test_accumulation_gives_the_same_training():
+    """micro 8 x accum 1 and micro 2 x accum 4: same losses and weights (same global batch)."""
+    m1, _, _, r1 = train(micro=8, steps=6)
+    m4, _, _, r4 = train(micro=2, steps=6)
+    for a, b in zip(r1, r4):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    for k, v in weights(m1).items():
+        torch.testing.assert_close(weights(m4)[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_non_finite_loss_stops_the_loop():
+    class Bad(ToyTask):
+        def loss(self, model, batch, rand):
+            return super().loss(model, batch, rand) * float("nan")
+
+    model, _ = toy_model()
+    opt = optim.build_optimizer(model.parameters(), lr=1e-2, weight_decay=0.0, fused=False)
+    sched = optim.build_scheduler(opt, lr=1e-2, warmup_steps=0, decay_lr=1e-3, steps=2)
+    data = toy_data()
+    sampler = StepSampler(len(data), 0, StepLayout(8, 8, 1))
+    loader = make_loader(data, sampler, rank=0, start_step=0, end_step=2, seed=0, draw=Bad().draw,
+                         num_workers=0)
+    s = loop.LoopSettings(steps=2, accum=1, global_batch=8, grad_clip=1.0, kind="cpu",
+                          device=torch.device("cpu"), world_size=1, rank=0)
+    before = weights(model)
+    with pytest.raises(loop.NonFiniteError, match="step 1"):
+        loop.run(model, opt, sched, Bad(), iter(loader), s, start_step=0)
+    for k, v in before.items():  # the optimizer step was skipped
+        assert torch.equal(weights(model)[k], v)
+
+
+def _manager(root: Path, fingerprint=None, keep_last=2):
+    return CheckpointManager(root, keep_last=keep_last, rank=0, world_size=1,
+                             fingerprint=fingerprint or {"train.lr": 0.01},
+                             config={"train": {"lr": 0.01}}, log=lambda m: None)
+
+
+def test_checkpoint_resume_is_bit_identical(tmp_path):
+    """Train 9 steps saving every 3; resume from step 6 in a fresh model: identical end state."""
+    root = tmp_path / "ckpt"
+    holder = {}
+
+    def save(step):
+        _manager(root).save(step, holder["m"], holder["o"], holder["s"])
+
+    model, _ = toy_model()
+    opt = optim.build_optimizer(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    sched = optim.build_scheduler(opt, lr=1e-2, warmup_steps=2, decay_lr=1e-3, steps=9)
+    holder.update(m=model, o=opt, s=sched)
+    _, _, _, full = train(micro=4, steps=9, model=model, opt=opt, sched=sched, save=save)
+    assert [f.step for f in ckpt_mod.list_checkpoints(root)] == [6, 9]  # keep_last=2
+    # drop the final checkpoint to resume from step 6
+    import shutil
+    shutil.rmtree(root / "step_000009")
+    found = ckpt_mod.latest_complete(root)
+    assert found.step == 6
+    files = json.loads((found.path / "COMPLETE.json").read_text())["files"]
+    assert {"dcp/.metadata", "trainer_state.json", "pisft_config.json",
+            "rng/rank_00000.json"} <= set(files)
+
+    model2, _ = toy_model(seed=123)  # different init: everything must come from the checkpoint
+    opt2 = optim.build_optimizer(model2.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    sched2 = optim.build_scheduler(opt2, lr=1e-2, warmup_steps=2, decay_lr=1e-3, steps=9)
+    state = _manager(root).load(found, model2, opt2, sched2)
+    assert state["step"] == 6
+    _, _, _, rest = train(micro=4, steps=9, start=6, model=model2, opt=opt2, sched=sched2)
+    assert [r["loss"] for r in rest] == [r["loss"] for r in full[6:]]
+    assert [r["lr"] for r in rest] == [r["lr"] for r in full[6:]]
+    for k, v in weights(model).items():
+        assert torch.equal(weights(model2)[k], v), k
+
+
+def test_incomplete_and_truncated_checkpoints_are_skipped(tmp_path):
+    root = tmp_path / "ckpt"
+    model, _ = toy_model()
+    opt = optim.build_optimizer(model.parameters(), lr=1e-2, weight_decay=0.0, fused=False)
+    sched = optim.build_scheduler(opt, lr=1e-2, warmup_steps=0, decay_lr=1e-3, steps=10)
+    mgr = _manager(root, keep_last=5)
+    for step in (2, 4, 6):
+        mgr.save(step, model, opt, sched)
+    # step 6: truncate a data file; step 4: remove the completeness marker (a save cut short)
+    data_file = next(p for p in (root / "step_000006" / "dcp").iterdir() if p.suffix == ".distcp")
+    data_file.write_bytes(data_file.read_bytes()[:-7])
+    (root / "step_000004" / "COMPLETE.json").unlink()
+    (root / ".step_000008.tmp").mkdir()  # a save that died before the rename
+    skipped = []
+    found = ckpt_mod.latest_complete(root, log=skipped.append)
+    assert found.step == 2
+    assert "truncated" in skipped[0] and "step_000006" in skipped[0]
+    assert "did not finish" in skipped[1] and "step_000004" in skipped[1]
+    mgr.prune()
+    assert not (root / ".step_000008.tmp").exists()
+
+
+def test_checkpoint_of_another_configuration_is_refused(tmp_path):
+    root = tmp_path / "ckpt"
+    model, _ = toy_model()
+    opt = optim.build_optimizer(model.parameters(), lr=1e-2, weight_decay=0.0, fused=False)
+    sched = optim.build_scheduler(opt, lr=1e-2, warmup_steps=0, decay_lr=1e-3, steps=10)
+    _manager(root, fingerprint={"train.lr": 0.01}).save(2, model, opt, sched)
+    other = _manager(root, fingerprint={"train.lr": 0.02})
+    with pytest.raises(CheckpointMismatch, match=r"(?s)train.lr: checkpoint 0.01, now 0.02.*delete"):
+        other.load(other.find_resume(), model, opt, sched)
