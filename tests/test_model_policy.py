@@ -59,6 +59,14 @@ def test_save_load_roundtrip_is_exact_and_keeps_the_tie(model_dir):
     stored = load_file(str(model_dir / "model.safetensors"))
     # the tied pair is stored once, under lm_head's name (openpi / lerobot/pi05_base layout)
     assert LM_HEAD in stored and EMBED not in stored
+    # non-persistent buffers (rotary frequencies, position ids) are rebuilt, not left uninitialised
+    from pisft.model.estimate import _dummy_inputs
+
+    inputs = list(_dummy_inputs(original.config, 2, "cpu"))
+    inputs[5] = torch.randn_like(inputs[5], generator=torch.Generator().manual_seed(0))
+    original.eval(), loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(original.model.forward(*inputs), loaded.model.forward(*inputs))
     assert read_model_info(model_dir)["preset"] == "tiny"
     assert stats_equal(load_stats(model_dir / STATS_FILE), fake_stats())
 
