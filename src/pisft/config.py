@@ -101,9 +101,9 @@ class TrainConfig:
 class EvalConfig:
     # At most this many held-out episodes (0: all of them).
     max_episodes: int = 0
-    batch_size: int = 8
+    batch_size: int = 32
     # Offline: evaluate every k-th frame of each held-out episode (1: every frame).
-    frame_stride: int = 1
+    frame_stride: int = 2
     # Seed of the flow-matching noise (fixed per frame, same for both models) and the bootstrap.
     seed: int = 0
     # Bootstrap resamples of the held-out episodes for confidence intervals (0: none).
