@@ -61,3 +61,17 @@ def test_log_captures_child_processes(tmp_path):
     text = log.read_text()
     for line in ("parent says hi", "child out", "child err"):
         assert line in text and line in out.stdout
+
+
+def test_outputs_follow_the_umask_not_tempfile_modes(tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        with io.atomic_dir(tmp_path / "out") as tmp:
+            io.write_text_atomic(tmp / "f.txt", "x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
+    assert stat.S_IMODE((tmp_path / "out" / "f.txt").stat().st_mode) == 0o644

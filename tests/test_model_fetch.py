@@ -215,3 +215,9 @@ def test_cli_reports_a_fetch_error_without_traceback(tmp_path, capsys):
     config.write_text(f"results_dir: {tmp_path / 'results'}\nmodel:\n  source: {tmp_path / 'nowhere'}\n")
     assert cli.main(["fetch_base", "--config", str(config)]) == 2
     assert "directory not found" in capsys.readouterr().err
+
+
+def test_light_source_file_list_names_the_stats_file():
+    from pisft.model import sources
+
+    assert STATS_FILE in sources.LOCAL_SOURCE_FILES

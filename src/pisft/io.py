@@ -13,6 +13,12 @@ from pathlib import Path
 from typing import Any
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces `final` in one rename.
@@ -23,6 +29,7 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; outputs follow the user's umask
     try:
         yield tmp
     except BaseException:
@@ -46,6 +53,7 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)

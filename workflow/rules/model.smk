@@ -1,4 +1,6 @@
 rule fetch_base:
+    input:
+        support.model_source_inputs(CFG),
     output:
         directory(f"{RESULTS}/base_model"),
     log:

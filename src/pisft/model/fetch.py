@@ -33,16 +33,7 @@ FULL_LOAD_LIMIT = 1 << 30
 
 def source_files(cfg: PisftConfig) -> list[str]:
     """Local files whose change must rerun fetch_base (for the workflow's inputs)."""
-    source = sources.parse_source(cfg.model.source)
-    found: list[str] = []
-    if source.kind == "local" and source.path is not None:
-        for name in ("config.json", "model.safetensors", "pisft_model.json", STATS_FILE):
-            if (source.path / name).is_file():
-                found.append(str(source.path / name))
-    tok = cfg.model.tokenizer
-    if tok and not tok.startswith(sources.HF_PREFIX) and Path(tok).is_dir():
-        found.extend(str(p) for p in sorted(Path(tok).iterdir()) if p.is_file())
-    return found
+    return sources.local_input_files(cfg.model.source, cfg.model.tokenizer)
 
 
 def link_or_copy(src: Path, dst: Path) -> str:

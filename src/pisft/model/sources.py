@@ -136,3 +136,19 @@ def detect_layout(directory: Path, what: str) -> str:
     raise ModelLoadError(f"{config_path}: neither a LeRobot policy config (no \"type\") nor an openpi "
                          f"converted config (no \"paligemma_variant\"/\"action_horizon\")")
 
+
+
+# Files of a local source whose change must rerun fetch_base. Kept in this light module (no
+# torch, no LeRobot) because the Snakefile calls it at parse time.
+LOCAL_SOURCE_FILES = ("config.json", "model.safetensors", "pisft_model.json",
+                      "normalization_stats.safetensors")
+
+
+def local_input_files(source_text: str, tokenizer_text: str = "") -> list[str]:
+    source = parse_source(source_text)
+    found: list[str] = []
+    if source.kind == "local" and source.path is not None:
+        found.extend(str(source.path / n) for n in LOCAL_SOURCE_FILES if (source.path / n).is_file())
+    if tokenizer_text and not tokenizer_text.startswith(HF_PREFIX) and Path(tokenizer_text).is_dir():
+        found.extend(str(p) for p in sorted(Path(tokenizer_text).iterdir()) if p.is_file())
+    return found

@@ -62,3 +62,10 @@ def accelerator_resources(cfg: pisft_config.PisftConfig, nproc: int) -> dict:
     if kind is None:
         return {"accelerators": 0}
     return {"accelerators": nproc, "gres": f"{kind}:{nproc}"}
+
+
+def model_source_inputs(cfg: pisft_config.PisftConfig) -> list[str]:
+    """A local model source's files: a changed source reruns fetch_base, an unchanged one not."""
+    from pisft.model.sources import local_input_files
+
+    return local_input_files(cfg.model.source, cfg.model.tokenizer)
