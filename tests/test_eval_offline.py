@@ -67,6 +67,8 @@ def results(tmp_path_factory) -> Path:
     (root / "benchmarks").mkdir()
     (root / "benchmarks" / "train_8card.tsv").write_text("s\th:m:s\tmax_rss\n12.5\t0:00:12\t900\n")
     (root / "train" / "pisft_config.json").write_text(json.dumps(C.resolved(cfg)))
+    (root / "train" / "train_summary.json").write_text(json.dumps(
+        {"device": {"kind": "cpu", "name": "cpu", "backend": "gloo"}, "wall_time_s": 184.9, "resumed_from": None}))
     return root
 
 
@@ -124,7 +126,8 @@ def test_plot_tables_and_report(results):
     text = (out / "report.md").read_text()
     for needle in ("| action_mse |", "![Training loss and learning rate](loss.png)", "(per_task.png)",
                    "| train_8card | 12.5 |", "| lerobot | 0.6.1 |", "put both moka pots on the stove",
-                   "\"frame_stride\": 4", "world_size", "every 4th frame", "peak_memory_gib: 1.5"):
+                   "\"frame_stride\": 4", "world_size", "every 4th frame", "peak_memory_gib: 1.5",
+                   "### Per action dimension", "| gripper |", "| wall_time_s | 184.9 |", "| backend | gloo |"):
         assert needle in text, needle
     assert "loss 0.123" not in text and "→ 0.123" in text  # the resumed record of step 30 wins
     info = json.loads((out / "eval_info.json").read_text())

@@ -20,6 +20,8 @@ Writes `results/eval/` atomically:
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import time
 from pathlib import Path
@@ -172,7 +174,8 @@ def run(cfg: config_mod.PisftConfig) -> dict:
     with atomic_dir(cfg.results("eval")) as out:
         write_json_atomic(out / "metrics.json", metrics)
         write_text_atomic(out / "per_step.csv", summary.per_step_csv(accs))
-        write_text_atomic(out / "per_dim.csv", summary.per_dim_csv(accs, action_names(accs["base"].action_dim)))
+        per_dim = summary.per_dim_csv(accs, action_names(accs["base"].action_dim))
+        write_text_atomic(out / "per_dim.csv", per_dim)
         write_text_atomic(out / "per_task.csv", summary.per_task_csv(metrics))
         made = {
             "loss": plots.loss_and_lr(records, out / "loss.png"),
@@ -187,7 +190,9 @@ def run(cfg: config_mod.PisftConfig) -> dict:
         text = report.build(metrics=metrics, eval_info=info, train_summary=train_log.summary(records),
                             run_info=run_info.collect(results_dir),
                             plots={k: (p.name if p else None) for k, p in made.items()},
-                            resolved_config=resolved, closed_loop=closed)
+                            resolved_config=resolved, closed_loop=closed,
+                            per_dim=[{k: (v if k == "dim" else float(v or "nan")) for k, v in row.items()}
+                                     for row in csv.DictReader(io.StringIO(per_dim))])
         write_text_atomic(out / "report.md", text)
         config_mod.write_resolved(cfg, out / "pisft_config.json")
     b, f = metrics["base"]["action_mse"], metrics["finetuned"]["action_mse"]

@@ -58,9 +58,21 @@ def _headline(metrics: dict) -> list[str]:
     return lines
 
 
+def _per_dim_table(per_dim: list[dict]) -> list[str]:
+    if not per_dim:
+        return []
+    lines = ["### Per action dimension", "",
+             "| dim | base action_mse | fine-tuned action_mse | base action_mse_norm | fine-tuned action_mse_norm |",
+             "|---|---|---|---|---|"]
+    for row in per_dim:
+        lines.append(f"| {row['dim']} | {_fmt(row['base_action_mse'])} | {_fmt(row['finetuned_action_mse'])} | "
+                     f"{_fmt(row['base_action_mse_norm'])} | {_fmt(row['finetuned_action_mse_norm'])} |")
+    return lines + [""]
+
+
 def build(*, metrics: dict, eval_info: dict, train_summary: dict, run_info: dict,
           plots: Mapping[str, str | None], resolved_config: dict,
-          closed_loop: dict | None = None) -> str:
+          closed_loop: dict | None = None, per_dim: list[dict] | None = None) -> str:
     level = int(round(100 * metrics.get("confidence_level", 0.95)))
     out: list[str] = ["# pisft evaluation report", ""]
     out += _headline(metrics) + [""]
@@ -92,6 +104,7 @@ def build(*, metrics: dict, eval_info: dict, train_summary: dict, run_info: dict
         out.append(f"| {task} | {b['episodes']} | {b['frames']} | {_fmt(b['action_mse'])} | "
                    f"{_fmt(f['action_mse'])} | {_fmt(b['action_mse_norm'])} | {_fmt(f['action_mse_norm'])} |")
     out.append("")
+    out += _per_dim_table(per_dim or [])
     for key, caption in (("per_task", "Per-task error, base vs fine-tuned"),
                          ("per_step", "Error per step of the action chunk")):
         if plots.get(key):

@@ -56,13 +56,14 @@ def stage_wall_times(results_dir: Path) -> dict[str, float]:
 
 
 def training_run(results_dir: Path) -> dict:
-    """Device, world size and batch geometry of the training run, from its resolved config."""
+    """Device, world size, batch geometry and wall time of the training run (its resolved config
+    and, when the train stage wrote one, its `train_summary.json`)."""
     cfg = _read_json(results_dir / "train" / "pisft_config.json")
     if not cfg:
         return {}
     train = cfg.get("train", {})
     derived = cfg.get("derived", {})
-    return {
+    info = {
         "device": cfg.get("device"),
         "world_size": derived.get("world_size"),
         "grad_accum_steps": derived.get("grad_accum_steps"),
@@ -73,6 +74,14 @@ def training_run(results_dir: Path) -> dict:
         "model_preset": cfg.get("model", {}).get("preset"),
         "model_source": cfg.get("model", {}).get("source"),
     }
+    done = _read_json(results_dir / "train" / "train_summary.json") or {}
+    device = done.get("device") if isinstance(done.get("device"), dict) else {}
+    for key, value in (("device_name", device.get("name")), ("backend", device.get("backend")),
+                       ("wall_time_s", done.get("wall_time_s")), ("resumed_from", done.get("resumed_from"))):
+        if key in ("device_name", "backend", "wall_time_s") and value is None:
+            continue
+        info[key] = value
+    return info
 
 
 def collect(results_dir: Path) -> dict:
