@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from pisft import config as C
 from pisft.errors import PisftError
@@ -232,9 +237,109 @@ def test_stage_is_off_by_default_and_needs_the_simulator(tmp_path, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_libero)
+    monkeypatch.setenv("MUJOCO_GL", "osmesa")
     with pytest.raises(libero_sim.SimulatorUnavailable, match="MUJOCO_GL=egl"):
         closed_loop.run(make_cfg(tmp_path))
     assert not (tmp_path / "results" / "closed_loop").exists()
+    assert os.environ["MUJOCO_GL"] == "osmesa"  # a user's choice of back end is kept
+
+
+# A stand-in `libero` package with the real one's module layout and first-run behaviour
+# (it asks on stdin for its paths when ~/.libero/config.yaml is missing), so LiberoSimulator
+# itself is exercised: config file, suite lookup, bddl path, env seed.
+FAKE_LIBERO = {
+    "libero/__init__.py": "",
+    "libero/libero/__init__.py": """
+import os, yaml
+config_file = os.path.join(os.environ.get("LIBERO_CONFIG_PATH", os.path.expanduser("~/.libero")), "config.yaml")
+if not os.path.exists(config_file):
+    input("Do you want to specify a custom path for the dataset folder? (Y/N): ")
+def get_libero_path(key):
+    with open(config_file) as f:
+        return yaml.safe_load(f)[key]
+""",
+    "libero/libero/benchmark/__init__.py": """
+from collections import namedtuple
+import numpy as np
+Task = namedtuple("Task", "name language problem problem_folder bddl_file init_states_file")
+class libero_spatial:
+    n_tasks = 2
+    def get_task(self, i):
+        return Task(f"t{i}", f"reach {0.5 * (i + 1)} 0 0", "Libero", "libero_spatial", f"t{i}.bddl", f"t{i}.init")
+    def get_task_init_states(self, i):
+        return np.zeros((50, 4))
+def get_benchmark_dict():
+    return {"libero_spatial": libero_spatial}
+""",
+    "libero/libero/envs/__init__.py": """
+import numpy as np
+CREATED = []
+class OffScreenRenderEnv:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.goal = 0.5 if kwargs["bddl_file_name"].endswith("t0.bddl") else 1.0
+        CREATED.append(self)
+    def seed(self, seed):
+        self.seeded = seed
+    def _obs(self):
+        img = np.zeros((self.kwargs["camera_heights"], self.kwargs["camera_widths"], 3), np.uint8)
+        return {"agentview_image": img, "robot0_eye_in_hand_image": img,
+                "robot0_eef_pos": np.array([self.x, 0.0, 0.0]), "robot0_eef_quat": np.array([0.0, 0.0, 0.0, 1.0]),
+                "robot0_gripper_qpos": np.zeros(2)}
+    def reset(self):
+        self.x = 0.0
+        return self._obs()
+    def set_init_state(self, state):
+        self.x = 0.0
+        return self._obs()
+    def step(self, action):
+        self.x += 0.05 * action[0]
+        done = abs(self.x - self.goal) < 0.03
+        return self._obs(), float(done), done, {}
+    def close(self):
+        pass
+""",
+}
+
+
+@pytest.fixture
+def fake_libero(tmp_path, monkeypatch):
+    pkg = tmp_path / "site"
+    for rel, text in FAKE_LIBERO.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    monkeypatch.syspath_prepend(str(pkg))
+    monkeypatch.setenv("LIBERO_CONFIG_PATH", str(tmp_path / "libero-config"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # a job has no one to answer
+    yield pkg
+    for name in [m for m in sys.modules if m == "libero" or m.startswith("libero.")]:
+        del sys.modules[name]
+
+
+def test_libero_simulator_against_the_package_layout(fake_libero, tmp_path, monkeypatch):
+    monkeypatch.delenv("MUJOCO_GL", raising=False)
+    sim = libero_sim.LiberoSimulator()
+    assert os.environ["MUJOCO_GL"] == "egl"
+    written = yaml.safe_load((tmp_path / "libero-config" / "config.yaml").read_text())
+    assert written["bddl_files"] == str(fake_libero / "libero" / "libero" / "bddl_files")
+    assert written["init_states"] == str(fake_libero / "libero" / "libero" / "init_files")
+    results = closed_loop.evaluate_suite(sim, GoalSeekingPolicy(), "libero_spatial", settings(trials_per_task=2))
+    assert [r.success for r in results] == [True] * 4 and [r.steps for r in results] == [10, 10, 20, 20]
+    from libero.libero.envs import CREATED
+
+    assert [Path(e.kwargs["bddl_file_name"]).relative_to(written["bddl_files"]).as_posix() for e in CREATED] == \
+        ["libero_spatial/t0.bddl", "libero_spatial/t1.bddl"]
+    assert all(e.seeded == 7 and e.kwargs["camera_heights"] == 256 for e in CREATED)
+    with pytest.raises(PisftError, match="no suite 'libero_goal'"):
+        sim.suite("libero_goal")
+
+
+def test_an_existing_libero_config_is_kept(fake_libero, tmp_path):
+    cfg_dir = tmp_path / "libero-config"
+    cfg_dir.mkdir()
+    (cfg_dir / "config.yaml").write_text("bddl_files: /mine\n")
+    assert libero_sim.ensure_libero_config() is None
+    assert (cfg_dir / "config.yaml").read_text() == "bddl_files: /mine\n"
 
 
 def test_a_crash_of_the_stage_leaves_no_output(tmp_path):

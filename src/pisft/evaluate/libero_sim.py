@@ -12,11 +12,15 @@ while objects settle, a fixed environment seed (7), and per-suite step limits.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import yaml
 from PIL import Image
 
 from pisft.errors import PisftError
@@ -34,14 +38,17 @@ RENDER_RESOLUTION = 256  # resolution LIBERO's training data was rendered at
 
 INSTALL_HELP = """\
 The LIBERO simulator is not installed in this environment. To run closed-loop evaluation:
-  1. a Linux host with an EGL-capable GPU driver (headless rendering), or OSMesa for CPU rendering:
-       apt-get install -y libegl1 libgl1 libosmesa6     # then MUJOCO_GL=egl (GPU) or osmesa (CPU)
-  2. in the pisft virtual environment:
-       .venv/bin/pip install "hf-libero==0.1.4"          # LIBERO as packaged for LeRobot (MuJoCo, robosuite)
-     (or `pip install "lerobot[libero]==0.6.1"`, which pulls the same package)
-  3. export MUJOCO_GL=egl   (set before anything imports mujoco)
-  4. python -m pisft closed_loop --config FILE --set eval.closed_loop=true
-On first use LIBERO asks where to keep its assets and writes ~/.libero/config.yaml."""
+  1. a Linux host with an EGL-capable GPU driver for headless rendering (or OSMesa to render
+     on the CPU, slowly):  apt-get install -y libegl1 libgl1 libosmesa6
+  2. in the pisft virtual environment:  .venv/bin/pip install "hf-libero==0.1.4"
+     (LIBERO as LeRobot packages it, with MuJoCo and robosuite 1.4; the same package as
+     `pip install "lerobot[libero]==0.6.1"`)
+  3. export MUJOCO_GL=egl  (the default pisft sets; MUJOCO_GL=osmesa for CPU rendering)
+  4. LIBERO's scene assets: hf-libero fetches them from the Hugging Face hub on first use; on
+     an offline host copy them into <site-packages>/libero/libero/assets beforehand
+  5. python -m pisft closed_loop --config FILE --set eval.closed_loop=true
+pisft writes LIBERO's path file (~/.libero/config.yaml, or $LIBERO_CONFIG_PATH) when missing,
+so LIBERO's first-run question on stdin does not stop a non-interactive run."""
 
 
 class SimulatorUnavailable(PisftError):
@@ -76,15 +83,63 @@ class Simulator(Protocol):
     def make_env(self, task: Task, *, resolution: int, seed: int) -> Env: ...
 
 
+def ensure_libero_config(environ: dict | None = None) -> Path | None:
+    """Write LIBERO's `config.yaml` (its paths) if missing; return its path when written.
+
+    On first import LIBERO asks on stdin where to keep its files, which fails (EOFError) in a
+    Snakemake/DVC job. Writing the default answer first (the package's own bddl_files,
+    init_files and assets folders) makes the import non-interactive. An existing file is kept.
+    """
+    env = os.environ if environ is None else environ
+    root = Path(env.get("LIBERO_CONFIG_PATH", Path.home() / ".libero"))
+    config_file = root / "config.yaml"
+    if config_file.is_file():
+        return None
+    try:
+        spec = importlib.util.find_spec("libero")  # imports only the (empty) top-level package
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    bench_root = Path(next(iter(spec.submodule_search_locations))) / "libero"
+    if not bench_root.is_dir():
+        return None
+    paths = {
+        "benchmark_root": bench_root,
+        "bddl_files": bench_root / "bddl_files",
+        "init_states": bench_root / "init_files",
+        "datasets": bench_root.parent / "datasets",
+        "assets": bench_root / "assets",
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    config_file.write_text(yaml.safe_dump({k: str(v) for k, v in paths.items()}))
+    return config_file
+
+
 class LiberoSimulator:
-    """The real LIBERO (`libero.libero`), imported on construction."""
+    """The real LIBERO (`libero.libero`), imported on construction.
+
+    Sets `MUJOCO_GL=egl` unless the environment chooses another back end (headless GPU
+    rendering; `osmesa` renders on the CPU), and answers LIBERO's first-run question.
+    """
 
     def __init__(self) -> None:
+        os.environ.setdefault("MUJOCO_GL", "egl")
+        written = ensure_libero_config()
+        if written is not None:
+            print(f"closed_loop: wrote LIBERO's paths to {written}", flush=True)
         try:
             from libero.libero import benchmark, get_libero_path
             from libero.libero.envs import OffScreenRenderEnv
-        except Exception as exc:  # ImportError, or a rendering back end failing at import
-            raise SimulatorUnavailable(f"{INSTALL_HELP}\n(import failed: {type(exc).__name__}: {exc})") from None
+        except ModuleNotFoundError as exc:
+            raise SimulatorUnavailable(f"{INSTALL_HELP}\n(import failed: {exc})") from None
+        except Exception as exc:  # a rendering back end or LIBERO's set-up failing at import
+            raise SimulatorUnavailable(
+                f"LIBERO is installed but failed to import ({type(exc).__name__}: {exc}). Check the "
+                f"rendering back end: MUJOCO_GL={os.environ.get('MUJOCO_GL')} needs EGL (a GPU driver) "
+                f"or use MUJOCO_GL=osmesa with libosmesa6; and LIBERO's paths file "
+                f"($LIBERO_CONFIG_PATH/config.yaml, default ~/.libero/config.yaml).\n\n{INSTALL_HELP}"
+            ) from None
         self._benchmark = benchmark
         self._get_libero_path = get_libero_path
         self._env_cls = OffScreenRenderEnv
@@ -97,8 +152,6 @@ class LiberoSimulator:
         return suites[name]()
 
     def make_env(self, task: Any, *, resolution: int, seed: int) -> Env:
-        from pathlib import Path
-
         bddl = Path(self._get_libero_path("bddl_files")) / task.problem_folder / task.bddl_file
         env = self._env_cls(bddl_file_name=str(bddl), camera_heights=resolution,
                             camera_widths=resolution)
