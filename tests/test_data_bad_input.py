@@ -180,3 +180,67 @@ def test_nothing_left_after_filtering(src, tmp_path):
               lambda t: _set_column(t, "is_success", pa.array(np.zeros(t.num_rows, bool))))
     _fails(src, tmp_path, "nothing left", "episode(s) [0, 1]", "episode(s) [2, 3]", "'is_success'",
            "'task_index'", success_only=True, tasks=["1"])
+
+
+# ---------------------------------------------------------------- the same checks on the other layouts
+
+def test_v30_duplicated_episode_index_in_episode_metadata(tmp_path):
+    src = make_recap(tmp_path / "in", version="v3.0", n_tasks=2, per_task=2, length=8, size=16)
+    path = src / "meta/episodes/chunk-000/file-000.parquet"
+    _edit(path, lambda t: _set_column(t, "episode_index", pa.array([0, 1, 1, 3], type=t.schema.field(
+        "episode_index").type)))
+    _fails(src, tmp_path, "meta/episodes/chunk-000/file-000.parquet", "duplicated episode_index 1",
+           "'episode_index'")
+
+
+def test_v30_image_that_does_not_decode_in_a_shared_data_file(tmp_path):
+    src = make_recap(tmp_path / "in", version="v3.0", n_tasks=2, per_task=2, length=8, size=16)
+    path = src / "data/chunk-000/file-000.parquet"
+    _edit(path, lambda t: _set_image(t, "image", 8 * 2 + 5, b"not a png"))
+    _fails(src, tmp_path, "data/chunk-000/file-000.parquet", "episode 2", "'image'", "frame 5", "does not decode")
+
+
+def test_v21_video_file_missing(tmp_path):
+    src = make_recap(tmp_path / "in", video=True, n_tasks=2, per_task=2, length=8, size=16)
+    video = src / "videos/chunk-000/wrist_image/episode_000001.mp4"
+    video.unlink()
+    _fails(src, tmp_path, "videos/chunk-000/wrist_image/episode_000001.mp4", "episode 1", "wrist_image", "missing")
+
+
+def test_v30_video_shorter_than_the_episodes(tmp_path):
+    from pisft.data.images import encode_mp4
+
+    src = make_recap(tmp_path / "in", version="v3.0", naming="libero_v2", video=True, n_tasks=2, per_task=2,
+                     length=8, size=16)
+    video = src / "videos/observation.images.image/chunk-000/file-000.mp4"
+    encode_mp4(np.zeros((20, 16, 16, 3), np.uint8), video, 10)  # 20 frames for 32
+    _fails(src, tmp_path, "file-000.mp4", "episode 2", "observation.images.image", "4 frame(s)")
+
+
+def test_unsupported_codebase_version(src, tmp_path):
+    info = json.loads((src / "meta/info.json").read_text())
+    info["codebase_version"] = "v1.6"
+    (src / "meta/info.json").write_text(json.dumps(info))
+    _fails(src, tmp_path, "meta/info.json", "v1.6", "v2.0, v2.1, v3.0")
+
+
+def test_missing_tasks_file(src, tmp_path):
+    (src / "meta/tasks.jsonl").unlink()
+    _fails(src, tmp_path, "meta/tasks.jsonl", "missing")
+
+
+def test_unknown_task_in_options(src, tmp_path):
+    _fails(src, tmp_path, "data.tasks", "'open the fridge'", "known tasks", tasks=["open the fridge"])
+
+
+def test_missing_advantages_side_file(src, tmp_path):
+    _fails(src, tmp_path, "advantages_rl2.parquet", "missing", "demo", advantage_tag="rl2")
+
+
+def test_success_only_without_is_success_column(src, tmp_path):
+    info = json.loads((src / "meta/info.json").read_text())
+    del info["features"]["is_success"]
+    (src / "meta/info.json").write_text(json.dumps(info))
+    for p in sorted((src / "data").glob("*/*.parquet")):
+        _edit(p, lambda t: t.drop_columns(["is_success"]))
+    _fails(src, tmp_path, "'is_success'", "data.success_only", success_only=True)

@@ -353,9 +353,8 @@ class RecapSource:
         col = self.names[cam]
         path = ep.data_file
         if self.version == "v3.0":
-            table = pq.read_table(path, columns=[col, "episode_index"])
-            table = table.filter(pc.equal(table.column("episode_index"),
-                                          pa.scalar(ep.episode_index, table.schema.field("episode_index").type)))
+            # row-group statistics let pyarrow skip the other episodes' row groups
+            table = pq.read_table(path, columns=[col], filters=[("episode_index", "=", ep.episode_index)])
         else:
             table = pq.read_table(path, columns=[col])
         arr = table.column(col)
