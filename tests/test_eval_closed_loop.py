@@ -364,3 +364,24 @@ def test_resize_with_pad_keeps_aspect():
     out = libero_sim.resize_with_pad(img, 224, 224)
     assert out.shape == (224, 224, 3)
     assert out[0, 112].sum() == 0 and out[112, 112].min() == 255  # padded top, image in middle
+
+
+def test_stage_rolls_out_the_exported_model_in_process(tmp_path, monkeypatch):
+    """The default policy: results/train/model through LiberoPolicy (the code `serve` runs)."""
+    from test_serve_openpi_client import write_tiny_model
+
+    monkeypatch.setitem(libero_sim.SUITE_MAX_STEPS, "libero_spatial", 15)  # 3 inferences, not 44
+
+    cfg = make_cfg(tmp_path, libero_suites=["libero_spatial"], trials_per_task=1)
+    model = write_tiny_model(tmp_path / "export")
+    (tmp_path / "results" / "train").mkdir(parents=True)
+    model.rename(tmp_path / "results" / "train" / "model")
+    sim = StandInSimulator([StandInTask("reach 99 0 0", [99.0, 0, 0])])
+    metrics = closed_loop.run(cfg, simulator=sim)
+    episode = json.loads((tmp_path / "results" / "closed_loop" / "episodes.jsonl").read_text())
+    assert episode["error"] is None and episode["steps"] == 15 and episode["policy_calls"] == 3
+    assert metrics["success_rate"] == 0.0
+    actions = np.array(sim.envs[0].actions[10:])
+    assert actions.shape == (15, 7) and np.isfinite(actions).all()
+    # each chunk's first 5 actions were executed: consecutive chunks differ (new noise, new obs)
+    assert not np.allclose(actions[:5], actions[5:10])
