@@ -25,11 +25,13 @@ def test_snakemake_runs_the_whole_dag_and_it_learns(default_pipeline):
     base, tuned = metrics["base"]["action_mse"], metrics["finetuned"]["action_mse"]
     assert tuned <= 0.5 * base, f"fine-tuned {tuned} vs base {base}: the model did not learn"
     assert (results / "eval/loss.png").stat().st_size > 0
-    assert "finetuned" in (results / "eval/report.md").read_text().lower()
+    assert "fine-tuned" in (results / "eval/report.md").read_text().lower()
     for stage in ("fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card", "evaluate"):
-        assert (results / "logs" / f"{stage}.log").is_file()
-        resolved = next((results).rglob("pisft_config.json"), None)
-        assert resolved is not None
+        assert (results / "logs" / f"{stage}.log").stat().st_size > 0
+        assert (results / "benchmarks" / f"{stage}.tsv").is_file()
+    for out in ("base_model", "demo_recap", "dataset", "train/model", "eval"):
+        resolved = json.loads((results / out / "pisft_config.json").read_text())
+        assert resolved["train"]["steps"] == cfg["train"]["steps"]
 
 
 def test_second_snakemake_call_does_no_work(default_pipeline):

@@ -175,7 +175,7 @@ print("RESULT " + json.dumps(out))
 
 def _start_server(model: Path) -> tuple[subprocess.Popen, int, queue.Queue]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "pisft.serve.server", "--model", str(model),
+    proc = subprocess.Popen([sys.executable, "-m", "pisft", "serve", "--model", str(model),
                              "--host", "127.0.0.1", "--port", "0", "--device", "cpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue = queue.Queue()
@@ -224,7 +224,7 @@ def test_openpi_client_gets_an_action_chunk_and_errors_keep_the_server_up(tiny_m
 
 
 def test_serve_refuses_a_missing_model_directory(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pisft.serve.server", "--model", str(tmp_path / "nope"),
+    proc = subprocess.run([sys.executable, "-m", "pisft", "serve", "--model", str(tmp_path / "nope"),
                            "--port", "0", "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "nope" in proc.stderr and "not found" in proc.stderr

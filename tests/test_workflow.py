@@ -82,3 +82,15 @@ def test_configfile_override_is_passed_to_stages_as_one_file(tmp_path):
     assert "--config results/config/effective.yaml" in out
     effective = yaml.safe_load((work / "results/config/effective.yaml").read_text())
     assert effective["train"]["steps"] == 3
+
+
+def test_closed_loop_stage_joins_the_dag_only_when_enabled(tmp_path):
+    work = tmp_path / "wf"
+    for name in ("workflow", "config", "profiles"):
+        shutil.copytree(ROOT / name, work / name)
+    assert "closed_loop" not in snakemake("-n", "--cores", "1", cwd=work).stdout
+    on = work / "on.yaml"
+    on.write_text("eval:\n  closed_loop: true\n  libero_suites: [libero_10]\n")
+    out = snakemake("-n", "--cores", "1", "--configfile", "config/config.yaml", str(on), cwd=work).stdout
+    assert "rule closed_loop:" in out
+    assert "results/closed_loop/metrics.json" in out

@@ -1,11 +1,12 @@
 """`python -m pisft <command>`: one command per non-training stage, plus tools.
 
 Stages (each reads the config, writes under results/):
-  fetch_base, demo_recap, convert_recap, evaluate
+  fetch_base, demo_recap, convert_recap, evaluate, closed_loop (LIBERO simulator)
 Training stages run through the launcher, which starts torchrun:
   smoke_1card, train_8card   (python -m pisft launch <stage> --config FILE)
 Tools:
-  validate [FILE], estimate, dvc-yaml, bench
+  validate [FILE], estimate, dvc-yaml, bench, summary
+  serve --model DIR    serve a model over openpi's websocket policy protocol
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ STAGES = {
     "demo_recap": "pisft.data.demo:run",
     "convert_recap": "pisft.data.convert:run",
     "evaluate": "pisft.evaluate.offline:run",
+    "closed_loop": "pisft.evaluate.closed_loop:run",
 }
 TRAINING_STAGES = ("smoke_1card", "train_8card")
 
@@ -65,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="exit 1 if the committed dvc.yaml is stale")
     p.add_argument("--output", default="dvc.yaml")
 
+    sub.add_parser("serve", help="serve a model over openpi's websocket protocol (see serve -h)",
+                   add_help=False)
+
     p = sub.add_parser("summary", help="print the evaluation figures of the last run")
     _add_config(p)
 
@@ -89,6 +94,11 @@ def _summary(cfg: config_mod.PisftConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "serve":  # the server has its own options (python -m pisft serve -h)
+        from pisft.serve import server
+
+        return server.main(argv[1:])
     args = build_parser().parse_args(argv)
     with tee_output(getattr(args, "log", None)):
         try:

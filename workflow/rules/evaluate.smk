@@ -1,9 +1,28 @@
+if CFG.eval.closed_loop:
+
+    rule closed_loop:
+        input:
+            f"{RESULTS}/train/model",
+        output:
+            metrics=f"{RESULTS}/closed_loop/metrics.json",
+        log:
+            f"{LOGS}/closed_loop.log",
+        benchmark:
+            f"{BENCH}/closed_loop.tsv"
+        params:
+            config=CONFIG_FILE,
+            tracked=tracked("closed_loop"),
+        shell:
+            "python -m pisft closed_loop --config {params.config} --log {log}"
+
+
 rule evaluate:
     input:
         f"{RESULTS}/base_model",
         f"{RESULTS}/dataset",
         f"{RESULTS}/train/model",
         f"{RESULTS}/train/metrics.jsonl",
+        *([f"{RESULTS}/closed_loop/metrics.json"] if CFG.eval.closed_loop else []),
     output:
         metrics=f"{RESULTS}/eval/metrics.json",
         report=report(
@@ -16,6 +35,25 @@ rule evaluate:
             caption="../report/loss.rst",
             category="Training",
         ),
+        throughput_plot=report(
+            f"{RESULTS}/eval/throughput.png",
+            caption="../report/throughput.rst",
+            category="Training",
+        ),
+        per_task_plot=report(
+            f"{RESULTS}/eval/per_task.png",
+            caption="../report/per_task.rst",
+            category="Evaluation",
+        ),
+        per_step_plot=report(
+            f"{RESULTS}/eval/per_step.png",
+            caption="../report/per_step.rst",
+            category="Evaluation",
+        ),
+        per_step=f"{RESULTS}/eval/per_step.csv",
+        per_task=f"{RESULTS}/eval/per_task.csv",
+        per_dim=f"{RESULTS}/eval/per_dim.csv",
+        info=f"{RESULTS}/eval/eval_info.json",
     log:
         f"{LOGS}/evaluate.log",
     benchmark:
@@ -23,5 +61,21 @@ rule evaluate:
     params:
         config=CONFIG_FILE,
         tracked=tracked("evaluate"),
+        # How `dvc plots show` draws the CSV tables (read by `python -m pisft dvc-yaml`).
+        dvc_plots={
+            "per_step.csv": {
+                "x": "step",
+                "y": ["base_action_mse_norm", "finetuned_action_mse_norm"],
+            },
+            "per_task.csv": {
+                "x": "task",
+                "y": ["base_action_mse", "finetuned_action_mse"],
+                "template": "bar_horizontal",
+            },
+            "per_dim.csv": {
+                "x": "dim",
+                "y": ["base_action_mse", "finetuned_action_mse"],
+            },
+        },
     shell:
         "python -m pisft evaluate --config {params.config} --log {log}"

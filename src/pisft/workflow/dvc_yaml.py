@@ -5,6 +5,7 @@ tracks as params, and its outputs as outs. Conventions read from the rules:
 - an output named `metrics` ending in `.json` is a DVC metric (not cached);
 - an output ending in `.png`, or a `.csv` table, is a DVC plot (DVC cannot plot JSON lines:
   the per-step `.jsonl` log is an uncached out, and evaluate writes CSV tables for plots);
+- `params.dvc_plots` gives the x/y columns and template of CSV plots (top-level `plots:`);
 - `params.persist` paths (training checkpoints) are outs with `persist: true, cache: false`,
   so `dvc repro` neither deletes nor caches them and a rerun resumes from them.
 """
@@ -54,8 +55,16 @@ def stage_for(rule: RuleSpec) -> dict:
     return stage
 
 
+def top_level_plots(rules: list[RuleSpec]) -> list:
+    """How `dvc plots show` draws each table (x, y columns, template), from the rules' params."""
+    return [{path: props} for rule in rules for path, props in rule.plot_props.items()]
+
+
 def render(rules: list[RuleSpec]) -> str:
-    doc = {"stages": {rule.name: stage_for(rule) for rule in rules}}
+    doc: dict = {"stages": {rule.name: stage_for(rule) for rule in rules}}
+    plots = top_level_plots(rules)
+    if plots:
+        doc["plots"] = plots
     return HEADER + yaml.safe_dump(doc, sort_keys=False, width=120)
 
 

@@ -21,6 +21,7 @@ class RuleSpec:
     tracked_keys: list[str]
     config_file: str
     persist: list[str] = field(default_factory=list)
+    plot_props: dict[str, dict] = field(default_factory=dict)  # output path -> DVC plot options
 
 
 def _format_shell(template: str, params: dict, log: list[str]) -> str:
@@ -66,6 +67,11 @@ def load_rules(snakefile: Path = SNAKEFILE, workdir: Path = Path(".")) -> list[R
                 if getattr(out, "flags", {}).get("directory"):
                     directories.add(str(out))
             persist = params.get("persist", [])
+            plot_props = {
+                path: dict(params.get("dvc_plots", {})[Path(path).name])
+                for path in outputs.values()
+                if Path(path).name in params.get("dvc_plots", {})
+            }
             specs.append(
                 RuleSpec(
                     name=rule.name,
@@ -76,6 +82,7 @@ def load_rules(snakefile: Path = SNAKEFILE, workdir: Path = Path(".")) -> list[R
                     tracked_keys=list(params.get("tracked", {}).keys()),
                     config_file=str(params["config"]),
                     persist=[persist] if isinstance(persist, str) else list(persist),
+                    plot_props=plot_props,
                 )
             )
     return specs

@@ -38,13 +38,31 @@ TRAIN_STEP_KEYS = (
     "train.num_workers",
 )
 
+EVAL_KEYS = (
+    "eval.max_episodes",
+    "eval.batch_size",
+    "eval.frame_stride",
+    "eval.seed",
+    "eval.bootstrap_samples",
+)
+CLOSED_LOOP_KEYS = (
+    "eval.closed_loop",
+    "eval.libero_suites",
+    "eval.trials_per_task",
+    "eval.replan_steps",
+    "eval.num_wait_steps",
+    "eval.closed_loop_seed",
+    "eval.resize_size",
+)
+
 STAGE_KEYS: dict[str, tuple[str, ...]] = {
     "fetch_base": ("model",),
     "demo_recap": DEMO_KEYS,
     "convert_recap": CONVERT_KEYS,
     "smoke_1card": ("device", "smoke", *TRAIN_STEP_KEYS),
     "train_8card": ("device", "train"),
-    "evaluate": ("device", "eval"),
+    "evaluate": ("device", *EVAL_KEYS),
+    "closed_loop": ("device", *CLOSED_LOOP_KEYS),
 }
 
 
