@@ -88,7 +88,7 @@ def test_closed_loop_stage_joins_the_dag_only_when_enabled(tmp_path):
     work = tmp_path / "wf"
     for name in ("workflow", "config", "profiles"):
         shutil.copytree(ROOT / name, work / name)
-    assert "closed_loop" not in snakemake("-n", "--cores", "1", cwd=work).stdout
+    assert "rule closed_loop:" not in snakemake("-n", "--cores", "1", cwd=work).stdout
     on = work / "on.yaml"
     on.write_text("eval:\n  closed_loop: true\n  libero_suites: [libero_10]\n")
     out = snakemake("-n", "--cores", "1", "--configfile", "config/config.yaml", str(on), cwd=work).stdout
