@@ -15,8 +15,9 @@ Timed, each on that input, each producing a LeRobot v3.0 dataset with quantile s
   (`LeRobotDataset.create` + `add_frame` + `save_episode` + `finalize`, image writer threads on
   all cores), on the first few episodes (its rate in frames/s is the figure).
 
-Reported: seconds, frames/s, CPU seconds and cores used (CPU time / wall time) for each, the
-ratio ours/theirs, and a profile of our path (decode cost per image, parquet read, how much of
+Reported: seconds, frames/s, CPU seconds, cores used (CPU time / wall time) and frames per CPU
+second (the work per frame, which other jobs on the machine do not change) for each, the ratios
+ours/theirs on both, and a profile of our path (decode cost per image, parquet read, how much of
 the wall time the decode of every frame accounts for).
 """
 
@@ -53,7 +54,9 @@ class _Clock:
 
     def figures(self, frames: int) -> dict:
         return {"seconds": round(self.wall, 3), "frames": frames, "frames_per_s": round(frames / self.wall, 1),
-                "cpu_seconds": round(self.cpu, 3), "cores_used": round(self.cpu / self.wall, 2)}
+                "cpu_seconds": round(self.cpu, 3), "cores_used": round(self.cpu / self.wall, 2),
+                # work per frame, independent of what else shares the machine
+                "frames_per_cpu_s": round(frames / max(self.cpu, 1e-9), 1)}
 
 
 def _cpus() -> int:
@@ -185,6 +188,9 @@ def run(workdir: str | Path, *, episodes_per_task: int = 2, length: int = 100, i
     ours = out["pisft"]["frames_per_s"]
     out["ratio_pisft_vs_lerobot_v21_to_v30"] = round(ours / out["lerobot_v21_to_v30"]["frames_per_s"], 2)
     out["ratio_pisft_vs_lerobot_recorder"] = round(ours / out["lerobot_recorder"]["frames_per_s"], 2)
+    per_cpu = out["pisft"]["frames_per_cpu_s"]
+    out["cpu_ratio_pisft_vs_lerobot_v21_to_v30"] = round(per_cpu / out["lerobot_v21_to_v30"]["frames_per_cpu_s"], 2)
+    out["cpu_ratio_pisft_vs_lerobot_recorder"] = round(per_cpu / out["lerobot_recorder"]["frames_per_cpu_s"], 2)
     # LeRobot's bare repackaging step alone (no frame decoded, no check, no rename, no quantiles)
     out["ratio_pisft_vs_lerobot_v21_to_v30_repackaging_only"] = round(
         ours / out["lerobot_v21_to_v30"]["convert_frames_per_s"], 2)
