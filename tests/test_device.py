@@ -108,7 +108,8 @@ def test_local_rank_beyond_devices(monkeypatch):
 
 
 def test_process_env_defaults_and_overrides():
-    env = device.process_env("cpu", {"PATH": "/bin", "JAX_PLATFORMS": "cuda"})
+    env = device.process_env("cpu", {"PATH": "/bin", "JAX_PLATFORMS": "cuda"}, nproc_per_node=2)
+    assert int(env["OMP_NUM_THREADS"]) >= 1
     assert env["JAX_PLATFORMS"] == "cpu"  # forced for training processes
     assert "TASK_QUEUE_ENABLE" not in env
     env = device.process_env("npu", {"TASK_QUEUE_ENABLE": "1"})

@@ -54,9 +54,14 @@ def launch_cmd(stage: str, results: Path, *extra: str) -> list[str]:
     return cmd
 
 
+def launch_env() -> dict[str, str]:
+    """One thread per process in every run, so runs of different topologies compute alike."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def launch(stage: str, results: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(launch_cmd(stage, results, *extra), cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=launch_env())
 
 
 def read_jsonl(path: Path) -> list[dict]:

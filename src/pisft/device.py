@@ -160,12 +160,20 @@ def local_device(kind: str, rank: int | None = None) -> torch.device:
     return torch.device(f"cuda:{rank}")
 
 
-def process_env(kind: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for training processes: `base` plus device defaults (base wins)."""
+def process_env(kind: str, base: Mapping[str, str] | None = None, *,
+                nproc_per_node: int = 1) -> dict[str, str]:
+    """The environment for training processes: `base` plus device defaults (base wins).
+
+    CPU: OMP_NUM_THREADS defaults to the host's cores divided among the node's processes
+    (torchrun would otherwise set 1 for several processes, leaving most cores idle).
+    """
     env = dict(os.environ if base is None else base)
     if kind == "npu":
         for key, value in ASCEND_ENV_DEFAULTS.items():
             env.setdefault(key, value)
+    if kind == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (cores or 1) // max(1, nproc_per_node))))
     env.update(TRAINING_ENV_FORCED)
     return env
 

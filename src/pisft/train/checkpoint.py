@@ -31,7 +31,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 from pisft.errors import PisftError
 
@@ -149,6 +151,23 @@ def fingerprint_mismatches(stored: dict[str, Any], current: dict[str, Any]) -> l
     return out
 
 
+def _saved_optimizer_state(optim_sd: dict[str, Any], saved: set[str]) -> dict[str, Any]:
+    """The optimizer state to load: only the entries the checkpoint has.
+
+    Parameters that never received a gradient (in pi0.5, e.g. the last VLM layer's output
+    projection and MLP) have no AdamW state when a checkpoint is written, while a fresh
+    optimizer's state dict lists (zero) state for every parameter. Those entries are left as
+    they are (the optimizer skips parameters without gradients); the model itself must load
+    completely (DCP raises on any missing model key).
+    """
+    state = {}
+    for fqn, entry in optim_sd.get("state", {}).items():
+        kept = {k: v for k, v in entry.items() if f"optim.state.{fqn}.{k}" in saved}
+        if kept:
+            state[fqn] = kept
+    return {**optim_sd, "state": state}
+
+
 class CheckpointManager:
     def __init__(self, root: Path, *, keep_last: int, rank: int, world_size: int,
                  fingerprint: dict[str, Any], config: dict[str, Any], log=print) -> None:
@@ -228,10 +247,13 @@ class CheckpointManager:
                 "this configuration from step 0."
             )
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        target = {"model": model_sd, "optim": optim_sd}
+        saved = set(dcp.FileSystemReader(str(found.path / "dcp")).read_metadata().state_dict_metadata)
+        target = {"model": model_sd, "optim": _saved_optimizer_state(optim_sd, saved)}
         dcp.load(target, checkpoint_id=str(found.path / "dcp"))
-        set_state_dict(model, optimizer, model_state_dict=target["model"],
-                       optim_state_dict=target["optim"])
+        set_model_state_dict(model, target["model"])  # strict: every tensor of the model
+        # Optimizer: parameters that never had a gradient have no saved state (see above).
+        set_optimizer_state_dict(model, optimizer, target["optim"],
+                                 options=StateDictOptions(strict=False))
         scheduler.load_state_dict(state["scheduler"])
         rng_file = found.path / "rng" / f"rank_{self.rank:05d}.json"
         if state.get("world_size") == self.world_size and rng_file.is_file():

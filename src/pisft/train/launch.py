@@ -168,7 +168,7 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
     log_dir = cfg.results("logs", stage, stamp)
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = torchrun_command(stage, cfg, config_path, overrides, log_dir)
-    env = devices.process_env(kind)
+    env = devices.process_env(kind, nproc_per_node=nproc)
     print(f"[launch] {stage}: {nproc} process(es) × {cfg.train.nnodes if stage == 'train_8card' else 1} "
           f"node(s) on {kind}; logs in {log_dir}", file=sys.stderr, flush=True)
     rc, output = _run_tee(cmd, env, log_dir / "launcher.log")

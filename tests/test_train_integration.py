@@ -1,0 +1,191 @@
+"""torchrun end to end on the tiny model: world-size invariance, real sharding, multi-node,
+SIGKILL + automatic exact resume, resume on another number of processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from train_fixtures import ROOT, launch, launch_cmd, launch_env, read_jsonl, results_dir
+
+pytestmark = pytest.mark.integration
+
+RUN = ["train.steps=10", "train.save_every=5", "train.warmup_steps=2", "train.global_batch_size=16",
+       "train.micro_batch_size=4"]
+METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "step_time_s", "samples_per_s", "data_wait_s",
+               "peak_memory_bytes", "mfu"}
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def _weights(results: Path) -> dict[str, torch.Tensor]:
+    return load_file(results / "train" / "model" / "model.safetensors")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    res = results_dir(tmp_path_factory, "smoke")
+    proc = launch("smoke_1card", res, *RUN)
+    _ok(proc)
+    return res
+
+
+def _with_smoke(tmp_path_factory, name: str, smoke: Path) -> Path:
+    res = results_dir(tmp_path_factory, name)
+    shutil.copytree(smoke / "smoke", res / "smoke")
+    return res
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, smoke):
+    res = _with_smoke(tmp_path_factory, "one", smoke)
+    _ok(launch("train_8card", res, *RUN, "train.nproc_per_node=1"))
+    return res
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory, smoke):
+    """2 nodes x 1 process on localhost: world size 2, rendezvous at node 0."""
+    res = _with_smoke(tmp_path_factory, "two", smoke)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen(
+        launch_cmd("train_8card", res, *RUN, "train.nproc_per_node=1", "train.nnodes=2",
+                   f"train.node_rank={node}", f"train.rdzv_endpoint={endpoint}"),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=launch_env())
+        for node in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+    return res
+
+
+def test_smoke_report(smoke):
+    report = json.loads((smoke / "smoke" / "report.json").read_text())
+    assert report["passed"] is True
+    assert report["last_loss"] < report["first_loss"]
+    assert report["capacity_bytes"] is None and report["memory_headroom"] is None
+    assert report["projected_wall_time_s"]["1"] > report["projected_wall_time_s"]["2"] > 0
+    assert report["peak_memory_bytes"] > 0 and report["step_time_s"] > 0
+
+
+def test_world_size_invariance(one_process, two_nodes):
+    """1 process x accumulation 4 and 2 processes x accumulation 2: same losses, same weights."""
+    a, b = read_jsonl(one_process / "train" / "metrics.jsonl"), read_jsonl(two_nodes / "train" / "metrics.jsonl")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 11))
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
+        assert METRIC_KEYS <= set(ra)
+    assert a[-1]["loss"] < a[0]["loss"]
+    wa, wb = _weights(one_process), _weights(two_nodes)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], rtol=1e-4, atol=1e-5)
+    summary = json.loads((two_nodes / "train" / "train_summary.json").read_text())
+    assert summary["world_size"] == 2
+
+
+def test_each_rank_holds_half_and_units_cover_the_model(two_nodes):
+    from pisft.model.policy import load_policy
+
+    sharding = json.loads((two_nodes / "train" / "train_summary.json").read_text())["sharding_rank0"]
+    assert sharding["all_params_sharded"] is True
+    assert sharding["params_local_fraction"] == pytest.approx(0.5, abs=0.02)
+    assert sharding["optimizer_state_local_fraction"] == pytest.approx(0.5, abs=0.02)
+    assert {"vision", "vlm", "expert"} <= set(sharding["units_by_group"])
+    load_policy(two_nodes / "train" / "model")  # the export loads strictly
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _worker(pid: int, local_rank: int) -> int:
+    for child in _descendants(pid):
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"pisft.train" in cmd and b"torch.distributed.run" not in cmd \
+                and f"LOCAL_RANK={local_rank}".encode() in env:
+            return child
+    raise AssertionError("worker process not found")
+
+
+def test_sigkill_then_rerun_resumes_bit_identically(tmp_path_factory, smoke, two_nodes):
+    res = _with_smoke(tmp_path_factory, "killed", smoke)
+    cmd = launch_cmd("train_8card", res, *RUN, "train.nproc_per_node=2")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=launch_env())
+    marker = res / "checkpoints" / "train" / "step_000005" / "COMPLETE.json"
+    deadline = time.time() + 240
+    while not marker.is_file():
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.kill(_worker(proc.pid, local_rank=1), signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "rank 1 (local rank 1) killed by SIGKILL" in err
+    assert "step_000005 (step 5); a rerun resumes from it" in err
+    assert not (res / "train").exists()  # nothing that looks finished
+
+    _ok(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=launch_env()))
+    summary = json.loads((res / "train" / "train_summary.json").read_text())
+    assert summary["resumed_from"]["step"] == 5
+    ref, got = _weights(two_nodes), _weights(res)
+    for key in ref:
+        assert torch.equal(got[key], ref[key]), key
+    metrics = read_jsonl(res / "train" / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == list(range(1, 11))
+    assert [r["loss"] for r in metrics] == [r["loss"] for r in read_jsonl(two_nodes / "train" / "metrics.jsonl")]
+
+
+def test_resume_on_a_different_number_of_processes(tmp_path_factory, smoke, two_nodes):
+    res = _with_smoke(tmp_path_factory, "reshard", smoke)
+    src = two_nodes / "checkpoints" / "train"
+    (res / "checkpoints" / "train").mkdir(parents=True)
+    shutil.copytree(src / "step_000005", res / "checkpoints" / "train" / "step_000005")
+    shutil.copy(src / "metrics.jsonl", res / "checkpoints" / "train" / "metrics.jsonl")
+    _ok(launch("train_8card", res, *RUN, "train.nproc_per_node=1"))
+    summary = json.loads((res / "train" / "train_summary.json").read_text())
+    assert summary["resumed_from"] == {"path": str(res / "checkpoints" / "train" / "step_000005"),
+                                       "step": 5, "world_size": 2}
+    ref = read_jsonl(two_nodes / "train" / "metrics.jsonl")
+    got = read_jsonl(res / "train" / "metrics.jsonl")
+    for ra, rb in zip(ref[5:], got[5:]):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
+    wa, wb = _weights(two_nodes), _weights(res)
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], rtol=1e-4, atol=1e-5)
