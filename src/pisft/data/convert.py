@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import cv2
 import numpy as np
 import pyarrow.parquet as pq
 
@@ -211,7 +212,7 @@ def _episode_frames(src: RecapSource, ref: EpisodeRef, n: int, image_size: int) 
         declared = src.image_shape(cam)
         where = f"{src.where(ref.data_file)}: episode {ref.episode_index}, column '{col}'"
         frames_png: list[bytes] = []
-        frames_sampled: list[np.ndarray] = []
+        hist = None
         if src.video[cam]:
             decoded = src.read_video_frames(ref, cam, n)
             where = f"{src.where(ref.videos[cam][0])}: episode {ref.episode_index}, column '{col}'"
@@ -245,10 +246,11 @@ def _episode_frames(src: RecapSource, ref: EpisodeRef, n: int, image_size: int) 
             else:
                 frames_png.append(imgs.encode_png(img))
             if i in sample:
-                frames_sampled.append(img)
+                h = st.image_histogram(img)
+                hist = h if hist is None else hist + h
             out_shape = img.shape
         png[OUTPUT_NAMES[cam]] = frames_png
-        cam_stats[OUTPUT_NAMES[cam]] = st.image_stats(frames_sampled)
+        cam_stats[OUTPUT_NAMES[cam]] = st.stats_from_histograms(hist, len(sample))
     return _Frames(png, cam_stats, out_shape)  # type: ignore[arg-type]
 
 
@@ -272,6 +274,40 @@ def _ordered_results(pool: ThreadPoolExecutor, jobs: list[Callable[[], _Frames]]
         if nxt is not None:
             pending.append(pool.submit(nxt))
         yield result
+
+
+def _write_episodes(writer: V30Writer, src: RecapSource, kept: list[_Kept], opts: Options,
+                    prompt_index: dict[str, int], workers: int) -> tuple[list[dict], dict[str, list[np.ndarray]]]:
+    """Pass 2: frames decoded/checked on the pool, episodes written in order by this thread."""
+    per_episode_stats: list[dict] = []
+    numeric_all: dict[str, list[np.ndarray]] = {}
+    jobs = [lambda k=k: _episode_frames(src, k.ref, len(k.cols["frame_index"]), opts.image_size) for k in kept]
+    cv_threads = cv2.getNumThreads()
+    # our pool is the parallelism: OpenCV's own per-call thread pool on top of it only
+    # oversubscribes the cores (2 workers ran slower than 1 without this)
+    cv2.setNumThreads(1 if workers > 1 else cv_threads)
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
+            for out_idx, (k, frames) in enumerate(zip(kept, _ordered_results(pool, jobs, 2 * workers), strict=True)):
+                n = len(k.cols["frame_index"])
+                start = writer.total_frames
+                numeric = {
+                    OUTPUT_NAMES["state"]: k.cols["state"].astype(np.float32),
+                    OUTPUT_NAMES["actions"]: k.cols["actions"].astype(np.float32),
+                    "timestamp": (np.arange(n) / src.fps).astype(np.float32),
+                    "frame_index": np.arange(n, dtype=np.int64),
+                    "episode_index": np.full(n, out_idx, dtype=np.int64),
+                    "index": np.arange(start, start + n, dtype=np.int64),
+                    "task_index": np.array([prompt_index[p] for p in k.prompts], dtype=np.int64),
+                }
+                ep_stats = {**st.episode_stats(numeric, {}), **frames.image_stats}
+                writer.add_episode({**numeric, **frames.png}, sorted(set(k.prompts), key=prompt_index.get), ep_stats)
+                per_episode_stats.append(ep_stats)
+                for key, v in numeric.items():
+                    numeric_all.setdefault(key, []).append(v)
+    finally:
+        cv2.setNumThreads(cv_threads)
+    return per_episode_stats, numeric_all
 
 
 def _output_features(shape: tuple[int, int, int]) -> dict:
@@ -329,28 +365,8 @@ def convert_recap(src_dir: str | Path, out_dir: Path, opts: Options, cfg: PisftC
     with atomic_dir(out) as tmp:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a dataset is meant to be shared
         writer = V30Writer(tmp, _output_features(out_shape), src.fps, robot_type=src.info.get("robot_type"))
-        per_episode_stats: list[dict] = []
-        numeric_all: dict[str, list[np.ndarray]] = {}
-        jobs = [lambda k=k: _episode_frames(src, k.ref, len(k.cols["frame_index"]), opts.image_size) for k in kept]
         workers = opts.n_workers()
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
-            for out_idx, (k, frames) in enumerate(zip(kept, _ordered_results(pool, jobs, 2 * workers), strict=True)):
-                n = len(k.cols["frame_index"])
-                start = writer.total_frames
-                numeric = {
-                    OUTPUT_NAMES["state"]: k.cols["state"].astype(np.float32),
-                    OUTPUT_NAMES["actions"]: k.cols["actions"].astype(np.float32),
-                    "timestamp": (np.arange(n) / src.fps).astype(np.float32),
-                    "frame_index": np.arange(n, dtype=np.int64),
-                    "episode_index": np.full(n, out_idx, dtype=np.int64),
-                    "index": np.arange(start, start + n, dtype=np.int64),
-                    "task_index": np.array([prompt_index[p] for p in k.prompts], dtype=np.int64),
-                }
-                ep_stats = {**st.episode_stats(numeric, {}), **frames.image_stats}
-                writer.add_episode({**numeric, **frames.png}, sorted(set(k.prompts), key=prompt_index.get), ep_stats)
-                per_episode_stats.append(ep_stats)
-                for key, v in numeric.items():
-                    numeric_all.setdefault(key, []).append(v)
+        per_episode_stats, numeric_all = _write_episodes(writer, src, kept, opts, prompt_index, workers)
         tasks_out = sorted(prompt_index, key=prompt_index.get)
         stats = st.dataset_stats({k: np.concatenate(v) for k, v in numeric_all.items()}, per_episode_stats)
         writer.finish(tasks_out, stats)

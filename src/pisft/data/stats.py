@@ -20,7 +20,6 @@ import numpy as np
 from lerobot.datasets.compute_stats import (
     DEFAULT_QUANTILES,
     aggregate_stats,
-    auto_downsample_height_width,
     get_feature_stats,
     sample_indices,
 )
@@ -34,34 +33,50 @@ def image_sample_indices(num_frames: int) -> list[int]:
     return sample_indices(num_frames)
 
 
+def image_histogram(img: np.ndarray) -> np.ndarray:
+    """(channels, 256) pixel-value counts of one HWC uint8 frame, downsampled as LeRobot's
+    `auto_downsample_height_width` does (frames of 300 px and more). OpenCV's `calcHist` releases
+    the GIL, so worker threads compute these in parallel."""
+    import cv2
+
+    h, w = img.shape[:2]
+    if max(h, w) >= 300:
+        step = int(w / 150) if w > h else int(h / 150)
+        img = np.ascontiguousarray(img[::step, ::step])
+    return np.stack([cv2.calcHist([img], [c], None, [256], [0, 256])[:, 0] for c in range(img.shape[2])])
+
+
+def stats_from_histograms(hist: np.ndarray, frames: int) -> dict[str, np.ndarray]:
+    """LeRobot-layout camera stats ((C, 1, 1) in [0, 1]; count = frames) from summed histograms."""
+    hist = np.asarray(hist, dtype=np.float64)
+    values = np.arange(256, dtype=np.float64)
+    out: dict[str, list] = {k: [] for k in ("min", "max", "mean", "std", *QUANTILE_KEYS)}
+    for h in hist:
+        n = h.sum()
+        nz = np.flatnonzero(h)
+        mean = float((h * values).sum() / n)
+        out["min"].append(float(nz[0]))
+        out["max"].append(float(nz[-1]))
+        out["mean"].append(mean)
+        out["std"].append(float(np.sqrt(max(0.0, (h * (values - mean) ** 2).sum() / n))))
+        cum = np.cumsum(h)
+        for key, q in zip(QUANTILE_KEYS, DEFAULT_QUANTILES, strict=True):
+            out[key].append(float(np.searchsorted(cum, q * n, side="left")))
+    stats = {k: (np.asarray(v, dtype=np.float64) / 255.0).reshape(len(hist), 1, 1) for k, v in out.items()}
+    stats["count"] = np.array([frames])
+    return stats
+
+
 def image_stats(frames: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
     """Per-channel stats of already-sampled HWC uint8 frames, LeRobot layout (3, 1, 1) in [0, 1].
 
     Same frames (LeRobot's sample, downsampled as LeRobot does above 300 px) and same keys as
     LeRobot's `compute_episode_stats`, but computed from an exact 256-bin histogram per channel
-    (`np.bincount`) instead of LeRobot's 5000-bin `np.histogram`, which costs ~1 s per camera per
-    100-frame 256 px episode and dominated the conversion (see notes/issue-3.md). Quantiles are
-    the exact lower quantiles of the pixel values (LeRobot interpolates within its bins).
+    instead of LeRobot's 5000-bin `np.histogram`, which costs ~1 s per camera per 100-frame
+    256 px episode and dominated the conversion (see notes/issue-3.md). Quantiles are the exact
+    lower quantiles of the pixel values (LeRobot interpolates within its bins).
     """
-    chw = np.stack([auto_downsample_height_width(np.transpose(f, (2, 0, 1))) for f in frames])
-    channels = chw.shape[1]
-    values = np.arange(256, dtype=np.float64)
-    out: dict[str, list] = {k: [] for k in ("min", "max", "mean", "std", *QUANTILE_KEYS)}
-    for c in range(channels):
-        hist = np.bincount(chw[:, c].reshape(-1), minlength=256).astype(np.float64)
-        n = hist.sum()
-        nz = np.flatnonzero(hist)
-        mean = float((hist * values).sum() / n)
-        out["min"].append(float(nz[0]))
-        out["max"].append(float(nz[-1]))
-        out["mean"].append(mean)
-        out["std"].append(float(np.sqrt(max(0.0, (hist * (values - mean) ** 2).sum() / n))))
-        cum = np.cumsum(hist)
-        for key, q in zip(QUANTILE_KEYS, DEFAULT_QUANTILES, strict=True):
-            out[key].append(float(np.searchsorted(cum, q * n, side="left")))
-    stats = {k: (np.asarray(v, dtype=np.float64) / 255.0).reshape(channels, 1, 1) for k, v in out.items()}
-    stats["count"] = np.array([chw.shape[0]])
-    return stats
+    return stats_from_histograms(sum(image_histogram(f) for f in frames), len(frames))
 
 
 def numeric_stats(values: np.ndarray) -> dict[str, np.ndarray]:
