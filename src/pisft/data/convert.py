@@ -363,7 +363,6 @@ def convert_recap(src_dir: str | Path, out_dir: Path, opts: Options, cfg: PisftC
             prompt_index.setdefault(p, len(prompt_index))
     out = Path(out_dir)
     with atomic_dir(out) as tmp:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a dataset is meant to be shared
         writer = V30Writer(tmp, _output_features(out_shape), src.fps, robot_type=src.info.get("robot_type"))
         workers = opts.n_workers()
         per_episode_stats, numeric_all = _write_episodes(writer, src, kept, opts, prompt_index, workers)

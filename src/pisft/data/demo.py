@@ -207,7 +207,6 @@ def run(cfg: PisftConfig) -> Path:
     d = cfg.data
     out = output_dir(cfg)
     with atomic_dir(out) as tmp:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a dataset is meant to be shared
         build(tmp, episodes_per_task=d.demo_episodes_per_task, length=d.demo_episode_length,
               image_size=d.demo_image_size, failure_fraction=d.demo_failure_fraction, seed=d.demo_seed)
         write_resolved(cfg, tmp / "pisft_config.json")
