@@ -11,8 +11,11 @@ token embedding; the action/time projections. Everything else (small norms) and 
 language-model heads live in the root unit. The policy must be called as `policy(batch)`.
 
 Mixed precision (train.precision=bf16): parameters are kept in fp32 (the optimizer's master
-copy) and cast to bf16 for compute in each unit; gradients are reduced in fp32. The root does
-not cast its inputs, so actions, noise and targets stay fp32 for the loss.
+copy), gathered in bf16 and gradients reduced in fp32. The forward runs under
+`torch.autocast(bf16)` (PolicyTask): FSDP2 casts a unit's inputs only in a normal forward, not
+when activation checkpointing recomputes a unit from outside it (LeRobot checkpoints around
+`compute_layer_complete`, above the units), and autocast makes every matmul agree on bf16 in
+both cases; the loss (mse) runs in fp32 under autocast. The root does not cast its inputs.
 """
 
 from __future__ import annotations

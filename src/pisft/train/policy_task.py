@@ -48,8 +48,10 @@ def injected_flow_samples(core: nn.Module, noise: torch.Tensor, time: torch.Tens
 
 
 class PolicyTask:
-    def __init__(self, policy: nn.Module, preprocessor: Any, device: torch.device) -> None:
+    def __init__(self, policy: nn.Module, preprocessor: Any, device: torch.device,
+                 precision: str = "fp32") -> None:
         cfg = policy.config
+        self.autocast = precision == "bf16"
         self.policy = policy
         self.core = policy.model
         self.pre = preprocessor
@@ -73,9 +75,10 @@ class PolicyTask:
                 for k, v in batch.items()}
 
     def loss(self, model: nn.Module, batch: dict[str, Any], rand: dict[str, torch.Tensor]) -> torch.Tensor:
-        with injected_flow_samples(self.core, rand["noise"], rand["time"]):
+        with injected_flow_samples(self.core, rand["noise"], rand["time"]), \
+                torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             loss, _ = model(batch)  # through __call__: FSDP hooks run
-        return loss
+        return loss.float()
 
     def flops_per_sample(self, batch: dict[str, Any]) -> float | None:
         tokens = batch.get(TOKENS_KEY)

@@ -126,7 +126,7 @@ def build(ctx: Context) -> Built:
     optimizer = optim.build_optimizer(policy.parameters(), lr=cfg.train.lr,
                                       weight_decay=cfg.train.weight_decay,
                                       fused=devices.fused_adamw_supported(ctx.info.kind))
-    task = PolicyTask(policy, pre, ctx.info.device)
+    task = PolicyTask(policy, pre, ctx.info.device, cfg.train.precision)
     return Built(policy, task, train_set, stats, units, optimizer, base, data)
 
 

@@ -1,0 +1,193 @@
+"""Real-size pi0.5 training step on one accelerator: step time, samples/s, MFU, peak memory.
+
+    python -m pisft.bench.gpu_step                      # cuda, pi05, bf16, micro 4 + largest, AC off/on
+    python -m pisft.bench.gpu_step --device npu         # the same on an Ascend card
+    python -m pisft.bench.gpu_step --preset tiny --device cpu --micro 2 --max-micro 2 --steps 1  # dry run
+
+The model is pi0.5 at full size (PaliGemma gemma_2b + gemma_300m expert, ~3.6B parameters) with
+random weights (allocated without initialisation, moved to the accelerator, normal(0, 0.02)
+matrices, zero vectors): the step costs the same as with real weights. The step is pisft's own:
+FSDP2 on one process (fp32 master weights, bf16 compute with fp32 reduction), AdamW (fused where
+available), gradient clipping, the flow-matching loss through `policy(batch)`. Inputs are
+synthetic preprocessed batches (two 224x224 cameras, the tokenizer's full prompt length,
+50x7 actions). For each activation-checkpointing setting: micro batch 4, then doubling until the
+device runs out of memory (the largest that fitted is reported). Output: JSON on stdout and in
+--out. One device holds the whole model state here (16 bytes/parameter ≈ 58 GB for fp32 master
+weights + AdamW); on N devices FSDP divides that state by N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from pisft import device as devices
+from pisft.train import fsdp, optim
+from pisft.train.flops import pi05_training_flops_per_sample
+from pisft.train.metrics import mfu, peak_flops_for
+from pisft.train.policy_task import PolicyTask
+
+CAMERAS = ("observation.images.base_0_rgb", "observation.images.left_wrist_0_rgb")
+
+
+def build(preset: str, device: torch.device, *, checkpointing: bool, seed: int = 0):
+    """Full-size policy without the (slow, CPU) random init: allocated on CPU with correct
+    buffers, moved to the device, then its matrices drawn from normal(0, 0.02) there."""
+    from pisft.model.policy import get_preset, make_config, policy_from_config
+
+    spec = get_preset(preset)
+    info = {"preset": preset, "arch": spec.arch.to_dict() if spec.arch is not None else None}
+    policy = policy_from_config(make_config(preset), info, device="cpu", dtype="float32", init=False)
+    policy.to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.zero_()
+    policy.config.device = str(device)
+    if checkpointing:
+        policy.model.gradient_checkpointing_enable()
+    return policy
+
+
+def synthetic_batch(policy, micro: int, device: torch.device, seed: int) -> tuple[dict, dict]:
+    cfg = policy.config
+    g = torch.Generator().manual_seed(seed)
+    h, w = cfg.image_resolution
+    batch: dict[str, Any] = {k: torch.rand(micro, 3, h, w, generator=g) for k in CAMERAS}
+    n_tok = cfg.tokenizer_max_length
+    vocab = policy.model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.num_embeddings
+    batch["observation.language.tokens"] = torch.randint(0, min(vocab, 1000), (micro, n_tok), generator=g)
+    batch["observation.language.attention_mask"] = torch.ones(micro, n_tok, dtype=torch.bool)
+    batch["observation.state"] = torch.rand(micro, 8, generator=g) * 2 - 1
+    batch["action"] = torch.rand(micro, cfg.chunk_size, 7, generator=g) * 2 - 1
+    batch = {k: v.to(device) for k, v in batch.items()}
+    rand = {"noise": torch.randn(micro, cfg.chunk_size, cfg.max_action_dim, generator=g).to(device),
+            "time": (torch.rand(micro, generator=g) * 0.999 + 0.001).to(device)}
+    return batch, rand
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def measure(policy, optimizer, kind: str, device: torch.device, micro: int, *, steps: int,
+            warmup: int, peak: float | None, precision: str) -> dict[str, Any]:
+    task = PolicyTask(policy, None, device, precision)
+    batch, rand = synthetic_batch(policy, micro, device, seed=micro)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    devices.reset_peak_memory(kind)
+    times, losses = [], []
+    for i in range(warmup + steps):
+        devices.synchronize(kind)
+        t0 = time.perf_counter()
+        loss = task.loss(policy, batch, rand)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        devices.synchronize(kind)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach()))
+    step = statistics.median(times)
+    sps = micro / step
+    flops = pi05_training_flops_per_sample(policy, lang_tokens=policy.config.tokenizer_max_length)
+    return {"micro_batch_size": micro, "step_time_s": step, "step_times_s": times,
+            "samples_per_s": sps, "flops_per_sample": flops, "mfu": mfu(flops, sps, peak, 1),
+            "peak_memory_bytes": devices.peak_memory_bytes(kind),
+            "peak_memory_gib": devices.peak_memory_bytes(kind) / 2**30, "losses": losses}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    kind = devices.resolve_kind(args.device)
+    devices.apply_process_env(kind)
+    dev = devices.local_device(kind, 0)
+    name = devices.device_name(kind, dev)
+    peak, peak_source = peak_flops_for(name, kind, args.peak_flops)
+    if not dist.is_initialized():
+        store = dist.FileStore(str(Path(args.out).with_suffix(".store")), 1)
+        dist.init_process_group(devices.backend_for(kind), store=store, rank=0, world_size=1)
+    mesh = init_device_mesh(dev.type, (1,))
+    out: dict[str, Any] = {"device": name, "kind": kind, "preset": args.preset,
+                           "precision": args.precision, "peak_flops": peak,
+                           "peak_flops_source": peak_source,
+                           "capacity_bytes": devices.capacity_bytes(kind, dev), "runs": []}
+    for checkpointing in args.checkpointing:
+        policy = build(args.preset, dev, checkpointing=checkpointing)
+        fsdp.shard(policy, mesh, args.precision)
+        optimizer = optim.build_optimizer(policy.parameters(), lr=2.5e-5, weight_decay=1e-10,
+                                          fused=devices.fused_adamw_supported(kind))
+        out["params"] = sum(p.numel() for p in policy.parameters())
+        micro = args.micro
+        largest = None
+        while micro <= args.max_micro:
+            try:
+                res = measure(policy, optimizer, kind, dev, micro, steps=args.steps,
+                              warmup=args.warmup, peak=peak, precision=args.precision)
+                res["activation_checkpointing"] = checkpointing
+                out["runs"].append(res)
+                largest = micro
+                print(json.dumps({k: v for k, v in res.items() if k != "step_times_s"}), flush=True)
+            except Exception as exc:
+                if not _is_oom(exc):
+                    raise
+                out["runs"].append({"micro_batch_size": micro, "activation_checkpointing": checkpointing,
+                                    "oom": True})
+                print(f"micro batch {micro}, checkpointing {checkpointing}: out of memory", flush=True)
+                break
+            finally:
+                optimizer.zero_grad(set_to_none=True)
+                gc.collect()
+                if kind == "cuda":
+                    torch.cuda.empty_cache()
+            micro *= 2
+        out.setdefault("largest_micro_batch", {})[str(checkpointing)] = largest
+        del policy, optimizer
+        gc.collect()
+        if kind == "cuda":
+            torch.cuda.empty_cache()
+    dist.destroy_process_group()
+    return out
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m pisft.bench.gpu_step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=("cuda", "npu", "cpu", "auto"))
+    p.add_argument("--preset", default="pi05", choices=("pi05", "tiny"))
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--micro", type=int, default=4, help="first micro batch (then doubled)")
+    p.add_argument("--max-micro", type=int, default=64, help="stop doubling above this")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per setting")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--checkpointing", default="off,on",
+                   type=lambda s: [{"off": False, "on": True}[x] for x in s.split(",")])
+    p.add_argument("--peak-flops", type=float, default=0.0, help="override the peak table")
+    p.add_argument("--out", default="results/bench/gpu_step.json")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    result = run(args)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
