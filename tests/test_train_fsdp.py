@@ -78,3 +78,36 @@ def test_analytic_flops_match_a_flop_counter(tiny):
     measured = counter.get_total_flops() / 2  # per sample
     analytic = pi05_forward_flops(policy, lang_tokens=batch["observation.language.tokens"].shape[1])
     assert analytic == pytest.approx(measured, rel=0.15)
+
+
+def test_sdpa_joint_attention_matches_eager(tiny, monkeypatch):
+    from unittest import mock
+
+    from pisft.train import attention
+    from pisft.train.attention import sdpa_joint_attention, structure_problem
+
+    spy = mock.Mock(wraps=attention.sdpa_attention_forward)
+    monkeypatch.setattr(attention, "sdpa_attention_forward", spy)
+
+    assert structure_problem() is None
+    policy, batch = tiny
+    task = PolicyTask(policy, lambda b: b, torch.device("cpu"))
+    b = policy.config.chunk_size
+    g = torch.Generator().manual_seed(1)
+    rand = {"noise": torch.randn(2, b, policy.config.max_action_dim, generator=g),
+            "time": torch.rand(2, generator=g) * 0.9 + 0.05}
+    policy.zero_grad()
+    eager = task.loss(policy, batch, rand)
+    eager.backward()
+    eager_grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    policy.zero_grad()
+    with sdpa_joint_attention():
+        sdpa = task.loss(policy, batch, rand)
+        sdpa.backward()
+    n_layers = len(policy.model.paligemma_with_expert.gemma_expert.model.layers)
+    assert spy.call_count == n_layers  # the joint attention of every layer went through SDPA
+    assert sdpa.item() == pytest.approx(eager.item(), rel=1e-5)
+    for n, p in policy.named_parameters():
+        if n in eager_grads:
+            torch.testing.assert_close(p.grad, eager_grads[n], rtol=1e-4, atol=1e-6)
+    policy.zero_grad()

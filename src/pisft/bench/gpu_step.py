@@ -125,6 +125,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "precision": args.precision, "peak_flops": peak,
                            "peak_flops_source": peak_source,
                            "capacity_bytes": devices.capacity_bytes(kind, dev), "runs": []}
+    from pisft.train.attention import sdpa_joint_attention
+
+    with sdpa_joint_attention():
+        _measure_all(args, out, kind, dev, mesh, peak)
+    dist.destroy_process_group()
+    return out
+
+
+def _measure_all(args, out, kind, dev, mesh, peak) -> None:
     for checkpointing in args.checkpointing:
         policy = build(args.preset, dev, checkpointing=checkpointing)
         fsdp.shard(policy, mesh, args.precision)
@@ -159,8 +168,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gc.collect()
         if kind == "cuda":
             torch.cuda.empty_cache()
-    dist.destroy_process_group()
-    return out
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -152,15 +152,18 @@ def peak_flops(ctx: Context) -> tuple[float | None, str]:
 def main(stage: str, cfg: PisftConfig) -> int:
     if stage not in STAGES:
         raise PisftError(f"unknown training stage '{stage}'; one of {', '.join(STAGES)}")
+    from pisft.train.attention import sdpa_joint_attention
+
     ctx = setup_process(cfg, stage)
     try:
-        if stage == "smoke_1card":
-            from pisft.train.smoke import run_smoke
+        with sdpa_joint_attention():  # fused attention kernels for the joint VLM/expert attention
+            if stage == "smoke_1card":
+                from pisft.train.smoke import run_smoke
 
-            return run_smoke(ctx)
-        from pisft.train.run import run_training
+                return run_smoke(ctx)
+            from pisft.train.run import run_training
 
-        return run_training(ctx)
+            return run_training(ctx)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
