@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 from torch.utils.flop_counter import FlopCounterMode
+from train_fixtures import inputs_dir
 
 from pisft.train import fsdp
 from pisft.train.flops import pi05_forward_flops
 from pisft.train.policy_task import PolicyTask
-from train_fixtures import inputs_dir
 
 
 @pytest.fixture(scope="module")

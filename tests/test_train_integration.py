@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from train_fixtures import ROOT, launch, launch_cmd, launch_env, read_jsonl, results_dir
 
 pytestmark = pytest.mark.integration

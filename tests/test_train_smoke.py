@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from train_fixtures import CONFIG, overrides, results_dir
 
 from pisft import config as config_mod
 from pisft import device as devices
 from pisft.train import smoke
 from pisft.train.metrics import TensorBoardSink
 from pisft.train.stage import Context
-from train_fixtures import CONFIG, overrides, results_dir
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from pisft.train.metrics import MetricsLog
 from pisft.train.policy_task import PolicyTask
 from pisft.train.sampler import StepLayout, StepSampler
 
+
 def _inputs(cfg: config_mod.PisftConfig, work: Path) -> Path:
     """Tiny base model + small demo dataset under work/results (the stages' own code)."""
     from pisft.data import convert, demo
@@ -79,8 +80,9 @@ class _Setup:
                         for k in range(n_batches)]
 
     def policy(self, *, sharded: bool):
-        from pisft.model.policy import load_policy, make_processors
         from torch.distributed.device_mesh import init_device_mesh
+
+        from pisft.model.policy import load_policy, make_processors
 
         policy = load_policy(self.base, dtype="float32")
         pre, _ = make_processors(policy, self.base, self.stats)

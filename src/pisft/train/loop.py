@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -97,7 +98,9 @@ def run(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, task
         if finite:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        with warnings.catch_warnings():  # a skipped (non-finite) step still advances the schedule
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler.step()
 
         loss_total = loss_sum.to(comm)
         dist.all_reduce(loss_total, op=dist.ReduceOp.SUM)

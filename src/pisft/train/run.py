@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -16,8 +15,7 @@ from pisft.train.data import make_loader
 from pisft.train.export import export_model
 from pisft.train.fsdp import sharding_report
 from pisft.train.metrics import MetricsLog, Progress, TensorBoardSink
-from pisft.train.stage import (Context, build, env_summary, make_sampler, peak_flops,
-                               run_fingerprint)
+from pisft.train.stage import Context, build, env_summary, make_sampler, peak_flops, run_fingerprint
 
 CHECKPOINT_SUBDIR = ("checkpoints", "train")
 
@@ -114,6 +112,3 @@ def run_training(ctx: Context) -> int:
     ctx.log(f"done: {cfg.results('train')}")
     return 0
 
-
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -20,12 +20,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from pisft import config as config_mod
 from pisft import device as devices
 from pisft.config import PisftConfig
 from pisft.errors import PisftError
 from pisft.train import fsdp, optim
-from pisft.train.checkpoint import CheckpointManager
 from pisft.train.metrics import peak_flops_for
 from pisft.train.policy_task import PolicyTask
 from pisft.train.sampler import StepLayout, StepSampler
