@@ -97,6 +97,7 @@ def test_world_size_invariance(one_process, two_nodes):
     assert wa.keys() == wb.keys()
     for key in wa:
         torch.testing.assert_close(wb[key], wa[key], rtol=1e-4, atol=1e-5)
+    assert all(len(r["peak_memory_bytes_per_rank"]) == 2 for r in b)
     summary = json.loads((two_nodes / "train" / "train_summary.json").read_text())
     assert summary["world_size"] == 2
 

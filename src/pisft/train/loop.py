@@ -107,7 +107,9 @@ def run(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, task
         loss_mean = float(loss_total) / (s.accum * s.world_size)
         stats = torch.tensor([data_wait, float(devices.peak_memory_bytes(s.kind))],
                              dtype=torch.float64, device=comm)
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        per_rank = [torch.zeros_like(stats) for _ in range(s.world_size)]
+        dist.all_gather(per_rank, stats)
+        stats = torch.stack(per_rank).max(dim=0).values
         devices.synchronize(s.kind)
         step_time = time.perf_counter() - t0
         sps = s.global_batch / step_time if step_time > 0 else 0.0
@@ -120,6 +122,7 @@ def run(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, task
             "samples_per_s": sps,
             "data_wait_s": float(stats[0]),
             "peak_memory_bytes": int(stats[1]),
+            "peak_memory_bytes_per_rank": [int(r[1]) for r in per_rank],
             "mfu": compute_mfu(flops_per_sample, sps, s.peak_flops, s.world_size),
             "flops_per_sample": flops_per_sample,
         }
