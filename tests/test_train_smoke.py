@@ -76,3 +76,32 @@ def test_tensorboard_option_needs_the_package(tmp_path):
     sink.write({"step": 1, "loss": 0.5, "mfu": None})
     sink.close()
     assert any(tmp_path.iterdir())
+
+
+def test_model_state_too_big_for_one_device_uses_stateless_steps(ctx, monkeypatch):
+    """pi0.5 on a 64 GB card: whole model + AdamW state does not fit one device; the smoke run
+    takes AdamW's first step without its state and adds the state to the projection."""
+    grads = 4 * 2_000_000
+    monkeypatch.setattr(smoke, "_estimate", lambda cfg: {
+        "1": {"total_bytes": 70 * 2**30, "bytes": {"grads": grads}},
+        "2": {"total_bytes": 40 * 2**30, "bytes": {"grads": grads // 2}}})
+    monkeypatch.setattr(devices, "capacity_bytes", lambda kind, device: 64 * 2**30)
+    monkeypatch.setattr(devices, "peak_memory_bytes", lambda kind: 30 * 2**30)
+    assert smoke.run_smoke(ctx) == 0
+    report = _report(ctx)
+    assert report["optimizer"].startswith("sign descent")
+    assert report["last_loss"] < report["first_loss"]
+    assert report["adamw_state_bytes_analytic"] == 2 * grads
+    projected = report["projected_peak_memory_bytes_per_device"]
+    assert projected["1"] == 30 * 2**30 + 2 * grads
+    assert report["passed"] is True
+
+
+def test_sign_descent_is_adams_first_step():
+    p1 = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0]))
+    p2 = torch.nn.Parameter(p1.detach().clone())
+    for p in (p1, p2):
+        p.grad = torch.tensor([0.3, -2.0, 1e-3])
+    torch.optim.AdamW([p1], lr=0.1, weight_decay=0.01, eps=1e-12).step()
+    smoke.SignDescent([p2], lr=0.1, weight_decay=0.01).step()
+    torch.testing.assert_close(p2, p1)
