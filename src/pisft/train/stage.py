@@ -110,7 +110,7 @@ def build(ctx: Context) -> Built:
     cfg = ctx.cfg
     base, data = _require_inputs(cfg, ctx.stage)
     torch.manual_seed(cfg.train.seed)
-    policy = load_policy(base, device="cpu", dtype="float32")
+    policy = load_policy(base, device="cpu", dtype="float32", preset=cfg.model.preset)
     stats = load_stats(data)
     policy.config.device = str(ctx.info.device)
     pre, _ = make_processors(policy, base, stats)
