@@ -52,7 +52,8 @@ dvc-yaml: setup
 	$(PY) -m pisft dvc-yaml
 
 lock: setup
-	$(PY) -m pip freeze --exclude-editable | grep -vi '^pisft' > $(LOCK).new && mv $(LOCK).new $(LOCK)
+	{ sed -n '1,/^# Regenerate/p' $(LOCK); $(PY) -m pip freeze --exclude-editable | grep -vi '^pisft'; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
 
 clean:
 	rm -rf results .snakemake

@@ -94,3 +94,22 @@ def test_closed_loop_stage_joins_the_dag_only_when_enabled(tmp_path):
     out = snakemake("-n", "--cores", "1", "--configfile", "config/config.yaml", str(on), cwd=work).stdout
     assert "rule closed_loop:" in out
     assert "results/closed_loop/metrics.json" in out
+
+
+def test_workflow_files_are_snakefmt_formatted():
+    exe = Path(sys.executable).with_name("snakefmt")
+    check = subprocess.run([str(exe), "--check", "workflow"], cwd=ROOT, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_lock_file_pins_every_project_dependency():
+    import tomllib
+
+    lock = {
+        line.split("==")[0].lower().replace("_", "-")
+        for line in (ROOT / "workflow/envs/cpu-cuda.lock.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    }
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {d.split("[")[0].split("==")[0].lower().replace("_", "-") for d in deps}
+    assert names <= lock, f"in pyproject.toml but not in the lock: {sorted(names - lock)}"
