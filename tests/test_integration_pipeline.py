@@ -37,3 +37,9 @@ def test_snakemake_runs_the_whole_dag_and_it_learns(default_pipeline):
 def test_second_snakemake_call_does_no_work(default_pipeline):
     out = run(["snakemake", "--cores", "2"], default_pipeline)
     assert "Nothing to be done" in out.stdout + out.stderr
+
+
+def test_snakemake_report_builds_html_with_the_plots(default_pipeline):
+    run(["snakemake", "--report", "report.html"], default_pipeline)
+    html = (default_pipeline / "report.html").read_text(errors="replace")
+    assert "loss.png" in html and "per_task.png" in html

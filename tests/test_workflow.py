@@ -113,3 +113,16 @@ def test_lock_file_pins_every_project_dependency():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     names = {d.split("[")[0].split("==")[0].lower().replace("_", "-") for d in deps}
     assert names <= lock, f"in pyproject.toml but not in the lock: {sorted(names - lock)}"
+
+
+def test_slurm_profile_asks_for_a_whole_node_of_accelerators(tmp_path):
+    work = tmp_path / "wf"
+    for name in ("workflow", "config", "profiles"):
+        shutil.copytree(ROOT / name, work / name)
+    npu = work / "npu.yaml"
+    npu.write_text("device: npu\ntrain:\n  nproc_per_node: 8\n  micro_batch_size: 2\n  global_batch_size: 16\n")
+    out = snakemake("train_8card", "--profile", "profiles/slurm", "-n", "--configfile",
+                    "config/config.yaml", str(npu), cwd=work).stdout
+    train = out[out.index("rule train_8card:"):]
+    resources = next(line for line in train.splitlines() if "resources:" in line)
+    assert "gres=npu:8" in resources and "accelerators=8" in resources and "nodes=1" in resources
