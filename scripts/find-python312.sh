@@ -6,11 +6,14 @@ set -u
 candidates=()
 [ -n "${PYTHON:-}" ] && candidates+=("$PYTHON")
 command -v python3.12 >/dev/null 2>&1 && candidates+=("$(command -v python3.12)")
-for root in "${PYENV_ROOT:-}" "$HOME/.pyenv" /root/.pyenv; do
+# PISFT_PY312_ROOTS / PISFT_PY312_PATHS replace the default search places (used by the tests).
+for root in ${PISFT_PY312_ROOTS-"${PYENV_ROOT:-}" "$HOME/.pyenv" /root/.pyenv}; do
   [ -n "$root" ] || continue
   for p in "$root"/versions/3.12*/bin/python3.12; do [ -x "$p" ] && candidates+=("$p"); done
 done
-candidates+=(/usr/local/bin/python3.12 /usr/bin/python3.12 /opt/python3.12/bin/python3.12)
+for p in ${PISFT_PY312_PATHS-/usr/local/bin/python3.12 /usr/bin/python3.12 /opt/python3.12/bin/python3.12}; do
+  candidates+=("$p")
+done
 for c in "${candidates[@]}"; do
   if [ -x "$c" ] || command -v "$c" >/dev/null 2>&1; then
     if "$c" -c 'import sys, venv; sys.exit(0 if sys.version_info[:2] == (3, 12) else 1)' >/dev/null 2>&1; then
