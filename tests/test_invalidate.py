@@ -10,9 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_downstream_of_training_is_the_evaluation_only():
     dag = load_dag(ROOT / "dvc.yaml")
-    assert downstream_outputs("train_8card", dag) == [
-        "results/eval/loss.png", "results/eval/metrics.json", "results/eval/report.md",
-    ]
+    down = downstream_outputs("train_8card", dag)
+    assert down and all(p.startswith("results/eval/") for p in down)
+    assert {"results/eval/metrics.json", "results/eval/report.md", "results/eval/loss.png"} <= set(down)
     down = downstream_outputs("convert_recap", dag)
     assert "results/train/model" in down and "results/smoke/report.json" in down
     assert "results/checkpoints/train" not in down  # persistent: never removed

@@ -71,9 +71,7 @@ def _wait_for(predicate, timeout: float, what: str):
 
 def _complete_checkpoints(work: Path) -> list[Path]:
     root = work / "results/checkpoints/train"
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    return sorted(p for p in root.glob("run-*/step_*") if p.is_dir())
 
 
 def _training_workers(root_pid: int) -> list[psutil.Process]:

@@ -148,9 +148,8 @@ def test_sigkill_then_rerun_resumes_bit_identically(tmp_path_factory, smoke, two
     cmd = launch_cmd("train_8card", res, *RUN, "train.nproc_per_node=2")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=launch_env())
-    marker = res / "checkpoints" / "train" / "step_000005" / "COMPLETE.json"
     deadline = time.time() + 240
-    while not marker.is_file():
+    while not list((res / "checkpoints" / "train").glob("run-*/step_000005/COMPLETE.json")):
         assert proc.poll() is None, proc.communicate()[1][-4000:]
         assert time.time() < deadline
         time.sleep(0.05)
@@ -174,14 +173,14 @@ def test_sigkill_then_rerun_resumes_bit_identically(tmp_path_factory, smoke, two
 
 def test_resume_on_a_different_number_of_processes(tmp_path_factory, smoke, two_nodes):
     res = _with_smoke(tmp_path_factory, "reshard", smoke)
-    src = two_nodes / "checkpoints" / "train"
-    (res / "checkpoints" / "train").mkdir(parents=True)
-    shutil.copytree(src / "step_000005", res / "checkpoints" / "train" / "step_000005")
-    shutil.copy(src / "metrics.jsonl", res / "checkpoints" / "train" / "metrics.jsonl")
+    (src,) = (two_nodes / "checkpoints" / "train").glob("run-*")  # same settings: same run folder
+    dst = res / "checkpoints" / "train" / src.name
+    dst.mkdir(parents=True)
+    shutil.copytree(src / "step_000005", dst / "step_000005")
+    shutil.copy(src / "metrics.jsonl", dst / "metrics.jsonl")
     _ok(launch("train_8card", res, *RUN, "train.nproc_per_node=1"))
     summary = json.loads((res / "train" / "train_summary.json").read_text())
-    assert summary["resumed_from"] == {"path": str(res / "checkpoints" / "train" / "step_000005"),
-                                       "step": 5, "world_size": 2}
+    assert summary["resumed_from"] == {"path": str(dst / "step_000005"), "step": 5, "world_size": 2}
     ref = read_jsonl(two_nodes / "train" / "metrics.jsonl")
     got = read_jsonl(res / "train" / "metrics.jsonl")
     for ra, rb in zip(ref[5:], got[5:]):

@@ -195,3 +195,19 @@ def test_checkpoint_of_another_configuration_is_refused(tmp_path):
     other = _manager(root, fingerprint={"train.lr": 0.02})
     with pytest.raises(CheckpointMismatch, match=r"(?s)train.lr: checkpoint 0.01, now 0.02.*delete"):
         other.load(other.find_resume(), model, opt, sched)
+
+
+def test_checkpoint_folder_follows_the_run_settings_not_the_world_size(tmp_path):
+    from pisft import config as config_mod
+    from pisft.train.run import checkpoint_root, other_runs
+
+    def cfg(**train):
+        return config_mod.from_dict({"results_dir": str(tmp_path), "train": train})
+
+    base = checkpoint_root(cfg())
+    assert base.parent == tmp_path / "checkpoints" / "train" and base.name.startswith("run-")
+    assert checkpoint_root(cfg(nproc_per_node=1, global_batch_size=16)) == base  # resumes on any world size
+    longer = checkpoint_root(cfg(steps=300))
+    assert longer != base  # another schedule: a fresh run, the old one is kept
+    base.mkdir(parents=True)
+    assert other_runs(cfg(steps=300)) == [base]

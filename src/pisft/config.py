@@ -92,7 +92,7 @@ class TrainConfig:
     # Peak dense bf16 FLOP/s of one device for MFU; 0 looks the device up in a table.
     peak_flops: float = 0.0
     num_workers: int = 0
-    # Also write the per-step metrics as TensorBoard scalars (results/checkpoints/train/tensorboard;
+    # Also write the per-step metrics as TensorBoard scalars (results/checkpoints/train/<run>/tensorboard;
     # needs the `tensorboard` package).
     tensorboard: bool = False
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from pathlib import Path
 
@@ -21,7 +23,25 @@ CHECKPOINT_SUBDIR = ("checkpoints", "train")
 
 
 def checkpoint_root(cfg) -> Path:
-    return cfg.results(*CHECKPOINT_SUBDIR)
+    """Checkpoints of this run: one folder per run fingerprint under results/checkpoints/train.
+
+    The same settings resume from their folder; settings that change what training does
+    (steps, lr schedule, seed, batch, base model, data) start a fresh run in a new folder, and
+    the checkpoints of the earlier run stay where they are (nothing is lost; delete them to
+    free space). The world size is not part of the fingerprint: a run resumes on any number of
+    processes.
+    """
+    digest = hashlib.sha256(json.dumps(run_fingerprint(cfg), sort_keys=True).encode()).hexdigest()
+    return cfg.results(*CHECKPOINT_SUBDIR, f"run-{digest[:12]}")
+
+
+def other_runs(cfg) -> list[Path]:
+    """Checkpoint folders of runs with other settings (kept, never deleted by pisft)."""
+    mine = checkpoint_root(cfg)
+    parent = mine.parent
+    if not parent.is_dir():
+        return []
+    return sorted(p for p in parent.iterdir() if p.is_dir() and p.name.startswith("run-") and p != mine)
 
 
 def run_training(ctx: Context) -> int:
@@ -46,6 +66,12 @@ def run_training(ctx: Context) -> int:
                         "world_size": state.get("world_size")}
         ctx.log(f"resuming from {found.path} (step {start_step}, written by "
                 f"{state.get('world_size')} processes; now {ctx.world_size})")
+    else:
+        ctx.log(f"starting from step 0; checkpoints go to {ckpt_root}")
+    others = other_runs(cfg)
+    if others and ctx.is_main:
+        ctx.log(f"checkpoints of {len(others)} earlier run(s) with other settings are kept in "
+                f"{ckpt_root.parent} ({', '.join(p.name for p in others)}); delete them to free space")
     metrics_log = MetricsLog(ckpt_root / "metrics.jsonl")
     if ctx.is_main:
         metrics_log.reset(keep_upto_step=start_step)
