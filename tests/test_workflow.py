@@ -39,7 +39,20 @@ def test_dvc_stages_mirror_the_rules(monkeypatch):
         assert stage.get("deps", []) == rule.inputs
         assert stage["params"] == [{"config/config.yaml": list(STAGE_KEYS[rule.name])}]
     assert {"results/checkpoints/train": {"persist": True, "cache": False}} in stages["train_8card"]["outs"]
-    assert stages["evaluate"]["metrics"] == [{"results/eval/metrics.json": {"cache": False}}]
+    assert stages["evaluate"]["metrics"] == ["results/eval/metrics.json"]
+    assert "results/base_model" in stages["fetch_base"]["outs"]  # tiny: small, cached
+
+
+def test_weights_from_a_local_source_are_not_cached_a_second_time(tmp_path, monkeypatch):
+    work = tmp_path / "wf"
+    for name in ("workflow", "config"):
+        shutil.copytree(ROOT / name, work / name)
+    cfg = yaml.safe_load((work / "config/config.yaml").read_text())
+    cfg["model"]["source"] = str(tmp_path / "pi05_base")
+    (work / "config/config.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.chdir(work)
+    stages = yaml.safe_load(dvc_yaml.render(load_rules()))["stages"]
+    assert stages["fetch_base"]["outs"] == [{"results/base_model": {"cache": False}}]
 
 
 def test_stale_check_fails_when_a_rule_changes(tmp_path):

@@ -1,10 +1,13 @@
 """Generate dvc.yaml from the Snakemake rules, so the two drivers share one DAG.
 
 Each rule becomes a stage with the same command, its inputs as deps, the config keys it
-tracks as params, and its outputs as outs. Conventions read from the rules:
-- an output named `metrics` ending in `.json` is a DVC metric (not cached);
-- an output ending in `.png`, or a `.csv` table, is a DVC plot (DVC cannot plot JSON lines:
-  the per-step `.jsonl` log is an uncached out, and evaluate writes CSV tables for plots);
+tracks as params, and its outputs as outs. Outputs are cached (so `dvc push`/`dvc pull` carry
+them) except where a rule says otherwise. Conventions read from the rules:
+- an output named `metrics` ending in `.json` is a DVC metric;
+- an output ending in `.png`, or a `.csv` table, is a DVC plot (DVC cannot plot JSON lines, so
+  evaluate writes CSV tables for plots);
+- `params.dvc_uncached` outputs are outs with `cache: false` (base weights linked from a local
+  multi-GB source: the source is the copy of record, DVC's cache would be a second copy);
 - `params.dvc_plots` gives the x/y columns and template of CSV plots (top-level `plots:`);
 - `params.persist` paths (training checkpoints) are outs with `persist: true, cache: false`,
   so `dvc repro` neither deletes nor caches them and a rerun resumes from them.
@@ -36,12 +39,10 @@ def stage_for(rule: RuleSpec) -> dict:
     plots: list = []
     for name, path in rule.outputs.items():
         if name == "metrics" and path.endswith(".json"):
-            metrics.append({path: {"cache": False}})
-        elif path.endswith(".png"):
+            metrics.append(path)
+        elif path.endswith((".png", ".csv")):
             plots.append(path)
-        elif path.endswith(".csv"):
-            plots.append({path: {"cache": False}})
-        elif path.endswith(".jsonl"):
+        elif rule.uncached and path in rule.uncached:
             outs.append({path: {"cache": False}})
         else:
             outs.append(path)

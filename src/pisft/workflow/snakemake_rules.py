@@ -22,6 +22,7 @@ class RuleSpec:
     config_file: str
     persist: list[str] = field(default_factory=list)
     plot_props: dict[str, dict] = field(default_factory=dict)  # output path -> DVC plot options
+    uncached: list[str] = field(default_factory=list)  # outputs DVC must not cache
 
 
 def _format_shell(template: str, params: dict, log: list[str]) -> str:
@@ -83,6 +84,7 @@ def load_rules(snakefile: Path = SNAKEFILE, workdir: Path = Path(".")) -> list[R
                     config_file=str(params["config"]),
                     persist=[persist] if isinstance(persist, str) else list(persist),
                     plot_props=plot_props,
+                    uncached=[str(p) for p in params.get("dvc_uncached", [])],
                 )
             )
     return specs
