@@ -283,3 +283,20 @@ def test_tiny_tokenizer_encodes_the_pi05_prompt_without_unknowns():
     assert len(ids) < 48
     assert tok.unk_token_id not in tok("Zebra-42 (odd) wörds!")["input_ids"]
     assert np.array_equal(tok(prompt)["input_ids"], build_tiny_tokenizer()(prompt)["input_ids"])
+
+
+def test_saved_weights_follow_the_umask(tmp_path):
+    import os
+    import stat
+
+    from pisft.model.weights import save_weights
+
+    import torch
+
+    module = torch.nn.Linear(2, 2)
+    old = os.umask(0o022)
+    try:
+        save_weights(module, tmp_path / "w.safetensors")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "w.safetensors").stat().st_mode) == 0o644

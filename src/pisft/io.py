@@ -19,6 +19,11 @@ def _umask() -> int:
     return mask
 
 
+def follow_umask(path: str | Path) -> None:
+    """Give a file written by a library with private modes (0600) the user's usual mode."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces `final` in one rename.

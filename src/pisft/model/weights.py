@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from pisft.errors import ModelLoadError
+from pisft.io import follow_umask
 
 LIST_LIMIT = 12  # names shown per list in an error message
 
@@ -216,3 +217,4 @@ def save_weights(module: torch.nn.Module, path: str | Path,
             tensor = tensor.full_tensor()
         tensors[name] = tensor.detach().to("cpu").contiguous()
     save_file(tensors, str(path), metadata={"format": "pt"})
+    follow_umask(path)  # safetensors writes 0600
