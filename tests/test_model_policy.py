@@ -291,8 +291,6 @@ def test_saved_weights_follow_the_umask(tmp_path):
 
     from pisft.model.weights import save_weights
 
-    import torch
-
     module = torch.nn.Linear(2, 2)
     old = os.umask(0o022)
     try:
