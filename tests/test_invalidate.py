@@ -31,3 +31,14 @@ def test_invalidate_removes_files_and_dirs_but_keeps_checkpoints(tmp_path, monke
     assert set(removed) == {"results/train/model", "results/train/metrics.jsonl", "results/eval/metrics.json"}
     assert Path("results/checkpoints/train/step_000010").is_dir()
     assert invalidate_downstream("smoke_1card") == []
+
+
+def test_another_results_dir_is_rebased_and_the_default_one_left_alone(tmp_path, monkeypatch):
+    shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    monkeypatch.chdir(tmp_path)
+    Path("results/eval").mkdir(parents=True)
+    Path("results/eval/metrics.json").write_text("{}")  # the user's real run
+    Path("scratch/eval").mkdir(parents=True)
+    Path("scratch/eval/metrics.json").write_text("{}")  # a run with --set results_dir=scratch
+    assert invalidate_downstream("train_8card", "scratch") == ["scratch/eval/metrics.json"]
+    assert Path("results/eval/metrics.json").is_file()

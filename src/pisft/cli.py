@@ -122,13 +122,13 @@ def _run(args: argparse.Namespace) -> int:
             return dvc_yaml.main(check=args.check, output=args.output)
         cfg = config_mod.load(args.config, args.overrides)
         if args.command in STAGES:
-            invalidate_downstream(args.command)
+            invalidate_downstream(args.command, cfg.results_dir)
             _resolve(STAGES[args.command])(cfg)
             return 0
         if args.command == "launch":
             from pisft.train import launch
 
-            invalidate_downstream(args.stage)
+            invalidate_downstream(args.stage, cfg.results_dir)
             return launch.main(args.stage, cfg, args.config, args.overrides)
         if args.command == "estimate":
             from pisft.model import estimate

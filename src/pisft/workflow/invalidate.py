@@ -58,24 +58,42 @@ def downstream_outputs(stage: str, dag: dict[str, dict]) -> list[str]:
     return sorted(path for name in seen for path, persist in dag[name]["outs"] if not persist)
 
 
-def invalidate_downstream(stage: str, dvc_yaml: str | Path = "dvc.yaml") -> list[str]:
-    """Remove the downstream outputs of `stage`; return what was removed."""
+def _results_dir_of(dag: dict[str, dict]) -> str | None:
+    """The results folder dvc.yaml was generated for (where fetch_base writes base_model)."""
+    for path, _ in dag.get("fetch_base", {}).get("outs", []):
+        if Path(path).name == "base_model":
+            return str(Path(path).parent)
+    return None
+
+
+def invalidate_downstream(stage: str, results_dir: str | Path = "results",
+                          dvc_yaml: str | Path = "dvc.yaml") -> list[str]:
+    """Remove the downstream outputs of `stage` under `results_dir`; return what was removed.
+
+    dvc.yaml names outputs under the results folder it was generated for; a run with another
+    `results_dir` (e.g. `--set results_dir=...`) has them rebased there, and nothing outside
+    the run's own results folder is ever touched.
+    """
     dvc_yaml = Path(dvc_yaml)
     if not dvc_yaml.is_file():
         return []
     dag = load_dag(dvc_yaml)
-    if stage not in dag:
+    generated_for = _results_dir_of(dag)
+    if stage not in dag or generated_for is None:
         return []
     removed = []
     for path in downstream_outputs(stage, dag):
-        p = Path(path)
+        rel = Path(path).relative_to(generated_for) if Path(path).is_relative_to(generated_for) else None
+        if rel is None:
+            continue
+        p = Path(results_dir) / rel
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         elif p.exists() or p.is_symlink():
             p.unlink()
         else:
             continue
-        removed.append(path)
+        removed.append(str(p))
     if removed:
         print(f"{stage}: removed outputs derived from its previous run: {', '.join(removed)}", flush=True)
     return removed
