@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from pisft.workflow import scratch
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-PROJECT_FILES = ("workflow", "config", "profiles", "dvc.yaml", ".dvc/config", ".dvcignore")
-
-
 def tool_env() -> dict:
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
@@ -28,21 +26,7 @@ def tool_env() -> dict:
 
 def copy_project(dest: Path, *, git: bool = False) -> Path:
     """A working copy of the workflow files (the library comes from the installed package)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in PROJECT_FILES:
-        src = ROOT / name
-        target = dest / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(src, target)
-        else:
-            shutil.copy(src, target)
-    (dest / ".gitignore").write_text("/results/\n/.snakemake/\n")
-    if git:
-        run(["git", "init", "-q"], dest)
-        run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A"], dest)
-        run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init"], dest)
-    return dest
+    return scratch.copy_project(ROOT, dest, git=git)
 
 
 def run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 1800) -> subprocess.CompletedProcess:

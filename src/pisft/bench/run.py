@@ -14,7 +14,6 @@ import importlib
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,8 +22,8 @@ from pathlib import Path
 
 from pisft import config as config_mod
 from pisft.io import write_json_atomic
+from pisft.workflow.scratch import copy_project
 
-PROJECT_FILES = ("workflow", "config", "profiles", "dvc.yaml", ".dvc/config", ".dvcignore")
 # name -> "module:function"; each takes (cfg, workdir) and returns a JSON-able dict.
 COMPONENT_BENCHES = {
     "convert_recap": "pisft.bench.convert_bench:run",
@@ -53,21 +52,6 @@ def _timed(cmd: list[str], cwd: Path) -> tuple[float, subprocess.CompletedProces
     return elapsed, proc
 
 
-def copy_project(src: Path, dest: Path) -> Path:
-    for name in PROJECT_FILES:
-        target = dest / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if (src / name).is_dir():
-            shutil.copytree(src / name, target)
-        else:
-            shutil.copy(src / name, target)
-    (dest / ".gitignore").write_text("/results/\n/.snakemake/\n")
-    git = ["git", "-c", "user.email=bench@pisft", "-c", "user.name=bench"]
-    for cmd in (["git", "init", "-q"], [*git, "add", "-A"], [*git, "commit", "-qm", "bench"]):
-        subprocess.run(cmd, cwd=dest, check=True, capture_output=True)
-    return dest
-
-
 def read_snakemake_benchmarks(bench_dir: Path) -> dict[str, dict]:
     stages = {}
     for tsv in sorted(bench_dir.glob("*.tsv")):
@@ -81,7 +65,7 @@ def read_snakemake_benchmarks(bench_dir: Path) -> dict[str, dict]:
 
 
 def pipeline_bench(project: Path, work: Path) -> dict:
-    copy_project(project, work)
+    copy_project(project, work, git=True)
     total, _ = _timed([_tool("snakemake"), "--cores", "all", "--quiet", "all"], work)
     stages = read_snakemake_benchmarks(work / "results" / "benchmarks")
     noop_snakemake, _ = _timed([_tool("snakemake"), "-n", "--cores", "all", "--quiet", "all"], work)
