@@ -3,8 +3,21 @@ SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 VENV := .venv
 PY := $(VENV)/bin/python
-LOCK := workflow/envs/cpu-cuda.lock.txt
 STAMP := $(VENV)/.pisft-setup
+# DEVICE picks the pinned environment .venv is built from (it does not pick the device a run
+# trains on: that is `device:` in the config, e.g. config/profiles/ascend-8card.yaml):
+#   cpu, cuda  workflow/envs/cpu-cuda.lock.txt        x86_64; PyPI's torch (a CUDA build, runs on the CPU)
+#   npu        workflow/envs/ascend-aarch64.lock.txt  Ascend hosts (aarch64, CANN 8.5.0): CPU torch + torch-npu
+# Without DEVICE, the lock .venv was last built from is kept (cpu when there is none).
+LOCK_cpu := workflow/envs/cpu-cuda.lock.txt
+LOCK_cuda := $(LOCK_cpu)
+LOCK_npu := workflow/envs/ascend-aarch64.lock.txt
+STAMP_LOCK := $(word 2,$(shell cat $(STAMP) 2>/dev/null))
+DEVICE ?= $(if $(filter $(LOCK_npu),$(STAMP_LOCK)),npu,cpu)
+LOCK := $(LOCK_$(DEVICE))
+ifeq ($(LOCK),)
+$(error DEVICE=$(DEVICE) (from the $(origin DEVICE)) is not one of cpu, cuda, npu)
+endif
 CORES ?= all
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYTHONUNBUFFERED := 1
@@ -17,19 +30,35 @@ help:
 	@echo "make test   - install what is missing, run the whole test suite"
 	@echo "make bench  - benchmarks into results/bench/bench.json"
 	@echo "make setup  - only create/refresh .venv (idempotent)"
+	@echo "DEVICE=cpu|cuda|npu picks the pinned environment (npu: Ascend, CANN 8.5.0); now: $(DEVICE) -> $(LOCK)"
 
-# The stamp holds the hash of the lock file and pyproject.toml: unchanged inputs, no work.
+# The stamp holds the hash of the lock file and pyproject.toml, then the lock's path: unchanged
+# inputs, no work. Another lock rebuilds .venv from scratch (pip never removes packages, so the
+# Ascend lock on top of the CUDA one would keep nvidia-* and CUDA torch). A stamp without a path
+# predates DEVICE and stands for the CPU/CUDA lock.
 setup:
-	@want="$$(cat $(LOCK) pyproject.toml | sha256sum | cut -d' ' -f1)"; \
-	if [ -f $(STAMP) ] && [ "$$(cat $(STAMP))" = "$$want" ] && [ -x $(PY) ]; then \
+	@want="$$(cat $(LOCK) pyproject.toml | sha256sum | cut -d' ' -f1) $(LOCK)"; \
+	have="$$(cat $(STAMP) 2>/dev/null || true)"; \
+	case "$$have" in *" "*|"") ;; *) have="$$have $(LOCK_cpu)";; esac; \
+	if [ "$$have" = "$$want" ] && [ -x $(PY) ]; then \
 	  echo "setup: $(VENV) is up to date"; exit 0; fi; \
+	if [ "$(DEVICE)" = npu ]; then \
+	  if [ -z "$${ASCEND_HOME_PATH:-}$${ASCEND_TOOLKIT_HOME:-}" ]; then \
+	    echo "setup: DEVICE=npu needs CANN 8.5.0 installed and its set_env.sh sourced first (e.g. source /usr/local/Ascend/ascend-toolkit/set_env.sh); torch-npu without CANN breaks 'import torch'" >&2; \
+	    exit 1; fi; \
+	  [ "$$(uname -m)" = aarch64 ] || echo "setup: note: $(LOCK) is resolved and tested for aarch64; this host is $$(uname -m)"; \
+	fi; \
 	py="$$(scripts/find-python312.sh)"; \
+	if [ -x $(PY) ] && [ -n "$$have" ] && [ "$${have#* }" != "$(LOCK)" ]; then \
+	  echo "setup: $(VENV) was built from $${have#* }; recreating it from $(LOCK)"; rm -rf $(VENV); fi; \
 	if [ ! -x $(PY) ] || ! $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then \
 	  echo "setup: creating $(VENV) with $$py"; rm -rf $(VENV); "$$py" -m venv $(VENV); fi; \
 	$(PY) -m pip install --quiet --upgrade pip; \
 	echo "setup: installing pinned dependencies from $(LOCK) (first time: several GB, a few minutes)"; \
 	$(PY) -m pip install --quiet -r $(LOCK); \
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .; \
+	if [ "$(DEVICE)" = npu ] && ! $(PY) -c 'import torch, torch_npu; print("setup: torch", torch.__version__, "torch_npu", torch_npu.__version__)'; then \
+	  echo "setup: torch_npu does not import (above); check that CANN 8.5.0 is installed and its set_env.sh sourced" >&2; exit 1; fi; \
 	echo "$$want" > $(STAMP); echo "setup: done"
 
 run: setup

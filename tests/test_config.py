@@ -67,12 +67,34 @@ def test_global_batch_must_divide_by_micro_times_world(tmp_path):
         ({"train": {"nnodes": 2}}, "train.rdzv_endpoint"),
         ({"data": {"eval_fraction": 1.5}}, "data.eval_fraction"),
         ({"smoke": {"steps": 1}}, "smoke.steps"),
+        ({"train": {"log_every": 0}}, "train.log_every: must be at least 1, got 0"),
     ],
 )
 def test_cross_checks(tmp_path, patch, fragment):
     with pytest.raises(C.ConfigError) as err:
         C.load(write(tmp_path, patch))
     assert fragment in str(err.value)
+
+
+def test_log_every_and_deterministic(tmp_path):
+    cfg = C.load(ROOT / "config/config.yaml")
+    assert cfg.train.log_every == 10 and cfg.train.deterministic is False
+    cfg = C.load(write(tmp_path, {"train": {"log_every": 50, "deterministic": True}}))
+    assert cfg.train.log_every == 50 and cfg.train.deterministic is True
+    with pytest.raises(C.ConfigError, match="train.deterministic.*wrong type"):
+        C.load(write(tmp_path, {"train": {"deterministic": "sometimes"}}))
+    with pytest.raises(C.ConfigError, match="train.log_every.*wrong type"):
+        C.load(write(tmp_path, {"train": {"log_every": 2.5}}))
+
+
+def test_training_stages_track_log_every_and_deterministic():
+    from pisft.workflow.stages import STAGE_KEYS
+
+    for key in ("train.log_every", "train.deterministic"):
+        assert key in STAGE_KEYS["smoke_1card"]
+        assert "train" in STAGE_KEYS["train_8card"]  # the whole section, these keys included
+    dvc = (ROOT / "dvc.yaml").read_text()
+    assert "- train.log_every" in dvc and "- train.deterministic" in dvc
 
 
 def test_overrides_apply_and_are_validated(tmp_path):

@@ -95,6 +95,13 @@ class TrainConfig:
     # Also write the per-step metrics as TensorBoard scalars (results/checkpoints/train/<run>/tensorboard;
     # needs the `tensorboard` package).
     tensorboard: bool = False
+    # Fetch the step metrics from the device every this many optimizer steps (and at checkpoints
+    # and the last step): one device->host synchronisation per fetch. metrics.jsonl still has
+    # one line per optimizer step.
+    log_every: int = 10
+    # Deterministic training: torch.use_deterministic_algorithms(True), HCCL_DETERMINISTIC=true on
+    # Ascend, CUBLAS_WORKSPACE_CONFIG=:4096:8 on CUDA. Slower; config/README.md has the costs.
+    deterministic: bool = False
 
 
 @dataclass
@@ -214,7 +221,7 @@ def _cross_check(cfg: PisftConfig, source: str) -> None:
     if t.precision not in PRECISIONS:
         problems.append(f"train.precision: '{t.precision}' is not one of {', '.join(PRECISIONS)}")
     for key in ("nproc_per_node", "nnodes", "micro_batch_size", "global_batch_size", "steps",
-                "save_every", "keep_last"):
+                "save_every", "keep_last", "log_every"):
         if getattr(t, key) < 1:
             problems.append(f"train.{key}: must be at least 1, got {getattr(t, key)}")
     if not 0 <= t.node_rank < max(t.nnodes, 1):
