@@ -109,7 +109,7 @@ def test_each_rank_holds_half_and_units_cover_the_model(two_nodes):
     assert sharding["all_params_sharded"] is True
     assert sharding["params_local_fraction"] == pytest.approx(0.5, abs=0.02)
     assert sharding["optimizer_state_local_fraction"] == pytest.approx(0.5, abs=0.02)
-    assert {"vision", "vlm", "expert"} <= set(sharding["units_by_group"])
+    assert {"vision", "decoder", "action"} <= set(sharding["units_by_group"])
     load_policy(two_nodes / "train" / "model")  # the export loads strictly
 
 

@@ -30,6 +30,21 @@ changes underneath. Nothing else in pisft patches or inspects LeRobot's private 
 4. Construction on the meta device: `PI05Policy.__init__` ends with `self.model.to(config.device)`
    and the config validates `device` against real devices, so `build_on_meta` sets
    `config.device = "meta"` after validation.
+5. Training structure (`enable_layer_checkpointing`, `detach_expert_head`, `sync_free_forward`):
+   - `PI05Pytorch.gradient_checkpointing_enable()` sets `gradient_checkpointing_enabled`, which
+     makes `_apply_checkpoint` wrap the WHOLE `paligemma_with_expert.forward` (and the vision
+     tower, embeddings and projections) in a checkpoint, on top of the per-layer checkpoints
+     `PaliGemmaWithExpertModel.forward` takes when `gemma_expert.model.gradient_checkpointing`
+     is set: every decoder layer would run three times per micro-step. We set only the
+     per-layer flag: forward + one recompute.
+   - The action expert's `lm_head` (`gemma_expert.lm_head`, vocab x expert width; 263M
+     parameters for pi0.5) is never called by the flow-matching forward. It is detached from
+     the training model so it is neither sharded, gathered nor optimised.
+   - `PI05Policy.forward` calls `.item()` and `.cpu()` on the loss for its log dict: two
+     device->host synchronisations per micro-step. `sync_free_forward` runs the same steps
+     (`_preprocess_images`, `prepare_action`, `sample_noise`/`sample_time`, `model.forward`,
+     truncation to the action dimension, mean) without them, through the policy's `__call__`
+     (FSDP hooks run): `PI05Policy.forward`'s body is checked by `structure_problems`.
 """
 
 from __future__ import annotations
@@ -188,6 +203,83 @@ def vlm_embeddings_tied(policy) -> bool:
     return lm_head.weight is embed.weight
 
 
+EXPERT_HEAD = "model.paligemma_with_expert.gemma_expert.lm_head.weight"
+
+
+def enable_layer_checkpointing(policy) -> None:
+    """Activation checkpointing per joint decoder layer only (see 5. above)."""
+    core = policy.model
+    core.gradient_checkpointing_enabled = False
+    core.paligemma_with_expert.gemma_expert.model.gradient_checkpointing = True
+
+
+def prepare_for_training(policy, *, checkpointing: bool) -> None:
+    """The training structure of 5. above: per-layer checkpointing, no expert lm_head."""
+    if checkpointing:
+        enable_layer_checkpointing(policy)
+    detach_expert_head(policy)
+
+
+def detach_expert_head(policy) -> torch.nn.Module | None:
+    """Remove the unused action-expert lm_head from `policy`; return it (None if absent)."""
+    expert = policy.model.paligemma_with_expert.gemma_expert
+    head = getattr(expert, "lm_head", None)
+    if head is not None:
+        expert.lm_head = None
+    return head
+
+
+def attach_expert_head(policy, weight: torch.Tensor) -> None:
+    """Put an (unchanged, untrained) expert lm_head back, e.g. to export LeRobot's full layout."""
+    out_features, in_features = weight.shape
+    head = torch.nn.Linear(in_features, out_features, bias=False, device="meta")
+    head.weight = torch.nn.Parameter(weight, requires_grad=False)
+    policy.model.paligemma_with_expert.gemma_expert.lm_head = head
+
+
+# What PI05Policy.forward must still do for `sync_free_forward` to be the same computation.
+_FORWARD_STEPS = ("self._preprocess_images(batch)", "self.prepare_action(batch)",
+                  "self.model.sample_noise(actions.shape, actions.device)",
+                  "self.model.sample_time(actions.shape[0], actions.device)",
+                  "self.model.forward(images, img_masks, tokens, masks, actions, noise, time)",
+                  "losses[:, :, :original_action_dim]", "loss = losses.mean()")
+
+
+def _loss_forward(self, batch):
+    """PI05Policy.forward (reduction "mean") without the host synchronisations of its log dict."""
+    from lerobot.utils.constants import ACTION, OBS_LANGUAGE_ATTENTION_MASK, OBS_LANGUAGE_TOKENS
+
+    images, img_masks = self._preprocess_images(batch)
+    tokens, masks = batch[OBS_LANGUAGE_TOKENS], batch[OBS_LANGUAGE_ATTENTION_MASK]
+    actions = self.prepare_action(batch)
+    noise = self.model.sample_noise(actions.shape, actions.device)
+    time = self.model.sample_time(actions.shape[0], actions.device)
+    losses = self.model.forward(images, img_masks, tokens, masks, actions, noise, time)
+    action_dim = self.config.output_features[ACTION].shape[0]
+    return losses[:, :, :action_dim].mean()
+
+
+@contextlib.contextmanager
+def sync_free_forward(policy) -> Iterator[None]:
+    """Within the block, `policy(batch)` returns the training loss tensor (no host sync)."""
+    policy.forward = _loss_forward.__get__(policy)
+    try:
+        yield
+    finally:
+        del policy.forward
+
+
+def set_non_blocking_transfers(preprocessor) -> None:
+    """Host->device copies of LeRobot's device step without blocking, on every accelerator.
+
+    `DeviceProcessorStep.__post_init__` sets `non_blocking = "cuda" in device`, so on `npu:<i>`
+    every copy blocks the host until the device queue drains.
+    """
+    for step in getattr(preprocessor, "steps", ()):
+        if hasattr(step, "non_blocking") and hasattr(step, "device"):
+            step.non_blocking = str(step.device) != "cpu"
+
+
 def build_on_meta(make: Any, config) -> Any:
     """Run `make(config)` (PI05Policy) on the meta device: no memory is allocated."""
     saved = config.device
@@ -246,6 +338,14 @@ def structure_problems() -> list[str]:
         problems.append("compute_layer_complete no longer hard-codes 8 heads: revisit REQUIRED_NUM_HEADS")
     if "self.model.to(config.device)" not in inspect.getsource(m.PI05Policy.__init__):
         problems.append("PI05Policy.__init__ no longer ends with self.model.to(config.device)")
+    src_forward = inspect.getsource(m.PI05Policy.forward)
+    for needle in _FORWARD_STEPS:
+        if needle not in src_forward:
+            problems.append(f"PI05Policy.forward no longer contains {needle!r}: revisit sync_free_forward")
+    if "gemma_expert.model.gradient_checkpointing" not in inspect.getsource(
+            m.PaliGemmaWithExpertModel.forward):
+        problems.append("PaliGemmaWithExpertModel.forward no longer reads "
+                        "gemma_expert.model.gradient_checkpointing: revisit enable_layer_checkpointing")
     if not hasattr(processor_pi05, "TokenizerProcessorStep"):
         problems.append("processor_pi05.TokenizerProcessorStep no longer exists")
     elif "TokenizerProcessorStep(" not in inspect.getsource(processor_pi05.make_pi05_pre_post_processors):

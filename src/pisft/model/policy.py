@@ -254,7 +254,9 @@ def load_policy(model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtyp
         raise ModelLoadError(f"{model_dir}: holds a '{info['preset']}' model but model.preset is "
                              f"'{preset}'; set model.preset: {info['preset']} or fetch the right model")
     policy = policy_from_config(config, info, device="cpu", dtype=dtype, init=False)
-    weights_mod.load_strict(policy, model_dir / WEIGHTS_FILE, rename=weights_mod.lerobot_name)
+    # The action expert's lm_head is never used (lerobot_internals 5.): a file may lack it.
+    weights_mod.load_strict(policy, model_dir / WEIGHTS_FILE, rename=weights_mod.lerobot_name,
+                            optional=frozenset({internals.EXPERT_HEAD}))
     if str(device) != "cpu":
         policy.to(device)
     policy.config.device = str(device)

@@ -137,11 +137,14 @@ def load_strict(
     path: str | Path,
     *,
     rename: Callable[[str], str] | None = None,
+    optional: frozenset[str] = frozenset(),
 ) -> dict[str, list[str]]:
     """Load `path` into `module` strictly, one tensor at a time (low peak memory).
 
-    `rename` maps a file name to the model's name (for layouts such as openpi's). Returns a
-    report: which tied names were filled from which, and tied duplicates that differed.
+    `rename` maps a file name to the model's name (for layouts such as openpi's). `optional`:
+    model names a file may lack (tensors the forward never reads); they are zero-filled and
+    listed in the report's "optional_missing". Returns a report: which tied names were filled
+    from which, tied duplicates that differed, and the optional names that were absent.
     """
     from safetensors import safe_open
 
@@ -160,10 +163,16 @@ def load_strict(
     groups = tied_groups(module)
     expected = expected_shapes(module)
     plan, missing, unexpected, misshaped = compare(expected, provided, groups)
+    optional_missing = sorted(n for n in missing if n in optional)
+    missing = [n for n in missing if n not in optional]
     raise_if_not_strict(str(path), missing, unexpected, misshaped)
 
     targets = module.state_dict(keep_vars=True)
-    report: dict[str, list[str]] = {"tied_filled": [], "tied_conflicts": []}
+    report: dict[str, list[str]] = {"tied_filled": [], "tied_conflicts": [],
+                                    "optional_missing": optional_missing}
+    with torch.no_grad():
+        for name in optional_missing:
+            targets[name].zero_()
     loaded_from: dict[int, str] = {}
     with safe_open(str(path), framework="pt") as fh, torch.no_grad():
         for name, source in plan.items():
@@ -186,6 +195,19 @@ def load_strict(
                             f"{other} differs from {used} (tied in the model; {used} was loaded)"
                         )
     return report
+
+
+def read_tensor(path: str | Path, name: str, *,
+                rename: Callable[[str], str] | None = None) -> torch.Tensor | None:
+    """The tensor a file holds under model name `name` (after `rename`), or None."""
+    from safetensors import safe_open
+
+    rename = rename or (lambda n: n)
+    with safe_open(str(path), framework="pt") as fh:
+        for file_name in fh.keys():
+            if rename(file_name) == name:
+                return fh.get_tensor(file_name)
+    return None
 
 
 def save_weights(module: torch.nn.Module, path: str | Path,

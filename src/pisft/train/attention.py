@@ -1,12 +1,29 @@
-"""Scaled-dot-product attention for pi0.5's joint VLM/expert attention during training.
+"""Fused attention for pi0.5's joint VLM/expert attention during training.
 
 LeRobot's `compute_layer_complete` (the joint attention of the VLM and the action expert, every
-layer) calls `modeling_gemma.eager_attention_forward` by name: explicit matmul + softmax. This
-module supplies, for the training process, the same computation through
-`torch.nn.functional.scaled_dot_product_attention`, which dispatches to fused kernels (flash /
-memory-efficient attention on CUDA, the fused attention operator on Ascend). Same inputs, same
-additive mask (kept additive: prompt padding gives all-masked query rows, which a boolean mask
-would turn into NaN), same grouped-query layout. The SigLIP vision tower already uses SDPA.
+layer) calls `modeling_gemma.eager_attention_forward` by name: K/V repeated to every query head,
+explicit matmul + softmax with an additive float mask. For the training process this module
+supplies the same computation through a fused kernel:
+
+- The mask becomes boolean (True = may attend). LeRobot's additive mask holds only 0 and
+  -2.38e38 (`OPENPI_ATTENTION_MASK_VALUE`); anything below -1e30 counts as masked.
+- Fully padded query rows (prompt padding: every key masked) would be NaN in some fused kernels
+  and are excluded by npu_fusion_attention's varlen constraints. Such a row attends to itself
+  instead. Its output differs from eager attention (which averages all values), but no real
+  token ever attends to a padded key and the loss reads only the action tokens, so every real
+  token, the loss and the gradients are unchanged (tests/test_train_attention.py).
+- K/V are NOT repeated: the kernels take grouped heads (pi0.5: 8 query heads, 1 K/V head).
+
+Kernels:
+- NPU (bf16/fp16 inputs): `torch_npu.npu_fusion_attention(q, k, v, head_num, "BNSD",
+  atten_mask=<True = masked>, scale=...)`, the fused FlashAttention operator of 910B. Per its
+  documentation (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_fusion_attention.md)
+  `atten_mask` is bool/uint8 with 1 = not attended, shapes BNSS/B1SS/11SS/SS, and Nq may be
+  any integer multiple of Nkv (GQA). torch_npu's own `scaled_dot_product_attention` takes this
+  kernel only for a boolean mask or none (op_plugin/ops/opapi/ScaledDotProductAttentionKernelNpuOpApi.cpp);
+  an additive float mask falls back to matmul + softmax, which is what LeRobot's eager path did.
+- CUDA, CPU and NPU in fp32: `torch.nn.functional.scaled_dot_product_attention` with the boolean
+  mask and `enable_gqa=True` (flash / memory-efficient kernels on CUDA).
 
 The swap is of the name `modeling_gemma` inside LeRobot's pi0.5 module only (a namespace that
 is transformers' Gemma module with `eager_attention_forward` replaced); nothing else changes.
@@ -15,6 +32,7 @@ is transformers' Gemma module with `eager_attention_forward` replaced); nothing 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import types
 from collections.abc import Iterator
@@ -23,19 +41,39 @@ import torch
 import torch.nn.functional as F
 
 CALL_SITE = "modeling_gemma.eager_attention_forward("
+MASKED_BELOW = -1e30  # LeRobot's additive mask: 0 (attend) or -2.38e38 (masked)
+NPU_FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def sdpa_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **_):
+def allowed_mask(attention_mask: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    """Boolean (B, 1|H, Q, K) mask, True = may attend; no query row left without a key."""
+    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask > MASKED_BELOW
+    diagonal = torch.eye(q_len, k_len, dtype=torch.bool, device=allowed.device)
+    empty = ~allowed.any(dim=-1, keepdim=True)
+    return allowed | (empty & diagonal)
+
+
+def kernel_for(query: torch.Tensor) -> str:
+    if query.device.type == "npu" and query.dtype in NPU_FUSED_DTYPES:
+        return "npu_fusion_attention"
+    return "sdpa"
+
+
+def fused_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **_):
     """Drop-in for transformers' Gemma `eager_attention_forward` (same signature and output)."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    mask = attention_mask
-    if mask is not None and mask.dtype != torch.bool and mask.dtype != query.dtype:
-        mask = mask.to(query.dtype)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
-                                         dropout_p=dropout if module.training else 0.0, scale=scaling)
+    if dropout and module.training:
+        raise ValueError("pi0.5's joint attention has no dropout; got dropout > 0")
+    mask = None
+    if attention_mask is not None:
+        mask = allowed_mask(attention_mask, query.shape[-2], key.shape[-2])
+    if kernel_for(query) == "npu_fusion_attention":
+        torch_npu = importlib.import_module("torch_npu")
+        out = torch_npu.npu_fusion_attention(
+            query, key, value, query.shape[1], "BNSD",
+            atten_mask=None if mask is None else ~mask, scale=scaling, keep_prob=1.0)[0]
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                             enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -51,8 +89,8 @@ def structure_problem() -> str | None:
 
 
 @contextlib.contextmanager
-def sdpa_joint_attention(enabled: bool = True) -> Iterator[None]:
-    """Within the block, pi0.5's joint attention runs through SDPA."""
+def fused_joint_attention(enabled: bool = True) -> Iterator[None]:
+    """Within the block, pi0.5's joint attention runs through a fused kernel."""
     if not enabled:
         yield
         return
@@ -60,10 +98,10 @@ def sdpa_joint_attention(enabled: bool = True) -> Iterator[None]:
 
     problem = structure_problem()
     if problem is not None:
-        raise RuntimeError(f"cannot switch pi0.5 attention to SDPA: {problem} (LeRobot changed?)")
+        raise RuntimeError(f"cannot switch pi0.5 attention to a fused kernel: {problem} (LeRobot changed?)")
     real = modeling_pi05.modeling_gemma
     proxy = types.SimpleNamespace(**vars(real))
-    proxy.eager_attention_forward = sdpa_attention_forward
+    proxy.eager_attention_forward = fused_attention_forward
     modeling_pi05.modeling_gemma = proxy
     try:
         yield

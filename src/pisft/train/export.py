@@ -18,6 +18,9 @@ from typing import Any
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from pisft.io import atomic_dir, write_json_atomic, write_manifest
+from pisft.model import lerobot_internals as internals
+from pisft.model.policy import WEIGHTS_FILE
+from pisft.model.weights import lerobot_name, read_tensor
 
 
 def export_model(ctx: Any, built: Any, metrics_log: Any, summary: dict, resolved: dict) -> None:
@@ -28,6 +31,12 @@ def export_model(ctx: Any, built: Any, metrics_log: Any, summary: dict, resolved
                                 options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not ctx.is_main:
         return
+    # The action expert's lm_head was detached for training (never used, never trained): the
+    # export carries the base model's tensor when it had one, so LeRobot's strict loader accepts it.
+    head = read_tensor(built.base_dir / WEIGHTS_FILE, internals.EXPERT_HEAD, rename=lerobot_name)
+    if head is not None:
+        internals.attach_expert_head(built.policy, head)
+        full[internals.EXPERT_HEAD] = head
     with atomic_dir(ctx.cfg.results("train")) as tmp:
         model_dir = tmp / "model"
         model_dir.mkdir()

@@ -1,21 +1,32 @@
-"""FSDP2 full sharding of the policy, with units on modules that are invoked through `__call__`.
+"""FSDP2 full sharding of the policy: one unit per decoder layer pair, vision layers gathered once.
 
 FSDP2 gathers a unit's parameters in a forward pre-hook and frees them in a forward post-hook;
 both run only on `module(...)`. LeRobot's pi0.5 calls `self.model.forward(...)` and, inside
-`compute_layer_complete`, the projections of each decoder layer directly (`layer.self_attn.q_proj(x)`,
-`layer.mlp(x)`, `layer.input_layernorm(x, cond)`), never `layer(...)`. A `fully_shard` on a decoder
-layer would therefore never gather its parameters. The units here are the modules that ARE
-called: per decoder layer (VLM and action expert) the q/k/v/o projections, the MLP and the
-adaptive norms (expert); the SigLIP encoder layers, the patch embedding and the projector; the
-token embedding; the action/time projections. Everything else (small norms) and the unused
-language-model heads live in the root unit. The policy must be called as `policy(batch)`.
+`compute_layer_complete`, the parts of each decoder layer directly (`layer.self_attn.q_proj(x)`,
+`layer.mlp(x)`, `layer.input_layernorm(x, cond)`), never `layer(...)`: a `fully_shard` on a
+decoder layer would never gather. The units are therefore built from the modules that ARE called,
+grouped with `fully_shard`'s list form (torch >= 2.6; the group's pre-hook runs on the first of
+its modules to run, the post-hook after the last, `_fsdp_state._register_group_forward_hooks`):
+
+- decoder layer pair i: every called part of VLM layer i AND action-expert layer i (q/k/v/o
+  projections, MLP, both norms) in ONE unit. The two layers always run together (joint
+  attention), so one all-gather and one reduce-scatter serve both, instead of 14 small ones
+  (a k/v projection of pi0.5 is 0.26-0.5M parameters: latency-bound collectives on HCCL);
+- the SigLIP embeddings, each encoder layer and the post-layernorm + projector: the vision tower
+  runs once per camera, so these units are NOT resharded after forward (gathered once per
+  forward, kept until their backward, which then needs no second gather);
+- the action/time projections (one unit) and the token embedding when it is not tied.
+Forward prefetch is explicit: each unit starts the next unit's all-gather. Everything else
+(small final norms, the tied VLM `lm_head`/`embed_tokens` pair) lives in the root unit.
+The action expert's `lm_head` is detached before sharding (`lerobot_internals.detach_expert_head`):
+it never takes part in the loss and would otherwise travel in the root unit every micro-step.
 
 Mixed precision (train.precision=bf16): parameters are kept in fp32 (the optimizer's master
 copy), gathered in bf16 and gradients reduced in fp32. The forward runs under
 `torch.autocast(bf16)` (PolicyTask): FSDP2 casts a unit's inputs only in a normal forward, not
-when activation checkpointing recomputes a unit from outside it (LeRobot checkpoints around
-`compute_layer_complete`, above the units), and autocast makes every matmul agree on bf16 in
-both cases; the loss (mse) runs in fp32 under autocast. The root does not cast its inputs.
+when activation checkpointing recomputes a unit from outside it, and autocast makes every matmul
+agree on bf16 in both cases; the loss (mse) runs in fp32 under autocast. The root does not cast
+its inputs.
 """
 
 from __future__ import annotations
@@ -32,13 +43,23 @@ from torch.distributed.tensor import DTensor
 # Modules whose parameters stay in the root unit: they are never called (unused LM heads).
 _UNCALLED = ("lm_head",)
 MIN_UNIT_PARAMS = 1024  # generic fallback: smaller Linear/Embedding layers stay in the root
+# The called parts of a Gemma decoder layer (every parameter of the layer is in one of them).
+_LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                "mlp", "input_layernorm", "post_attention_layernorm")
 
 
 @dataclass(frozen=True)
 class Unit:
     name: str
-    group: str  # vision | vlm | expert | action | embed | other
-    module: nn.Module
+    group: str  # vision | decoder | action | embed | other
+    modules: tuple[nn.Module, ...]
+    reshard_after_forward: bool = True
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.modules for p in m.parameters()]
+
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.parameters())
 
 
 def _pi05_core(model: nn.Module) -> nn.Module | None:
@@ -59,41 +80,43 @@ def _is_tied(model: nn.Module, module: nn.Module) -> bool:
     return False
 
 
+def _layer_parts(layer: nn.Module) -> tuple[nn.Module, ...]:
+    parts = tuple(layer.get_submodule(name) for name in _LAYER_PARTS)
+    covered = {id(p) for part in parts for p in part.parameters()}
+    stray = [n for n, p in layer.named_parameters() if id(p) not in covered]
+    if stray:
+        raise RuntimeError(f"decoder layer parameters outside its called parts: {stray} "
+                           "(LeRobot's Gemma layer changed?)")
+    return parts
+
+
 def pi05_units(policy: nn.Module) -> list[Unit]:
-    """The FSDP units of a LeRobot PI05Policy, innermost first (fully_shard order)."""
+    """The FSDP units of a LeRobot PI05Policy, in forward order."""
     core = _pi05_core(policy)
     if core is None:
         raise TypeError(f"{type(policy).__name__} is not a LeRobot PI05Policy")
     pwe = core.paligemma_with_expert
     pg = pwe.paligemma.model
     vision = pg.vision_tower.vision_model
-    units: list[Unit] = []
     prefix = "model.paligemma_with_expert.paligemma.model"
-    units.append(Unit(f"{prefix}.vision_tower.vision_model.embeddings", "vision", vision.embeddings))
-    for i, layer in enumerate(vision.encoder.layers):
-        units.append(Unit(f"{prefix}.vision_tower.vision_model.encoder.layers.{i}", "vision", layer))
-    units.append(Unit(f"{prefix}.multi_modal_projector", "vision", pg.multi_modal_projector))
+    vp = f"{prefix}.vision_tower.vision_model"
+    units = [Unit(f"{vp}.embeddings", "vision", (vision.embeddings,), reshard_after_forward=False)]
+    units += [Unit(f"{vp}.encoder.layers.{i}", "vision", (layer,), reshard_after_forward=False)
+              for i, layer in enumerate(vision.encoder.layers)]
+    head = tuple(m for m in (getattr(vision, "post_layernorm", None), pg.multi_modal_projector)
+                 if m is not None)
+    units.append(Unit(f"{prefix}.multi_modal_projector", "vision", head, reshard_after_forward=False))
     lm = pg.language_model
     if not _is_tied(policy, lm.embed_tokens):  # pisft ties it to the (unused) lm_head: root
-        units.append(Unit(f"{prefix}.language_model.embed_tokens", "embed", lm.embed_tokens))
-    for group, base, layers, final_norm in (
-        ("vlm", f"{prefix}.language_model", lm.layers, lm.norm),
-        ("expert", "model.paligemma_with_expert.gemma_expert.model", pwe.gemma_expert.model.layers,
-         pwe.gemma_expert.model.norm),
-    ):
-        for i, layer in enumerate(layers):
-            lp = f"{base}.layers.{i}"
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                units.append(Unit(f"{lp}.self_attn.{proj}", group, getattr(layer.self_attn, proj)))
-            units.append(Unit(f"{lp}.mlp", group, layer.mlp))
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                mod = getattr(layer, norm)
-                if getattr(mod, "dense", None) is not None:  # adaptive RMSNorm (action expert)
-                    units.append(Unit(f"{lp}.{norm}", group, mod))
-        if getattr(final_norm, "dense", None) is not None:
-            units.append(Unit(f"{base}.norm", group, final_norm))
-    for name in ("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"):
-        units.append(Unit(f"model.{name}", "action", getattr(core, name)))
+        units.append(Unit(f"{prefix}.language_model.embed_tokens", "embed", (lm.embed_tokens,)))
+    # Called before the decoder (embed_suffix) and after it (action_out_proj): one small unit.
+    action = tuple(getattr(core, n) for n in ("action_in_proj", "time_mlp_in", "time_mlp_out",
+                                               "action_out_proj"))
+    units.append(Unit("model.action_time_projections", "action", action))
+    expert_layers = pwe.gemma_expert.model.layers
+    for i, (vlm_layer, expert_layer) in enumerate(zip(lm.layers, expert_layers, strict=True)):
+        units.append(Unit(f"decoder_pair.{i}", "decoder",
+                          _layer_parts(vlm_layer) + _layer_parts(expert_layer)))
     return units
 
 
@@ -103,7 +126,7 @@ def generic_units(model: nn.Module) -> list[Unit]:
     for name, mod in model.named_modules():
         if isinstance(mod, (nn.Linear, nn.Embedding)) and not any(k in name for k in _UNCALLED):
             if sum(p.numel() for p in mod.parameters()) >= MIN_UNIT_PARAMS:
-                units.append(Unit(name, "other", mod))
+                units.append(Unit(name, "other", (mod,)))
     return units
 
 
@@ -113,13 +136,16 @@ def choose_units(model: nn.Module) -> list[Unit]:
 
 def _check_no_shared_params(units: list[Unit], model: nn.Module) -> None:
     owner: dict[int, str] = {}
+    prefixes: dict[str, tuple[str, ...]] = {}
+    names = {id(m): n for n, m in model.named_modules()}
     for unit in units:
-        for p in unit.module.parameters():
+        prefixes[unit.name] = tuple(names[id(m)] + "." for m in unit.modules)
+        for p in unit.parameters():
             if id(p) in owner:
                 raise RuntimeError(f"parameter shared by FSDP units {owner[id(p)]} and {unit.name}")
             owner[id(p)] = unit.name
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in owner and not name.startswith(owner[id(p)] + "."):
+        if id(p) in owner and not name.startswith(prefixes[owner[id(p)]]):
             raise RuntimeError(f"parameter {name} is tied to FSDP unit {owner[id(p)]}: keep it in the root")
 
 
@@ -131,13 +157,16 @@ def mixed_precision(precision: str, *, root: bool) -> MixedPrecisionPolicy:
 
 
 def shard(model: nn.Module, mesh: DeviceMesh, precision: str) -> list[Unit]:
-    """Apply fully_shard to the units, then to the root. Returns the units."""
+    """Apply fully_shard to the units (in forward order), then to the root; set forward prefetch."""
     units = choose_units(model)
     _check_no_shared_params(units, model)
     for unit in units:
-        fully_shard(unit.module, mesh=mesh, mp_policy=mixed_precision(precision, root=False),
-                    reshard_after_forward=True)
+        target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
+        fully_shard(target, mesh=mesh, mp_policy=mixed_precision(precision, root=False),
+                    reshard_after_forward=unit.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mixed_precision(precision, root=True))
+    for unit, following in zip(units, units[1:]):
+        unit.modules[0].set_modules_to_forward_prefetch([following.modules[0]])
     return units
 
 
@@ -163,7 +192,7 @@ def sharding_report(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     unit_count: dict[str, int] = {}
     in_units = 0
     for unit in units:
-        n = sum(p.numel() for p in unit.module.parameters())
+        n = unit.numel()
         covered[unit.group] = covered.get(unit.group, 0) + n
         unit_count[unit.group] = unit_count.get(unit.group, 0) + 1
         in_units += n

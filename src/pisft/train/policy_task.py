@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pisft.model.lerobot_internals import set_non_blocking_transfers, sync_free_forward
 from pisft.train.flops import pi05_training_flops_per_sample
 
 TOKENS_KEY = "observation.language.tokens"
@@ -63,6 +64,8 @@ class PolicyTask:
         self.scale = float(cfg.time_sampling_scale)
         self.offset = float(cfg.time_sampling_offset)
         self._flops: dict[int, float] = {}
+        self.image_keys = frozenset(cfg.image_features)
+        set_non_blocking_transfers(preprocessor)
 
     def draw(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         noise = rng.standard_normal((self.chunk, self.action_dim), dtype=np.float32)
@@ -70,14 +73,20 @@ class PolicyTask:
         return {"noise": noise, "time": np.asarray(time, dtype=np.float32)}
 
     def prepare(self, batch: dict[str, Any]) -> dict[str, Any]:
+        # Images (the bulk of the bytes; pinned by the data loader on an accelerator) go to the
+        # device first, asynchronously; LeRobot's pipeline then normalises state/action and
+        # builds the prompt on the host (the prompt reads the state) and moves the rest.
+        batch = {k: v.to(self.device, non_blocking=True) if k in self.image_keys else v
+                 for k, v in batch.items()}
         batch = self.pre(batch)
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                 for k, v in batch.items()}
 
     def loss(self, model: nn.Module, batch: dict[str, Any], rand: dict[str, torch.Tensor]) -> torch.Tensor:
         with injected_flow_samples(self.core, rand["noise"], rand["time"]), \
+                sync_free_forward(self.policy), \
                 torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            loss, _ = model(batch)  # through __call__: FSDP hooks run
+            loss = model(batch)  # through __call__: FSDP hooks run; no .item() inside
         return loss.float()
 
     def flops_per_sample(self, batch: dict[str, Any]) -> float | None:
