@@ -61,11 +61,12 @@ def toy_model(seed=0):
     return model, units
 
 
-def train(micro, steps, *, start=0, model=None, opt=None, sched=None, save=None, lr=1e-2):
+def train(micro, steps, *, start=0, model=None, opt=None, sched=None, save=None, lr=1e-2,
+          log_every=1, fused=False, on_step=None):
     data = toy_data()
     if model is None:
         model, _ = toy_model()
-        opt = optim.build_optimizer(model.parameters(), lr=lr, weight_decay=0.01, fused=False)
+        opt = optim.build_optimizer(model.parameters(), lr=lr, weight_decay=0.01, fused=fused)
         sched = optim.build_scheduler(opt, lr=lr, warmup_steps=2, decay_lr=1e-3, steps=steps)
     layout = StepLayout(8, micro, 1)
     sampler = StepSampler(len(data), 0, layout)
@@ -73,8 +74,9 @@ def train(micro, steps, *, start=0, model=None, opt=None, sched=None, save=None,
                          draw=ToyTask().draw, num_workers=0)
     s = loop.LoopSettings(steps=steps, accum=layout.accum, global_batch=8, grad_clip=1.0, kind="cpu",
                           device=torch.device("cpu"), world_size=1, rank=0, peak_flops=1e9,
-                          save_every=3)
-    records = loop.run(model, opt, sched, ToyTask(), iter(loader), s, start_step=start, save=save)
+                          save_every=3, log_every=log_every)
+    records = loop.run(model, opt, sched, ToyTask(), iter(loader), s, start_step=start, save=save,
+                       on_step=on_step)
     return model, opt, sched, records
 
 
@@ -121,6 +123,81 @@ def test_non_finite_loss_stops_the_loop():
         loop.run(model, opt, sched, Bad(), iter(loader), s, start_step=0)
     for k, v in before.items():  # the optimizer step was skipped
         assert torch.equal(weights(model)[k], v)
+
+
+def test_values_fetched_every_log_every_steps_one_record_per_step():
+    seen = []
+    _, _, _, every = train(micro=4, steps=7, fused=True)
+    model, _, _, sparse = train(micro=4, steps=7, fused=True, log_every=4, on_step=seen.append)
+    assert [r["step"] for r in sparse] == list(range(1, 8)) == [r["step"] for r in seen]
+    assert [r["loss"] for r in sparse] == [r["loss"] for r in every]
+    assert [r["grad_norm"] for r in sparse] == [r["grad_norm"] for r in every]
+    assert {"peak_reserved_bytes", "peak_reserved_bytes_per_rank"} <= set(sparse[0])
+    # steps 1-3 share their interval's mean time; step 3 is a checkpoint step (save_every=3)
+    assert len({r["step_time_s"] for r in sparse[:3]}) == 1
+
+
+HOST_SYNCS = ("item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__")
+
+
+def test_no_host_sync_inside_an_optimizer_step(monkeypatch):
+    """Between two fetches the loop never asks the device for a value (fused AdamW path)."""
+    state = {"counting": False, "syncs": []}
+    real_run, real_fetch = loop.run, loop._fetch
+
+    def switched(fn, value):
+        def wrapper(*args, **kwargs):
+            before, state["counting"] = state["counting"], value
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                state["counting"] = before
+        return wrapper
+
+    def counting(name):
+        real = getattr(torch.Tensor, name)
+
+        def wrapper(self, *args, **kwargs):
+            if state["counting"]:
+                state["syncs"].append(name)
+            return real(self, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(loop, "run", switched(real_run, True))
+    monkeypatch.setattr(loop, "_fetch", switched(real_fetch, False))
+    for name in HOST_SYNCS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    _, _, _, records = train(micro=4, steps=5, fused=True, log_every=100)
+    assert len(records) == 5
+    assert state["syncs"] == []
+
+
+def test_non_finite_step_is_skipped_on_the_device_with_fused_adamw():
+    class NanAtStep2(ToyTask):
+        calls = 0
+
+        def loss(self, model, batch, rand):
+            NanAtStep2.calls += 1
+            value = super().loss(model, batch, rand)
+            return value * float("nan") if NanAtStep2.calls == 2 else value
+
+    model, _ = toy_model()
+    opt = optim.build_optimizer(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    sched = optim.build_scheduler(opt, lr=1e-2, warmup_steps=0, decay_lr=1e-3, steps=3)
+    data = toy_data()
+    sampler = StepSampler(len(data), 0, StepLayout(8, 8, 1))
+    loader = iter(make_loader(data, sampler, rank=0, start_step=0, end_step=3, seed=0,
+                              draw=ToyTask().draw, num_workers=0))
+    s = loop.LoopSettings(steps=3, accum=1, global_batch=8, grad_clip=1.0, kind="cpu",
+                          device=torch.device("cpu"), world_size=1, rank=0, stop_on_nonfinite=False,
+                          log_every=10)
+    snapshots = []
+    records = loop.run(model, opt, sched, NanAtStep2(), loader, s, start_step=0,
+                       on_step=lambda r: snapshots.append(r))
+    assert [math.isfinite(r["grad_norm"]) for r in records] == [True, False, True]
+    step_counts = {int(v["step"]) for v in opt.state.values()}
+    assert step_counts == {2}  # the NaN step did not count as an AdamW step
+    assert all(torch.isfinite(v).all() for v in weights(model).values())
 
 
 def _manager(root: Path, fingerprint=None, keep_last=2):

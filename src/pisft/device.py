@@ -18,7 +18,7 @@ import importlib.util
 import os
 import resource
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -41,11 +41,61 @@ ASCEND_ENV_DEFAULTS: dict[str, str] = {
     "HCCL_CONNECT_TIMEOUT": "1200",
     # HCCL collective execution timeout (s): long enough for a checkpoint save between steps.
     "HCCL_EXEC_TIMEOUT": "1800",
+    # The next two are the values of Huawei's pi0.5 training recipe for Atlas A2 (910B) cards:
+    # hicann/cann-recipes-embodied-ai, manipulation/pi05/train/src/scripts/run_train.sh.
+    # Host-side cache of aclnn operator information (workspace size, executor, tiling), entries
+    # per dispatch thread; CANN's default is 10000. A cached operator/shape skips that host-side
+    # preparation when it is dispatched again. Memory bound: ~2 KB per entry and thread, plus
+    # ~20 KB per fused-operator entry per process; only distinct operator shapes fill it (CANN
+    # 8.5.0 environment variable reference, ACLNN_CACHE_LIMIT: range [1, 10000000]; Huawei's
+    # msprof-analyze advisor suggests 100000 when host dispatch is slow).
+    "ACLNN_CACHE_LIMIT": "100000",
+    # Dynamic-shape data cache: keep host-side execution data of the 20 most frequent input
+    # shapes, so a recurring shape skips that preparation; CANN's default 0 disables it; host
+    # memory grows with the value and the model (CANN application development guide, "Setting
+    # Shape Data Cache to Improve Performance"; Huawei's msprof-analyze advisor suggests 20).
+    "HOST_CACHE_CAPACITY": "20",
 }
 
 # Set for every training process, whatever the device (forced, not a default: no training
 # process needs a JAX accelerator, and a JAX that grabs CUDA/NPU crashes the run).
 TRAINING_ENV_FORCED: dict[str, str] = {"JAX_PLATFORMS": "cpu"}
+
+# `train.deterministic: true`: the environment of deterministic collectives and kernels, per kind.
+# Read when the communicator / library handle is created, so it must be in the environment before
+# `init_process_group` and the first matmul. Defaults: a value already set by the user wins
+# (e.g. HCCL_DETERMINISTIC=strict, or the smaller CUBLAS_WORKSPACE_CONFIG=:16:8).
+DETERMINISTIC_ENV: dict[str, dict[str, str]] = {
+    # Deterministic AllReduce / ReduceScatter / Reduce; slower collectives (CANN 8.5.0 HCCL guide,
+    # HCCL_DETERMINISTIC: values false (default), true, strict).
+    "npu": {"HCCL_DETERMINISTIC": "true"},
+    # cuBLAS is deterministic only with a fixed workspace configuration (CUDA docs, "Results
+    # reproducibility"); torch.use_deterministic_algorithms(True) raises without it.
+    "cuda": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+    "cpu": {},
+}
+
+
+def deterministic_env(kind: str) -> dict[str, str]:
+    """The environment variables `train.deterministic` sets for training processes of `kind`."""
+    return dict(DETERMINISTIC_ENV[kind])
+
+
+def enable_determinism(kind: str, env: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """In a training process, before `init_process_group`: deterministic collectives and kernels.
+
+    Sets the missing variables of `deterministic_env(kind)` (the user's values win) and calls
+    `torch.use_deterministic_algorithms(True)`: an operator without a deterministic
+    implementation then raises instead of silently varying. torch_npu honours the same switch for
+    NPU operators, and only its first effective setting per thread counts (torch_npu docs,
+    deterministic computation API list), so call this before the first operator runs. Returns
+    the variables it set.
+    """
+    env = os.environ if env is None else env
+    changed = {k: v for k, v in deterministic_env(kind).items() if k not in env}
+    env.update(changed)
+    torch.use_deterministic_algorithms(True)
+    return changed
 
 
 def _torch_npu_installed() -> bool:
@@ -237,6 +287,21 @@ def peak_memory_bytes(kind: str) -> int:
         return int(accel.max_memory_allocated())
     rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss_kib) * (1 if sys.platform == "darwin" else 1024)
+
+
+def peak_reserved_bytes(kind: str) -> int:
+    """Peak device memory reserved by this process's caching allocator (CPU: peak RSS).
+
+    Reserved is what the allocator holds from the driver: allocated tensors plus cached free
+    blocks and fragmentation. It is the part of npu-smi's / nvidia-smi's figure that this process's
+    tensors account for; HCCL/NCCL buffers, the runtime context and kernel workspaces outside the
+    allocator come on top (docs/memory.md). The CPU has no caching allocator: the same peak
+    resident set size as `peak_memory_bytes`.
+    """
+    accel = _accel(kind)
+    if accel is not None:
+        return int(accel.max_memory_reserved())
+    return peak_memory_bytes(kind)
 
 
 def capacity_bytes(kind: str, device: torch.device) -> int | None:

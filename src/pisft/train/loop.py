@@ -2,6 +2,19 @@
 
 It knows nothing about pi0.5: a `Task` supplies the loss of a micro-batch and the preparation
 of a collated batch, so the same loop is unit-tested with a small module.
+
+No device->host synchronisation inside an optimizer step (an accelerator runs ahead of the host;
+a sync per step idles it). Per-step values (loss sum, gradient norm, finiteness) stay on the
+device and are fetched in one transfer every `log_every` steps, at every checkpoint and at the
+end; metrics.jsonl still gets one line per optimizer step. A step whose gradient norm is not
+finite is skipped on the device: the fused AdamW kernel takes a `found_inf` tensor and leaves
+parameters, moments and its step count untouched (torch.optim.adam `_fused_adam`, the path
+torch.amp.GradScaler uses). Only a non-fused optimizer needs the host to decide (one sync per step).
+
+Collectives use only dtypes that HCCL accepts for the operation on Ascend 910B (float32 sums,
+int64 gathers; never float64): torch_npu v2.11.0-26.1.0,
+torch_npu/csrc/distributed/ProcessGroupHCCL.cpp, `checkSupportedDataType` (reductions accept
+int8/16/32/64, fp16, fp32, bf16 only). The test stand-in `torch_npu` enforces that table.
 """
 
 from __future__ import annotations
@@ -10,7 +23,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -51,6 +64,7 @@ class LoopSettings:
     peak_flops: float | None = None
     save_every: int = 0  # 0: never
     stop_on_nonfinite: bool = True
+    log_every: int = 1  # fetch per-step values from the device every this many steps
 
 
 def _comm_device(device: torch.device) -> torch.device:
@@ -58,10 +72,69 @@ def _comm_device(device: torch.device) -> torch.device:
     return torch.device("cpu") if backend == "gloo" else device
 
 
-def _as_float(t: torch.Tensor) -> float:
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
-    return float(t.detach().float().cpu())
+def _on_device(t: torch.Tensor) -> torch.Tensor:
+    """The value of a (replicated) DTensor as a plain tensor, without leaving the device."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def skip_if_nonfinite_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """optimizer.step(), skipped when `finite` (a device bool tensor) is False."""
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = (~finite).to(torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif bool(finite):  # non-fused optimizers cannot skip on the device: one host sync
+        optimizer.step()
+
+
+@dataclass
+class _Pending:
+    """Steps run since the last fetch: device tensors and host-side figures."""
+
+    steps: list[int] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    grad_norms: list[torch.Tensor] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    data_waits: list[float] = field(default_factory=list)
+    since: float = 0.0
+
+
+def _fetch(p: _Pending, s: LoopSettings, flops_per_sample: float | None) -> list[dict[str, Any]]:
+    """One transfer for the pending steps: losses summed over ranks, per-rank stats gathered."""
+    comm = _comm_device(s.device)
+    losses = torch.stack(p.losses).to(comm)
+    dist.all_reduce(losses, op=dist.ReduceOp.SUM)
+    norms = torch.stack(p.grad_norms).float().cpu()
+    waits = torch.tensor(p.data_waits, dtype=torch.float32, device=comm)
+    memory = torch.tensor([devices.peak_memory_bytes(s.kind), devices.peak_reserved_bytes(s.kind)],
+                          dtype=torch.int64, device=comm)
+    all_waits = [torch.zeros_like(waits) for _ in range(s.world_size)]
+    all_memory = [torch.zeros_like(memory) for _ in range(s.world_size)]
+    dist.all_gather(all_waits, waits)
+    dist.all_gather(all_memory, memory)
+    losses = (losses.cpu().double() / (s.accum * s.world_size)).tolist()
+    wait_max = torch.stack(all_waits).max(dim=0).values.tolist()
+    per_rank = torch.stack(all_memory).cpu().tolist()
+    devices.synchronize(s.kind)
+    step_time = (time.perf_counter() - p.since) / len(p.steps)  # interval mean (device-bound)
+    sps = s.global_batch / step_time if step_time > 0 else 0.0
+    return [{
+        "step": step + 1,
+        "loss": losses[i],
+        "grad_norm": float(norms[i]),
+        "lr": p.lrs[i],
+        "step_time_s": step_time,
+        "samples_per_s": sps,
+        "data_wait_s": float(wait_max[i]),
+        "peak_memory_bytes": max(r[0] for r in per_rank),
+        "peak_memory_bytes_per_rank": [r[0] for r in per_rank],
+        "peak_reserved_bytes": max(r[1] for r in per_rank),
+        "peak_reserved_bytes_per_rank": [r[1] for r in per_rank],
+        "mfu": compute_mfu(flops_per_sample, sps, s.peak_flops, s.world_size),
+        "flops_per_sample": flops_per_sample,
+    } for i, step in enumerate(p.steps)]
 
 
 def run(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, task: Task,
@@ -70,16 +143,15 @@ def run(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, task
         save: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     """Run optimizer steps start_step..s.steps-1; returns one record per step."""
     model.train()
-    comm = _comm_device(s.device)
     params = [p for p in model.parameters() if p.requires_grad]
     records: list[dict[str, Any]] = []
     flops_per_sample: float | None = None
+    devices.synchronize(s.kind)
+    pending = _Pending(since=time.perf_counter())
     for step in range(start_step, s.steps):
-        devices.synchronize(s.kind)
-        t0 = time.perf_counter()
         data_wait = 0.0
-        loss_sum = torch.zeros((), dtype=torch.float64, device=s.device)
-        lr = float(scheduler.get_last_lr()[0])
+        loss_sum = torch.zeros((), dtype=torch.float32, device=s.device)
+        pending.lrs.append(float(scheduler.get_last_lr()[0]))
         for _ in range(s.accum):
             tw = time.perf_counter()
             batch = next(batches)
@@ -91,49 +163,32 @@ def run(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, task
                 flops_per_sample = task.flops_per_sample(batch)
             loss = task.loss(model, batch, rand)
             (loss / s.accum).backward()
-            loss_sum += loss.detach().to(torch.float64)
-        grad_norm_t = torch.nn.utils.clip_grad_norm_(params, s.grad_clip, error_if_nonfinite=False)
-        grad_norm = _as_float(grad_norm_t)
-        finite = math.isfinite(grad_norm)
-        if finite:
-            optimizer.step()
+            loss_sum += loss.detach().float()
+        grad_norm = _on_device(torch.nn.utils.clip_grad_norm_(params, s.grad_clip,
+                                                              error_if_nonfinite=False))
+        skip_if_nonfinite_step(optimizer, torch.isfinite(grad_norm))
         optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # a skipped (non-finite) step still advances the schedule
             warnings.simplefilter("ignore", UserWarning)
             scheduler.step()
-
-        loss_total = loss_sum.to(comm)
-        dist.all_reduce(loss_total, op=dist.ReduceOp.SUM)
-        loss_mean = float(loss_total) / (s.accum * s.world_size)
-        stats = torch.tensor([data_wait, float(devices.peak_memory_bytes(s.kind))],
-                             dtype=torch.float64, device=comm)
-        per_rank = [torch.zeros_like(stats) for _ in range(s.world_size)]
-        dist.all_gather(per_rank, stats)
-        stats = torch.stack(per_rank).max(dim=0).values
-        devices.synchronize(s.kind)
-        step_time = time.perf_counter() - t0
-        sps = s.global_batch / step_time if step_time > 0 else 0.0
-        record = {
-            "step": step + 1,
-            "loss": loss_mean,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "step_time_s": step_time,
-            "samples_per_s": sps,
-            "data_wait_s": float(stats[0]),
-            "peak_memory_bytes": int(stats[1]),
-            "peak_memory_bytes_per_rank": [int(r[1]) for r in per_rank],
-            "mfu": compute_mfu(flops_per_sample, sps, s.peak_flops, s.world_size),
-            "flops_per_sample": flops_per_sample,
-        }
-        records.append(record)
-        if on_step is not None:
-            on_step(record)
-        if not (finite and math.isfinite(loss_mean)) and s.stop_on_nonfinite:
-            raise NonFiniteError(
-                f"step {step + 1}: loss {loss_mean} / gradient norm {grad_norm} is not finite"
-            )
-        if save is not None and ((s.save_every and (step + 1) % s.save_every == 0)
-                                 or step + 1 == s.steps):
+        pending.steps.append(step)
+        pending.losses.append(loss_sum)
+        pending.grad_norms.append(grad_norm.detach())
+        pending.data_waits.append(data_wait)
+        saving = save is not None and ((s.save_every and (step + 1) % s.save_every == 0)
+                                       or step + 1 == s.steps)
+        if not (saving or (step + 1) % s.log_every == 0 or step + 1 == s.steps):
+            continue
+        fetched = _fetch(pending, s, flops_per_sample)
+        pending = _Pending(since=time.perf_counter())
+        for record in fetched:
+            records.append(record)
+            if on_step is not None:
+                on_step(record)
+            if s.stop_on_nonfinite and not (math.isfinite(record["grad_norm"])
+                                            and math.isfinite(record["loss"])):
+                raise NonFiniteError(f"step {record['step']}: loss {record['loss']} / gradient "
+                                     f"norm {record['grad_norm']} is not finite")
+        if saving:
             save(step + 1)
     return records

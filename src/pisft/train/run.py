@@ -104,7 +104,8 @@ def run_training(ctx: Context) -> int:
     settings = loop.LoopSettings(
         steps=t.steps, accum=cfg.grad_accum_steps, global_batch=t.global_batch_size,
         grad_clip=t.grad_clip, kind=ctx.info.kind, device=ctx.info.device,
-        world_size=ctx.world_size, rank=ctx.rank, peak_flops=peak, save_every=t.save_every)
+        world_size=ctx.world_size, rank=ctx.rank, peak_flops=peak, save_every=t.save_every,
+        log_every=t.log_every)
     try:
         loop.run(built.policy, built.optimizer, scheduler, built.task, iter(loader), settings,
                  start_step=start_step, on_step=on_step, save=save)

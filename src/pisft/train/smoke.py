@@ -163,7 +163,7 @@ def run_smoke(ctx: Context) -> int:
         settings = loop.LoopSettings(
             steps=cfg.smoke.steps, accum=1, global_batch=t.micro_batch_size, grad_clip=t.grad_clip,
             kind=kind, device=ctx.info.device, world_size=1, rank=0, peak_flops=peak,
-            stop_on_nonfinite=False)
+            stop_on_nonfinite=False, log_every=t.log_every)
 
         def on_step(record: dict) -> None:
             ctx.log(f"smoke step {record['step']}/{cfg.smoke.steps}: loss {record['loss']:.5f} "

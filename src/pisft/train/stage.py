@@ -105,6 +105,7 @@ def _require_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
 def build(ctx: Context) -> Built:
     """Load model, processors and data; shard; make the optimizer. Same on every rank."""
     from pisft.data.dataset import load_split, load_stats
+    from pisft.model import lerobot_internals as internals
     from pisft.model.policy import load_policy, make_processors
 
     cfg = ctx.cfg
@@ -117,8 +118,8 @@ def build(ctx: Context) -> Built:
     train_set = load_split(data, "train", chunk_size=policy.config.chunk_size)
     if len(train_set) == 0:
         raise PisftError(f"{data}: the train split has no frames; check split.json and data.eval_fraction")
-    if cfg.train.activation_checkpointing:
-        policy.model.gradient_checkpointing_enable()
+    # One checkpointing level (per decoder layer); the unused expert lm_head detached.
+    internals.prepare_for_training(policy, checkpointing=cfg.train.activation_checkpointing)
     mesh = init_device_mesh(ctx.info.device.type, (ctx.world_size,))
     units = fsdp.shard(policy, mesh, cfg.train.precision)  # moves shards and buffers to the device
     optimizer = optim.build_optimizer(policy.parameters(), lr=cfg.train.lr,
@@ -130,6 +131,8 @@ def build(ctx: Context) -> Built:
 
 def setup_process(cfg: PisftConfig, stage: str) -> Context:
     info = devices.setup(cfg.device)
+    if cfg.train.deterministic:  # before HCCL communicator creation and the first operator
+        devices.enable_determinism(info.kind)
     kwargs: dict[str, Any] = {"backend": info.backend}
     if info.kind == "cuda":
         kwargs["device_id"] = info.device
@@ -150,11 +153,11 @@ def peak_flops(ctx: Context) -> tuple[float | None, str]:
 def main(stage: str, cfg: PisftConfig) -> int:
     if stage not in STAGES:
         raise PisftError(f"unknown training stage '{stage}'; one of {', '.join(STAGES)}")
-    from pisft.train.attention import sdpa_joint_attention
+    from pisft.train.attention import fused_joint_attention
 
     ctx = setup_process(cfg, stage)
     try:
-        with sdpa_joint_attention():  # fused attention kernels for the joint VLM/expert attention
+        with fused_joint_attention():  # fused attention kernels for the joint VLM/expert attention
             if stage == "smoke_1card":
                 from pisft.train.smoke import run_smoke
 
@@ -176,5 +179,6 @@ def make_sampler(cfg: PisftConfig, train_set: Any, world_size: int) -> StepSampl
 
 
 def env_summary() -> dict[str, str]:
-    keys = list(devices.ASCEND_ENV_DEFAULTS) + list(devices.TRAINING_ENV_FORCED) + ["OMP_NUM_THREADS"]
+    keys = (list(devices.ASCEND_ENV_DEFAULTS) + list(devices.TRAINING_ENV_FORCED) + ["OMP_NUM_THREADS"]
+            + sorted({k for env in devices.DETERMINISTIC_ENV.values() for k in env}))
     return {k: os.environ[k] for k in keys if k in os.environ}
