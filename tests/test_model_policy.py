@@ -93,6 +93,19 @@ def test_strict_load_rejects_a_missing_tensor(scratch_dir):
     assert name in str(err.value)
 
 
+def test_a_file_without_the_unused_expert_lm_head_loads(scratch_dir):
+    """lerobot/pi05_base may lack gemma_expert.lm_head (never used): that alone is accepted."""
+    from pisft.model.lerobot_internals import EXPERT_HEAD
+
+    _rewrite(scratch_dir, lambda t: t.pop(EXPERT_HEAD))
+    policy = load_policy(scratch_dir)
+    assert torch.count_nonzero(dict(policy.named_parameters())[EXPERT_HEAD]) == 0
+    # every tensor the forward uses is still checked strictly
+    _rewrite(scratch_dir, lambda t: t.pop("model.action_out_proj.weight"))
+    with pytest.raises(ModelLoadError, match="missing from the file \\(1\\)"):
+        load_policy(scratch_dir)
+
+
 def test_strict_load_rejects_an_extra_tensor(scratch_dir):
     _rewrite(scratch_dir, lambda t: t.__setitem__("model.extra_head.weight", torch.zeros(3)))
     with pytest.raises(ModelLoadError, match="in the file but not in the model \\(1\\)") as err:

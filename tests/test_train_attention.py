@@ -1,5 +1,6 @@
 """The fused joint attention equals LeRobot's eager attention on every real token (CPU), and on
-an NPU the joint attention calls npu_fusion_attention with grouped K/V and a boolean mask."""
+an NPU the joint attention calls npu_fusion_attention with grouped K/V and a boolean mask; the
+batch reaches an NPU without blocking copies."""
 
 from __future__ import annotations
 
@@ -111,3 +112,16 @@ def test_kernel_choice_on_npu(dtype, kernel):
     query = types.SimpleNamespace(device=types.SimpleNamespace(type="npu"),
                                   dtype=dtype)
     assert attention.kernel_for(query) == kernel
+
+
+def test_host_to_device_copies_do_not_block_on_any_accelerator():
+    """LeRobot's device step sets non_blocking only for "cuda"; pisft sets it for npu too."""
+    from lerobot.processor import DeviceProcessorStep
+
+    from pisft.model.lerobot_internals import set_non_blocking_transfers
+
+    steps = [DeviceProcessorStep(device="cpu"), DeviceProcessorStep(device="cpu")]
+    steps[1].device = "npu"  # as LeRobot's __post_init__ leaves it for npu:<i>
+    pipeline = types.SimpleNamespace(steps=steps)
+    set_non_blocking_transfers(pipeline)
+    assert [s.non_blocking for s in steps] == [False, True]

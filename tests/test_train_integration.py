@@ -111,6 +111,13 @@ def test_each_rank_holds_half_and_units_cover_the_model(two_nodes):
     assert sharding["optimizer_state_local_fraction"] == pytest.approx(0.5, abs=0.02)
     assert {"vision", "decoder", "action"} <= set(sharding["units_by_group"])
     load_policy(two_nodes / "train" / "model")  # the export loads strictly
+    # The expert lm_head was not trained (detached) and comes back unchanged from the base model.
+    from safetensors import safe_open
+
+    from pisft.model.lerobot_internals import EXPERT_HEAD
+    with safe_open(str(two_nodes / "train" / "model" / "model.safetensors"), "pt") as out, \
+            safe_open(str(two_nodes / "base_model" / "model.safetensors"), "pt") as base:
+        assert torch.equal(out.get_tensor(EXPERT_HEAD), base.get_tensor(EXPERT_HEAD))
 
 
 def _descendants(pid: int) -> list[int]:
