@@ -200,6 +200,33 @@ def test_non_finite_step_is_skipped_on_the_device_with_fused_adamw():
     assert all(torch.isfinite(v).all() for v in weights(model).values())
 
 
+class IgnoresFoundInf(torch.optim.AdamW):
+    """Stand-in for torch_npu's fused AdamW, which takes found_inf but never reads it
+    (Ascend/op-plugin op_plugin/ops/opapi/FusedAdamWKernelNpuOpApi.cpp)."""
+
+    def step(self, closure=None):
+        self.__dict__.pop("found_inf", None)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "npu"])
+def test_a_nan_gradient_never_reaches_the_weights(kind):
+    model = nn.Linear(4, 3)
+    params = list(model.parameters())
+    make = IgnoresFoundInf if kind == "npu" else torch.optim.AdamW
+    opt = make(params, lr=0.1, fused=True)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()  # a normal first step: moments exist
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.full_like(p, float("nan"))
+    loop.skip_if_nonfinite_step(opt, torch.tensor(False), kind, params)
+    assert all(torch.isfinite(p).all() for p in params)
+    assert all(torch.isfinite(v).all() for st in opt.state.values() for v in st.values())
+    if kind == "cpu":  # found_inf honoured: the step did not happen at all
+        assert all(torch.equal(a, p) for a, p in zip(before, params))
+
+
 def _manager(root: Path, fingerprint=None, keep_last=2):
     return CheckpointManager(root, keep_last=keep_last, rank=0, world_size=1,
                              fingerprint=fingerprint or {"train.lr": 0.01},

@@ -9,7 +9,9 @@ device and are fetched in one transfer every `log_every` steps, at every checkpo
 end; metrics.jsonl still gets one line per optimizer step. A step whose gradient norm is not
 finite is skipped on the device: the fused AdamW kernel takes a `found_inf` tensor and leaves
 parameters, moments and its step count untouched (torch.optim.adam `_fused_adam`, the path
-torch.amp.GradScaler uses). Only a non-fused optimizer needs the host to decide (one sync per step).
+torch.amp.GradScaler uses); on an NPU, whose fused kernel ignores `found_inf`, the gradients are
+zeroed on the device instead (see `skip_if_nonfinite_step`). Only a non-fused optimizer needs
+the host to decide (one sync per step).
 
 Collectives use only dtypes that HCCL accepts for the operation on Ascend 910B (float32 sums,
 int64 gathers; never float64): torch_npu v2.11.0-26.1.0,
@@ -77,16 +79,44 @@ def _on_device(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def skip_if_nonfinite_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
-    """optimizer.step(), skipped when `finite` (a device bool tensor) is False."""
-    if optimizer.defaults.get("fused"):
-        optimizer.found_inf = (~finite).to(torch.float32)
-        try:
+# Device kinds whose fused AdamW kernel honours `found_inf` (torch's CPU and CUDA kernels).
+# torch_npu's `_fused_adamw_` (Ascend/op-plugin, op_plugin/ops/opapi/FusedAdamWKernelNpuOpApi.cpp)
+# takes `found_inf` in its signature but never reads it: on an NPU the step would be applied.
+FOUND_INF_HONOURED = ("cpu", "cuda")
+
+
+def _zero_nonfinite_grads(params: list[torch.Tensor], finite: torch.Tensor) -> None:
+    """Every gradient becomes 0 when `finite` is False, on the device (NaN * 0 would stay NaN)."""
+    bad = ~finite
+    for p in params:
+        if p.grad is not None:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            grad.masked_fill_(bad, 0.0)
+
+
+def skip_if_nonfinite_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor, kind: str,
+                           params: list[torch.Tensor]) -> None:
+    """optimizer.step(), not applied as computed when `finite` (a device bool tensor) is False.
+
+    Fused AdamW on CPU/CUDA skips the step on the device (parameters, moments and step count
+    untouched). On an NPU the gradients are zeroed on the device instead: parameters and moments
+    stay finite, and the step coasts on the momentum; a run with stop_on_nonfinite stops at the
+    next fetch, before any checkpoint, so no saved state contains that step. A non-fused
+    optimizer asks the host (one sync per optimizer step).
+    """
+    if not optimizer.defaults.get("fused"):
+        if bool(finite):
             optimizer.step()
-        finally:
-            del optimizer.found_inf
-    elif bool(finite):  # non-fused optimizers cannot skip on the device: one host sync
+        return
+    if kind not in FOUND_INF_HONOURED:
+        _zero_nonfinite_grads(params, finite)
         optimizer.step()
+        return
+    optimizer.found_inf = (~finite).to(torch.float32)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 @dataclass
@@ -166,7 +196,7 @@ def run(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, task
             loss_sum += loss.detach().float()
         grad_norm = _on_device(torch.nn.utils.clip_grad_norm_(params, s.grad_clip,
                                                               error_if_nonfinite=False))
-        skip_if_nonfinite_step(optimizer, torch.isfinite(grad_norm))
+        skip_if_nonfinite_step(optimizer, torch.isfinite(grad_norm), s.kind, params)
         optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # a skipped (non-finite) step still advances the schedule
             warnings.simplefilter("ignore", UserWarning)
