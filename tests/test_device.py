@@ -16,34 +16,15 @@ import torch
 from pisft import device
 from pisft.errors import DeviceError
 
-# A stand-in for torch_npu, importable in a fresh interpreter: registers `torch.npu` and renames
-# the PrivateUse1 backend to "npu" the way the real package does. Never install torch-npu here.
-FAKE_TORCH_NPU = textwrap.dedent('''
-    import json, os, types
-    import torch
-    torch.utils.rename_privateuse1_backend("npu")
-    calls = []
-    npu = types.SimpleNamespace(
-        is_available=lambda: True,
-        device_count=lambda: 8,
-        set_device=lambda i: calls.append(("set_device", i)),
-        get_device_name=lambda i=0: "Ascend910B2",
-        synchronize=lambda: None,
-        reset_peak_memory_stats=lambda: None,
-        max_memory_allocated=lambda: 123,
-        get_device_properties=lambda i: types.SimpleNamespace(total_memory=64 * 2**30),
-        calls=calls,
-    )
-    torch.npu = npu
-''')
+# The stand-in torch_npu package (tests/stand_ins/torch_npu), importable in a fresh interpreter:
+# registers `torch.npu`, renames the PrivateUse1 backend to "npu" the way the real package does
+# and registers an "hccl" backend that enforces HCCL's dtype table. Never install torch-npu here.
+STAND_INS = Path(__file__).resolve().parent / "stand_ins"
 
 
 @pytest.fixture
-def fake_npu_path(tmp_path: Path) -> Path:
-    pkg = tmp_path / "fake_npu" / "torch_npu"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text(FAKE_TORCH_NPU)
-    return pkg.parent
+def fake_npu_path() -> Path:
+    return STAND_INS
 
 
 def _run_with_fake_npu(fake_npu_path: Path, code: str, **env_extra: str) -> dict:

@@ -5,6 +5,9 @@
 - no-op cost: `snakemake -n` and `dvc status` right after that full run;
 - component benchmarks contributed by the data and training layers, when present.
 Ratios are measured in the same run on the same machine, never compared with stored numbers.
+
+`--only NAME` (repeatable; `pipeline` or a component name) runs just those parts and updates
+their sections of an existing bench.json, leaving the other sections as they were.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 
 from pisft import config as config_mod
+from pisft.errors import PisftError
 from pisft.io import write_json_atomic
 from pisft.workflow.scratch import copy_project
 
@@ -28,7 +32,13 @@ from pisft.workflow.scratch import copy_project
 COMPONENT_BENCHES = {
     "convert_recap": "pisft.bench.convert_bench:run",
     "train_loop": "pisft.bench.train_bench:run",
+    "train_structure": "pisft.bench.train_structure:run",
 }
+PIPELINE = "pipeline"
+
+
+def part_names() -> list[str]:
+    return [PIPELINE, *COMPONENT_BENCHES]
 
 
 def _env() -> dict:
@@ -93,18 +103,33 @@ def _call_bench(func, cfg: config_mod.PisftConfig, work: Path) -> dict:
     return func(**kwargs)
 
 
-def main(cfg: config_mod.PisftConfig, config_path: str) -> int:
+def main(cfg: config_mod.PisftConfig, config_path: str, only: list[str] | None = None) -> int:
+    unknown = sorted(set(only or ()) - set(part_names()))
+    if unknown:
+        raise PisftError(f"bench --only: unknown part(s) {', '.join(unknown)}; "
+                         f"one of {', '.join(part_names())}")
+    wanted = set(only or part_names())
     project = Path.cwd()
-    out: dict = {
+    path = cfg.results("bench", "bench.json")
+    out: dict = {}
+    if only and path.is_file():  # a partial run updates its sections of the previous results
+        try:
+            out = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            out = {}
+    out.update({
         "machine": {"python": platform.python_version(), "platform": platform.platform(),
                     "cpus": os.cpu_count()},
         "config": config_path,
-    }
+    })
     with tempfile.TemporaryDirectory(prefix="pisft-bench-") as tmp:
         tmp_path = Path(tmp)
-        print("bench: whole pipeline through Snakemake (stage wall times)", flush=True)
-        out["pipeline"] = pipeline_bench(project, tmp_path / "pipeline")
+        if PIPELINE in wanted:
+            print("bench: whole pipeline through Snakemake (stage wall times)", flush=True)
+            out[PIPELINE] = pipeline_bench(project, tmp_path / PIPELINE)
         for name, target in COMPONENT_BENCHES.items():
+            if name not in wanted:
+                continue
             module_name, func_name = target.split(":")
             try:
                 module = importlib.import_module(module_name)
@@ -115,8 +140,8 @@ def main(cfg: config_mod.PisftConfig, config_path: str) -> int:
             work = tmp_path / name
             work.mkdir()
             out[name] = _call_bench(getattr(module, func_name), cfg, work)
-    path = cfg.results("bench", "bench.json")
     write_json_atomic(path, out)
-    print(json.dumps(out, indent=2))
+    shown = out if not only else {k: out[k] for k in out if k in wanted}
+    print(json.dumps(shown, indent=2))
     print(f"bench: wrote {path}")
     return 0

@@ -132,21 +132,23 @@ class _Pending:
 
 
 def _fetch(p: _Pending, s: LoopSettings, flops_per_sample: float | None) -> list[dict[str, Any]]:
-    """One transfer for the pending steps: losses summed over ranks, per-rank stats gathered."""
+    """One all-reduce (losses, float32) and one all-gather (per-rank stats, int64) for the
+    pending steps, then one transfer of each to the host."""
     comm = _comm_device(s.device)
-    losses = torch.stack(p.losses).to(comm)
-    dist.all_reduce(losses, op=dist.ReduceOp.SUM)
-    norms = torch.stack(p.grad_norms).float().cpu()
-    waits = torch.tensor(p.data_waits, dtype=torch.float32, device=comm)
-    memory = torch.tensor([devices.peak_memory_bytes(s.kind), devices.peak_reserved_bytes(s.kind)],
-                          dtype=torch.int64, device=comm)
-    all_waits = [torch.zeros_like(waits) for _ in range(s.world_size)]
-    all_memory = [torch.zeros_like(memory) for _ in range(s.world_size)]
-    dist.all_gather(all_waits, waits)
-    dist.all_gather(all_memory, memory)
-    losses = (losses.cpu().double() / (s.accum * s.world_size)).tolist()
-    wait_max = torch.stack(all_waits).max(dim=0).values.tolist()
-    per_rank = torch.stack(all_memory).cpu().tolist()
+    n = len(p.steps)
+    values = torch.cat([torch.stack(p.losses), torch.stack(p.grad_norms).float()]).to(comm)
+    dist.all_reduce(values[:n], op=dist.ReduceOp.SUM)
+    stats = torch.tensor([*(round(w * 1e6) for w in p.data_waits),  # microseconds
+                          devices.peak_memory_bytes(s.kind), devices.peak_reserved_bytes(s.kind)],
+                         dtype=torch.int64, device=comm)
+    gathered = [torch.zeros_like(stats) for _ in range(s.world_size)]
+    dist.all_gather(gathered, stats)
+    host = values.cpu().double()
+    losses = (host[:n] / (s.accum * s.world_size)).tolist()
+    norms = host[n:].tolist()
+    per_rank = torch.stack(gathered).cpu()
+    wait_max = (per_rank[:, :n].max(dim=0).values.double() / 1e6).tolist()
+    per_rank = per_rank[:, n:].tolist()
     devices.synchronize(s.kind)
     step_time = (time.perf_counter() - p.since) / len(p.steps)  # interval mean (device-bound)
     sps = s.global_batch / step_time if step_time > 0 else 0.0

@@ -1,0 +1,168 @@
+"""The audited process group: counting by operation and dtype, HCCL's dtype table (torch_npu
+v2.11.0-26.1.0) enforced by the stand-in torch_npu's "hccl" backend, and the real training loop
+and checkpoint under that backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from train_fixtures import CONFIG, ROOT, results_dir
+
+from pisft.train import collective_audit as ca
+
+STAND_INS = Path(__file__).resolve().parent / "stand_ins"
+WORKERS = Path(__file__).resolve().parent / "hccl_workers.py"
+
+
+# ------------------------------------------------------------------ the table, as data
+@pytest.mark.parametrize("op", ["allreduce", "allreduce_coalesced", "reduce", "reduce_scatter",
+                                "_reduce_scatter_base", "reduce_scatter_tensor_coalesced"])
+def test_hccl_reductions_refuse_float64(op):
+    problem = ca.HCCL_TABLE.problem(op, torch.float64)
+    assert problem is not None and op in problem and "float64" in problem
+    assert "checkSupportedDataType" in problem and ca.HCCL_VERSION in problem
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64):
+        assert ca.HCCL_TABLE.problem(op, dtype) is None, (op, dtype)
+
+
+def test_hccl_bool_and_uint8_reductions():
+    for dtype in (torch.bool, torch.uint8):
+        for op in ca.REDUCE_SCATTER_OPS:  # no cast to int32 before the check: refused
+            assert ca.HCCL_TABLE.problem(op, dtype) is not None, (op, dtype)
+        for op in ("allreduce", "allreduce_coalesced", "reduce"):  # cast to int32 first: accepted
+            assert ca.HCCL_TABLE.problem(op, dtype) is None, (op, dtype)
+
+
+def test_hccl_gathers_and_broadcast_take_every_mapped_dtype():
+    for op in ca.ALL_GATHER_OPS + ("broadcast", "gather", "scatter", "send", "recv"):
+        for dtype in (torch.float64, torch.bool, torch.uint8, torch.bfloat16, torch.int64):
+            assert ca.HCCL_TABLE.problem(op, dtype) is None, (op, dtype)
+        assert ca.HCCL_TABLE.problem(op, torch.complex64) is not None  # unmapped: refused everywhere
+    assert ca.HCCL_TABLE.reduce_op_problem("allreduce", "BAND") is not None
+    assert ca.HCCL_TABLE.reduce_op_problem("allreduce", "SUM") is None
+
+
+# ------------------------------------------------------------------ counting, in this process
+@pytest.fixture
+def world_of_one(tmp_path):
+    """An audited group of one process over gloo, used directly (no global process group)."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+
+    def make(table=None, enforce=True):
+        log = ca.CollectiveLog()
+        inner = ca._gloo_group(store, 0, 1, timedelta(seconds=30))
+        return ca.AuditedProcessGroup(inner, backend_name="audited", table=table, enforce=enforce,
+                                      log=log), log
+
+    return make
+
+
+def test_counts_by_operation_and_dtype(world_of_one):
+    pg, log = world_of_one()
+    pg.allreduce([torch.ones(2)]).wait()
+    pg.allreduce([torch.ones(2, dtype=torch.float64)]).wait()
+    out = torch.zeros(2)
+    pg._allgather_base(out, torch.ones(2)).wait()
+    pg._reduce_scatter_base(torch.zeros(2), torch.ones(2)).wait()
+    pg.broadcast([torch.ones(1, dtype=torch.uint8)]).wait()
+    pg.barrier().wait()
+    assert log.as_dict() == {
+        "allreduce": {"float32": 1, "float64": 1},
+        "_allgather_base": {"float32": 1},
+        "_reduce_scatter_base": {"float32": 1},
+        "broadcast": {"uint8": 1},
+        "barrier": {"none": 1},
+    }
+    assert torch.equal(out, torch.ones(2))  # the collective really ran
+    assert ca.summarize(log) == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2,
+                                 "float64": 1, "total": 6}
+    before = log.snapshot()
+    pg.allreduce([torch.ones(1)]).wait()
+    assert log.total(ca.ALL_REDUCE_OPS, since=before) == 1
+
+
+def test_enforced_table_raises_with_op_dtype_and_source(world_of_one):
+    pg, log = world_of_one(table=ca.HCCL_TABLE, enforce=True)
+    t = torch.ones(2, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"HCCL allreduce: dtype float64 is not supported.*"
+                                           r"ProcessGroupHCCL\.cpp checkSupportedDataType"):
+        pg.allreduce([t])
+    with pytest.raises(RuntimeError, match="HCCL _reduce_scatter_base: dtype bool"):
+        pg._reduce_scatter_base(torch.zeros(1, dtype=torch.bool), torch.ones(1, dtype=torch.bool))
+    out = torch.zeros(2, dtype=torch.float64)
+    pg._allgather_base(out, t).wait()  # gathers accept float64
+    assert torch.equal(out, t)
+    assert len(log.violations) == 2
+
+
+def test_counting_mode_records_violations_and_runs(world_of_one):
+    pg, log = world_of_one(table=ca.HCCL_TABLE, enforce=False)
+    t = torch.ones(2, dtype=torch.float64)
+    pg.allreduce([t]).wait()
+    assert log.counts[("allreduce", "float64")] == 1
+    assert len(log.violations) == 1 and "float64" in log.violations[0]
+
+
+def test_registering_again_replaces_the_backend():
+    ca.register("pisft_test_twice")
+    ca.register("pisft_test_twice", table=ca.HCCL_TABLE)
+    assert dist.Backend.backend_list.count("pisft_test_twice") == 1
+    assert dist.Backend.backend_capability["pisft_test_twice"] == ["cpu"]
+
+
+# ------------------------------------------------------------------ the stand-in, 2 processes
+def _torchrun(out: Path, *args: str, timeout: float = 120) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(STAND_INS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", str(WORKERS), str(out), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(2)]
+
+
+def test_stand_in_hccl_refuses_what_hccl_refuses(tmp_path):
+    for r in _torchrun(tmp_path / "out", "collectives"):
+        assert r["backend"] == "hccl" and r["stand_in"] is True
+        assert "HCCL allreduce: dtype float64 is not supported" in r["all_reduce_float64"]
+        assert "checkSupportedDataType" in r["all_reduce_float64"]
+        assert "_reduce_scatter_base: dtype uint8" in r["reduce_scatter_uint8"]
+        assert "_reduce_scatter_base: dtype bool" in r["reduce_scatter_bool"]
+        assert "ReduceOp.BAND" in r["all_reduce_band"]
+        ok = r["accepted"]
+        for key in ("all_reduce_float32", "all_reduce_int64", "all_reduce_bool",
+                    "all_gather_float64", "broadcast_float64", "all_gather_object", "barrier",
+                    "reduce", "gather", "scatter", "all_to_all_single", "send_recv",
+                    "reduce_scatter_float32"):
+            assert ok[key] is None, (key, ok[key])
+        for op in ("reduce", "gather", "scatter", "alltoall_base", "reduce_scatter", "barrier",
+                   "allreduce", "allgather", "broadcast"):
+            assert op in r["counted"], op
+        assert ok["all_reduce_float32_value"] == 2.0
+        assert ok["all_gather_float64_values"] == [0.0, 1.0]
+
+
+@pytest.mark.integration
+def test_training_loop_and_checkpoint_pass_hccl_dtype_table(tmp_path_factory, tmp_path):
+    """The real path (stage.build: FSDP2 shard + AdamW; loop.run; CheckpointManager.save) on
+    2 processes over the stand-in "hccl": every collective has a dtype HCCL accepts."""
+    res = results_dir(tmp_path_factory, "hccl_train")
+    ranks = _torchrun(tmp_path / "out", "train", str(CONFIG), str(res), str(tmp_path / "ckpt"), timeout=300)
+    for r in ranks:
+        assert r["backend"] == "hccl"
+        assert r["violations"] == []
+        assert r["steps"] == [1, 2] and r["accum"] == 2
+        assert all(loss == loss for loss in r["losses"])  # finite numbers came back
+        assert r["collectives"]["_allgather_base"]["float32"] > 0  # FSDP2 ran through the audit
+        assert r["collectives"]["_reduce_scatter_base"]["float32"] > 0
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert (Path(ranks[0]["checkpoint"]) / "COMPLETE.json").is_file()
