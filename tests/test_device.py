@@ -127,3 +127,25 @@ def test_npu_branches_with_stand_in_torch_npu(fake_npu_path):
     assert result["fused"] is True
     assert result["capacity"] == 64 * 2**30
     assert result["transfer_to_npu"] is False
+
+
+def test_peak_reserved_and_empty_cache():
+    # CPU: no caching allocator; reserved is the same peak RSS as allocated
+    assert device.peak_reserved_bytes("cpu") == device.peak_memory_bytes("cpu") > 0
+    device.empty_cache("cpu")  # a no-op
+
+
+def test_peak_reserved_reads_the_npu_allocator(fake_npu_path):
+    result = _run_with_fake_npu(fake_npu_path, """
+        import json
+        import torch
+        from pisft import device
+        emptied = []
+        npu = device.npu_module()  # imports the stand-in torch_npu, which registers torch.npu
+        npu.max_memory_reserved = lambda: 456
+        npu.empty_cache = lambda: emptied.append(True)
+        device.empty_cache("npu")
+        print(json.dumps({"allocated": device.peak_memory_bytes("npu"),
+                          "reserved": device.peak_reserved_bytes("npu"), "emptied": emptied}))
+    """)
+    assert result == {"allocated": 123, "reserved": 456, "emptied": [True]}

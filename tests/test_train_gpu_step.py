@@ -1,17 +1,25 @@
 """The GPU step benchmark's code path, dry-run on CPU with the tiny preset: bf16 mixed precision
-with and without activation checkpointing through FSDP2 (the Ascend/GPU training settings)."""
+with and without activation checkpointing through FSDP2 (the Ascend/GPU training settings), and
+the choice of what one device can hold (AdamW, or AdamW's first step without its state) against a
+stand-in device capacity."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
+
+from pisft import device as devices
 from pisft.bench import gpu_step
 
 
-def test_bf16_step_with_and_without_activation_checkpointing(tmp_path):
-    args = gpu_step.parse(["--device", "cpu", "--preset", "tiny", "--micro", "2", "--max-micro", "2",
-                           "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "g.json")])
-    result = gpu_step.run(args)
+def _args(tmp_path, *extra):
+    return gpu_step.parse(["--device", "cpu", "--preset", "tiny", "--micro", "2", "--max-micro", "2",
+                           "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "g.json"), *extra])
+
+
+def test_bf16_step_with_and_without_activation_checkpointing(tmp_path, capsys):
+    result = gpu_step.run(_args(tmp_path))
     runs = result["runs"]
     assert [r["activation_checkpointing"] for r in runs] == [False, True]
     for r in runs:
@@ -19,6 +27,63 @@ def test_bf16_step_with_and_without_activation_checkpointing(tmp_path):
         assert all(math.isfinite(x) for x in r["losses"])
         assert r["step_time_s"] > 0 and r["flops_per_sample"] > 0
         assert r["mfu"] is None  # no peak figure for CPU
+        assert r["optimizer"] == "adamw"
+        assert r["peak_reserved_bytes"] == r["peak_memory_bytes"]  # CPU: both the peak RSS
     # same weights, same batch: checkpointing changes memory, not the numbers
     assert runs[0]["losses"][0] == runs[1]["losses"][0]
     assert result["largest_micro_batch"] == {"False": 2, "True": 2}
+    # no fixed capacity: today's behaviour (AdamW), and the output says so
+    assert result["optimizer"] == {"False": "adamw", "True": "adamw"}
+    out = capsys.readouterr().out
+    assert "measuring AdamW (the training's optimizer step); no fixed device capacity" in out
+
+
+@pytest.fixture(scope="module")
+def need():
+    """The estimate for the tiny step (micro 2, bf16, checkpointing on), computed once."""
+    return gpu_step.estimate_one_device("tiny", 2, "bf16", True)
+
+
+@pytest.fixture
+def cached_estimate(monkeypatch, need):
+    monkeypatch.setattr(gpu_step, "estimate_one_device", lambda *args: dict(need))
+    return need
+
+
+def _capacity_for(budget: float, headroom: float = 0.10) -> int:
+    return int(budget / (1 - headroom))
+
+
+def test_the_choice_follows_the_device_capacity(tmp_path, cached_estimate):
+    need = cached_estimate
+    assert need["sign_descent"] < need["adamw"]  # AdamW's moments are part of the peak
+    args = _args(tmp_path, "--checkpointing", "on")
+    roomy = gpu_step.plan_optimizer(args, True, _capacity_for(need["adamw"] * 1.01))
+    assert roomy["optimizer"] == "adamw" and roomy["reason"].endswith("it fits")
+    between = gpu_step.plan_optimizer(args, True, _capacity_for((need["adamw"] + need["sign_descent"]) / 2))
+    assert between["optimizer"] == "sign_descent"
+    assert "does not fit; without AdamW's state" in between["reason"]
+    assert "either" not in between["reason"]
+    cramped = gpu_step.plan_optimizer(args, True, _capacity_for(need["sign_descent"] * 0.5))
+    assert cramped["optimizer"] == "sign_descent" and "use several cards" in cramped["reason"]
+    forced = gpu_step.plan_optimizer(_args(tmp_path, "--optimizer", "adamw"), True, 1)
+    assert forced["optimizer"] == "adamw"
+
+
+def test_a_device_too_small_for_adamw_measures_the_stateless_first_step(tmp_path, monkeypatch, capsys,
+                                                                        cached_estimate):
+    """pi0.5 + AdamW on one 64 GB card, in miniature: a stand-in capacity between the two peaks."""
+    need = cached_estimate
+    capacity = _capacity_for((need["adamw"] + need["sign_descent"]) / 2)
+    monkeypatch.setattr(devices, "capacity_bytes", lambda kind, device: capacity)
+    result = gpu_step.run(_args(tmp_path, "--checkpointing", "on"))
+    assert result["capacity_bytes"] == capacity
+    assert result["optimizer"] == {"True": "sign_descent"}
+    plan = result["optimizer_plan"]["True"]
+    assert plan["estimated_peak_bytes"] == need and plan["budget_bytes"] < need["adamw"]
+    (run,) = result["runs"]
+    assert run["optimizer"] == "sign_descent" and not run.get("oom")
+    assert all(math.isfinite(x) for x in run["losses"])
+    out = capsys.readouterr().out
+    assert "checkpointing on: measuring AdamW's first step without AdamW's state" in out
+    assert "does not fit" in out

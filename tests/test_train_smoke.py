@@ -83,8 +83,8 @@ def test_model_state_too_big_for_one_device_uses_stateless_steps(ctx, monkeypatc
     takes AdamW's first step without its state and adds the state to the projection."""
     grads = 4 * 2_000_000
     monkeypatch.setattr(smoke, "_estimate", lambda cfg: {
-        "1": {"total_bytes": 70 * 2**30, "bytes": {"grads": grads}},
-        "2": {"total_bytes": 40 * 2**30, "bytes": {"grads": grads // 2}}})
+        "1": {"total_bytes": 70 * 2**30, "state_bytes": {"grads": grads}},
+        "2": {"total_bytes": 40 * 2**30, "state_bytes": {"grads": grads // 2}}})
     monkeypatch.setattr(devices, "capacity_bytes", lambda kind, device: 64 * 2**30)
     monkeypatch.setattr(devices, "peak_memory_bytes", lambda kind: 30 * 2**30)
     assert smoke.run_smoke(ctx) == 0

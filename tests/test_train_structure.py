@@ -61,3 +61,16 @@ def test_losses_equal_the_plain_lerobot_model(tmp_path_factory):
     plain = _losses(root, structured=False)
     structured = _losses(root, structured=True)
     assert structured == pytest.approx(plain, rel=1e-5)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_forward_prefetch_only_without_recompute(tmp_path_factory, checkpointing):
+    """A checkpointed layer's recompute would prefetch the next pair, whose backward is done."""
+    from pisft.model.policy import load_policy
+
+    policy = load_policy(inputs_dir(tmp_path_factory) / "base_model", dtype="float32")
+    internals.prepare_for_training(policy, checkpointing=checkpointing)
+    units = fsdp.shard(policy, init_device_mesh("cpu", (1,)), "fp32")
+    prefetching = [u.name for u in units
+                   if u.modules[0]._get_fsdp_state()._states_to_forward_prefetch]
+    assert prefetching == ([] if checkpointing else [u.name for u in units[:-1]])

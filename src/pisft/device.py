@@ -210,20 +210,43 @@ def local_device(kind: str, rank: int | None = None) -> torch.device:
     return torch.device(f"cuda:{rank}")
 
 
+THREADS_ENV = "PISFT_NUM_THREADS"  # the one knob: CPU threads per training process
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def threads_per_process(nproc_per_node: int, base: Mapping[str, str] | None = None) -> int:
+    """CPU threads of each training process: PISFT_NUM_THREADS, else the usable cores / processes."""
+    base = os.environ if base is None else base
+    if base.get(THREADS_ENV, "").strip():
+        try:
+            return max(1, int(base[THREADS_ENV]))
+        except ValueError:
+            raise DeviceError(f"{THREADS_ENV}={base[THREADS_ENV]!r}: must be a whole number of threads") from None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, nproc_per_node))
+
+
 def process_env(kind: str, base: Mapping[str, str] | None = None, *,
-                nproc_per_node: int = 1) -> dict[str, str]:
+                nproc_per_node: int = 1, force_threads: bool = False) -> dict[str, str]:
     """The environment for training processes: `base` plus device defaults (base wins).
 
     CPU: OMP_NUM_THREADS defaults to the host's cores divided among the node's processes
     (torchrun would otherwise set 1 for several processes, leaving most cores idle).
+    force_threads (the launcher): the thread counts come from `threads_per_process` only, on
+    every device, whatever the driver exported: Snakemake exports OMP_NUM_THREADS=<the rule's
+    threads> (all cores, for each of the processes: oversubscribed), DVC nothing; the same
+    count under both gives the same bytes. PISFT_NUM_THREADS sets it by hand.
     """
     env = dict(os.environ if base is None else base)
     if kind == "npu":
         for key, value in ASCEND_ENV_DEFAULTS.items():
             env.setdefault(key, value)
-    if kind == "cpu":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (cores or 1) // max(1, nproc_per_node))))
+    if force_threads:
+        threads = str(threads_per_process(nproc_per_node, env))
+        env.update({var: threads for var in THREAD_VARS})
+        env[THREADS_ENV] = threads
+    elif kind == "cpu":
+        env.setdefault("OMP_NUM_THREADS", str(threads_per_process(nproc_per_node, env)))
     env.update(TRAINING_ENV_FORCED)
     return env
 
@@ -302,6 +325,13 @@ def peak_reserved_bytes(kind: str) -> int:
     if accel is not None:
         return int(accel.max_memory_reserved())
     return peak_memory_bytes(kind)
+
+
+def empty_cache(kind: str) -> None:
+    """Return the caching allocator's free blocks to the device (no-op on CPU)."""
+    accel = _accel(kind)
+    if accel is not None:
+        accel.empty_cache()
 
 
 def capacity_bytes(kind: str, device: torch.device) -> int | None:

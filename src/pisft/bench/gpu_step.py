@@ -4,16 +4,35 @@
     python -m pisft.bench.gpu_step --device npu         # the same on an Ascend card
     python -m pisft.bench.gpu_step --preset tiny --device cpu --micro 2 --max-micro 2 --steps 1  # dry run
 
-The model is pi0.5 at full size (PaliGemma gemma_2b + gemma_300m expert, ~3.6B parameters) with
-random weights (allocated without initialisation, moved to the accelerator, normal(0, 0.02)
-matrices, zero vectors): the step costs the same as with real weights. The step is pisft's own:
-FSDP2 on one process (fp32 master weights, bf16 compute with fp32 reduction), AdamW (fused where
-available), gradient clipping, the flow-matching loss through `policy(batch)`. Inputs are
-synthetic preprocessed batches (two 224x224 cameras, the tokenizer's full prompt length,
-50x7 actions). For each activation-checkpointing setting: micro batch 4, then doubling until the
-device runs out of memory (the largest that fitted is reported). Output: JSON on stdout and in
---out. One device holds the whole model state here (16 bytes/parameter ≈ 58 GB for fp32 master
-weights + AdamW); on N devices FSDP divides that state by N.
+The model is pi0.5 at full size (PaliGemma gemma_2b + gemma_300m expert, 3.35B parameters in the
+training model) with random weights (allocated without initialisation, moved to the accelerator,
+normal(0, 0.02) matrices, zero vectors): the step costs the same as with real weights. The step
+is pisft's own: the training structure (per-layer activation checkpointing, no action-expert
+lm_head), FSDP2 on one process (fp32 master weights, bf16 compute with fp32 reduction), gradient
+clipping, the flow-matching loss through `policy(batch)`. Inputs are synthetic preprocessed
+batches (two 224x224 cameras, the tokenizer's full prompt length, 50x7 actions). For each
+activation-checkpointing setting: micro batch 4, then doubling until the device runs out of
+memory (the largest that fitted is reported). Output: JSON on stdout and in --out, with peak
+allocated and peak reserved memory per run.
+
+What fits one device. One device holds the whole model state here: fp32 parameters, fp32
+gradients and AdamW's two fp32 moments, 16 bytes per trained parameter (about 48 GiB for
+pi0.5), plus FSDP's bf16 compute copies and the activations. Before measuring, the step's peak
+is estimated for this device (`pisft.model.estimate.simulate_step`, fake tensors, world size 1)
+and compared with the device's capacity less --headroom:
+- it fits: the step uses AdamW (fused where available), as in training;
+- it does not (pi0.5 with AdamW is about 51 GiB of tensors at micro batch 4 on one device,
+  close to what a 64 GB Ascend 910B holds; more at a larger micro batch): the step is AdamW's
+  first step without AdamW's state (`pisft.train.smoke.SignDescent`,
+  p <- p (1 - lr wd) - lr sign(g), AdamW's bias-corrected first update), the way the smoke
+  stage measures pi0.5 on one card. Forward, backward, FSDP and clipping are the training's;
+  the optimizer update is a cheap elementwise pass instead of fused AdamW, and the peak lacks
+  AdamW's 8 bytes per trained parameter (on N devices FSDP divides the model state by N: the
+  training run holds 1/N of it).
+Which one ran is printed before the runs and recorded (`optimizer`, `optimizer_plan`, and
+`optimizer` in every run); `--optimizer adamw|sign_descent` forces one. With several cards at
+hand, the full AdamW step at real size is what the smoke and training stages measure on N
+processes (`peak_memory_bytes_per_rank` and `peak_reserved_bytes_per_rank` in metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -37,6 +56,11 @@ from pisft.train.flops import pi05_training_flops_per_sample
 from pisft.train.metrics import mfu, peak_flops_for
 from pisft.train.policy_task import PolicyTask
 
+GIB = 2**30
+ADAMW = "adamw"
+SIGN_DESCENT = "sign_descent"  # AdamW's first step without its state (pisft.train.smoke)
+DESCRIPTIONS = {ADAMW: "AdamW (the training's optimizer step)",
+                SIGN_DESCENT: "AdamW's first step without AdamW's state (sign descent, as the smoke stage)"}
 CAMERAS = ("observation.images.base_0_rgb", "observation.images.left_wrist_0_rgb")
 
 
@@ -57,8 +81,10 @@ def build(preset: str, device: torch.device, *, checkpointing: bool, seed: int =
             else:
                 p.zero_()
     policy.config.device = str(device)
-    if checkpointing:
-        policy.model.gradient_checkpointing_enable()
+    from pisft.model import lerobot_internals as internals
+
+    # The training structure: per-layer checkpointing only, no action-expert lm_head.
+    internals.prepare_for_training(policy, checkpointing=checkpointing)
     return policy
 
 
@@ -105,10 +131,53 @@ def measure(policy, optimizer, kind: str, device: torch.device, micro: int, *, s
     step = statistics.median(times)
     sps = micro / step
     flops = pi05_training_flops_per_sample(policy, lang_tokens=policy.config.tokenizer_max_length)
+    allocated, reserved = devices.peak_memory_bytes(kind), devices.peak_reserved_bytes(kind)
     return {"micro_batch_size": micro, "step_time_s": step, "step_times_s": times,
             "samples_per_s": sps, "flops_per_sample": flops, "mfu": mfu(flops, sps, peak, 1),
-            "peak_memory_bytes": devices.peak_memory_bytes(kind),
-            "peak_memory_gib": devices.peak_memory_bytes(kind) / 2**30, "losses": losses}
+            "peak_memory_bytes": allocated, "peak_memory_gib": allocated / GIB,
+            "peak_reserved_bytes": reserved, "peak_reserved_gib": reserved / GIB, "losses": losses}
+
+
+def estimate_one_device(preset: str, micro: int, precision: str, checkpointing: bool) -> dict[str, int]:
+    """Estimated peak bytes of this benchmark's step on one device: with AdamW, and without
+    AdamW's state (pisft.model.estimate.simulate_step at world size 1; no process group here)."""
+    from pisft.model.estimate import simulate_step
+    from pisft.model.policy import build_policy
+
+    est = simulate_step(lambda: build_policy(preset, seed=0, device="meta"), world_size=1,
+                        micro_batch=micro, precision=precision, checkpointing=checkpointing)
+    return {ADAMW: est["bytes"]["total"], SIGN_DESCENT: est["bytes"]["total"] - est["bytes"]["optimizer"]}
+
+
+def plan_optimizer(args: argparse.Namespace, checkpointing: bool, capacity: int | None) -> dict[str, Any]:
+    """Which optimizer step this device can hold: AdamW if it fits, else its stateless first step."""
+    if args.optimizer != "auto":
+        return {"optimizer": args.optimizer, "reason": f"--optimizer {args.optimizer}"}
+    if capacity is None:
+        return {"optimizer": ADAMW, "reason": "no fixed device capacity (CPU): AdamW"}
+    need = estimate_one_device(args.preset, args.micro, args.precision, checkpointing)
+    budget = capacity * (1 - args.headroom)
+    plan = {"estimated_peak_bytes": need, "capacity_bytes": capacity, "budget_bytes": int(budget)}
+    head = (f"{args.preset} at micro batch {args.micro}, checkpointing {'on' if checkpointing else 'off'}: "
+            f"the step with AdamW needs about {need[ADAMW] / GIB:.1f} GiB (estimate) on one device of "
+            f"{capacity / GIB:.1f} GiB ({args.headroom:.0%} kept free)")
+    if need[ADAMW] <= budget:
+        return plan | {"optimizer": ADAMW, "reason": head + ": it fits"}
+    reason = (head + f": it does not fit; without AdamW's state (8 bytes per trained parameter) "
+              f"about {need[SIGN_DESCENT] / GIB:.1f} GiB")
+    if need[SIGN_DESCENT] > budget:
+        reason += (" (that does not fit either by the estimate: a micro batch that runs out of "
+                   "memory is recorded as such; use several cards)")
+    return plan | {"optimizer": SIGN_DESCENT, "reason": reason}
+
+
+def make_optimizer(kind: str, policy, name: str) -> torch.optim.Optimizer:
+    if name == SIGN_DESCENT:
+        from pisft.train.smoke import SignDescent
+
+        return SignDescent(policy.parameters(), lr=2.5e-5, weight_decay=1e-10)
+    return optim.build_optimizer(policy.parameters(), lr=2.5e-5, weight_decay=1e-10,
+                                 fused=devices.fused_adamw_supported(kind))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -117,6 +186,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dev = devices.local_device(kind, 0)
     name = devices.device_name(kind, dev)
     peak, peak_source = peak_flops_for(name, kind, args.peak_flops)
+    capacity = devices.capacity_bytes(kind, dev)
+    # Planned before the process group exists (the estimate runs its own fake one).
+    plans = {str(c): plan_optimizer(args, c, capacity) for c in args.checkpointing}
+    for c in args.checkpointing:
+        print(f"checkpointing {'on' if c else 'off'}: measuring {DESCRIPTIONS[plans[str(c)]['optimizer']]}; "
+              f"{plans[str(c)]['reason']}", flush=True)
     if not dist.is_initialized():
         store = dist.FileStore(str(Path(args.out).with_suffix(".store")), 1)
         dist.init_process_group(devices.backend_for(kind), store=store, rank=0, world_size=1)
@@ -124,10 +199,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"device": name, "kind": kind, "preset": args.preset,
                            "precision": args.precision, "peak_flops": peak,
                            "peak_flops_source": peak_source,
-                           "capacity_bytes": devices.capacity_bytes(kind, dev), "runs": []}
-    from pisft.train.attention import sdpa_joint_attention
+                           "capacity_bytes": capacity, "optimizer_plan": plans,
+                           "optimizer": {k: v["optimizer"] for k, v in plans.items()}, "runs": []}
+    from pisft.train.attention import fused_joint_attention
 
-    with sdpa_joint_attention():
+    with fused_joint_attention():
         _measure_all(args, out, kind, dev, mesh, peak)
     dist.destroy_process_group()
     return out
@@ -137,8 +213,8 @@ def _measure_all(args, out, kind, dev, mesh, peak) -> None:
     for checkpointing in args.checkpointing:
         policy = build(args.preset, dev, checkpointing=checkpointing)
         fsdp.shard(policy, mesh, args.precision)
-        optimizer = optim.build_optimizer(policy.parameters(), lr=2.5e-5, weight_decay=1e-10,
-                                          fused=devices.fused_adamw_supported(kind))
+        which = out["optimizer"][str(checkpointing)]
+        optimizer = make_optimizer(kind, policy, which)
         out["params"] = sum(p.numel() for p in policy.parameters())
         micro = args.micro
         largest = None
@@ -147,6 +223,7 @@ def _measure_all(args, out, kind, dev, mesh, peak) -> None:
                 res = measure(policy, optimizer, kind, dev, micro, steps=args.steps,
                               warmup=args.warmup, peak=peak, precision=args.precision)
                 res["activation_checkpointing"] = checkpointing
+                res["optimizer"] = which
                 out["runs"].append(res)
                 largest = micro
                 print(json.dumps({k: v for k, v in res.items() if k != "step_times_s"}), flush=True)
@@ -154,27 +231,25 @@ def _measure_all(args, out, kind, dev, mesh, peak) -> None:
                 if not _is_oom(exc):
                     raise
                 out["runs"].append({"micro_batch_size": micro, "activation_checkpointing": checkpointing,
-                                    "oom": True})
+                                    "optimizer": which, "oom": True})
                 print(f"micro batch {micro}, checkpointing {checkpointing}: out of memory", flush=True)
                 break
             finally:
                 optimizer.zero_grad(set_to_none=True)
                 gc.collect()
-                if kind == "cuda":
-                    torch.cuda.empty_cache()
+                devices.empty_cache(kind)
             micro *= 2
         out.setdefault("largest_micro_batch", {})[str(checkpointing)] = largest
         del policy, optimizer
         gc.collect()
-        if kind == "cuda":
-            torch.cuda.empty_cache()
+        devices.empty_cache(kind)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pisft.bench.gpu_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=("cuda", "npu", "cpu", "auto"))
-    p.add_argument("--preset", default="pi05", choices=("pi05", "tiny"))
+    p.add_argument("--preset", default="pi05", choices=("pi05", "small", "tiny"))
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--micro", type=int, default=4, help="first micro batch (then doubled)")
     p.add_argument("--max-micro", type=int, default=64, help="stop doubling above this")
@@ -183,6 +258,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpointing", default="off,on",
                    type=lambda s: [{"off": False, "on": True}[x] for x in s.split(",")])
     p.add_argument("--peak-flops", type=float, default=0.0, help="override the peak table")
+    p.add_argument("--optimizer", default="auto", choices=("auto", ADAMW, SIGN_DESCENT),
+                   help="auto: AdamW if the estimated step fits the device, else its stateless first step")
+    p.add_argument("--headroom", type=float, default=0.10,
+                   help="fraction of the device kept free when deciding what fits (reserved memory, "
+                        "HCCL/NCCL buffers and the runtime context are not in the estimate)")
     p.add_argument("--out", default="results/bench/gpu_step.json")
     return p.parse_args(argv)
 

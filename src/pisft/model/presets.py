@@ -1,4 +1,6 @@
-"""Architecture presets: `tiny` (a few million parameters, CPU-fast) and `pi05` (the real size).
+"""Architecture presets: `tiny` (a few million parameters, CPU-fast), `small` (about 100M
+parameters: pi0.5's structure at a size a CPU still trains, for checking memory figures) and
+`pi05` (the real size).
 
 A preset is the PI05Config fields that differ from LeRobot's defaults plus, for sizes LeRobot
 does not know, an `Arch` (applied by `lerobot_internals.sized_construction`).
@@ -34,6 +36,19 @@ def _tiny_arch() -> Arch:
     )
 
 
+def _small_arch() -> Arch:
+    # About 100M parameters (all in the layers: the vocabulary is the tiny tokenizer's), with
+    # pi0.5's proportions: a VLM twice as wide as the action expert, shared head_dim and a single
+    # K/V head, 8 query heads, a SigLIP-style vision tower on 128 px images (64 tokens per camera).
+    return Arch(
+        vlm=GemmaSize(width=768, depth=6, mlp_dim=3584, num_heads=8, num_kv_heads=1, head_dim=96),
+        expert=GemmaSize(width=512, depth=6, mlp_dim=2048, num_heads=8, num_kv_heads=1, head_dim=96),
+        vision=VisionSize(hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
+                          num_attention_heads=6, patch_size=16),
+        vocab_size=tiny_vocab_size(),
+    )
+
+
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         name="tiny",
@@ -45,6 +60,17 @@ PRESETS: dict[str, Preset] = {
             "num_inference_steps": 10,
         },
         arch=_tiny_arch(),
+    ),
+    "small": Preset(
+        name="small",
+        config={
+            "chunk_size": 10,
+            "n_action_steps": 10,
+            "image_resolution": (128, 128),
+            "tokenizer_max_length": 48,
+            "num_inference_steps": 10,
+        },
+        arch=_small_arch(),
     ),
     # LeRobot's pi0.5 defaults (gemma_2b + gemma_300m, 224 px, chunk 50, 200 prompt tokens).
     "pi05": Preset(name="pi05", config={}, arch=None),

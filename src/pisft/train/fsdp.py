@@ -16,7 +16,8 @@ its modules to run, the post-hook after the last, `_fsdp_state._register_group_f
   runs once per camera, so these units are NOT resharded after forward (gathered once per
   forward, kept until their backward, which then needs no second gather);
 - the action/time projections (one unit) and the token embedding when it is not tied.
-Forward prefetch is explicit: each unit starts the next unit's all-gather. Everything else
+Forward prefetch is explicit (each unit starts the next unit's all-gather) when the layers are
+not checkpointed (see `_checkpointed`); backward prefetch is FSDP2's default. Everything else
 (small final norms, the tied VLM `lm_head`/`embed_tokens` pair) lives in the root unit.
 The action expert's `lm_head` is detached before sharding (`lerobot_internals.detach_expert_head`):
 it never takes part in the loss and would otherwise travel in the root unit every micro-step.
@@ -165,9 +166,25 @@ def shard(model: nn.Module, mesh: DeviceMesh, precision: str) -> list[Unit]:
         fully_shard(target, mesh=mesh, mp_policy=mixed_precision(precision, root=False),
                     reshard_after_forward=unit.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mixed_precision(precision, root=True))
-    for unit, following in zip(units, units[1:]):
-        unit.modules[0].set_modules_to_forward_prefetch([following.modules[0]])
+    if not _checkpointed(model):
+        for unit, following in zip(units, units[1:]):
+            unit.modules[0].set_modules_to_forward_prefetch([following.modules[0]])
     return units
+
+
+def _checkpointed(model: nn.Module) -> bool:
+    """Whether the decoder layers recompute their forward in backward (activation checkpointing).
+
+    Then explicit forward prefetch must stay off: a checkpointed layer's recompute starts from
+    inside its backward, before FSDP2's pre-backward hook has marked the unit, so the unit's
+    pre-forward hook runs in full and would gather the NEXT pair, whose backward is already
+    done, and hold that buffer to the end of the backward (4.5 GiB per device for pi0.5 on
+    8 cards; pisft.model.estimate). Backward prefetch (FSDP2's default) still overlaps.
+    """
+    core = _pi05_core(model)
+    if core is None:
+        return False
+    return bool(getattr(core.paligemma_with_expert.gemma_expert.model, "gradient_checkpointing", False))
 
 
 def _local_numel(t: torch.Tensor) -> int:
