@@ -1,4 +1,5 @@
-"""convert_recap refuses broken input: one test per case of issue 3, item 3.
+"""convert_recap refuses broken input: one test per case of issue 3, item 3, and the damage to
+RLinf's finished RECAP output that must still be refused (issue 12).
 
 Each error is a DataError naming the file, the episode and the column, and leaves no output
 directory (nor a temporary sibling) behind.
@@ -61,9 +62,54 @@ def test_missing_info_json(src, tmp_path):
 
 def test_info_features_disagree_with_parquet_columns(src, tmp_path):
     info = json.loads((src / "meta/info.json").read_text())
-    info["features"]["reward"] = {"dtype": "float32", "shape": [1], "names": None}
+    info["features"]["gripper_force"] = {"dtype": "float32", "shape": [1], "names": None}
     (src / "meta/info.json").write_text(json.dumps(info))
-    _fails(src, tmp_path, "episode_000000.parquet", "episode 0", "reward", "info.json")
+    _fails(src, tmp_path, "episode_000000.parquet", "episode 0", "gripper_force", "info.json", "returns_demo.parquet")
+
+
+def test_column_in_the_file_but_not_declared(src, tmp_path):
+    info = json.loads((src / "meta/info.json").read_text())
+    del info["features"]["segment_id"]
+    (src / "meta/info.json").write_text(json.dumps(info))
+    _fails(src, tmp_path, "episode_000000.parquet", "episode 0", "segment_id", "not declared")
+
+
+def test_declared_returns_features_without_their_side_file(src, tmp_path):
+    # RLinf's compute_returns declared return/reward/prompt; the side file holding them is gone
+    (src / "meta/returns_demo.parquet").unlink()
+    msg = _fails(src, tmp_path, "episode_000000.parquet", "episode 0", "'prompt'", "'return'", "'reward'",
+                 "meta/returns_<tag>.parquet")
+    assert "found none" in msg
+
+
+def test_returns_side_file_that_lacks_a_declared_feature(src, tmp_path):
+    _edit(src / "meta/returns_demo.parquet", lambda t: t.drop_columns(["prompt"]))
+    _fails(src, tmp_path, "episode_000000.parquet", "episode 0", "['prompt']", "info.json")
+
+
+def test_returns_side_file_that_does_not_match_the_frames(src, tmp_path):
+    path = src / "meta/returns_demo.parquet"
+    _edit(path, lambda t: t.filter(pa.compute.invert(pa.compute.and_(
+        pa.compute.equal(t.column("episode_index"), 1), pa.compute.equal(t.column("frame_index"), 7)))))
+    _fails(src, tmp_path, "meta/returns_demo.parquet", "episode 1", "'frame_index'", "missing frame_index [7]")
+
+
+def test_unreadable_returns_side_file(src, tmp_path):
+    (src / "meta/returns_demo.parquet").write_bytes(b"PAR1 but not really")
+    _fails(src, tmp_path, "meta/returns_demo.parquet", "not a readable parquet file")
+
+
+def test_advantage_label_that_is_not_boolean(src, tmp_path):
+    path = src / "meta/advantages_demo.parquet"
+    _edit(path, lambda t: _set_column(t, "advantage", pa.array(np.ones(t.num_rows), type=pa.float64())))
+    _fails(src, tmp_path, "meta/advantages_demo.parquet", "'advantage'", "double", "bool", advantage_tag="demo")
+
+
+def test_advantage_rows_of_another_dataset(src, tmp_path):
+    path = src / "meta/advantages_demo.parquet"
+    _edit(path, lambda t: _set_column(t, "episode_index", pa.compute.add(t.column("episode_index"), 10)))
+    _fails(src, tmp_path, "meta/advantages_demo.parquet", "'episode_index'", "episode(s) [10", "another dataset",
+           advantage_tag="demo")
 
 
 def test_missing_episode_file(src, tmp_path):
@@ -237,10 +283,40 @@ def test_missing_advantages_side_file(src, tmp_path):
     _fails(src, tmp_path, "advantages_rl2.parquet", "missing", "demo", advantage_tag="rl2")
 
 
-def test_success_only_without_is_success_column(src, tmp_path):
+def test_success_only_without_any_success_column(src, tmp_path):
     info = json.loads((src / "meta/info.json").read_text())
     del info["features"]["is_success"]
     (src / "meta/info.json").write_text(json.dumps(info))
     for p in sorted((src / "data").glob("*/*.parquet")):
         _edit(p, lambda t: t.drop_columns(["is_success"]))
-    _fails(src, tmp_path, "'is_success'", "data.success_only", success_only=True)
+    msg = _fails(src, tmp_path, "meta/info.json", "'is_success'", "'next.success'", "data.success_only",
+                 "Unset data.success_only", success_only=True)
+    assert "rollout data" not in msg
+
+
+# ---------------------------------------------------------------- namings and data.columns
+
+def test_features_of_no_known_naming_ask_for_data_columns(src, tmp_path):
+    info = json.loads((src / "meta/info.json").read_text())
+    info["features"]["front"] = info["features"].pop("image")
+    (src / "meta/info.json").write_text(json.dumps(info))
+    _fails(src, tmp_path, "meta/info.json", "lack the LIBERO columns", "data.columns", "observation.images.image2")
+
+
+def test_features_that_fit_two_namings_ask_for_data_columns(tmp_path):
+    src = make_recap(tmp_path / "in", naming="lerobot", n_tasks=1, per_task=2, length=4, size=16)
+    info = json.loads((src / "meta/info.json").read_text())
+    # an extra camera with RLinf's libero_v2 wrist name: both namings fit
+    info["features"]["observation.images.wrist_image"] = dict(info["features"]["observation.images.image2"])
+    (src / "meta/info.json").write_text(json.dumps(info))
+    _fails(src, tmp_path, "meta/info.json", "more than one LIBERO naming", "libero_v2", "lerobot", "data.columns")
+
+
+def test_data_columns_naming_a_missing_feature(src, tmp_path):
+    _fails(src, tmp_path, "meta/info.json", "data.columns.wrist_image", "'cam_wrist'", "not a feature",
+           columns={"wrist_image": "cam_wrist"})
+
+
+def test_data_columns_pointing_at_a_column_of_the_wrong_kind(src, tmp_path):
+    _fails(src, tmp_path, "meta/info.json", "feature 'state'", "dtype 'float32'", "expected 'image' or 'video'",
+           columns={"image": "state", "state": "image"})

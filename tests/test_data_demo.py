@@ -1,4 +1,5 @@
-"""demo_recap: the synthetic RECAP LIBERO-10 dataset (layout, content, determinism)."""
+"""demo_recap: the synthetic RECAP LIBERO-10 dataset (layout, content, determinism), written as
+RLinf's writer and its returns/advantages steps leave a dataset (issue 12, item 1)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,23 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
+from data_fixtures import make_recap
 
 from pisft import config
-from pisft.data import demo
+from pisft.data import demo, rlinf_recap
 from pisft.data.images import decode_png
 from pisft.data.libero import LIBERO_10_TASKS
+
+# RLinf's LeRobotDatasetWriter features for LIBERO rollouts, in its order, then LeRobot's defaults
+RLINF_COLUMNS = ["state", "actions", "done", "is_success", "intervene_flag", "segment_id", "image", "wrist_image",
+                 "timestamp", "frame_index", "episode_index", "index", "task_index"]
+ADVANTAGE_COLUMNS = ["episode_index", "frame_index", "advantage_continuous", "return", "value_current", "value_next",
+                     "reward_sum", "reward_sum_raw", "num_valid_rewards", "dataset_name", "advantage"]
 
 
 def _cfg(tmp_path: Path, **data) -> config.PisftConfig:
@@ -34,7 +45,7 @@ def test_run_writes_v21_layout(tmp_path):
     assert out == tmp_path / "results" / "demo_recap"
     meta = out / "meta"
     for name in ("info.json", "tasks.jsonl", "episodes.jsonl", "episodes_stats.jsonl",
-                 "returns_demo.parquet", "advantages_demo.parquet"):
+                 "returns_demo.parquet", "advantages_demo.parquet", "mixture_config.yaml", "stats.json"):
         assert (meta / name).is_file(), name
     assert (out / "pisft_config.json").is_file()
     info = json.loads((meta / "info.json").read_text())
@@ -43,14 +54,14 @@ def test_run_writes_v21_layout(tmp_path):
     assert info["features"]["image"]["dtype"] == "image"
     assert info["features"]["image"]["shape"] == [32, 32, 3]
     assert info["features"]["state"]["shape"] == [8] and info["features"]["actions"]["shape"] == [7]
+    assert list(info["features"]) == RLINF_COLUMNS + ["return", "reward", "prompt"]
     tasks = [json.loads(line)["task"] for line in (meta / "tasks.jsonl").read_text().splitlines()]
     assert tasks == list(LIBERO_10_TASKS)
     files = sorted((out / "data" / "chunk-000").glob("episode_*.parquet"))
     assert [f.name for f in files] == [f"episode_{i:06d}.parquet" for i in range(20)]
     table = pq.read_table(files[3])
-    assert table.column_names == ["image", "wrist_image", "state", "actions", "timestamp", "frame_index",
-                                  "episode_index", "index", "task_index", "is_success", "done",
-                                  "intervene_flag"]
+    assert table.column_names == RLINF_COLUMNS
+    assert table.schema.field("segment_id").type == pa.uint8()
     row = table.slice(0, 1).to_pylist()[0]
     assert decode_png(row["image"]["bytes"]).shape == (32, 32, 3)
     assert row["episode_index"] == 3 and row["index"] == 30 and row["task_index"] == 1
@@ -75,10 +86,86 @@ def test_failure_fraction_and_rollout_columns():
     for ep in eps:
         assert ep.done[-1] and not ep.done[:-1].any()
         assert ep.state.dtype == np.float32 and ep.actions.dtype == np.float32
-    # advantages: successes positive at the start, failures negative
-    ok = [ep for ep in eps if ep.is_success.any()]
-    assert all(ep.side["advantage_continuous"][0] > 0 for ep in ok)
-    assert all(ep.side["advantage_continuous"][0] < 0 for ep in failed)
+        # RLinf's collector writes the episode's outcome on every frame
+        assert ep.is_success.all() or not ep.is_success.any()
+
+
+@pytest.mark.parametrize("version", ["v2.1", "v3.0"])
+def test_rlinf_complete_recap_output(tmp_path, version):
+    """What RLinf's compute_returns + compute_advantages leave in a dataset, field by field."""
+    length = 12
+    src = make_recap(tmp_path / "in", version=version, n_tasks=3, per_task=3, length=length, size=16)
+    meta = src / "meta"
+    info = json.loads((meta / "info.json").read_text())
+    # compute_returns declares the three features (and rewrites info.json with indent 2) ...
+    assert info["features"]["return"] == {"dtype": "float32", "shape": [1], "names": None}
+    assert info["features"]["reward"] == {"dtype": "float32", "shape": [1], "names": None}
+    assert info["features"]["prompt"] == {"dtype": "string", "shape": [1], "names": None}
+    assert (meta / "info.json").read_text().startswith('{\n  "codebase_version"')
+    # ... whose values are not in the data files but in the returns side file
+    data_file = sorted((src / "data").rglob("*.parquet"))[0]
+    assert not {"return", "reward", "prompt"} & set(pq.read_schema(data_file).names)
+    returns = pq.read_table(meta / "returns_demo.parquet")
+    assert [(f.name, str(f.type)) for f in returns.schema] == [
+        ("episode_index", "int64"), ("frame_index", "int64"), ("return", "float"), ("reward", "float"),
+        ("prompt", "string")]
+    assert returns.num_rows == 9 * length
+    rows = returns.to_pandas()
+    ep0 = rows[rows.episode_index == 0]
+    # reward -1 per step, 0 at a success's last step, failure_reward at a failure's; undiscounted
+    success = {e: bool(pq.read_table(data_file).column("is_success")[0].as_py()) for e in [0]}
+    assert success[0] and ep0["reward"].tolist() == [-1.0] * (length - 1) + [0.0]
+    assert ep0["return"].tolist() == [float(-(length - 1 - t)) for t in range(length)]
+    fail_eps = rows.groupby("episode_index")["reward"].last()
+    failed = sorted(fail_eps[fail_eps == demo.FAILURE_REWARD].index)
+    assert len(failed) == 3  # one per task
+    assert rows[rows.episode_index == failed[0]]["return"].iloc[0] == -(length - 1) + demo.FAILURE_REWARD
+    # prompt: tasks.jsonl's text in v2.1; a v3.0 dataset has no tasks.jsonl -> RLinf's fallback
+    expected_prompt = LIBERO_10_TASKS[0] if version == "v2.1" else rlinf_recap.FALLBACK_PROMPT
+    assert set(ep0["prompt"]) == {expected_prompt}
+    stats = json.loads((meta / "stats.json").read_text())
+    assert set(stats["return"]) == {"mean", "std", "min", "max"}
+    assert stats["return"]["min"] == -(length - 1) + demo.FAILURE_REWARD and stats["return"]["max"] == 0.0
+    if version == "v2.1":  # LeRobot v2.1 keeps per-episode stats only: compute_returns creates stats.json
+        assert set(stats) == {"return", "reward"}
+    # compute_advantages: its columns, the boolean label, the threshold in mixture_config.yaml
+    adv = pd.read_parquet(meta / "advantages_demo.parquet")
+    assert list(adv.columns) == ADVANTAGE_COLUMNS
+    assert adv["advantage"].dtype == bool and adv["advantage_continuous"].dtype == np.float64
+    labels = adv.groupby("episode_index")["advantage"].agg(["all", "any"])
+    assert all(not labels.loc[e, "any"] for e in failed)
+    assert all(labels.loc[e, "all"] for e in labels.index if e not in failed)
+    mixture = yaml.safe_load((meta / "mixture_config.yaml").read_text())
+    threshold = mixture["tags"]["demo"]["unified_threshold"]
+    assert mixture["tags"]["demo"]["positive_quantile"] == 0.3
+    assert (adv["advantage"] == (adv["advantage_continuous"] >= threshold)).all()
+    assert mixture["global_return_min"] == stats["return"]["min"]
+
+
+def test_untagged_rlinf_output(tmp_path):
+    """RLinf's default tag is null: meta/returns.parquet, meta/advantages.parquet."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    demo.build(root, episodes_per_task=2, length=6, image_size=16, failure_fraction=0.5, seed=0,
+               tasks=LIBERO_10_TASKS[:2], workers=1, side_tag=None)
+    assert (root / "meta/returns.parquet").is_file() and (root / "meta/advantages.parquet").is_file()
+    assert not list((root / "meta").glob("*_demo.parquet"))
+    mixture = yaml.safe_load((root / "meta/mixture_config.yaml").read_text())
+    assert "unified_threshold" in mixture and "tags" not in mixture
+
+
+def test_lerobot_eval_style_success_column(tmp_path):
+    root = tmp_path / "ds"
+    root.mkdir()
+    demo.build(root, episodes_per_task=2, length=6, image_size=16, failure_fraction=0.5, seed=0,
+               tasks=LIBERO_10_TASKS[:1], workers=1, naming="lerobot", success_column="next.success")
+    info = json.loads((root / "meta/info.json").read_text())
+    assert {"next.reward", "next.success", "next.done", "observation.images.image",
+            "observation.images.image2"} <= set(info["features"])
+    assert "is_success" not in info["features"]
+    table = pq.read_table(sorted((root / "data").rglob("*.parquet"))[0])
+    success = table.column("next.success").to_pylist()
+    assert success[:-1] == [False] * 5  # true at the step the environment reports success, if any
 
 
 def test_actions_are_smooth_and_determined_by_state_and_task():

@@ -19,13 +19,22 @@ Reported: seconds, frames/s, CPU seconds, cores used (CPU time / wall time) and 
 second (the work per frame, which other jobs on the machine do not change) for each, the ratios
 ours/theirs on both, and a profile of our path (decode cost per image, parquet read, how much of
 the wall time the decode of every frame accounts for).
+
+`scaling`: our conversion of two inputs of the same kind (RLinf's complete RECAP output: data,
+returns and advantages side files), the second with 4x the episodes, each in a fresh process:
+frames/s and the process's peak resident memory (`VmHWM`), also measured right after the
+imports, so the conversion's own share shows, and the resident memory over the run. Memory that does not grow with the number of
+episodes is the claim checked here: frames stream through a bounded window of episodes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -66,16 +75,21 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
-def build_input(root: Path, episodes_per_task: int, length: int, image_size: int) -> dict:
+def build_input(root: Path, episodes_per_task: int, length: int, image_size: int, labelled: bool = False) -> dict:
+    """The demo data as RLinf's LeRobot writer leaves it; `labelled`: with RLinf's returns and
+    advantages steps run on it too (its complete RECAP output, used by `scaling`). The comparison
+    of converters uses the writer's output, the part every path reads the same way."""
     from pisft.data import demo
 
     root.mkdir(parents=True)
     with _Clock() as c:
         demo.build(root, episodes_per_task=episodes_per_task, length=length, image_size=image_size,
-                   failure_fraction=0.2, seed=0)
+                   failure_fraction=0.2, seed=0, dataset_name=root.name, labelled=labelled)
     size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
     frames = 10 * episodes_per_task * length
-    return {"layout": "LeRobot v2.1, PNG in parquet, RECAP names", "episodes": 10 * episodes_per_task,
+    return {"layout": "LeRobot v2.1, PNG in parquet, RECAP names (RLinf's writer)"
+                      + (", RLinf's returns and advantages side files" if labelled else ""),
+            "episodes": 10 * episodes_per_task,
             "frames": frames, "image_size": image_size, "cameras": 2, "bytes": size,
             "png_bytes_per_image": round(size / (2 * frames)), "build_seconds": round(c.wall, 1)}
 
@@ -151,6 +165,84 @@ def bench_lerobot_recorder(src: Path, out: Path, episodes: int) -> dict:
     return {**c.figures(frames), "episodes": len(chosen), "image_writer_threads": threads}
 
 
+_CHILD = """
+import json, resource, sys, threading, time
+from pisft.data.convert import Options, convert_recap
+def status_mb(key):
+    # VmHWM: this process image's peak resident set (ru_maxrss would carry the parent's peak
+    # across fork and exec); VmRSS: the resident set now
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+def peak_mb():
+    return status_mb("VmHWM")
+def rss_mb():
+    return status_mb("VmRSS")
+samples, done = [], threading.Event()
+def sample():
+    while not done.is_set():
+        samples.append((time.perf_counter(), rss_mb()))
+        done.wait(0.05)
+base = peak_mb()
+t0 = time.perf_counter()
+sampler = threading.Thread(target=sample, daemon=True)
+sampler.start()
+rep = convert_recap(sys.argv[1], sys.argv[2], Options(workers=int(sys.argv[3]), advantage_tag=sys.argv[4]))
+wall = time.perf_counter() - t0
+done.set()
+sampler.join()
+quarters = [max((r for t, r in samples if q * wall / 4 <= t - t0 < (q + 1) * wall / 4), default=None)
+            for q in range(4)]
+print(json.dumps({"frames": rep["out"]["frames"], "episodes": rep["out"]["episodes"], "seconds": round(wall, 3),
+                  "frames_per_s": round(rep["out"]["frames"] / wall, 1), "rss_after_imports_mb": round(base, 1),
+                  "peak_rss_mb": round(peak_mb(), 1),
+                  "rss_max_by_quarter_of_run_mb": [None if r is None else round(r, 1) for r in quarters]}))
+"""
+
+
+def convert_in_child(src: Path, out: Path, workers: int, advantage_tag: str = "") -> dict:
+    """`convert_recap` in a fresh Python process: its figures and peak resident memory."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(out), str(workers), advantage_tag],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"convert_recap in a child process failed:\n{proc.stderr[-3000:]}")
+    out_figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    out_figures["conversion_rss_mb"] = round(out_figures["peak_rss_mb"] - out_figures["rss_after_imports_mb"], 1)
+    return out_figures
+
+
+def scaling(work: Path, *, episodes_per_task: tuple[int, int] = (1, 4), length: int = 100,
+            image_size: int = 256, workers: int = 0) -> dict:
+    """Frames/s and peak memory of the conversion at two dataset sizes (the second 4x the first)."""
+    small, large = episodes_per_task
+    if large < 4 * small:
+        raise ValueError("the larger input must have at least 4x the episodes of the smaller")
+    workers = workers or _cpus()
+    out: dict = {"workers": workers, "advantage_tag": "demo"}
+    for name, per_task in (("small", small), ("large", large)):
+        src = work / f"scale_{name}"
+        out[name] = {"input": build_input(src, per_task, length, image_size, labelled=True),
+                     **convert_in_child(src, work / f"scale_{name}_out", workers, "demo")}
+        shutil.rmtree(work / f"scale_{name}_out", ignore_errors=True)
+        shutil.rmtree(src, ignore_errors=True)
+    s, big = out["small"], out["large"]
+    out["episodes_ratio"] = round(big["episodes"] / s["episodes"], 2)
+    out["peak_rss_ratio"] = round(big["peak_rss_mb"] / s["peak_rss_mb"], 3)
+    extra_frames = big["frames"] - s["frames"]
+    out["peak_rss_growth_mb_per_1000_frames"] = round(
+        1000 * (big["peak_rss_mb"] - s["peak_rss_mb"]) / max(extra_frames, 1), 2)
+    out["frames_per_s_ratio"] = round(big["frames_per_s"] / s["frames_per_s"], 2)
+    # within the larger run: resident memory in its last quarter vs its second (a leak per
+    # episode would show as a climb; a bounded window of episodes in flight as a plateau)
+    quarters = big["rss_max_by_quarter_of_run_mb"]
+    if quarters[1] is not None and quarters[3] is not None:
+        out["large_rss_last_vs_second_quarter_mb"] = round(quarters[3] - quarters[1], 1)
+    return out
+
+
 def profile_decode(src: Path, samples: int = 200) -> dict:
     """Single-thread cost of the parts of our per-frame work."""
     from pisft.data import images as imgs
@@ -173,7 +265,7 @@ def profile_decode(src: Path, samples: int = 200) -> dict:
 
 
 def run(workdir: str | Path, *, episodes_per_task: int = 2, length: int = 100, image_size: int = 256,
-        recorder_episodes: int = 3) -> dict:
+        recorder_episodes: int = 3, scale_episodes_per_task: tuple[int, int] = (1, 4)) -> dict:
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -198,6 +290,8 @@ def run(workdir: str | Path, *, episodes_per_task: int = 2, length: int = 100, i
     prof = out["profile"]
     out["pisft_decode_share_of_one_worker_wall"] = round(
         prof["decode_all_images_one_core_seconds"] / out["pisft_1_worker"]["seconds"], 2)
+    out["scaling"] = scaling(work, episodes_per_task=scale_episodes_per_task, length=length,
+                             image_size=image_size)
     return out
 
 

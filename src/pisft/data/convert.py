@@ -27,12 +27,14 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pisft.config import PisftConfig, write_resolved
 from pisft.data import images as imgs
 from pisft.data import stats as st
-from pisft.data.libero import ACTION_DIM, CAMERAS, OUTPUT_NAMES, STATE_DIM, advantage_prompt
+from pisft.data.libero import ACTION_DIM, CAMERAS, OUTPUT_NAMES, STATE_DIM, SUCCESS_COLUMNS
+from pisft.data.prompts import CONDITIONING_FILE, PromptConditioning
 from pisft.data.recap_reader import EpisodeRef, RecapSource
 from pisft.data.split import stratified_split
 from pisft.data.v30_writer import V30Writer
@@ -49,6 +51,9 @@ class Options:
     success_only: bool = False
     tasks: list[str] = field(default_factory=list)
     advantage_tag: str = ""
+    positive_only_conditional: bool = True
+    unconditional_prob: float = 0.1
+    columns: dict[str, str] = field(default_factory=dict)
     image_size: int = 0
     eval_fraction: float = 0.2
     split_seed: int = 0
@@ -58,7 +63,15 @@ class Options:
     def from_config(cls, cfg: PisftConfig) -> Options:
         d = cfg.data
         return cls(success_only=d.success_only, tasks=[str(t) for t in d.tasks], advantage_tag=d.advantage_tag,
+                   positive_only_conditional=d.positive_only_conditional,
+                   unconditional_prob=d.unconditional_prob, columns=dict(d.columns),
                    image_size=d.image_size, eval_fraction=d.eval_fraction, split_seed=d.split_seed)
+
+    @property
+    def conditioning(self) -> PromptConditioning:
+        return PromptConditioning(advantage_tag=self.advantage_tag,
+                                  positive_only_conditional=self.positive_only_conditional,
+                                  unconditional_prob=self.unconditional_prob)
 
     def n_workers(self) -> int:
         if self.workers > 0:
@@ -102,27 +115,18 @@ def _episode_task(cols: dict[str, np.ndarray]) -> int:
     return int(cols["task_index"][0])
 
 
-def _load_advantages(src: RecapSource, tag: str, lowdim: dict[int, dict[str, np.ndarray]]) -> dict[int, np.ndarray]:
-    """meta/advantages_<tag>.parquet -> episode -> bool per frame; rows must match the frames."""
-    path = src.root / "meta" / f"advantages_{tag}.parquet"
-    if not path.is_file():
-        found = sorted(p.name[len("advantages_"):-len(".parquet")] for p in (src.root / "meta").glob("advantages_*.parquet"))
-        raise DataError(f"{src.where(path)}: missing (data.advantage_tag is '{tag}'); tags present: "
-                        f"{found or 'none'}")
-    where = src.where(path)
-    names = pq.read_schema(path).names
-    for col in ("episode_index", "frame_index", "advantage"):
-        if col not in names:
-            raise DataError(f"{where}: column '{col}' is missing (found {names})")
-    table = pq.read_table(path, columns=["episode_index", "frame_index", "advantage"])
-    ep = table.column("episode_index").to_numpy(zero_copy_only=False).astype(np.int64)
-    fr = table.column("frame_index").to_numpy(zero_copy_only=False).astype(np.int64)
-    adv_col = table.column("advantage")
-    if adv_col.null_count:
-        raise DataError(f"{where}: column 'advantage' has {adv_col.null_count} null value(s)")
-    adv = adv_col.to_numpy(zero_copy_only=False).astype(bool)
+def advantages_path(src: RecapSource, tag: str) -> Path:
+    """meta/advantages_<tag>.parquet; `advantages.parquet` names RLinf's untagged file."""
+    name = tag if tag.endswith(".parquet") else f"advantages_{tag}.parquet"
+    return src.root / "meta" / name
+
+
+def _match_frames(where: str, ep: np.ndarray, fr: np.ndarray, lowdim: dict[int, dict[str, np.ndarray]]
+                  ) -> tuple[np.ndarray, dict[int, tuple[int, int]]]:
+    """Check that a side file has exactly one row per frame of the dataset; returns the sort
+    order of its rows and episode -> (start, end) in that order."""
     order = np.lexsort((fr, ep))
-    ep, fr, adv = ep[order], fr[order], adv[order]
+    ep, fr = ep[order], fr[order]
     dup = (np.diff(ep) == 0) & (np.diff(fr) == 0)
     if dup.any():
         i = int(np.flatnonzero(dup)[0])
@@ -132,7 +136,7 @@ def _load_advantages(src: RecapSource, tag: str, lowdim: dict[int, dict[str, np.
     if unknown:
         raise DataError(f"{where}: column 'episode_index' has rows for episode(s) {unknown[:10]} that the "
                         "dataset does not have; the side file belongs to another dataset?")
-    out: dict[int, np.ndarray] = {}
+    spans: dict[int, tuple[int, int]] = {}
     starts = np.searchsorted(ep, list(lowdim), side="left")
     ends = np.searchsorted(ep, list(lowdim), side="right")
     for (idx, cols), a, b in zip(lowdim.items(), starts, ends, strict=True):
@@ -145,16 +149,70 @@ def _load_advantages(src: RecapSource, tag: str, lowdim: dict[int, dict[str, np.
                             + (f"; missing frame_index {missing[:10]}" if missing else "")
                             + (f"; frame_index {extra[:10]} beyond the episode" if extra else "")
                             + "; the side file must have one row per frame")
-        out[idx] = adv[a:b]
-    return out
+        spans[idx] = (int(a), int(b))
+    return order, spans
+
+
+def _index_columns(src: RecapSource, path: Path, extra: tuple[str, ...]) -> pa.Table:
+    where = src.where(path)
+    try:
+        names = pq.read_schema(path).names
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DataError(f"{where}: not a readable parquet file ({exc})") from None
+    for col in ("episode_index", "frame_index", *extra):
+        if col not in names:
+            raise DataError(f"{where}: column '{col}' is missing (found {names})")
+    table = pq.read_table(path, columns=["episode_index", "frame_index", *extra])
+    for col in ("episode_index", "frame_index"):
+        if table.column(col).null_count:
+            raise DataError(f"{where}: column '{col}' has {table.column(col).null_count} null value(s)")
+    return table
+
+
+def _check_returns_files(src: RecapSource, lowdim: dict[int, dict[str, np.ndarray]]) -> None:
+    """The `meta/returns_<tag>.parquet` files that hold features info.json declares (RLinf's
+    compute_returns output) must hold one row per frame of this dataset."""
+    for path in sorted(set(src.side_features.values())):
+        table = _index_columns(src, path, ())
+        _match_frames(src.where(path), table.column("episode_index").to_numpy(zero_copy_only=False).astype(np.int64),
+                      table.column("frame_index").to_numpy(zero_copy_only=False).astype(np.int64), lowdim)
+
+
+def _load_advantages(src: RecapSource, tag: str, lowdim: dict[int, dict[str, np.ndarray]]) -> dict[int, np.ndarray]:
+    """meta/advantages_<tag>.parquet -> episode -> bool per frame; rows must match the frames."""
+    path = advantages_path(src, tag)
+    if not path.is_file():
+        meta = src.root / "meta"
+        found = sorted(p.name[len("advantages_"):-len(".parquet")] for p in meta.glob("advantages_*.parquet"))
+        untagged = " and the untagged advantages.parquet (data.advantage_tag: advantages.parquet)" \
+            if (meta / "advantages.parquet").is_file() else ""
+        raise DataError(f"{src.where(path)}: missing (data.advantage_tag is '{tag}'); tags present: "
+                        f"{found or 'none'}{untagged}")
+    where = src.where(path)
+    table = _index_columns(src, path, ("advantage",))
+    ep = table.column("episode_index").to_numpy(zero_copy_only=False).astype(np.int64)
+    fr = table.column("frame_index").to_numpy(zero_copy_only=False).astype(np.int64)
+    adv_col = table.column("advantage")
+    if adv_col.null_count:
+        raise DataError(f"{where}: column 'advantage' has {adv_col.null_count} null value(s)")
+    if not pa.types.is_boolean(adv_col.type):
+        raise DataError(f"{where}: column 'advantage' is {adv_col.type}, expected bool (RLinf's "
+                        "compute_advantages writes the label as bool next to 'advantage_continuous')")
+    adv = adv_col.to_numpy(zero_copy_only=False).astype(bool)
+    order, spans = _match_frames(where, ep, fr, lowdim)
+    adv = adv[order]
+    return {idx: adv[a:b] for idx, (a, b) in spans.items()}
 
 
 def _select(src: RecapSource, lowdim: dict[int, dict[str, np.ndarray]], opts: Options
             ) -> tuple[list[_Kept], list[dict]]:
     wanted_tasks = _resolve_tasks(src, opts.tasks)
     if opts.success_only and "is_success" not in src.names:
-        raise DataError(f"{src.where(src.info_path)}: data.success_only is set but the dataset has no "
-                        "'is_success' column; unset data.success_only or use rollout data")
+        names = " nor ".join(f"'{c}'" for c in SUCCESS_COLUMNS)
+        raise DataError(f"{src.where(src.info_path)}: data.success_only is set but the dataset records no "
+                        f"per-frame success: neither {names} is among its features "
+                        f"(RECAP/RLinf write 'is_success', LeRobot's lerobot-eval 'next.success'). Unset "
+                        "data.success_only to keep every episode, or add a success column to the dataset")
     advantages = _load_advantages(src, opts.advantage_tag, lowdim) if opts.advantage_tag else None
     kept: list[_Kept] = []
     dropped: list[dict] = []
@@ -169,11 +227,13 @@ def _select(src: RecapSource, lowdim: dict[int, dict[str, np.ndarray]], opts: Op
         if reason:
             dropped.append({"source_episode_index": ref.episode_index, "task_index": task,
                             "task": src.tasks[task], "frames": len(cols["frame_index"]), "reason": reason,
-                            "detail": _REASONS[reason]})
+                            "detail": _reason_text(src, reason)})
             continue
         frame_tasks = [src.tasks[int(t)] for t in cols["task_index"]]
         if advantages is not None:
-            prompts = [advantage_prompt(t, a) for t, a in zip(frame_tasks, advantages[ref.episode_index], strict=True)]
+            cond = opts.conditioning
+            prompts = [cond.frame_prompt(t, a) for t, a in zip(frame_tasks, advantages[ref.episode_index],
+                                                                  strict=True)]
         else:
             prompts = frame_tasks
         kept.append(_Kept(ref, cols, task, prompts))
@@ -182,8 +242,12 @@ def _select(src: RecapSource, lowdim: dict[int, dict[str, np.ndarray]], opts: Op
 
 _REASONS = {
     "task_not_selected": "the task (column 'task_index') is not in data.tasks",
-    "not_successful": "data.success_only is set and column 'is_success' is never true",
+    "not_successful": "data.success_only is set and column '{success}' is never true",
 }
+
+
+def _reason_text(src: RecapSource, reason: str) -> str:
+    return _REASONS[reason].format(success=src.names.get("is_success", "is_success"))
 
 
 def _short(items: list[int], limit: int = 12) -> str:
@@ -277,8 +341,11 @@ def _ordered_results(pool: ThreadPoolExecutor, jobs: list[Callable[[], _Frames]]
 
 
 def _write_episodes(writer: V30Writer, src: RecapSource, kept: list[_Kept], opts: Options,
-                    prompt_index: dict[str, int], workers: int) -> tuple[list[dict], dict[str, list[np.ndarray]]]:
-    """Pass 2: frames decoded/checked on the pool, episodes written in order by this thread."""
+                    prompt_index: dict[str, int], workers: int, train: set[int]
+                    ) -> tuple[list[dict], dict[str, list[np.ndarray]]]:
+    """Pass 2: frames decoded/checked on the pool, episodes written in order by this thread.
+    Returns the per-episode stats and numeric columns of the `train` episodes (output indices),
+    from which the dataset statistics are computed."""
     per_episode_stats: list[dict] = []
     numeric_all: dict[str, list[np.ndarray]] = {}
     jobs = [lambda k=k: _episode_frames(src, k.ref, len(k.cols["frame_index"]), opts.image_size) for k in kept]
@@ -302,9 +369,10 @@ def _write_episodes(writer: V30Writer, src: RecapSource, kept: list[_Kept], opts
                 }
                 ep_stats = {**st.episode_stats(numeric, {}), **frames.image_stats}
                 writer.add_episode({**numeric, **frames.png}, sorted(set(k.prompts), key=prompt_index.get), ep_stats)
-                per_episode_stats.append(ep_stats)
-                for key, v in numeric.items():
-                    numeric_all.setdefault(key, []).append(v)
+                if out_idx in train:  # normalisation statistics: training episodes only
+                    per_episode_stats.append(ep_stats)
+                    for key, v in numeric.items():
+                        numeric_all.setdefault(key, []).append(v)
     finally:
         cv2.setNumThreads(cv_threads)
     return per_episode_stats, numeric_all
@@ -335,7 +403,7 @@ def _check_output_shape(src: RecapSource, opts: Options) -> tuple[int, int, int]
 def convert_recap(src_dir: str | Path, out_dir: Path, opts: Options, cfg: PisftConfig | None = None) -> dict:
     """Convert `src_dir` into `out_dir` (written atomically). Returns the conversion report."""
     t0 = time.perf_counter()
-    src = RecapSource.open(src_dir)
+    src = RecapSource.open(src_dir, opts.columns)
     out_shape = _check_output_shape(src, opts)
     lowdim: dict[int, dict[str, np.ndarray]] = {}
     for ref in src.episodes:
@@ -344,13 +412,14 @@ def convert_recap(src_dir: str | Path, out_dir: Path, opts: Options, cfg: PisftC
         lowdim[ref.episode_index] = cols
     if not src.episodes:
         raise DataError(f"{src.where(src.episodes_path)}: lists no episodes; nothing to convert")
+    _check_returns_files(src, lowdim)
     kept, dropped = _select(src, lowdim, opts)
     frames_in = sum(len(c["frame_index"]) for c in lowdim.values())
     if not kept:
         by_reason: dict[str, list[int]] = {}
         for d in dropped:
             by_reason.setdefault(d["reason"], []).append(d["source_episode_index"])
-        parts = [f"episode(s) {_short(eps)}: {_REASONS[r]}" for r, eps in sorted(by_reason.items())]
+        parts = [f"episode(s) {_short(eps)}: {_reason_text(src, r)}" for r, eps in sorted(by_reason.items())]
         raise DataError(f"{src.root}: nothing left to convert after filtering; all {len(src.episodes)} episodes "
                         f"were dropped: {'; '.join(parts)}. Relax data.success_only / data.tasks")
     split = stratified_split({i: src.tasks[k.task_index] for i, k in enumerate(kept)},
@@ -365,7 +434,8 @@ def convert_recap(src_dir: str | Path, out_dir: Path, opts: Options, cfg: PisftC
     with atomic_dir(out) as tmp:
         writer = V30Writer(tmp, _output_features(out_shape), src.fps, robot_type=src.info.get("robot_type"))
         workers = opts.n_workers()
-        per_episode_stats, numeric_all = _write_episodes(writer, src, kept, opts, prompt_index, workers)
+        per_episode_stats, numeric_all = _write_episodes(writer, src, kept, opts, prompt_index, workers,
+                                                         set(split["train"]))
         tasks_out = sorted(prompt_index, key=prompt_index.get)
         stats = st.dataset_stats({k: np.concatenate(v) for k, v in numeric_all.items()}, per_episode_stats)
         writer.finish(tasks_out, stats)
@@ -373,6 +443,8 @@ def convert_recap(src_dir: str | Path, out_dir: Path, opts: Options, cfg: PisftC
         report = _report(src, opts, lowdim, kept, dropped, split, frames_in, tasks_out, out_shape)
         write_json_atomic(tmp / "split.json", split)
         write_json_atomic(tmp / "conversion_report.json", report)
+        # how the prompts were conditioned; the export copies it next to the trained model
+        (opts.conditioning if opts.advantage_tag else PromptConditioning()).write(tmp / "meta" / CONDITIONING_FILE)
         if cfg is not None:
             write_resolved(cfg, tmp / "pisft_config.json")
     frames_out = report["out"]["frames"]
@@ -393,11 +465,27 @@ def _report(src, opts, lowdim, kept, dropped, split, frames_in, tasks_out, out_s
             "success": bool(k.cols["is_success"].any()) if success else None, "split": in_split[i],
         })
     source_tasks = sorted({_episode_task(c) for c in lowdim.values()})
+
+    def outcomes(name: str) -> dict:
+        eps = [e for e in episodes if e["split"] == name]
+        return {"episodes": len(eps), "successes": sum(e["success"] is True for e in eps),
+                "failures": sum(e["success"] is False for e in eps),
+                "unknown": sum(e["success"] is None for e in eps)}
+
+    cond = opts.conditioning if opts.advantage_tag else PromptConditioning()
     return {
         "source": {"path": str(src.root), "codebase_version": src.version, "naming": src.naming,
+                   "columns": {k: src.names[k] for k in ("image", "wrist_image", "state", "actions")},
+                   "success_column": src.names.get("is_success"),
+                   "side_features": {k: p.name for k, p in sorted(src.side_features.items())},
                    "image_storage": "video" if src.has_video else "png_in_parquet", "fps": src.fps,
                    "image_shape": list(src.image_shape("image"))},
         "options": {k: v for k, v in asdict(opts).items() if k != "workers"},
+        "prompts": cond.to_dict(),
+        "stats_from": "train",
+        # held-out successes and failures: with data.success_only false, failed rollouts are held
+        # out too and evaluated like demonstrations
+        "outcomes": {"train": outcomes("train"), "eval": outcomes("eval")},
         "in": {"episodes": len(lowdim), "frames": int(frames_in), "tasks": len(source_tasks)},
         "out": {"episodes": len(kept), "frames": int(sum(e["frames"] for e in episodes)),
                 "tasks": len({k.task_index for k in kept}), "prompts": len(tasks_out),
@@ -417,8 +505,10 @@ def run(cfg: PisftConfig) -> Path:
     out = output_dir(cfg)
     report = convert_recap(cfg.data.recap_dir, out, Options.from_config(cfg), cfg)
     t = report["_timing"]
+    held = report["outcomes"]["eval"]
     print(f"convert_recap: {report['out']['episodes']}/{report['in']['episodes']} episodes, "
           f"{report['out']['frames']} frames, {report['out']['tasks']} tasks "
-          f"({len(report['dropped'])} dropped) in {t['total_s']:.1f} s "
+          f"({len(report['dropped'])} dropped; held out {held['episodes']}: {held['successes']} successes, "
+          f"{held['failures']} failures) in {t['total_s']:.1f} s "
           f"({t['frames_per_s']:.0f} frames/s, {t['workers']} workers) -> {out}")
     return out

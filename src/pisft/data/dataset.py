@@ -4,6 +4,8 @@
   feature) as numpy arrays, the `dataset_stats` LeRobot's normalisation processors take.
 - `split_episodes(dataset_dir)`: `{"train": [...], "eval": [...]}` episode indices.
 - `episode_tasks(dataset_dir)`: episode index -> task instruction (without any advantage suffix).
+- `episode_success(dataset_dir)`: episode index -> success (True/False; None when the source
+  recorded none), as the conversion report lists them.
 - `load_split(dataset_dir, split, chunk_size=...)`: LeRobot's `LeRobotDataset` restricted to the
   split's episodes; items carry the action chunk (`action` (chunk_size, 7), `action_is_pad`),
   the cameras as float CHW in [0, 1], `observation.state` (8,) and `task` (the prompt).
@@ -51,6 +53,19 @@ def split_episodes(dataset_dir: str | Path) -> dict[str, list[int]]:
 def episode_tasks(dataset_dir: str | Path) -> dict[int, str]:
     report = json.loads(_require(Path(dataset_dir), "conversion_report.json").read_text())
     return {int(e["episode_index"]): e["task"] for e in report["episodes"]}
+
+
+def episode_success(dataset_dir: str | Path) -> dict[int, bool | None]:
+    report = json.loads(_require(Path(dataset_dir), "conversion_report.json").read_text())
+    return {int(e["episode_index"]): e.get("success") for e in report["episodes"]}
+
+
+def outcome_counts(dataset_dir: str | Path, episodes: list[int]) -> dict[str, int]:
+    """How many of `episodes` are successes, failures, and of unknown outcome."""
+    success = episode_success(dataset_dir)
+    values = [success.get(int(e)) for e in episodes]
+    return {"episodes": len(values), "successes": sum(v is True for v in values),
+            "failures": sum(v is False for v in values), "unknown": sum(v is None for v in values)}
 
 
 def fps(dataset_dir: str | Path) -> int:

@@ -1,7 +1,11 @@
 """`demo_recap`: a synthetic RECAP-format LIBERO-10 dataset, so the pipeline runs anywhere.
 
-Written in the LeRobot v2.1 layout that `physical-intelligence/libero` and RLinf's RECAP
-datasets use (see `recap_layout`). The data is made to be learnable:
+Written as RLinf's RECAP pipeline leaves a LIBERO rollout dataset: the LeRobot v2.1 layout and
+features of RLinf's LeRobot writer (see `recap_layout`), then RLinf's `compute_returns` and
+`compute_advantages` run on it (see `rlinf_recap`): `meta/returns_demo.parquet`,
+`meta/advantages_demo.parquet`, `meta/mixture_config.yaml`, `return`/`reward` in
+`meta/stats.json` and the `return`, `reward`, `prompt` features declared in `meta/info.json`
+(whose values live in the returns side file). The data is made to be learnable:
 
 - each of the ten LIBERO-10 tasks has its own goal pose, gain, phase wave and gripper timing;
 - the action is a task-specific linear function of the state plus a smooth phase term
@@ -12,9 +16,13 @@ datasets use (see `recap_layout`). The data is made to be learnable:
   shows a state-dependent gradient and the gripper opening, so image + state + task determine
   the action;
 - a `demo_failure_fraction` of each task's episodes fail: they drift away from the goal and
-  never close the gripper (`is_success` false), some successful ones carry a short
-  `intervene_flag` window, and the side files hold returns and advantages (positive for
-  successes, negative for failures).
+  never close the gripper (`is_success` false on every frame, as RLinf's collector records the
+  outcome), some successful ones carry a short `intervene_flag` window;
+- returns with RLinf's recipe (reward -1 per step, 0 at a success's last step, -300 at a
+  failure's); advantages with a critic that knows each task's mean return at each frame but not
+  the episode's outcome, looking ahead over the whole episode (RLinf's N-step advantage with N
+  the episode length: the Monte-Carlo advantage), labelled positive for the top 30% (RLinf's
+  `positive_quantile`): successes positive, failures negative.
 
 Deterministic for `data.demo_seed`: the same config gives byte-identical files.
 """
@@ -29,10 +37,12 @@ import numpy as np
 
 from pisft.config import PisftConfig, write_resolved
 from pisft.data.libero import ACTION_DIM, FPS, LIBERO_10_TASKS, STATE_DIM
+from pisft.data import rlinf_recap
 from pisft.data.recap_layout import RecapEpisode, write_recap_dataset
 from pisft.io import atomic_dir
 
 SIDE_TAG = "demo"
+FAILURE_REWARD = -300.0  # RLinf's recap_compute_returns.yaml
 # One distinct RGB base colour per task (the table the base camera looks at).
 _PALETTE = np.array([
     [200, 80, 70], [70, 160, 90], [80, 100, 200], [210, 180, 60], [150, 80, 180],
@@ -130,28 +140,6 @@ def _failed_episodes(rng: np.random.Generator, per_task: int, fraction: float) -
     return set(rng.choice(per_task, size=n_fail, replace=False).tolist()) if n_fail else set()
 
 
-def side_info(episodes: list[RecapEpisode]) -> None:
-    """RECAP returns and advantages: reward -1/T per step, -1 more on failure; baseline per task."""
-    for ep in episodes:
-        t = ep.length
-        reward = np.full(t, -1.0 / t, dtype=np.float64)
-        reward[-1] = 0.0 if ep.is_success[-1] else -1.0
-        ep.side["reward"] = reward
-        ep.side["return"] = np.cumsum(reward[::-1])[::-1]
-    by_task: dict[int, list[RecapEpisode]] = {}
-    for ep in episodes:
-        by_task.setdefault(ep.task_index, []).append(ep)
-    for group in by_task.values():
-        horizon = max(ep.length for ep in group)
-        sums, counts = np.zeros(horizon), np.zeros(horizon)
-        for ep in group:
-            sums[: ep.length] += ep.side["return"]
-            counts[: ep.length] += 1
-        baseline = sums / np.maximum(counts, 1)
-        for ep in group:
-            ep.side["advantage_continuous"] = ep.side["return"] - baseline[: ep.length]
-
-
 def generate(episodes_per_task: int, length: int, image_size: int, failure_fraction: float, seed: int,
              tasks: tuple[str, ...] = LIBERO_10_TASKS) -> Iterator[RecapEpisode]:
     """The demo episodes, task-major (episode_index = task * episodes_per_task + i), one at a
@@ -166,8 +154,7 @@ def generate(episodes_per_task: int, length: int, image_size: int, failure_fract
             is_failed = i in failed
             states, actions = simulate(dyn, length, ep_rng, is_failed)
             base, wrist = render(dyn, states, image_size)
-            success = np.zeros(length, dtype=bool)
-            success[-1] = not is_failed
+            success = np.full(length, not is_failed, dtype=bool)  # the outcome on every frame (RLinf)
             done = np.zeros(length, dtype=bool)
             done[-1] = True
             intervene = np.zeros(length, dtype=bool)
@@ -183,20 +170,31 @@ def generate(episodes_per_task: int, length: int, image_size: int, failure_fract
 
 
 def generate_all(*args, **kwargs) -> list[RecapEpisode]:
-    """`generate` collected, with the side-file values filled in."""
-    episodes = list(generate(*args, **kwargs))
-    side_info(episodes)
-    return episodes
+    """`generate` collected."""
+    return list(generate(*args, **kwargs))
+
+
+def label(out_dir: Path, tag: str | None = SIDE_TAG, *, length: int, dataset_name: str | None = None) -> None:
+    """RLinf's returns and advantages steps on the written dataset (see `rlinf_recap`)."""
+    rlinf_recap.compute_returns(out_dir, tag, failure_reward=FAILURE_REWARD)
+    rlinf_recap.compute_advantages(out_dir, tag, lookahead=length, dataset_name=dataset_name, decimals=9)
 
 
 def build(out_dir: Path, *, episodes_per_task: int, length: int, image_size: int, failure_fraction: float,
           seed: int, version: str = "v2.1", naming: str = "recap", video: bool = False,
-          workers: int | None = None, tasks: tuple[str, ...] = LIBERO_10_TASKS) -> None:
-    """Generate and write a demo dataset into `out_dir` (an existing empty directory)."""
+          workers: int | None = None, tasks: tuple[str, ...] = LIBERO_10_TASKS,
+          side_tag: str | None = SIDE_TAG, labelled: bool = True, success_column: str = "is_success",
+          dataset_name: str | None = None) -> None:
+    """Generate and write a demo dataset into `out_dir` (an existing empty directory).
+    `labelled`: run RLinf's returns/advantages steps with tag `side_tag` (None: untagged files);
+    `success_column`: `is_success` (RLinf's writer) or `next.success` (LeRobot's lerobot-eval;
+    RLinf's returns step needs `is_success`, so such a dataset is left unlabelled)."""
     episodes = generate(episodes_per_task, length, image_size, failure_fraction, seed, tasks)
-    write_recap_dataset(out_dir, episodes, tasks, version=version, naming=naming, video=video,
-                        side_tag=SIDE_TAG, fps=FPS, side_info=side_info,
-                        workers=workers if workers is not None else (os.cpu_count() or 1))
+    write_recap_dataset(out_dir, episodes, tasks, version=version, naming=naming, video=video, fps=FPS,
+                        workers=workers if workers is not None else (os.cpu_count() or 1),
+                        success_column=success_column)
+    if labelled and success_column == "is_success":
+        label(out_dir, side_tag, length=length, dataset_name=dataset_name or out_dir.name)
 
 
 def output_dir(cfg: PisftConfig) -> Path:
@@ -208,7 +206,8 @@ def run(cfg: PisftConfig) -> Path:
     out = output_dir(cfg)
     with atomic_dir(out) as tmp:
         build(tmp, episodes_per_task=d.demo_episodes_per_task, length=d.demo_episode_length,
-              image_size=d.demo_image_size, failure_fraction=d.demo_failure_fraction, seed=d.demo_seed)
+              image_size=d.demo_image_size, failure_fraction=d.demo_failure_fraction, seed=d.demo_seed,
+              dataset_name=out.name)
         write_resolved(cfg, tmp / "pisft_config.json")
     n = d.demo_episodes_per_task * len(LIBERO_10_TASKS)
     print(f"demo_recap: {n} episodes x {d.demo_episode_length} frames "

@@ -1,17 +1,25 @@
 """Write RECAP-format LIBERO datasets in the LeRobot on-disk layouts users bring.
 
 Used by the `demo_recap` stage (v2.1, PNG images in parquet, RECAP names) and by tests and the
-benchmark to produce the other inputs `convert_recap` reads: LeRobot v2.0 / v2.1 / v3.0, the
-RECAP or `libero_v2` naming, images as PNG-in-parquet or MP4 video, rollout columns and the
-RECAP side files `meta/returns_<tag>.parquet` and `meta/advantages_<tag>.parquet`.
+benchmark to produce the other inputs `convert_recap` reads: LeRobot v2.0 / v2.1 / v3.0, every
+LIBERO naming of `libero.NAMINGS`, images as PNG-in-parquet or MP4 video.
+
+The features are those RLinf's LeRobot writer declares for its LIBERO rollouts
+(`rlinf/data/storage/lerobot/writer.py`, `LeRobotDatasetWriter.create`, fed by
+`rlinf/envs/wrappers/collect_episode.py`), in its order: `state`, `actions`, `done`, `is_success`
+(the episode's outcome on every frame), `intervene_flag`, `segment_id` (uint8), `image`,
+`wrist_image`, then LeRobot's `timestamp`, `frame_index`, `episode_index`, `index`, `task_index`.
+With `success_column="next.success"` the rollout columns are those LeRobot's `lerobot-eval`
+records instead (`next.reward`, `next.success` true at the step of success, `next.done`).
+RLinf's labelling steps that follow (returns and advantages side files) are in `rlinf_recap`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pisft.data import images as imgs
-from pisft.data.libero import ACTION_DIM, CAMERAS, FPS, NAMINGS, ROLLOUT_COLUMNS, STATE_DIM
+from pisft.data.libero import ACTION_DIM, CAMERAS, FPS, NAMINGS, STATE_DIM, naming_columns
 
 VERSIONS = ("v2.0", "v2.1", "v3.0")
 V2_DATA_PATH = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
@@ -39,20 +47,25 @@ class RecapEpisode:
     state: np.ndarray  # (T, 8) float32
     actions: np.ndarray  # (T, 7) float32
     images: dict[str, np.ndarray]  # camera -> (T, H, W, 3) uint8
-    is_success: np.ndarray  # (T,) bool
+    is_success: np.ndarray  # (T,) bool: the episode's outcome, on every frame (as RLinf records it)
     done: np.ndarray  # (T,) bool
     intervene_flag: np.ndarray  # (T,) bool
-    side: dict[str, np.ndarray] = field(default_factory=dict)  # return, reward, advantage_continuous
+    segment_id: np.ndarray | None = None  # (T,) uint8; zeros when None
 
     @property
     def length(self) -> int:
         return int(self.state.shape[0])
 
 
-def input_features(image_shape: tuple[int, int, int], naming: str, video: bool, fps: int = FPS) -> dict:
-    """info.json `features` of a RECAP input dataset."""
-    names = NAMINGS[naming]
+SUCCESS_STYLES = ("is_success", "next.success")
+
+
+def input_features(image_shape: tuple[int, int, int], naming: str, video: bool, fps: int = FPS,
+                   success_column: str = "is_success") -> dict:
+    """info.json `features` of a RECAP input dataset (RLinf's order, see the module docstring)."""
+    names = naming_columns(naming)
     feats: dict = {}
+    cams: dict = {}
     for cam in CAMERAS:
         ft = {"dtype": "video" if video else "image", "shape": list(image_shape),
               "names": ["height", "width", "channel"]}
@@ -60,18 +73,33 @@ def input_features(image_shape: tuple[int, int, int], naming: str, video: bool, 
             ft["info"] = {"video.fps": fps, "video.height": image_shape[0], "video.width": image_shape[1],
                           "video.channels": 3, "video.codec": "h264", "video.pix_fmt": "yuv420p",
                           "video.is_depth_map": False, "has_audio": False}
-        feats[names[cam]] = ft
-    feats[names["state"]] = {"dtype": "float32", "shape": [STATE_DIM], "names": ["state"]}
-    feats[names["actions"]] = {"dtype": "float32", "shape": [ACTION_DIM], "names": ["actions"]}
+        cams[names[cam]] = ft
+    state = {"dtype": "float32", "shape": [STATE_DIM], "names": ["state"]}
+    actions = {"dtype": "float32", "shape": [ACTION_DIM], "names": ["actions"]}
+    if success_column == "is_success":  # RLinf's LeRobotDatasetWriter
+        feats[names["state"]] = state
+        feats[names["actions"]] = actions
+        for key in ("done", "is_success", "intervene_flag"):
+            feats[key] = {"dtype": "bool", "shape": [1], "names": [key]}
+        feats["segment_id"] = {"dtype": "uint8", "shape": [1], "names": ["segment_id"]}
+        feats.update(cams)
+    elif success_column == "next.success":  # LeRobot's lerobot-eval recording
+        feats.update(cams)
+        feats[names["state"]] = {**state, "names": None}
+        feats[names["actions"]] = {**actions, "names": None}
+        feats["next.reward"] = {"dtype": "float32", "shape": [1], "names": None}
+        feats["next.success"] = {"dtype": "bool", "shape": [1], "names": None}
+        feats["next.done"] = {"dtype": "bool", "shape": [1], "names": None}
+    else:
+        raise ValueError(f"success_column must be one of {SUCCESS_STYLES}, got {success_column!r}")
     for key, dtype in (("timestamp", "float32"), ("frame_index", "int64"), ("episode_index", "int64"),
                        ("index", "int64"), ("task_index", "int64")):
         feats[key] = {"dtype": dtype, "shape": [1], "names": None}
-    for key in ROLLOUT_COLUMNS:
-        feats[key] = {"dtype": "bool", "shape": [1], "names": None}
     return feats
 
 
-_ARROW_TYPES = {"float32": pa.float32(), "float64": pa.float64(), "int64": pa.int64(), "bool": pa.bool_()}
+_ARROW_TYPES = {"float32": pa.float32(), "float64": pa.float64(), "int64": pa.int64(), "bool": pa.bool_(),
+                "uint8": pa.uint8()}
 
 
 def arrow_schema(features: dict) -> pa.Schema:
@@ -137,42 +165,45 @@ def _png_column(frames: np.ndarray, pool: ThreadPoolExecutor | None) -> list[dic
     return [{"bytes": b, "path": None} for b in encoded]
 
 
+def _numeric_columns(ep: RecapEpisode, first_index: int, naming: str, fps: int) -> dict[str, np.ndarray]:
+    """Every non-image column of one episode, under its dataset name (both rollout styles)."""
+    names = naming_columns(naming)
+    t = ep.length
+    last = np.zeros(t, dtype=bool)
+    last[-1] = True
+    reached = ep.is_success.astype(bool) & last  # lerobot-eval: success at the final step
+    return {
+        names["state"]: ep.state.astype(np.float32), names["actions"]: ep.actions.astype(np.float32),
+        "done": ep.done.astype(bool), "is_success": ep.is_success.astype(bool),
+        "intervene_flag": ep.intervene_flag.astype(bool),
+        "segment_id": (ep.segment_id if ep.segment_id is not None else np.zeros(t)).astype(np.uint8),
+        "next.reward": reached.astype(np.float32), "next.success": reached, "next.done": ep.done.astype(bool),
+        "timestamp": (np.arange(t, dtype=np.float32) / np.float32(fps)).astype(np.float32),
+        "frame_index": np.arange(t, dtype=np.int64), "episode_index": np.full(t, ep.episode_index, dtype=np.int64),
+        "index": np.arange(first_index, first_index + t, dtype=np.int64),
+        "task_index": np.full(t, ep.task_index, dtype=np.int64),
+    }
+
+
 def episode_table(ep: RecapEpisode, first_index: int, features: dict, naming: str, video: bool,
                   pool: ThreadPoolExecutor | None, fps: int = FPS) -> pa.Table:
-    """The parquet rows of one episode."""
-    names = NAMINGS[naming]
-    t = ep.length
-    cols: dict[str, object] = {}
+    """The parquet rows of one episode, columns in the order of `features`."""
+    names = naming_columns(naming)
+    cols: dict[str, object] = {k: (list(v) if v.ndim > 1 else v)
+                               for k, v in _numeric_columns(ep, first_index, naming, fps).items()}
     if not video:
         for cam in CAMERAS:
             cols[names[cam]] = _png_column(ep.images[cam], pool)
-    cols[names["state"]] = list(ep.state.astype(np.float32))
-    cols[names["actions"]] = list(ep.actions.astype(np.float32))
-    cols["timestamp"] = (np.arange(t, dtype=np.float32) / np.float32(fps)).astype(np.float32)
-    cols["frame_index"] = np.arange(t, dtype=np.int64)
-    cols["episode_index"] = np.full(t, ep.episode_index, dtype=np.int64)
-    cols["index"] = np.arange(first_index, first_index + t, dtype=np.int64)
-    cols["task_index"] = np.full(t, ep.task_index, dtype=np.int64)
-    cols["is_success"] = ep.is_success.astype(bool)
-    cols["done"] = ep.done.astype(bool)
-    cols["intervene_flag"] = ep.intervene_flag.astype(bool)
     schema = arrow_schema({k: v for k, v in features.items() if v["dtype"] != "video"})
     arrays = [pa.array(cols[f.name], type=f.type) for f in schema]
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _episode_stats(ep: RecapEpisode, first_index: int, naming: str, fps: int) -> dict:
-    names = NAMINGS[naming]
-    t = ep.length
-    numeric = {
-        names["state"]: ep.state, names["actions"]: ep.actions,
-        "timestamp": np.arange(t, dtype=np.float32) / fps, "frame_index": np.arange(t),
-        "episode_index": np.full(t, ep.episode_index), "index": np.arange(first_index, first_index + t),
-        "task_index": np.full(t, ep.task_index), "is_success": ep.is_success, "done": ep.done,
-        "intervene_flag": ep.intervene_flag,
-    }
+def _episode_stats(ep: RecapEpisode, first_index: int, naming: str, fps: int, features: dict) -> dict:
+    names = naming_columns(naming)
+    numeric = _numeric_columns(ep, first_index, naming, fps)
     out = {names[cam]: simple_stats(ep.images[cam], image=True) for cam in CAMERAS}
-    out.update({k: simple_stats(v) for k, v in numeric.items()})
+    out.update({k: simple_stats(v) for k, v in numeric.items() if k in features})
     return out
 
 
@@ -184,47 +215,26 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=4) + "\n")
 
 
-def write_side_files(root: Path, episodes: Sequence[RecapEpisode], tasks: Sequence[str], tag: str) -> None:
-    """meta/returns_<tag>.parquet and meta/advantages_<tag>.parquet, one row per frame."""
-    ep_col, fr_col, ret, rew, prompt, adv_c = [], [], [], [], [], []
-    for ep in episodes:
-        t = ep.length
-        ep_col.append(np.full(t, ep.episode_index, dtype=np.int64))
-        fr_col.append(np.arange(t, dtype=np.int64))
-        ret.append(ep.side["return"].astype(np.float32))
-        rew.append(ep.side["reward"].astype(np.float32))
-        adv_c.append(ep.side["advantage_continuous"].astype(np.float32))
-        prompt.extend([tasks[ep.task_index]] * t)
-    ep_a, fr_a = np.concatenate(ep_col), np.concatenate(fr_col)
-    returns = pa.table({"episode_index": ep_a, "frame_index": fr_a, "return": np.concatenate(ret),
-                        "reward": np.concatenate(rew), "prompt": pa.array(prompt, type=pa.string())})
-    adv = np.concatenate(adv_c)
-    advantages = pa.table({"episode_index": ep_a, "frame_index": fr_a, "advantage_continuous": adv,
-                           "advantage": adv > 0})
-    pq.write_table(returns, root / "meta" / f"returns_{tag}.parquet")
-    pq.write_table(advantages, root / "meta" / f"advantages_{tag}.parquet")
-
-
 def write_recap_dataset(root: Path, episodes: Iterable[RecapEpisode], tasks: Sequence[str], *,
-                        version: str = "v2.1", naming: str = "recap", video: bool = False,
-                        side_tag: str | None = "demo", fps: int = FPS, workers: int = 0,
-                        robot_type: str = "panda",
-                        side_info: Callable[[list[RecapEpisode]], None] | None = None) -> None:
+                        version: str = "v2.1", naming: str = "recap", video: bool = False, fps: int = FPS,
+                        workers: int = 0, robot_type: str = "panda",
+                        success_column: str = "is_success") -> list[RecapEpisode]:
     """Write `episodes` under `root` (an existing empty directory) in the given layout.
 
     Episodes are written one at a time and their images released afterwards, so a large
-    dataset never sits in memory whole. `side_info(episodes)` (run after all are written, on
-    the image-less episodes) fills `ep.side` for the side files.
+    dataset never sits in memory whole. Returns the (image-less) episodes written.
     """
     if version not in VERSIONS:
         raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")
     if naming not in NAMINGS:
         raise ValueError(f"naming must be one of {tuple(NAMINGS)}, got {naming!r}")
+    if success_column not in SUCCESS_STYLES:
+        raise ValueError(f"success_column must be one of {SUCCESS_STYLES}, got {success_column!r}")
     (root / "meta").mkdir(parents=True, exist_ok=True)
     pool = ThreadPoolExecutor(max_workers=workers) if workers > 1 else None
     try:
         writer = (_V3Writer if version == "v3.0" else _V2Writer)(root, tasks, naming, video, fps, pool, version,
-                                                                 robot_type)
+                                                                 robot_type, success_column)
         written = []
         for ep in episodes:
             writer.add(ep)
@@ -234,16 +244,14 @@ def write_recap_dataset(root: Path, episodes: Iterable[RecapEpisode], tasks: Seq
     finally:
         if pool:
             pool.shutdown()
-    if side_tag:
-        if side_info is not None:
-            side_info(written)
-        write_side_files(root, written, tasks, side_tag)
+    return written
 
 
 class _V2Writer:
-    def __init__(self, root, tasks, naming, video, fps, pool, version, robot_type):
+    def __init__(self, root, tasks, naming, video, fps, pool, version, robot_type, success_column):
         self.root, self.tasks, self.naming, self.video, self.fps = root, tasks, naming, video, fps
         self.pool, self.version, self.robot_type = pool, version, robot_type
+        self.success_column = success_column
         self.first = 0
         self.ep_rows: list[dict] = []
         self.stats_rows: list[dict] = []
@@ -252,9 +260,10 @@ class _V2Writer:
         self.max_episode = 0
 
     def add(self, ep: RecapEpisode) -> None:
-        names = NAMINGS[self.naming]
+        names = naming_columns(self.naming)
         if self.features is None:
-            self.features = input_features(tuple(ep.images[CAMERAS[0]].shape[1:]), self.naming, self.video, self.fps)
+            self.features = input_features(tuple(ep.images[CAMERAS[0]].shape[1:]), self.naming, self.video,
+                                           self.fps, self.success_column)
         chunk = ep.episode_index // CHUNKS_SIZE
         path = self.root / V2_DATA_PATH.format(episode_chunk=chunk, episode_index=ep.episode_index)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -265,7 +274,7 @@ class _V2Writer:
                 vpath = self.root / V2_VIDEO_PATH.format(episode_chunk=chunk, video_key=names[cam],
                                                          episode_index=ep.episode_index)
                 imgs.encode_mp4(ep.images[cam], vpath, self.fps)
-        ep_stats = _episode_stats(ep, self.first, self.naming, self.fps)
+        ep_stats = _episode_stats(ep, self.first, self.naming, self.fps, self.features)
         self.all_stats.append(ep_stats)
         self.ep_rows.append({"episode_index": ep.episode_index, "tasks": [self.tasks[ep.task_index]],
                              "length": ep.length})
@@ -293,9 +302,10 @@ class _V2Writer:
 
 
 class _V3Writer:
-    def __init__(self, root, tasks, naming, video, fps, pool, version, robot_type):
+    def __init__(self, root, tasks, naming, video, fps, pool, version, robot_type, success_column):
         self.root, self.tasks, self.naming, self.video, self.fps = root, tasks, naming, video, fps
         self.pool, self.robot_type = pool, robot_type
+        self.success_column = success_column
         self.first = 0
         self.rows: list[dict] = []
         self.all_stats: list[dict] = []
@@ -304,10 +314,10 @@ class _V3Writer:
         self.videos: dict[str, imgs.Mp4Writer] = {}
 
     def add(self, ep: RecapEpisode) -> None:
-        names = NAMINGS[self.naming]
+        names = naming_columns(self.naming)
         if self.features is None:
             shape = tuple(ep.images[CAMERAS[0]].shape[1:])
-            self.features = input_features(shape, self.naming, self.video, self.fps)
+            self.features = input_features(shape, self.naming, self.video, self.fps, self.success_column)
             data_path = self.root / V3_DATA_PATH.format(chunk_index=0, file_index=0)
             data_path.parent.mkdir(parents=True, exist_ok=True)
             if self.video:
@@ -320,7 +330,7 @@ class _V3Writer:
         self.writer.write_table(table)
         for cam, vw in self.videos.items():
             vw.write(ep.images[cam])
-        ep_stats = _episode_stats(ep, self.first, self.naming, self.fps)
+        ep_stats = _episode_stats(ep, self.first, self.naming, self.fps, self.features)
         self.all_stats.append(ep_stats)
         row = {"episode_index": ep.episode_index, "tasks": [self.tasks[ep.task_index]], "length": ep.length,
                "data/chunk_index": 0, "data/file_index": 0, "dataset_from_index": self.first,

@@ -18,7 +18,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pisft.data import images as imgs
-from pisft.data.libero import ACTION_DIM, CAMERAS, INDEX_COLUMNS, NAMINGS, ROLLOUT_COLUMNS, STATE_DIM
+from pisft.data.libero import (
+    ACTION_DIM,
+    CAMERAS,
+    INDEX_COLUMNS,
+    INPUT_KEYS,
+    NAMINGS,
+    ROLLOUT_COLUMNS,
+    STATE_DIM,
+    SUCCESS_COLUMNS,
+)
 from pisft.errors import DataError
 
 SUPPORTED = ("v2.0", "v2.1", "v3.0")
@@ -60,17 +69,20 @@ class RecapSource:
     def __init__(self, root: Path):
         self.root = root
         self._file_cache: tuple[Path, pa.Table] | None = None
+        self.side_features: dict[str, Path] = {}
 
     # ------------------------------------------------------------------ metadata
     @classmethod
-    def open(cls, root: str | Path) -> RecapSource:
+    def open(cls, root: str | Path, columns: dict[str, str] | None = None) -> RecapSource:
+        """`columns`: `data.columns` (canonical key -> the dataset's column), overriding detection."""
         root = Path(root)
         src = cls(root)
         if not root.is_dir():
             raise DataError(f"{root}: the RECAP dataset directory does not exist; set data.recap_dir to a "
                             "LeRobot dataset root (with meta/info.json and data/)")
         src._load_info()
-        src._detect_naming()
+        src._detect_naming(dict(columns or {}))
+        src._find_side_features()
         if src.version == "v3.0":
             src._load_v3_meta()
         else:
@@ -102,19 +114,42 @@ class RecapSource:
         self.features: dict = info["features"]
         self.chunks_size = int(info.get("chunks_size", 1000))
 
-    def _detect_naming(self) -> None:
-        for naming, names in NAMINGS.items():
-            if all(n in self.features for n in names.values()):
-                self.naming = naming
-                self.names = dict(names)  # canonical -> source column
-                break
+    def _detect_naming(self, columns: dict[str, str]) -> None:
+        where = self.where(self.info_path)
+        if columns:
+            self.names = self._names_from_columns(columns)
+            self.naming = "data.columns"
         else:
-            wanted = " or ".join(f"({', '.join(n.values())})" for n in NAMINGS.values())
-            raise DataError(f"{self.where(self.info_path)}: features {sorted(self.features)} lack the LIBERO "
-                            f"columns; expected {wanted}")
-        for key in (*INDEX_COLUMNS, *ROLLOUT_COLUMNS):
+            matches: list[tuple[str, dict[str, str]]] = []
+            for naming, spec in NAMINGS.items():
+                found: dict[str, str] = {}
+                for canon, accepted in spec.items():
+                    present = [c for c in accepted if c in self.features]
+                    if len(present) != 1:
+                        break
+                    found[canon] = present[0]
+                else:
+                    if all(found != m for _, m in matches):
+                        matches.append((naming, found))
+            if not matches:
+                wanted = "; ".join(f"{name}: {', '.join(' or '.join(c) for c in spec.values())}"
+                                   for name, spec in NAMINGS.items())
+                raise DataError(f"{where}: features {sorted(self.features)} lack the LIBERO columns; known "
+                                f"namings: {wanted}. Name your columns with data.columns (image, wrist_image, "
+                                "state, actions -> the dataset's features)")
+            if len(matches) > 1:
+                listed = "; ".join(f"{n}: {m}" for n, m in matches)
+                raise DataError(f"{where}: the features fit more than one LIBERO naming ({listed}); choose the "
+                                "columns with data.columns (image, wrist_image, state, actions)")
+            self.naming, found = matches[0]
+            self.names = dict(found)  # canonical -> source column
+        for key in (*INDEX_COLUMNS, *(c for c in ROLLOUT_COLUMNS if c != "is_success")):
             if key in self.features:
                 self.names[key] = key
+        for col in SUCCESS_COLUMNS:  # is_success (RECAP, RLinf) before LeRobot's next.success
+            if col in self.features:
+                self.names["is_success"] = col
+                break
         for key in INDEX_COLUMNS:
             if key not in self.features:
                 raise DataError(f"{self.where(self.info_path)}: feature '{key}' is missing from 'features'")
@@ -137,6 +172,45 @@ class RecapSource:
                 raise DataError(
                     f"{self.where(self.info_path)}: feature '{self.names[canon]}' is {ft.get('dtype')}"
                     f"{list(ft.get('shape', []))}, expected {' or '.join(dtypes)}{list(shape)}")
+
+    def _names_from_columns(self, columns: dict[str, str]) -> dict[str, str]:
+        """data.columns, and for the keys it leaves out the one known name the dataset has."""
+        where = self.where(self.info_path)
+        names: dict[str, str] = {}
+        for canon in INPUT_KEYS:
+            if canon in columns:
+                col = columns[canon]
+                if col not in self.features:
+                    raise DataError(f"{where}: data.columns.{canon} is '{col}', which is not a feature of the "
+                                    f"dataset; features: {sorted(self.features)}")
+                names[canon] = col
+                continue
+            known = sorted({c for spec in NAMINGS.values() for c in spec[canon]
+                            if c in self.features and c not in columns.values()})
+            if len(known) != 1:
+                found = f"found {known}" if known else "none of the known names is a feature"
+                raise DataError(f"{where}: data.columns does not name the '{canon}' column and it cannot be "
+                                f"detected ({found}); add data.columns.{canon}")
+            names[canon] = known[0]
+        return names
+
+    def _find_side_features(self) -> None:
+        """Features that RLinf's `compute_returns` declares in info.json (`return`, `reward`,
+        `prompt`) while their values live in `meta/returns_<tag>.parquet` (or the untagged
+        `meta/returns.parquet`), not in the data files: feature -> the side file holding it."""
+        meta = self.root / "meta"
+        for path in sorted(meta.glob("returns*.parquet")):
+            if path.name != "returns.parquet" and not path.name.startswith("returns_"):
+                continue
+            try:
+                cols = pq.read_schema(path).names
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise DataError(f"{self.where(path)}: not a readable parquet file ({exc}); RLinf's "
+                                "compute_returns writes it: rerun it or remove the file") from None
+            used = set(self.names.values())  # what we read must be in the data files
+            for col in cols:
+                if col in self.features and col not in used:
+                    self.side_features.setdefault(col, path)
 
     @property
     def has_video(self) -> bool:
@@ -274,12 +348,15 @@ class RecapSource:
             raise DataError(f"{where}: not a readable parquet file (episode {ep.episode_index}): {exc}") from None
         declared = set(self.parquet_columns)
         present = set(schema.names)
-        missing = sorted(declared - present)
+        missing = sorted(declared - present - set(self.side_features))
         extra = sorted(present - declared)
         if missing or extra:
             parts = []
             if missing:
-                parts.append(f"declared in meta/info.json but not in the file: {missing}")
+                side = sorted(p.name for p in (self.root / "meta").glob("returns*.parquet"))
+                parts.append(f"declared in meta/info.json but not in the file: {missing} (nor in a "
+                             f"meta/returns_<tag>.parquet side file, where RLinf's compute_returns keeps "
+                             f"the features it declares; found {side or 'none'})")
             if extra:
                 parts.append(f"in the file but not declared in meta/info.json: {extra}")
             raise DataError(f"{where}: columns disagree with meta/info.json features (episode {ep.episode_index}): "

@@ -180,8 +180,10 @@ def report_markdown(metrics: dict, settings: Settings, model_dir: str) -> str:
     lines = ["# Closed-loop LIBERO evaluation", "",
              f"Model `{model_dir}`; {settings.trials_per_task} trials per task, replanning every "
              f"{settings.replan_steps} steps, {settings.num_wait_steps} wait steps, seed {settings.seed}, "
-             f"images resized to {settings.resize_size}.", "",
-             "| suite | success rate | successes / trials | episodes that crashed |", "|---|---|---|---|"]
+             f"images resized to {settings.resize_size}."]
+    if metrics.get("prompt"):
+        lines.append(f"Prompt: {metrics['prompt']['describe']}.")
+    lines += ["", "| suite | success rate | successes / trials | episodes that crashed |", "|---|---|---|---|"]
     for name, s in metrics["suites"].items():
         lines.append(f"| {name} | {s['success_rate']:.3f} | {s['successes']} / {s['trials']} | {s['errors']} |")
     lines += ["", "| suite | task | success rate | successes / trials |", "|---|---|---|---|"]
@@ -208,7 +210,8 @@ def run(cfg: config_mod.PisftConfig, *, simulator: libero_sim.Simulator | None =
     if policy is None:
         from pisft.serve.libero_policy import LiberoPolicy
 
-        policy = LiberoPolicy.from_model_dir(model_dir, device=cfg.device, seed=settings.seed)
+        policy = LiberoPolicy.from_model_dir(model_dir, device=cfg.device, seed=settings.seed,
+                                             trained_on=cfg.results("dataset"))
     start = time.monotonic()
     with atomic_dir(cfg.results(OUTPUT_DIR)) as out:
         results: list[EpisodeResult] = []
@@ -229,6 +232,9 @@ def run(cfg: config_mod.PisftConfig, *, simulator: libero_sim.Simulator | None =
         metrics = summarize(results)
         metrics["settings"] = asdict(settings)
         metrics["model_dir"] = str(model_dir)
+        cond = getattr(policy, "conditioning", None)  # LiberoPolicy: how the task is turned into the prompt
+        if cond is not None:
+            metrics["prompt"] = {**cond.to_dict(), "describe": cond.describe()}
         metrics["wall_time_s"] = time.monotonic() - start
         write_json_atomic(out / "metrics.json", metrics)
         write_text_atomic(out / "report.md", report_markdown(metrics, settings, str(model_dir)))

@@ -86,6 +86,18 @@ def build(*, metrics: dict, eval_info: dict, train_summary: dict, run_info: dict
         f"models. Intervals: {level}% percentile bootstrap over episodes "
         f"({metrics.get('bootstrap_samples', 0)} resamples, seed {eval_info['seed']})."
     )
+    held = eval_info.get("held_out")
+    if held:
+        unknown = f", {held['unknown']} of unknown outcome" if held.get("unknown") else ""
+        out += ["", f"Held-out episodes: {held['successes']} successes, {held['failures']} failures{unknown} "
+                f"(of {held['episodes']}). The error is measured against the recorded actions of every "
+                "evaluated episode, failed rollouts included (with `data.success_only: false` they are held "
+                "out and scored like demonstrations)."]
+    prompts_used = eval_info.get("prompts")
+    if prompts_used:
+        out += ["", "Prompts: " + "; ".join(
+            f"{'fine-tuned' if name == 'finetuned' else name} model: {p.get('describe')}"
+            for name, p in prompts_used.items()) + "."]
     out += ["", "| metric | base | fine-tuned | fine-tuned / base |", "|---|---|---|---|"]
     for m in METRICS:
         b, f = metrics["base"], metrics["finetuned"]
@@ -112,8 +124,10 @@ def build(*, metrics: dict, eval_info: dict, train_summary: dict, run_info: dict
     out += ["Tables behind the plots: `per_step.csv`, `per_dim.csv`, `per_task.csv`.", ""]
 
     if closed_loop:
-        out += ["## Closed-loop LIBERO success", "", "| suite | task | successes | trials | success rate |",
-                "|---|---|---|---|---|"]
+        out += ["## Closed-loop LIBERO success", ""]
+        if closed_loop.get("prompt"):
+            out += [f"Prompt: {closed_loop['prompt'].get('describe')}.", ""]
+        out += ["| suite | task | successes | trials | success rate |", "|---|---|---|---|---|"]
         for suite, entry in closed_loop.get("suites", {}).items():
             for task, t in entry.get("per_task", {}).items():
                 out.append(f"| {suite} | {task} | {t['successes']} | {t['trials']} | {_fmt(t['success_rate'], 3)} |")

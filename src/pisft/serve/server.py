@@ -150,8 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     server = PolicyServer(policy, host=args.host, port=args.port)
 
     def ready(host: str, port: int) -> None:
+        cond = getattr(policy, "conditioning", None)
+        prompt = f"; prompt: {cond.describe()}" if cond is not None else ""
         print(f"pisft serve: serving {args.model} on ws://{host}:{port} "
-              f"(openpi websocket policy protocol; GET /healthz)", flush=True)
+              f"(openpi websocket policy protocol; GET /healthz){prompt}", flush=True)
 
     async def serve_until_signalled() -> None:
         loop = asyncio.get_running_loop()

@@ -18,25 +18,31 @@ from pisft.train.sampler import SampleRef, StepSampler, sample_rng
 
 RAND_KEY = "_pisft_rand"
 Draw = Callable[[np.random.Generator], dict[str, np.ndarray]]
+Prompt = Callable[[str, np.random.Generator], str]
 
 
 class StepDataset(Dataset):
     """Wraps the train set: item(ref) = train_set[ref.index] + its random draws."""
 
-    def __init__(self, base: Dataset, seed: int, draw: Draw | None) -> None:
+    def __init__(self, base: Dataset, seed: int, draw: Draw | None,
+                 prompt: Prompt | None = None) -> None:
         self.base = base
         self.seed = seed
         self.draw = draw
+        self.prompt = prompt
 
     def __len__(self) -> int:
         return len(self.base)  # type: ignore[arg-type]
 
     def __getitem__(self, ref: SampleRef) -> dict[str, Any]:
         item = dict(self.base[ref.index])
-        if self.draw is not None:
+        if self.draw is not None or self.prompt is not None:
             rng = sample_rng(self.seed, ref)
-            item[RAND_KEY] = {k: torch.from_numpy(np.array(v, copy=True))
-                              for k, v in self.draw(rng).items()}
+            if self.draw is not None:
+                item[RAND_KEY] = {k: torch.from_numpy(np.array(v, copy=True))
+                                  for k, v in self.draw(rng).items()}
+            if self.prompt is not None:  # after the objective's draws, which stay as they were
+                item["task"] = self.prompt(item["task"], rng)
         return item
 
 
@@ -53,10 +59,11 @@ class _RankBatches:
 
 def make_loader(train_set: Dataset, sampler: StepSampler, *, rank: int, start_step: int,
                 end_step: int, seed: int, draw: Draw | None, num_workers: int,
+                prompt: Prompt | None = None,
                 collate: Callable[[list[dict]], dict] | None = None,
                 pin_memory: bool = False) -> DataLoader:
     return DataLoader(
-        StepDataset(train_set, seed, draw),
+        StepDataset(train_set, seed, draw, prompt),
         batch_sampler=_RankBatches(sampler, rank, start_step, end_step),
         num_workers=num_workers,
         collate_fn=collate or default_collate,

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from pisft.data.prompts import CONDITIONING_FILE
 from pisft.io import atomic_dir, write_json_atomic, write_manifest
 from pisft.model import lerobot_internals as internals
 from pisft.model.policy import WEIGHTS_FILE
@@ -42,6 +43,9 @@ def export_model(ctx: Any, built: Any, metrics_log: Any, summary: dict, resolved
         model_dir.mkdir()
         save_model(built.policy, model_dir, tokenizer_dir=built.base_dir / "tokenizer",
                    dataset_stats=built.stats, state_dict=full)
+        conditioning = built.dataset_dir / "meta" / CONDITIONING_FILE  # how prompts were conditioned
+        if conditioning.is_file():
+            shutil.copy2(conditioning, model_dir / CONDITIONING_FILE)
         (model_dir / "pisft_config.json").write_text(json.dumps(resolved, indent=2, sort_keys=True) + "\n")
         write_manifest(model_dir)
         shutil.copy2(metrics_log.path, tmp / "metrics.jsonl")
