@@ -133,3 +133,66 @@ def test_cli_validate_exit_codes(tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2
     assert "train.lr" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "patch, fragment",
+    [  # each of these failed only after work had started (issue 11, item 8)
+        ({"train": {"decay_lr": -1}}, "train.decay_lr"),
+        ({"train": {"decay_lr": 0.5}}, "train.decay_lr"),  # above train.lr: not a decay
+        ({"train": {"grad_clip": -1}}, "train.grad_clip"),
+        ({"train": {"grad_clip": 0}}, "train.grad_clip"),
+        ({"train": {"weight_decay": -0.1}}, "train.weight_decay"),
+        ({"train": {"num_workers": -2}}, "train.num_workers"),
+        ({"train": {"peak_flops": -1}}, "train.peak_flops"),
+        ({"data": {"demo_episode_length": 0}}, "data.demo_episode_length: must be at least 1, got 0"),
+        ({"data": {"demo_image_size": 0}}, "data.demo_image_size: must be at least 1, got 0"),
+        ({"data": {"demo_episodes_per_task": 0}}, "data.demo_episodes_per_task"),
+        ({"results_dir": "my results"}, "results_dir: 'my results' contains ' '"),
+        ({"results_dir": "res;ults"}, "results_dir"),
+    ],
+)
+def test_bad_values_are_refused_before_work_starts(tmp_path, patch, fragment):
+    with pytest.raises(C.ConfigError) as err:
+        C.load(write(tmp_path, patch))
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# only a comment\n"])
+def test_an_empty_config_file_is_refused(tmp_path, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(C.ConfigError, match="empty"):
+        C.load(path)
+    out = subprocess.run([sys.executable, "-m", "pisft", "validate", str(path)], capture_output=True, text=True)
+    assert out.returncode == 2 and "empty" in out.stderr
+
+
+def test_a_bad_config_leaves_the_previous_stage_log_alone(tmp_path):
+    log = tmp_path / "logs" / "evaluate.log"
+    log.parent.mkdir()
+    log.write_text("the previous run's log\n")
+    bad = write(tmp_path, {"results_dir": str(tmp_path), "train": {"grad_clip": -1}})
+    out = subprocess.run([sys.executable, "-m", "pisft", "evaluate", "--config", str(bad), "--log", str(log)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "train.grad_clip" in out.stderr
+    assert log.read_text() == "the previous run's log\n"
+
+
+def test_a_log_that_cannot_be_written_keeps_the_console_message(tmp_path):
+    """/dev/full: every write fails with ENOSPC (a full disk); the error still reaches the console."""
+    cfg = write(tmp_path, {"results_dir": str(tmp_path / "results")})
+    out = subprocess.run([sys.executable, "-m", "pisft", "evaluate", "--config", str(cfg), "--log", "/dev/full"],
+                         capture_output=True, text=True, timeout=300)
+    console = out.stdout + out.stderr  # the tee forwards both streams to the console's stdout
+    assert out.returncode == 2, console
+    assert "error: " in console and "not found" in console  # the stage's own message
+    assert "/dev/full could not be written" in out.stderr and "Traceback" not in console
+
+
+def test_disk_full_and_read_only_end_in_one_line(tmp_path):
+    from pisft import cli
+
+    for code, words in ((28, "no space left"), (30, "read-only filesystem")):  # ENOSPC, EROFS
+        line = cli._storage_error_line(OSError(code, "x", str(tmp_path / "results" / "f")))
+        assert words in line and str(tmp_path / "results" / "f") in line and "\n" not in line

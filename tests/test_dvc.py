@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import copy_project, run
+from conftest import BIN, copy_project, run, tool_env
 
 pytestmark = pytest.mark.integration
 
@@ -83,6 +84,9 @@ def test_fresh_clone_and_dvc_pull_does_not_make_snakemake_retrain(dvc_run, tmp_p
     clone = tmp_path / "clone"
     run(["git", "clone", "-q", str(work), str(clone)], tmp_path)
     run(["dvc", "pull"], clone)
+    # The pulled clone is up to date for DVC itself (no checkpoints there: they are no output)
+    status = run(["dvc", "status"], clone).stdout
+    assert "up to date" in status.lower(), status
     weights = clone / "results/train/model/model.safetensors"
     # .dvc/config asks for reflink, hardlink, symlink, copy: on this filesystem (no reflinks)
     # the pulled weights are a hard link into the cache, not a second copy.
@@ -125,3 +129,48 @@ def _values_at(node, path):
     elif isinstance(node, list):
         for value in node:
             yield from _values_at(value, path)
+
+
+def test_snakemake_and_dvc_repro_at_once_leave_one_trainer_and_clean_metrics(dvc_run, tmp_path):
+    """Both drivers started together on one run folder: one trains, the other is refused."""
+    work = clone_run(dvc_run, tmp_path / "w")
+    run(["snakemake", "--touch", "--cores", "1"], work)  # Snakemake adopts DVC's outputs
+    set_keys(work, {("train", "steps"): 60, ("train", "save_every"): 20})
+    assert set(re.findall(r"^rule (\w+):", run(["snakemake", "-n", "--cores", "2", "train_8card"],
+                                                 work).stdout, re.M)) == {"train_8card"}
+    commands = {"dvc": [str(BIN / "dvc"), "repro", "train_8card"],
+                "snakemake": [str(BIN / "snakemake"), "--cores", "2", "train_8card"]}
+    procs = {name: subprocess.Popen(cmd, cwd=work, env=tool_env(), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+             for name, cmd in commands.items()}
+    outs = {name: p.communicate(timeout=1800)[0] for name, p in procs.items()}
+    codes = {name: p.returncode for name, p in procs.items()}
+    losers = [name for name, code in codes.items() if code != 0]
+    assert len(losers) == 1, {n: outs[n][-3000:] for n in outs}
+    (loser,) = losers
+    assert re.search(r"in use by another trainer \(pid \d+ on host \S+, started \d{4}-", outs[loser]), \
+        outs[loser][-3000:]
+    steps = [json.loads(line)["step"] for line in
+             (work / "results/train/metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 61)), "one trainer: every step once, in order"
+
+
+def _changed_stages(work: Path) -> set[str]:
+    status = json.loads(run(["dvc", "status", "--json"], work).stdout or "{}")
+    return {name.split(":")[-1] for name in status}
+
+
+@pytest.mark.parametrize(
+    "edited, expected",
+    [
+        ("src/pisft/evaluate/report.py", {"evaluate"}),
+        ("src/pisft/train/loop.py", {"smoke_1card", "train_8card"}),  # evaluate follows their outputs
+        ("workflow/envs/cpu-cuda.lock.txt",
+         {"fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card", "evaluate"}),
+    ],
+)
+def test_dvc_sees_edited_code(dvc_run, tmp_path, edited, expected):
+    work = clone_run(dvc_run, tmp_path / "w")
+    with (work / edited).open("a") as fh:
+        fh.write("\n# edited\n")
+    assert _changed_stages(work) == expected

@@ -171,3 +171,28 @@ def test_select_episodes_round_robin():
     assert offline.select_episodes([1, 2, 3, 4, 5], tasks, 3) == [1, 2, 5]
     assert offline.select_episodes([1, 2, 3, 4, 5], tasks, 4) == [1, 2, 3, 5]
     assert offline.select_episodes([1, 2, 3, 4, 5], tasks, 0) == [1, 2, 3, 4, 5]
+
+
+STALE_CLOSED_LOOP = {"success_rate": 0.97, "suites": {"libero_10": {
+    "per_task": {"stale task": {"task_id": 0, "successes": 97, "trials": 100, "success_rate": 0.97}},
+    "successes": 97, "trials": 100, "success_rate": 0.97}}}
+
+
+def test_a_stale_closed_loop_file_never_reaches_the_report_when_closed_loop_is_off(results, evaluated):
+    """An earlier model's success rates in results/closed_loop/ must not be reported (issue 11)."""
+    stale = results / "closed_loop" / "metrics.json"
+    stale.parent.mkdir(exist_ok=True)
+    stale.write_text(json.dumps(STALE_CLOSED_LOOP))
+    try:
+        assert offline.closed_loop_results(make_cfg(results)) is None
+        offline.run(make_cfg(results))
+        text = (results / "eval" / "report.md").read_text()
+        assert "Closed-loop" not in text and "stale task" not in text
+        # with closed_loop on, the file is what the closed_loop stage just wrote: it is reported
+        on = offline.closed_loop_results(make_cfg(results, closed_loop=True))
+        assert on["success_rate"] == 0.97
+        stale.unlink()
+        with pytest.raises(PisftError, match="closed_loop is on but .* is missing"):
+            offline.closed_loop_results(make_cfg(results, closed_loop=True))
+    finally:
+        stale.unlink(missing_ok=True)

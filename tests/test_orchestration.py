@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -74,6 +75,12 @@ def _complete_checkpoints(work: Path) -> list[Path]:
     return sorted(p for p in root.glob("run-*/step_*") if p.is_dir())
 
 
+def metric_steps(work: Path) -> list[int]:
+    """The step of every line of the exported metrics, in file order."""
+    lines = (work / "results/train/metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines]
+
+
 def _training_workers(root_pid: int) -> list[psutil.Process]:
     try:
         procs = psutil.Process(root_pid).children(recursive=True)
@@ -106,7 +113,7 @@ def test_failed_training_reruns_alone_and_resumes(default_pipeline, tmp_path):
     assert re.search(r"resum\w* from .*step", log, re.I), log[-2000:]
     assert "convert_recap" not in set(JOB.findall(rerun.stdout))
     assert upstream == {p: p.stat().st_mtime for p in upstream}, "upstream outputs untouched"
-    assert len((work / "results/train/metrics.jsonl").read_text().splitlines()) == 60
+    assert metric_steps(work) == list(range(1, 61))
     run(["snakemake", "--cores", "2"], work)
     assert json.loads((work / "results/eval/metrics.json").read_text())["finetuned"]["action_mse"] > 0
 
@@ -120,12 +127,15 @@ def test_killed_snakemake_is_recovered_with_unlock_and_rerun_incomplete(default_
                             env=tool_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     _wait_for(lambda: _complete_checkpoints(work), 600, "a first checkpoint")
-    for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
-        try:
-            p.send_signal(signal.SIGKILL)  # the whole tree, Snakemake included: no clean-up at all
-        except psutil.NoSuchProcess:
-            pass
+    workers = _wait_for(lambda: [w for w in _training_workers(proc.pid)
+                                 if "torch.distributed.run" not in w.cmdline()], 60, "training workers")
+    # A power cut of the driver: SIGKILL to Snakemake's whole process group, no clean-up at all.
+    # torchrun's workers are in sessions of their own, outside that group: they must die anyway.
+    assert all(os.getpgid(w.pid) != proc.pid for w in workers)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
+    _wait_for(lambda: not [w for w in workers if w.is_running()
+                           and w.status() != psutil.STATUS_ZOMBIE], 60, "orphaned workers to die")
     assert (work / ".snakemake/incomplete").is_dir() and any((work / ".snakemake/incomplete").iterdir())
     assert not (work / "results/train/model").exists(), "outputs are atomic: nothing half-written"
     # The documented recovery, as typed in the README.
@@ -133,4 +143,21 @@ def test_killed_snakemake_is_recovered_with_unlock_and_rerun_incomplete(default_
     run(["snakemake", "--cores", "2", "--rerun-incomplete", "train_8card"], work)
     log = (work / "results/logs/train_8card.log").read_text()
     assert re.search(r"resum\w* from .*step", log, re.I), log[-2000:]
-    assert len((work / "results/train/metrics.jsonl").read_text().splitlines()) == 40
+    assert metric_steps(work) == list(range(1, 41)), "one trainer: unique, increasing steps"
+
+
+@pytest.mark.parametrize(
+    "edited, expected",
+    [
+        ("src/pisft/evaluate/report.py", {"evaluate"}),
+        ("src/pisft/train/loop.py", {"smoke_1card", "train_8card", "evaluate"}),
+        ("src/pisft/config.py", {"fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card",
+                                 "evaluate"}),
+    ],
+)
+def test_snakemake_reruns_what_runs_edited_code(default_pipeline, tmp_path, edited, expected):
+    work = clone_run(default_pipeline, tmp_path / "w")
+    assert planned_jobs(work) == set()
+    with (work / edited).open("a") as fh:
+        fh.write("\n# edited\n")
+    assert planned_jobs(work) == expected

@@ -190,8 +190,31 @@ def test_resume_on_a_different_number_of_processes(tmp_path_factory, smoke, two_
     assert summary["resumed_from"] == {"path": str(dst / "step_000005"), "step": 5, "world_size": 2}
     ref = read_jsonl(two_nodes / "train" / "metrics.jsonl")
     got = read_jsonl(res / "train" / "metrics.jsonl")
-    for ra, rb in zip(ref[5:], got[5:]):
+    steps = [r["step"] for r in ref]
+    assert [r["step"] for r in got] == steps == list(range(1, len(ref) + 1))  # none lost, none twice
+    for ra, rb in zip(ref[5:], got[5:], strict=True):
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
     wa, wb = _weights(two_nodes), _weights(res)
     for key in wa:
         torch.testing.assert_close(wb[key], wa[key], rtol=1e-4, atol=1e-5)
+
+
+def test_changed_precision_after_a_finished_run_trains_afresh(tmp_path_factory, one_process):
+    """fp32 -> bf16 after a finished run must not resume the fp32 checkpoints (issue 11)."""
+    res = results_dir(tmp_path_factory, "bf16")
+    shutil.copytree(one_process / "checkpoints", res / "checkpoints")
+    (fp32_run,) = (res / "checkpoints" / "train").glob("run-*")
+    bf16 = (*RUN, "train.nproc_per_node=1", "train.precision=bf16")
+    _ok(launch("smoke_1card", res, *bf16))
+    proc = launch("train_8card", res, *bf16)
+    _ok(proc)
+    out = proc.stdout + proc.stderr  # the workers' output comes through torchrun's stdout
+    assert "starting from step 0" in out and "resuming from" not in out, out[-3000:]
+    assert "1 earlier run(s) with other settings are kept" in out
+    summary = json.loads((res / "train" / "train_summary.json").read_text())
+    assert summary["resumed_from"] is None
+    runs = sorted((res / "checkpoints" / "train").glob("run-*"))
+    assert len(runs) == 2 and fp32_run in runs
+    assert [r["step"] for r in read_jsonl(res / "train" / "metrics.jsonl")] == list(range(1, 11))
+    fp32, got = _weights(one_process), _weights(res)
+    assert any(not torch.equal(got[k], fp32[k]) for k in fp32), "bf16 trained, not copied"

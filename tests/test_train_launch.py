@@ -130,3 +130,37 @@ def test_smoke_gate(tmp_path):
         launch.check_smoke_report(cfg)
     _write_report(cfg, passed=True)
     launch.check_smoke_report(cfg)
+
+
+def test_summary_reaches_the_console_when_the_log_cannot_be_written(tmp_path, monkeypatch, capfd):
+    """launcher.log on a full disk (/dev/full: ENOSPC on every write): output and summary survive."""
+    import sys
+
+    cfg = _cfg(tmp_path)
+    _write_report(cfg, passed=True)
+    script = f"import sys; sys.stdout.write({TORCHRUN_FAILURE!r}); sys.exit(1)"
+    monkeypatch.setattr(launch, "torchrun_command", lambda *a, **k: [sys.executable, "-c", script])
+    real = launch._run_tee
+    monkeypatch.setattr(launch, "_run_tee", lambda cmd, env, log_file: real(cmd, env, Path("/dev/full")))
+    rc = launch.main("train_8card", cfg, "c.yaml", [])
+    assert rc == 1
+    out, err = capfd.readouterr()
+    assert "exitcode  : -9" in out  # torchrun's output still on the console
+    assert "cannot write /dev/full" in err
+    assert "rank 1 (local rank 1) killed by SIGKILL" in err and "Rerun the same command" in err
+
+
+def test_thread_counts_come_from_one_place_under_either_driver(monkeypatch):
+    """Snakemake exports OMP_NUM_THREADS=<all cores>, DVC nothing: the workers see the same."""
+    snakemake = {"PATH": "/bin", "OMP_NUM_THREADS": "64", "MKL_NUM_THREADS": "64", "OPENBLAS_NUM_THREADS": "64"}
+    dvc = {"PATH": "/bin"}
+    for kind in ("cpu", "cuda", "npu"):
+        a = devices.process_env(kind, snakemake, nproc_per_node=2, force_threads=True)
+        b = devices.process_env(kind, dvc, nproc_per_node=2, force_threads=True)
+        for var in (*devices.THREAD_VARS, devices.THREADS_ENV):
+            assert a[var] == b[var] == str(devices.threads_per_process(2, dvc)), (kind, var)
+    by_hand = devices.process_env("cpu", {**snakemake, devices.THREADS_ENV: "3"}, nproc_per_node=2,
+                                  force_threads=True)
+    assert by_hand["OMP_NUM_THREADS"] == by_hand["MKL_NUM_THREADS"] == "3"
+    # inside a worker (apply_process_env) the launcher's choice is kept
+    assert devices.process_env("cpu", a)["OMP_NUM_THREADS"] == a["OMP_NUM_THREADS"]

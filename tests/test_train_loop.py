@@ -315,3 +315,125 @@ def test_checkpoint_folder_follows_the_run_settings_not_the_world_size(tmp_path)
     assert longer != base  # another schedule: a fresh run, the old one is kept
     base.mkdir(parents=True)
     assert other_runs(cfg(steps=300)) == [base]
+
+
+def _zero_64k_in_a_shard(step_dir: Path) -> Path:
+    """64 KiB of zeros written into a DCP shard, size unchanged (issue 11's silent damage)."""
+    shard = max((p for p in (step_dir / "dcp").iterdir() if p.suffix == ".distcp"),
+                key=lambda p: p.stat().st_size)
+    size = shard.stat().st_size
+    assert size > 64 * 1024 + 4096
+    with shard.open("r+b") as fh:
+        fh.seek(4096)
+        fh.write(b"\0" * 64 * 1024)
+    assert shard.stat().st_size == size
+    return shard
+
+
+def _big_toy():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 3))
+    fsdp.shard(model, init_device_mesh("cpu", (1,)), "fp32")
+    opt = optim.build_optimizer(model.parameters(), lr=1e-2, weight_decay=0.0, fused=False)
+    sched = optim.build_scheduler(opt, lr=1e-2, warmup_steps=0, decay_lr=1e-3, steps=10)
+    return model, opt, sched
+
+
+def test_checkpoint_damaged_in_place_is_skipped_for_the_previous_one(tmp_path):
+    root = tmp_path / "ckpt"
+    model, opt, sched = _big_toy()
+    mgr = _manager(root, keep_last=5)
+    for step in (2, 4):
+        mgr.save(step, model, opt, sched)
+    meta = json.loads((root / "step_000004" / "COMPLETE.json").read_text())
+    assert set(meta["sha256"]) == set(meta["files"]) and "dcp/.metadata" in meta["sha256"]
+    assert ckpt_mod.verify(root / "step_000004") is None
+    shard = _zero_64k_in_a_shard(root / "step_000004")
+    skipped = []
+    found = CheckpointManager(root, keep_last=5, rank=0, world_size=1, fingerprint={"train.lr": 0.01},
+                              config={}, log=skipped.append).find_resume()
+    assert found.step == 2  # the previous complete one
+    assert len(skipped) == 1 and "step_000004" in skipped[0] and "content damaged" in skipped[0]
+    assert shard.relative_to(root / "step_000004").as_posix() in skipped[0]
+    # sizes alone do not see it: that is why the content is hashed
+    assert ckpt_mod.verify(root / "step_000004", content=False) is None
+
+
+def test_run_stops_when_every_checkpoint_is_damaged(tmp_path):
+    root = tmp_path / "ckpt"
+    model, opt, sched = _big_toy()
+    mgr = _manager(root, keep_last=5)
+    for step in (2, 4):
+        mgr.save(step, model, opt, sched)
+    (root / ".step_000006.tmp").mkdir()  # an unfinished save is not damage
+    for step in (2, 4):
+        _zero_64k_in_a_shard(root / ckpt_mod.step_dir_name(step))
+    with pytest.raises(ckpt_mod.CheckpointsDamaged, match=r"(?s)step_000004: content damaged.*"
+                                                        r"step_000002: content damaged.*delete"):
+        mgr.find_resume()
+    # only unfinished saves (no COMPLETE.json): nothing to resume, start from step 0
+    for step in (2, 4):
+        (root / ckpt_mod.step_dir_name(step) / "COMPLETE.json").unlink()
+    assert mgr.find_resume() is None
+
+
+MATH_CHANGES = [  # every setting that changes what training computes -> a fresh run folder
+    ("train", {"precision": "bf16"}), ("train", {"steps": 300}), ("train", {"seed": 1}),
+    ("train", {"lr": 2e-3}), ("train", {"warmup_steps": 3}), ("train", {"decay_lr": 1e-5}),
+    ("train", {"weight_decay": 0.0}), ("train", {"grad_clip": 0.5}),
+    ("train", {"global_batch_size": 32}),
+    ("model", {"preset": "pi05", "source": "/models/pi05_base"}), ("model", {"source": "/models/other"}),
+    ("model", {"init_seed": 1}), ("model", {"tokenizer": "/models/tok"}),
+    ("data", {"success_only": True}), ("data", {"unconditional_prob": 0.3}),
+    ("data", {"eval_fraction": 0.3}), ("data", {"split_seed": 1}), ("data", {"image_size": 32}),
+]
+NOT_MATH = [  # how the same computation is split, observed or saved: the run resumes
+    ("train", {"nproc_per_node": 1}), ("train", {"micro_batch_size": 2}),
+    ("train", {"log_every": 1}), ("train", {"save_every": 7}), ("train", {"keep_last": 5}),
+    ("train", {"num_workers": 1}), ("train", {"tensorboard": True}), ("train", {"peak_flops": 1e12}),
+    ("train", {"activation_checkpointing": True}), ("train", {"deterministic": True}),
+    ("eval", {"batch_size": 3}), ("smoke", {"steps": 2}),
+]
+
+
+def _cfg_with(tmp_path, section=None, values=None):
+    from pisft import config as config_mod
+
+    raw = {"results_dir": str(tmp_path)}
+    if section:
+        raw[section] = values
+    return config_mod.from_dict(raw)
+
+
+@pytest.mark.parametrize("section, values", MATH_CHANGES, ids=lambda v: str(v))
+def test_a_setting_that_changes_the_math_starts_a_fresh_run(tmp_path, section, values):
+    from pisft.train.run import checkpoint_root
+
+    assert checkpoint_root(_cfg_with(tmp_path, section, values)) != checkpoint_root(_cfg_with(tmp_path))
+
+
+@pytest.mark.parametrize("section, values", NOT_MATH, ids=lambda v: str(v))
+def test_a_setting_that_keeps_the_math_resumes(tmp_path, section, values):
+    from pisft.train.run import checkpoint_root
+
+    assert checkpoint_root(_cfg_with(tmp_path, section, values)) == checkpoint_root(_cfg_with(tmp_path))
+
+
+def test_changed_input_content_starts_a_fresh_run(tmp_path):
+    from pisft.train.run import checkpoint_root
+
+    cfg = _cfg_with(tmp_path)
+    base, data = tmp_path / "base_model", tmp_path / "dataset"
+    for f, text in ((base / "MANIFEST.json", "{}"), (data / "split.json", "{}"),
+                    (data / "meta" / "prompt_conditioning.json", '{"p": 0.1}'),
+                    (data / "data" / "chunk-000" / "file-000.parquet", "x" * 10)):
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    roots = {checkpoint_root(cfg)}
+    (data / "meta" / "prompt_conditioning.json").write_text('{"p": 0.2}')
+    roots.add(checkpoint_root(cfg))
+    (data / "data" / "chunk-000" / "file-000.parquet").write_text("x" * 11)
+    roots.add(checkpoint_root(cfg))
+    (base / "MANIFEST.json").write_text('{"files": {}}')
+    roots.add(checkpoint_root(cfg))
+    assert len(roots) == 4

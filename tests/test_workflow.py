@@ -1,5 +1,6 @@
 """The DAG's single source of truth: Snakemake rules; dvc.yaml is generated from them."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import yaml
 
 from pisft.workflow import dvc_yaml
 from pisft.workflow.snakemake_rules import load_rules
-from pisft.workflow.stages import STAGE_KEYS
+from pisft.workflow.stages import STAGE_KEYS, code_deps
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ["fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card", "evaluate"]
@@ -17,10 +18,9 @@ STAGES = ["fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8ca
 
 def workflow_copy(tmp_path: Path) -> Path:
     """The workflow, config and profiles in a scratch folder (no results)."""
-    work = tmp_path / "wf"
-    for name in ("workflow", "config", "profiles"):
-        shutil.copytree(ROOT / name, work / name)
-    return work
+    from pisft.workflow import scratch
+
+    return scratch.copy_project(ROOT, tmp_path / "wf")  # with src/pisft: the stages depend on it
 
 
 def snakemake(*args, cwd=ROOT, check=True):
@@ -44,9 +44,12 @@ def test_dvc_stages_mirror_the_rules(monkeypatch):
         stage = stages[rule.name]
         assert stage["cmd"].startswith("python -m pisft ")
         assert f"--config {rule.config_file}" in stage["cmd"]
-        assert stage.get("deps", []) == rule.inputs
+        assert stage.get("deps", []) == [*rule.inputs, *rule.code]
+        # code is a dependency: the stage's package folders, the shared modules, the lock
+        assert rule.code == code_deps(rule.name, "auto") and all((ROOT / c).exists() for c in rule.code)
         assert stage["params"] == [{"config/config.yaml": list(STAGE_KEYS[rule.name])}]
-    assert {"results/checkpoints/train": {"persist": True, "cache": False}} in stages["train_8card"]["outs"]
+    # checkpoints are no DVC output: never deleted, and a fresh clone without them is not "changed"
+    assert not any("checkpoints" in json.dumps(out) for out in stages["train_8card"]["outs"])
     assert stages["evaluate"]["metrics"] == ["results/eval/metrics.json"]
     assert "results/base_model" in stages["fetch_base"]["outs"]  # tiny: small, cached
 

@@ -12,6 +12,7 @@ Tools:
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks, written to results/bench/bench.json")
     _add_config(p)
+    p.add_argument("--only", action="append", metavar="NAME",
+                   help="run only this part (pipeline, convert_recap, train_loop, train_structure; "
+                        "repeatable) and update its section of bench.json")
     return parser
 
 
@@ -100,14 +104,55 @@ def main(argv: list[str] | None = None) -> int:
 
         return server.main(argv[1:])
     args = build_parser().parse_args(argv)
-    with tee_output(getattr(args, "log", None)):
+    log = getattr(args, "log", None)
+    if log and getattr(args, "config", None) is not None:
+        # A bad config is refused before the stage log is opened: the previous run's log stays.
         try:
-            return _run(args)
-        except Exception:  # a bug, not a user error: show the traceback in the log too
-            import traceback
+            config_mod.load(args.config, args.overrides)
+        except PisftError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    try:
+        with tee_output(log):
+            try:
+                return _run(args)
+            except OSError as exc:
+                if not _is_storage_error(exc):
+                    raise
+                print(_storage_error_line(exc), file=sys.stderr)
+                return 1
+            except Exception:  # a bug, not a user error: show the traceback in the log too
+                import traceback
 
-            traceback.print_exc()
-            return 1
+                traceback.print_exc()
+                return 1
+    except OSError as exc:  # the log itself could not be opened or written
+        if not _is_storage_error(exc):
+            raise
+        print(_storage_error_line(exc), file=sys.stderr)
+        return 1
+
+
+_STORAGE_ERRNOS = {errno.ENOSPC: "no space left on the device",
+                   errno.EDQUOT: "disk quota exceeded",
+                   errno.EROFS: "read-only filesystem",
+                   errno.EACCES: "permission denied",
+                   errno.EPERM: "operation not permitted"}
+
+
+def _is_storage_error(exc: OSError) -> bool:
+    return exc.errno in _STORAGE_ERRNOS
+
+
+def _storage_error_line(exc: OSError) -> str:
+    """One line for disk full / read-only / not permitted: the path and what to do."""
+    where = exc.filename or "a file under results_dir"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        todo = ("free space there (or set results_dir to a larger disk) and rerun the same command; "
+                "finished stages and complete checkpoints are kept")
+    else:
+        todo = "make that folder writable (or set results_dir to a writable folder) and rerun"
+    return f"error: {where}: {_STORAGE_ERRNOS[exc.errno]}; {todo}"
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -137,7 +182,7 @@ def _run(args: argparse.Namespace) -> int:
             return _summary(cfg)
         if args.command == "bench":
             from pisft.bench import run as bench
-            return bench.main(cfg, args.config)
+            return bench.main(cfg, args.config, only=args.only)
     except PisftError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

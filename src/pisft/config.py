@@ -22,7 +22,7 @@ from pisft.errors import PisftError
 DEFAULT_CONFIG = Path("config/config.yaml")
 
 DEVICES = ("auto", "npu", "cuda", "cpu")
-PRESETS = ("tiny", "pi05")
+PRESETS = ("tiny", "small", "pi05")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -58,6 +58,12 @@ class DataConfig:
     success_only: bool = False
     tasks: list[str] = field(default_factory=list)
     advantage_tag: str = ""
+    # RLinf's CFG recipe for advantage prompts (used when advantage_tag is set): negative frames
+    # get the plain task; a label is dropped at random with this probability during training.
+    positive_only_conditional: bool = True
+    unconditional_prob: float = 0.1
+    # The dataset's column for image, wrist_image, state, actions when no known LIBERO naming fits.
+    columns: dict[str, str] = field(default_factory=dict)
     image_size: int = 0  # 0 keeps the input resolution
     eval_fraction: float = 0.2
     split_seed: int = 0
@@ -182,12 +188,16 @@ def nearest_key(key: str) -> str | None:
     return None
 
 
+# Keys whose value is a mapping of the user's own keys (checked by the cross-checks).
+MAPPING_KEYS = ("data.columns",)
+
+
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(node, dict):
         for k, v in node.items():
             dotted = f"{prefix}{k}"
-            if isinstance(v, dict):
+            if isinstance(v, dict) and dotted not in MAPPING_KEYS:
                 out.update(_flatten(v, dotted + "."))
             else:
                 out[dotted] = v
@@ -209,6 +219,63 @@ def _check_unknown_keys(raw: dict, source: str) -> None:
             f"{source}: unknown key '{key}'{hint_text} "
             f"(every key is listed in config/README.md)"
         )
+
+
+COLUMN_KEYS = ("image", "wrist_image", "state", "actions")
+
+
+def _data_problems(d: DataConfig) -> list[str]:
+    problems: list[str] = []
+    if not 0.0 <= d.unconditional_prob <= 1.0:
+        problems.append(f"data.unconditional_prob: must be a probability in [0, 1], got {d.unconditional_prob}")
+    tag = d.advantage_tag
+    if tag and (tag != tag.strip() or "/" in tag or "\\" in tag):
+        problems.append(f"data.advantage_tag: '{tag}' must be a bare tag (meta/advantages_<tag>.parquet) or "
+                        "the file name advantages.parquet, without spaces around it or a path")
+    for key, column in d.columns.items():
+        if key not in COLUMN_KEYS:
+            hint = difflib.get_close_matches(key, COLUMN_KEYS, n=1, cutoff=0.5)
+            problems.append(f"data.columns: unknown key '{key}'"
+                            + (f"; did you mean '{hint[0]}'?" if hint else "")
+                            + f" (keys: {', '.join(COLUMN_KEYS)})")
+        elif not isinstance(column, str) or not column.strip():
+            problems.append(f"data.columns.{key}: must name a column (feature) of the dataset, got '{column}'")
+    used = [c for k, c in d.columns.items() if k in COLUMN_KEYS]
+    dup = sorted({c for c in used if used.count(c) > 1})
+    if dup:
+        problems.append(f"data.columns: column(s) {dup} given for more than one key; each key needs its own column")
+    return problems
+
+
+# Characters that the rules' shell commands would split or interpret (paths go unquoted).
+_SHELL_UNSAFE = set(" \t\n\"'`$\\;&|<>()*?[]{}!#~")
+
+
+def _value_problems(cfg: PisftConfig) -> list[str]:
+    """Values that would only fail (or silently misbehave) after work has started."""
+    t, d = cfg.train, cfg.data
+    problems: list[str] = []
+    if not 0 <= t.decay_lr <= t.lr:
+        problems.append(f"train.decay_lr: the learning rate the schedule decays to must be in "
+                        f"[0, train.lr = {t.lr}], got {t.decay_lr}")
+    if not t.grad_clip > 0:
+        problems.append(f"train.grad_clip: the gradient-norm limit must be > 0, got {t.grad_clip}")
+    if t.weight_decay < 0:
+        problems.append(f"train.weight_decay: must be >= 0, got {t.weight_decay}")
+    if t.num_workers < 0:
+        problems.append(f"train.num_workers: data-loader processes must be >= 0, got {t.num_workers}")
+    if t.peak_flops < 0:
+        problems.append(f"train.peak_flops: must be 0 (use the table) or a positive FLOP/s, got {t.peak_flops}")
+    for key in ("demo_episodes_per_task", "demo_episode_length", "demo_image_size"):
+        if getattr(d, key) < 1:
+            problems.append(f"data.{key}: must be at least 1, got {getattr(d, key)}")
+    bad = sorted({c for c in cfg.results_dir if c in _SHELL_UNSAFE})
+    if not cfg.results_dir.strip() or bad:
+        problems.append(f"results_dir: '{cfg.results_dir}' "
+                        + (f"contains {' '.join(repr(c) for c in bad)}; " if bad else "is empty; ")
+                        + "the workflow passes paths to shell commands unquoted: pick a path "
+                        "without spaces or shell characters (or a symlink to it)")
+    return problems
 
 
 def _cross_check(cfg: PisftConfig, source: str) -> None:
@@ -245,8 +312,10 @@ def _cross_check(cfg: PisftConfig, source: str) -> None:
         problems.append("data.demo_failure_fraction: must be in [0, 1)")
     if cfg.data.image_size < 0:
         problems.append("data.image_size: must be 0 (keep) or a positive size in pixels")
+    problems.extend(_data_problems(cfg.data))
     if t.warmup_steps < 0 or t.lr <= 0:
         problems.append("train.lr must be > 0 and train.warmup_steps >= 0")
+    problems.extend(_value_problems(cfg))
     e = cfg.eval
     for key in ("batch_size", "frame_stride", "trials_per_task", "replan_steps", "resize_size"):
         if getattr(e, key) < 1:
@@ -270,6 +339,8 @@ def from_dict(raw: dict | None, source: str = "<config>") -> PisftConfig:
     _check_unknown_keys(raw, source)
     schema = OmegaConf.structured(PisftConfig)
     OmegaConf.set_struct(schema, True)
+    for dotted in MAPPING_KEYS:  # the user's own keys (validated by the cross-checks)
+        OmegaConf.set_struct(OmegaConf.select(schema, dotted), False)
     try:
         merged = OmegaConf.merge(schema, OmegaConf.create(raw))
     except ConfigKeyError as exc:  # pragma: no cover - caught by _check_unknown_keys first
@@ -294,9 +365,12 @@ def load(path: str | Path = DEFAULT_CONFIG, overrides: list[str] | None = None) 
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found; pass --config PATH (default {DEFAULT_CONFIG})")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if raw is None:
+        raise ConfigError(f"{path}: the config file is empty (or only comments): a run on code "
+                          f"defaults is not what was meant; start from {DEFAULT_CONFIG}")
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override '{item}': expected KEY=VALUE, e.g. train.steps=10")

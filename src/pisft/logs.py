@@ -28,11 +28,20 @@ def tee_output(log_path: str | Path | None) -> Iterator[None]:
     read_fd, write_fd = os.pipe()
     log = open(log_path, "wb")  # noqa: SIM115 - closed by the pump thread's owner below
 
+    failed: list[OSError] = []
+
     def pump() -> None:
+        # The console always gets everything; a log that cannot be written (disk full, a
+        # folder gone read-only) is given up with one warning at the end, never the output.
         while chunk := os.read(read_fd, 65536):
             os.write(saved_out, chunk)
-            log.write(chunk)
-            log.flush()
+            if failed:
+                continue
+            try:
+                log.write(chunk)
+                log.flush()
+            except OSError as exc:
+                failed.append(exc)
 
     thread = threading.Thread(target=pump, name="pisft-log-tee", daemon=True)
     thread.start()
@@ -48,6 +57,13 @@ def tee_output(log_path: str | Path | None) -> Iterator[None]:
         os.dup2(saved_err, 2)
         thread.join(timeout=30)
         os.close(read_fd)
+        try:
+            log.close()
+        except OSError as exc:
+            failed.append(exc)
+        if failed:
+            os.write(saved_err, f"warning: the log {log_path} could not be written "
+                                f"({failed[0].strerror}); the console output above is complete\n"
+                     .encode())
         os.close(saved_out)
         os.close(saved_err)
-        log.close()

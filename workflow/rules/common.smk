@@ -22,3 +22,13 @@ BENCH = f"{RESULTS}/benchmarks"
 def tracked(stage):
     """The config sections `stage` reads; a change in any of them reruns it."""
     return support.tracked_params(config, stage)
+
+
+def code(stage):
+    """The source `stage` runs and the dependency lock (DVC deps: folders)."""
+    return support.stage_code(CFG, stage)
+
+
+def code_files(stage):
+    """The same as files: editing the code reruns the stage."""
+    return support.stage_code_files(CFG, stage)

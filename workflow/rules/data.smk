@@ -1,6 +1,8 @@
 if CFG.uses_demo_data:
 
     rule demo_recap:
+        input:
+            code_files("demo_recap"),
         output:
             directory(CFG.data.recap_dir),
         log:
@@ -8,6 +10,7 @@ if CFG.uses_demo_data:
         benchmark:
             f"{BENCH}/demo_recap.tsv"
         params:
+            code=code("demo_recap"),
             config=CONFIG_FILE,
             tracked=tracked("demo_recap"),
         shell:
@@ -16,6 +19,7 @@ if CFG.uses_demo_data:
 
 rule convert_recap:
     input:
+        *code_files("convert_recap"),
         CFG.data.recap_dir,
     output:
         directory(f"{RESULTS}/dataset"),
@@ -24,6 +28,7 @@ rule convert_recap:
     benchmark:
         f"{BENCH}/convert_recap.tsv"
     params:
+        code=code("convert_recap"),
         config=CONFIG_FILE,
         tracked=tracked("convert_recap"),
     shell:

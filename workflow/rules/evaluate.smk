@@ -2,6 +2,7 @@ if CFG.eval.closed_loop:
 
     rule closed_loop:
         input:
+            *code_files("closed_loop"),
             f"{RESULTS}/train/model",
         output:
             metrics=f"{RESULTS}/closed_loop/metrics.json",
@@ -10,6 +11,7 @@ if CFG.eval.closed_loop:
         benchmark:
             f"{BENCH}/closed_loop.tsv"
         params:
+            code=code("closed_loop"),
             config=CONFIG_FILE,
             tracked=tracked("closed_loop"),
         shell:
@@ -18,6 +20,7 @@ if CFG.eval.closed_loop:
 
 rule evaluate:
     input:
+        *code_files("evaluate"),
         f"{RESULTS}/base_model",
         f"{RESULTS}/dataset",
         f"{RESULTS}/train/model",
@@ -59,6 +62,7 @@ rule evaluate:
     benchmark:
         f"{BENCH}/evaluate.tsv"
     params:
+        code=code("evaluate"),
         config=CONFIG_FILE,
         tracked=tracked("evaluate"),
         # How `dvc plots show` draws the CSV tables (read by `python -m pisft dvc-yaml`).

@@ -1,5 +1,6 @@
 rule fetch_base:
     input:
+        *code_files("fetch_base"),
         support.model_source_inputs(CFG),
     output:
         directory(f"{RESULTS}/base_model"),
@@ -8,6 +9,7 @@ rule fetch_base:
     benchmark:
         f"{BENCH}/fetch_base.tsv"
     params:
+        code=code("fetch_base"),
         config=CONFIG_FILE,
         tracked=tracked("fetch_base"),
         # Weights linked from a local or hub source are not cached by DVC a second time.

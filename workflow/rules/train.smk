@@ -5,6 +5,7 @@
 
 rule smoke_1card:
     input:
+        *code_files("smoke_1card"),
         f"{RESULTS}/base_model",
         f"{RESULTS}/dataset",
     output:
@@ -17,6 +18,7 @@ rule smoke_1card:
     resources:
         **support.accelerator_resources(CFG, 1),
     params:
+        code=code("smoke_1card"),
         config=CONFIG_FILE,
         tracked=tracked("smoke_1card"),
     shell:
@@ -25,6 +27,7 @@ rule smoke_1card:
 
 rule train_8card:
     input:
+        *code_files("train_8card"),
         f"{RESULTS}/base_model",
         f"{RESULTS}/dataset",
         f"{RESULTS}/smoke/report.json",
@@ -39,8 +42,8 @@ rule train_8card:
     resources:
         **support.accelerator_resources(CFG, CFG.train.nproc_per_node),
     params:
+        code=code("train_8card"),
         config=CONFIG_FILE,
         tracked=tracked("train_8card"),
-        persist=f"{RESULTS}/checkpoints/train",
     shell:
         "python -m pisft launch train_8card --config {params.config} --log {log}"

@@ -8,6 +8,11 @@ dataset's chunk of the next `chunk_size` actions; steps past the episode's end a
 left out. The flow-matching noise of a frame is fixed by (eval.seed, episode, frame), the same
 for both models, so the comparison is paired and a rerun gives the same figures.
 
+Prompts: each model gets the task instruction the way it is meant to be prompted
+(`pisft.data.prompts.for_model`): the base model the plain task; a model fine-tuned with
+advantage-conditioned prompts (`data.advantage_tag`) RLinf's positive prompt
+`"<task>\nAdvantage: positive"` — never the per-frame labels the dataset stores for training.
+
 Writes `results/eval/` atomically:
   metrics.json     base / finetuned sections (action_mse, action_l1, their `_norm` variants,
                    bootstrap intervals, per task), comparison ratios, improvement (DVC metrics)
@@ -31,7 +36,7 @@ import torch
 
 from pisft import config as config_mod
 from pisft import device as device_mod
-from pisft.errors import DataError, ModelLoadError
+from pisft.errors import DataError, ModelLoadError, PisftError
 from pisft.evaluate import closed_loop as closed_loop_mod
 from pisft.evaluate import plots, report, run_info, summary, train_log
 from pisft.evaluate.action_error import ErrorAccumulator
@@ -89,6 +94,7 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
     from torch.utils.data import DataLoader, Subset
 
     from pisft.data import dataset as data
+    from pisft.data import prompts
 
     dataset_dir = cfg.results("dataset")
     model_dirs = {"base": cfg.results("base_model"), "finetuned": cfg.results("train", "model")}
@@ -110,6 +116,8 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
     q01 = np.asarray(stats["action"]["q01"], dtype=np.float64)
     q99 = np.asarray(stats["action"]["q99"], dtype=np.float64)
 
+    conditioning = {"base": prompts.for_model(model_dirs["base"]),
+                    "finetuned": prompts.for_model(model_dirs["finetuned"], trained_on=dataset_dir)}
     tasks = data.episode_tasks(dataset_dir)
     eval_eps = data.split_episodes(dataset_dir)["eval"]
     if not eval_eps:
@@ -132,7 +140,8 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
         target_norm = quantile_normalize(target_raw, q01, q99)
         batch_tasks = [tasks.get(e, t) for e, t in zip(ep_ids, batch["task"], strict=True)]
         for name, predictor in predictors.items():
-            pred_raw = predictor.predict(batch, noise).to(torch.float64).numpy()
+            prompted = {**batch, "task": [conditioning[name].inference_prompt(t) for t in batch_tasks]}
+            pred_raw = predictor.predict(prompted, noise).to(torch.float64).numpy()
             accs[name].add(episodes=ep_ids, tasks=batch_tasks, pred_norm=quantile_normalize(pred_raw, q01, q99),
                            target_norm=target_norm, pred_raw=pred_raw, target_raw=target_raw,
                            is_pad=batch["action_is_pad"])
@@ -157,9 +166,28 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
         "models": {name: str(d) for name, d in model_dirs.items()},
         "normalisation_stats": {name: ("model" if (d / STATS_FILE).is_file() else "dataset")
                                 for name, d in model_dirs.items()},
+        "prompts": {name: {**c.to_dict(), "describe": c.describe()} for name, c in conditioning.items()},
+        # successes and failures among the evaluated held-out episodes (failed rollouts are held
+        # out too when data.success_only is false, and scored like demonstrations)
+        "held_out": data.outcome_counts(dataset_dir, episodes),
         "wall_time_s": time.monotonic() - start,
     }
     return metrics, accs, info
+
+
+def closed_loop_results(cfg: config_mod.PisftConfig) -> dict | None:
+    """The closed-loop success rates for the report, only when eval.closed_loop is on.
+
+    With it off, a results/closed_loop/metrics.json left by an earlier run (an earlier model)
+    is ignored: the report never shows numbers this run did not make.
+    """
+    if not cfg.eval.closed_loop:
+        return None
+    path = cfg.results(closed_loop_mod.OUTPUT_DIR, "metrics.json")
+    if not path.is_file():
+        raise PisftError(f"evaluate: eval.closed_loop is on but {path} is missing; run the "
+                         "`closed_loop` stage first (snakemake/dvc repro run it before evaluate)")
+    return json.loads(path.read_text())
 
 
 def run(cfg: config_mod.PisftConfig) -> dict:
@@ -167,10 +195,7 @@ def run(cfg: config_mod.PisftConfig) -> dict:
     metrics, accs, info = evaluate_models(cfg)
     results_dir = Path(cfg.results_dir)
     records = train_log.read_metrics(cfg.results("train", "metrics.jsonl"))
-    closed = None
-    closed_path = cfg.results(closed_loop_mod.OUTPUT_DIR, "metrics.json")
-    if closed_path.is_file():
-        closed = json.loads(closed_path.read_text())
+    closed = closed_loop_results(cfg)
     with atomic_dir(cfg.results("eval")) as out:
         write_json_atomic(out / "metrics.json", metrics)
         write_text_atomic(out / "per_step.csv", summary.per_step_csv(accs))

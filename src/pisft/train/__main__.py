@@ -27,6 +27,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 @record
 def main(argv: list[str] | None = None) -> int:
+    from pisft.train.guard import worker_dies_with_agent
+
+    worker_dies_with_agent()  # an orphan of a killed launcher must not train (see guard.py)
     args = _parse(argv)
     rank = os.environ.get("RANK", "0")
     try:

@@ -26,6 +26,7 @@ from pathlib import Path
 from pisft import device as devices
 from pisft.config import PisftConfig
 from pisft.errors import PisftError
+from pisft.train import guard
 
 # Settings of the smoke run that must match the training run for its report to be meaningful.
 SMOKE_MUST_MATCH = ("device", "model.source", "model.preset", "train.micro_batch_size",
@@ -125,31 +126,79 @@ def _describe_exit(code: str) -> str:
 
 
 def _latest_checkpoint(cfg: PisftConfig) -> str:
-    from pisft.train.checkpoint import latest_complete
+    from pisft.train.checkpoint import CheckpointsDamaged, latest_complete
     from pisft.train.run import checkpoint_root
 
-    found = latest_complete(checkpoint_root(cfg), log=lambda _msg: None)
+    try:  # sizes only: the trainer checks the content before it resumes
+        found = latest_complete(checkpoint_root(cfg), log=lambda _msg: None, content=False)
+    except CheckpointsDamaged as exc:
+        return str(exc)
     if found is None:
         return "no complete checkpoint yet: a rerun starts from step 0"
     return f"latest complete checkpoint: {found.path} (step {found.step}); a rerun resumes from it"
 
 
+class _NoLog:
+    """Stands in for a log file that could not be opened: the console still gets everything."""
+
+    def write(self, _text: str) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def _open_log(path: Path):
+    try:
+        return path.open("w")
+    except OSError as exc:
+        print(f"[launch] warning: cannot open {path} ({exc.strerror}); output goes to the "
+              "console only", file=sys.stderr, flush=True)
+        return _NoLog()
+
+
 def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path) -> tuple[int, str]:
+    """Run torchrun, copying its output to the console and `log_file`.
+
+    torchrun's agent gets SIGTERM when this launcher dies (it then stops its workers), and each
+    worker gets SIGKILL when the agent dies (`pisft.train.guard`): a killed driver leaves no
+    orphaned trainer behind.
+    """
     lines: list[str] = []
-    with log_file.open("w") as log, subprocess.Popen(
+    me = os.getpid()
+    log = _open_log(log_file)
+    guard._prctl()  # loaded here, not in the forked child
+    env = {**env, guard.LAUNCHER_PID_ENV: str(me)}
+    with subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            bufsize=1) as proc:
+            bufsize=1, preexec_fn=lambda: guard.die_with_parent(signal.SIGTERM, me)) as proc:
         assert proc.stdout is not None
+        log_ok = True
         try:
             for line in proc.stdout:
                 sys.stdout.write(line)
                 sys.stdout.flush()
-                log.write(line)
                 lines.append(line)
+                if log_ok:  # a full disk loses the log file, never the console or the summary
+                    try:
+                        log.write(line)
+                        log.flush()
+                    except OSError as exc:
+                        log_ok = False
+                        print(f"[launch] warning: cannot write {log_file} ({exc.strerror}); "
+                              "output continues on the console", file=sys.stderr, flush=True)
         except KeyboardInterrupt:
             proc.send_signal(signal.SIGINT)
             proc.wait()
             raise
+        finally:
+            try:
+                log.close()
+            except OSError:
+                pass
         rc = proc.wait()
     return rc, "".join(lines)
 
@@ -168,7 +217,7 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
     log_dir = cfg.results("logs", stage, stamp)
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = torchrun_command(stage, cfg, config_path, overrides, log_dir)
-    env = devices.process_env(kind, nproc_per_node=nproc)
+    env = devices.process_env(kind, nproc_per_node=nproc, force_threads=True)
     print(f"[launch] {stage}: {nproc} process(es) × {cfg.train.nnodes if stage == 'train_8card' else 1} "
           f"node(s) on {kind}; logs in {log_dir}", file=sys.stderr, flush=True)
     rc, output = _run_tee(cmd, env, log_dir / "launcher.log")

@@ -59,17 +59,27 @@ class MetricsLog:
         self.path = Path(path)
 
     def reset(self, keep_upto_step: int) -> None:
-        """Keep the lines of steps <= keep_upto_step (those a resumed run does not redo)."""
-        kept: list[str] = []
+        """Keep the lines of steps <= keep_upto_step (those a resumed run does not redo).
+
+        What is kept has unique, increasing steps 1..keep_upto_step at most: lines past the
+        checkpoint (the steps the resumed run redoes) go, a line cut by a crash and everything
+        after it go, and should the file ever hold a step twice, the later line wins.
+        """
+        by_step: dict[int, str] = {}
         if self.path.is_file():
             for line in self.path.read_text().splitlines():
+                if not line.strip():
+                    continue
                 try:
-                    if json.loads(line).get("step", math.inf) <= keep_upto_step:
-                        kept.append(line)
-                except json.JSONDecodeError:
+                    step = json.loads(line).get("step")
+                except (json.JSONDecodeError, AttributeError):
                     break  # a line cut by a crash: drop it and everything after
+                if isinstance(step, int) and 0 < step <= keep_upto_step:
+                    by_step[step] = line
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("".join(line + "\n" for line in kept))
+        from pisft.io import write_text_atomic
+
+        write_text_atomic(self.path, "".join(by_step[k] + "\n" for k in sorted(by_step)))
 
     def append(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as fh:

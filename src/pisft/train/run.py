@@ -16,8 +16,17 @@ from pisft.train.checkpoint import CheckpointManager
 from pisft.train.data import make_loader
 from pisft.train.export import export_model
 from pisft.train.fsdp import sharding_report
+from pisft.train.guard import RunLock, RunLockHeld
 from pisft.train.metrics import MetricsLog, Progress, TensorBoardSink
-from pisft.train.stage import Context, build, env_summary, make_sampler, peak_flops, run_fingerprint
+from pisft.train.stage import (
+    Context,
+    _require_inputs,
+    build,
+    env_summary,
+    make_sampler,
+    peak_flops,
+    run_fingerprint,
+)
 
 CHECKPOINT_SUBDIR = ("checkpoints", "train")
 
@@ -25,8 +34,9 @@ CHECKPOINT_SUBDIR = ("checkpoints", "train")
 def checkpoint_root(cfg) -> Path:
     """Checkpoints of this run: one folder per run fingerprint under results/checkpoints/train.
 
-    The same settings resume from their folder; settings that change what training does
-    (steps, lr schedule, seed, batch, base model, data) start a fresh run in a new folder, and
+    The same settings resume from their folder; settings that change what training computes
+    (`run_fingerprint`: steps, lr schedule, seed, batch, precision, model and data settings, the
+    content of the base model and of the dataset) start a fresh run in a new folder, and
     the checkpoints of the earlier run stay where they are (nothing is lost; delete them to
     free space). The world size is not part of the fingerprint: a run resumes on any number of
     processes.
@@ -47,15 +57,44 @@ def other_runs(cfg) -> list[Path]:
 def run_training(ctx: Context) -> int:
     cfg = ctx.cfg
     t_start = time.perf_counter()
-    built = build(ctx)
-    t = cfg.train
-    scheduler = optim.build_scheduler(built.optimizer, lr=t.lr, warmup_steps=t.warmup_steps,
-                                      decay_lr=t.decay_lr, steps=t.steps)
-    resolved = config_mod.resolved(cfg)
+    _require_inputs(cfg, ctx.stage)  # the fingerprint (hence the run folder) reads them
     ckpt_root = checkpoint_root(cfg)
-    ckpt = CheckpointManager(ckpt_root, keep_last=t.keep_last, rank=ctx.rank,
-                             world_size=ctx.world_size, fingerprint=run_fingerprint(cfg),
-                             config=resolved, log=ctx.log)
+    # Locked before anything in the folder is read or written, and before the (slow) model load,
+    # so a second trainer stops at once; held until this process ends.
+    lock = _lock_run_folder(ctx, ckpt_root)
+    try:
+        built = build(ctx)
+        t = cfg.train
+        scheduler = optim.build_scheduler(built.optimizer, lr=t.lr, warmup_steps=t.warmup_steps,
+                                          decay_lr=t.decay_lr, steps=t.steps)
+        resolved = config_mod.resolved(cfg)
+        ckpt = CheckpointManager(ckpt_root, keep_last=t.keep_last, rank=ctx.rank,
+                                 world_size=ctx.world_size, fingerprint=run_fingerprint(cfg),
+                                 config=resolved, log=ctx.log)
+        return _train(ctx, built, scheduler, resolved, ckpt_root, ckpt, t_start)
+    finally:
+        lock.release()
+
+
+def _lock_run_folder(ctx: Context, ckpt_root: Path) -> RunLock:
+    """Rank 0 holds the run folder's lock for the whole run; every rank stops if it is taken."""
+    lock = RunLock(ckpt_root)
+    problem: list[str | None] = [None]
+    if ctx.is_main:
+        try:
+            lock.acquire(ctx.stage)
+        except RunLockHeld as exc:
+            problem[0] = str(exc)
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise RunLockHeld(problem[0] if ctx.is_main else "rank 0 found the run folder in use")
+    return lock
+
+
+def _train(ctx: Context, built, scheduler, resolved: dict, ckpt_root: Path,
+           ckpt: CheckpointManager, t_start: float) -> int:
+    cfg = ctx.cfg
+    t = cfg.train
     start_step = 0
     resumed_from = None
     found = ckpt.find_resume()
@@ -79,7 +118,8 @@ def run_training(ctx: Context) -> int:
     sampler = make_sampler(cfg, built.train_set, ctx.world_size)
     loader = make_loader(built.train_set, sampler, rank=ctx.rank, start_step=start_step,
                          end_step=t.steps, seed=t.seed, draw=built.task.draw,
-                         num_workers=t.num_workers, pin_memory=ctx.info.kind != "cpu")
+                         num_workers=t.num_workers, prompt=built.prompt,
+                         pin_memory=ctx.info.kind != "cpu")
     peak, peak_source = peak_flops(ctx)
     ctx.log(f"{ctx.world_size} process(es) on {ctx.info.kind} ({ctx.info.name}), "
             f"micro batch {t.micro_batch_size} × accumulation {cfg.grad_accum_steps} × "

@@ -69,7 +69,8 @@ def _estimate(cfg: Any) -> Any:
     for n in sorted({1, cfg.world_size}):
         try:
             est = estimate_memory(cfg, world_size=n)
-            out[str(n)] = {"total_bytes": est["total_bytes"], "bytes": est["bytes"]}
+            out[str(n)] = {"total_bytes": est["total_bytes"], "bytes": est["bytes"],
+                           "state_bytes": est["state_bytes"]}
         except Exception as exc:  # an estimate is informative only
             out[str(n)] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
@@ -151,7 +152,7 @@ def run_smoke(ctx: Context) -> int:
             built.optimizer = SignDescent(built.policy.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         sampler = make_sampler(cfg, built.train_set, 1)
         first = sampler.micro_batch(0, 0, 0)  # the first micro-batch of the real run
-        ds = StepDataset(built.train_set, t.seed, built.task.draw)
+        ds = StepDataset(built.train_set, t.seed, built.task.draw, built.prompt)
         from torch.utils.data import default_collate
 
         fixed = default_collate([ds[ref] for ref in first])
@@ -208,7 +209,7 @@ def run_smoke(ctx: Context) -> int:
         one = report["peak_memory_bytes"]
         if isinstance(built.optimizer, SignDescent):
             # AdamW's two fp32 moments per parameter that receives a gradient, not measured here.
-            trained = (report["estimate"] or {}).get("1", {}).get("bytes", {}).get("grads")
+            trained = (report["estimate"] or {}).get("1", {}).get("state_bytes", {}).get("grads")
             adam = 2 * trained if trained else 8 * sum(p.numel() for p in built.policy.parameters()
                                                        if p.requires_grad)
             report["adamw_state_bytes_analytic"] = int(adam)

@@ -58,9 +58,16 @@ class Built:
     optimizer: torch.optim.Optimizer
     base_dir: Path
     dataset_dir: Path
+    prompt: Any = None  # the training prompt of a sample (advantage conditioning), or None
 
 
-def _sha256_of(paths: list[Path]) -> str | None:
+def _sha256_of(paths: list[Path], listed: list[Path] = ()) -> str | None:
+    """sha256 over the content of `paths` and the names and sizes of the files under `listed`.
+
+    The dataset's bulk (parquet/video files, possibly many GB) enters by name and size only:
+    any change in its content also changes meta/stats.json (statistics over every frame),
+    which is hashed in full. Hashing it all would cost minutes per start at LIBERO size.
+    """
     h = hashlib.sha256()
     seen = False
     for p in paths:
@@ -68,28 +75,56 @@ def _sha256_of(paths: list[Path]) -> str | None:
             h.update(p.name.encode())
             h.update(p.read_bytes())
             seen = True
+    for folder in listed:
+        for f in sorted(folder.rglob("*")) if folder.is_dir() else ():
+            if f.is_file():
+                h.update(f"{f.relative_to(folder.parent).as_posix()}:{f.stat().st_size}".encode())
+                seen = True
     return h.hexdigest() if seen else None
 
 
+# Settings that change what training computes, beyond the files hashed above. Not in it (a run
+# resumes across them): the world size and everything that only splits the same computation
+# differently (train.nproc_per_node, nnodes, micro_batch_size -> accumulation; the global batch
+# is in), the device, how often values are fetched or saved (log_every, save_every, keep_last),
+# data-loader workers (each sample is drawn from (seed, step, position), not from worker order),
+# peak_flops, tensorboard, deterministic (kernel choice, not the math) and activation
+# checkpointing (recomputes the same forward with the same RNG state: same values).
+# `model` and `data` enter whole (a key added there is covered by default), except the data
+# path (its content is hashed) and the demo generator's keys (they only make the input data).
+FINGERPRINT_SECTIONS = ("model", "data")
+FINGERPRINT_EXCLUDED = ("data.recap_dir", "data.demo_")
+FINGERPRINT_KEYS = (
+    "train.global_batch_size", "train.steps", "train.seed", "train.lr", "train.warmup_steps",
+    "train.decay_lr", "train.weight_decay", "train.grad_clip", "train.precision",
+)
+
+
 def run_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
-    """What a checkpoint must share with the current run to be resumed (world size excluded)."""
-    t = cfg.train
+    """What a checkpoint must share with the current run to be resumed (world size excluded).
+
+    Every setting that changes what training computes (FINGERPRINT_SECTIONS, FINGERPRINT_KEYS)
+    and the content of
+    its inputs: the base model (its sha256 MANIFEST: weights, tokenizer, config) and the
+    dataset (split, features, statistics, prompt conditioning, episode index, data files).
+    """
+    from pisft.config import to_dict
+    from pisft.workflow.stages import lookup
+
     base = cfg.results("base_model")
     data = cfg.results("dataset")
+    values = to_dict(cfg)
+    sections = {f"{section}.{key}": value for section in FINGERPRINT_SECTIONS
+                for key, value in values[section].items()
+                if not f"{section}.{key}".startswith(FINGERPRINT_EXCLUDED)}
     return {
-        "model.source": cfg.model.source,
-        "model.preset": cfg.model.preset,
+        **sections,
+        **{key: lookup(values, key) for key in FINGERPRINT_KEYS},
         "base_model": _sha256_of([base / "MANIFEST.json", base / "config.json"]),
         "dataset": _sha256_of([data / "split.json", data / "meta" / "info.json",
-                               data / "meta" / "stats.json"]),
-        "train.global_batch_size": t.global_batch_size,
-        "train.steps": t.steps,
-        "train.seed": t.seed,
-        "train.lr": t.lr,
-        "train.warmup_steps": t.warmup_steps,
-        "train.decay_lr": t.decay_lr,
-        "train.weight_decay": t.weight_decay,
-        "train.grad_clip": t.grad_clip,
+                               data / "meta" / "stats.json", data / "meta" / "prompt_conditioning.json",
+                               data / "meta" / "tasks.parquet"],
+                              listed=[data / "data", data / "meta" / "episodes", data / "videos"]),
     }
 
 
@@ -126,7 +161,10 @@ def build(ctx: Context) -> Built:
                                       weight_decay=cfg.train.weight_decay,
                                       fused=devices.fused_adamw_supported(ctx.info.kind))
     task = PolicyTask(policy, pre, ctx.info.device, cfg.train.precision)
-    return Built(policy, task, train_set, stats, units, optimizer, base, data)
+    from pisft.data.prompts import training_prompt_fn
+
+    return Built(policy, task, train_set, stats, units, optimizer, base, data,
+                 prompt=training_prompt_fn(data))
 
 
 def setup_process(cfg: PisftConfig, stage: str) -> Context:

@@ -9,8 +9,11 @@ them) except where a rule says otherwise. Conventions read from the rules:
 - `params.dvc_uncached` outputs are outs with `cache: false` (base weights linked from a local
   multi-GB source: the source is the copy of record, DVC's cache would be a second copy);
 - `params.dvc_plots` gives the x/y columns and template of CSV plots (top-level `plots:`);
-- `params.persist` paths (training checkpoints) are outs with `persist: true, cache: false`,
-  so `dvc repro` neither deletes nor caches them and a rerun resumes from them.
+- `params.code` (the source folders, shared modules and lock a stage runs) are deps; the
+  rules' inputs under them (Snakemake's file-by-file view of the same code) are left out;
+- training checkpoints (results/checkpoints/) are no DVC output at all: DVC neither deletes nor
+  caches what it does not track, a rerun resumes from them, and a fresh clone (which has none)
+  is not "changed" for want of them.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ HEADER = (
 
 def stage_for(rule: RuleSpec) -> dict:
     stage: dict = {"cmd": rule.cmd}
-    if rule.inputs:
-        stage["deps"] = list(rule.inputs)
+    if rule.inputs or rule.code:
+        stage["deps"] = [*rule.inputs, *rule.code]
     if rule.tracked_keys:
         stage["params"] = [{rule.config_file: list(rule.tracked_keys)}]
     outs: list = []
@@ -46,7 +49,6 @@ def stage_for(rule: RuleSpec) -> dict:
             outs.append({path: {"cache": False}})
         else:
             outs.append(path)
-    outs.extend({p: {"persist": True, "cache": False}} for p in rule.persist)
     if outs:
         stage["outs"] = outs
     if metrics:

@@ -9,7 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-PROJECT_FILES = ("workflow", "config", "profiles", "dvc.yaml", ".dvc/config", ".dvcignore")
+PROJECT_FILES = ("workflow", "config", "profiles", "dvc.yaml", ".dvc/config", ".dvcignore",
+                 "src/pisft")  # the source: stages depend on it (workflow/rules, dvc.yaml deps)
 
 
 def copy_project(src: Path, dest: Path, *, git: bool = False) -> Path:
@@ -19,7 +20,7 @@ def copy_project(src: Path, dest: Path, *, git: bool = False) -> Path:
         target = dest / name
         target.parent.mkdir(parents=True, exist_ok=True)
         if (src / name).is_dir():
-            shutil.copytree(src / name, target)
+            shutil.copytree(src / name, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
             shutil.copy(src / name, target)
     (dest / ".gitignore").write_text("/results/\n/.snakemake/\n")

@@ -23,6 +23,11 @@ class RuleSpec:
     persist: list[str] = field(default_factory=list)
     plot_props: dict[str, dict] = field(default_factory=dict)  # output path -> DVC plot options
     uncached: list[str] = field(default_factory=list)  # outputs DVC must not cache
+    code: list[str] = field(default_factory=list)  # source folders/files and lock (params.code)
+
+
+def _under(path: str, entries: list[str]) -> bool:
+    return any(path == e or path.startswith(e.rstrip("/") + "/") for e in entries)
 
 
 def _format_shell(template: str, params: dict, log: list[str]) -> str:
@@ -68,6 +73,7 @@ def load_rules(snakefile: Path = SNAKEFILE, workdir: Path = Path(".")) -> list[R
                 if getattr(out, "flags", {}).get("directory"):
                     directories.add(str(out))
             persist = params.get("persist", [])
+            code = [str(c) for c in params.get("code", [])]
             plot_props = {
                 path: dict(params.get("dvc_plots", {})[Path(path).name])
                 for path in outputs.values()
@@ -77,7 +83,8 @@ def load_rules(snakefile: Path = SNAKEFILE, workdir: Path = Path(".")) -> list[R
                 RuleSpec(
                     name=rule.name,
                     cmd=_format_shell(rule.shellcmd, params, [str(x) for x in rule.log]),
-                    inputs=[str(x) for x in rule.input],
+                    # code files are Snakemake's view of params.code; DVC gets the folders
+                    inputs=[str(x) for x in rule.input if not _under(str(x), code)],
                     outputs=outputs,
                     directories=directories,
                     tracked_keys=list(params.get("tracked", {}).keys()),
@@ -85,6 +92,7 @@ def load_rules(snakefile: Path = SNAKEFILE, workdir: Path = Path(".")) -> list[R
                     persist=[persist] if isinstance(persist, str) else list(persist),
                     plot_props=plot_props,
                     uncached=[str(p) for p in params.get("dvc_uncached", [])],
+                    code=code,
                 )
             )
     return specs

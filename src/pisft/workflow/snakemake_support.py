@@ -9,7 +9,7 @@ import yaml
 
 from pisft import config as pisft_config
 from pisft.io import write_text_atomic
-from pisft.workflow.stages import STAGE_KEYS, lookup
+from pisft.workflow.stages import STAGE_KEYS, code_deps, lookup
 
 DEFAULT_FILE = pisft_config.DEFAULT_CONFIG.as_posix()
 
@@ -17,6 +17,27 @@ DEFAULT_FILE = pisft_config.DEFAULT_CONFIG.as_posix()
 def _source_name(workflow) -> str:
     files = [str(f) for f in getattr(workflow, "configfiles", [])] or [DEFAULT_FILE]
     return " + ".join(files)
+
+
+def check_config_files(workflow, default: str = DEFAULT_FILE) -> None:
+    """Before Snakemake reads them: a YAML syntax error named with its line, an empty file refused.
+
+    Snakemake's own message for a broken config file ("Config file is not valid JSON or YAML")
+    names neither the line nor the problem; pisft's loader does.
+    """
+    files = [default, *(str(f) for f in getattr(workflow, "configfiles", []) or [])]
+    for path in dict.fromkeys(files):
+        if not Path(path).is_file():
+            continue
+        try:
+            raw = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as exc:
+            sys.stderr.write(f"error: {path}: not valid YAML: {exc}\n")
+            raise SystemExit(2) from None
+        if raw is None:
+            sys.stderr.write(f"error: {path}: the config file is empty (or only comments); "
+                             f"start from {DEFAULT_FILE}\n")
+            raise SystemExit(2)
 
 
 def validated_config(config: dict, workflow) -> tuple[pisft_config.PisftConfig, str]:
@@ -69,3 +90,20 @@ def model_source_inputs(cfg: pisft_config.PisftConfig) -> list[str]:
     from pisft.model.sources import local_input_files
 
     return local_input_files(cfg.model.source, cfg.model.tokenizer)
+
+
+def stage_code(cfg: pisft_config.PisftConfig, stage: str) -> list[str]:
+    """What `stage` runs (package folders, shared modules, lock): DVC deps, via `params.code`."""
+    return code_deps(stage, cfg.device)
+
+
+def stage_code_files(cfg: pisft_config.PisftConfig, stage: str) -> list[str]:
+    """The same as files (Snakemake compares file timestamps; a folder's does not follow edits)."""
+    files: list[str] = []
+    for entry in code_deps(stage, cfg.device):
+        path = Path(entry)
+        if path.is_dir():
+            files.extend(p.as_posix() for p in sorted(path.rglob("*.py")) if "__pycache__" not in p.parts)
+        else:
+            files.append(entry)
+    return files

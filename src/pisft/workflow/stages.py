@@ -19,6 +19,9 @@ CONVERT_KEYS = (
     "data.success_only",
     "data.tasks",
     "data.advantage_tag",
+    "data.positive_only_conditional",
+    "data.unconditional_prob",  # recorded in the dataset (meta/prompt_conditioning.json), read by training
+    "data.columns",
     "data.image_size",
     "data.eval_fraction",
     "data.split_seed",
@@ -73,3 +76,38 @@ def lookup(config: dict, dotted: str):
     for part in dotted.split("."):
         node = node[part]
     return node
+
+
+# The source each stage runs: a change reruns the stage (and what follows). Paths relative to
+# the project root; package folders as a whole (DVC hashes their content; Snakemake gets their
+# .py files as inputs). Every stage also depends on SHARED_CODE and the dependency lock.
+SHARED_CODE = (
+    "src/pisft/__init__.py",
+    "src/pisft/__main__.py",
+    "src/pisft/cli.py",
+    "src/pisft/config.py",
+    "src/pisft/device.py",
+    "src/pisft/errors.py",
+    "src/pisft/io.py",
+    "src/pisft/logs.py",
+    "src/pisft/workflow/invalidate.py",
+    "src/pisft/workflow/stages.py",
+)
+TRAIN_CODE = ("src/pisft/train", "src/pisft/model", "src/pisft/data")
+EVAL_CODE = ("src/pisft/evaluate", "src/pisft/serve", "src/pisft/model", "src/pisft/data")
+STAGE_CODE: dict[str, tuple[str, ...]] = {
+    "fetch_base": ("src/pisft/model",),
+    "demo_recap": ("src/pisft/data",),
+    "convert_recap": ("src/pisft/data",),
+    "smoke_1card": TRAIN_CODE,
+    "train_8card": TRAIN_CODE,
+    "evaluate": EVAL_CODE,
+    "closed_loop": EVAL_CODE,
+}
+LOCKS = {"npu": "workflow/envs/ascend-aarch64.lock.txt"}
+DEFAULT_LOCK = "workflow/envs/cpu-cuda.lock.txt"
+
+
+def code_deps(stage: str, device: str) -> list[str]:
+    """Package folders, shared modules and the dependency lock that `stage` depends on."""
+    return [*STAGE_CODE[stage], *SHARED_CODE, LOCKS.get(device, DEFAULT_LOCK)]

@@ -1,0 +1,125 @@
+"""One trainer per run folder, with real processes and real signals (no torchrun: fast)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from pisft.train.guard import LAUNCHER_PID_ENV, RunLock, RunLockHeld
+from pisft.train.metrics import MetricsLog
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc: Linux")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait(predicate, timeout=20.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_second_trainer_is_refused_naming_the_holder_until_it_dies(tmp_path):
+    folder = tmp_path / "run-abc"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            from pisft.train.guard import RunLock
+            RunLock({str(folder)!r}).acquire()
+            print("locked", flush=True)
+            time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunLockHeld) as exc:
+            RunLock(folder).acquire()
+        msg = str(exc.value)
+        assert f"pid {holder.pid}" in msg and socket.gethostname() in msg and "started 20" in msg
+        assert str(folder) in msg
+        holder.send_signal(signal.SIGKILL)  # however the holder dies, the kernel frees the lock
+        holder.wait()
+        lock = RunLock(folder)
+        lock.acquire()
+        lock.release()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
+# launcher -> agent (new process group, like torchrun under Snakemake's shell) -> worker in a
+# session of its own (torchrun's start_new_session=True); each link installs pisft's guard.
+_WORKER = """
+import os, time
+from pisft.train.guard import worker_dies_with_agent
+worker_dies_with_agent()
+print(os.getpid(), flush=True)
+time.sleep(600)
+"""
+_AGENT = """
+import subprocess, sys, time
+w = subprocess.Popen([sys.executable, "-c", {worker!r}], start_new_session=True)
+time.sleep(600)
+"""
+_LAUNCHER = """
+import os, signal, subprocess, sys, time
+from pisft.train import guard
+me = os.getpid()
+os.environ[guard.LAUNCHER_PID_ENV] = str(me)
+guard._prctl()
+subprocess.Popen([sys.executable, "-c", {agent!r}],
+                 preexec_fn=lambda: guard.die_with_parent(signal.SIGTERM, me))
+time.sleep(600)
+"""
+
+
+def test_killing_the_launchers_process_group_kills_workers_in_their_own_session():
+    agent = _AGENT.format(worker=_WORKER)
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER.format(agent=agent)],
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+    worker_pid = int(launcher.stdout.readline())
+    try:
+        assert os.getpgid(worker_pid) != launcher.pid  # out of the group: killpg misses it
+        os.killpg(launcher.pid, signal.SIGKILL)  # the driver's whole process group, no clean-up
+        launcher.wait()
+        assert _wait(lambda: not _alive(worker_pid)), "the worker outlived its launcher"
+    finally:
+        if _alive(worker_pid):
+            os.kill(worker_pid, signal.SIGKILL)
+
+
+def test_a_worker_whose_launcher_is_already_gone_exits_at_once(tmp_path):
+    env = {**os.environ, LAUNCHER_PID_ENV: "1"}  # its agent's parent is not that launcher
+    proc = subprocess.run([sys.executable, "-c", _WORKER], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1 and "orphaned worker exits" in proc.stderr
+
+
+def test_metrics_are_cut_back_to_unique_increasing_steps_on_resume(tmp_path):
+    log = MetricsLog(tmp_path / "m.jsonl")
+    # what two interleaved trainers left behind (issue 11): duplicates and reordering
+    steps = [1, 2, 3, 4, 5, 6, 3, 7, 4, 5, 8]
+    log.path.write_text("".join(f'{{"step": {s}, "loss": {s}}}\n' for s in steps))
+    log.reset(keep_upto_step=6)
+    got = [r["step"] for r in log.read()]
+    assert got == [1, 2, 3, 4, 5, 6]
