@@ -137,7 +137,7 @@ def test_train_structure_component(tmp_path):
     assert r["world_size"] == 2 and r["micro_batch_size"] == 4 and r["activation_checkpointing"]
     assert r["ranks_agree"] is True
     assert isinstance(r["fsdp_units"], int) and r["fsdp_units"] >= 1
-    assert r["fsdp_units_with_root"] == r["fsdp_units"] + 1
+    assert r["fsdp_units_excluding_root"] == r["fsdp_units"] - 1
     assert isinstance(r["float64_collectives"], int) and r["float64_collectives"] >= 0
     assert r["all_gather_per_micro_step"] >= r["fsdp_units"]  # every unit gathered at least once
     assert r["reduce_scatter_per_micro_step"] > 0

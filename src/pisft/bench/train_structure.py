@@ -8,8 +8,9 @@ settings. The process group is `collective_audit.AuditedProcessGroup` over gloo 
 (HCCL's dtype table checked, not enforced). The first optimizer step (lazy initialisation) is
 left out of the per-step figures. Figures are rank 0's (`ranks_agree`: rank 1 counted the same).
 
-- `fsdp_units`: FSDP2 parameter groups, the root's excluded (a `fully_shard([m1, m2])` group
-  counts once); `fsdp_units_with_root` includes it. `fsdp_units_target` is the issue's bound
+- `fsdp_units`: FSDP2 parameter groups, the root's included (it is gathered every forward like
+  any unit; a `fully_shard([m1, m2])` group counts once); `fsdp_units_excluding_root` without
+  it. `fsdp_units_target` is the issue's bound
   (decoder layer pairs + vision layers + 4).
 - `all_gather_per_micro_step`, `reduce_scatter_per_micro_step`: collectives of the all-gather
   family (allgather, _allgather_base, the coalesced forms) and of the reduce-scatter family per
@@ -435,8 +436,8 @@ def worker(spec_path: str, out_dir: str) -> int:
         "activation_checkpointing": t.activation_checkpointing,
         "attention": attention_name,
         "params_total": total_params,
-        "fsdp_units": len([g for g in groups if g is not root]),
-        "fsdp_units_with_root": len(groups),
+        "fsdp_units": len(groups),
+        "fsdp_units_excluding_root": len([g for g in groups if g is not root]),
         "fsdp_unit_params": {"min": unit_sizes[0] if unit_sizes else None,
                              "median": statistics.median(unit_sizes) if unit_sizes else None,
                              "max": unit_sizes[-1] if unit_sizes else None},
