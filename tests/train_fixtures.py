@@ -56,7 +56,7 @@ def launch_cmd(stage: str, results: Path, *extra: str) -> list[str]:
 
 def launch_env() -> dict[str, str]:
     """One thread per process in every run, so runs of different topologies compute alike."""
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
+    return {**os.environ, "PISFT_NUM_THREADS": "1"}  # the launcher's one knob (device.THREADS_ENV)
 
 
 def launch(stage: str, results: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
