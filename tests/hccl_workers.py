@@ -84,9 +84,10 @@ def train(config: str, results_dir: str, ckpt_dir: str) -> dict:
     2 optimizer steps with gradient accumulation, then one checkpoint save."""
     from pisft import config as config_mod
     from pisft import device as devices
-    from pisft.train import collective_audit, loop, optim
+    from pisft.train import collective_audit, loop
     from pisft.train.checkpoint import CheckpointManager
     from pisft.train.data import make_loader
+    from pisft.train.run import loop_settings, lr_scheduler
     from pisft.train.stage import Context, build, make_sampler, run_fingerprint
 
     overrides = [f"results_dir={results_dir}", f"data.recap_dir={results_dir}/demo_recap",
@@ -100,16 +101,11 @@ def train(config: str, results_dir: str, ckpt_dir: str) -> dict:
     ctx = Context(cfg, "train_8card", info, rank, world)
     built = build(ctx)
     t = cfg.train
-    scheduler = optim.build_scheduler(built.optimizer, lr=t.lr, warmup_steps=t.warmup_steps,
-                                      decay_lr=t.decay_lr, steps=t.steps)
+    scheduler = lr_scheduler(cfg, built.optimizer)
     sampler = make_sampler(cfg, built.train_set, world)
     loader = make_loader(built.train_set, sampler, rank=rank, start_step=0, end_step=t.steps,
                          seed=t.seed, draw=built.task.draw, num_workers=0)
-    settings = loop.LoopSettings(
-        steps=t.steps, accum=cfg.grad_accum_steps, global_batch=t.global_batch_size,
-        grad_clip=t.grad_clip, kind=info.kind, device=info.device, world_size=world, rank=rank)
-    if hasattr(settings, "log_every") and hasattr(t, "log_every"):
-        settings.log_every = t.log_every
+    settings = loop_settings(ctx)
     records = loop.run(built.policy, built.optimizer, scheduler, built.task, iter(loader), settings,
                        start_step=0)
     manager = CheckpointManager(Path(ckpt_dir), keep_last=1, rank=rank, world_size=world,

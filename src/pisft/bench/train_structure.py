@@ -44,7 +44,6 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -321,8 +320,9 @@ def worker(spec_path: str, out_dir: str) -> int:
     from pisft import config as config_mod
     from pisft import device as devices
     from pisft.train import collective_audit as ca
-    from pisft.train import loop, optim
+    from pisft.train import loop
     from pisft.train.data import make_loader
+    from pisft.train.run import loop_settings, lr_scheduler
     from pisft.train.stage import Context, build, make_sampler
 
     spec = json.loads(Path(spec_path).read_text())
@@ -358,19 +358,12 @@ def worker(spec_path: str, out_dir: str) -> int:
                     forwards[kind][(step_box["step"], name)] += 1
                 hooks.append(mod.register_forward_hook(hook))
 
-        scheduler = optim.build_scheduler(built.optimizer, lr=t.lr, warmup_steps=t.warmup_steps,
-                                          decay_lr=t.decay_lr, steps=t.steps)
+        scheduler = lr_scheduler(cfg, built.optimizer)
         sampler = make_sampler(cfg, built.train_set, world)
         loader = make_loader(built.train_set, sampler, rank=rank, start_step=0, end_step=t.steps,
                              seed=t.seed, draw=built.task.draw, num_workers=0)
-        settings = loop.LoopSettings(
-            steps=t.steps, accum=cfg.grad_accum_steps, global_batch=t.global_batch_size,
-            grad_clip=t.grad_clip, kind=info.kind, device=info.device, world_size=world, rank=rank,
-            save_every=t.save_every)
-        log_every = None
-        if "log_every" in {f.name for f in fields(settings)}:
-            log_every = getattr(t, "log_every", 1)
-            settings.log_every = log_every
+        settings = loop_settings(ctx)
+        log_every = settings.log_every
 
         snapshots: dict[int, Counter] = {}
         counter = HostSyncCounter(info.device)
@@ -416,8 +409,7 @@ def worker(spec_path: str, out_dir: str) -> int:
                 "layers": len(vals), "per_layer": per}
 
     def is_log_step(step: int) -> bool:  # 0-based step index
-        every = log_every or 1
-        return (step + 1) % every == 0 or step + 1 == t.steps
+        return (step + 1) % log_every == 0 or step + 1 == t.steps
 
     syncs = {s: sum(counter.by_step[s].values()) for s in range(t.steps)}
     sites: Counter = Counter()

@@ -54,6 +54,22 @@ def other_runs(cfg) -> list[Path]:
     return sorted(p for p in parent.iterdir() if p.is_dir() and p.name.startswith("run-") and p != mine)
 
 
+def lr_scheduler(cfg, optimizer):
+    """The run's warmup + cosine schedule (train.lr, warmup_steps, decay_lr, steps)."""
+    t = cfg.train
+    return optim.build_scheduler(optimizer, lr=t.lr, warmup_steps=t.warmup_steps,
+                                 decay_lr=t.decay_lr, steps=t.steps)
+
+
+def loop_settings(ctx: Context, peak: float | None = None) -> loop.LoopSettings:
+    """The optimizer-step loop's settings of the train_8card stage for this process."""
+    cfg, t = ctx.cfg, ctx.cfg.train
+    return loop.LoopSettings(
+        steps=t.steps, accum=cfg.grad_accum_steps, global_batch=t.global_batch_size,
+        grad_clip=t.grad_clip, kind=ctx.info.kind, device=ctx.info.device,
+        world_size=ctx.world_size, rank=ctx.rank, peak_flops=peak, save_every=t.save_every,
+        log_every=t.log_every)
+
 def run_training(ctx: Context) -> int:
     cfg = ctx.cfg
     t_start = time.perf_counter()
@@ -65,8 +81,7 @@ def run_training(ctx: Context) -> int:
     try:
         built = build(ctx)
         t = cfg.train
-        scheduler = optim.build_scheduler(built.optimizer, lr=t.lr, warmup_steps=t.warmup_steps,
-                                          decay_lr=t.decay_lr, steps=t.steps)
+        scheduler = lr_scheduler(cfg, built.optimizer)
         resolved = config_mod.resolved(cfg)
         ckpt = CheckpointManager(ckpt_root, keep_last=t.keep_last, rank=ctx.rank,
                                  world_size=ctx.world_size, fingerprint=run_fingerprint(cfg),
@@ -141,11 +156,7 @@ def _train(ctx: Context, built, scheduler, resolved: dict, ckpt_root: Path,
         path = ckpt.save(step, built.policy, built.optimizer, scheduler)
         ctx.log(f"checkpoint {path}")
 
-    settings = loop.LoopSettings(
-        steps=t.steps, accum=cfg.grad_accum_steps, global_batch=t.global_batch_size,
-        grad_clip=t.grad_clip, kind=ctx.info.kind, device=ctx.info.device,
-        world_size=ctx.world_size, rank=ctx.rank, peak_flops=peak, save_every=t.save_every,
-        log_every=t.log_every)
+    settings = loop_settings(ctx, peak)
     try:
         loop.run(built.policy, built.optimizer, scheduler, built.task, iter(loader), settings,
                  start_step=start_step, on_step=on_step, save=save)
