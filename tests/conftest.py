@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from pisft.workflow import scratch
 
@@ -48,3 +49,12 @@ def default_pipeline(tmp_path_factory) -> Path:
     work = copy_project(tmp_path_factory.mktemp("default_pipeline"))
     run(["snakemake", "--cores", "2"], work)
     return work
+
+
+@pytest.fixture(scope="module")
+def one_process_group(tmp_path_factory):
+    """A gloo process group of world size 1 for the tests of one module (FSDP2 needs one)."""
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import default_collate
 from train_fixtures import inputs_dir
@@ -20,12 +19,7 @@ from pisft.train.attention import fused_joint_attention
 from pisft.train.policy_task import PolicyTask
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group(tmp_path_factory):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_process_group")  # gloo, world size 1 (conftest)
 
 
 def _losses(root, *, structured: bool, steps: int = 2) -> list[float]:
