@@ -86,7 +86,7 @@ def train(config: str, results_dir: str, ckpt_dir: str) -> dict:
     from pisft import device as devices
     from pisft.train import collective_audit, loop
     from pisft.train.checkpoint import CheckpointManager
-    from pisft.train.data import make_loader
+    from pisft.train.batches import make_loader
     from pisft.train.run import loop_settings, lr_scheduler
     from pisft.train.stage import Context, build, make_sampler, run_fingerprint
 

@@ -64,7 +64,7 @@ def test_stats_have_quantiles_and_match_the_data(tmp_path):
     in_train = np.isin(episode, sorted(train))
     assert 0 < in_train.sum() < len(ds)
     actions = all_actions[in_train]
-    from pisft.data.stats import numeric_stats
+    from pisft.data.dataset_stats import numeric_stats
 
     expected, everything = numeric_stats(actions), numeric_stats(all_actions)
     for q in ("q01", "q99", "mean", "std", "min", "max"):

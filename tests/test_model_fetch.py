@@ -16,7 +16,7 @@ from pisft.errors import ModelLoadError
 from pisft.io import sha256_file, verify_manifest
 from pisft.model import fetch
 from pisft.model.policy import load_policy
-from pisft.model.stats import STATS_FILE, load_stats
+from pisft.model.norm_stats import STATS_FILE, load_stats
 
 
 def _cfg(tmp_path, **model):

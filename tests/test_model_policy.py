@@ -16,7 +16,7 @@ from pisft.model import weights
 from pisft.model.lerobot_internals import vlm_embeddings_tied
 from pisft.model.policy import (LIBERO_FEATURES, build_policy, load_policy, make_processors,
                                 read_model_info, save_model)
-from pisft.model.stats import STATS_FILE, import_openpi_norm_stats, load_stats, save_stats, stats_equal
+from pisft.model.norm_stats import STATS_FILE, import_openpi_norm_stats, load_stats, save_stats, stats_equal
 
 LM_HEAD = "model.paligemma_with_expert.paligemma.lm_head.weight"
 EMBED = "model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from pisft.train import checkpoint as ckpt_mod
 from pisft.train import fsdp, loop, optim
 from pisft.train.checkpoint import CheckpointManager, CheckpointMismatch
-from pisft.train.data import make_loader
+from pisft.train.batches import make_loader
 from pisft.train.sampler import StepLayout, StepSampler
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "step_time_s", "samples_per_s", "data_wait_s",

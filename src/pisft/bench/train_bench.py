@@ -28,7 +28,7 @@ from torch.utils.data import default_collate
 
 from pisft import config as config_mod
 from pisft.train import fsdp, loop, optim
-from pisft.train.data import StepDataset, make_loader, split_rand
+from pisft.train.batches import StepDataset, make_loader, split_rand
 from pisft.train.metrics import MetricsLog
 from pisft.train.policy_task import PolicyTask
 from pisft.train.sampler import StepLayout, StepSampler

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from pisft.config import PisftConfig, write_resolved
 from pisft.data import images as imgs
-from pisft.data import stats as st
+from pisft.data import dataset_stats as st
 from pisft.data.libero import ACTION_DIM, CAMERAS, OUTPUT_NAMES, STATE_DIM, SUCCESS_COLUMNS
 from pisft.data.prompts import CONDITIONING_FILE, PromptConditioning
 from pisft.data.recap_reader import EpisodeRef, RecapSource

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pisft.evaluate import stats
+from pisft.evaluate import intervals
 
 # metric name -> (unit, kind)
 METRICS = {
@@ -102,7 +102,7 @@ class ErrorAccumulator:
         return sums, counts
 
     def mean(self, metric: str, episode_ids: Sequence[int] | None = None) -> float:
-        return stats.pooled_mean(*self.per_episode(metric, episode_ids))
+        return intervals.pooled_mean(*self.per_episode(metric, episode_ids))
 
     def per_step(self, metric: str) -> np.ndarray:
         """(chunk_size,) mean error at each step of the chunk, over all dims and frames."""

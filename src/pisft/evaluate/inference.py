@@ -56,7 +56,7 @@ class ChunkPredictor:
              dtype: str | None = None) -> ChunkPredictor:
         """Load `model_dir` strictly; stats: the model's own, else `dataset_stats`."""
         from pisft.model import policy as model_policy
-        from pisft.model.stats import STATS_FILE
+        from pisft.model.norm_stats import STATS_FILE
 
         model_dir = Path(model_dir)
         if not model_dir.is_dir():

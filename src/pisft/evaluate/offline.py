@@ -153,7 +153,7 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
                         f"eval.frame_stride {cfg.eval.frame_stride})")
     metrics = summary.summarize(accs["base"], accs["finetuned"], n_bootstrap=cfg.eval.bootstrap_samples,
                                 seed=cfg.eval.seed)
-    from pisft.model.stats import STATS_FILE
+    from pisft.model.norm_stats import STATS_FILE
 
     info = {
         "device": device,

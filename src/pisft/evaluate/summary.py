@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pisft.evaluate import stats
+from pisft.evaluate import intervals
 from pisft.evaluate.action_error import METRICS, ErrorAccumulator
 
 # Primary comparison metric (the contract: `base.action_mse`, `finetuned.action_mse`).
@@ -31,9 +31,9 @@ def _model_section(acc: ErrorAccumulator, *, n_bootstrap: int, seed: int, level:
     section: dict = {}
     for metric in METRICS:
         sums, counts = acc.per_episode(metric)
-        section[metric] = _finite(stats.pooled_mean(sums, counts))
+        section[metric] = _finite(intervals.pooled_mean(sums, counts))
         if n_bootstrap > 0:
-            ci = stats.bootstrap_pooled_mean(sums, counts, n_samples=n_bootstrap, seed=seed, level=level)
+            ci = intervals.bootstrap_pooled_mean(sums, counts, n_samples=n_bootstrap, seed=seed, level=level)
             section[f"{metric}_ci_low"] = _finite(ci.low)
             section[f"{metric}_ci_high"] = _finite(ci.high)
     section["per_task"] = {
@@ -76,7 +76,7 @@ def summarize(base: ErrorAccumulator, finetuned: ErrorAccumulator, *, n_bootstra
         if n_bootstrap > 0:
             sums_b, counts = base.per_episode(metric, ids)
             sums_f, _ = finetuned.per_episode(metric, ids)
-            ci = stats.bootstrap_paired_ratio(sums_b, sums_f, counts, n_samples=n_bootstrap,
+            ci = intervals.bootstrap_paired_ratio(sums_b, sums_f, counts, n_samples=n_bootstrap,
                                               seed=seed, level=level)
             entry["ratio_ci_low"], entry["ratio_ci_high"] = _finite(ci.low), _finite(ci.high)
         comparison[metric] = entry

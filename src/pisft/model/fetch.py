@@ -21,7 +21,7 @@ from pisft.io import atomic_dir, verify_manifest, write_json_atomic, write_manif
 from pisft.model import policy as policy_mod
 from pisft.model import sources, weights
 from pisft.model.lerobot_internals import vlm_embedding_pair
-from pisft.model.stats import STATS_FILE, import_openpi_norm_stats, save_stats
+from pisft.model.norm_stats import STATS_FILE, import_openpi_norm_stats, save_stats
 from pisft.model.tokenizer import load_tokenizer, save_tiny_tokenizer
 
 # Files at least this large are linked into results/ instead of copied.

@@ -24,7 +24,7 @@ from pisft.errors import ModelLoadError
 from pisft.model import lerobot_internals as internals
 from pisft.model import weights as weights_mod
 from pisft.model.presets import get_preset
-from pisft.model.stats import STATS_FILE, Stats, check_stats, load_stats, save_stats
+from pisft.model.norm_stats import STATS_FILE, Stats, check_stats, load_stats, save_stats
 from pisft.model.tokenizer import load_tokenizer
 
 CONFIG_FILE = "config.json"

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pisft import device as devices
-from pisft.train.data import split_rand
+from pisft.train.batches import split_rand
 from pisft.train.metrics import mfu as compute_mfu
 
 

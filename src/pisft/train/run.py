@@ -13,7 +13,7 @@ from pisft import config as config_mod
 from pisft.errors import PisftError
 from pisft.train import loop, optim
 from pisft.train.checkpoint import CheckpointManager
-from pisft.train.data import make_loader
+from pisft.train.batches import make_loader
 from pisft.train.export import export_model
 from pisft.train.fsdp import sharding_report
 from pisft.train.guard import RunLock, RunLockHeld

@@ -32,7 +32,7 @@ from pisft import config as config_mod
 from pisft import device as devices
 from pisft.io import atomic_dir, write_json_atomic
 from pisft.train import loop
-from pisft.train.data import StepDataset
+from pisft.train.batches import StepDataset
 from pisft.train.stage import Context, build, env_summary, make_sampler, peak_flops
 
 SMOKE_FAILED_EXIT = 3

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pisft.errors import DataError
-from pisft.evaluate import stats, summary, train_log
+from pisft.evaluate import intervals, summary, train_log
 from pisft.evaluate.action_error import ErrorAccumulator
 
 
@@ -55,11 +55,11 @@ def test_bootstrap_is_seeded_and_brackets_the_pooled_mean():
     rng = np.random.default_rng(1)
     sums = rng.gamma(2.0, 1.0, size=40) * 10
     counts = np.full(40, 10.0)
-    a = stats.bootstrap_pooled_mean(sums, counts, n_samples=500, seed=3)
-    b = stats.bootstrap_pooled_mean(sums, counts, n_samples=500, seed=3)
-    c = stats.bootstrap_pooled_mean(sums, counts, n_samples=500, seed=4)
+    a = intervals.bootstrap_pooled_mean(sums, counts, n_samples=500, seed=3)
+    b = intervals.bootstrap_pooled_mean(sums, counts, n_samples=500, seed=3)
+    c = intervals.bootstrap_pooled_mean(sums, counts, n_samples=500, seed=4)
     assert a == b and a != c
-    mean = stats.pooled_mean(sums, counts)
+    mean = intervals.pooled_mean(sums, counts)
     assert a.low < mean < a.high
     # roughly mean ± 1.96 standard errors of the episode means
     se = np.std(sums / 10, ddof=1) / np.sqrt(40)
@@ -70,9 +70,9 @@ def test_paired_ratio_interval():
     rng = np.random.default_rng(0)
     base = rng.gamma(2.0, 1.0, size=30)
     counts = np.ones(30)
-    same = stats.bootstrap_paired_ratio(base, base, counts, n_samples=200, seed=0)
+    same = intervals.bootstrap_paired_ratio(base, base, counts, n_samples=200, seed=0)
     assert same.low == same.high == 1.0
-    half = stats.bootstrap_paired_ratio(base, base * 0.5 * rng.uniform(0.9, 1.1, 30), counts,
+    half = intervals.bootstrap_paired_ratio(base, base * 0.5 * rng.uniform(0.9, 1.1, 30), counts,
                                         n_samples=200, seed=0)
     assert 0.45 < half.low < half.high < 0.55
 
