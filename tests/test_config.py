@@ -24,7 +24,7 @@ def test_embedded_default_is_valid_and_matches_the_schema_defaults():
     assert cfg.grad_accum_steps == cfg.train.global_batch_size // (cfg.train.micro_batch_size * 2)
     # config.yaml spells out every key of the schema, so users see them all.
     raw = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    flat = set(C._flatten(raw))
+    flat = set(C.flatten(raw))
     assert flat == set(C.all_keys())
 
 

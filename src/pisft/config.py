@@ -192,13 +192,14 @@ def nearest_key(key: str) -> str | None:
 MAPPING_KEYS = ("data.columns",)
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config mapping as dotted keys (`train.lr`); MAPPING_KEYS stay whole values."""
     out: dict[str, Any] = {}
     if isinstance(node, dict):
         for k, v in node.items():
             dotted = f"{prefix}{k}"
             if isinstance(v, dict) and dotted not in MAPPING_KEYS:
-                out.update(_flatten(v, dotted + "."))
+                out.update(flatten(v, dotted + "."))
             else:
                 out[dotted] = v
     return out
@@ -207,11 +208,19 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 def _check_unknown_keys(raw: dict, source: str) -> None:
     known = set(all_keys())
     sections = {k.split(".")[0] for k in known if "." in k}
-    for key in _flatten(raw):
+    for key in flatten(raw):
         if key in known:
             continue
         top = key.split(".")[0]
         if top in sections and key.count(".") == 0:
+def lookup(config: dict, dotted: str) -> Any:
+    """The value of a dotted key (`data.success_only`) or a section (`model`) in a config mapping."""
+    node = config
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
             continue
         hint = nearest_key(key)
         hint_text = f"; did you mean '{hint}'?" if hint else ""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pisft import device as devices
-from pisft.config import PisftConfig
+from pisft.config import PisftConfig, flatten, resolved
 from pisft.errors import PisftError
 from pisft.train import guard
 
@@ -71,20 +71,8 @@ def torchrun_command(stage: str, cfg: PisftConfig, config_path: str, overrides: 
     return cmd
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def check_smoke_report(cfg: PisftConfig) -> None:
     """train_8card needs a passing smoke report made with the same model and micro batch."""
-    from pisft.config import resolved
-
     path = cfg.results("smoke", "report.json")
     if not path.is_file():
         raise PisftError(f"train_8card: {path} not found; run smoke_1card first "
@@ -94,8 +82,8 @@ def check_smoke_report(cfg: PisftConfig) -> None:
         msgs = "\n  - ".join(report.get("messages") or ["(no message)"])
         raise PisftError(f"train_8card: the smoke report {path} did not pass:\n  - {msgs}\n"
                          "fix the cause and rerun smoke_1card")
-    then = _flat(report.get("pisft_config") or {})
-    now = _flat(resolved(cfg))
+    then = flatten(report.get("pisft_config") or {})
+    now = flatten(resolved(cfg))
     stale = [f"{k}: smoke {then.get(k)!r}, now {now.get(k)!r}" for k in SMOKE_MUST_MATCH
              if then.get(k) != now.get(k)]
     if stale:

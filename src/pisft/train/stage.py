@@ -108,8 +108,7 @@ def run_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
     its inputs: the base model (its sha256 MANIFEST: weights, tokenizer, config) and the
     dataset (split, features, statistics, prompt conditioning, episode index, data files).
     """
-    from pisft.config import to_dict
-    from pisft.workflow.stages import lookup
+    from pisft.config import lookup, to_dict
 
     base = cfg.results("base_model")
     data = cfg.results("dataset")

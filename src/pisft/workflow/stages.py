@@ -7,6 +7,8 @@ A key is a section (`model`) or a dotted key (`data.success_only`).
 
 from __future__ import annotations
 
+from pisft.config import lookup  # noqa: F401 - the rules' parse-time helpers read keys through it
+
 DEMO_KEYS = (
     "data.demo_episodes_per_task",
     "data.demo_episode_length",
@@ -69,13 +71,6 @@ STAGE_KEYS: dict[str, tuple[str, ...]] = {
     "evaluate": ("device", *EVAL_KEYS),
     "closed_loop": ("device", *CLOSED_LOOP_KEYS),
 }
-
-
-def lookup(config: dict, dotted: str):
-    node = config
-    for part in dotted.split("."):
-        node = node[part]
-    return node
 
 
 # The source each stage runs: a change reruns the stage (and what follows). Paths relative to
