@@ -6,16 +6,17 @@ plot (e.g. a training log without memory figures): the report then says so inste
 
 from __future__ import annotations
 
+import math
 import textwrap
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from pisft.evaluate import train_log  # noqa: E402
+from pisft.evaluate import train_log
 
 COLORS = {"base": "#8c8c8c", "finetuned": "#1f77b4"}
 LABELS = {"base": "base", "finetuned": "fine-tuned"}
@@ -60,15 +61,71 @@ def loss_and_lr(records: list[dict], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def throughput_and_memory(records: list[dict], path: Path) -> Path | None:
-    """Samples/s, step time and data wait per step; peak memory per device per step."""
+# Memory keys of a training log: `peak_memory_*` (allocated), `peak_reserved_*` (held by the
+# allocator's cache) with a unit token (`_bytes`, `_gib`, `_gb`, `_mib`, `_mb`); a number, a list
+# with one value per rank, or a mapping device -> value (pisft.train.loop logs the per-rank lists
+# and their maximum). Everything is drawn in GiB.
+GIB_PER_UNIT = {"bytes": 1 / 2**30, "gib": 1.0, "gb": 1e9 / 2**30, "mib": 1 / 2**10, "mb": 1e6 / 2**30}
+
+
+def _memory_kind(key: str) -> tuple[str, float] | None:
+    """('allocated' | 'reserved', GiB per unit) of a memory key; None when it is no memory key."""
+    if key.startswith("peak_mem"):
+        what = "allocated"
+    elif key.startswith("peak_reserved"):
+        what = "reserved"
+    else:
+        return None
+    units = [GIB_PER_UNIT[part] for part in key.split("_") if part in GIB_PER_UNIT]
+    return (what, units[0]) if len(units) == 1 else None
+
+
+def memory_curves(records: list[dict]) -> tuple[list[tuple[str, list[int], list[float]]], list[str]]:
+    """Peak memory per device in GiB: ([(label in words, steps, GiB)], keys left out).
+
+    A scalar key is left out when the log also has per-device values of the same kind (it is
+    their maximum); keys without a known unit are left out and named.
+    """
+    keys: list[str] = []
+    for r in records:
+        keys += [k for k in r if k not in keys and (k.startswith("peak_mem") or k.startswith("peak_reserved"))]
+    kinds = {k: _memory_kind(k) for k in keys}
+    per_device = {kind[0] for k, kind in kinds.items()
+                  if kind and any(isinstance(r.get(k), (list, dict)) for r in records)}
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    skipped: list[str] = []
+    for key, kind in kinds.items():
+        if kind is None:
+            skipped.append(key)
+            continue
+        what, scale = kind
+        for r in records:
+            value, step = r.get(key), int(r["step"])
+            if isinstance(value, list):
+                items = [(f"{what}, rank {i}", x) for i, x in enumerate(value)]
+            elif isinstance(value, dict):
+                items = [(f"{what}, {name}", x) for name, x in value.items()]
+            elif what in per_device:
+                continue
+            else:
+                items = [(what, value)]
+            for label, x in items:
+                if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
+                    steps, values = curves.setdefault(label, ([], []))
+                    steps.append(step)
+                    values.append(float(x) * scale)
+    return [(label, s, v) for label, (s, v) in curves.items()], skipped
+
+
+def throughput_and_memory_figure(records: list[dict]):
+    """The figure of `throughput_and_memory` (a matplotlib Figure), or None with nothing to draw."""
     panels = []
     if train_log.series(records, "samples_per_s")[0]:
         panels.append("throughput")
     if train_log.series(records, "step_time_s")[0]:
         panels.append("time")
-    mem_keys = train_log.memory_keys(records)
-    if mem_keys:
+    mem_curves, mem_skipped = memory_curves(records)
+    if mem_curves:
         panels.append("memory")
     if not panels:
         return None
@@ -76,26 +133,33 @@ def throughput_and_memory(records: list[dict], path: Path) -> Path | None:
                              squeeze=False)
     for ax, panel in zip(axes[:, 0], panels, strict=True):
         if panel == "throughput":
-            ax.plot(*train_log.series(records, "samples_per_s"), color="#2ca02c")
+            ax.plot(*train_log.series(records, "samples_per_s"), color="#2ca02c", label="samples per second")
             ax.set_ylabel("samples / s")
-            ax.set_title("Throughput, step time and memory per optimizer step")
         elif panel == "time":
-            ax.plot(*train_log.series(records, "step_time_s"), label="step time", color="#ff7f0e")
+            ax.plot(*train_log.series(records, "step_time_s"), label="optimizer step time", color="#ff7f0e")
             wait_steps, wait = train_log.series(records, "data_wait_s")
             if wait_steps:
-                ax.plot(wait_steps, wait, label="data wait", color="#9467bd")
+                ax.plot(wait_steps, wait, label="waiting for data", color="#9467bd")
             ax.set_ylabel("seconds")
             ax.legend()
         else:
-            for key in mem_keys:
-                for label, (s, v) in train_log.memory_series(records, key).items():
-                    ax.plot(s, v, label=label)
-            ax.set_ylabel("peak memory (GiB)" if all(k.endswith("_bytes") for k in mem_keys)
-                          else "peak memory")
-            ax.legend(fontsize=7)
+            for label, steps, gib in mem_curves:
+                ax.plot(steps, gib, label=label, ls="--" if label.startswith("reserved") else "-")
+            ax.set_ylabel("peak memory per device (GiB)")
+            ax.legend(fontsize=7, ncols=2 if len(mem_curves) > 4 else 1)
+            if mem_skipped:
+                ax.text(0.01, 0.02, f"not drawn (unit unknown): {', '.join(mem_skipped)}",
+                        transform=ax.transAxes, fontsize=7)
         ax.grid(alpha=0.3)
+    axes[0, 0].set_title("Throughput, step time and peak memory per optimizer step")
     axes[-1, 0].set_xlabel("optimizer step")
-    return _save(fig, path)
+    return fig
+
+
+def throughput_and_memory(records: list[dict], path: Path) -> Path | None:
+    """Samples/s, step time and data wait per step; peak memory per device (GiB) per step."""
+    fig = throughput_and_memory_figure(records)
+    return None if fig is None else _save(fig, path)
 
 
 def per_task_error(metrics: dict, path: Path, metric: str = "action_mse") -> Path | None:
