@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -16,6 +17,7 @@ import yaml
 from pisft import config as C
 from pisft.errors import PisftError
 from pisft.evaluate import closed_loop, libero_sim
+from pisft.evaluate.rollout_workers import InlineWorker
 
 RES = libero_sim.RENDER_RESOLUTION
 
@@ -24,13 +26,15 @@ class StandInEnv:
     """LIBERO's OffScreenRenderEnv interface: the end effector is a point that must reach a goal.
 
     The agent-view image is a gradient whose top-left pixel is dark and bottom-right bright,
-    so a request built without LIBERO's 180° rotation shows. `explode_at` makes `step` raise.
+    so a request built without LIBERO's 180° rotation shows. `explode_at` makes `step` raise;
+    `die_at` ends the (worker) process the way a crash in native simulator code does.
     """
 
-    def __init__(self, goal, seed, explode_at=None):
+    def __init__(self, goal, seed, explode_at=None, die_at=None):
         self.goal = np.asarray(goal, dtype=float)
-        self.seed = seed
+        self.seeds = [seed]
         self.explode_at = explode_at
+        self.die_at = die_at
         self.actions: list[list[float]] = []
         self.init_states: list = []
         self.closed = False
@@ -39,10 +43,15 @@ class StandInEnv:
     def _obs(self):
         ramp = np.linspace(0, 255, RES).astype(np.uint8)
         img = np.repeat(np.add.outer(ramp // 2, ramp // 2)[:, :, None], 3, axis=2).astype(np.uint8)
-        return {"agentview_image": img, "robot0_eye_in_hand_image": img.copy(),
+        # the wrist image shows the position, so the video's frames differ
+        wrist = np.full((RES, RES, 3), int(np.clip(100 * self.pos[0], 0, 255)), np.uint8)
+        return {"agentview_image": img, "robot0_eye_in_hand_image": wrist,
                 "robot0_eef_pos": self.pos.copy(),
                 "robot0_eef_quat": np.array([0.0, 0.0, math.sin(0.25), math.cos(0.25)]),
                 "robot0_gripper_qpos": np.array([0.04, -0.04])}
+
+    def seed(self, seed):
+        self.seeds.append(seed)
 
     def reset(self):
         self.pos = np.zeros(3)
@@ -58,6 +67,8 @@ class StandInEnv:
         self.actions.append(action)
         if self.explode_at is not None and len(self.actions) >= self.explode_at:
             raise RuntimeError("physics blew up")
+        if self.die_at is not None and len(self.actions) >= self.die_at:
+            os._exit(3)
         self.pos = self.pos + 0.05 * np.asarray(action[:3])
         done = bool(np.linalg.norm(self.pos - self.goal) < 0.03)
         return self._obs(), float(done), done, {}
@@ -67,8 +78,8 @@ class StandInEnv:
 
 
 class StandInTask:
-    def __init__(self, language, goal, explode_at=None):
-        self.language, self.goal, self.explode_at = language, goal, explode_at
+    def __init__(self, language, goal, explode_at=None, die_at=None):
+        self.language, self.goal, self.explode_at, self.die_at = language, goal, explode_at, die_at
 
 
 class StandInSuite:
@@ -86,26 +97,33 @@ class StandInSuite:
 
 
 class StandInSimulator:
+    """A picklable factory builds one per worker process: `functools.partial(StandInSimulator, tasks)`."""
+
     def __init__(self, tasks, n_init=50):
         self.tasks = tasks
         self.n_init = n_init
         self.envs: list[StandInEnv] = []
+
+    def describe(self):
+        return {"package": "stand-in (tests/test_eval_closed_loop.py)", "version": None}
 
     def suite(self, name):
         return StandInSuite(self.tasks, self.n_init)
 
     def make_env(self, task, *, resolution, seed):
         assert resolution == RES
-        env = StandInEnv(task.goal, seed, task.explode_at)
+        env = StandInEnv(task.goal, seed, task.explode_at, task.die_at)
         self.envs.append(env)
         return env
 
 
 class GoalSeekingPolicy:
-    """Reads the goal from the prompt ("reach x y z") and the position from the state."""
+    """Reads the goal from the prompt ("reach x y z") and the position from the state; a noise
+    term drawn from the seed of each call shows whether seeds reach the right chunks."""
 
-    def __init__(self, horizon=8):
+    def __init__(self, horizon=8, noise=0.0):
         self.horizon = horizon
+        self.noise = noise
         self.requests: list[dict] = []
         self.seeds: list = []
 
@@ -117,7 +135,8 @@ class GoalSeekingPolicy:
         goal = np.array([float(x) for x in obs["prompt"].split()[1:4]])
         pos = obs["observation/state"][:3]
         step = np.clip((goal - pos) / 0.05, -1, 1)
-        action = np.concatenate([step, np.zeros(3), [1.0]])
+        jitter = self.noise * np.random.default_rng(self.seeds[-1]).uniform(-1, 1, 3)
+        action = np.concatenate([step + jitter, np.zeros(3), [1.0]])
         return {"actions": np.tile(action, (self.horizon, 1))}
 
 
@@ -128,12 +147,24 @@ def settings(**kw):
     return closed_loop.Settings(**base)
 
 
+def run_inline(sim, policy, s, out_dir=None, num_envs=1):
+    """The stage's episode loop with the environments in this process (to inspect them)."""
+    specs, languages = closed_loop.plan_episodes(sim, s, out_dir)
+    workers = [InlineWorker(sim) for _ in range(num_envs)]
+    try:
+        return closed_loop.run_episodes(specs, policy, s, workers=workers, languages=languages)
+    finally:
+        for w in workers:
+            w.close()
+
+
 def test_episode_follows_openpi_loop():
     sim = StandInSimulator([StandInTask("reach 0.5 0 0", [0.5, 0, 0])])
     policy = GoalSeekingPolicy()
-    results = closed_loop.evaluate_suite(sim, policy, "libero_spatial", settings(trials_per_task=2))
-    env = sim.envs[0]
-    assert env.seed == 7 and env.closed
+    results = run_inline(sim, policy, settings(trials_per_task=2))
+    env, = sim.envs  # one environment per task, reused for its trials
+    # seeded at creation and again before each episode's reset (same seed: independent of history)
+    assert env.seeds == [7, 7, 7] and env.closed  # closed when the run ends
     # trial k starts from initial state k
     assert [s[0] for s in env.init_states] == [0.0, 0.01]
     # 10 dummy actions (still, gripper open) before the first policy step of each episode
@@ -141,18 +172,21 @@ def test_episode_follows_openpi_loop():
     r0 = results[0]
     assert r0.success and r0.error is None
     # from 0 to 0.5 at 0.05 per step: 10 steps; replanning every 5 steps: 2 policy calls
-    assert r0.steps == 10 and r0.policy_calls == 2
+    assert r0.steps == 10 and r0.policy_calls == 2 and r0.sim_steps == 20
     assert len(env.actions) == 10 + 10 + 10 + results[1].steps
     assert results[1].steps == 10  # from 0.01: 9.8 steps of 0.05 -> 10 (last within tolerance)
-    # each episode gets its own noise seed, reproducibly
-    assert policy.seeds[0] != policy.seeds[1]
-    assert policy.seeds[0] == closed_loop.episode_seed(7, "libero_spatial", 0, 0)
+    # each chunk gets its own noise seed, fixed by the episode and the call number
+    ep0 = closed_loop.episode_seed(7, "libero_spatial", 0, 0)
+    ep1 = closed_loop.episode_seed(7, "libero_spatial", 0, 1)
+    assert policy.seeds == [closed_loop.chunk_seed(ep0, 0), closed_loop.chunk_seed(ep0, 1),
+                            closed_loop.chunk_seed(ep1, 0), closed_loop.chunk_seed(ep1, 1)]
+    assert len(set(policy.seeds)) == 4
 
 
 def test_request_matches_openpi_libero_client():
     sim = StandInSimulator([StandInTask("reach 0.5 0 0", [0.5, 0, 0])])
     policy = GoalSeekingPolicy()
-    closed_loop.evaluate_suite(sim, policy, "libero_spatial", settings(trials_per_task=1))
+    run_inline(sim, policy, settings(trials_per_task=1))
     req = policy.requests[0]
     assert set(req) == {"observation/image", "observation/wrist_image", "observation/state", "prompt"}
     img = req["observation/image"]
@@ -167,60 +201,145 @@ def test_request_matches_openpi_libero_client():
     assert req["prompt"] == "reach 0.5 0 0"
 
 
-def test_failures_time_out_at_the_suite_step_limit_and_crashes_are_recorded():
+def test_failures_time_out_at_the_step_limit_and_crashes_are_recorded():
     sim = StandInSimulator([
         StandInTask("reach 0.5 0 0", [0.5, 0, 0]),
         StandInTask("reach 99 0 0", [99.0, 0, 0]),        # unreachable in 220 steps
         StandInTask("reach 0.5 0 0", [0.5, 0, 0], explode_at=13),
     ])
     policy = GoalSeekingPolicy()
-    results = closed_loop.evaluate_suite(sim, policy, "libero_spatial", settings(trials_per_task=2))
+    results = run_inline(sim, policy, settings(trials_per_task=2))
     by_task = {}
     for r in results:
         by_task.setdefault(r.task_id, []).append(r)
+    assert [(r.task_id, r.trial) for r in results] == [(t, k) for t in range(3) for k in range(2)]
     assert all(r.success for r in by_task[0])
     assert [r.steps for r in by_task[1]] == [220, 220] and not any(r.success for r in by_task[1])
     assert by_task[1][0].policy_calls == 44  # 220 / 5
     assert all("physics blew up" in r.error for r in by_task[2]) and not any(r.success for r in by_task[2])
+    # a crashed environment is closed and replaced: one per task, one more for task 2's second trial
+    assert len(sim.envs) == 4 and all(e.closed for e in sim.envs)
     metrics = closed_loop.summarize(results)
     s = metrics["suites"]["libero_spatial"]
     assert (s["successes"], s["trials"], s["errors"]) == (2, 6, 2)
-    assert s["per_task"]["reach 99 0 0"]["success_rate"] == 0.0
+    assert s["per_task"]["1"]["success_rate"] == 0.0 and s["per_task"]["1"]["task"] == "reach 99 0 0"
+    assert s["per_task"]["1"]["episode_steps"]["mean"] == 220
+    # tasks 0 and 2 share an instruction (as LIBERO-90's scenes do) and are counted apart
+    assert (s["per_task"]["0"]["successes"], s["per_task"]["2"]["errors"]) == (2, 2)
     assert metrics["success_rate"] == pytest.approx(2 / 6)
-    assert all(e.closed for e in sim.envs)
+    # 95% Wilson interval of 2/6: (0.0968, 0.7000)
+    np.testing.assert_allclose(s["success_rate_ci95"], [0.0968, 0.7000], atol=1e-4)
+    np.testing.assert_allclose(s["per_task"]["1"]["success_rate_ci95"], [0.0, 0.6576], atol=1e-4)
+    np.testing.assert_allclose(s["per_task"]["0"]["success_rate_ci95"], [0.3424, 1.0], atol=1e-4)
+
+
+def test_max_steps_and_task_ids_select_the_short_check():
+    sim = StandInSimulator([StandInTask(f"reach {g} 0 0", [g, 0, 0]) for g in (0.5, 99.0, 0.2)])
+    results = run_inline(sim, GoalSeekingPolicy(), settings(trials_per_task=1, max_steps=7, task_ids=(2, 1)))
+    assert [(r.task_id, r.steps, r.success) for r in results] == [(2, 4, True), (1, 7, False)]
+    assert results[1].policy_calls == 2  # 5 + 2 steps
+    with pytest.raises(PisftError, match="eval.task_ids: libero_spatial has tasks 0..2"):
+        closed_loop.plan_episodes(sim, settings(task_ids=(3,)), None)
 
 
 def test_short_chunks_and_too_few_initial_states_are_clear_errors():
     sim = StandInSimulator([StandInTask("reach 0.5 0 0", [0.5, 0, 0])], n_init=2)
     with pytest.raises(PisftError, match="trials_per_task"):
-        closed_loop.evaluate_suite(sim, GoalSeekingPolicy(), "libero_spatial", settings(trials_per_task=3))
-    results = closed_loop.evaluate_suite(sim, GoalSeekingPolicy(horizon=3), "libero_spatial",
-                                         settings(trials_per_task=1))
-    assert "replan_steps" in results[0].error
+        closed_loop.plan_episodes(sim, settings(trials_per_task=3), None)
+    results = run_inline(sim, GoalSeekingPolicy(horizon=3), settings(trials_per_task=2))
+    assert all("replan_steps" in r.error for r in results)
+    assert len(sim.envs) == 1  # the policy failed, not the simulator: the environment is kept
 
 
 def make_cfg(tmp_path, **eval_keys):
     return C.from_dict({"results_dir": str(tmp_path / "results"),
-                        "eval": {"closed_loop": True, "trials_per_task": 2,
+                        "eval": {"closed_loop": True, "trials_per_task": 2, "num_envs": 1,
                                  "libero_suites": ["libero_spatial", "libero_10"], **eval_keys}})
 
 
+TWO_TASKS = [StandInTask("reach 0.5 0 0", [0.5, 0, 0]), StandInTask("reach 99 0 0", [99.0, 0, 0])]
+
+
 def test_stage_writes_success_per_task_and_suite(tmp_path):
-    sim = StandInSimulator([StandInTask("reach 0.5 0 0", [0.5, 0, 0]),
-                            StandInTask("reach 99 0 0", [99.0, 0, 0])])
-    cfg = make_cfg(tmp_path)
-    metrics = closed_loop.run(cfg, simulator=sim, policy=GoalSeekingPolicy())
+    cfg = make_cfg(tmp_path, videos=False)
+    metrics = closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, TWO_TASKS),
+                              policy=GoalSeekingPolicy(), inline=True)
     out = tmp_path / "results" / "closed_loop"
     on_disk = json.loads((out / "metrics.json").read_text())
     assert on_disk["success_rate"] == metrics["success_rate"] == 0.5
+    # never claims the real simulator
+    assert on_disk["simulator"] == {"package": "stand-in (tests/test_eval_closed_loop.py)", "version": None}
     assert set(on_disk["suites"]) == {"libero_spatial", "libero_10"}
-    assert on_disk["suites"]["libero_10"]["per_task"]["reach 99 0 0"]["trials"] == 2
+    task = on_disk["suites"]["libero_10"]["per_task"]["1"]
+    assert task["trials"] == 2 and task["episode_steps"]["max"] == 520  # libero_10 allows 520 steps
+    np.testing.assert_allclose(on_disk["success_rate_ci95"], [0.2152, 0.7848], atol=1e-4)  # 4 / 8
     episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
-    assert len(episodes) == 8
-    # libero_10 allows 520 steps
-    assert max(e["steps"] for e in episodes if e["suite"] == "libero_10") == 520
-    assert "| libero_10 | 0.500 | 2 / 4 | 0 |" in (out / "report.md").read_text()
+    assert len(episodes) == 8 and not (out / "videos").exists()
+    t = on_disk["timing"]
+    assert t["num_envs"] == 1 and t["simulator_steps"] == sum(e["sim_steps"] for e in episodes)
+    assert t["policy_calls"] == sum(e["policy_calls"] for e in episodes)
+    assert t["simulator_steps_per_s"] > 0 and t["policy_ms_per_chunk"] > 0
+    report = (out / "report.md").read_text()
+    assert "| libero_10 | 0.500 | [0.15, 0.85] | 2 / 4 | 265.0 | 0 |" in report
+    assert "stand-in" in report
     assert json.loads((out / "pisft_config.json").read_text())["eval"]["closed_loop"] is True
+
+
+def test_a_video_of_the_first_episode_of_each_task_decodes(tmp_path):
+    from pisft.evaluate.video import probe
+
+    cfg = make_cfg(tmp_path, libero_suites=["libero_10"], max_steps=24)
+    metrics = closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, TWO_TASKS),
+                              policy=GoalSeekingPolicy(), inline=True)
+    out = tmp_path / "results" / "closed_loop"
+    assert sorted(p.name for p in (out / "videos").iterdir()) == ["libero_10_task00.mp4", "libero_10_task01.mp4"]
+    episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    assert [e["video"] for e in episodes] == ["videos/libero_10_task00.mp4", None,
+                                              "videos/libero_10_task01.mp4", None]
+    # one frame after the wait steps, one per policy step; agent view | wrist, 256x256 each
+    assert probe(out / "videos/libero_10_task00.mp4") == {"frames": 11, "width": 512, "height": 256, "codec": "h264"}
+    assert probe(out / "videos/libero_10_task01.mp4")["frames"] == 25 == episodes[2]["video_frames"]
+    assert metrics["suites"]["libero_10"]["per_task"]["1"]["video"] == "videos/libero_10_task01.mp4"
+    report = (out / "report.md").read_text()
+    assert '<video src="videos/libero_10_task01.mp4"' in report
+    assert "[libero_10_task00.mp4](videos/libero_10_task00.mp4)" in report
+
+
+def deterministic_part(metrics):
+    return {k: v for k, v in metrics.items() if k not in ("timing", "wall_time_s", "settings", "model_dir")}
+
+
+def test_results_do_not_depend_on_the_number_of_environment_processes(tmp_path):
+    """Worker processes (spawned), 1 and 2: same episodes, same order, same metrics, same videos."""
+    tasks = [StandInTask(f"reach {g} 0 0", [g, 0, 0]) for g in (0.3, 0.45, 0.2)]
+    runs = {}
+    for n in (1, 2):
+        cfg = make_cfg(tmp_path / f"n{n}", libero_suites=["libero_spatial"], num_envs=n, max_steps=30)
+        metrics = closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, tasks),
+                                  policy=GoalSeekingPolicy(noise=0.9))
+        out = tmp_path / f"n{n}" / "results" / "closed_loop"
+        episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+        assert metrics["timing"]["num_envs"] == n
+        runs[n] = (deterministic_part(metrics),
+                   [(e["task_id"], e["trial"], e["success"], e["steps"], e["policy_calls"], e["sim_steps"])
+                    for e in episodes],
+                   (out / "videos/libero_spatial_task01.mp4").read_bytes())
+    assert runs[1] == runs[2]
+    # the noise matters (some episodes succeed, some do not), so equality is not vacuous
+    outcomes = {e[2] for e in runs[1][1]}
+    assert outcomes == {True, False}
+
+
+def test_a_worker_that_dies_fails_its_episode_and_is_replaced(tmp_path):
+    tasks = [StandInTask("reach 0.5 0 0", [0.5, 0, 0], die_at=15), StandInTask("reach 0.3 0 0", [0.3, 0, 0])]
+    cfg = make_cfg(tmp_path, libero_suites=["libero_spatial"], num_envs=1, videos=False)
+    metrics = closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, tasks),
+                              policy=GoalSeekingPolicy())
+    per_task = metrics["suites"]["libero_spatial"]["per_task"]
+    assert per_task["0"]["errors"] == 2 and per_task["0"]["successes"] == 0
+    assert per_task["1"]["successes"] == 2 and per_task["1"]["errors"] == 0
+    episodes = (tmp_path / "results/closed_loop/episodes.jsonl").read_text()
+    assert "died (exit code 3)" in episodes
 
 
 def test_stage_is_off_by_default_and_needs_the_simulator(tmp_path, monkeypatch):
@@ -323,8 +442,11 @@ def test_libero_simulator_against_the_package_layout(fake_libero, tmp_path, monk
     written = yaml.safe_load((tmp_path / "libero-config" / "config.yaml").read_text())
     assert written["bddl_files"] == str(fake_libero / "libero" / "libero" / "bddl_files")
     assert written["init_states"] == str(fake_libero / "libero" / "libero" / "init_files")
-    results = closed_loop.evaluate_suite(sim, GoalSeekingPolicy(), "libero_spatial", settings(trials_per_task=2))
+    results = run_inline(sim, GoalSeekingPolicy(), settings(trials_per_task=2))
     assert [r.success for r in results] == [True] * 4 and [r.steps for r in results] == [10, 10, 20, 20]
+    # a `libero` that is not the hf-libero distribution is never reported as hf-libero
+    info = closed_loop.simulator_info(sim)
+    assert info["package"] == "libero (not from the hf-libero distribution)" and info["version"] is None
     from libero.libero.envs import CREATED
 
     assert [Path(e.kwargs["bddl_file_name"]).relative_to(written["bddl_files"]).as_posix() for e in CREATED] == \
@@ -348,7 +470,8 @@ def test_a_crash_of_the_stage_leaves_no_output(tmp_path):
             raise RuntimeError("simulator died")
 
     with pytest.raises(RuntimeError):
-        closed_loop.run(make_cfg(tmp_path), simulator=Broken([]), policy=GoalSeekingPolicy())
+        closed_loop.run(make_cfg(tmp_path), simulator=functools.partial(Broken, []),
+                        policy=GoalSeekingPolicy(), inline=True)
     assert not (tmp_path / "results" / "closed_loop").exists()
 
 
@@ -366,18 +489,16 @@ def test_resize_with_pad_keeps_aspect():
     assert out[0, 112].sum() == 0 and out[112, 112].min() == 255  # padded top, image in middle
 
 
-def test_stage_rolls_out_the_exported_model_in_process(tmp_path, monkeypatch):
+def test_stage_rolls_out_the_exported_model_in_process(tmp_path):
     """The default policy: results/train/model through LiberoPolicy (the code `serve` runs)."""
     from test_serve_openpi_client import write_tiny_model
 
-    monkeypatch.setitem(libero_sim.SUITE_MAX_STEPS, "libero_spatial", 15)  # 3 inferences, not 44
-
-    cfg = make_cfg(tmp_path, libero_suites=["libero_spatial"], trials_per_task=1)
+    cfg = make_cfg(tmp_path, libero_suites=["libero_spatial"], trials_per_task=1, max_steps=15)  # 3 chunks
     model = write_tiny_model(tmp_path / "export")
     (tmp_path / "results" / "train").mkdir(parents=True)
     model.rename(tmp_path / "results" / "train" / "model")
     sim = StandInSimulator([StandInTask("reach 99 0 0", [99.0, 0, 0])])
-    metrics = closed_loop.run(cfg, simulator=sim)
+    metrics = closed_loop.run(cfg, simulator=lambda: sim, inline=True)
     episode = json.loads((tmp_path / "results" / "closed_loop" / "episodes.jsonl").read_text())
     assert episode["error"] is None and episode["steps"] == 15 and episode["policy_calls"] == 3
     assert metrics["success_rate"] == 0.0

@@ -1,29 +1,55 @@
 """Closed-loop LIBERO evaluation: roll the policy out in the simulator, count successes.
 
 The loop is openpi's LIBERO evaluation (`examples/libero/main.py`): for every task of every
-suite, `trials_per_task` episodes, each starting from the task's fixed initial state number i;
-`num_wait_steps` dummy actions while objects settle; then the policy is asked for an action
-chunk, the first `replan_steps` actions are executed, and it is asked again; an episode
-succeeds when the environment reports `done` within the suite's step limit. An exception in
-an episode ends it as a failure — and, unlike openpi, is recorded in `episodes.jsonl` and
-counted per task (`errors`), so a crash does not pass as a policy failure unnoticed.
+suite, `trials_per_task` episodes, episode i starting from the task's fixed initial state
+number i; `num_wait_steps` dummy actions while objects settle; then the policy is asked for an
+action chunk, the first `replan_steps` actions are executed, and it is asked again; an episode
+succeeds when the environment reports `done` within the step limit (openpi's per suite, or
+`eval.max_steps`). An exception in an episode ends it as a failure — and, unlike openpi, is
+recorded in `episodes.jsonl` and counted per task (`errors`), so a crash does not pass as a
+policy failure unnoticed.
 
-The policy is anything with `infer(request) -> {"actions": (horizon, 7)}` and `reset()`:
-in-process, `pisft.serve.libero_policy.LiberoPolicy` (the same code that `python -m pisft
-serve` runs), so the in-process and the served model answer the same requests the same way.
+**Where what runs.** Environments run in `eval.num_envs` worker processes
+(`pisft.evaluate.rollout_workers`; default: the cores available), each keeping the environment
+of its current task and building the policy's requests itself. The policy runs once, in this
+(the parent) process, one request at a time as workers ask: while it computes one worker's
+chunk, the other workers simulate. One model in memory whatever the number of environments
+(pi0.5 is 3B parameters; on a GPU host it sits on the one device), and the parent is busy only
+between chunks (a chunk is 5 simulator steps of about 0.2 CPU-s each on this CPU, against
+milliseconds to a few hundred for the policy), so N workers keep N cores simulating. Requests
+are not batched across environments: a batch's composition would depend on timing, and
+results would then depend on `eval.num_envs`.
 
-Stage output, `results/closed_loop/` (atomic): `metrics.json` (success rate overall, per suite
-and per task), `episodes.jsonl` (one line per episode), `report.md`, `pisft_config.json`.
+**Same results for any `eval.num_envs`.** Episodes are listed in a fixed order (suite, task,
+trial); each gets its environment seed (`eval.closed_loop_seed`, set before every reset, so an
+episode does not depend on what its worker ran before) and, for the k-th chunk of the episode,
+a policy noise seed derived from (run seed, suite, task, trial, k) (`chunk_seed`). Which worker
+runs an episode and in which order replies arrive change nothing; results are written in
+episode order.
+
+The policy is anything with `infer(request) -> {"actions": (horizon, 7)}` and
+`reset(seed)`: by default `pisft.serve.libero_policy.LiberoPolicy` (the same code that
+`python -m pisft serve` runs), so the in-process and the served model answer the same
+requests the same way.
+
+Stage output, `results/closed_loop/` (atomic): `metrics.json` (success overall, per suite and
+per task with 95% Wilson intervals, episode lengths, simulator steps/s, policy ms per chunk,
+the simulator package and version), `episodes.jsonl` (one line per episode), `videos/`
+(agent view | wrist camera MP4 of the first episode of each task), `report.md`,
+`pisft_config.json`. See README.md, "Serving and closed-loop LIBERO".
 """
 
 from __future__ import annotations
 
-import collections
+import importlib.metadata
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from multiprocessing.connection import wait as wait_for_replies
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -31,11 +57,21 @@ import numpy as np
 from pisft import config as config_mod
 from pisft.errors import PisftError
 from pisft.evaluate import libero_sim
+from pisft.evaluate.intervals import wilson_interval
+from pisft.evaluate.rollout_workers import (
+    EpisodeOutcome,
+    EpisodeSpec,
+    InlineWorker,
+    ProcessWorker,
+    WorkerDied,
+)
 from pisft.io import atomic_dir, write_json_atomic, write_text_atomic
 
 log = logging.getLogger("pisft.closed_loop")
 
 OUTPUT_DIR = "closed_loop"
+VIDEO_DIR = "videos"
+CONFIDENCE = 0.95
 
 
 class ChunkPolicy(Protocol):
@@ -52,13 +88,34 @@ class Settings:
     num_wait_steps: int
     seed: int
     resize_size: int
+    max_steps: int = 0  # 0: openpi's limit of each suite (libero_sim.SUITE_MAX_STEPS)
+    task_ids: tuple[int, ...] = ()  # empty: every task of each suite
+    num_envs: int = 1
+    videos: bool = True
 
     @classmethod
     def from_config(cls, cfg: config_mod.PisftConfig) -> Settings:
         e = cfg.eval
         return cls(suites=tuple(e.libero_suites), trials_per_task=e.trials_per_task,
                    replan_steps=e.replan_steps, num_wait_steps=e.num_wait_steps,
-                   seed=e.closed_loop_seed, resize_size=e.resize_size)
+                   seed=e.closed_loop_seed, resize_size=e.resize_size, max_steps=e.max_steps,
+                   task_ids=tuple(e.task_ids), num_envs=resolve_num_envs(e.num_envs),
+                   videos=e.videos)
+
+    def steps_for(self, suite: str) -> int:
+        return self.max_steps or libero_sim.SUITE_MAX_STEPS[suite]
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def resolve_num_envs(num_envs: int) -> int:
+    """`eval.num_envs`: 0 means one environment per core available to this process."""
+    if num_envs < 0:
+        raise PisftError(f"eval.num_envs: must be 0 (one per available core) or a positive number "
+                         f"of environment processes, got {num_envs}")
+    return num_envs or available_cores()
 
 
 @dataclass
@@ -72,6 +129,13 @@ class EpisodeResult:
     policy_calls: int
     wall_time_s: float
     error: str | None = None
+    sim_steps: int = 0  # env.step calls, wait steps included
+    sim_step_time_s: float = 0.0
+    env_create_s: float = 0.0
+    reset_s: float = 0.0
+    policy_ms: float = 0.0  # total policy time of the episode
+    video: str | None = None  # relative to the stage's output folder
+    video_frames: int = 0
 
 
 def episode_seed(seed: int, suite: str, task_id: int, trial: int) -> int:
@@ -80,116 +144,333 @@ def episode_seed(seed: int, suite: str, task_id: int, trial: int) -> int:
     return int(np.random.SeedSequence(words).generate_state(1)[0])
 
 
-def rollout(env: libero_sim.Env, policy: ChunkPolicy, *, init_state: Any, prompt: str,
-            max_steps: int, settings: Settings) -> tuple[bool, int, int]:
-    """One episode: (success, policy steps executed, policy calls). Exceptions propagate."""
-    env.reset()
-    obs = env.set_init_state(init_state)
-    for _ in range(settings.num_wait_steps):
-        obs, _, _, _ = env.step(list(libero_sim.DUMMY_ACTION))
-    plan: collections.deque = collections.deque()
-    calls = 0
-    for t in range(max_steps):
-        if not plan:
-            request = libero_sim.policy_request(obs, prompt, resize=settings.resize_size)
-            chunk = np.asarray(policy.infer(request)["actions"])
-            calls += 1
-            if chunk.ndim != 2 or len(chunk) < settings.replan_steps:
+def chunk_seed(episode: int, call: int) -> int:
+    """Noise seed of an episode's call-th chunk: independent of what else runs meanwhile."""
+    return int(np.random.SeedSequence([episode, call]).generate_state(1)[0])
+
+
+def video_name(suite: str, task_id: int) -> str:
+    return f"{VIDEO_DIR}/{suite}_task{task_id:02d}.mp4"
+
+
+def plan_episodes(simulator: libero_sim.Simulator, settings: Settings, out_dir: Path | None
+                  ) -> tuple[list[EpisodeSpec], dict[tuple[str, int], str]]:
+    """The run's episodes in order, and each task's instruction; checked before any rollout."""
+    specs: list[EpisodeSpec] = []
+    languages: dict[tuple[str, int], str] = {}
+    for suite_name in settings.suites:
+        if suite_name not in libero_sim.SUITE_MAX_STEPS:
+            raise PisftError(f"eval.libero_suites: unknown suite '{suite_name}'; one of "
+                             f"{', '.join(libero_sim.SUITE_MAX_STEPS)}")
+        suite = simulator.suite(suite_name)
+        task_ids = settings.task_ids or tuple(range(suite.n_tasks))
+        bad = [t for t in task_ids if not 0 <= t < suite.n_tasks]
+        if bad:
+            raise PisftError(f"eval.task_ids: {suite_name} has tasks 0..{suite.n_tasks - 1}, not {bad}; "
+                             "pick ids in that range (or [] for every task)")
+        for task_id in task_ids:
+            languages[(suite_name, task_id)] = suite.get_task(task_id).language
+            n_init = len(suite.get_task_init_states(task_id))
+            if n_init < settings.trials_per_task:
                 raise PisftError(
-                    f"the policy returned actions of shape {chunk.shape}; replanning every "
-                    f"{settings.replan_steps} steps needs at least that many (lower eval.replan_steps)")
-            plan.extend(chunk[: settings.replan_steps])
-        obs, _, done, _ = env.step(plan.popleft().tolist())
-        if done:
-            return True, t + 1, calls
-    return False, max_steps, calls
-
-
-def evaluate_suite(simulator: libero_sim.Simulator, policy: ChunkPolicy, suite_name: str,
-                   settings: Settings, *, on_episode: Callable[[EpisodeResult], None] | None = None
-                   ) -> list[EpisodeResult]:
-    if suite_name not in libero_sim.SUITE_MAX_STEPS:
-        raise PisftError(f"eval.libero_suites: unknown suite '{suite_name}'; one of "
-                         f"{', '.join(libero_sim.SUITE_MAX_STEPS)}")
-    max_steps = libero_sim.SUITE_MAX_STEPS[suite_name]
-    suite = simulator.suite(suite_name)
-    results: list[EpisodeResult] = []
-    for task_id in range(suite.n_tasks):
-        task = suite.get_task(task_id)
-        init_states = suite.get_task_init_states(task_id)
-        if len(init_states) < settings.trials_per_task:
-            raise PisftError(
-                f"{suite_name} task {task_id} has {len(init_states)} initial states, fewer than "
-                f"eval.trials_per_task={settings.trials_per_task}; lower eval.trials_per_task")
-        env = simulator.make_env(task, resolution=libero_sim.RENDER_RESOLUTION, seed=settings.seed)
-        try:
+                    f"{suite_name} task {task_id} has {n_init} initial states, fewer than "
+                    f"eval.trials_per_task={settings.trials_per_task}; lower eval.trials_per_task")
             for trial in range(settings.trials_per_task):
-                policy.reset(episode_seed(settings.seed, suite_name, task_id, trial))
-                start = time.monotonic()
-                error = None
-                try:
-                    success, steps, calls = rollout(env, policy, init_state=init_states[trial],
-                                                    prompt=task.language, max_steps=max_steps,
-                                                    settings=settings)
-                except Exception as exc:  # noqa: BLE001 - an episode that crashed is a failure
-                    success, steps, calls = False, 0, 0
-                    error = f"{type(exc).__name__}: {exc}"
-                    log.error("%s task %d trial %d failed with %s", suite_name, task_id, trial, error)
-                result = EpisodeResult(suite=suite_name, task_id=task_id, task=task.language,
-                                       trial=trial, success=success, steps=steps,
-                                       policy_calls=calls, wall_time_s=time.monotonic() - start,
-                                       error=error)
-                results.append(result)
-                if on_episode is not None:
-                    on_episode(result)
-        finally:
-            close = getattr(env, "close", None)
-            if close is not None:
-                close()
-    return results
+                video = None
+                if settings.videos and trial == 0 and out_dir is not None:
+                    video = str(out_dir / video_name(suite_name, task_id))
+                specs.append(EpisodeSpec(
+                    index=len(specs), suite=suite_name, task_id=task_id, trial=trial,
+                    max_steps=settings.steps_for(suite_name), num_wait_steps=settings.num_wait_steps,
+                    env_seed=settings.seed, resize_size=settings.resize_size, video=video))
+    return specs, languages
+
+
+@dataclass
+class _InFlight:
+    spec: EpisodeSpec
+    seed: int
+    start: float
+    calls: int = 0
+    policy_s: float = 0.0
+    error: str | None = None
+
+
+def _chunk(policy: ChunkPolicy, request: dict, ep: _InFlight, settings: Settings) -> np.ndarray:
+    policy.reset(chunk_seed(ep.seed, ep.calls))
+    t0 = time.perf_counter()
+    chunk = np.asarray(policy.infer(request)["actions"])
+    ep.policy_s += time.perf_counter() - t0
+    ep.calls += 1
+    if chunk.ndim != 2 or len(chunk) < settings.replan_steps or chunk.shape[1] != 7:
+        raise PisftError(
+            f"the policy returned actions of shape {chunk.shape}; LIBERO needs (chunk, 7) with at "
+            f"least eval.replan_steps={settings.replan_steps} actions (lower eval.replan_steps)")
+    return chunk[: settings.replan_steps]
+
+
+def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settings, *,
+                 workers: list, respawn: Callable[[int], Any] | None = None,
+                 languages: dict[tuple[str, int], str],
+                 on_episode: Callable[[EpisodeResult], None] | None = None) -> list[EpisodeResult]:
+    """Drive the workers through `specs`; results in the order of `specs`.
+
+    A free worker takes the next pending episode of the task whose environment it holds, else
+    the first pending episode. A worker that dies (a crash in native simulator code) fails its
+    episode with the reason and is replaced by `respawn(i)`.
+    """
+    pending = list(specs)
+    results: dict[int, EpisodeResult] = {}
+    busy: dict[int, _InFlight] = {}  # worker index -> its episode
+    last_task: dict[int, tuple[str, int]] = {}
+
+    def finish(i: int, outcome: EpisodeOutcome) -> None:
+        ep = busy.pop(i)
+        s = ep.spec
+        error = ep.error or outcome.error
+        r = EpisodeResult(
+            suite=s.suite, task_id=s.task_id, task=languages[(s.suite, s.task_id)], trial=s.trial,
+            success=bool(outcome.success) and error is None, steps=outcome.steps,
+            policy_calls=ep.calls, wall_time_s=time.monotonic() - ep.start, error=error,
+            sim_steps=outcome.sim_steps, sim_step_time_s=outcome.step_time_s,
+            env_create_s=outcome.env_create_s, reset_s=outcome.reset_s,
+            policy_ms=1000.0 * ep.policy_s,
+            video=(video_name(s.suite, s.task_id) if s.video and outcome.video_frames else None),
+            video_frames=outcome.video_frames)
+        if error:
+            log.error("%s task %d trial %d failed with %s", s.suite, s.task_id, s.trial, error)
+        results[s.index] = r
+        if on_episode is not None:
+            on_episode(r)
+
+    def assign(i: int) -> None:
+        key = last_task.get(i)
+        pick = next((k for k, s in enumerate(pending) if (s.suite, s.task_id) == key), 0)
+        spec = pending.pop(pick)
+        busy[i] = _InFlight(spec=spec, seed=episode_seed(settings.seed, spec.suite, spec.task_id,
+                                                         spec.trial), start=time.monotonic())
+        last_task[i] = (spec.suite, spec.task_id)
+        workers[i].send("start", spec)
+
+    def handle(i: int) -> None:
+        try:
+            kind, payload = workers[i].recv()
+        except WorkerDied as exc:
+            finish(i, EpisodeOutcome(False, 0, 0, 0.0, 0.0, 0.0, error=str(exc)))
+            if respawn is None:
+                raise
+            workers[i] = respawn(i)
+            last_task.pop(i, None)
+            return
+        if kind in ("done", "error"):
+            finish(i, payload)
+            return
+        ep = busy[i]
+        try:
+            actions = _chunk(policy, payload, ep, settings)
+        except Exception as exc:  # noqa: BLE001 - the policy failing is this episode's failure
+            ep.error = f"{type(exc).__name__}: {exc}"
+            workers[i].send("abort", ep.error)
+            return
+        workers[i].send("act", actions)
+
+    while pending or busy:
+        for i in range(len(workers)):
+            if i not in busy and pending:
+                assign(i)
+        inline = [i for i in busy if workers[i].has_reply()]
+        if inline:
+            ready = inline
+        else:
+            conns = {workers[i].conn: i for i in busy}
+            ready = [conns[c] for c in wait_for_replies(list(conns))]
+        for i in sorted(ready):
+            handle(i)
+    return [results[s.index] for s in specs]
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "median": None, "min": None, "max": None}
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), "median": float(np.median(a)), "min": float(a.min()),
+            "max": float(a.max())}
+
+
+def _rate(entry: dict) -> None:
+    entry["success_rate"] = entry["successes"] / entry["trials"] if entry["trials"] else None
+    ci = wilson_interval(entry["successes"], entry["trials"], CONFIDENCE)
+    entry["success_rate_ci95"] = ci.as_list()
 
 
 def summarize(results: list[EpisodeResult]) -> dict:
-    """Success per task, per suite and overall (suites in the order they were run)."""
+    """Success per task, per suite and overall (suites in the order they were run), 95% Wilson
+    intervals, episode lengths. Deterministic: timings are kept apart (`timing`)."""
     suites: dict[str, dict] = {}
     for r in results:
-        s = suites.setdefault(r.suite, {"per_task": {}, "successes": 0, "trials": 0, "errors": 0})
-        t = s["per_task"].setdefault(r.task, {"task_id": r.task_id, "successes": 0, "trials": 0,
-                                              "errors": 0})
+        s = suites.setdefault(r.suite, {"per_task": {}, "successes": 0, "trials": 0, "errors": 0,
+                                        "_steps": []})
+        # keyed by task id: LIBERO-90 repeats instructions across scenes
+        t = s["per_task"].setdefault(str(r.task_id), {"task_id": r.task_id, "task": r.task, "successes": 0,
+                                                      "trials": 0, "errors": 0, "_steps": [], "video": None})
         for entry in (s, t):
             entry["successes"] += int(r.success)
             entry["trials"] += 1
             entry["errors"] += int(r.error is not None)
+            entry["_steps"].append(r.steps)
+        if r.video and t["video"] is None:
+            t["video"] = r.video
     for s in suites.values():
-        for t in s["per_task"].values():
-            t["success_rate"] = t["successes"] / t["trials"]
-        s["success_rate"] = s["successes"] / s["trials"]
+        for entry in (s, *s["per_task"].values()):
+            _rate(entry)
+            entry["episode_steps"] = _stats(entry.pop("_steps"))
     total = sum(s["trials"] for s in suites.values())
-    return {
-        "success_rate": (sum(s["successes"] for s in suites.values()) / total) if total else None,
+    successes = sum(s["successes"] for s in suites.values())
+    out = {
+        "success_rate": successes / total if total else None,
+        "success_rate_ci95": wilson_interval(successes, total, CONFIDENCE).as_list() if total else None,
         # Mean of the suites' rates: how LIBERO results are usually quoted.
         "mean_suite_success_rate": (float(np.mean([s["success_rate"] for s in suites.values()]))
                                     if suites else None),
         "episodes": total,
+        "successes": successes,
         "errors": sum(s["errors"] for s in suites.values()),
+        "episode_steps": _stats([r.steps for r in results]),
+        "successful_episode_steps": _stats([r.steps for r in results if r.success]),
+        "confidence_interval": "95% Wilson score interval over the episodes",
         "suites": suites,
+    }
+    return out
+
+
+def timing(results: list[EpisodeResult], wall_time_s: float, num_envs: int) -> dict:
+    """Throughput of the simulator and the policy (these vary run to run; results do not)."""
+    sim_steps = sum(r.sim_steps for r in results)
+    step_time = sum(r.sim_step_time_s for r in results)
+    calls = sum(r.policy_calls for r in results)
+    policy_ms = sum(r.policy_ms for r in results)
+    return {
+        "num_envs": num_envs,
+        "wall_time_s": wall_time_s,
+        "simulator_steps": sim_steps,
+        # per environment: steps / time inside env.step (physics and both camera renders)
+        "simulator_steps_per_s": sim_steps / step_time if step_time > 0 else None,
+        # all environments together over the rollout's wall time (what num_envs buys)
+        "simulator_steps_per_s_all_envs": sim_steps / wall_time_s if wall_time_s > 0 else None,
+        "policy_calls": calls,
+        "policy_ms_per_chunk": policy_ms / calls if calls else None,
+        "env_create_s": _stats([r.env_create_s for r in results if r.env_create_s > 0]),
+        "reset_s": _stats([r.reset_s for r in results if r.sim_steps]),
     }
 
 
-def report_markdown(metrics: dict, settings: Settings, model_dir: str) -> str:
-    lines = ["# Closed-loop LIBERO evaluation", "",
-             f"Model `{model_dir}`; {settings.trials_per_task} trials per task, replanning every "
-             f"{settings.replan_steps} steps, {settings.num_wait_steps} wait steps, seed {settings.seed}, "
-             f"images resized to {settings.resize_size}."]
+def simulator_info(simulator: Any) -> dict:
+    """Which simulator produced the numbers: `hf-libero` and its version only when the `libero`
+    package in use is that distribution's; a stand-in says what it is (`describe()`)."""
+    describe = getattr(simulator, "describe", None)
+    if callable(describe):
+        return dict(describe())
+    if not isinstance(simulator, libero_sim.LiberoSimulator):
+        return {"package": f"unknown ({type(simulator).__module__}.{type(simulator).__qualname__})",
+                "version": None}
+    import libero
+
+    info: dict = {"package": "libero (not from the hf-libero distribution)", "version": None,
+                  "path": str(Path(libero.__file__).parent)}
+    try:
+        dist = importlib.metadata.distribution("hf-libero")
+        if Path(dist.locate_file("libero/__init__.py")).resolve() == Path(libero.__file__).resolve():
+            info = {"package": "hf-libero", "version": dist.version}
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for name in ("robosuite", "mujoco"):
+        try:
+            info[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            info[name] = None
+    info["MUJOCO_GL"] = os.environ.get("MUJOCO_GL")
+    return info
+
+
+def expectation(cfg: config_mod.PisftConfig, settings: Settings) -> str | None:
+    """What a reader should expect of these numbers, when the run is the embedded default."""
+    notes = []
+    if cfg.model.source == "tiny" and cfg.uses_demo_data:
+        notes.append(
+            f"This model is the embedded default: the tiny pi0.5-architecture model (random init), "
+            f"fine-tuned for {cfg.train.steps} steps on synthetic LIBERO-like data whose images and "
+            f"actions do not come from the simulator. Expect a success rate of about 0: this check "
+            f"shows that the loop runs (the simulator steps and renders both cameras, requests are "
+            f"built as openpi's LIBERO client builds them, the model answers, its actions are "
+            f"executed), not what the model can do.")
+    short = [s for s in settings.suites if settings.steps_for(s) < libero_sim.SUITE_MAX_STEPS[s]]
+    if short:
+        notes.append(
+            f"Episodes are cut at {settings.max_steps} steps (eval.max_steps), below openpi's limit "
+            f"for {', '.join(f'{s} ({libero_sim.SUITE_MAX_STEPS[s]})' for s in short)}: even a good "
+            f"policy rarely finishes a task that quickly, so these rates are not comparable with "
+            f"published LIBERO results (eval.max_steps: 0 restores openpi's limits).")
+    return " ".join(notes) or None
+
+
+def _fmt_ci(ci: list | None) -> str:
+    return f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "n/a"
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def report_markdown(metrics: dict, settings: Settings, model_dir: str, *, video_prefix: str = "") -> str:
+    sim = metrics.get("simulator", {})
+    t = metrics.get("timing", {})
+    sim_name = sim.get("package", "?") + (f" {sim['version']}" if sim.get("version") else "")
+    lines = ["# Closed-loop LIBERO evaluation", ""]
+    if metrics.get("expectation"):
+        lines += [f"**What to expect.** {metrics['expectation']}", ""]
+    lines += [
+        f"Model `{model_dir}`; simulator {sim_name}; {settings.trials_per_task} trials per task, "
+        f"replanning every {settings.replan_steps} steps, {settings.num_wait_steps} wait steps, "
+        f"environment seed {settings.seed}, images resized to {settings.resize_size}, step limit "
+        + (f"{settings.max_steps} (eval.max_steps)" if settings.max_steps else "openpi's per suite")
+        + f". {t.get('num_envs', '?')} environment processes.",
+    ]
     if metrics.get("prompt"):
         lines.append(f"Prompt: {metrics['prompt']['describe']}.")
-    lines += ["", "| suite | success rate | successes / trials | episodes that crashed |", "|---|---|---|---|"]
+    lines += ["", f"Success rate {_num(metrics['success_rate'], '.3f')} "
+              f"(95% Wilson {_fmt_ci(metrics.get('success_rate_ci95'))}) over {metrics['episodes']} "
+              f"episodes; {metrics['errors']} crashed.", ""]
+    lines += ["| suite | success rate | 95% CI | successes / trials | mean steps | episodes that crashed |",
+              "|---|---|---|---|---|---|"]
     for name, s in metrics["suites"].items():
-        lines.append(f"| {name} | {s['success_rate']:.3f} | {s['successes']} / {s['trials']} | {s['errors']} |")
-    lines += ["", "| suite | task | success rate | successes / trials |", "|---|---|---|---|"]
+        lines.append(f"| {name} | {s['success_rate']:.3f} | {_fmt_ci(s['success_rate_ci95'])} | "
+                     f"{s['successes']} / {s['trials']} | {_num(s['episode_steps']['mean'], '.1f')} | "
+                     f"{s['errors']} |")
+    lines += ["", "| suite | task | success rate | 95% CI | successes / trials | mean steps | video |",
+              "|---|---|---|---|---|---|---|"]
     for name, s in metrics["suites"].items():
-        for task, t in s["per_task"].items():
-            lines.append(f"| {name} | {task} | {t['success_rate']:.3f} | {t['successes']} / {t['trials']} |")
+        for e in s["per_task"].values():
+            video = f"[{Path(e['video']).name}]({video_prefix}{e['video']})" if e.get("video") else "—"
+            lines.append(f"| {name} | {e['task_id']}: {e['task']} | {e['success_rate']:.3f} | "
+                         f"{_fmt_ci(e['success_rate_ci95'])} | {e['successes']} / {e['trials']} | "
+                         f"{_num(e['episode_steps']['mean'], '.1f')} | {video} |")
+    if t:
+        lines += ["", f"Throughput: {_num(t.get('simulator_steps_per_s'), '.2f')} simulator steps/s per "
+                  f"environment (physics and both 256×256 renders), "
+                  f"{_num(t.get('simulator_steps_per_s_all_envs'), '.2f')} steps/s over all environments; "
+                  f"policy {_num(t.get('policy_ms_per_chunk'), '.1f')} ms per chunk "
+                  f"({t.get('policy_calls')} chunks); rollouts took {_num(t.get('wall_time_s'), '.1f')} s."]
+    videos = [(name, e) for name, s in metrics["suites"].items() for e in s["per_task"].values()
+              if e.get("video")]
+    if videos:
+        lines += ["", "## Videos", "",
+                  "First episode of each task: agent view (left) and wrist camera (right), rotated as "
+                  "the policy sees them, 10 frames per second.", ""]
+        for name, e in videos:
+            src = f"{video_prefix}{e['video']}"
+            lines += [f"{name} task {e['task_id']} "
+                      f"({'success' if e['successes'] and e['trials'] else 'see table'}):", "",
+                      f'<video src="{src}" controls width="512"></video>', ""]
     return "\n".join(lines) + "\n"
 
 
@@ -199,46 +480,83 @@ def _check_config(cfg: config_mod.PisftConfig) -> None:
                          "--set eval.closed_loop=true on a host with the LIBERO simulator")
 
 
-def run(cfg: config_mod.PisftConfig, *, simulator: libero_sim.Simulator | None = None,
-        policy: ChunkPolicy | None = None) -> dict:
-    """The closed_loop stage: the fine-tuned model (`results/train/model`) in LIBERO."""
+def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simulator] | None = None,
+        policy: ChunkPolicy | None = None, inline: bool = False) -> dict:
+    """The closed_loop stage: the fine-tuned model (`results/train/model`) in LIBERO.
+
+    `simulator` is a picklable factory (default `libero_sim.LiberoSimulator`): called here to
+    plan the episodes (and to fail at once, with the install instructions, when LIBERO is
+    missing) and in every worker. `inline` runs the environments in this process (tests).
+    """
     _check_config(cfg)
     settings = Settings.from_config(cfg)
     model_dir = cfg.results("train", "model")
-    if simulator is None:
-        simulator = libero_sim.LiberoSimulator()
+    factory = simulator if simulator is not None else libero_sim.LiberoSimulator
+    sim = factory()  # SimulatorUnavailable with the install line when LIBERO is not installed
+    sim_info = simulator_info(sim)
     if policy is None:
         from pisft.serve.libero_policy import LiberoPolicy
 
         policy = LiberoPolicy.from_model_dir(model_dir, device=cfg.device, seed=settings.seed,
                                              trained_on=cfg.results("dataset"))
-    start = time.monotonic()
     with atomic_dir(cfg.results(OUTPUT_DIR)) as out:
-        results: list[EpisodeResult] = []
-        with open(out / "episodes.jsonl", "w") as fh:
-            def record(r: EpisodeResult) -> None:
-                fh.write(json.dumps(asdict(r)) + "\n")
-                fh.flush()
-                done = len(results) + 1
-                log.info("%s task %d trial %d: %s (%d steps)", r.suite, r.task_id, r.trial,
-                         "success" if r.success else "failure", r.steps)
-                results.append(r)
-                if done % 10 == 0:
-                    print(f"closed_loop: {done} episodes, {sum(x.success for x in results)} successes",
-                          flush=True)
+        specs, languages = plan_episodes(sim, settings, out)
+        num_envs = max(1, min(settings.num_envs, len(specs)))
+        print(f"closed_loop: {len(specs)} episodes in {sim_info.get('package')} "
+              f"{sim_info.get('version') or ''}, {num_envs} environment "
+              f"{'(inline)' if inline else 'processes'}", flush=True)
+        start = time.monotonic()
+        done: list[EpisodeResult] = []
 
-            for suite_name in settings.suites:
-                evaluate_suite(simulator, policy, suite_name, settings, on_episode=record)
+        def record(r: EpisodeResult) -> None:
+            done.append(r)
+            log.info("%s task %d trial %d: %s (%d steps)", r.suite, r.task_id, r.trial,
+                     "success" if r.success else "failure", r.steps)
+            if len(done) % 10 == 0 or len(done) == len(specs):
+                print(f"closed_loop: {len(done)}/{len(specs)} episodes, "
+                      f"{sum(x.success for x in done)} successes", flush=True)
+
+        def spawn(i: int):
+            w = ProcessWorker(factory, name=f"closed_loop-env{i}")
+            w.wait_ready()
+            return w
+
+        workers: list = []
+        try:
+            if inline:
+                workers = [InlineWorker(sim if i == 0 else factory(), name=f"inline{i}")
+                           for i in range(num_envs)]
+            else:
+                for i in range(num_envs):  # started together, then waited for (imports take seconds)
+                    workers.append(ProcessWorker(factory, name=f"closed_loop-env{i}"))
+                for w in workers:
+                    w.wait_ready()
+            results = run_episodes(specs, policy, settings, workers=workers,
+                                   respawn=None if inline else spawn, languages=languages,
+                                   on_episode=record)
+        finally:
+            for w in workers:
+                w.close()
+        wall = time.monotonic() - start
+        with open(out / "episodes.jsonl", "w") as fh:
+            for r in results:
+                fh.write(json.dumps(asdict(r)) + "\n")
         metrics = summarize(results)
+        metrics["simulator"] = sim_info
+        metrics["timing"] = timing(results, wall, num_envs)
         metrics["settings"] = asdict(settings)
         metrics["model_dir"] = str(model_dir)
+        metrics["expectation"] = expectation(cfg, settings)
         cond = getattr(policy, "conditioning", None)  # LiberoPolicy: how the task is turned into the prompt
         if cond is not None:
             metrics["prompt"] = {**cond.to_dict(), "describe": cond.describe()}
-        metrics["wall_time_s"] = time.monotonic() - start
+        metrics["wall_time_s"] = wall
         write_json_atomic(out / "metrics.json", metrics)
         write_text_atomic(out / "report.md", report_markdown(metrics, settings, str(model_dir)))
         config_mod.write_resolved(cfg, out / "pisft_config.json")
+    t = metrics["timing"]
     print(f"closed_loop: success rate {metrics['success_rate']:.3f} over {metrics['episodes']} "
-          f"episodes -> {cfg.results(OUTPUT_DIR)}/metrics.json", flush=True)
+          f"episodes in {wall:.1f} s ({_num(t['simulator_steps_per_s'], '.2f')} simulator steps/s per "
+          f"environment, policy {_num(t['policy_ms_per_chunk'], '.1f')} ms per chunk) -> "
+          f"{cfg.results(OUTPUT_DIR)}/metrics.json", flush=True)
     return metrics

@@ -70,3 +70,19 @@ def bootstrap_paired_ratio(sums_a: np.ndarray, sums_b: np.ndarray, counts: np.nd
     with np.errstate(invalid="ignore", divide="ignore"):
         ratios = sums_b[idx].sum(axis=1) / sums_a[idx].sum(axis=1)
     return _percentile_interval(ratios, level)
+
+
+def wilson_interval(successes: int, trials: int, level: float = 0.95) -> Interval:
+    """Wilson score interval of a success rate (closed-loop evaluation): unlike the normal
+    approximation it stays inside [0, 1] and is not empty at 0 or n successes, which is what
+    a handful of trials per task gives."""
+    if trials < 1:
+        return Interval(float("nan"), float("nan"), level)
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(0.5 + level / 2.0)
+    p = successes / trials
+    denom = 1.0 + z * z / trials
+    center = (p + z * z / (2 * trials)) / denom
+    half = z * np.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
+    return Interval(float(max(0.0, center - half)), float(min(1.0, center + half)), level)

@@ -1,0 +1,306 @@
+"""Simulator side of closed-loop LIBERO: one environment per worker process, driven by messages.
+
+A worker owns a simulator (built in the worker by a picklable factory, e.g. the class
+`libero_sim.LiberoSimulator`) and at most one environment, the one of the task it ran last; it
+is created again only when the worker moves to another task (creating a LIBERO environment takes
+seconds). The parent sends three kinds of message:
+
+  ("start", EpisodeSpec)     seed the environment, reset it, set the task's initial state number
+                             `trial`, run the wait steps; reply ("obs", request)
+  ("act", actions)           execute the actions (a chunk's first `replan_steps`) until the task
+                             is done or the step limit is reached; reply ("obs", request) when
+                             more actions are needed, else ("done", EpisodeOutcome)
+  ("close", None)            close the environment and exit
+
+An exception inside an episode is replied as ("error", EpisodeOutcome with `error`), the
+environment is closed (its state is unknown) and the worker waits for the next episode.
+
+Requests are built in the worker (`libero_sim.policy_request`: 180° rotation, resize with
+padding, 8-dim state), so only 224×224 images cross the pipe, and the video of an episode
+(`EpisodeSpec.video`) is encoded in the worker, frame by frame, in parallel with the others.
+
+`InlineWorker` runs the same `EpisodeRunner` in the calling process (tests that inspect the
+stand-in environment, debugging); `ProcessWorker` in a spawned process (spawn, not fork: the
+parent holds PyTorch's thread pools and the simulator needs its own GL context).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pisft.errors import PisftError
+from pisft.evaluate import libero_sim
+from pisft.evaluate.video import SideBySideWriter
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    index: int  # position in the run's episode order (suite, task, trial)
+    suite: str
+    task_id: int
+    trial: int
+    max_steps: int
+    num_wait_steps: int
+    env_seed: int
+    resize_size: int
+    video: str | None = None  # write this episode's rollout video here
+
+
+@dataclass
+class EpisodeOutcome:
+    success: bool
+    steps: int  # policy steps executed (wait steps not counted)
+    sim_steps: int  # every env.step, wait steps included
+    step_time_s: float  # time inside env.step (physics and both camera renders)
+    env_create_s: float  # 0 when the worker's environment was reused
+    reset_s: float  # env.seed + reset + set_init_state
+    video_frames: int = 0
+    error: str | None = None
+
+
+@dataclass
+class _Episode:
+    spec: EpisodeSpec
+    env: Any
+    prompt: str
+    obs: dict
+    outcome: EpisodeOutcome
+    writer: SideBySideWriter | None = None
+    done: bool = False
+
+
+def _frame(obs: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The two camera images as the policy sees them (rotated 180°), at render resolution."""
+    agent = libero_sim.to_uint8(np.ascontiguousarray(obs["agentview_image"][::-1, ::-1]))
+    wrist = libero_sim.to_uint8(np.ascontiguousarray(obs["robot0_eye_in_hand_image"][::-1, ::-1]))
+    return agent, wrist
+
+
+@dataclass
+class EpisodeRunner:
+    """Runs episodes in one simulator; keeps the environment of the last task."""
+
+    simulator: Any
+    _key: tuple[str, int] | None = None
+    _env: Any = None
+    _suites: dict = field(default_factory=dict)
+    _episode: _Episode | None = None
+
+    def _suite(self, name: str):
+        if name not in self._suites:
+            self._suites[name] = self.simulator.suite(name)
+        return self._suites[name]
+
+    def _close_env(self) -> None:
+        env, self._env, self._key = self._env, None, None
+        close = getattr(env, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - a broken environment is replaced either way
+                pass
+
+    def start(self, spec: EpisodeSpec) -> dict:
+        suite = self._suite(spec.suite)
+        task = suite.get_task(spec.task_id)
+        created = 0.0
+        if self._key != (spec.suite, spec.task_id):
+            self._close_env()
+            t0 = time.monotonic()
+            self._env = self.simulator.make_env(task, resolution=libero_sim.RENDER_RESOLUTION,
+                                                seed=spec.env_seed)
+            created = time.monotonic() - t0
+            self._key = (spec.suite, spec.task_id)
+        env = self._env
+        t0 = time.monotonic()
+        # Seeded before every episode (openpi seeds once per task): LIBERO's reset draws object
+        # placements from numpy's global generator, so this makes an episode independent of
+        # the episodes this worker ran before, i.e. of eval.num_envs.
+        seed = getattr(env, "seed", None)
+        if callable(seed):
+            seed(spec.env_seed)
+        env.reset()
+        obs = env.set_init_state(suite.get_task_init_states(spec.task_id)[spec.trial])
+        reset_s = time.monotonic() - t0
+        outcome = EpisodeOutcome(success=False, steps=0, sim_steps=0, step_time_s=0.0,
+                                 env_create_s=created, reset_s=reset_s)
+        ep = _Episode(spec=spec, env=env, prompt=task.language, obs=obs, outcome=outcome)
+        self._episode = ep
+        for _ in range(spec.num_wait_steps):
+            self._step(ep, list(libero_sim.DUMMY_ACTION))
+        if spec.video:
+            ep.writer = SideBySideWriter(spec.video)
+            ep.writer.add(*_frame(ep.obs))
+        return libero_sim.policy_request(ep.obs, ep.prompt, resize=spec.resize_size)
+
+    def _step(self, ep: _Episode, action: list[float]) -> bool:
+        t0 = time.monotonic()
+        ep.obs, _, done, _ = ep.env.step(action)
+        ep.outcome.step_time_s += time.monotonic() - t0
+        ep.outcome.sim_steps += 1
+        return bool(done)
+
+    def act(self, actions: np.ndarray) -> tuple[str, Any]:
+        ep = self._episode
+        assert ep is not None, "act before start"
+        for action in np.asarray(actions, dtype=np.float64):
+            if ep.outcome.steps >= ep.spec.max_steps:
+                break
+            done = self._step(ep, action.tolist())
+            ep.outcome.steps += 1
+            if ep.writer is not None:
+                ep.writer.add(*_frame(ep.obs))
+            if done:
+                ep.outcome.success = True
+                break
+        if ep.outcome.success or ep.outcome.steps >= ep.spec.max_steps:
+            return "done", self.finish()
+        return "obs", libero_sim.policy_request(ep.obs, ep.prompt, resize=ep.spec.resize_size)
+
+    def finish(self, error: str | None = None, *, keep_env: bool = False) -> EpisodeOutcome:
+        """End the current episode (normally or after an error); close its video. After an
+        error in the simulator the environment is closed (its state is unknown); `keep_env`
+        when the episode was stopped for a reason outside it (the policy failed)."""
+        ep, self._episode = self._episode, None
+        if ep is None:
+            return EpisodeOutcome(False, 0, 0, 0.0, 0.0, 0.0, error=error)
+        if ep.writer is not None:
+            try:
+                ep.outcome.video_frames = ep.writer.close()
+            except Exception as exc:  # noqa: BLE001 - the episode's result stands without its video
+                error = error or f"video: {type(exc).__name__}: {exc}"
+        if error is not None:
+            ep.outcome.error = error
+            if not keep_env:
+                self._close_env()
+        return ep.outcome
+
+    def handle(self, kind: str, payload: Any) -> tuple[str, Any]:
+        """One message; exceptions become ("error", outcome)."""
+        try:
+            if kind == "start":
+                return "obs", self.start(payload)
+            if kind == "act":
+                return self.act(payload)
+            if kind == "abort":
+                return "done", self.finish(error=str(payload), keep_env=True)
+            raise ValueError(f"unknown message {kind!r}")
+        except Exception as exc:  # noqa: BLE001 - an episode that crashed is a failure, recorded
+            return "error", self.finish(error=f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        if self._episode is not None:
+            self.finish(error="closed")
+        self._close_env()
+
+
+def _worker_main(conn, simulator_factory: Callable[[], Any]) -> None:
+    # The simulator is single-threaded per environment; one thread per library keeps N workers
+    # from oversubscribing the cores the parent's policy also needs.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ[var] = "1"
+    try:
+        runner = EpisodeRunner(simulator_factory())
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which stops the stage
+        conn.send(("fatal", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        conn.close()
+        return
+    conn.send(("ready", os.getpid()))
+    try:
+        while True:
+            try:
+                kind, payload = conn.recv()
+            except EOFError:  # the parent is gone
+                break
+            if kind == "close":
+                break
+            conn.send(runner.handle(kind, payload))
+    finally:
+        runner.close()
+        conn.close()
+
+
+class WorkerDied(PisftError):
+    """A worker process exited (a crash in native simulator code) or could not start."""
+
+
+class ProcessWorker:
+    """An `EpisodeRunner` in its own (spawned) process."""
+
+    def __init__(self, simulator_factory: Callable[[], Any], name: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child, simulator_factory), name=name,
+                                   daemon=True)
+        self.process.start()
+        child.close()
+        self._ready = False
+
+    def wait_ready(self) -> None:
+        kind, payload = self.recv()
+        if kind == "fatal":
+            self.process.join(timeout=10)
+            raise WorkerDied(payload)
+        self._ready = True
+
+    def send(self, kind: str, payload: Any = None) -> None:
+        try:
+            self.conn.send((kind, payload))
+        except (BrokenPipeError, EOFError, OSError):
+            pass  # the worker is gone: its pipe is readable at EOF, and recv() says so
+
+    def recv(self) -> tuple[str, Any]:
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            self.process.join(timeout=5)
+            raise WorkerDied(f"worker {self.process.name} died (exit code {self.process.exitcode})") from None
+
+    def has_reply(self) -> bool:
+        return False  # use multiprocessing.connection.wait on self.conn
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(("close", None))
+            except (BrokenPipeError, OSError):
+                pass
+            self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        self.conn.close()
+
+
+class InlineWorker:
+    """The same runner in this process: replies are computed when a message is sent."""
+
+    def __init__(self, simulator: Any, name: str = "inline") -> None:
+        self.runner = EpisodeRunner(simulator)
+        self.name = name
+        self._reply: tuple[str, Any] | None = None
+
+    def wait_ready(self) -> None:
+        pass
+
+    def send(self, kind: str, payload: Any = None) -> None:
+        self._reply = self.runner.handle(kind, payload)
+
+    def recv(self) -> tuple[str, Any]:
+        reply, self._reply = self._reply, None
+        assert reply is not None
+        return reply
+
+    def has_reply(self) -> bool:
+        return self._reply is not None
+
+    def close(self) -> None:
+        self.runner.close()
