@@ -131,6 +131,14 @@ class EvalConfig:
     closed_loop_seed: int = 7
     # Images are resized with padding to this square size before they reach the policy (openpi).
     resize_size: int = 224
+    # Step limit of every episode; 0: openpi's limit of each suite (220/280/300/520, libero_90 400).
+    max_steps: int = 0
+    # Task ids evaluated in each suite; empty: every task.
+    task_ids: list[int] = field(default_factory=list)
+    # Environment worker processes; 0: one per core available to the stage.
+    num_envs: int = 0
+    # An MP4 (agent view | wrist camera) of the first episode of each task.
+    videos: bool = True
 
 
 @dataclass
@@ -205,14 +213,6 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _check_unknown_keys(raw: dict, source: str) -> None:
-    known = set(all_keys())
-    sections = {k.split(".")[0] for k in known if "." in k}
-    for key in flatten(raw):
-        if key in known:
-            continue
-        top = key.split(".")[0]
-        if top in sections and key.count(".") == 0:
 def lookup(config: dict, dotted: str) -> Any:
     """The value of a dotted key (`data.success_only`) or a section (`model`) in a config mapping."""
     node = config
@@ -221,6 +221,14 @@ def lookup(config: dict, dotted: str) -> Any:
     return node
 
 
+def _check_unknown_keys(raw: dict, source: str) -> None:
+    known = set(all_keys())
+    sections = {k.split(".")[0] for k in known if "." in k}
+    for key in flatten(raw):
+        if key in known:
+            continue
+        top = key.split(".")[0]
+        if top in sections and key.count(".") == 0:
             continue
         hint = nearest_key(key)
         hint_text = f"; did you mean '{hint}'?" if hint else ""
@@ -332,10 +340,21 @@ def _cross_check(cfg: PisftConfig, source: str) -> None:
     for key in ("max_episodes", "bootstrap_samples", "num_wait_steps"):
         if getattr(e, key) < 0:
             problems.append(f"eval.{key}: must be at least 0, got {getattr(e, key)}")
-    libero_suites = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
+    libero_suites = {"libero_spatial": 10, "libero_object": 10, "libero_goal": 10, "libero_10": 10,
+                     "libero_90": 90}  # suite -> number of tasks
     for suite in e.libero_suites:
         if suite not in libero_suites:
             problems.append(f"eval.libero_suites: unknown suite '{suite}'; one of {', '.join(libero_suites)}")
+    for key in ("max_steps", "num_envs"):
+        if getattr(e, key) < 0:
+            problems.append(f"eval.{key}: must be 0 (the default: "
+                            + ("openpi's limit per suite" if key == "max_steps" else "one per available core")
+                            + f") or a positive number, got {getattr(e, key)}")
+    n_tasks = min((libero_suites.get(s, 90) for s in e.libero_suites), default=90)
+    bad_ids = [t for t in e.task_ids if not 0 <= t < n_tasks]
+    if bad_ids or len(set(e.task_ids)) != len(e.task_ids):
+        problems.append(f"eval.task_ids: {list(e.task_ids)}: task ids must be distinct and in 0..{n_tasks - 1} "
+                        "(the tasks of every suite in eval.libero_suites); [] evaluates every task")
     if problems:
         raise ConfigError(f"{source}: invalid configuration:\n  - " + "\n  - ".join(problems))
 
