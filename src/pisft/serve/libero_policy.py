@@ -1,18 +1,26 @@
 """A pi0.5 model answering openpi LIBERO requests: observation in, raw-unit action chunk out.
 
 Used by `python -m pisft serve` and, in-process, by the closed-loop evaluation, so both
-answer the same request the same way. Noise: one seeded generator per episode (`reset(seed)`)
-draws the flow-matching noise of each request in turn, so a rollout is reproducible.
+answer the same request the same way. Noise: a seeded generator draws the flow-matching noise
+of each request in turn, so a rollout is reproducible. In-process, `reset(seed)` restarts the
+policy's own generator (one per episode); the server gives every connection a generator of its
+own (`new_noise`), so each client's requests draw the same noise whatever other clients do.
+
+A request is handled in two steps, so the server can check and convert it off the model's
+thread: `prepare` (validation against `observations.Limits`, pixels to tensors, the prompt)
+and `predict` (the model). `infer` is both.
 
 Prompt: clients send the bare task (openpi's LIBERO client does); a model trained with
 advantage-conditioned prompts (`data.advantage_tag`) is prompted the way RLinf evaluates it,
 `"<task>\nAdvantage: positive"` (`pisft.data.prompts`; what the model directory records in
 `prompt_conditioning.json`). A prompt that already carries an advantage label is used as sent.
+The prompt is cut to what the tokenizer can use before it is tokenized (`prompt_budget`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,12 +31,45 @@ from pisft.evaluate.inference import ChunkPredictor, noise_generator
 from pisft.serve import observations
 
 
+def prompt_budget(preprocessor: Any) -> int | None:
+    """Characters of a prompt that can reach the model: None when there is no tokenizer step.
+
+    The tokenizer keeps `max_length` tokens and no token stands for more characters than its
+    longest vocabulary entry, so the kept tokens come from the first `max_length × longest`
+    characters; twice that leaves room for merges across the cut. Cutting there first means a
+    long prompt is never tokenized whole only to be truncated (LeRobot's TokenizerProcessorStep
+    truncates after tokenizing).
+    """
+    for step in getattr(preprocessor, "steps", ()):
+        tokenizer = getattr(step, "input_tokenizer", None)
+        max_length = getattr(step, "max_length", None)
+        if tokenizer is not None and isinstance(max_length, int) and hasattr(tokenizer, "get_vocab"):
+            longest = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
+            return 2 * max_length * max(longest, 1)
+    return None
+
+
+def cut_prompt(text: str, budget: int | None) -> str:
+    """The prompt as the model sees it, without the characters it cannot reach.
+
+    LeRobot's pi0.5 prompt step strips the task first, so leading whitespace is not counted.
+    """
+    if budget is None or len(text) <= budget:
+        return text
+    return text.lstrip()[:budget]
+
+
 class LiberoPolicy:
     def __init__(self, predictor: ChunkPredictor, *, seed: int = 0,
-                 conditioning: prompts.PromptConditioning | None = None) -> None:
+                 conditioning: prompts.PromptConditioning | None = None,
+                 limits: observations.Limits | None = None) -> None:
         self.predictor = predictor
-        self._seed = seed
+        self.seed = seed
+        self.limits = limits if limits is not None else observations.Limits()
         self.conditioning = conditioning if conditioning is not None else prompts.for_model(predictor.model_dir)
+        self.prompt_budget = prompt_budget(predictor.preprocessor)
+        resolution = getattr(predictor.policy.config, "image_resolution", None)
+        self.image_resolution = tuple(resolution) if resolution is not None else None
         self.reset(seed)
         self.metadata = {
             "policy": "pi05",
@@ -42,31 +83,48 @@ class LiberoPolicy:
                                  observations.PROMPT_KEY],
             "action_units": "raw (unnormalised with the model's stats)",
             "prompt_conditioning": self.conditioning.to_dict(),
+            "limits": {**self.limits.to_dict(), "min_image_side": observations.MIN_IMAGE_SIDE},
         }
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, *, device: str = "auto",
                        dataset_dir: str | Path | None = None, seed: int = 0,
-                       trained_on: str | Path | None = None) -> LiberoPolicy:
+                       trained_on: str | Path | None = None,
+                       limits: observations.Limits | None = None) -> LiberoPolicy:
         """`trained_on`: the converted dataset the model was fine-tuned on, whose prompt
         conditioning applies when the model directory records none."""
         stats = _dataset_stats(Path(dataset_dir)) if dataset_dir is not None else None
         kind = device_mod.resolve_kind(device)
         dev = str(device_mod.local_device(kind, 0)) if kind != "cpu" else "cpu"
         return cls(ChunkPredictor.load(model_dir, device=dev, dataset_stats=stats), seed=seed,
-                   conditioning=prompts.for_model(model_dir, trained_on=trained_on))
+                   conditioning=prompts.for_model(model_dir, trained_on=trained_on), limits=limits)
+
+    def new_noise(self, seed: int | None = None) -> torch.Generator:
+        """A noise generator starting an episode from `seed` (default: the policy's seed)."""
+        return noise_generator(self.seed if seed is None else seed, [0])
 
     def reset(self, seed: int | None = None) -> None:
-        """Start a new episode: the noise sequence restarts from `seed` (default: the server's)."""
-        self._generator = noise_generator(self._seed if seed is None else seed, [0])
+        """Start a new episode: the noise sequence restarts from `seed` (default: the policy's)."""
+        self._generator = self.new_noise(seed)
+
+    def prepare(self, obs: Any) -> dict:
+        """Check a request and convert it to the model's batch of one (no model work)."""
+        p = self.predictor
+        batch = observations.to_batch(obs, image_features=p.image_features, state_dim=p.state_dim,
+                                      limits=self.limits, image_resolution=self.image_resolution)
+        batch["task"] = [cut_prompt(self.conditioning.inference_prompt(t), self.prompt_budget)
+                         for t in batch["task"]]
+        return batch
+
+    def predict(self, batch: dict, noise: torch.Generator) -> dict:
+        """The action chunk of a prepared request, drawing its noise from `noise`."""
+        p = self.predictor
+        draw = torch.randn((1, p.chunk_size, p.max_action_dim), generator=noise)
+        actions = p.predict(batch, draw)[0].numpy().astype(np.float32)
+        return {"actions": actions}
 
     def infer(self, obs: dict) -> dict:
-        p = self.predictor
-        batch = observations.to_batch(obs, image_features=p.image_features, state_dim=p.state_dim)
-        batch["task"] = [self.conditioning.inference_prompt(t) for t in batch["task"]]
-        noise = torch.randn((1, p.chunk_size, p.max_action_dim), generator=self._generator)
-        actions = p.predict(batch, noise)[0].numpy().astype(np.float32)
-        return {"actions": actions}
+        return self.predict(self.prepare(obs), self._generator)
 
 
 def _dataset_stats(dataset_dir: Path):

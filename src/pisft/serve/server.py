@@ -5,95 +5,201 @@ its LIBERO example) connect unchanged: on connect the server sends its metadata;
 is one observation (see `pisft.serve.observations`), answered with
 `{"actions": float32 (chunk_size, action_dim) in raw action units, "server_timing": {...}}`.
 
-A malformed request (not msgpack, a missing key, a wrong shape) is answered with a text frame
-holding the error — the openpi client raises it as `RuntimeError` — and the connection stays
-open: the next good request is served as usual. Unlike openpi's server, an unexpected error
-during inference does not close the connection either; it is logged with its traceback and
-reported to the client the same way. `GET /healthz` answers 200 for load balancers and probes.
+Hostile or broken clients (README.md, "Serving"):
+- A message over `--max-message-mib` is refused by the websocket layer from its frame header
+  (close code 1009, "message too big"), before it is read; the client must reconnect.
+- A malformed request (not msgpack, a missing key, a wrong shape, an image too small, too
+  large or too elongated, a prompt over `--max-prompt-chars`) is answered with a text frame
+  holding the error, which openpi's client raises as `RuntimeError`; the connection stays open.
+  Sizes are checked before any pixel is converted (`observations.to_batch`).
+- An unexpected error is logged here with its traceback under a short error id; the client gets
+  the id and the exception's type, never the traceback, and the connection stays open.
+- Decoding and checking run in worker threads and the model in one thread of its own, so the
+  event loop keeps serving every connection: a client with a large or slow request delays the
+  others by at most the inference in progress.
+
+Noise: each connection draws its flow-matching noise from a generator of its own, started
+from `--seed` when it connects, so a client's rollout is reproducible whatever other clients
+do. A request `{"reset": true}` (optionally with `"seed": <int>`) restarts it, e.g. at the
+start of an episode, and is answered `{"reset": true, "seed": <seed>}`.
+
+`server_timing` is measured as openpi's `WebsocketPolicyServer` measures it: `infer_ms` is the
+time in the model's inference for this request alone (not the time queued behind other
+clients, reported separately as `queue_ms`), and from a connection's second request on,
+`prev_total_ms` is the previous request's whole cycle, from waiting for it to having sent the
+reply. `GET /healthz` answers 200 for load balancers and probes.
+
+The port is bound before the model loads, so "port in use" is reported at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import http
 import logging
 import signal
+import socket
 import sys
-import threading
 import time
-import traceback
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from pisft.errors import PisftError
 from pisft.serve import protocol
-from pisft.serve.observations import ObservationError
+from pisft.serve.observations import Limits, ObservationError
 
 log = logging.getLogger("pisft.serve")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+MIB = 1 << 20
+DEFAULT_MAX_MESSAGE_MIB = 32  # two 2048×2048 uint8 images fit; openpi's LIBERO client sends ~0.3 MiB
+CLOSE_MESSAGE_TOO_BIG = 1009
 
 
-class InferencePolicy(Protocol):
+class ServedPolicy(Protocol):
+    """What the server needs of a policy (`pisft.serve.libero_policy.LiberoPolicy`)."""
+
     metadata: dict
 
-    def infer(self, obs: dict) -> dict: ...
+    def new_noise(self, seed: int | None = None) -> Any: ...
+
+    def prepare(self, obs: Any) -> Any: ...  # checks and converts; runs in a worker thread
+
+    def predict(self, prepared: Any, noise: Any) -> dict: ...  # the model; one at a time
+
+
+@dataclass
+class _Reset:
+    seed: int | None
+
+
+@dataclass
+class _Session:
+    """One connection's state."""
+
+    noise: Any
+    prev_total_ms: float | None = None
+
+
+def _reset_request(obs: Any) -> _Reset | None:
+    """`{"reset": true[, "seed": int]}` -> _Reset; anything else -> None."""
+    if not isinstance(obs, dict) or "reset" not in obs:
+        return None
+    extra = sorted(map(str, set(obs) - {"reset", "seed"}))
+    if extra or obs["reset"] is not True:
+        raise ObservationError(f"a reset request is {{'reset': True}} with an optional integer "
+                               f"'seed'; got reset={obs['reset']!r} and other keys {extra}")
+    seed = obs.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not hasattr(seed, "__index__"):
+            raise ObservationError(f"'seed' of a reset request must be an integer, got {seed!r}")
+        seed = int(seed)
+    return _Reset(seed)
 
 
 class PolicyServer:
-    """One policy, many connections; inferences run one at a time in a worker thread."""
+    """One policy, many connections; inferences run one at a time in a thread of their own."""
 
-    def __init__(self, policy: InferencePolicy, *, host: str = DEFAULT_HOST,
-                 port: int = DEFAULT_PORT) -> None:
+    def __init__(self, policy: ServedPolicy, *, host: str = DEFAULT_HOST,
+                 port: int = DEFAULT_PORT, sock: socket.socket | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_MIB * MIB,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._policy = policy
         self._host = host
         self._port = port
-        self._lock = threading.Lock()
+        self._sock = sock
+        self.max_message_bytes = max_message_bytes
+        self._clock = clock
+        self._model_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.requests = 0
         self.errors = 0
+        self.oversized = 0
+        self._submitted = 0
+        self._started = 0
 
-    def _infer(self, obs: Any) -> dict:
-        with self._lock:
-            if not isinstance(obs, dict):
-                raise ObservationError(
-                    f"a request must be a map of observation keys, got {type(obs).__name__}")
-            return self._policy.infer(obs)
+    @property
+    def waiting(self) -> int:
+        """Requests checked and waiting for the model (behind the one it is running)."""
+        return self._submitted - self._started
 
-    async def _reply(self, message: Any) -> bytes | str:
+    def _decode(self, message: bytes) -> Any:
+        """Worker thread: msgpack -> checked, converted request (or a reset)."""
+        obs = protocol.unpackb(message)
+        reset = _reset_request(obs)
+        if reset is not None:
+            return reset
+        if not isinstance(obs, dict):
+            raise ObservationError(
+                f"a request must be a map of observation keys, got {type(obs).__name__}")
+        return self._policy.prepare(obs)
+
+    def _predict(self, prepared: Any, noise: Any) -> tuple[dict, float, float]:
+        """Model thread: the inference, with when it started and ended."""
+        self._started += 1
+        begin = self._clock()
+        result = self._policy.predict(prepared, noise)
+        return result, begin, self._clock()
+
+    async def _reply(self, message: Any, session: _Session) -> bytes | str:
         self.requests += 1
-        start = time.monotonic()
         try:
             if isinstance(message, str):
                 raise protocol.ProtocolError("expected a binary msgpack frame, got a text frame")
-            obs = protocol.unpackb(message)
-            result = await asyncio.to_thread(self._infer, obs)
+            prepared = await asyncio.to_thread(self._decode, message)
+            if isinstance(prepared, _Reset):
+                seed = self._policy_seed() if prepared.seed is None else prepared.seed
+                session.noise = self._policy.new_noise(seed)
+                return protocol.packb({"reset": True, "seed": seed})
+            submitted = self._clock()
+            self._submitted += 1
+            loop = asyncio.get_running_loop()
+            result, begin, end = await loop.run_in_executor(
+                self._model_thread, self._predict, prepared, session.noise)
             result = dict(result)
-            result["server_timing"] = {"infer_ms": (time.monotonic() - start) * 1000.0}
+            timing = {"infer_ms": (end - begin) * 1000.0, "queue_ms": (begin - submitted) * 1000.0}
+            if session.prev_total_ms is not None:
+                timing["prev_total_ms"] = session.prev_total_ms
+            result["server_timing"] = timing
             return protocol.packb(result)
-        except (protocol.ProtocolError, ObservationError) as exc:
+        except (protocol.ProtocolError, PisftError) as exc:
             self.errors += 1
             log.warning("bad request: %s", exc)
             return f"bad request: {exc}"
-        except Exception:  # noqa: BLE001 - report to the client, keep serving
+        except Exception as exc:  # noqa: BLE001 - report to the client, keep serving
             self.errors += 1
-            tb = traceback.format_exc()
-            log.error("inference failed:\n%s", tb)
-            return f"inference failed on the server:\n{tb}"
+            error_id = uuid.uuid4().hex[:12]
+            log.error("request failed (error id %s)", error_id, exc_info=True)
+            return (f"internal error on the server ({type(exc).__name__}, error id {error_id}); "
+                    f"the server's log has the details under this id. The connection stays open.")
+
+    def _policy_seed(self) -> int | None:
+        return getattr(self._policy, "seed", None)
 
     async def _handler(self, websocket) -> None:
         import websockets
 
-        log.info("connection from %s", websocket.remote_address)
-        await websocket.send(protocol.packb(self._policy.metadata))
+        peer = websocket.remote_address
+        log.info("connection from %s", peer)
+        session = _Session(noise=self._policy.new_noise(None))
         try:
-            async for message in websocket:
-                await websocket.send(await self._reply(message))
-        except websockets.ConnectionClosed:
-            pass
-        log.info("connection from %s closed", websocket.remote_address)
+            await websocket.send(protocol.packb(self._policy.metadata))
+            while True:
+                start = self._clock()  # as openpi: the cycle starts when we wait for the request
+                message = await websocket.recv()
+                await websocket.send(await self._reply(message, session))
+                session.prev_total_ms = (self._clock() - start) * 1000.0
+        except websockets.ConnectionClosed as exc:
+            if exc.sent is not None and exc.sent.code == CLOSE_MESSAGE_TOO_BIG:
+                self.oversized += 1
+                log.warning("connection from %s closed: a message over the limit of %d bytes "
+                            "(--max-message-mib)", peer, self.max_message_bytes)
+        log.info("connection from %s closed", peer)
 
     @staticmethod
     def _health(connection, request):
@@ -105,19 +211,54 @@ class PolicyServer:
                   stop: asyncio.Future | None = None) -> None:
         from websockets.asyncio.server import serve
 
-        async with serve(self._handler, self._host, self._port, compression=None,
-                         max_size=None, process_request=self._health) as server:
-            sockets = list(server.sockets)
-            port = sockets[0].getsockname()[1] if sockets else self._port
-            if on_ready is not None:
-                on_ready(self._host, port)
-            if stop is None:
-                await server.serve_forever()
-            else:
-                await stop
+        where = {"sock": self._sock} if self._sock is not None else {"host": self._host, "port": self._port}
+        self._model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pisft-model")
+        try:
+            # max_queue: at most 2 received frames buffered per connection (a client that
+            # pipelines requests cannot make the server hold many large messages).
+            async with serve(self._handler, compression=None, max_size=self.max_message_bytes,
+                             max_queue=2, process_request=self._health, **where) as server:
+                sockets = list(server.sockets)
+                port = sockets[0].getsockname()[1] if sockets else self._port
+                if on_ready is not None:
+                    on_ready(self._host, port)
+                if stop is None:
+                    await server.serve_forever()
+                else:
+                    await stop
+        finally:
+            self._model_thread.shutdown(wait=True, cancel_futures=True)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port); OSError when the port is taken or the host unknown."""
+    error: OSError | None = None
+    for family, kind, proto, _, address in socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio does
+            sock.bind(address)
+            sock.listen(100)
+            sock.setblocking(False)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+    raise error or OSError(f"no address for {host}")
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
+    defaults = Limits()
     p = argparse.ArgumentParser(
         prog="python -m pisft serve",
         description="Serve an exported pisft/LeRobot pi0.5 model over openpi's websocket policy "
@@ -132,7 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", type=Path, default=None,
                    help="dataset whose normalisation stats to use when the model directory has "
                         "none (e.g. results/dataset for the base model)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the flow-matching noise")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the flow-matching noise (each connection starts from it)")
+    p.add_argument("--max-message-mib", type=_positive(float), default=DEFAULT_MAX_MESSAGE_MIB,
+                   help=f"largest request in MiB; a larger one closes its connection with code "
+                        f"1009 (default {DEFAULT_MAX_MESSAGE_MIB})")
+    p.add_argument("--max-image-side", type=_positive(int), default=defaults.max_image_side,
+                   help=f"largest image side in pixels (default {defaults.max_image_side})")
+    p.add_argument("--max-prompt-chars", type=_positive(int), default=defaults.max_prompt_chars,
+                   help=f"longest task instruction in characters (default {defaults.max_prompt_chars})")
     return p
 
 
@@ -140,20 +289,31 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        sock = bind(args.host, args.port)  # before the model loads: a taken port fails at once
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; "
+              f"pick another --port (0 picks a free one) or stop what uses it", file=sys.stderr)
+        return 2
+    limits = Limits(max_image_side=args.max_image_side, max_prompt_chars=args.max_prompt_chars)
+    try:
         from pisft.serve.libero_policy import LiberoPolicy
 
-        policy = LiberoPolicy.from_model_dir(args.model, device=args.device,
-                                             dataset_dir=args.dataset, seed=args.seed)
+        policy = LiberoPolicy.from_model_dir(args.model, device=args.device, dataset_dir=args.dataset,
+                                             seed=args.seed, limits=limits)
     except PisftError as exc:
+        sock.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    server = PolicyServer(policy, host=args.host, port=args.port)
+    server = PolicyServer(policy, host=args.host, sock=sock,
+                          max_message_bytes=int(args.max_message_mib * MIB))
 
     def ready(host: str, port: int) -> None:
         cond = getattr(policy, "conditioning", None)
         prompt = f"; prompt: {cond.describe()}" if cond is not None else ""
         print(f"pisft serve: serving {args.model} on ws://{host}:{port} "
-              f"(openpi websocket policy protocol; GET /healthz){prompt}", flush=True)
+              f"(openpi websocket policy protocol; GET /healthz){prompt}; limits: "
+              f"{args.max_message_mib:g} MiB a message, {limits.max_image_side} px an image side, "
+              f"{limits.max_prompt_chars} prompt characters", flush=True)
 
     async def serve_until_signalled() -> None:
         loop = asyncio.get_running_loop()
@@ -162,13 +322,10 @@ def main(argv: list[str] | None = None) -> int:
             loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
         await server.run(on_ready=ready, stop=stop)
 
-    try:
-        asyncio.run(serve_until_signalled())
-    except OSError as exc:
-        print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; "
-              f"pick another --port or stop what uses it", file=sys.stderr)
-        return 2
-    print(f"pisft serve: stopped after {server.requests} requests ({server.errors} errors)", flush=True)
+    asyncio.run(serve_until_signalled())
+    refused = f"; {server.oversized} oversized messages refused" if server.oversized else ""
+    print(f"pisft serve: stopped after {server.requests} requests ({server.errors} errors){refused}",
+          flush=True)
     return 0
 
 
