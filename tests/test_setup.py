@@ -1,19 +1,41 @@
-"""Set-up finds Python 3.12 by itself, or says in one line what to install."""
+"""Set-up finds Python 3.12 by itself, or says in one line what to install; it does no work twice."""
 
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts/find-python312.sh"
+BASH = shutil.which("bash")
+REAL_PY312 = Path(os.path.realpath(sys.executable))  # the interpreter behind .venv (3.12)
 
 
 def find(env_extra: dict) -> subprocess.CompletedProcess:
     env = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", **env_extra}
-    return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True)
+    return subprocess.run([BASH, str(SCRIPT)], env=env, capture_output=True, text=True)
 
 
-def test_finds_a_working_python312_under_pyenv():
+def failing_shim(folder: Path) -> Path:
+    """Like pyenv's python3.12 shim when 3.12 is not selected: present but failing."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shim = folder / "python3.12"
+    shim.write_text("#!/bin/sh\necho 'pyenv: python3.12: command not found' >&2\nexit 127\n")
+    shim.chmod(0o755)
+    return shim
+
+
+def fake_pyenv(root: Path) -> Path:
+    """A pyenv root with a broken 3.12.0 (sorted first) and a working 3.12.99; returns the latter."""
+    failing_shim(root / "versions/3.12.0/bin")
+    good = root / "versions/3.12.99/bin/python3.12"
+    good.parent.mkdir(parents=True)
+    good.symlink_to(REAL_PY312)
+    return good
+
+
+def test_finds_a_working_python312_on_this_machine():
     out = find({})
     assert out.returncode == 0, out.stderr
     version = subprocess.run([out.stdout.strip(), "-c", "import sys; print(sys.version_info[:2])"],
@@ -21,22 +43,72 @@ def test_finds_a_working_python312_under_pyenv():
     assert version.strip() == "(3, 12)"
 
 
+def test_finds_python312_under_pyenv(tmp_path):
+    # No python3.12 on PATH but pyenv's failing shim, no system locations: only pyenv's versions.
+    shims = tmp_path / "shims"
+    failing_shim(shims)
+    only_pyenv = {"PATH": str(shims), "PISFT_PY312_PATHS": ""}
+    good = fake_pyenv(tmp_path / "pyenv")
+    out = find({**only_pyenv, "PYENV_ROOT": str(tmp_path / "pyenv")})
+    assert (out.returncode, out.stdout.strip()) == (0, str(good)), out.stderr
+    # without PYENV_ROOT: pyenv's default root, ~/.pyenv
+    home = tmp_path / "home"
+    home_good = fake_pyenv(home / ".pyenv")
+    out = find({**only_pyenv, "HOME": str(home)})
+    assert (out.returncode, out.stdout.strip()) == (0, str(home_good)), out.stderr
+
+
 def test_missing_python312_is_one_clear_line(tmp_path):
-    shim = tmp_path / "python3.12"  # like pyenv's shim when 3.12 is not selected: present but failing
-    shim.write_text("#!/bin/sh\necho 'pyenv: python3.12: command not found' >&2\nexit 127\n")
-    shim.chmod(0o755)
+    failing_shim(tmp_path)
     out = find({"PATH": f"{tmp_path}:/usr/bin:/bin", "PISFT_PY312_ROOTS": "", "PISFT_PY312_PATHS": ""})
     assert out.returncode == 1 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Python 3.12" in lines[0] and "install" in lines[0]
 
 
-def test_make_setup_twice_does_no_work():
-    # `make test` ran setup already; if the lock changed since, this first call catches up.
-    first = subprocess.run(["make", "-s", "setup"], cwd=ROOT, capture_output=True, text=True,
-                           env={**os.environ})
-    assert first.returncode == 0, first.stderr
-    out = subprocess.run(["make", "-s", "setup"], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ})
-    assert out.returncode == 0
-    assert out.stdout.strip() == "setup: .venv is up to date"
+def _setup_tree(tmp_path: Path) -> Path:
+    """What `make setup` reads, in a scratch folder, with a .venv whose python records every call
+    and installs nothing (`-m pip ...` is logged and succeeds): the tests' own .venv is never touched."""
+    work = tmp_path / "proj"
+    (work / "workflow").mkdir(parents=True)
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, work / name)
+    shutil.copytree(ROOT / "scripts", work / "scripts")
+    shutil.copytree(ROOT / "workflow/envs", work / "workflow/envs")
+    py = work / ".venv/bin/python"
+    py.parent.mkdir(parents=True)
+    py.write_text(f'#!/bin/bash\necho "$*" >> "{work}/calls.log"\n'
+                  f'[ "$1" = -m ] && exit 0\nexec "{REAL_PY312}" "$@"\n')
+    py.chmod(0o755)
+    return work
+
+
+def test_make_setup_twice_does_no_work(tmp_path):
+    work = _setup_tree(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "DEVICE")}
+    real_stamp = ROOT / ".venv/.pisft-setup"
+    before = real_stamp.stat().st_mtime_ns if real_stamp.exists() else None
+
+    def setup() -> subprocess.CompletedProcess:
+        out = subprocess.run(["make", "-s", "setup"], cwd=work, capture_output=True, text=True, env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out
+
+    def calls() -> list[str]:
+        log = work / "calls.log"
+        return log.read_text().splitlines() if log.exists() else []
+
+    first = setup()
+    assert "-m pip install --quiet -r workflow/envs/cpu-cuda.lock.txt" in calls(), calls()
+    assert first.stdout.strip().endswith("setup: done")
+    n = len(calls())
+    second = setup()
+    assert second.stdout.strip() == "setup: .venv is up to date"
+    assert len(calls()) == n, "the second `make setup` ran the environment's python"
+    # a changed lock is installed again
+    with (work / "workflow/envs/cpu-cuda.lock.txt").open("a") as lock:
+        lock.write("# changed\n")
+    setup()
+    assert calls()[n:].count("-m pip install --quiet -r workflow/envs/cpu-cuda.lock.txt") == 1
+    after = real_stamp.stat().st_mtime_ns if real_stamp.exists() else None
+    assert after == before, "the project's own .venv was set up again"
