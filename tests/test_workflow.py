@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from pisft.workflow import dvc_yaml
@@ -103,6 +104,7 @@ def test_configfile_override_is_passed_to_stages_as_one_file(tmp_path):
     assert effective["train"]["steps"] == 3
 
 
+@pytest.mark.integration  # ~50 s on 2 cores: two dry runs, one resolving the closed-loop stage
 def test_closed_loop_stage_joins_the_dag_only_when_enabled(tmp_path):
     work = workflow_copy(tmp_path)
     assert "rule closed_loop:" not in snakemake("-n", "--cores", "1", cwd=work).stdout
