@@ -52,7 +52,36 @@ def test_missing_cuda_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DeviceError, match="cuda.*device: cpu"):
         device.resolve_kind("cuda")
-    assert device.resolve_kind("auto") in ("npu", "cpu")
+
+
+def _without_torch_npu(monkeypatch):
+    """A host without the torch_npu package (whatever this one has)."""
+    real_find_spec = device.importlib.util.find_spec
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    monkeypatch.setattr(device.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch_npu" else real_find_spec(name, *a))
+
+
+def _with_npus(monkeypatch, count: int):
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: count > 0,
+                                                            device_count=lambda: count), raising=False)
+
+
+@pytest.mark.parametrize("npus,cuda,expected", [
+    (None, False, "cpu"),   # neither torch_npu nor CUDA
+    (None, True, "cuda"),
+    (0, False, "cpu"),      # torch_npu installed, no card visible
+    (0, True, "cuda"),
+    (2, True, "npu"),       # an NPU host wins over CUDA
+])
+def test_auto_picks_npu_then_cuda_then_cpu(monkeypatch, npus, cuda, expected):
+    if npus is None:
+        _without_torch_npu(monkeypatch)
+    else:
+        _with_npus(monkeypatch, npus)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert device.resolve_kind("auto") == expected
 
 
 def test_missing_torch_npu_is_a_clear_error(monkeypatch):
