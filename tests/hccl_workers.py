@@ -85,10 +85,10 @@ def train(config: str, results_dir: str, ckpt_dir: str) -> dict:
     from pisft import config as config_mod
     from pisft import device as devices
     from pisft.train import collective_audit, loop
-    from pisft.train.checkpoint import CheckpointManager
+    from pisft.train.checkpoint import CheckpointManager, run_fingerprint
     from pisft.train.batches import make_loader
     from pisft.train.run import loop_settings, lr_scheduler
-    from pisft.train.stage import Context, build, make_sampler, run_fingerprint
+    from pisft.train.stage import Context, build, make_sampler
 
     overrides = [f"results_dir={results_dir}", f"data.recap_dir={results_dir}/demo_recap",
                  "device=cpu", "train.nproc_per_node=2", "train.micro_batch_size=2",

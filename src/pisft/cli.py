@@ -1,12 +1,14 @@
 """`python -m pisft <command>`: one command per non-training stage, plus tools.
 
 Stages (each reads the config, writes under results/):
-  fetch_base, demo_recap, convert_recap, evaluate, closed_loop (LIBERO simulator)
+  {stages}
 Training stages run through the launcher, which starts torchrun:
-  smoke_1card, train_8card   (python -m pisft launch <stage> --config FILE)
+  {training}   (python -m pisft launch <stage> --config FILE)
 Tools:
   validate [FILE], estimate, dvc-yaml, bench, summary
   serve --model DIR    serve a model over openpi's websocket policy protocol
+
+The stages are the table in pisft.workflow.stages.
 """
 
 from __future__ import annotations
@@ -20,21 +22,20 @@ from pisft import config as config_mod
 from pisft.errors import PisftError
 from pisft.logs import tee_output
 from pisft.workflow.invalidate import invalidate_downstream
+from pisft.workflow.stages import STAGES, TRAINING_STAGES
 
-# stage name -> "module:function"; each function takes the validated PisftConfig.
-STAGES = {
-    "fetch_base": "pisft.model.fetch:run",
-    "demo_recap": "pisft.data.demo:run",
-    "convert_recap": "pisft.data.convert:run",
-    "evaluate": "pisft.evaluate.offline:run",
-    "closed_loop": "pisft.evaluate.closed_loop:run",
-}
-TRAINING_STAGES = ("smoke_1card", "train_8card")
+# The stages this process runs itself (the training stages run under torchrun).
+IN_PROCESS = {name: stage for name, stage in STAGES.items() if not stage.training}
 
 
-def _resolve(target: str):
+def resolve(target: str):
+    """The function a stage's "module:function" names."""
     module, func = target.split(":")
     return getattr(importlib.import_module(module), func)
+
+
+def _description() -> str:
+    return __doc__.format(stages=", ".join(IN_PROCESS), training=", ".join(TRAINING_STAGES))
 
 
 def _add_config(p: argparse.ArgumentParser) -> None:
@@ -46,15 +47,15 @@ def _add_config(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pisft", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pisft", description=_description(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("validate", help="check a config; exit non-zero with the problem")
     p.add_argument("file", nargs="?", default=str(config_mod.DEFAULT_CONFIG))
 
-    for name in STAGES:
-        _add_config(sub.add_parser(name, help=f"run the {name} stage"))
+    for name, stage in IN_PROCESS.items():
+        _add_config(sub.add_parser(name, help=f"stage: {stage.help}"))
 
     p = sub.add_parser("launch", help="run a training stage under torchrun")
     p.add_argument("stage", choices=TRAINING_STAGES)
@@ -166,9 +167,9 @@ def _run(args: argparse.Namespace) -> int:
             from pisft.workflow import dvc_yaml
             return dvc_yaml.main(check=args.check, output=args.output)
         cfg = config_mod.load(args.config, args.overrides)
-        if args.command in STAGES:
+        if args.command in IN_PROCESS:
             invalidate_downstream(args.command, cfg.results_dir)
-            _resolve(STAGES[args.command])(cfg)
+            resolve(IN_PROCESS[args.command].run)(cfg)
             return 0
         if args.command == "launch":
             from pisft.train import launch

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pisft import config as pisft_config
 from pisft.workflow import snakemake_support as support
+from pisft.workflow.stages import STAGES
 
 # Commands run `python -m pisft ...`; make `python` the interpreter that runs Snakemake.
 os.environ["PATH"] = os.pathsep.join(
@@ -17,6 +18,11 @@ CFG, CONFIG_FILE = support.validated_config(config, workflow)
 RESULTS = CFG.results_dir
 LOGS = f"{RESULTS}/logs"
 BENCH = f"{RESULTS}/benchmarks"
+
+
+def command(stage):
+    """The stage's `python -m pisft` command, from the stage table (pisft.workflow.stages)."""
+    return STAGES[stage].command
 
 
 def tracked(stage):

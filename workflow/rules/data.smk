@@ -14,7 +14,7 @@ if CFG.uses_demo_data:
             config=CONFIG_FILE,
             tracked=tracked("demo_recap"),
         shell:
-            "python -m pisft demo_recap --config {params.config} --log {log}"
+            command("demo_recap")
 
 
 rule convert_recap:
@@ -32,4 +32,4 @@ rule convert_recap:
         config=CONFIG_FILE,
         tracked=tracked("convert_recap"),
     shell:
-        "python -m pisft convert_recap --config {params.config} --log {log}"
+        command("convert_recap")

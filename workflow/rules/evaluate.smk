@@ -15,7 +15,7 @@ if CFG.eval.closed_loop:
             config=CONFIG_FILE,
             tracked=tracked("closed_loop"),
         shell:
-            "python -m pisft closed_loop --config {params.config} --log {log}"
+            command("closed_loop")
 
 
 rule evaluate:
@@ -82,4 +82,4 @@ rule evaluate:
             },
         },
     shell:
-        "python -m pisft evaluate --config {params.config} --log {log}"
+        command("evaluate")

@@ -15,4 +15,4 @@ rule fetch_base:
         # Weights linked from a local or hub source are not cached by DVC a second time.
         dvc_uncached=[] if CFG.model.source == "tiny" else [f"{RESULTS}/base_model"],
     shell:
-        "python -m pisft fetch_base --config {params.config} --log {log}"
+        command("fetch_base")

@@ -22,7 +22,7 @@ rule smoke_1card:
         config=CONFIG_FILE,
         tracked=tracked("smoke_1card"),
     shell:
-        "python -m pisft launch smoke_1card --config {params.config} --log {log}"
+        command("smoke_1card")
 
 
 rule train_8card:
@@ -46,4 +46,4 @@ rule train_8card:
         config=CONFIG_FILE,
         tracked=tracked("train_8card"),
     shell:
-        "python -m pisft launch train_8card --config {params.config} --log {log}"
+        command("train_8card")

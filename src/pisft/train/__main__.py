@@ -1,13 +1,16 @@
 """`python -m pisft.train --stage STAGE --config FILE [--set KEY=VALUE ...]`: one training process.
 
 Started by torchrun (through `python -m pisft launch STAGE`), never by hand: torchrun sets
-RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous. Exit status: 0 done, 2 a user-caused error
-(message printed), 3 the smoke report failed a check.
+RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous. The stage's function comes from the stage
+table (pisft.workflow.stages): it gets the process's Context inside the process group and the
+fused attention kernels. Exit status: 0 done, 2 a user-caused error (message printed), 3 the
+smoke report failed a check.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -15,14 +18,34 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from pisft import config as config_mod
 from pisft.errors import PisftError
+from pisft.workflow.stages import STAGES, TRAINING_STAGES
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m pisft.train", description=__doc__)
-    parser.add_argument("--stage", required=True, choices=("smoke_1card", "train_8card"))
+    parser.add_argument("--stage", required=True, choices=TRAINING_STAGES)
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     return parser.parse_args(argv)
+
+
+def run_stage(stage: str, cfg: config_mod.PisftConfig) -> int:
+    """Set up this process, run the stage's function in it, leave the process group."""
+    import torch.distributed as dist
+
+    from pisft.train.attention import fused_joint_attention
+    from pisft.train.launch import world_size_for
+    from pisft.train.stage import setup_process
+
+    ctx = setup_process(cfg, stage, world_size_for(stage, cfg))
+    try:
+        module, func = STAGES[stage].run.split(":")
+        stage_fn = getattr(importlib.import_module(module), func)
+        with fused_joint_attention():  # fused attention kernels for the joint VLM/expert attention
+            return stage_fn(ctx)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @record
@@ -33,10 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     rank = os.environ.get("RANK", "0")
     try:
-        cfg = config_mod.load(args.config, args.overrides)
-        from pisft.train.stage import main as stage_main
-
-        return stage_main(args.stage, cfg)
+        return run_stage(args.stage, config_mod.load(args.config, args.overrides))
     except PisftError as exc:
         print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         return 2

@@ -1,4 +1,5 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP): atomic, verified, pruned.
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): atomic, verified, pruned; and the
+run folder they live in (`checkpoint_root`: one folder per `run_fingerprint`).
 
 Layout of one checkpoint, `<root>/step_XXXXXX/`:
   dcp/                     model + optimizer state (DCP, sharded; loads on any world size)
@@ -30,6 +31,7 @@ SHA extensions, no alteration goes unseen, and the project's MANIFEST.json alrea
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import random
@@ -50,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from pisft.config import PisftConfig, lookup, to_dict
 from pisft.errors import PisftError
 from pisft.io import sha256_file
 
@@ -361,3 +364,97 @@ class CheckpointManager:
         if state.get("world_size") == self.world_size and rng_file.is_file():
             _set_rng_state(json.loads(rng_file.read_text()))
         return state
+
+
+# ------------------------------------------------------------------------------------------------
+# The run folder: one per run fingerprint
+
+
+def _sha256_of(paths: list[Path], listed: list[Path] = ()) -> str | None:
+    """sha256 over the content of `paths` and the names and sizes of the files under `listed`.
+
+    The dataset's bulk (parquet/video files, possibly many GB) enters by name and size only:
+    any change in its content also changes meta/stats.json (statistics over every frame),
+    which is hashed in full. Hashing it all would cost minutes per start at LIBERO size.
+    """
+    h = hashlib.sha256()
+    seen = False
+    for p in paths:
+        if p.is_file():
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+            seen = True
+    for folder in listed:
+        for f in sorted(folder.rglob("*")) if folder.is_dir() else ():
+            if f.is_file():
+                h.update(f"{f.relative_to(folder.parent).as_posix()}:{f.stat().st_size}".encode())
+                seen = True
+    return h.hexdigest() if seen else None
+
+
+# Settings that change what training computes, beyond the files hashed above. Not in it (a run
+# resumes across them): the world size and everything that only splits the same computation
+# differently (train.nproc_per_node, nnodes, micro_batch_size -> accumulation; the global batch
+# is in), the device, how often values are fetched or saved (log_every, save_every, keep_last),
+# data-loader workers (each sample is drawn from (seed, step, position), not from worker order),
+# peak_flops, tensorboard, deterministic (kernel choice, not the math) and activation
+# checkpointing (recomputes the same forward with the same RNG state: same values).
+# `model` and `data` enter whole (a key added there is covered by default), except the data
+# path (its content is hashed) and the demo generator's keys (they only make the input data).
+FINGERPRINT_SECTIONS = ("model", "data")
+FINGERPRINT_EXCLUDED = ("data.recap_dir", "data.demo_")
+FINGERPRINT_KEYS = (
+    "train.global_batch_size", "train.steps", "train.seed", "train.lr", "train.warmup_steps",
+    "train.decay_lr", "train.weight_decay", "train.grad_clip", "train.precision",
+)
+
+
+def run_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
+    """What a checkpoint must share with the current run to be resumed (world size excluded).
+
+    Every setting that changes what training computes (FINGERPRINT_SECTIONS, FINGERPRINT_KEYS)
+    and the content of
+    its inputs: the base model (its sha256 MANIFEST: weights, tokenizer, config) and the
+    dataset (split, features, statistics, prompt conditioning, episode index, data files).
+    """
+    base = cfg.results("base_model")
+    data = cfg.results("dataset")
+    values = to_dict(cfg)
+    sections = {f"{section}.{key}": value for section in FINGERPRINT_SECTIONS
+                for key, value in values[section].items()
+                if not f"{section}.{key}".startswith(FINGERPRINT_EXCLUDED)}
+    return {
+        **sections,
+        **{key: lookup(values, key) for key in FINGERPRINT_KEYS},
+        "base_model": _sha256_of([base / "MANIFEST.json", base / "config.json"]),
+        "dataset": _sha256_of([data / "split.json", data / "meta" / "info.json",
+                               data / "meta" / "stats.json", data / "meta" / "prompt_conditioning.json",
+                               data / "meta" / "tasks.parquet"],
+                              listed=[data / "data", data / "meta" / "episodes", data / "videos"]),
+    }
+
+
+CHECKPOINT_SUBDIR = ("checkpoints", "train")
+
+
+def checkpoint_root(cfg: PisftConfig) -> Path:
+    """Checkpoints of this run: one folder per run fingerprint under results/checkpoints/train.
+
+    The same settings resume from their folder; settings that change what training computes
+    (`run_fingerprint`: steps, lr schedule, seed, batch, precision, model and data settings, the
+    content of the base model and of the dataset) start a fresh run in a new folder, and
+    the checkpoints of the earlier run stay where they are (nothing is lost; delete them to
+    free space). The world size is not part of the fingerprint: a run resumes on any number of
+    processes.
+    """
+    digest = hashlib.sha256(json.dumps(run_fingerprint(cfg), sort_keys=True).encode()).hexdigest()
+    return cfg.results(*CHECKPOINT_SUBDIR, f"run-{digest[:12]}")
+
+
+def other_runs(cfg: PisftConfig) -> list[Path]:
+    """Checkpoint folders of runs with other settings (kept, never deleted by pisft)."""
+    mine = checkpoint_root(cfg)
+    parent = mine.parent
+    if not parent.is_dir():
+        return []
+    return sorted(p for p in parent.iterdir() if p.is_dir() and p.name.startswith("run-") and p != mine)

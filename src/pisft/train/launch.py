@@ -50,7 +50,13 @@ def split_endpoint(endpoint: str) -> tuple[str, str]:
 
 
 def nproc_for(stage: str, cfg: PisftConfig) -> int:
+    """Processes per node: the smoke stage runs one process on one node."""
     return 1 if stage == "smoke_1card" else cfg.train.nproc_per_node
+
+
+def world_size_for(stage: str, cfg: PisftConfig) -> int:
+    """Processes in all: what `python -m pisft.train` checks torchrun started."""
+    return 1 if stage == "smoke_1card" else cfg.world_size
 
 
 def torchrun_command(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str],
@@ -114,8 +120,7 @@ def _describe_exit(code: str) -> str:
 
 
 def _latest_checkpoint(cfg: PisftConfig) -> str:
-    from pisft.train.checkpoint import CheckpointsDamaged, latest_complete
-    from pisft.train.run import checkpoint_root
+    from pisft.train.checkpoint import CheckpointsDamaged, checkpoint_root, latest_complete
 
     try:  # sizes only: the trainer checks the content before it resumes
         found = latest_complete(checkpoint_root(cfg), log=lambda _msg: None, content=False)
@@ -192,8 +197,6 @@ def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path) -> tuple[int, 
 
 
 def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -> int:
-    if stage not in ("smoke_1card", "train_8card"):
-        raise PisftError(f"unknown training stage '{stage}'")
     kind = devices.resolve_kind(cfg.device)
     nproc = nproc_for(stage, cfg)
     if kind != "cpu" and devices.device_count(kind) < nproc:

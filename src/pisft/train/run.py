@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from pathlib import Path
 
@@ -12,7 +10,7 @@ import torch.distributed as dist
 from pisft import config as config_mod
 from pisft.errors import PisftError
 from pisft.train import loop, optim
-from pisft.train.checkpoint import CheckpointManager
+from pisft.train.checkpoint import CheckpointManager, checkpoint_root, other_runs, run_fingerprint
 from pisft.train.batches import make_loader
 from pisft.train.export import export_model
 from pisft.train.fsdp import sharding_report
@@ -20,39 +18,12 @@ from pisft.train.guard import RunLock, RunLockHeld
 from pisft.train.metrics import MetricsLog, Progress, TensorBoardSink
 from pisft.train.stage import (
     Context,
-    _require_inputs,
     build,
     env_summary,
     make_sampler,
     peak_flops,
-    run_fingerprint,
+    require_inputs,
 )
-
-CHECKPOINT_SUBDIR = ("checkpoints", "train")
-
-
-def checkpoint_root(cfg) -> Path:
-    """Checkpoints of this run: one folder per run fingerprint under results/checkpoints/train.
-
-    The same settings resume from their folder; settings that change what training computes
-    (`run_fingerprint`: steps, lr schedule, seed, batch, precision, model and data settings, the
-    content of the base model and of the dataset) start a fresh run in a new folder, and
-    the checkpoints of the earlier run stay where they are (nothing is lost; delete them to
-    free space). The world size is not part of the fingerprint: a run resumes on any number of
-    processes.
-    """
-    digest = hashlib.sha256(json.dumps(run_fingerprint(cfg), sort_keys=True).encode()).hexdigest()
-    return cfg.results(*CHECKPOINT_SUBDIR, f"run-{digest[:12]}")
-
-
-def other_runs(cfg) -> list[Path]:
-    """Checkpoint folders of runs with other settings (kept, never deleted by pisft)."""
-    mine = checkpoint_root(cfg)
-    parent = mine.parent
-    if not parent.is_dir():
-        return []
-    return sorted(p for p in parent.iterdir() if p.is_dir() and p.name.startswith("run-") and p != mine)
-
 
 def lr_scheduler(cfg, optimizer):
     """The run's warmup + cosine schedule (train.lr, warmup_steps, decay_lr, steps)."""
@@ -73,7 +44,7 @@ def loop_settings(ctx: Context, peak: float | None = None) -> loop.LoopSettings:
 def run_training(ctx: Context) -> int:
     cfg = ctx.cfg
     t_start = time.perf_counter()
-    _require_inputs(cfg, ctx.stage)  # the fingerprint (hence the run folder) reads them
+    require_inputs(cfg, ctx.stage)  # the fingerprint (hence the run folder) reads them
     ckpt_root = checkpoint_root(cfg)
     # Locked before anything in the folder is read or written, and before the (slow) model load,
     # so a second trainer stops at once; held until this process ends.

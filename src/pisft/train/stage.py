@@ -1,14 +1,13 @@
-"""One training process (started by torchrun): the `smoke_1card` and `train_8card` stages.
+"""What every training stage's process shares: set-up, the built model and data, the sampler.
 
-Both stages load the base model (strictly) from `results/base_model`, the processors with the
-dataset's normalisation stats, the train split of `results/dataset`, shard the policy with FSDP2
-and run the same optimizer-step loop. `train_8card` checkpoints, resumes by itself from the
-latest complete checkpoint and exports the final model; `smoke_1card` writes a go/no-go report.
+Both training stages (`smoke_1card`, `train_8card`; `python -m pisft.train` dispatches) load
+the base model (strictly) from `results/base_model`, the processors with the dataset's
+normalisation stats, the train split of `results/dataset`, shard the policy with FSDP2 and run
+the same optimizer-step loop (`pisft.train.smoke`, `pisft.train.run`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from dataclasses import dataclass
@@ -27,8 +26,6 @@ from pisft.train import fsdp, optim
 from pisft.train.metrics import peak_flops_for
 from pisft.train.policy_task import PolicyTask
 from pisft.train.sampler import StepLayout, StepSampler
-
-STAGES = ("smoke_1card", "train_8card")
 
 
 @dataclass
@@ -61,73 +58,7 @@ class Built:
     prompt: Any = None  # the training prompt of a sample (advantage conditioning), or None
 
 
-def _sha256_of(paths: list[Path], listed: list[Path] = ()) -> str | None:
-    """sha256 over the content of `paths` and the names and sizes of the files under `listed`.
-
-    The dataset's bulk (parquet/video files, possibly many GB) enters by name and size only:
-    any change in its content also changes meta/stats.json (statistics over every frame),
-    which is hashed in full. Hashing it all would cost minutes per start at LIBERO size.
-    """
-    h = hashlib.sha256()
-    seen = False
-    for p in paths:
-        if p.is_file():
-            h.update(p.name.encode())
-            h.update(p.read_bytes())
-            seen = True
-    for folder in listed:
-        for f in sorted(folder.rglob("*")) if folder.is_dir() else ():
-            if f.is_file():
-                h.update(f"{f.relative_to(folder.parent).as_posix()}:{f.stat().st_size}".encode())
-                seen = True
-    return h.hexdigest() if seen else None
-
-
-# Settings that change what training computes, beyond the files hashed above. Not in it (a run
-# resumes across them): the world size and everything that only splits the same computation
-# differently (train.nproc_per_node, nnodes, micro_batch_size -> accumulation; the global batch
-# is in), the device, how often values are fetched or saved (log_every, save_every, keep_last),
-# data-loader workers (each sample is drawn from (seed, step, position), not from worker order),
-# peak_flops, tensorboard, deterministic (kernel choice, not the math) and activation
-# checkpointing (recomputes the same forward with the same RNG state: same values).
-# `model` and `data` enter whole (a key added there is covered by default), except the data
-# path (its content is hashed) and the demo generator's keys (they only make the input data).
-FINGERPRINT_SECTIONS = ("model", "data")
-FINGERPRINT_EXCLUDED = ("data.recap_dir", "data.demo_")
-FINGERPRINT_KEYS = (
-    "train.global_batch_size", "train.steps", "train.seed", "train.lr", "train.warmup_steps",
-    "train.decay_lr", "train.weight_decay", "train.grad_clip", "train.precision",
-)
-
-
-def run_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
-    """What a checkpoint must share with the current run to be resumed (world size excluded).
-
-    Every setting that changes what training computes (FINGERPRINT_SECTIONS, FINGERPRINT_KEYS)
-    and the content of
-    its inputs: the base model (its sha256 MANIFEST: weights, tokenizer, config) and the
-    dataset (split, features, statistics, prompt conditioning, episode index, data files).
-    """
-    from pisft.config import lookup, to_dict
-
-    base = cfg.results("base_model")
-    data = cfg.results("dataset")
-    values = to_dict(cfg)
-    sections = {f"{section}.{key}": value for section in FINGERPRINT_SECTIONS
-                for key, value in values[section].items()
-                if not f"{section}.{key}".startswith(FINGERPRINT_EXCLUDED)}
-    return {
-        **sections,
-        **{key: lookup(values, key) for key in FINGERPRINT_KEYS},
-        "base_model": _sha256_of([base / "MANIFEST.json", base / "config.json"]),
-        "dataset": _sha256_of([data / "split.json", data / "meta" / "info.json",
-                               data / "meta" / "stats.json", data / "meta" / "prompt_conditioning.json",
-                               data / "meta" / "tasks.parquet"],
-                              listed=[data / "data", data / "meta" / "episodes", data / "videos"]),
-    }
-
-
-def _require_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
+def require_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
     base, data = cfg.results("base_model"), cfg.results("dataset")
     for path, producer in ((base / "config.json", "fetch_base"), (data / "split.json", "convert_recap")):
         if not path.is_file():
@@ -143,7 +74,7 @@ def build(ctx: Context) -> Built:
     from pisft.model.policy import load_policy, make_processors
 
     cfg = ctx.cfg
-    base, data = _require_inputs(cfg, ctx.stage)
+    base, data = require_inputs(cfg, ctx.stage)
     torch.manual_seed(cfg.train.seed)
     policy = load_policy(base, device="cpu", dtype="float32", preset=cfg.model.preset)
     stats = load_stats(data)
@@ -166,7 +97,8 @@ def build(ctx: Context) -> Built:
                  prompt=training_prompt_fn(data))
 
 
-def setup_process(cfg: PisftConfig, stage: str) -> Context:
+def setup_process(cfg: PisftConfig, stage: str, expected_world_size: int) -> Context:
+    """Device, determinism and the process group; refuses a world of the wrong size."""
     info = devices.setup(cfg.device)
     if cfg.train.deterministic:  # before HCCL communicator creation and the first operator
         devices.enable_determinism(info.kind)
@@ -175,36 +107,15 @@ def setup_process(cfg: PisftConfig, stage: str) -> Context:
         kwargs["device_id"] = info.device
     dist.init_process_group(**kwargs)
     ctx = Context(cfg, stage, info, dist.get_rank(), dist.get_world_size())
-    expected = 1 if stage == "smoke_1card" else cfg.world_size
-    if ctx.world_size != expected:
+    if ctx.world_size != expected_world_size:
         raise PisftError(f"{stage}: started with {ctx.world_size} processes but the config asks for "
-                         f"{expected} (train.nproc_per_node × train.nnodes); start it through "
+                         f"{expected_world_size} (train.nproc_per_node × train.nnodes); start it through "
                          "`python -m pisft launch` or the workflow")
     return ctx
 
 
 def peak_flops(ctx: Context) -> tuple[float | None, str]:
     return peak_flops_for(ctx.info.name, ctx.info.kind, ctx.cfg.train.peak_flops)
-
-
-def main(stage: str, cfg: PisftConfig) -> int:
-    if stage not in STAGES:
-        raise PisftError(f"unknown training stage '{stage}'; one of {', '.join(STAGES)}")
-    from pisft.train.attention import fused_joint_attention
-
-    ctx = setup_process(cfg, stage)
-    try:
-        with fused_joint_attention():  # fused attention kernels for the joint VLM/expert attention
-            if stage == "smoke_1card":
-                from pisft.train.smoke import run_smoke
-
-                return run_smoke(ctx)
-            from pisft.train.run import run_training
-
-            return run_training(ctx)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def layout_for(cfg: PisftConfig, world_size: int) -> StepLayout:

@@ -1,11 +1,19 @@
-"""Which config keys each stage reads.
+"""The stages of the pipeline, written once: name, what runs, the config keys read, the outputs.
 
-The workflow rules pass `tracked("<stage>")` as a param, so Snakemake reruns a stage exactly
-when one of its keys changes; `dvc.yaml` (generated from the rules) lists the same keys.
-A key is a section (`model`) or a dotted key (`data.success_only`).
+`STAGES` is the one table. It feeds the CLI (`python -m pisft <stage>`, `python -m pisft launch
+<training stage>`), the torchrun worker's dispatch (`python -m pisft.train --stage`), the
+Snakemake rules (`command(...)`, `tracked(...)`, `code(...)` in workflow/rules/common.smk) and,
+through the rules, `dvc.yaml` and the invalidation of downstream outputs. A test checks that
+the rules write exactly the outputs listed here. Adding a stage: its row here, its function,
+and its rule (inputs, outputs).
+
+Keys: a section (`model`) or a dotted key (`data.success_only`); Snakemake reruns a stage
+exactly when one of its keys changes, and `dvc.yaml` lists the same keys as params.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from pisft.config import lookup  # noqa: F401 - the rules' parse-time helpers read keys through it
 
@@ -62,17 +70,6 @@ CLOSED_LOOP_KEYS = (
     "eval.resize_size",
 )
 
-STAGE_KEYS: dict[str, tuple[str, ...]] = {
-    "fetch_base": ("model",),
-    "demo_recap": DEMO_KEYS,
-    "convert_recap": CONVERT_KEYS,
-    "smoke_1card": ("device", "smoke", *TRAIN_STEP_KEYS),
-    "train_8card": ("device", "train"),
-    "evaluate": ("device", *EVAL_KEYS),
-    "closed_loop": ("device", *CLOSED_LOOP_KEYS),
-}
-
-
 # The source each stage runs: a change reruns the stage (and what follows). Paths relative to
 # the project root; package folders as a whole (DVC hashes their content; Snakemake gets their
 # .py files as inputs). Every stage also depends on SHARED_CODE and the dependency lock.
@@ -90,19 +87,57 @@ SHARED_CODE = (
 )
 TRAIN_CODE = ("src/pisft/train", "src/pisft/model", "src/pisft/data")
 EVAL_CODE = ("src/pisft/evaluate", "src/pisft/serve", "src/pisft/model", "src/pisft/data")
-STAGE_CODE: dict[str, tuple[str, ...]] = {
-    "fetch_base": ("src/pisft/model",),
-    "demo_recap": ("src/pisft/data",),
-    "convert_recap": ("src/pisft/data",),
-    "smoke_1card": TRAIN_CODE,
-    "train_8card": TRAIN_CODE,
-    "evaluate": EVAL_CODE,
-    "closed_loop": EVAL_CODE,
-}
 LOCKS = {"npu": "workflow/envs/ascend-aarch64.lock.txt"}
 DEFAULT_LOCK = "workflow/envs/cpu-cuda.lock.txt"
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One stage: what `python -m pisft` runs for it, what it reads and what it writes."""
+
+    name: str
+    # "module:function". A stage run in-process gets the validated PisftConfig; a training stage
+    # runs it in every torchrun worker with the worker's pisft.train.stage.Context.
+    run: str
+    keys: tuple[str, ...]  # the config keys it reads
+    code: tuple[str, ...]  # the source it runs (besides SHARED_CODE and the dependency lock)
+    outputs: tuple[str, ...]  # what it writes, relative to results_dir
+    help: str
+    training: bool = False  # started under torchrun by `python -m pisft launch <name>`
+
+    @property
+    def command(self) -> str:
+        """The command the workflow runs (Snakemake's shell, dvc.yaml's cmd)."""
+        verb = f"launch {self.name}" if self.training else self.name
+        return f"python -m pisft {verb} --config {{params.config}} --log {{log}}"
+
+
+EVAL_OUTPUTS = tuple(f"eval/{name}" for name in (
+    "metrics.json", "report.md", "loss.png", "throughput.png", "per_task.png", "per_step.png",
+    "per_step.csv", "per_task.csv", "per_dim.csv", "eval_info.json"))
+
+STAGES: dict[str, Stage] = {s.name: s for s in (
+    Stage("fetch_base", "pisft.model.fetch:run", ("model",), ("src/pisft/model",),
+          ("base_model",), "fetch (or build) the base model into results/base_model"),
+    Stage("demo_recap", "pisft.data.demo:run", DEMO_KEYS, ("src/pisft/data",),
+          ("demo_recap",), "write the synthetic demo dataset (when data.recap_dir is the demo folder)"),
+    Stage("convert_recap", "pisft.data.convert:run", CONVERT_KEYS, ("src/pisft/data",),
+          ("dataset",), "convert the RECAP dataset into the training dataset with its split"),
+    Stage("smoke_1card", "pisft.train.smoke:run_smoke", ("device", "smoke", *TRAIN_STEP_KEYS),
+          TRAIN_CODE, ("smoke/report.json",),
+          "a few optimizer steps on one device: the go/no-go report", training=True),
+    Stage("train_8card", "pisft.train.run:run_training", ("device", "train"), TRAIN_CODE,
+          ("train/model", "train/metrics.jsonl"),
+          "train on train.nproc_per_node x train.nnodes devices; resumes, exports", training=True),
+    Stage("closed_loop", "pisft.evaluate.closed_loop:run", ("device", *CLOSED_LOOP_KEYS), EVAL_CODE,
+          ("closed_loop/metrics.json",), "closed-loop LIBERO success rates (LIBERO simulator)"),
+    Stage("evaluate", "pisft.evaluate.offline:run", ("device", *EVAL_KEYS), EVAL_CODE,
+          EVAL_OUTPUTS, "held-out action error of the base and the fine-tuned model, plots, report"),
+)}
+TRAINING_STAGES = tuple(name for name, s in STAGES.items() if s.training)
+STAGE_KEYS: dict[str, tuple[str, ...]] = {name: s.keys for name, s in STAGES.items()}
+
+
 def code_deps(stage: str, device: str) -> list[str]:
     """Package folders, shared modules and the dependency lock that `stage` depends on."""
-    return [*STAGE_CODE[stage], *SHARED_CODE, LOCKS.get(device, DEFAULT_LOCK)]
+    return [*STAGES[stage].code, *SHARED_CODE, LOCKS.get(device, DEFAULT_LOCK)]
