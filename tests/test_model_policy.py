@@ -48,7 +48,10 @@ def test_tiny_build_is_deterministic_per_seed():
     a, b, c = (build_policy("tiny", seed=s) for s in (3, 3, 4))
     assert _equal(a, b)
     assert not _equal(a, c)
-    assert a.config.chunk_size == 10 and a.config.image_resolution == (64, 64)
+    # the built config carries every field the preset sets
+    from pisft.model.presets import PRESETS
+
+    assert {k: getattr(a.config, k) for k in PRESETS["tiny"].config} == PRESETS["tiny"].config
 
 
 def test_save_load_roundtrip_is_exact_and_keeps_the_tie(model_dir):
@@ -74,8 +77,9 @@ def test_save_load_roundtrip_is_exact_and_keeps_the_tie(model_dir):
 def test_load_into_bfloat16_keeps_lerobots_fp32_parts(model_dir):
     policy = load_policy(model_dir, dtype="bfloat16")
     dtypes = {n: p.dtype for n, p in policy.named_parameters()}
-    assert dtypes["model.paligemma_with_expert.gemma_expert.model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16
-    assert dtypes["model.paligemma_with_expert.paligemma.model.vision_tower.vision_model.post_layernorm.weight"] == torch.float32
+    pwe = "model.paligemma_with_expert"
+    assert dtypes[f"{pwe}.gemma_expert.model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16
+    assert dtypes[f"{pwe}.paligemma.model.vision_tower.vision_model.post_layernorm.weight"] == torch.float32
 
 
 def _rewrite(model_dir, edit):
@@ -209,7 +213,8 @@ def test_processors_feed_forward_and_predict(model_dir):
     tokens = batch["observation.language.tokens"]
     assert tokens.shape == (4, policy.config.tokenizer_max_length)
     assert batch["observation.language.attention_mask"].sum(1).max() < policy.config.tokenizer_max_length
-    assert int(tokens.max()) < policy.model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.num_embeddings
+    embed = policy.model.paligemma_with_expert.paligemma.model.language_model.embed_tokens
+    assert int(tokens.max()) < embed.num_embeddings
     # quantile normalisation: state q01/q99 = -2/2 -> x / 2; action -1/1 -> unchanged
     assert torch.allclose(batch["observation.state"], raw["observation.state"] / 2, atol=1e-6)
     assert torch.allclose(batch["action"], raw["action"], atol=1e-6)
@@ -289,11 +294,14 @@ def test_openpi_norm_stats_errors(tmp_path):
 def test_tiny_tokenizer_encodes_the_pi05_prompt_without_unknowns():
     from pisft.model.tokenizer import build_tiny_tokenizer
 
+    from pisft.model.presets import PRESETS
+
     tok = build_tiny_tokenizer()
-    prompt = "Task: put the yellow and white mug in the microwave and close it Advantage: negative, State: 0 17 255 -1 128 64 3 200;\nAction: "
+    prompt = ("Task: put the yellow and white mug in the microwave and close it Advantage: negative, "
+              "State: 0 17 255 -1 128 64 3 200;\nAction: ")
     ids = tok(prompt)["input_ids"]
     assert ids[0] == tok.bos_token_id and tok.unk_token_id not in ids
-    assert len(ids) < 48
+    assert len(ids) < PRESETS["tiny"].config["tokenizer_max_length"]  # the prompt is not truncated
     assert tok.unk_token_id not in tok("Zebra-42 (odd) wörds!")["input_ids"]
     assert np.array_equal(tok(prompt)["input_ids"], build_tiny_tokenizer()(prompt)["input_ids"])
 

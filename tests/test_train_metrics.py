@@ -6,18 +6,34 @@ import io
 
 import pytest
 
-from pisft.train.metrics import MetricsLog, Progress, mfu, peak_flops_for
+from pisft.train.metrics import PEAK_FLOPS_TABLE, MetricsLog, Progress, mfu, peak_flops_for
 
 
-@pytest.mark.parametrize("name,kind,expected", [
-    ("Ascend910B1", "npu", 414e12), ("Ascend910B2", "npu", 376e12), ("Ascend910B3", "npu", 313e12),
-    ("Ascend910B4", "npu", 280e12), ("NVIDIA H100 80GB HBM3", "cuda", 989e12),
-    ("NVIDIA H100 PCIe", "cuda", 756e12), ("NVIDIA H200", "cuda", 989e12),
-])
-def test_peak_table(name, kind, expected):
+# Device names as the drivers report them (torch.npu / torch.cuda get_device_name) and the row of
+# PEAK_FLOPS_TABLE each one means. First match wins, so an early broad pattern would shadow a row.
+DEVICE_NAMES = [
+    ("Ascend910B1", "npu", "Ascend 910B1"), ("Ascend910B2", "npu", "Ascend 910B2"),
+    ("Ascend910B3", "npu", "Ascend 910B3"), ("Ascend910B4", "npu", "Ascend 910B4"),
+    ("Ascend910_9391", "npu", "Ascend 910C (per die)"), ("Ascend910C", "npu", "Ascend 910C (per die)"),
+    ("Ascend910B", "npu", "Ascend 910B (unknown variant: 910B3 figure)"),
+    ("NVIDIA H200", "cuda", "NVIDIA H200"), ("NVIDIA H100 PCIe", "cuda", "NVIDIA H100 PCIe"),
+    ("NVIDIA H100 NVL", "cuda", "NVIDIA H100 NVL"), ("NVIDIA H100 80GB HBM3", "cuda", "NVIDIA H100 SXM"),
+    ("NVIDIA H800", "cuda", "NVIDIA H100 SXM"), ("NVIDIA A100-SXM4-80GB", "cuda", "NVIDIA A100"),
+]
+
+
+@pytest.mark.parametrize("name,kind,label", DEVICE_NAMES)
+def test_a_device_name_finds_its_own_row(name, kind, label):
     peak, source = peak_flops_for(name, kind)
-    assert peak == expected
-    assert source.startswith("table")
+    assert source == f"table: {label}"
+    assert peak == next(flops for _, flops, row in PEAK_FLOPS_TABLE if row == label)
+
+
+def test_every_row_is_reachable_and_unknown_910b_uses_the_910b3_figure():
+    assert {label for _, _, label in DEVICE_NAMES} == {row for _, _, row in PEAK_FLOPS_TABLE}
+    assert peak_flops_for("Ascend910B", "npu")[0] == peak_flops_for("Ascend910B3", "npu")[0]
+    # case does not matter (some drivers report upper case)
+    assert peak_flops_for("ASCEND910B2", "npu") == peak_flops_for("Ascend910B2", "npu")
 
 
 def test_peak_none_on_cpu_unknown_device_and_override():
