@@ -23,6 +23,7 @@ import itertools
 import math
 import statistics
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -125,156 +126,224 @@ def _advice(cfg: Any) -> str:
 
 
 def run_smoke(ctx: Context) -> int:
+    """Run the smoke steps, check them, project memory and wall time, write the report."""
     cfg = ctx.cfg
-    t = cfg.train
-    kind = ctx.info.kind
-    n_target = cfg.world_size
-    checks: list[dict[str, Any]] = []
-    report: dict[str, Any] = {
+    report = _report_head(ctx)
+    run = _run_steps(ctx, report)
+    report.update(_step_figures(ctx, run.records))
+    if run.failure is not None:
+        checks = [{"name": "fits_in_memory", "passed": False, "detail": run.failure}]
+    else:
+        checks = training_checks(report["losses"], report["grad_norms"])
+        projection = _memory_projection(ctx, run, report)
+        report.update(projection)
+        checks.append(headroom_check(projection["projected_peak_memory_bytes_per_device"][str(cfg.world_size)],
+                                     report["capacity_bytes"], cfg.world_size,
+                                     cfg.smoke.min_memory_headroom))
+        report["memory_headroom"] = checks[-1].pop("headroom")
+    report.update(wall_time_projection(cfg, report["step_time_s"]))
+    report["checks"] = checks
+    report["passed"] = all(c["passed"] for c in checks)
+    report["messages"] = [failure_message(cfg, c) for c in checks if not c["passed"]]
+    report["pisft_config"] = config_mod.resolved(cfg)
+    return _write_and_judge(ctx, report)
+
+
+# ------------------------------------------------------------------------------------ running
+@dataclass
+class SmokeRun:
+    records: list[dict[str, Any]] = field(default_factory=list)  # one per smoke step (loop.run)
+    built: Any = None  # the stage's Built (model, optimizer), None if building ran out of memory
+    failure: str | None = None  # the out-of-memory message, if the steps did not fit
+
+
+def _report_head(ctx: Context) -> dict[str, Any]:
+    cfg, t = ctx.cfg, ctx.cfg.train
+    return {
         "stage": "smoke_1card",
-        "device": {"kind": kind, "name": ctx.info.name, "backend": ctx.info.backend},
+        "device": {"kind": ctx.info.kind, "name": ctx.info.name, "backend": ctx.info.backend},
         "micro_batch_size": t.micro_batch_size,
         "precision": t.precision,
         "activation_checkpointing": t.activation_checkpointing,
         "smoke_steps": cfg.smoke.steps,
-        "target_world_size": n_target,
+        "target_world_size": cfg.world_size,
         "environment": env_summary(),
         "estimate": _estimate(cfg),
     }
-    records: list[dict[str, Any]] = []
-    failure: str | None = None
-    built = None
+
+
+def _run_steps(ctx: Context, report: dict[str, Any]) -> SmokeRun:
+    """Build the stage and run the smoke steps; an out-of-memory is a failure, not a crash."""
+    cfg, t = ctx.cfg, ctx.cfg.train
+    run = SmokeRun()
     try:
-        built = build(ctx)
+        run.built = build(ctx)
         fits, report["optimizer"] = _adamw_fits_one_device(
-            cfg, report["estimate"], devices.capacity_bytes(kind, ctx.info.device))
+            cfg, report["estimate"], devices.capacity_bytes(ctx.info.kind, ctx.info.device))
         if not fits:
-            built.optimizer = SignDescent(built.policy.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        sampler = make_sampler(cfg, built.train_set, 1)
-        first = sampler.micro_batch(0, 0, 0)  # the first micro-batch of the real run
-        ds = StepDataset(built.train_set, t.seed, built.task.draw, built.prompt)
-        from torch.utils.data import default_collate
-
-        fixed = default_collate([ds[ref] for ref in first])
-        batches = (dict(fixed) for _ in itertools.count())
-        scheduler = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lambda _: 1.0)
-        peak, peak_source = peak_flops(ctx)
-        report["peak_flops_source"] = peak_source
-        devices.reset_peak_memory(kind)
-        settings = loop.LoopSettings(
-            steps=cfg.smoke.steps, accum=1, global_batch=t.micro_batch_size, grad_clip=t.grad_clip,
-            kind=kind, device=ctx.info.device, world_size=1, rank=0, peak_flops=peak,
-            stop_on_nonfinite=False, log_every=t.log_every)
-
-        def on_step(record: dict) -> None:
-            ctx.log(f"smoke step {record['step']}/{cfg.smoke.steps}: loss {record['loss']:.5f} "
-                    f"grad_norm {record['grad_norm']:.4f} {record['step_time_s']:.3f} s")
-
-        records = loop.run(built.policy, built.optimizer, scheduler, built.task, batches,
-                           settings, start_step=0, on_step=on_step)
+            run.built.optimizer = SignDescent(run.built.policy.parameters(), lr=t.lr,
+                                              weight_decay=t.weight_decay)
+        peak, report["peak_flops_source"] = peak_flops(ctx)
+        run.records = _steps(ctx, run.built, peak)
     except Exception as exc:
         if not _is_oom(exc):
             raise
-        failure = (f"out of device memory at micro batch {t.micro_batch_size} on one device "
-                   f"({type(exc).__name__}). To fit: {_advice(cfg)}.")
+        run.failure = (f"out of device memory at micro batch {t.micro_batch_size} on one device "
+                       f"({type(exc).__name__}). To fit: {_advice(cfg)}.")
+    return run
 
+
+def _steps(ctx: Context, built: Any, peak: float | None) -> list[dict[str, Any]]:
+    """smoke.steps optimizer steps on the run's first micro-batch at the peak learning rate."""
+    from torch.utils.data import default_collate
+
+    cfg, t = ctx.cfg, ctx.cfg.train
+    first = make_sampler(cfg, built.train_set, 1).micro_batch(0, 0, 0)  # the real run's first
+    ds = StepDataset(built.train_set, t.seed, built.task.draw, built.prompt)
+    fixed = default_collate([ds[ref] for ref in first])
+    batches = (dict(fixed) for _ in itertools.count())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lambda _: 1.0)
+    settings = loop.LoopSettings(
+        steps=cfg.smoke.steps, accum=1, global_batch=t.micro_batch_size, grad_clip=t.grad_clip,
+        kind=ctx.info.kind, device=ctx.info.device, world_size=1, rank=0, peak_flops=peak,
+        stop_on_nonfinite=False, log_every=t.log_every)
+
+    def on_step(record: dict) -> None:
+        ctx.log(f"smoke step {record['step']}/{cfg.smoke.steps}: loss {record['loss']:.5f} "
+                f"grad_norm {record['grad_norm']:.4f} {record['step_time_s']:.3f} s")
+
+    devices.reset_peak_memory(ctx.info.kind)
+    return loop.run(built.policy, built.optimizer, scheduler, built.task, batches, settings,
+                    start_step=0, on_step=on_step)
+
+
+def _step_figures(ctx: Context, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Losses, gradient norms, step times (median without the first), peak memory, MFU."""
     losses = [r["loss"] for r in records]
-    grad_norms = [r["grad_norm"] for r in records]
-    report["losses"] = losses
-    report["grad_norms"] = grad_norms
-    report["first_loss"] = losses[0] if losses else None
-    report["last_loss"] = losses[-1] if losses else None
     times = [r["step_time_s"] for r in records]
-    step_time = statistics.median(times[1:] if len(times) > 1 else times) if times else None
-    report["step_time_s"] = step_time
-    report["step_times_s"] = times
-    report["peak_memory_bytes"] = devices.peak_memory_bytes(kind)
-    report["capacity_bytes"] = devices.capacity_bytes(kind, ctx.info.device)
+    figures: dict[str, Any] = {
+        "losses": losses,
+        "grad_norms": [r["grad_norm"] for r in records],
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "step_time_s": statistics.median(times[1:] if len(times) > 1 else times) if times else None,
+        "step_times_s": times,
+        "peak_memory_bytes": devices.peak_memory_bytes(ctx.info.kind),
+        "capacity_bytes": devices.capacity_bytes(ctx.info.kind, ctx.info.device),
+    }
     if records:
-        report["flops_per_sample"] = records[-1]["flops_per_sample"]
-        report["mfu"] = records[-1]["mfu"]
+        figures["flops_per_sample"] = records[-1]["flops_per_sample"]
+        figures["mfu"] = records[-1]["mfu"]
+    return figures
 
-    if failure is None:
-        finite_loss = all(math.isfinite(x) for x in losses)
-        finite_grads = all(math.isfinite(x) for x in grad_norms)
-        falling = finite_loss and len(losses) >= 2 and losses[-1] < losses[0]
-        checks.append({"name": "loss_finite", "passed": finite_loss,
-                       "detail": None if finite_loss else "a loss is NaN/inf"})
-        checks.append({"name": "grads_finite", "passed": finite_grads,
-                       "detail": None if finite_grads else "a gradient norm is NaN/inf"})
-        checks.append({"name": "loss_falling", "passed": falling,
-                       "detail": f"first {losses[0]:.6g}, last {losses[-1]:.6g}" if losses else None})
-        state = model_state_bytes(built.policy, built.optimizer)
-        projected = report["peak_memory_bytes"] - state * (1 - 1 / n_target)
-        one = report["peak_memory_bytes"]
-        if isinstance(built.optimizer, SignDescent):
-            # AdamW's two fp32 moments per parameter that receives a gradient, not measured here.
-            trained = (report["estimate"] or {}).get("1", {}).get("state_bytes", {}).get("grads")
-            adam = 2 * trained if trained else 8 * sum(p.numel() for p in built.policy.parameters()
-                                                       if p.requires_grad)
-            report["adamw_state_bytes_analytic"] = int(adam)
-            one += adam
-            projected += adam / n_target
-        report["model_state_bytes"] = state
-        report["projected_peak_memory_bytes_per_device"] = {"1": int(one), str(n_target): int(projected)}
-        cap = report["capacity_bytes"]
-        if cap is None:
-            report["memory_headroom"] = None
-            checks.append({"name": "memory_headroom", "passed": True, "skipped": True,
-                           "detail": "CPU: no fixed device capacity; headroom check skipped"})
-        else:
-            headroom = 1 - projected / cap
-            report["memory_headroom"] = headroom
-            ok = headroom >= cfg.smoke.min_memory_headroom
-            checks.append({
-                "name": "memory_headroom", "passed": ok,
-                "detail": (f"projected peak {projected / 2**30:.2f} GiB per device on {n_target} "
-                           f"device(s) of {cap / 2**30:.2f} GiB leaves {headroom:.1%} free "
-                           f"(minimum smoke.min_memory_headroom = {cfg.smoke.min_memory_headroom:.0%})"),
-            })
-    else:
-        checks.append({"name": "fits_in_memory", "passed": False, "detail": failure})
 
-    if step_time is not None:
-        micro_steps_1 = t.steps * t.global_batch_size // t.micro_batch_size
-        report["projected_wall_time_s"] = {
-            "1": micro_steps_1 * step_time,
-            str(n_target): micro_steps_1 * step_time / n_target,
-        }
-        report["projection_basis"] = (
+# ------------------------------------------------------------------------------------- checks
+def training_checks(losses: list[float], grad_norms: list[float]) -> list[dict[str, Any]]:
+    """Loss finite, gradients finite, loss falling (last < first)."""
+    finite_loss = all(math.isfinite(x) for x in losses)
+    finite_grads = all(math.isfinite(x) for x in grad_norms)
+    falling = finite_loss and len(losses) >= 2 and losses[-1] < losses[0]
+    return [
+        {"name": "loss_finite", "passed": finite_loss,
+         "detail": None if finite_loss else "a loss is NaN/inf"},
+        {"name": "grads_finite", "passed": finite_grads,
+         "detail": None if finite_grads else "a gradient norm is NaN/inf"},
+        {"name": "loss_falling", "passed": falling,
+         "detail": f"first {losses[0]:.6g}, last {losses[-1]:.6g}" if losses else None},
+    ]
+
+
+def headroom_check(projected: float, capacity: int | None, n_target: int,
+                   minimum: float) -> dict[str, Any]:
+    """The projected per-device peak against the device's capacity (skipped on the CPU).
+
+    The returned check carries `headroom` (the free fraction, None on the CPU) for the report.
+    """
+    if capacity is None:
+        return {"name": "memory_headroom", "passed": True, "skipped": True, "headroom": None,
+                "detail": "CPU: no fixed device capacity; headroom check skipped"}
+    headroom = 1 - projected / capacity
+    return {"name": "memory_headroom", "passed": headroom >= minimum, "headroom": headroom,
+            "detail": (f"projected peak {projected / 2**30:.2f} GiB per device on {n_target} "
+                       f"device(s) of {capacity / 2**30:.2f} GiB leaves {headroom:.1%} free "
+                       f"(minimum smoke.min_memory_headroom = {minimum:.0%})")}
+
+
+# -------------------------------------------------------------------------- memory projection
+def project_memory(peak_one: int, state_bytes: int, n_target: int,
+                   adamw_state_bytes: float = 0) -> dict[str, int]:
+    """Per-device peak on 1 and on `n_target` devices from the measured 1-process peak.
+
+    Sharding over N devices removes (N-1)/N of the model state (parameters, gradients,
+    optimizer state) from each device; AdamW state the smoke run did not hold
+    (`adamw_state_bytes`, the sign-descent case) is added whole on 1 device, 1/N on N.
+    """
+    one = peak_one + adamw_state_bytes
+    projected = peak_one - state_bytes * (1 - 1 / n_target) + adamw_state_bytes / n_target
+    return {"1": int(one), str(n_target): int(projected)}
+
+
+def _memory_projection(ctx: Context, run: SmokeRun, report: dict[str, Any]) -> dict[str, Any]:
+    policy, optimizer = run.built.policy, run.built.optimizer
+    fields: dict[str, Any] = {}
+    adam = 0
+    if isinstance(optimizer, SignDescent):
+        # AdamW's two fp32 moments per parameter that receives a gradient, not measured here.
+        trained = (report["estimate"] or {}).get("1", {}).get("state_bytes", {}).get("grads")
+        adam = 2 * trained if trained else 8 * sum(p.numel() for p in policy.parameters()
+                                                   if p.requires_grad)
+        fields["adamw_state_bytes_analytic"] = int(adam)
+    state = model_state_bytes(policy, optimizer)
+    fields["model_state_bytes"] = state
+    fields["projected_peak_memory_bytes_per_device"] = project_memory(
+        report["peak_memory_bytes"], state, ctx.cfg.world_size, adam)
+    return fields
+
+
+def wall_time_projection(cfg: Any, step_time: float | None) -> dict[str, Any]:
+    """Wall time of the training run on 1 and on N devices from the median smoke step."""
+    if step_time is None:
+        return {"projected_wall_time_s": None}
+    t, n_target = cfg.train, cfg.world_size
+    micro_steps_1 = t.steps * t.global_batch_size // t.micro_batch_size
+    return {
+        "projected_wall_time_s": {"1": micro_steps_1 * step_time,
+                                  str(n_target): micro_steps_1 * step_time / n_target},
+        "projection_basis": (
             f"{t.steps} steps × {t.global_batch_size // t.micro_batch_size} micro-batches per step "
             f"/ devices × median smoke micro-step time {step_time:.4g} s; communication and data "
-            "loading not included")
-    else:
-        report["projected_wall_time_s"] = None
-    report["checks"] = checks
-    report["passed"] = all(c["passed"] for c in checks)
-    messages = []
-    for c in checks:
-        if not c["passed"]:
-            if c["name"] == "memory_headroom":
-                messages.append(f"memory headroom too small: {c['detail']}. To fit: {_advice(cfg)}.")
-            elif c["name"] in ("loss_finite", "grads_finite"):
-                messages.append(f"{c['detail']}: lower train.lr (now {t.lr}); with bf16 try fp32; "
-                                "check the dataset's stats (results/dataset/meta/stats.json)")
-            elif c["name"] == "loss_falling":
-                messages.append(f"the loss did not fall over {cfg.smoke.steps} steps on one fixed "
-                                f"batch ({c['detail']}): check train.lr (now {t.lr}), that the base "
-                                "model and data match, or raise smoke.steps")
-            else:
-                messages.append(c["detail"])
-    report["messages"] = messages
-    report["pisft_config"] = config_mod.resolved(cfg)
+            "loading not included"),
+    }
+
+
+# ------------------------------------------------------------------------------------- report
+def failure_message(cfg: Any, check: dict[str, Any]) -> str:
+    """What a failed check means and what to do about it."""
+    t = cfg.train
+    if check["name"] == "memory_headroom":
+        return f"memory headroom too small: {check['detail']}. To fit: {_advice(cfg)}."
+    if check["name"] in ("loss_finite", "grads_finite"):
+        return (f"{check['detail']}: lower train.lr (now {t.lr}); with bf16 try fp32; "
+                "check the dataset's stats (results/dataset/meta/stats.json)")
+    if check["name"] == "loss_falling":
+        return (f"the loss did not fall over {cfg.smoke.steps} steps on one fixed "
+                f"batch ({check['detail']}): check train.lr (now {t.lr}), that the base "
+                "model and data match, or raise smoke.steps")
+    return check["detail"]
+
+
+def _write_and_judge(ctx: Context, report: dict[str, Any]) -> int:
+    """Write the report (and its copy under logs/); log the verdict; the exit status."""
+    cfg, n_target = ctx.cfg, ctx.cfg.world_size
     with atomic_dir(cfg.results("smoke")) as tmp:
         write_json_atomic(tmp / "report.json", report)
         write_json_atomic(tmp / "pisft_config.json", config_mod.resolved(cfg))
     write_json_atomic(cfg.results("logs", "smoke_1card", "report.json"), report)
     if report["passed"]:
-        ctx.log(f"passed: step {step_time:.4g} s, projected wall time on {n_target} device(s) "
-                f"{report['projected_wall_time_s'][str(n_target)]:.0f} s; "
+        ctx.log(f"passed: step {report['step_time_s']:.4g} s, projected wall time on {n_target} "
+                f"device(s) {report['projected_wall_time_s'][str(n_target)]:.0f} s; "
                 f"report {cfg.results('smoke', 'report.json')}")
         return 0
     print(f"error: smoke_1card failed (report: {cfg.results('smoke', 'report.json')}):\n  - "
-          + "\n  - ".join(messages), file=sys.stderr, flush=True)
+          + "\n  - ".join(report["messages"]), file=sys.stderr, flush=True)
     return SMOKE_FAILED_EXIT
-
