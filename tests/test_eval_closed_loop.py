@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import functools
 import io
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -274,7 +276,7 @@ def test_stage_writes_success_per_task_and_suite(tmp_path):
     assert task["trials"] == 2 and task["episode_steps"]["max"] == 520  # libero_10 allows 520 steps
     np.testing.assert_allclose(on_disk["success_rate_ci95"], [0.2152, 0.7848], atol=1e-4)  # 4 / 8
     episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
-    assert len(episodes) == 8 and not (out / "videos").exists()
+    assert len(episodes) == 8 and not any((out / "videos").iterdir())
     t = on_disk["timing"]
     assert t["num_envs"] == 1 and t["simulator_steps"] == sum(e["sim_steps"] for e in episodes)
     assert t["policy_calls"] == sum(e["policy_calls"] for e in episodes)
@@ -292,7 +294,12 @@ def test_a_video_of_the_first_episode_of_each_task_decodes(tmp_path):
     metrics = closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, TWO_TASKS),
                               policy=GoalSeekingPolicy(), inline=True)
     out = tmp_path / "results" / "closed_loop"
-    assert sorted(p.name for p in (out / "videos").iterdir()) == ["libero_10_task00.mp4", "libero_10_task01.mp4"]
+    assert sorted(p.name for p in (out / "videos").iterdir()) == [
+        "libero_10_task00.html", "libero_10_task00.mp4", "libero_10_task01.html", "libero_10_task01.mp4"]
+    # the page for `snakemake --report` carries the video itself
+    page = (out / "videos/libero_10_task01.html").read_text()
+    assert base64.b64encode((out / "videos/libero_10_task01.mp4").read_bytes()).decode() in page
+    assert "failure after 24 steps" in page and "stand-in" in page
     episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
     assert [e["video"] for e in episodes] == ["videos/libero_10_task00.mp4", None,
                                               "videos/libero_10_task01.mp4", None]
@@ -343,9 +350,18 @@ def test_a_worker_that_dies_fails_its_episode_and_is_replaced(tmp_path):
 
 
 def test_stage_is_off_by_default_and_needs_the_simulator(tmp_path, monkeypatch):
+    # off (the code default): an explicit "not run" output that carries no numbers (DVC keeps the stage)
     cfg = C.from_dict({"results_dir": str(tmp_path / "results")})
-    with pytest.raises(PisftError, match="eval.closed_loop"):
-        closed_loop.run(cfg)
+    assert closed_loop.run(cfg, simulator=lambda: pytest.fail("no simulator when off"))["closed_loop"] is False
+    off = json.loads((tmp_path / "results/closed_loop/metrics.json").read_text())
+    assert off == {"closed_loop": False, "note": closed_loop.OFF_NOTE} and "success_rate" not in off
+    assert (tmp_path / "results/closed_loop/videos").is_dir()
+    from pisft.evaluate import offline
+
+    assert offline.closed_loop_results(cfg) is None  # off: not reported
+    with pytest.raises(PisftError, match="was not run .* rerun the `closed_loop` stage"):
+        offline.closed_loop_results(make_cfg(tmp_path))  # on: the "not run" output is refused
+    shutil.rmtree(tmp_path / "results/closed_loop")
     import builtins
 
     real_import = builtins.__import__
@@ -506,3 +522,17 @@ def test_stage_rolls_out_the_exported_model_in_process(tmp_path):
     assert actions.shape == (15, 7) and np.isfinite(actions).all()
     # each chunk's first 5 actions were executed: consecutive chunks differ (new noise, new obs)
     assert not np.allclose(actions[:5], actions[5:10])
+
+
+def test_the_evaluation_report_shows_closed_loop_results_with_intervals_and_videos(tmp_path):
+    from pisft.evaluate import report
+
+    cfg = make_cfg(tmp_path, libero_suites=["libero_10"], task_ids=[1], trials_per_task=1, max_steps=12)
+    metrics = closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, TWO_TASKS),
+                              policy=GoalSeekingPolicy(), inline=True)
+    text = "\n".join(report.closed_loop_section(json.loads(json.dumps(metrics))))
+    assert "Simulator: stand-in (tests/test_eval_closed_loop.py)" in text
+    assert "step limit 12 (eval.max_steps)" in text
+    assert "| libero_10 | 1: reach 99 0 0 | 0 / 1 | 0 | [0.00, 0.79] | 12 | 0 | " \
+           "[libero_10_task01.mp4](../closed_loop/videos/libero_10_task01.mp4) |" in text
+    assert "Episodes are cut at 12 steps" in text  # the expectation note travels with the numbers

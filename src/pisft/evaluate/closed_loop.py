@@ -57,6 +57,7 @@ import numpy as np
 from pisft import config as config_mod
 from pisft.errors import PisftError
 from pisft.evaluate import libero_sim
+from pisft.evaluate import video as video_mod
 from pisft.evaluate.intervals import wilson_interval
 from pisft.evaluate.rollout_workers import (
     EpisodeOutcome,
@@ -474,10 +475,22 @@ def report_markdown(metrics: dict, settings: Settings, model_dir: str, *, video_
     return "\n".join(lines) + "\n"
 
 
-def _check_config(cfg: config_mod.PisftConfig) -> None:
-    if not cfg.eval.closed_loop:
-        raise PisftError("closed-loop evaluation is off (eval.closed_loop: false); enable it with "
-                         "--set eval.closed_loop=true on a host with the LIBERO simulator")
+OFF_NOTE = ("eval.closed_loop is false: closed-loop evaluation was not run (no simulator was "
+            "started). Set eval.closed_loop: true to run it.")
+
+
+def write_not_run(cfg: config_mod.PisftConfig) -> dict:
+    """The stage with eval.closed_loop off (a DVC pipeline keeps the stage whatever the config
+    says): an explicit "not run" output, never numbers; `evaluate` ignores it while the key is
+    off and refuses it when the key is on (`offline.closed_loop_results`)."""
+    metrics = {"closed_loop": False, "note": OFF_NOTE}
+    with atomic_dir(cfg.results(OUTPUT_DIR)) as out:
+        (out / VIDEO_DIR).mkdir()
+        write_json_atomic(out / "metrics.json", metrics)
+        write_text_atomic(out / "report.md", f"# Closed-loop LIBERO evaluation\n\nNot run: {OFF_NOTE}\n")
+        config_mod.write_resolved(cfg, out / "pisft_config.json")
+    print(f"closed_loop: not run ({OFF_NOTE})", flush=True)
+    return metrics
 
 
 def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simulator] | None = None,
@@ -488,7 +501,8 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
     plan the episodes (and to fail at once, with the install instructions, when LIBERO is
     missing) and in every worker. `inline` runs the environments in this process (tests).
     """
-    _check_config(cfg)
+    if not cfg.eval.closed_loop:
+        return write_not_run(cfg)
     settings = Settings.from_config(cfg)
     model_dir = cfg.results("train", "model")
     factory = simulator if simulator is not None else libero_sim.LiberoSimulator
@@ -538,10 +552,19 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
             for w in workers:
                 w.close()
         wall = time.monotonic() - start
+        for r in results:
+            if r.video:  # a page per video for `snakemake --report`, which plays no bare MP4
+                write_text_atomic(out / Path(r.video).with_suffix(".html"), video_mod.html_page(
+                    out / r.video, f"{r.suite} task {r.task_id}: {r.task}",
+                    f"Trial {r.trial}: {'success' if r.success else 'failure'} after {r.steps} steps"
+                    f"{' (crashed: ' + r.error + ')' if r.error else ''}. Agent view (left) and wrist "
+                    f"camera (right), as the policy sees them; {video_mod.FPS} frames per second; "
+                    f"simulator {sim_info.get('package')} {sim_info.get('version') or ''}."))
+        (out / VIDEO_DIR).mkdir(exist_ok=True)  # a declared output, also when videos are off
         with open(out / "episodes.jsonl", "w") as fh:
             for r in results:
                 fh.write(json.dumps(asdict(r)) + "\n")
-        metrics = summarize(results)
+        metrics = {"closed_loop": True, **summarize(results)}
         metrics["simulator"] = sim_info
         metrics["timing"] = timing(results, wall, num_envs)
         metrics["settings"] = asdict(settings)

@@ -187,7 +187,11 @@ def closed_loop_results(cfg: config_mod.PisftConfig) -> dict | None:
     if not path.is_file():
         raise PisftError(f"evaluate: eval.closed_loop is on but {path} is missing; run the "
                          "`closed_loop` stage first (snakemake/dvc repro run it before evaluate)")
-    return json.loads(path.read_text())
+    results = json.loads(path.read_text())
+    if results.get("closed_loop") is False:  # written by the stage while the key was off
+        raise PisftError(f"evaluate: eval.closed_loop is on but {path} says closed-loop evaluation "
+                         "was not run (it was off then); rerun the `closed_loop` stage")
+    return results
 
 
 def run(cfg: config_mod.PisftConfig) -> dict:

@@ -70,6 +70,53 @@ def _per_dim_table(per_dim: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def _ci95(entry: dict) -> str:
+    ci = entry.get("success_rate_ci95")
+    return f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "n/a"
+
+
+def closed_loop_section(cl: dict, video_prefix: str = "../closed_loop/") -> list[str]:
+    """The closed_loop stage's results (results/closed_loop/metrics.json) in the evaluation report."""
+    out = ["## Closed-loop LIBERO success", ""]
+    sim = cl.get("simulator") or {}
+    t = cl.get("timing") or {}
+    settings = cl.get("settings") or {}
+    out.append(f"Simulator: {sim.get('package', 'unknown')}"
+               + (f" {sim['version']}" if sim.get("version") else "")
+               + (f" (robosuite {sim['robosuite']}, MuJoCo {sim['mujoco']}, MUJOCO_GL={sim.get('MUJOCO_GL')})"
+                  if sim.get("robosuite") else "")
+               + f"; {settings.get('trials_per_task', '?')} trials per task, step limit "
+               + (f"{settings['max_steps']} (eval.max_steps)" if settings.get("max_steps") else "openpi's per suite")
+               + f"; {t.get('num_envs', '?')} environment processes.")
+    out.append("")
+    if cl.get("expectation"):
+        out += [f"**What to expect.** {cl['expectation']}", ""]
+    if cl.get("prompt"):
+        out += [f"Prompt: {cl['prompt'].get('describe')}.", ""]
+    out += ["| suite | task | successes / trials | success rate | 95% CI (Wilson) | mean steps | crashed | video |",
+            "|---|---|---|---|---|---|---|---|"]
+    for suite, entry in cl.get("suites", {}).items():
+        for t_entry in entry.get("per_task", {}).values():
+            video = t_entry.get("video")
+            link = f"[{video.split('/')[-1]}]({video_prefix}{video})" if video else "—"
+            steps = (t_entry.get("episode_steps") or {}).get("mean")
+            out.append(f"| {suite} | {t_entry.get('task_id')}: {t_entry.get('task')} | {t_entry['successes']} / "
+                       f"{t_entry['trials']} | {_fmt(t_entry['success_rate'], 3)} | {_ci95(t_entry)} | "
+                       f"{_fmt(steps, 4)} | {t_entry.get('errors', 0)} | {link} |")
+        steps = (entry.get("episode_steps") or {}).get("mean")
+        out.append(f"| **{suite}** | all | {entry['successes']} / {entry['trials']} | "
+                   f"**{_fmt(entry['success_rate'], 3)}** | {_ci95(entry)} | {_fmt(steps, 4)} | "
+                   f"{entry.get('errors', 0)} | |")
+    out.append("")
+    if t:
+        out += [f"Simulator {_fmt(t.get('simulator_steps_per_s'), 3)} steps/s per environment (physics and "
+                f"both camera renders; {_fmt(t.get('simulator_steps_per_s_all_envs'), 3)} steps/s over all "
+                f"environments), policy {_fmt(t.get('policy_ms_per_chunk'), 3)} ms per action chunk, "
+                f"rollouts {_fmt(t.get('wall_time_s'), 3)} s. Videos (first episode of each task, agent view "
+                "and wrist camera): linked above, and in `snakemake --report` under \"Closed-loop LIBERO\".", ""]
+    return out
+
+
 def build(*, metrics: dict, eval_info: dict, train_summary: dict, run_info: dict,
           plots: Mapping[str, str | None], resolved_config: dict,
           closed_loop: dict | None = None, per_dim: list[dict] | None = None) -> str:
@@ -124,16 +171,7 @@ def build(*, metrics: dict, eval_info: dict, train_summary: dict, run_info: dict
     out += ["Tables behind the plots: `per_step.csv`, `per_dim.csv`, `per_task.csv`.", ""]
 
     if closed_loop:
-        out += ["## Closed-loop LIBERO success", ""]
-        if closed_loop.get("prompt"):
-            out += [f"Prompt: {closed_loop['prompt'].get('describe')}.", ""]
-        out += ["| suite | task | successes | trials | success rate |", "|---|---|---|---|---|"]
-        for suite, entry in closed_loop.get("suites", {}).items():
-            for task, t in entry.get("per_task", {}).items():
-                out.append(f"| {suite} | {task} | {t['successes']} | {t['trials']} | {_fmt(t['success_rate'], 3)} |")
-            out.append(f"| **{suite}** | all | {entry['successes']} | {entry['trials']} | "
-                       f"**{_fmt(entry['success_rate'], 3)}** |")
-        out.append("")
+        out += closed_loop_section(closed_loop)
 
     out += ["## Training", ""]
     if train_summary:

@@ -73,3 +73,18 @@ def probe(path: str | Path) -> dict:
             frames += 1
             width, height = frame.width, frame.height
         return {"frames": frames, "width": width, "height": height, "codec": stream.codec_context.name}
+
+
+def html_page(mp4: str | Path, title: str, caption: str = "") -> str:
+    """A self-contained page showing the video (embedded as a data URI).
+
+    `snakemake --report` shows HTML results inline but offers an MP4 only as a download, so the
+    closed_loop stage writes one such page beside each video for the report (README.md)."""
+    import base64
+    import html
+
+    data = base64.b64encode(Path(mp4).read_bytes()).decode("ascii")
+    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title></head>\n"
+            f"<body><h3>{html.escape(title)}</h3>\n"
+            f"<video controls loop autoplay muted width=\"512\" src=\"data:video/mp4;base64,{data}\"></video>\n"
+            f"<p>{html.escape(caption)}</p></body></html>\n")
