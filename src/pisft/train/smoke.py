@@ -49,10 +49,16 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of parameters + gradients (same size) + optimizer state held by this process."""
+    """Bytes of parameters + gradients (same size) + optimizer state held by this process.
+
+    A gradient is counted for each parameter the optimizer stepped (it keeps state for those):
+    pi0.5 has trainable parameters the loss never reaches, which hold no gradient in training.
+    """
+    stepped = {id(p) for p in optimizer.state}
     total = 0
     for p in model.parameters():
-        total += _local_bytes(p) * (2 if p.requires_grad else 1)
+        has_grad = id(p) in stepped if stepped else p.requires_grad
+        total += _local_bytes(p) * (2 if has_grad else 1)
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
@@ -94,6 +100,7 @@ class SignDescent(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                self.state[p]["stepped"] = True  # (no tensor: holds no memory) see model_state_bytes
                 if group["weight_decay"]:
                     p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(torch.sign(p.grad), alpha=-group["lr"])
