@@ -1,13 +1,17 @@
-"""`pisft serve` with a real tiny model, driven by the real `openpi-client` from PyPI.
+"""`pisft serve` with a real tiny model: over a real websocket (fast), and driven by the real
+`openpi-client` from PyPI (integration).
 
-openpi-client needs numpy<2, so it cannot share the project's environment: the test builds a
-small virtual environment for it (once; cached under build/, or $PISFT_OPENPI_CLIENT_VENV)
-with the pyenv Python 3.12 (or this interpreter), as openpi's own LIBERO example keeps its
-client in an environment of its own.
+openpi-client needs numpy<2, so it cannot share the project's environment: the integration
+test builds a small virtual environment for it (once; cached under build/, or
+$PISFT_OPENPI_CLIENT_VENV) with the Python 3.12 that scripts/find-python312.sh finds (else the
+base interpreter of this one), as openpi's own LIBERO example keeps its client in an
+environment of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -24,16 +28,22 @@ import numpy as np
 import pytest
 import torch
 
-from pisft.serve.libero_policy import LiberoPolicy
+from pisft.serve import observations, protocol
+from pisft.serve.libero_policy import LiberoPolicy, cut_prompt
+from pisft.serve.server import PolicyServer
 
 ROOT = Path(__file__).resolve().parents[1]
 # openpi-client 0.1.2 imports typing_extensions without declaring it.
 CLIENT_REQUIREMENTS = ["openpi-client==0.1.2", "numpy==1.26.4", "typing-extensions==4.16.0"]
-PYENV_PYTHON = Path("/root/.pyenv/versions/3.12.1/bin/python3.12")
 
 
 def _base_python() -> str:
-    return str(PYENV_PYTHON) if PYENV_PYTHON.is_file() else sys.executable
+    """A Python 3.12 to build the client's environment from: what the project's setup uses."""
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "find-python312.sh")],
+                          capture_output=True, text=True, timeout=60)
+    if proc.returncode == 0 and proc.stdout.strip():
+        return proc.stdout.strip()
+    return getattr(sys, "_base_executable", None) or sys.executable
 
 
 def openpi_client_python() -> Path:
@@ -129,12 +139,95 @@ def test_a_model_without_stats_needs_a_dataset(tmp_path, tiny_model):
         LiberoPolicy.from_model_dir(bare, device="cpu")
 
 
+@pytest.fixture(scope="module")
+def tiny_policy(tiny_model) -> LiberoPolicy:
+    return LiberoPolicy.from_model_dir(tiny_model, device="cpu", seed=3)
+
+
+@contextlib.contextmanager
+def served(policy):
+    """`policy` behind a real PolicyServer on a free port; yields its ws:// URL."""
+    server = PolicyServer(policy, host="127.0.0.1", port=0)
+    loop = asyncio.new_event_loop()
+    stop = loop.create_future()
+    ready = threading.Event()
+    where = {}
+
+    def on_ready(host, port):
+        where["url"] = f"ws://{host}:{port}"
+        ready.set()
+
+    thread = threading.Thread(
+        target=lambda: loop.run_until_complete(server.run(on_ready=on_ready, stop=stop)), daemon=True)
+    thread.start()
+    assert ready.wait(30), "server did not start"
+    try:
+        yield where["url"]
+    finally:
+        loop.call_soon_threadsafe(stop.set_result, None)
+        thread.join(30)
+        loop.close()
+
+
+def _ask(ws, obs):
+    ws.send(protocol.packb(obs))
+    reply = ws.recv(timeout=300)
+    return reply if isinstance(reply, str) else protocol.unpackb(reply)
+
+
+def test_served_replies_equal_in_process_inference_for_every_connection(tiny_policy):
+    """The served chunk is the in-process one (what closed_loop computes), and a second client
+    gets the same chunk for the same request: each connection has noise of its own. Degenerate
+    images that crashed LeRobot's resize are answered, and the connection is kept."""
+    from websockets.sync.client import connect
+
+    request = libero_request()
+    tiny_policy.reset(3)
+    expected = tiny_policy.infer(request)["actions"]
+    with served(tiny_policy) as url:
+        with connect(url, compression=None, max_size=None) as a, \
+                connect(url, compression=None, max_size=None) as b:
+            meta = protocol.unpackb(a.recv())
+            b.recv()
+            assert meta["limits"]["max_prompt_chars"] == 2048 and meta["limits"]["min_image_side"] == 16
+            for shape in [(1, 10000, 3), (3, 224, 3), (16, 2048, 3)]:
+                reply = _ask(a, {**request, "observation/image": np.zeros(shape, np.uint8)})
+                assert isinstance(reply, str) and reply.startswith("bad request:") and str(shape) in reply
+                assert "Traceback" not in reply and "site-packages" not in reply
+            np.testing.assert_array_equal(_ask(a, request)["actions"], expected)
+            np.testing.assert_array_equal(_ask(b, request)["actions"], expected)
+
+
+def test_a_long_prompt_is_cut_before_tokenization_without_changing_the_tokens(tiny_policy):
+    pre = tiny_policy.predictor.preprocessor
+    budget = tiny_policy.prompt_budget
+    tokenizer = next(step.input_tokenizer for step in pre.steps if hasattr(step, "input_tokenizer"))
+    assert budget == 2 * 48 * max(len(piece) for piece in tokenizer.get_vocab())
+
+    def tokens(task):
+        out = pre({observations.BASE_IMAGE: torch.rand(1, 3, 8, 8),
+                   observations.WRIST_IMAGE: torch.rand(1, 3, 8, 8),
+                   observations.STATE: torch.zeros(1, 8), "task": [task]})
+        return out["observation.language.tokens"], out["observation.language.attention_mask"]
+
+    long_task = "   pick up the black_bowl and place it\non the plate " * 400  # 20k characters
+    cut = cut_prompt(long_task, budget)
+    assert len(cut) == budget < len(long_task)
+    for full, short in zip(tokens(long_task), tokens(cut)):
+        torch.testing.assert_close(full, short, rtol=0, atol=0)
+    # the policy hands the model the cut prompt
+    policy = LiberoPolicy(tiny_policy.predictor, seed=3,
+                          limits=observations.Limits(max_prompt_chars=10**6))
+    assert policy.prepare({**libero_request(), "prompt": long_task})["task"] == [cut]
+    assert policy.prepare(libero_request())["task"] == ["put the bowl on the plate"]
+
+
 CLIENT_SCRIPT = r"""
 import json, sys
 import numpy as np
 from openpi_client import image_tools, websocket_client_policy
 
-host, port = sys.argv[1], int(sys.argv[2])
+host, port, dump = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 rng = np.random.default_rng(0)
 def element():
     img = rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)[::-1, ::-1]
@@ -165,10 +258,18 @@ try:
     out["missing_error"] = None
 except RuntimeError as exc:
     out["missing_error"] = str(exc)
-again = client.infer(good)  # same connection, after two errors
-out["again_shape"] = list(again["actions"].shape)
+try:  # a line of pixels: crashed LeRobot's resize, with the traceback sent to the client
+    client.infer({**good, "observation/image": np.zeros((1, 10000, 3), np.uint8)})
+    out["degenerate_error"] = None
+except RuntimeError as exc:
+    out["degenerate_error"] = str(exc)
+again = client.infer(good)  # same connection, after three errors
+out["again_timing"] = sorted(again["server_timing"])
 client2 = websocket_client_policy.WebsocketClientPolicy(host, port)  # and a new connection
-out["second_client_shape"] = list(client2.infer(good)["actions"].shape)
+second = client2.infer(good)
+np.savez(dump, request_image=good["observation/image"], request_wrist=good["observation/wrist_image"],
+         request_state=good["observation/state"], first=first["actions"], again=again["actions"],
+         second_client=second["actions"])
 print("RESULT " + json.dumps(out))
 """
 
@@ -195,24 +296,37 @@ def _start_server(model: Path) -> tuple[subprocess.Popen, int, queue.Queue]:
             raise AssertionError("server exited:\n" + "".join(seen))
 
 
-def test_openpi_client_gets_an_action_chunk_and_errors_keep_the_server_up(tiny_model):
+@pytest.mark.integration
+def test_openpi_client_gets_the_in_process_chunk_and_errors_keep_the_server_up(tiny_model, tmp_path):
     client_python = openpi_client_python()
     server, port, lines = _start_server(tiny_model)
     try:
-        script = Path(tempfile.mkdtemp()) / "client.py"
+        script = tmp_path / "client.py"
         script.write_text(CLIENT_SCRIPT)
-        proc = subprocess.run([str(client_python), str(script), "127.0.0.1", str(port)],
+        dump = tmp_path / "client.npz"
+        proc = subprocess.run([str(client_python), str(script), "127.0.0.1", str(port), str(dump)],
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
         result = json.loads(proc.stdout.split("RESULT ", 1)[1])
         assert result["numpy"].startswith("1.")  # the client really runs with numpy<2
         assert result["metadata"]["action_horizon"] == 10 and result["metadata"]["action_dim"] == 7
         assert result["actions_shape"] == [10, 7] and result["actions_dtype"] == "float32"
-        assert result["actions_finite"] and result["server_timing"] == ["infer_ms"]
+        assert result["actions_finite"] and result["server_timing"] == ["infer_ms", "queue_ms"]
+        assert result["again_timing"] == ["infer_ms", "prev_total_ms", "queue_ms"]
         assert "observation/state" in result["bad_error"] and "shape (8,)" in result["bad_error"]
         assert "observation/wrist_image" in result["missing_error"]
-        assert result["again_shape"] == [10, 7] and result["second_client_shape"] == [10, 7]
+        assert "too small" in result["degenerate_error"] and "Traceback" not in result["degenerate_error"]
         assert server.poll() is None
+        # the reply is what in-process inference gives for the same request (the server's seed
+        # 0, the first request of a connection), and a new connection starts from the same noise
+        got = np.load(dump)
+        policy = LiberoPolicy.from_model_dir(tiny_model, device="cpu", seed=0)
+        request = {"observation/image": got["request_image"], "observation/wrist_image": got["request_wrist"],
+                   "observation/state": got["request_state"],
+                   "prompt": "pick up the black bowl and place it on the plate"}
+        np.testing.assert_array_equal(got["first"], policy.infer(request)["actions"])
+        np.testing.assert_array_equal(got["again"], policy.infer(request)["actions"])
+        np.testing.assert_array_equal(got["second_client"], got["first"])
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=30)
@@ -220,7 +334,7 @@ def test_openpi_client_gets_an_action_chunk_and_errors_keep_the_server_up(tiny_m
     while not lines.empty():
         log.append(lines.get())
     assert server.returncode == 0, "".join(log)
-    assert "stopped after 5 requests (2 errors)" in "".join(log)
+    assert "stopped after 6 requests (3 errors)" in "".join(log)
 
 
 def test_serve_refuses_a_missing_model_directory(tmp_path):
