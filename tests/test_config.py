@@ -1,5 +1,6 @@
 """The config schema: unknown keys, wrong types and failed cross-checks are clear errors."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,10 +29,36 @@ def test_embedded_default_is_valid_and_matches_the_schema_defaults():
     assert flat == set(C.all_keys())
 
 
-def test_every_key_is_documented_in_config_readme():
-    text = (ROOT / "config/README.md").read_text()
-    missing = [k for k in C.all_keys() if f"`{k}`" not in text]
+# A row of config/README.md's tables: | `key` | default | meaning |. The default cell is the
+# schema's default, which config.yaml also has, unless it says otherwise:
+#   `v`   `v` (`w` in config.yaml)   `v`; `w` (code; config.yaml)   `v` (profiles: `p`)
+README_ROW = re.compile(r"^\| `(?P<key>[a-z_.0-9]+)` \| (?P<cell>.*?) \| .*\|$", re.M)
+DEFAULT_CELL = re.compile(r"`(?P<code>[^`]*)`(?: \(`(?P<yaml>[^`]*)` in config\.yaml\)|; `(?P<yaml2>[^`]*)`"
+                          r"| \(profiles: `(?P<profiles>[^`]*)`\))?")
+
+
+def test_config_readme_documents_every_key_with_its_default():
+    rows = {m["key"]: m["cell"] for m in README_ROW.finditer((ROOT / "config/README.md").read_text())}
+    missing = [k for k in C.all_keys() if k not in rows]
     assert not missing, f"undocumented keys: {missing}"
+    code = C.flatten(C.to_dict(C.from_dict({})))
+    embedded = C.flatten(yaml.safe_load((ROOT / "config/config.yaml").read_text()))
+    profiles = [C.flatten(yaml.safe_load(p.read_text())) for p in sorted((ROOT / "config/profiles").glob("*.yaml"))]
+    wrong = []
+    for key in C.all_keys():
+        cell = DEFAULT_CELL.fullmatch(rows[key])
+        assert cell, f"config/README.md, {key}: the default cell {rows[key]!r} is not in a checkable form"
+        documented = yaml.safe_load(cell["code"])
+        in_yaml = yaml.safe_load(next((v for v in (cell["yaml"], cell["yaml2"]) if v is not None), cell["code"]))
+        if documented != code[key]:
+            wrong.append(f"{key}: README {documented!r}, schema default {code[key]!r}")
+        if in_yaml != embedded[key]:
+            wrong.append(f"{key}: README {in_yaml!r} in config.yaml, which has {embedded[key]!r}")
+        if cell["profiles"] is not None:
+            setting = [p[key] for p in profiles if key in p]
+            if not setting or any(v != yaml.safe_load(cell["profiles"]) for v in setting):
+                wrong.append(f"{key}: README {cell['profiles']!r} in the profiles, which have {setting}")
+    assert not wrong, "config/README.md gives stale defaults:\n" + "\n".join(wrong)
 
 
 def test_unknown_key_names_file_key_and_nearest_valid_key(tmp_path):
