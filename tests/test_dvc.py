@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import shutil
@@ -106,12 +107,37 @@ def test_metrics_plots_and_experiments(dvc_run, tmp_path):
     metrics = json.loads(run(["dvc", "metrics", "show", "--json"], work).stdout)
     text = json.dumps(metrics)
     assert "results/eval/metrics.json" in text and "action_mse" in text
-    plots = run(["dvc", "plots", "show", "--json"], work)
-    assert "errors" not in json.loads(plots.stdout) or not json.loads(plots.stdout)["errors"]
+    _assert_every_plot_renders_its_data(work)
     exp = run(["dvc", "exp", "run", "-S", "config/config.yaml:train.steps=7"], work)
     assert set(RAN.findall(exp.stdout)) == {"train_8card", "evaluate"}
     shown = json.loads(run(["dvc", "exp", "show", "--json"], work).stdout)
     assert 7 in list(_values_at(shown, ("train", "steps"))), "the experiment records train.steps=7"
+
+
+def _assert_every_plot_renders_its_data(work: Path) -> None:
+    """`dvc plots show` draws each plot dvc.yaml defines from the workspace's files: the images
+    as they are, the CSV plots with every row of every column they name."""
+    shown = json.loads(run(["dvc", "plots", "show", "--json"], work).stdout)
+    assert not shown.get("errors"), shown.get("errors")
+    data = shown["data"]
+    results = yaml.safe_load((work / "config/config.yaml").read_text())["results_dir"]
+    defined = yaml.safe_load((work / "dvc.yaml").read_text().replace("${results_dir}", results))
+    images = [p for stage in defined["stages"].values() for p in stage.get("plots", [])]
+    assert images, "dvc.yaml defines no image plots"
+    for image in images:
+        assert len(data.get(image, [])) == 1, f"{image}: no image rendered"
+        (entry,) = data[image]
+        assert entry["type"] == "image" and entry["revisions"] == ["workspace"]
+        assert Path(work, entry["url"]).read_bytes() == (work / image).read_bytes(), image
+    assert defined["plots"], "dvc.yaml defines no data plots"
+    for definition in defined["plots"]:
+        ((name, props),) = definition.items()
+        ((csv_path, columns),) = props["y"].items()
+        rows = list(csv.DictReader((work / csv_path).open()))
+        assert len(data.get(name, [])) == 1, f"plot {name} ({csv_path}: {len(rows)} rows) renders nothing"
+        (entry,) = data[name]
+        drawn = {(v[props["x"]], v["field"], v["dvc_inferred_y_value"]) for v in entry["content"]["data"]["values"]}
+        assert rows and drawn == {(r[props["x"]], c, r[c]) for r in rows for c in columns}, name
 
 
 def _values_at(node, path):
