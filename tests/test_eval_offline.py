@@ -29,7 +29,7 @@ def make_cfg(results: Path, **eval_keys) -> C.PisftConfig:
 
 
 def fabricated_train_log(path: Path, steps: int = 30) -> None:
-    """A training log shaped like train_8card's (keys from DESIGN.md)."""
+    """A training log shaped like train_8card's (keys as pisft.train.loop writes them)."""
     rng = np.random.default_rng(0)
     with path.open("w") as fh:
         for step in range(1, steps + 1):

@@ -1,6 +1,6 @@
 """The device layer: `auto | npu | cuda | cpu` -> backend, local device, process environment.
 
-Rules (DESIGN.md, "Training semantics"):
+Rules (README.md, "Running on an Ascend 910B node (8 cards)"):
 - `npu` uses `torch_npu` and `torch.npu` explicitly. `torch_npu.contrib.transfer_to_npu` is never
   imported: it rewrites `torch.cuda` globally and code then believes it runs on CUDA.
 - torch-npu is only imported when it is installed (it is never installed off Ascend: without
