@@ -73,7 +73,7 @@ def image_stats(frames: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
     Same frames (LeRobot's sample, downsampled as LeRobot does above 300 px) and same keys as
     LeRobot's `compute_episode_stats`, but computed from an exact 256-bin histogram per channel
     instead of LeRobot's 5000-bin `np.histogram`, which costs ~1 s per camera per 100-frame
-    256 px episode and dominated the conversion (see notes/issue-3.md). Quantiles are the exact
+    256 px episode and dominated the conversion (`make bench` times it). Quantiles are the exact
     lower quantiles of the pixel values (LeRobot interpolates within its bins).
     """
     return stats_from_histograms(sum(image_histogram(f) for f in frames), len(frames))

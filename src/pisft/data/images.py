@@ -13,7 +13,7 @@ import cv2
 import numpy as np
 
 # zlib level of the PNGs we write. 1 is ~2x faster than PIL's default 6 at 256x256 for a
-# few percent more bytes (measured in notes/issue-3.md).
+# few percent more bytes (`make bench` times the conversion that writes them).
 PNG_LEVEL = 1
 
 
