@@ -172,3 +172,40 @@ def test_the_installed_libero_is_hf_libero_with_assets_and_config():
     assert libero_sim._is_hf_libero(root)
     assert libero_sim.assets_problem(root) is None
     assert (root / "assets" / ".pisft-manifest.sha256").read_bytes() == MANIFEST.read_bytes()
+
+
+def test_make_setup_installs_the_simulator_and_reruns_when_its_pins_change(tmp_path):
+    """The Makefile in a scratch copy with a stand-in Python (tests/test_ascend_install.py's): the
+    recipe installs the no-deps file with hashes, then runs the set-up script; changing the asset
+    manifest makes the next `make setup` do the work again."""
+    import shutil
+
+    from test_ascend_install import STUB_PYTHON, make
+
+    work = tmp_path / "proj"
+    for rel in ("Makefile", "pyproject.toml", "workflow/envs/cpu-cuda.lock.txt",
+                "workflow/envs/ascend-aarch64.lock.txt", "workflow/envs/libero-sim.nodeps.txt",
+                "workflow/envs/libero-assets.txt", "workflow/envs/libero-assets.sha256",
+                "scripts/libero_sim_setup.py"):
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, work / rel)
+    stub = tmp_path / "python3.12"
+    stub.write_text(STUB_PYTHON)
+    stub.chmod(0o755)
+    (work / "scripts/find-python312.sh").write_text(f"#!/bin/bash\necho {stub}\n")
+    (work / "scripts/find-python312.sh").chmod(0o755)
+    log = tmp_path / "calls.log"
+    env = {"PISFT_TEST_LOG": str(log)}
+    out = make("-s", "setup", cwd=work, env=env)
+    assert out.returncode == 0, out.stderr
+    calls = log.read_text().splitlines()
+    lock = calls.index("python -m pip install --quiet -r workflow/envs/cpu-cuda.lock.txt")
+    sim = calls.index("python -m pip install --quiet --no-deps --require-hashes -r workflow/envs/libero-sim.nodeps.txt")
+    assert lock < sim < calls.index("python scripts/libero_sim_setup.py all")
+    assert make("-s", "setup", cwd=work, env=env).stdout.strip() == "setup: .venv is up to date"
+    with open(work / "workflow/envs/libero-assets.sha256", "a") as f:
+        f.write(f"{'0' * 64}  scenes/new.xml\n")
+    log.unlink()
+    out = make("-s", "setup", cwd=work, env=env)
+    assert out.returncode == 0 and "up to date" not in out.stdout
+    assert "python scripts/libero_sim_setup.py all" in log.read_text()
