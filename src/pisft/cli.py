@@ -177,7 +177,7 @@ def _run(args: argparse.Namespace) -> int:
             invalidate_downstream(args.stage, cfg.results_dir)
             return launch.main(args.stage, cfg, args.config, args.overrides)
         if args.command == "estimate":
-            from pisft.model import estimate
+            from pisft.train import estimate
             return estimate.main(cfg, as_json=args.json)
         if args.command == "summary":
             return _summary(cfg)

@@ -18,7 +18,7 @@ allocated and peak reserved memory per run.
 What fits one device. One device holds the whole model state here: fp32 parameters, fp32
 gradients and AdamW's two fp32 moments, 16 bytes per trained parameter (about 48 GiB for
 pi0.5), plus FSDP's bf16 compute copies and the activations. Before measuring, the step's peak
-is estimated for this device (`pisft.model.estimate.simulate_step`, fake tensors, world size 1)
+is estimated for this device (`pisft.train.estimate.simulate_step`, fake tensors, world size 1)
 and compared with the device's capacity less --headroom:
 - it fits: the step uses AdamW (fused where available), as in training;
 - it does not (pi0.5 with AdamW is about 51 GiB of tensors at micro batch 4 on one device,
@@ -55,54 +55,13 @@ from pisft.train import fsdp, optim
 from pisft.train.flops import pi05_training_flops_per_sample
 from pisft.train.metrics import mfu, peak_flops_for
 from pisft.train.policy_task import PolicyTask
+from pisft.train.synthetic import build_random_policy, synthetic_batch
 
 GIB = 2**30
 ADAMW = "adamw"
 SIGN_DESCENT = "sign_descent"  # AdamW's first step without its state (pisft.train.smoke)
 DESCRIPTIONS = {ADAMW: "AdamW (the training's optimizer step)",
                 SIGN_DESCENT: "AdamW's first step without AdamW's state (sign descent, as the smoke stage)"}
-CAMERAS = ("observation.images.base_0_rgb", "observation.images.left_wrist_0_rgb")
-
-
-def build(preset: str, device: torch.device, *, checkpointing: bool, seed: int = 0):
-    """Full-size policy without the (slow, CPU) random init: allocated on CPU with correct
-    buffers, moved to the device, then its matrices drawn from normal(0, 0.02) there."""
-    from pisft.model.policy import get_preset, make_config, policy_from_config
-
-    spec = get_preset(preset)
-    info = {"preset": preset, "arch": spec.arch.to_dict() if spec.arch is not None else None}
-    policy = policy_from_config(make_config(preset), info, device="cpu", dtype="float32", init=False)
-    policy.to(device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for p in policy.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.02, generator=gen)
-            else:
-                p.zero_()
-    policy.config.device = str(device)
-    from pisft.model import lerobot_internals as internals
-
-    # The training structure: per-layer checkpointing only, no action-expert lm_head.
-    internals.prepare_for_training(policy, checkpointing=checkpointing)
-    return policy
-
-
-def synthetic_batch(policy, micro: int, device: torch.device, seed: int) -> tuple[dict, dict]:
-    cfg = policy.config
-    g = torch.Generator().manual_seed(seed)
-    h, w = cfg.image_resolution
-    batch: dict[str, Any] = {k: torch.rand(micro, 3, h, w, generator=g) for k in CAMERAS}
-    n_tok = cfg.tokenizer_max_length
-    vocab = policy.model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.num_embeddings
-    batch["observation.language.tokens"] = torch.randint(0, min(vocab, 1000), (micro, n_tok), generator=g)
-    batch["observation.language.attention_mask"] = torch.ones(micro, n_tok, dtype=torch.bool)
-    batch["observation.state"] = torch.rand(micro, 8, generator=g) * 2 - 1
-    batch["action"] = torch.rand(micro, cfg.chunk_size, 7, generator=g) * 2 - 1
-    batch = {k: v.to(device) for k, v in batch.items()}
-    rand = {"noise": torch.randn(micro, cfg.chunk_size, cfg.max_action_dim, generator=g).to(device),
-            "time": (torch.rand(micro, generator=g) * 0.999 + 0.001).to(device)}
-    return batch, rand
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -140,8 +99,8 @@ def measure(policy, optimizer, kind: str, device: torch.device, micro: int, *, s
 
 def estimate_one_device(preset: str, micro: int, precision: str, checkpointing: bool) -> dict[str, int]:
     """Estimated peak bytes of this benchmark's step on one device: with AdamW, and without
-    AdamW's state (pisft.model.estimate.simulate_step at world size 1; no process group here)."""
-    from pisft.model.estimate import simulate_step
+    AdamW's state (pisft.train.estimate.simulate_step at world size 1; no process group here)."""
+    from pisft.train.estimate import simulate_step
     from pisft.model.policy import build_policy
 
     est = simulate_step(lambda: build_policy(preset, seed=0, device="meta"), world_size=1,
@@ -211,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _measure_all(args, out, kind, dev, mesh, peak) -> None:
     for checkpointing in args.checkpointing:
-        policy = build(args.preset, dev, checkpointing=checkpointing)
+        policy = build_random_policy(args.preset, dev, checkpointing=checkpointing)
         fsdp.shard(policy, mesh, args.precision)
         which = out["optimizer"][str(checkpointing)]
         optimizer = make_optimizer(kind, policy, which)

@@ -1,0 +1,488 @@
+"""Parameter count and per-device peak memory of a training step, before any compute is spent.
+
+`python -m pisft estimate [--config FILE] [--json]`, and `estimate_memory(cfg)` for the smoke
+stage. Nothing is allocated and nothing is computed: the step runs on fake tensors.
+
+How: the estimate runs pisft's own training step for one device of the configured world size W,
+with every tensor a `FakeTensor` (shapes, dtypes and aliasing, no data) and a fake process group
+of W ranks (collectives return at once), and follows the bytes of every tensor storage that the
+step creates, resizes and frees. The step is the training's, not a model of it:
+
+- the policy with the training structure (`lerobot_internals.prepare_for_training`): activation
+  checkpointing per joint decoder layer only, the unused action-expert `lm_head` removed;
+- FSDP2 sharding through `pisft.train.fsdp.shard` (its units, its mixed-precision policy, its
+  reshard-after-forward choices and prefetch), on the W-rank fake group: sharded fp32 master
+  parameters, bf16 all-gathered compute copies, fp32 gradient reduce-scatter;
+- the loss through `pisft.train.policy_task.PolicyTask` (`torch.autocast` in bf16, so autocast's
+  bf16 casts and its fp32 intermediates are there), inside `fused_joint_attention`;
+- backward (with the recompute of each checkpointed layer), gradient clipping, fused AdamW,
+  `zero_grad(set_to_none=True)`; counted in steady state (AdamW's moments, which the first step
+  creates, are held from the start).
+
+Per device, at the moment of the step's peak (bytes; their sum is the peak):
+  params       the fp32 parameter shards (1/W of every parameter; exact)
+  optimizer    AdamW's exp_avg + exp_avg_sq shards of the trained parameters (exact)
+  grads        the fp32 gradient shards already reduce-scattered at the peak
+  gathered     FSDP's unsharded compute copies (each unit between its all-gather and its reshard:
+               the root and the vision units for the whole forward+backward, a decoder pair and
+               the one prefetched), its all-gather and reduce-scatter buffers
+  activations  everything else the step holds: saved activations (each checkpointed layer's
+               inputs, the vision tower's activations), one layer's recompute, autocast's casts
+               and fp32 intermediates, backward temporaries and the unsharded bf16 gradients
+               waiting for their reduce-scatter, the input batch
+`state_bytes` gives the whole model state (params, all gradient shards, optimizer).
+
+What the estimate is not: a device's reserved memory (the caching allocator holds more than the
+tensors), collective-library buffers, kernel workspaces and the runtime context. docs/memory.md
+says what each adds and how npu-smi's figure relates to this one. The simulated tensors are CPU
+tensors, so ops run CPU's kernel choices (attention: the CPU flash kernel; on CUDA/NPU the fused
+kernels save the same output + log-sum-exp) and CPU autocast's op lists; the differences are
+listed in docs/memory.md. Checked against a measured CPU step within 15% at two sizes
+(tests/test_train_estimate.py, `python -m pisft.train.measure`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from pisft.config import PisftConfig
+from pisft.model import policy as policy_mod
+
+GIB = 1 << 30
+CATEGORIES = ("params", "optimizer", "grads", "gathered", "activations")
+# A storage created from inside these torch files is an FSDP collective buffer (all-gather
+# input/output, reduce-scatter input/output): torch/distributed/fsdp/_fully_shard/.
+_FSDP_FILES = ("_fsdp_collectives.py",)
+
+
+class StepMemory(TorchDispatchMode):
+    """Follows the bytes of tensor storages: created (op outputs), resized, freed.
+
+    Storages that exist before the mode is entered are the baseline. Each allocation gets an id
+    and every change is an event (allocation id, delta bytes, phase); `peak()` replays them.
+    `UntypedStorage.resize_` is not an operator (FSDP2 frees and re-allocates its unsharded
+    parameters with it), so it is wrapped while the mode is active.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current: dict[int, tuple[int, int]] = {}  # storage key -> (allocation id, bytes)
+        self.events: list[tuple[int, int, str]] = []  # (allocation id, delta bytes, phase)
+        self.phase = "step"
+        self.in_fsdp: set[int] = set()  # allocation ids created by FSDP's collective code
+        self.resized: set[int] = set()  # allocation ids whose storage FSDP resized
+        self._next = 0
+        self._orig_resize = torch.UntypedStorage.resize_
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _record(self, alloc: int, delta: int) -> None:
+        if delta:
+            self.events.append((alloc, delta, self.phase))
+
+    def _free(self, key: int, alloc: int) -> None:
+        entry = self.current.get(key)
+        if entry is not None and entry[0] == alloc:
+            del self.current[key]
+            self._record(alloc, -entry[1])
+
+    def _new(self, storage: torch.UntypedStorage, nbytes: int | None = None) -> int:
+        self._next += 1
+        alloc = self._next
+        key = storage._cdata
+        self.current[key] = (alloc, storage.nbytes() if nbytes is None else nbytes)
+        weakref.finalize(storage, self._free, key, alloc)
+        return alloc
+
+    def register_existing(self, tensors) -> set[int]:
+        """Storages that exist already (in the baseline, not events); their allocation ids."""
+        out = set()
+        for t in tensors:
+            storage = _local(t).untyped_storage()
+            key = storage._cdata
+            if key not in self.current:
+                self._new(storage)
+            out.add(self.current[key][0])
+        return out
+
+    def alloc_id(self, t: torch.Tensor) -> int | None:
+        entry = self.current.get(_local(t).untyped_storage()._cdata)
+        return entry[0] if entry else None
+
+    def peak(self, held: set[int] = frozenset()) -> tuple[int, dict[int, int], str | None]:
+        """(peak bytes above the baseline, {allocation id: bytes} live then, phase), counting the
+        allocations in `held` as held before the step (their events are left out)."""
+        level = best = 0
+        best_index, phase = -1, None
+        for i, (alloc, delta, ph) in enumerate(self.events):
+            if alloc in held:
+                continue
+            level += delta
+            if level > best:
+                best, best_index, phase = level, i, ph
+        live: dict[int, int] = {}
+        for alloc, delta, _ in self.events[: best_index + 1]:
+            if alloc not in held:
+                live[alloc] = live.get(alloc, 0) + delta
+        return best, {a: b for a, b in live.items() if b}, phase
+
+    # -- interception --------------------------------------------------------------------------
+    def __enter__(self):
+        tracker, orig = self, self._orig_resize
+
+        def resize_(storage, size):
+            key = storage._cdata
+            before = storage.nbytes()
+            result = orig(storage, size)
+            entry = tracker.current.get(key)
+            if entry is None:  # a storage from before: its old size is in the baseline
+                alloc = tracker._new(storage, before)
+                entry = tracker.current[key]
+            alloc, _ = entry
+            tracker.current[key] = (alloc, storage.nbytes())
+            tracker.resized.add(alloc)
+            tracker._record(alloc, storage.nbytes() - before)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._orig_resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # A DTensor's memory is its local tensor's (the wrapper's storage is not memory).
+        inputs = {_local(t).untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = _local(t).untyped_storage()
+            key = storage._cdata
+            if key in self.current or key in inputs:  # a view, an in-place or out= result
+                continue
+            alloc = self._new(storage)
+            if _called_from_fsdp_collectives():
+                self.in_fsdp.add(alloc)
+            self._record(alloc, self.current[key][1])
+        return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor that holds its memory); any other tensor itself."""
+    return getattr(t, "_local_tensor", t)
+
+
+def _called_from_fsdp_collectives(depth: int = 12) -> bool:
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(_FSDP_FILES):
+            return True
+        frame = frame.f_back
+    return False
+
+
+# ------------------------------------------------------------------------------------------------
+# The simulated step
+
+
+def _to_fake(policy, fake_mode) -> None:
+    """Replace every parameter and buffer (meta) by a fake CPU tensor; ties are kept."""
+    params: dict[int, torch.nn.Parameter] = {}
+    for module in policy.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in params:
+                with fake_mode:
+                    params[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="cpu"),
+                                                       requires_grad=p.requires_grad)
+            module._parameters[name] = params[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                with fake_mode:
+                    module._buffers[name] = torch.empty_like(b, device="cpu")
+    policy.config.device = "cpu"
+
+
+@contextlib.contextmanager
+def _fake_world(world_size: int) -> Iterator[Any]:
+    """A default process group of `world_size` fake ranks (this process is rank 0) and its mesh."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the memory simulation needs a process without a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batch: int,
+                  precision: str, checkpointing: bool) -> dict[str, Any]:
+    """One steady-state training step of rank 0 of `world_size`, on fake tensors: peak bytes.
+
+    `make_policy()` returns a PI05Policy on the meta device. Returns the per-category bytes at
+    the peak (`bytes`), the peak above the pre-step memory (`step_peak_bytes`, comparable to
+    `pisft.train.measure`), the model state, the FSDP plan and where the peak happened.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pisft.train.synthetic import synthetic_batch
+    from pisft.model import lerobot_internals as internals
+    from pisft.train import fsdp, optim
+    from pisft.train.attention import fused_joint_attention
+    from pisft.train.policy_task import PolicyTask
+
+    policy = make_policy()
+    internals.prepare_for_training(policy, checkpointing=checkpointing)
+    plan = fsdp_plan(policy)
+    sequence = {"prefix_tokens": _prefix_tokens(policy), "suffix_tokens": int(policy.config.chunk_size)}
+    params_total = sum(p.numel() for p in policy.parameters())
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    _to_fake(policy, fake)
+    cpu = torch.device("cpu")
+    with _fake_world(world_size) as mesh, fake:
+        fsdp.shard(policy, mesh, precision)
+        # Fused AdamW: the kernel the training takes on CUDA, NPU and CPU (no foreach temporaries).
+        optimizer = optim.build_optimizer(policy.parameters(), lr=1e-4, weight_decay=1e-10, fused=True)
+        task = PolicyTask(policy, None, cpu, precision)
+        batch, rand = synthetic_batch(policy, micro_batch, cpu, seed=0)
+        policy.train()
+        trainable = [p for p in policy.parameters() if p.requires_grad]
+        params_bytes = sum(_local(p).numel() * _local(p).element_size() for p in policy.parameters())
+
+        tracker = StepMemory()
+        param_ids = tracker.register_existing(policy.parameters())
+        with fused_joint_attention(), tracker:
+            tracker.phase = "forward"
+            loss = task.loss(policy, batch, rand)
+            tracker.phase = "backward"
+            loss.backward()
+            grads = [p.grad for p in trainable if p.grad is not None]
+            grad_ids = {tracker.alloc_id(g) for g in grads} - {None}
+            grads_bytes = sum(_local(g).numel() * _local(g).element_size() for g in grads)
+            params_trained = sum(p.numel() for p in trainable if p.grad is not None)
+            del grads, loss
+            tracker.phase = "clip + optimizer"
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0, error_if_nonfinite=False)
+            # The first step creates AdamW's moments; in every later step they exist throughout.
+            # They are counted as held from the start (steady state), their creation left out.
+            optimizer.step()
+            state = [v for st in optimizer.state.values() for v in st.values()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0]
+            opt_ids = {tracker.alloc_id(v) for v in state} - {None}
+            opt_bytes = sum(_local(v).numel() * _local(v).element_size() for v in state)
+            del state
+            optimizer.zero_grad(set_to_none=True)
+
+    step_peak, live, phase = tracker.peak(held=opt_ids)
+    at_peak = dict.fromkeys(CATEGORIES, 0)
+    at_peak["params"], at_peak["optimizer"] = params_bytes, opt_bytes
+    for alloc, nbytes in live.items():
+        if alloc in param_ids:
+            at_peak["params"] += nbytes
+        elif alloc in grad_ids:
+            at_peak["grads"] += nbytes
+        elif alloc in tracker.in_fsdp or alloc in tracker.resized:
+            at_peak["gathered"] += nbytes
+        else:
+            at_peak["activations"] += nbytes
+    total = sum(at_peak.values())
+    return {
+        "params_total": params_total,
+        "params_trained": params_trained,
+        "bytes": at_peak | {"total": total},
+        "step_peak_bytes": step_peak,
+        "state_bytes": {"params": params_bytes, "grads": grads_bytes, "optimizer": opt_bytes},
+        "peak_phase": phase,
+        "fsdp": plan,
+        "sequence": sequence,
+    }
+
+
+def fsdp_plan(policy) -> dict[str, int]:
+    """Units of pisft's FSDP plan: how many, the root's and the largest unit's parameters."""
+    from pisft.train.fsdp import choose_units
+
+    units = choose_units(policy)
+
+    def unit_params(u) -> list:
+        modules = getattr(u, "modules", None) or (u.module,)
+        return [p for m in modules for p in m.parameters()]
+
+    sizes = [sum(p.numel() for p in unit_params(u)) for u in units]
+    in_units = {id(p) for u in units for p in unit_params(u)}
+    root = sum(p.numel() for p in policy.parameters() if id(p) not in in_units)
+    kept = sum(s for u, s in zip(units, sizes) if not getattr(u, "reshard_after_forward", True))
+    return {"units": len(units), "params_root_unit": root, "params_largest_unit": max(sizes, default=0),
+            "params_kept_unsharded_until_backward": kept}
+
+
+# ------------------------------------------------------------------------------------------------
+# The configured run
+
+
+def _estimate_policy(cfg: PisftConfig) -> tuple[Callable[[], Any], str]:
+    """A builder of the policy to estimate, on the meta device: the fetched base model's config
+    if present, else the preset."""
+    base = cfg.results("base_model")
+    if (base / policy_mod.CONFIG_FILE).is_file():
+        def make():
+            config, _ = policy_mod.read_config(base / policy_mod.CONFIG_FILE)
+            info = policy_mod.read_model_info(base)
+            return policy_mod.policy_from_config(config, info, device="meta", dtype="float32")
+        return make, str(base)
+    return (lambda: policy_mod.build_policy(cfg.model.preset, seed=0, device="meta", dtype="float32"),
+            f"preset {cfg.model.preset}")
+
+
+_ELSEWHERE: dict[tuple[str, int], dict[str, Any]] = {}
+
+
+def _simulate_elsewhere(cfg: PisftConfig, world: int) -> dict[str, Any]:
+    """The estimate from a fresh process (this one has a process group; the simulation needs its
+    own). One process computes the asked world size, 1 and the configured one (what the smoke
+    stage asks for); the answers are kept for this process."""
+    from pisft import config as config_mod
+
+    raw = json.dumps(config_mod.to_dict(cfg), sort_keys=True)
+    if (raw, world) not in _ELSEWHERE:
+        worlds = sorted({world, 1, cfg.world_size})
+        cmd = [sys.executable, "-m", "pisft.train.estimate", "--config-json", "-",
+               "--world-sizes", ",".join(map(str, worlds))]
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                            "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+        out = subprocess.run(cmd, input=raw, capture_output=True, text=True, env=env, check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"memory estimate in a subprocess failed: {out.stderr[-2000:]}")
+        for w, est in zip(worlds, json.loads(out.stdout.strip().splitlines()[-1]), strict=True):
+            _ELSEWHERE[(raw, w)] = est
+    return _ELSEWHERE[(raw, world)]
+
+
+def estimate_memory(cfg: PisftConfig, *, world_size: int | None = None) -> dict[str, Any]:
+    """Parameter counts and per-device peak memory (bytes and GiB) of one training step.
+
+    `world_size`: override the configured one (the 1-device smoke run passes 1).
+    """
+    import torch.distributed as dist
+
+    world = world_size or cfg.world_size
+    if dist.is_initialized():
+        return _simulate_elsewhere(cfg, world)
+    make, model_from = _estimate_policy(cfg)
+    t = cfg.train
+    sim = simulate_step(make, world_size=world, micro_batch=t.micro_batch_size, precision=t.precision,
+                        checkpointing=t.activation_checkpointing)
+    return {
+        "model": model_from,
+        "preset": cfg.model.preset,
+        "params_total": sim["params_total"],
+        "params_trained": sim["params_trained"],
+        "params_untrained": sim["params_total"] - sim["params_trained"],
+        "params_root_unit": sim["fsdp"]["params_root_unit"],
+        "params_largest_unit": sim["fsdp"]["params_largest_unit"],
+        "fsdp_units": sim["fsdp"]["units"],
+        "world_size": world,
+        "micro_batch_size": t.micro_batch_size,
+        "precision": t.precision,
+        "activation_checkpointing": t.activation_checkpointing,
+        "sequence": sim["sequence"],
+        "peak_phase": sim["peak_phase"],
+        "bytes": {k: int(v) for k, v in sim["bytes"].items()},
+        "gib": {k: round(v / GIB, 3) for k, v in sim["bytes"].items()},
+        "state_bytes": {k: int(v) for k, v in sim["state_bytes"].items()},
+        "step_peak_bytes": int(sim["step_peak_bytes"]),
+        "total_bytes": int(sim["bytes"]["total"]),
+    }
+
+
+def _dummy_inputs(config, micro_batch: int, device: str):
+    """Inputs of `PI05Pytorch.forward` (images, masks, tokens, actions, noise, time), zeros."""
+    res = config.image_resolution[0]
+    n_cams = len([k for k in config.input_features if k.startswith("observation.images.")])
+    with torch.device(device):
+        images = [torch.zeros(micro_batch, 3, res, res) for _ in range(n_cams)]
+        img_masks = [torch.ones(micro_batch, dtype=torch.bool) for _ in range(n_cams)]
+        tokens = torch.zeros(micro_batch, config.tokenizer_max_length, dtype=torch.long)
+        token_mask = torch.ones(micro_batch, config.tokenizer_max_length, dtype=torch.bool)
+        actions = torch.zeros(micro_batch, config.chunk_size, config.max_action_dim)
+        noise = torch.zeros_like(actions)
+        time = torch.full((micro_batch,), 0.5)
+    return images, img_masks, tokens, token_mask, actions, noise, time
+
+
+def _prefix_tokens(policy) -> int:
+    cfg = policy.config
+    vision = policy.model.paligemma_with_expert.paligemma.config.vision_config
+    per_image = (cfg.image_resolution[0] // vision.patch_size) ** 2
+    n_cams = len([k for k in cfg.input_features if k.startswith("observation.images.")])
+    return n_cams * per_image + cfg.tokenizer_max_length
+
+
+def format_report(est: dict[str, Any]) -> str:
+    lines = [
+        f"model            {est['model']}",
+        f"parameters       {est['params_total'] / 1e6:,.1f} M in the training model, "
+        f"{est['params_trained'] / 1e6:,.1f} M receive gradients "
+        f"({est['params_untrained'] / 1e6:,.1f} M never do in pi0.5's loss)",
+        f"step             world size {est['world_size']} (FSDP2 full sharding, {est['fsdp_units']} units), "
+        f"micro batch {est['micro_batch_size']}, {est['precision']}, activation checkpointing "
+        f"{'per decoder layer' if est['activation_checkpointing'] else 'off'}; sequence "
+        f"{est['sequence']['prefix_tokens']} prefix + {est['sequence']['suffix_tokens']} action tokens",
+        f"per-device peak allocated memory (GiB), at its peak ({est['peak_phase']})",
+    ]
+    labels = {"params": "parameter shards (fp32)", "optimizer": "AdamW moment shards (fp32)",
+              "grads": "gradient shards (fp32)", "gathered": "FSDP unsharded copies + buffers",
+              "activations": "activations + temporaries", "total": "total (peak allocated)"}
+    for key, label in labels.items():
+        lines.append(f"  {label:<32} {est['gib'][key]:>10.3f}")
+    lines.append("A device shows more: caching-allocator reserve, HCCL/NCCL buffers, workspaces, "
+                 "runtime context (docs/memory.md).")
+    return "\n".join(lines)
+
+
+def main(cfg: PisftConfig, as_json: bool = False) -> int:
+    est = estimate_memory(cfg)
+    print(json.dumps(est, indent=2, sort_keys=True) if as_json else format_report(est))
+    return 0
+
+
+def _subprocess_main(argv: list[str]) -> int:
+    import argparse
+
+    from pisft import config as config_mod
+
+    parser = argparse.ArgumentParser(prog="python -m pisft.train.estimate",
+                                     description="estimate_memory for a config given as JSON (internal)")
+    parser.add_argument("--config-json", required=True, help="'-': the config as JSON on stdin")
+    parser.add_argument("--world-sizes", required=True, help="comma-separated")
+    args = parser.parse_args(argv)
+    cfg = config_mod.from_dict(json.loads(sys.stdin.read()))
+    worlds = [int(w) for w in args.world_sizes.split(",")]
+    print(json.dumps([estimate_memory(cfg, world_size=w) for w in worlds]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_subprocess_main(sys.argv[1:]))

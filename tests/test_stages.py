@@ -1,0 +1,159 @@
+"""The stage table (pisft.workflow.stages) feeds the CLI, the torchrun worker and the rules; the
+package's imports flow one way (no module imports itself back through others)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from pisft import cli
+from pisft.train import __main__ as train_main
+from pisft.workflow.stages import STAGES, TRAINING_STAGES
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+
+# Lowest first: a module may import modules of its own layer or of a lower one. Entry points
+# (what a user or torchrun starts) sit on top. README.md, "Layout".
+LAYERS = (
+    ("pisft", "pisft.errors", "pisft.io", "pisft.logs", "pisft.device", "pisft.config"),
+    ("pisft.data", "pisft.model"),
+    ("pisft.train", "pisft.evaluate", "pisft.serve"),
+    ("pisft.workflow",),
+    ("pisft.bench", "pisft.cli", "pisft.__main__", "pisft.train.__main__"),
+)
+
+
+def test_the_cli_offers_exactly_the_stages_of_the_table(tmp_path):
+    parser = cli.build_parser()
+    for name, stage in STAGES.items():
+        if stage.training:
+            assert parser.parse_args(["launch", name]).stage == name
+            with pytest.raises(SystemExit):  # started through the launcher only
+                parser.parse_args([name])
+        else:
+            assert parser.parse_args([name, "--config", "c.yaml"]).command == name
+            with pytest.raises(SystemExit):
+                parser.parse_args(["launch", name])
+    assert train_main._parse(["--stage", TRAINING_STAGES[0], "--config", "c.yaml"]).stage
+    with pytest.raises(SystemExit):
+        train_main._parse(["--stage", "fetch_base", "--config", "c.yaml"])
+
+
+def test_every_stage_names_a_function_that_exists():
+    """Read, not imported: the stage modules pull in torch and LeRobot."""
+    import importlib.util
+
+    for name, stage in STAGES.items():
+        module, func = stage.run.split(":")
+        tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert func in defined, f"{name}: {stage.run}"
+
+
+def test_the_rules_run_the_tables_commands_and_write_its_outputs():
+    from pisft.workflow.snakemake_rules import load_rules
+
+    rules = [r for r in load_rules(ROOT / "workflow" / "Snakefile", ROOT) if r.name in STAGES]
+    assert {r.name for r in rules} >= set(STAGES) - {"closed_loop"}  # closed_loop: when enabled
+    for rule in rules:
+        stage = STAGES[rule.name]
+        log = f"results/logs/{rule.name}.log"
+        expected = stage.command.replace("{params.config}", "config/config.yaml").replace("{log}", log)
+        assert rule.cmd == expected, rule.name
+        assert sorted(rule.outputs.values()) == sorted(f"results/{o}" for o in stage.outputs), rule.name
+
+
+# ---------------------------------------------------------------------------------- imports
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(src: Path = SRC) -> dict[str, set[str]]:
+    """module -> the pisft modules it imports, anywhere in it (inside functions too)."""
+    files = {module_name(p): p for p in sorted(src.rglob("*.py"))}
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(known(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                targets.update(known(f"{base}.{a.name}") for a in node.names)
+        graph[name] = {t for t in targets if t and t != name and t.startswith("pisft")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def layer_of(module: str) -> int:
+    """The layer of the longest entry that is the module or a package above it."""
+    best, depth = -1, -1
+    for i, layer in enumerate(LAYERS):
+        for entry in layer:
+            if (module == entry or module.startswith(entry + ".")) and entry.count(".") > depth:
+                best, depth = i, entry.count(".")
+    return best
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})"
+                  for m, targets in graph.items() for t in targets if layer_of(t) > layer_of(m))
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert upward_imports({"pisft.model.policy": {"pisft.train.fsdp"}}) == [
+        "pisft.model.policy (layer 1) imports pisft.train.fsdp (layer 2)"]
+
+
+def test_pisft_modules_import_no_cycle_and_only_down_the_layers():
+    graph = import_graph()
+    assert "pisft.train.stage" in graph["pisft.train.smoke"]  # the graph sees real imports
+    assert all(layer_of(m) >= 0 for m in graph), [m for m in graph if layer_of(m) < 0]
+    assert cycles(graph) == []
+    assert upward_imports(graph) == []

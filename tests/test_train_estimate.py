@@ -1,0 +1,154 @@
+"""pisft.train.estimate: parameter count and per-device peak memory of the training step (run on
+fake tensors), checked against a measured CPU step at two sizes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pisft.config import from_dict
+from pisft.train.estimate import estimate_memory
+
+
+def _cfg(tmp_path, model=None, **train):
+    micro, nproc = train.get("micro_batch_size", 4), train.get("nproc_per_node", 2)
+    train.setdefault("global_batch_size", micro * 2 * nproc)
+    return from_dict({"results_dir": str(tmp_path / "results"), "model": model or {}, "train": train})
+
+
+def _training_model(preset: str):
+    from pisft.model import lerobot_internals as internals
+    from pisft.model.policy import build_policy
+
+    policy = build_policy(preset, seed=0, device="meta")
+    internals.prepare_for_training(policy, checkpointing=False)
+    return policy
+
+
+@pytest.fixture(scope="module")
+def tiny_estimates(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("est")
+    return {
+        "base": estimate_memory(_cfg(tmp, micro_batch_size=8)),
+        "batch16": estimate_memory(_cfg(tmp, micro_batch_size=16)),
+        "ckpt": estimate_memory(_cfg(tmp, micro_batch_size=8, activation_checkpointing=True)),
+        "world1": estimate_memory(_cfg(tmp, micro_batch_size=8), world_size=1),
+        "bf16": estimate_memory(_cfg(tmp, micro_batch_size=8, precision="bf16")),
+    }
+
+
+def test_counts_sharding_and_the_training_structure(tiny_estimates):
+    from pisft.train.fsdp import choose_units
+
+    base, world1 = tiny_estimates["base"], tiny_estimates["world1"]
+    model = _training_model("tiny")
+    total = sum(p.numel() for p in model.parameters())
+    # the training model: LeRobot's minus the action expert's lm_head (never in the loss)
+    assert model.model.paligemma_with_expert.gemma_expert.lm_head is None
+    assert base["params_total"] == total
+    assert 0 < base["params_trained"] < total  # the VLM's last MLP etc. get no gradient
+    assert base["fsdp_units"] == len(choose_units(model))
+    state, state1 = base["state_bytes"], world1["state_bytes"]
+    # FSDP2 pads dim 0 of each shard to a multiple of the world size: a little above P/W
+    assert 4 * total / 2 <= state["params"] < 4 * total / 2 * 1.05
+    assert 8 * base["params_trained"] / 2 <= state["optimizer"] < 8 * base["params_trained"] / 2 * 1.05
+    assert state1["params"] == 4 * total and state1["optimizer"] == 8 * base["params_trained"]
+    assert state1["grads"] == 4 * base["params_trained"]
+    # parameters and AdamW moments are held throughout the step: at the peak too
+    assert base["bytes"]["params"] == state["params"] and base["bytes"]["optimizer"] == state["optimizer"]
+    assert 0 <= base["bytes"]["grads"] <= state["grads"]
+    assert base["bytes"]["total"] == sum(v for k, v in base["bytes"].items() if k != "total")
+    assert base["total_bytes"] == base["bytes"]["total"]
+    assert base["step_peak_bytes"] == base["total_bytes"] - state["params"] - state["optimizer"]
+    assert base["sequence"] == {"prefix_tokens": 2 * 16 + 48, "suffix_tokens": 10}
+    assert base["peak_phase"] in ("forward", "backward", "clip + optimizer")
+
+
+def test_activations_follow_micro_batch_checkpointing_and_precision(tiny_estimates):
+    act = {k: v["bytes"]["activations"] for k, v in tiny_estimates.items()}
+    assert 1.6 < act["batch16"] / act["base"] < 2.2
+    assert act["ckpt"] < 0.8 * act["base"]
+    assert act["bf16"] < act["base"]
+    # bf16 compute copies (2 bytes) instead of fp32 ones
+    assert tiny_estimates["bf16"]["bytes"]["gathered"] < tiny_estimates["base"]["bytes"]["gathered"]
+
+
+def test_estimate_uses_the_fetched_model_config(tmp_path):
+    from pisft.model import fetch
+
+    cfg = _cfg(tmp_path, micro_batch_size=4)
+    before = estimate_memory(cfg)
+    fetch.run(cfg)
+    after = estimate_memory(cfg)
+    assert after["model"].endswith("base_model") and before["model"] == "preset tiny"
+    assert after["params_total"] == before["params_total"]
+    assert after["total_bytes"] == before["total_bytes"]
+
+
+def test_cli_json(tmp_path, capsys):
+    from pisft import cli
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"results_dir: {tmp_path / 'results'}\n")
+    assert cli.main(["estimate", "--config", str(config), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params_total"] > 1_000_000 and out["gib"]["total"] > 0
+    assert cli.main(["estimate", "--config", str(config)]) == 0
+    text = capsys.readouterr().out
+    assert "activations + temporaries" in text and "docs/memory.md" in text
+
+
+@pytest.mark.integration
+def test_inside_a_process_group_the_estimate_runs_in_a_subprocess(tmp_path):
+    """The smoke stage asks for the estimate from a training process (a gloo/HCCL group exists)."""
+    import torch.distributed as dist
+
+    cfg = _cfg(tmp_path, micro_batch_size=4)
+    here = estimate_memory(cfg)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        there = estimate_memory(cfg)
+        assert estimate_memory(cfg, world_size=1)["world_size"] == 1  # computed in the same subprocess
+    finally:
+        dist.destroy_process_group()
+    assert there == here
+
+
+# The estimate against a measured CPU step (pisft.train.measure: the same training step, FSDP2 on
+# one gloo process, peak RSS above the pre-step RSS): tiny in bf16 (the Ascend/CUDA precision)
+# and a 104M-parameter preset in fp32 (bf16 matmuls are too slow on a CPU without bf16 units).
+MEASURED_SIZES = [("tiny", 8, "bf16"), ("small", 4, "fp32")]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("preset", "micro", "precision"), MEASURED_SIZES)
+def test_estimate_matches_a_measured_cpu_step(tmp_path, preset, micro, precision):
+    from pisft.train.estimate import simulate_step
+    from pisft.train.measure import measure_in_subprocess
+    from pisft.model.policy import build_policy
+
+    measured = measure_in_subprocess(preset, micro_batch=micro, checkpointing=True, precision=precision)
+    est = simulate_step(lambda: build_policy(preset, seed=0, device="meta"), world_size=1,
+                        micro_batch=micro, precision=precision, checkpointing=True)
+    if preset == "small":
+        assert est["params_total"] >= 100_000_000
+    ratio = est["step_peak_bytes"] / measured["step_peak_bytes"]
+    assert 0.85 < ratio < 1.15, (preset, est["step_peak_bytes"], measured)
+    assert measured["params_bytes"] == est["state_bytes"]["params"]
+    assert measured["optimizer_bytes"] == est["state_bytes"]["optimizer"]
+
+
+@pytest.mark.integration
+def test_pi05_estimate_on_fake_tensors(tmp_path):
+    cfg = _cfg(tmp_path / "none", model={"preset": "pi05", "source": "/data/pi05_base"},
+               nproc_per_node=8, micro_batch_size=4, global_batch_size=32, precision="bf16",
+               activation_checkpointing=True)
+    est = estimate_memory(cfg)
+    # 3.617B in LeRobot's model, minus the action expert's lm_head (257152 x 1024)
+    assert est["params_total"] == 3_616_757_520 - 257_152 * 1024
+    assert est["sequence"] == {"prefix_tokens": 2 * 256 + 200, "suffix_tokens": 50}
+    # sharded state over 8 devices: (4 + 4 + 8) bytes per trained parameter / 8, about 6 GiB
+    assert 5.5 < sum(est["state_bytes"].values()) / 2**30 < 6.5
+    assert est["peak_phase"] == "backward"
+    assert 10 < est["gib"]["total"] < 40
