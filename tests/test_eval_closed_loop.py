@@ -339,9 +339,12 @@ def test_results_do_not_depend_on_the_number_of_environment_processes(tmp_path):
 
 def test_a_worker_that_dies_fails_its_episode_and_is_replaced(tmp_path):
     tasks = [StandInTask("reach 0.5 0 0", [0.5, 0, 0], die_at=15), StandInTask("reach 0.3 0 0", [0.3, 0, 0])]
-    cfg = make_cfg(tmp_path, libero_suites=["libero_spatial"], num_envs=1, videos=False)
+    cfg = make_cfg(tmp_path, libero_suites=["libero_spatial"], num_envs=1)
     metrics = closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, tasks),
                               policy=GoalSeekingPolicy())
+    # the dead worker's half-written video is removed; the next task's is complete
+    videos = tmp_path / "results/closed_loop/videos"
+    assert sorted(p.name for p in videos.iterdir()) == ["libero_spatial_task01.html", "libero_spatial_task01.mp4"]
     per_task = metrics["suites"]["libero_spatial"]["per_task"]
     assert per_task["0"]["errors"] == 2 and per_task["0"]["successes"] == 0
     assert per_task["1"]["successes"] == 2 and per_task["1"]["errors"] == 0
@@ -536,3 +539,17 @@ def test_the_evaluation_report_shows_closed_loop_results_with_intervals_and_vide
     assert "| libero_10 | 1: reach 99 0 0 | 0 / 1 | 0 | [0.00, 0.79] | 12 | 0 | " \
            "[libero_10_task01.mp4](../closed_loop/videos/libero_10_task01.mp4) |" in text
     assert "Episodes are cut at 12 steps" in text  # the expectation note travels with the numbers
+
+
+def test_the_embedded_default_is_a_short_real_simulator_check_that_says_what_to_expect():
+    cfg = C.load(Path(__file__).parents[1] / "config/config.yaml")
+    e = cfg.eval
+    assert e.closed_loop and list(e.libero_suites) == ["libero_10"] and list(e.task_ids) == [0, 1]
+    assert (e.trials_per_task, e.max_steps) == (1, 60)
+    note = closed_loop.expectation(cfg, closed_loop.Settings.from_config(cfg))
+    assert "Expect a success rate of about 0" in note and "not what the model can do" in note
+    assert "cut at 60 steps" in note and "libero_10 (520)" in note
+    # a real model on real data with openpi's limits gets no such note
+    real = C.from_dict({"model": {"source": "/models/pi05_base"}, "data": {"recap_dir": "/data/recap"},
+                        "eval": {"closed_loop": True}})
+    assert closed_loop.expectation(real, closed_loop.Settings.from_config(real)) is None

@@ -257,6 +257,9 @@ def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settin
         try:
             kind, payload = workers[i].recv()
         except WorkerDied as exc:
+            spec = busy[i].spec
+            if spec.video:  # the dead worker's video was never finished: not a playable file
+                Path(spec.video).unlink(missing_ok=True)
             finish(i, EpisodeOutcome(False, 0, 0, 0.0, 0.0, 0.0, error=str(exc)))
             if respawn is None:
                 raise
