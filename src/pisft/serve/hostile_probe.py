@@ -15,6 +15,7 @@ shared machine vary; compare them only within one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import threading
@@ -33,12 +34,13 @@ def libero_request(seed: int = 0) -> dict:
             "prompt": "put the bowl on the plate"}
 
 
+@contextlib.contextmanager
 def _connect(url: str):
     from websockets.sync.client import connect
 
-    ws = connect(url, compression=None, max_size=None, open_timeout=60)
-    ws.recv(timeout=120)  # metadata
-    return ws
+    with connect(url, compression=None, max_size=None, open_timeout=60) as ws:
+        ws.recv(timeout=120)  # metadata
+        yield ws
 
 
 def _round_trip(ws, frame: bytes, timeout: float) -> tuple[float, str]:
@@ -65,15 +67,13 @@ def probe(url: str, frame: bytes, good, good_frame: bytes, timeout: float) -> di
 
     def hostile() -> None:
         try:
-            ws = _connect(url)
+            with _connect(url) as ws:
+                wall, outcome = _round_trip(ws, frame, timeout)
+            result.update(outcome=outcome, wall_s=round(wall, 3))
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             result.update(outcome=f"cannot connect: {exc}", wall_s=0.0)
+        finally:
             done.set()
-            return
-        wall, outcome = _round_trip(ws, frame, timeout)
-        result.update(outcome=outcome, wall_s=round(wall, 3))
-        ws.close()
-        done.set()
 
     thread = threading.Thread(target=hostile, daemon=True)
     thread.start()
@@ -95,7 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", required=True, help="the server, e.g. ws://127.0.0.1:8000")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one reply")
     args = p.parse_args(argv)
-    good = _connect(args.url)
+    with _connect(args.url) as good:
+        out = _run(args, good)
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def _run(args: argparse.Namespace, good) -> dict:
     good_frame = protocol.packb(libero_request())
     baseline = [_round_trip(good, good_frame, args.timeout)[0] * 1000.0 for _ in range(3)]
     out: dict = {"url": args.url, "baseline_ms": round(statistics.median(baseline), 1)}
@@ -110,9 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         frame = protocol.packb(request)
         out[name] = {"bytes": len(frame), **probe(args.url, frame, good, good_frame, args.timeout)}
         del frame
-    good.close()
-    print(json.dumps(out, indent=1))
-    return 0
+    return out
 
 
 if __name__ == "__main__":
