@@ -184,18 +184,17 @@ def test_served_replies_equal_in_process_inference_for_every_connection(tiny_pol
     request = libero_request()
     tiny_policy.reset(3)
     expected = tiny_policy.infer(request)["actions"]
-    with served(tiny_policy) as url:
-        with connect(url, compression=None, max_size=None) as a, \
-                connect(url, compression=None, max_size=None) as b:
-            meta = protocol.unpackb(a.recv())
-            b.recv()
-            assert meta["limits"]["max_prompt_chars"] == 2048 and meta["limits"]["min_image_side"] == 16
-            for shape in [(1, 10000, 3), (3, 224, 3), (16, 2048, 3)]:
-                reply = _ask(a, {**request, "observation/image": np.zeros(shape, np.uint8)})
-                assert isinstance(reply, str) and reply.startswith("bad request:") and str(shape) in reply
-                assert "Traceback" not in reply and "site-packages" not in reply
-            np.testing.assert_array_equal(_ask(a, request)["actions"], expected)
-            np.testing.assert_array_equal(_ask(b, request)["actions"], expected)
+    with (served(tiny_policy) as url, connect(url, compression=None, max_size=None) as a,
+          connect(url, compression=None, max_size=None) as b):
+        meta = protocol.unpackb(a.recv())
+        b.recv()
+        assert meta["limits"]["max_prompt_chars"] == 2048 and meta["limits"]["min_image_side"] == 16
+        for shape in [(1, 10000, 3), (3, 224, 3), (16, 2048, 3)]:
+            reply = _ask(a, {**request, "observation/image": np.zeros(shape, np.uint8)})
+            assert isinstance(reply, str) and reply.startswith("bad request:") and str(shape) in reply
+            assert "Traceback" not in reply and "site-packages" not in reply
+        np.testing.assert_array_equal(_ask(a, request)["actions"], expected)
+        np.testing.assert_array_equal(_ask(b, request)["actions"], expected)
 
 
 def test_a_long_prompt_is_cut_before_tokenization_without_changing_the_tokens(tiny_policy):

@@ -23,7 +23,7 @@ import torch
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from pisft.serve import observations, protocol
+from pisft.serve import hostile_probe, observations, protocol
 from pisft.serve.server import PolicyServer, bind
 
 
@@ -91,7 +91,7 @@ def test_openpi_libero_keys_map_to_model_features():
     batch = observations.to_batch(obs, image_features=FEATURES, state_dim=8)
     img = batch[observations.BASE_IMAGE]
     assert img.shape == (1, 3, 32, 32) and img.dtype == torch.float32
-    assert 0.0 <= float(img.min()) and float(img.max()) <= 1.0
+    assert float(img.min()) >= 0.0 and float(img.max()) <= 1.0
     # HWC uint8 -> CHW float: pixel (row 3, col 5, channel 1)
     assert float(img[0, 1, 3, 5]) == pytest.approx(obs["observation/image"][3, 5, 1] / 255.0)
     assert batch[observations.STATE].shape == (1, 8) and batch[observations.STATE].dtype == torch.float32
@@ -391,6 +391,19 @@ def test_each_connection_has_its_own_noise_and_can_reset_it(serve):
                                       torch.randn(4, generator=torch.Generator().manual_seed(5)).numpy())
         bad = ask(a, {"reset": True, "seed": "five"})
         assert isinstance(bad, str) and "'seed'" in bad
+
+
+def test_hostile_probe_reports_the_refusal_and_the_other_clients_round_trips(serve):
+    _, where = serve(StandInPolicy(), max_message_bytes=64 * 1024)
+    big = protocol.packb({**libero_obs(), "observation/image": np.zeros((600, 600, 3), np.uint8)})
+    good_frame = protocol.packb(libero_obs())
+    with hostile_probe._connect(where["url"]) as good:
+        result = hostile_probe.probe(where["url"], big, good, good_frame, timeout=60)
+        assert result["outcome"] == "connection closed by the server (code 1009)"
+        assert result["good_client_requests"] >= 1 and "good_client_error" not in result
+        small = protocol.packb({**libero_obs(), "observation/image": np.zeros((3, 224, 3), np.uint8)})
+        refused = hostile_probe.probe(where["url"], small, good, good_frame, timeout=60)
+        assert refused["outcome"].startswith("bad request: 'observation/image'")
 
 
 def test_health_check(serve):

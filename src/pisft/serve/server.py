@@ -171,7 +171,7 @@ class PolicyServer:
             self.errors += 1
             log.warning("bad request: %s", exc)
             return f"bad request: {exc}"
-        except Exception as exc:  # noqa: BLE001 - report to the client, keep serving
+        except Exception as exc:  # anything else: logged with its id, the connection kept
             self.errors += 1
             error_id = uuid.uuid4().hex[:12]
             log.error("request failed (error id %s)", error_id, exc_info=True)
