@@ -246,11 +246,7 @@ def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batc
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from pisft.train.synthetic import synthetic_batch
     from pisft.model import lerobot_internals as internals
-    from pisft.train import fsdp, optim
-    from pisft.train.attention import fused_joint_attention
-    from pisft.train.policy_task import PolicyTask
 
     policy = make_policy()
     internals.prepare_for_training(policy, checkpointing=checkpointing)
@@ -259,64 +255,88 @@ def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batc
     params_total = sum(p.numel() for p in policy.parameters())
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     _to_fake(policy, fake)
-    cpu = torch.device("cpu")
     with _fake_world(world_size) as mesh, fake:
-        fsdp.shard(policy, mesh, precision)
-        # Fused AdamW: the kernel the training takes on CUDA, NPU and CPU (no foreach temporaries).
-        optimizer = optim.build_optimizer(policy.parameters(), lr=1e-4, weight_decay=1e-10, fused=True)
-        task = PolicyTask(policy, None, cpu, precision)
-        batch, rand = synthetic_batch(policy, micro_batch, cpu, seed=0)
-        policy.train()
-        trainable = [p for p in policy.parameters() if p.requires_grad]
-        params_bytes = sum(_local(p).numel() * _local(p).element_size() for p in policy.parameters())
+        step = _tracked_step(policy, mesh, micro_batch, precision)
+    tracker = step.pop("tracker")
+    step_peak, live, phase = tracker.peak(held=step["opt_ids"])
+    at_peak = _at_peak(tracker, live, step)
+    return {
+        "params_total": params_total,
+        "params_trained": step["params_trained"],
+        "bytes": at_peak | {"total": sum(at_peak.values())},
+        "step_peak_bytes": step_peak,
+        "state_bytes": {"params": step["params_bytes"], "grads": step["grads_bytes"],
+                        "optimizer": step["opt_bytes"]},
+        "peak_phase": phase,
+        "fsdp": plan,
+        "sequence": sequence,
+    }
 
-        tracker = StepMemory()
-        param_ids = tracker.register_existing(policy.parameters())
-        with fused_joint_attention(), tracker:
-            tracker.phase = "forward"
-            loss = task.loss(policy, batch, rand)
-            tracker.phase = "backward"
-            loss.backward()
-            grads = [p.grad for p in trainable if p.grad is not None]
-            grad_ids = {tracker.alloc_id(g) for g in grads} - {None}
-            grads_bytes = sum(_local(g).numel() * _local(g).element_size() for g in grads)
-            params_trained = sum(p.numel() for p in trainable if p.grad is not None)
-            del grads, loss
-            tracker.phase = "clip + optimizer"
-            torch.nn.utils.clip_grad_norm_(trainable, 1.0, error_if_nonfinite=False)
-            # The first step creates AdamW's moments; in every later step they exist throughout.
-            # They are counted as held from the start (steady state), their creation left out.
-            optimizer.step()
-            state = [v for st in optimizer.state.values() for v in st.values()
-                     if isinstance(v, torch.Tensor) and v.dim() > 0]
-            opt_ids = {tracker.alloc_id(v) for v in state} - {None}
-            opt_bytes = sum(_local(v).numel() * _local(v).element_size() for v in state)
-            del state
-            optimizer.zero_grad(set_to_none=True)
 
-    step_peak, live, phase = tracker.peak(held=opt_ids)
+def _nbytes(tensors) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def _tracked_step(policy, mesh, micro_batch: int, precision: str) -> dict[str, Any]:
+    """Shard, then forward, backward, clip, AdamW and zero_grad under a StepMemory tracker.
+
+    Returns the tracker and what the attribution needs: the allocation ids of the parameters,
+    the gradients and the optimizer state, and their bytes.
+    """
+    from pisft.train import fsdp, optim
+    from pisft.train.attention import fused_joint_attention
+    from pisft.train.policy_task import PolicyTask
+    from pisft.train.synthetic import synthetic_batch
+
+    cpu = torch.device("cpu")
+    fsdp.shard(policy, mesh, precision)
+    # Fused AdamW: the kernel the training takes on CUDA, NPU and CPU (no foreach temporaries).
+    optimizer = optim.build_optimizer(policy.parameters(), lr=1e-4, weight_decay=1e-10, fused=True)
+    task = PolicyTask(policy, None, cpu, precision)
+    batch, rand = synthetic_batch(policy, micro_batch, cpu, seed=0)
+    policy.train()
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    out: dict[str, Any] = {"params_bytes": _nbytes(policy.parameters())}
+    tracker = StepMemory()
+    out["param_ids"] = tracker.register_existing(policy.parameters())
+    with fused_joint_attention(), tracker:
+        tracker.phase = "forward"
+        loss = task.loss(policy, batch, rand)
+        tracker.phase = "backward"
+        loss.backward()
+        grads = [p.grad for p in trainable if p.grad is not None]
+        out["grad_ids"] = {tracker.alloc_id(g) for g in grads} - {None}
+        out["grads_bytes"] = _nbytes(grads)
+        out["params_trained"] = sum(p.numel() for p in trainable if p.grad is not None)
+        del grads, loss
+        tracker.phase = "clip + optimizer"
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0, error_if_nonfinite=False)
+        # The first step creates AdamW's moments; in every later step they exist throughout.
+        # They are counted as held from the start (steady state), their creation left out.
+        optimizer.step()
+        state = [v for st in optimizer.state.values() for v in st.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+        out["opt_ids"] = {tracker.alloc_id(v) for v in state} - {None}
+        out["opt_bytes"] = _nbytes(state)
+        del state
+        optimizer.zero_grad(set_to_none=True)
+    return out | {"tracker": tracker}
+
+
+def _at_peak(tracker: StepMemory, live: dict, step: dict[str, Any]) -> dict[str, int]:
+    """The bytes live at the peak, by category (CATEGORIES)."""
     at_peak = dict.fromkeys(CATEGORIES, 0)
-    at_peak["params"], at_peak["optimizer"] = params_bytes, opt_bytes
+    at_peak["params"], at_peak["optimizer"] = step["params_bytes"], step["opt_bytes"]
     for alloc, nbytes in live.items():
-        if alloc in param_ids:
+        if alloc in step["param_ids"]:
             at_peak["params"] += nbytes
-        elif alloc in grad_ids:
+        elif alloc in step["grad_ids"]:
             at_peak["grads"] += nbytes
         elif alloc in tracker.in_fsdp or alloc in tracker.resized:
             at_peak["gathered"] += nbytes
         else:
             at_peak["activations"] += nbytes
-    total = sum(at_peak.values())
-    return {
-        "params_total": params_total,
-        "params_trained": params_trained,
-        "bytes": at_peak | {"total": total},
-        "step_peak_bytes": step_peak,
-        "state_bytes": {"params": params_bytes, "grads": grads_bytes, "optimizer": opt_bytes},
-        "peak_phase": phase,
-        "fsdp": plan,
-        "sequence": sequence,
-    }
+    return at_peak
 
 
 def fsdp_plan(policy) -> dict[str, int]:
