@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 
+from model_fixtures import tiny_model_dir
 from pisft.serve import observations, protocol
 from pisft.serve.libero_policy import LiberoPolicy, cut_prompt
 from pisft.serve.server import PolicyServer
@@ -73,29 +74,37 @@ def openpi_client_python() -> Path:
     return python
 
 
+SERVE_STATS = {  # distinct per action dimension, so the raw-unit mapping shows
+    "observation.state": {"q01": np.full(8, -1.0, np.float32), "q99": np.full(8, 1.0, np.float32),
+                          "mean": np.zeros(8, np.float32), "std": np.ones(8, np.float32)},
+    "action": {"q01": np.linspace(-1, 0, 7).astype(np.float32), "q99": np.linspace(1, 3, 7).astype(np.float32),
+               "mean": np.zeros(7, np.float32), "std": np.ones(7, np.float32)},
+}
+
+
 def write_tiny_model(out: Path) -> Path:
-    """A tiny pi0.5 in the exported layout, with normalisation stats."""
+    """A tiny pi0.5 in the exported layout, with SERVE_STATS, built afresh under `out`
+    (tests/test_eval_closed_loop.py and tests/test_eval_libero_real.py use it)."""
     from pisft.model.policy import build_policy, save_model
     from pisft.model.tokenizer import save_tiny_tokenizer
 
     tok = out / "tokenizer-src"
     tok.mkdir(parents=True)
     save_tiny_tokenizer(tok)
-    stats = {
-        "observation.state": {"q01": np.full(8, -1.0, np.float32), "q99": np.full(8, 1.0, np.float32),
-                              "mean": np.zeros(8, np.float32), "std": np.ones(8, np.float32)},
-        "action": {"q01": np.linspace(-1, 0, 7).astype(np.float32), "q99": np.linspace(1, 3, 7).astype(np.float32),
-                   "mean": np.zeros(7, np.float32), "std": np.ones(7, np.float32)},
-    }
     model = out / "model"
     model.mkdir()
-    save_model(build_policy("tiny", seed=0), model, tokenizer_dir=tok, dataset_stats=stats)
+    save_model(build_policy("tiny", seed=0), model, tokenizer_dir=tok, dataset_stats=SERVE_STATS)
     return model
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("serve_model"))
+    """The shared tiny pi0.5 (tests/model_fixtures.py) in the exported layout, with SERVE_STATS."""
+    from pisft.model.norm_stats import STATS_FILE, save_stats
+
+    model = tiny_model_dir(tmp_path_factory, tmp_path_factory.mktemp("serve_model") / "model")
+    save_stats(SERVE_STATS, model / STATS_FILE)
+    return model
 
 
 def libero_request(seed: int = 0) -> dict:

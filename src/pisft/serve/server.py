@@ -294,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; "
               f"pick another --port (0 picks a free one) or stop what uses it", file=sys.stderr)
         return 2
+    if not args.model.is_dir():  # before the (slow) imports of torch and LeRobot
+        sock.close()
+        print(f"error: {args.model}: model directory not found; pass an exported model "
+              f"(results/train/model, written by train_8card, or results/base_model, by fetch_base)",
+              file=sys.stderr)
+        return 2
     limits = Limits(max_image_side=args.max_image_side, max_prompt_chars=args.max_prompt_chars)
     try:
         from pisft.serve.libero_policy import LiberoPolicy
