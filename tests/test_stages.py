@@ -157,3 +157,24 @@ def test_pisft_modules_import_no_cycle_and_only_down_the_layers():
     assert all(layer_of(m) >= 0 for m in graph), [m for m in graph if layer_of(m) < 0]
     assert cycles(graph) == []
     assert upward_imports(graph) == []
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_launcher_finds_checkpoints_without_the_training_code():
+    """`python -m pisft launch` reports the latest checkpoint after a failure: through
+    train/checkpoint.py (run folder, fingerprint, verification), not the trainer's modules."""
+    graph = import_graph()
+    reached = reachable(graph, "pisft.train.launch")
+    assert "pisft.train.checkpoint" in reached
+    training = {"pisft.train.stage", "pisft.train.run", "pisft.train.loop", "pisft.train.fsdp",
+                "pisft.train.smoke"}
+    assert not reached & training and not any(m.startswith("pisft.model") for m in reached), reached

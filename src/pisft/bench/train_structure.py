@@ -3,7 +3,7 @@
 `python -m pisft bench --only train_structure` (and `make bench`). Two processes (torchrun),
 the tiny preset, activation checkpointing on, micro batch 4, gradient accumulation 2, a few
 optimizer steps of the code the `train_8card` stage runs: `stage.build` (load, one checkpointing
-level, FSDP2 units, AdamW), the attention context of `stage.main`, `loop.run` with the stage's
+level, FSDP2 units, AdamW), the attention context of `pisft.train.__main__.run_stage`, `loop.run` with the stage's
 settings. The process group is `collective_audit.AuditedProcessGroup` over gloo in counting mode
 (HCCL's dtype table checked, not enforced). The first optimizer step (lazy initialisation) is
 left out of the per-step figures. Figures are rank 0's (`ranks_agree`: rank 1 counted the same).
@@ -273,7 +273,7 @@ def vision_q_projs(policy: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def _attention_context():
-    """The attention switch `stage.main` wraps training in (its name changed over time)."""
+    """The attention switch `pisft.train.__main__.run_stage` wraps training in (its name changed over time)."""
     from pisft.train import attention
 
     for name in ("fused_joint_attention", "sdpa_joint_attention"):
