@@ -35,7 +35,7 @@ def resolve(target: str):
 
 
 def _description() -> str:
-    return __doc__.format(stages=", ".join(IN_PROCESS), training=", ".join(TRAINING_STAGES))
+    return (__doc__ or "").format(stages=", ".join(IN_PROCESS), training=", ".join(TRAINING_STAGES))
 
 
 def _add_config(p: argparse.ArgumentParser) -> None:
