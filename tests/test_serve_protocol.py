@@ -391,6 +391,9 @@ def test_each_connection_has_its_own_noise_and_can_reset_it(serve):
                                       torch.randn(4, generator=torch.Generator().manual_seed(5)).numpy())
         bad = ask(a, {"reset": True, "seed": "five"})
         assert isinstance(bad, str) and "'seed'" in bad
+        assert ask(a, {"reset": np.bool_(True)}) == {"reset": True, "seed": 0}  # a NumPy bool too
+        bad = ask(a, {"reset": 1, "seed": 0})
+        assert isinstance(bad, str) and "reset request" in bad
 
 
 def test_hostile_probe_reports_the_refusal_and_the_other_clients_round_trips(serve):

@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from pisft.errors import PisftError
 from pisft.serve import protocol
 from pisft.serve.observations import Limits, ObservationError
@@ -92,7 +94,8 @@ def _reset_request(obs: Any) -> _Reset | None:
     if not isinstance(obs, dict) or "reset" not in obs:
         return None
     extra = sorted(map(str, set(obs) - {"reset", "seed"}))
-    if extra or obs["reset"] is not True:
+    flag = obs["reset"]
+    if extra or not (isinstance(flag, (bool, np.bool_)) and flag):
         raise ObservationError(f"a reset request is {{'reset': True}} with an optional integer "
                                f"'seed'; got reset={obs['reset']!r} and other keys {extra}")
     seed = obs.get("seed")
