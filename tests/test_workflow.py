@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pisft import config as pisft_config
 from pisft.workflow import dvc_yaml
-from pisft.workflow.snakemake_rules import load_rules
+from pisft.workflow.drivers import WRAPPER
+from pisft.workflow.snakemake_rules import load_rules, load_workflow
 from pisft.workflow.stages import STAGE_KEYS, code_deps
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ["fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card", "evaluate"]
+STAGES = ["fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card", "closed_loop", "evaluate"]
 
 
 def workflow_copy(tmp_path: Path) -> Path:
@@ -31,28 +33,54 @@ def snakemake(*args, cwd=ROOT, check=True):
 
 def test_committed_dvc_yaml_is_not_stale(monkeypatch):
     monkeypatch.chdir(ROOT)
-    rules = load_rules()
-    assert [r.name for r in rules] == STAGES
-    assert (ROOT / "dvc.yaml").read_text() == dvc_yaml.render(rules), (
+    workflow = load_workflow()
+    assert [r.name for r in workflow.rules] == STAGES
+    assert (ROOT / "dvc.yaml").read_text() == dvc_yaml.render(workflow.rules, workflow.config), (
         "dvc.yaml is stale: run `python -m pisft dvc-yaml` and commit it"
     )
 
 
 def test_dvc_stages_mirror_the_rules(monkeypatch):
     monkeypatch.chdir(ROOT)
-    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
-    for rule in load_rules():
+    doc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    assert doc["vars"] == ["config/config.yaml"]  # paths are templates over the run config
+    stages = doc["stages"]
+    workflow = load_workflow()
+    for rule in workflow.rules:
         stage = stages[rule.name]
-        assert stage["cmd"].startswith("python -m pisft ")
+        # the rule's command, through the driver wrapper (shape check, Snakemake's records)
+        assert stage["cmd"] == f"{WRAPPER} {rule.name} -- " + rule.cmd.replace("results/", "${results_dir}/")
         assert f"--config {rule.config_file}" in stage["cmd"]
-        assert stage.get("deps", []) == [*rule.inputs, *rule.code]
+        inputs = ["${data.recap_dir}" if i == "results/demo_recap" and rule.name == "convert_recap"
+                  else i.replace("results/", "${results_dir}/") for i in rule.inputs]
+        assert stage.get("deps", []) == [*inputs, *rule.code]
         # code is a dependency: the stage's package folders, the shared modules, the lock
         assert rule.code == code_deps(rule.name, "auto") and all((ROOT / c).exists() for c in rule.code)
         assert stage["params"] == [{"config/config.yaml": list(STAGE_KEYS[rule.name])}]
     # checkpoints are no DVC output: never deleted, and a fresh clone without them is not "changed"
     assert not any("checkpoints" in json.dumps(out) for out in stages["train_8card"]["outs"])
-    assert stages["evaluate"]["metrics"] == ["results/eval/metrics.json"]
-    assert "results/base_model" in stages["fetch_base"]["outs"]  # tiny: small, cached
+    assert stages["evaluate"]["metrics"] == ["${results_dir}/eval/metrics.json"]
+    assert "${results_dir}/base_model" in stages["fetch_base"]["outs"]  # tiny: small, cached
+    assert "${results_dir}/eval/per_step.csv" in stages["evaluate"]["outs"]  # drawn by top-level plots
+    assert {next(iter(p)) for p in doc["plots"]} == set(dvc_yaml.PLOTS)
+    # what DVC reads: the templates filled in from config/config.yaml are the rules' paths
+    resolved = yaml.safe_load(dvc_yaml.resolve((ROOT / "dvc.yaml").read_text(), workflow.config))
+    assert resolved["stages"]["convert_recap"]["deps"][0] == workflow.config["data"]["recap_dir"]
+
+
+def test_dvc_only_settings_are_no_snakemake_params(monkeypatch):
+    """Plot axes, caching: read by dvc-yaml only, so editing them reruns nothing under Snakemake."""
+    monkeypatch.chdir(ROOT)
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.types import ConfigSettings, OutputSettings, ResourceSettings, StorageSettings
+
+    with SnakemakeApi(OutputSettings(quiet=None)) as api:
+        wf = api.workflow(resource_settings=ResourceSettings(cores=1), config_settings=ConfigSettings(),
+                          storage_settings=StorageSettings(), snakefile=Path("workflow/Snakefile"))._workflow
+        for rule in wf.rules:
+            assert set(dict(rule.params.items())) <= {"code", "config", "tracked"}, rule.name
+    # and dvc_yaml.py, where they live, is no code any stage depends on
+    assert not any("dvc_yaml" in c or c == "src/pisft/workflow" for s in STAGES for c in code_deps(s, "auto"))
 
 
 def test_weights_from_a_local_source_are_not_cached_a_second_time(tmp_path, monkeypatch):
@@ -61,27 +89,38 @@ def test_weights_from_a_local_source_are_not_cached_a_second_time(tmp_path, monk
     cfg["model"]["source"] = str(tmp_path / "pi05_base")
     (work / "config/config.yaml").write_text(yaml.safe_dump(cfg))
     monkeypatch.chdir(work)
-    stages = yaml.safe_load(dvc_yaml.render(load_rules()))["stages"]
-    assert stages["fetch_base"]["outs"] == [{"results/base_model": {"cache": False}}]
+    workflow = load_workflow()
+    text = dvc_yaml.render(workflow.rules, workflow.config)
+    stages = yaml.safe_load(text)["stages"]
+    assert stages["fetch_base"]["outs"] == [{"${results_dir}/base_model": {"cache": False}}]
+    assert "model.source=local" in dvc_yaml.shape_of(text)
 
 
 def test_stale_check_fails_when_a_rule_changes(tmp_path):
     work = workflow_copy(tmp_path)
     shutil.copy(ROOT / "dvc.yaml", work / "dvc.yaml")
     smk = work / "workflow/rules/evaluate.smk"
-    smk.write_text(smk.read_text().replace("--log {log}", "--log {log} --set eval.batch_size=4"))
+    smk.write_text(smk.read_text().replace('f"{LOGS}/evaluate.log"', 'f"{LOGS}/evaluate_renamed.log"'))
     run = subprocess.run([sys.executable, "-m", "pisft", "dvc-yaml", "--check"], cwd=work,
                          capture_output=True, text=True)
     assert run.returncode == 1 and "dvc.yaml is stale" in run.stderr
     subprocess.run([sys.executable, "-m", "pisft", "dvc-yaml"], cwd=work, check=True, capture_output=True)
-    assert "eval.batch_size=4" in (work / "dvc.yaml").read_text()
+    assert "logs/evaluate_renamed.log" in (work / "dvc.yaml").read_text()
 
 
-def test_dry_run_lists_the_whole_dag(tmp_path):
+def test_dry_run_lists_every_stage_and_writes_nothing(tmp_path):
     # In a scratch copy: the project root may hold a finished run (make run), with nothing to do.
-    out = snakemake("-n", "--cores", "2", "--quiet", "rules", cwd=workflow_copy(tmp_path)).stdout
+    work = workflow_copy(tmp_path)
+    out = snakemake("-n", "--cores", "2", "--quiet", "rules", cwd=work).stdout
     for stage in STAGES:
         assert stage in out
+    # `rule all` asks for every stage's outputs, so a missing intermediate is rebuilt
+    out = snakemake("-n", "--cores", "2", cwd=work).stdout
+    all_inputs = out[out.index("rule all:"):].splitlines()[1]
+    for path in ("results/base_model", "results/demo_recap", "results/dataset", "results/smoke/report.json",
+                 "results/train/model", "results/eval/metrics.json"):
+        assert path in all_inputs
+    assert not (work / "results").exists() and not (work / "dvc.lock").exists()
 
 
 def test_bad_config_stops_snakemake_before_any_job(tmp_path):
@@ -100,19 +139,62 @@ def test_configfile_override_is_passed_to_stages_as_one_file(tmp_path):
     out = snakemake("-n", "--cores", "1", "--configfile", "config/config.yaml", str(override),
                     "-p", cwd=work).stdout
     assert "--config results/config/effective.yaml" in out
-    effective = yaml.safe_load((work / "results/config/effective.yaml").read_text())
+    # written when a run starts (onstart), never by a dry run or --lint
+    assert not (work / "results").exists()
+    snakemake("--lint", "--configfile", "config/config.yaml", str(override), cwd=work, check=False)
+    assert not (work / "results").exists()
+    support = __import__("pisft.workflow.snakemake_support", fromlist=["x"])
+    config = yaml.safe_load((work / "config/config.yaml").read_text())
+    config["train"]["steps"] = 3
+    cfg = pisft_config.from_dict(config)
+    (tmp_path / "r").mkdir()
+    cfg.results_dir = str(tmp_path / "r")
+    support.write_effective_config(cfg, config)
+    effective = yaml.safe_load((tmp_path / "r/config/effective.yaml").read_text())
     assert effective["train"]["steps"] == 3
+
+
+def test_profile_switches_both_drivers(tmp_path, monkeypatch):
+    """One command: config/config.yaml runs the profile, dvc.yaml follows; a refused one writes nothing."""
+    work = workflow_copy(tmp_path)
+    shutil.copy(ROOT / "dvc.yaml", work / "dvc.yaml")
+    pisft = [sys.executable, "-m", "pisft", "profile"]
+    bad = work / "bad.yaml"
+    bad.write_text("train:\n  global_batch_size: 7\n")
+    before = (work / "config/config.yaml").read_text()
+    refused = subprocess.run([*pisft, str(bad)], cwd=work, capture_output=True, text=True)
+    assert refused.returncode == 2 and "global_batch_size" in refused.stderr
+    assert (work / "config/config.yaml").read_text() == before
+    subprocess.run([*pisft, "config/profiles/ascend-8card.yaml"], cwd=work, check=True, capture_output=True)
+    text = (work / "config/config.yaml").read_text()
+    assert "# " in text  # the file's comments are kept
+    cfg = pisft_config.load(work / "config/config.yaml")
+    assert (cfg.device, cfg.train.nproc_per_node, cfg.model.source) == ("npu", 8, "/data/pi05_base")
+    # Snakemake reads the same file: its dry run passes it to the stages as is (the profile's
+    # data folder does not exist here, so only up to fetch_base)
+    out = snakemake("-n", "--cores", "1", "-p", "fetch_base", cwd=work).stdout
+    assert "pisft fetch_base --config config/config.yaml" in out
+    # DVC: dvc.yaml regenerated for the shape (local model, Ascend lock), paths from the config
+    monkeypatch.chdir(work)
+    dvc_text = (work / "dvc.yaml").read_text()
+    assert "model.source=local" in dvc_yaml.shape_of(dvc_text) and "ascend-aarch64" in dvc_text
+    resolved = yaml.safe_load(dvc_yaml.resolve(dvc_text, yaml.safe_load(text)))["stages"]
+    assert "/data/pi05_base" in resolved["fetch_base"]["deps"]
+    assert resolved["convert_recap"]["deps"][0] == "/data/libero_10_recap"
+    check = subprocess.run([sys.executable, "-m", "pisft", "dvc-yaml", "--check"], cwd=work,
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
 
 
 @pytest.mark.integration  # ~50 s on 2 cores: two dry runs, one resolving the closed-loop stage
 def test_closed_loop_stage_joins_the_dag_only_when_enabled(tmp_path):
     work = workflow_copy(tmp_path)
-    assert "rule closed_loop:" not in snakemake("-n", "--cores", "1", cwd=work).stdout
-    on = work / "on.yaml"
-    on.write_text("eval:\n  closed_loop: true\n  libero_suites: [libero_10]\n")
-    out = snakemake("-n", "--cores", "1", "--configfile", "config/config.yaml", str(on), cwd=work).stdout
-    assert "rule closed_loop:" in out
-    assert "results/closed_loop/metrics.json" in out
+    out = snakemake("-n", "--cores", "1", cwd=work).stdout
+    assert "rule closed_loop:" in out and "results/closed_loop/metrics.json" in out
+    off = work / "off.yaml"
+    off.write_text("eval:\n  closed_loop: false\n")
+    out = snakemake("-n", "--cores", "1", "--configfile", "config/config.yaml", str(off), cwd=work).stdout
+    assert "rule closed_loop:" not in out
 
 
 def test_workflow_files_are_snakefmt_formatted():

@@ -5,7 +5,7 @@ Stages (each reads the config, writes under results/):
 Training stages run through the launcher, which starts torchrun:
   {training}   (python -m pisft launch <stage> --config FILE)
 Tools:
-  validate [FILE], estimate, dvc-yaml, bench, summary
+  validate [FILE], estimate, dvc-yaml, profile FILE, bench, summary
   serve --model DIR    serve a model over openpi's websocket policy protocol
 
 The stages are the table in pisft.workflow.stages.
@@ -21,6 +21,7 @@ import sys
 from pisft import config as config_mod
 from pisft.errors import PisftError
 from pisft.logs import tee_output
+from pisft.workflow.drivers import pin_threads
 from pisft.workflow.invalidate import invalidate_downstream
 from pisft.workflow.stages import STAGES, TRAINING_STAGES
 
@@ -68,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dvc-yaml", help="write dvc.yaml from the workflow rules")
     p.add_argument("--check", action="store_true", help="exit 1 if the committed dvc.yaml is stale")
     p.add_argument("--output", default="dvc.yaml")
+
+    p = sub.add_parser("profile", help="make config/config.yaml (and dvc.yaml) run a profile, for "
+                                       "snakemake and dvc repro alike")
+    p.add_argument("file", help="a profile, e.g. config/profiles/ascend-8card.yaml")
 
     sub.add_parser("serve", help="serve a model over openpi's websocket protocol (see serve -h)",
                    add_help=False)
@@ -166,9 +171,13 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "dvc-yaml":
             from pisft.workflow import dvc_yaml
             return dvc_yaml.main(check=args.check, output=args.output)
+        if args.command == "profile":
+            from pisft.workflow import profile
+            return profile.switch(args.file)
         cfg = config_mod.load(args.config, args.overrides)
         if args.command in IN_PROCESS:
             invalidate_downstream(args.command, cfg.results_dir)
+            pin_threads()  # the same CPU threads under Snakemake and DVC
             resolve(IN_PROCESS[args.command].run)(cfg)
             return 0
         if args.command == "launch":

@@ -14,7 +14,9 @@ os.environ["PATH"] = os.pathsep.join(
 )
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
+# Validated once per parse; the rules read CFG (and CFG_VALUES, the same as a mapping).
 CFG, CONFIG_FILE = support.validated_config(config, workflow)
+CFG_VALUES = pisft_config.to_dict(CFG)
 RESULTS = CFG.results_dir
 LOGS = f"{RESULTS}/logs"
 BENCH = f"{RESULTS}/benchmarks"
@@ -27,7 +29,7 @@ def command(stage):
 
 def tracked(stage):
     """The config sections `stage` reads; a change in any of them reruns it."""
-    return support.tracked_params(config, stage)
+    return support.tracked_params(CFG_VALUES, stage)
 
 
 def code(stage):

@@ -65,21 +65,5 @@ rule evaluate:
         code=code("evaluate"),
         config=CONFIG_FILE,
         tracked=tracked("evaluate"),
-        # How `dvc plots show` draws the CSV tables (read by `python -m pisft dvc-yaml`).
-        dvc_plots={
-            "per_step.csv": {
-                "x": "step",
-                "y": ["base_action_mse_norm", "finetuned_action_mse_norm"],
-            },
-            "per_task.csv": {
-                "x": "task",
-                "y": ["base_action_mse", "finetuned_action_mse"],
-                "template": "bar_horizontal",
-            },
-            "per_dim.csv": {
-                "x": "dim",
-                "y": ["base_action_mse", "finetuned_action_mse"],
-            },
-        },
     shell:
         command("evaluate")

@@ -12,7 +12,5 @@ rule fetch_base:
         code=code("fetch_base"),
         config=CONFIG_FILE,
         tracked=tracked("fetch_base"),
-        # Weights linked from a local or hub source are not cached by DVC a second time.
-        dvc_uncached=[] if CFG.model.source == "tiny" else [f"{RESULTS}/base_model"],
     shell:
         command("fetch_base")

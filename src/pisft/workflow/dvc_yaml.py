@@ -1,14 +1,22 @@
 """Generate dvc.yaml from the Snakemake rules, so the two drivers share one DAG.
 
 Each rule becomes a stage with the same command, its inputs as deps, the config keys it
-tracks as params, and its outputs as outs. Outputs are cached (so `dvc push`/`dvc pull` carry
-them) except where a rule says otherwise. Conventions read from the rules:
-- an output named `metrics` ending in `.json` is a DVC metric;
-- an output ending in `.png`, or a `.csv` table, is a DVC plot (DVC cannot plot JSON lines, so
-  evaluate writes CSV tables for plots);
-- `params.dvc_uncached` outputs are outs with `cache: false` (base weights linked from a local
-  multi-GB source: the source is the copy of record, DVC's cache would be a second copy);
-- `params.dvc_plots` gives the x/y columns and template of CSV plots (top-level `plots:`);
+tracks as params, and its outputs as outs. Paths that follow the config are DVC templates
+read from `config/config.yaml` (`vars:`): `${results_dir}/...`, `${data.recap_dir}`, a local
+`${model.source}` and `${model.tokenizer}`. So changing those paths needs no new dvc.yaml;
+only the config's *shape* does (README, "Profiles"): whether the model and tokenizer come from
+a local folder, the closed-loop stage, the device's dependency lock. The shape is written in
+the header. DVC runs each command through `pisft.workflow.drivers`, which checks the shape and
+keeps Snakemake's records in step (README, "Both drivers").
+
+Everything DVC-only lives here, not in the Snakemake rules (where a changed value would rerun
+the rule):
+- an output named `metrics` ending in `.json` is a DVC metric; `.png` outputs are DVC plots;
+- the CSV tables are outs, drawn by the top-level `plots:` below (`PLOTS`: x/y columns,
+  template), since DVC cannot plot JSON lines;
+- base weights linked from a local or hub source are outs with `cache: false` (the source is
+  the copy of record: DVC's cache would be a second copy of several GB);
+- a local model source or tokenizer is one folder dep (Snakemake gets its files as inputs);
 - `params.code` (the source folders, shared modules and lock a stage runs) are deps; the
   rules' inputs under them (Snakemake's file-by-file view of the same code) are left out;
 - training checkpoints (results/checkpoints/) are no DVC output at all: DVC neither deletes nor
@@ -18,61 +26,159 @@ them) except where a rule says otherwise. Conventions read from the rules:
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import yaml
 
-from pisft.workflow.snakemake_rules import RuleSpec, load_rules
+from pisft import config as pisft_config
+from pisft.workflow.drivers import WRAPPER
+from pisft.workflow.snakemake_rules import RuleSpec, load_workflow
 
+VARS_FILE = pisft_config.DEFAULT_CONFIG.as_posix()
 HEADER = (
     "# Generated from workflow/rules/*.smk by `python -m pisft dvc-yaml`; do not edit by hand.\n"
-    "# A test fails when this file is stale.\n"
+    "# Paths come from config/config.yaml (vars); a test fails when this file is stale.\n"
 )
+SHAPE_PREFIX = "# shape: "
+# How `dvc plots show` draws the evaluation tables: plot id -> evaluate's output name and options.
+PLOTS = {
+    "per_step": {"output": "per_step", "x": "step",
+                 "y": ["base_action_mse_norm", "finetuned_action_mse_norm"]},
+    "per_task": {"output": "per_task", "x": "task", "y": ["base_action_mse", "finetuned_action_mse"],
+                 "template": "bar_horizontal"},
+    "per_dim": {"output": "per_dim", "x": "dim", "y": ["base_action_mse", "finetuned_action_mse"]},
+}
 
 
-def stage_for(rule: RuleSpec) -> dict:
-    stage: dict = {"cmd": rule.cmd}
-    if rule.inputs or rule.code:
-        stage["deps"] = [*rule.inputs, *rule.code]
+def _local(path_text: str) -> bool:
+    from pisft.model.sources import HF_PREFIX
+
+    return bool(path_text.strip()) and path_text.strip() != "tiny" and not path_text.startswith(HF_PREFIX)
+
+
+def shape(cfg: pisft_config.PisftConfig) -> str:
+    """What of the config changes dvc.yaml's structure (paths do not: they are templates)."""
+    from pisft.workflow.stages import code_deps
+
+    lock = code_deps("fetch_base", cfg.device)[-1]
+    return (f"model.source={'local' if _local(cfg.model.source) else cfg.model.source.split(':')[0]} "
+            f"model.tokenizer={'local' if _local(cfg.model.tokenizer) else 'other'} "
+            f"eval.closed_loop={str(cfg.eval.closed_loop).lower()} lock={lock}")
+
+
+def shape_of(text: str) -> str | None:
+    for line in text.splitlines()[:5]:
+        if line.startswith(SHAPE_PREFIX):
+            return line[len(SHAPE_PREFIX):].strip()
+    return None
+
+
+class Templater:
+    """Concrete paths of one config -> DVC templates over config/config.yaml."""
+
+    def __init__(self, cfg: pisft_config.PisftConfig):
+        self.results = cfg.results_dir.rstrip("/")
+        self.folders = {cfg.data.recap_dir.rstrip("/"): "${data.recap_dir}"}
+        for key, value in (("model.source", cfg.model.source), ("model.tokenizer", cfg.model.tokenizer)):
+            if _local(value):
+                self.folders[value.rstrip("/")] = "${" + key + "}"
+
+    def path(self, path: str) -> str:
+        if path == self.results or path.startswith(self.results + "/"):
+            return "${results_dir}" + path[len(self.results):]
+        return path
+
+    def dep(self, path: str) -> str:
+        return self.folders.get(path.rstrip("/"), self.path(path))
+
+    def cmd(self, cmd: str) -> str:
+        return " ".join(self.path(token) for token in cmd.split(" "))
+
+    def model_folders(self) -> list[str]:
+        return [t for t in self.folders.values() if t != "${data.recap_dir}"]
+
+    def under_folder(self, path: str) -> str | None:
+        """The template of a local model source / tokenizer folder `path` lies in, if any."""
+        for folder, template in self.folders.items():
+            if template != "${data.recap_dir}" and path.startswith(folder + "/"):
+                return template
+        return None
+
+
+def stage_for(rule: RuleSpec, cfg: pisft_config.PisftConfig) -> dict:
+    t = Templater(cfg)
+    stage: dict = {"cmd": f"{WRAPPER} {rule.name} -- {t.cmd(rule.cmd)}"}
+    deps: list[str] = []
+    for path in rule.inputs:
+        dep = t.under_folder(path) or t.dep(path)
+        if dep not in deps:
+            deps.append(dep)
+    if rule.name == "fetch_base":  # a local model folder is a dep by shape, present yet or not
+        deps.extend(d for d in t.model_folders() if d not in deps)
+    if deps or rule.code:
+        stage["deps"] = [*deps, *rule.code]
     if rule.tracked_keys:
         stage["params"] = [{rule.config_file: list(rule.tracked_keys)}]
     outs: list = []
     metrics: list = []
     plots: list = []
+    uncached = rule.name == "fetch_base" and cfg.model.source.strip() != "tiny"
     for name, path in rule.outputs.items():
         if name == "metrics" and path.endswith(".json"):
-            metrics.append(path)
-        elif path.endswith((".png", ".csv")):
-            plots.append(path)
-        elif rule.uncached and path in rule.uncached:
-            outs.append({path: {"cache": False}})
+            metrics.append(t.path(path))
+        elif path.endswith(".png"):
+            plots.append(t.path(path))
+        elif uncached and path in rule.directories:
+            outs.append({t.path(path): {"cache": False}})
         else:
-            outs.append(path)
-    if outs:
-        stage["outs"] = outs
-    if metrics:
-        stage["metrics"] = metrics
-    if plots:
-        stage["plots"] = plots
+            outs.append(t.path(path))
+    for key, entries in (("outs", outs), ("metrics", metrics), ("plots", plots)):
+        if entries:
+            stage[key] = entries
     return stage
 
 
-def top_level_plots(rules: list[RuleSpec]) -> list:
-    """How `dvc plots show` draws each table (x, y columns, template), from the rules' params."""
-    return [{path: props} for rule in rules for path, props in rule.plot_props.items()]
+def top_level_plots(rules: list[RuleSpec], cfg: pisft_config.PisftConfig) -> list:
+    """How `dvc plots show` draws each evaluation table (x, y columns, template)."""
+    t = Templater(cfg)
+    outputs = {name: path for rule in rules for name, path in rule.outputs.items()}
+    plots = []
+    for plot_id, spec in PLOTS.items():
+        if spec["output"] not in outputs:
+            continue
+        props = {"x": spec["x"], "y": {t.path(outputs[spec["output"]]): list(spec["y"])}}
+        if "template" in spec:
+            props["template"] = spec["template"]
+        plots.append({plot_id: props})
+    return plots
 
 
-def render(rules: list[RuleSpec]) -> str:
-    doc: dict = {"stages": {rule.name: stage_for(rule) for rule in rules}}
-    plots = top_level_plots(rules)
+def render(rules: list[RuleSpec], config: dict) -> str:
+    cfg = pisft_config.from_dict(dict(config))
+    doc: dict = {"vars": [VARS_FILE],
+                 "stages": {rule.name: stage_for(rule, cfg) for rule in rules}}
+    plots = top_level_plots(rules, cfg)
     if plots:
         doc["plots"] = plots
-    return HEADER + yaml.safe_dump(doc, sort_keys=False, width=120)
+    return HEADER + SHAPE_PREFIX + shape(cfg) + "\n" + yaml.safe_dump(doc, sort_keys=False, width=120)
+
+
+def resolve(text: str, config: dict) -> str:
+    """dvc.yaml with its templates filled in from `config` (what DVC itself reads)."""
+    def value(match: re.Match) -> str:
+        node = config
+        for part in match.group(1).split("."):
+            node = node[part]
+        return str(node)
+
+    return re.sub(r"\$\{([a-zA-Z_.]+)\}", value, text)
 
 
 def main(check: bool = False, output: str = "dvc.yaml") -> int:
-    text = render(load_rules())
+    workflow = load_workflow()
+    text = render(workflow.rules, workflow.config)
     path = Path(output)
     if check:
         current = path.read_text() if path.is_file() else ""

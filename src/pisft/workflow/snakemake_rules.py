@@ -20,10 +20,16 @@ class RuleSpec:
     directories: set[str]
     tracked_keys: list[str]
     config_file: str
-    persist: list[str] = field(default_factory=list)
-    plot_props: dict[str, dict] = field(default_factory=dict)  # output path -> DVC plot options
-    uncached: list[str] = field(default_factory=list)  # outputs DVC must not cache
     code: list[str] = field(default_factory=list)  # source folders/files and lock (params.code)
+    benchmark: str | None = None  # Snakemake's benchmark file of the rule
+
+
+@dataclass
+class Workflow:
+    """The rules, and the config they were parsed with (a plain dict, as Snakemake holds it)."""
+
+    rules: list[RuleSpec]
+    config: dict
 
 
 def _under(path: str, entries: list[str]) -> bool:
@@ -42,7 +48,39 @@ def _format_shell(template: str, params: dict, log: list[str]) -> str:
     return re.sub(r"\{([a-zA-Z_.]+)\}", repl, template)
 
 
-def load_rules(snakefile: Path = SNAKEFILE, workdir: Path = Path(".")) -> list[RuleSpec]:
+def specs_of(workflow) -> list[RuleSpec]:
+    """The shell rules of a parsed Snakemake workflow (also the live one, in an onsuccess hook)."""
+    specs: list[RuleSpec] = []
+    for rule in workflow.rules:
+        if not rule.shellcmd:
+            continue
+        params = dict(rule.params.items())
+        names = {i: name for name, (i, _end) in rule.output._names.items()}  # noqa: SLF001
+        outputs: dict[str, str] = {}
+        directories: set[str] = set()
+        for i, out in enumerate(rule.output):
+            outputs[names.get(i, str(out))] = str(out)
+            if getattr(out, "flags", {}).get("directory"):
+                directories.add(str(out))
+        code = [str(c) for c in params.get("code", [])]
+        specs.append(
+            RuleSpec(
+                name=rule.name,
+                cmd=_format_shell(rule.shellcmd, params, [str(x) for x in rule.log]),
+                # code files are Snakemake's view of params.code; DVC gets the folders
+                inputs=[str(x) for x in rule.input if not _under(str(x), code)],
+                outputs=outputs,
+                directories=directories,
+                tracked_keys=list(params.get("tracked", {}).keys()),
+                config_file=str(params["config"]),
+                code=code,
+                benchmark=str(rule.benchmark) if rule.benchmark else None,
+            )
+        )
+    return specs
+
+
+def load_workflow(snakefile: Path = SNAKEFILE, workdir: Path = Path(".")) -> Workflow:
     from snakemake.api import SnakemakeApi
     from snakemake.settings.types import (
         ConfigSettings,
@@ -51,7 +89,6 @@ def load_rules(snakefile: Path = SNAKEFILE, workdir: Path = Path(".")) -> list[R
         StorageSettings,
     )
 
-    specs: list[RuleSpec] = []
     with contextlib.redirect_stdout(io.StringIO()), SnakemakeApi(OutputSettings(quiet=None)) as api:
         workflow_api = api.workflow(
             resource_settings=ResourceSettings(cores=1),
@@ -61,38 +98,8 @@ def load_rules(snakefile: Path = SNAKEFILE, workdir: Path = Path(".")) -> list[R
             workdir=workdir,
         )
         workflow = workflow_api._workflow  # noqa: SLF001 - pinned Snakemake; guarded by tests
-        for rule in workflow.rules:
-            if not rule.shellcmd:
-                continue
-            params = dict(rule.params.items())
-            names = {i: name for name, (i, _end) in rule.output._names.items()}  # noqa: SLF001
-            outputs: dict[str, str] = {}
-            directories: set[str] = set()
-            for i, out in enumerate(rule.output):
-                outputs[names.get(i, str(out))] = str(out)
-                if getattr(out, "flags", {}).get("directory"):
-                    directories.add(str(out))
-            persist = params.get("persist", [])
-            code = [str(c) for c in params.get("code", [])]
-            plot_props = {
-                path: dict(params.get("dvc_plots", {})[Path(path).name])
-                for path in outputs.values()
-                if Path(path).name in params.get("dvc_plots", {})
-            }
-            specs.append(
-                RuleSpec(
-                    name=rule.name,
-                    cmd=_format_shell(rule.shellcmd, params, [str(x) for x in rule.log]),
-                    # code files are Snakemake's view of params.code; DVC gets the folders
-                    inputs=[str(x) for x in rule.input if not _under(str(x), code)],
-                    outputs=outputs,
-                    directories=directories,
-                    tracked_keys=list(params.get("tracked", {}).keys()),
-                    config_file=str(params["config"]),
-                    persist=[persist] if isinstance(persist, str) else list(persist),
-                    plot_props=plot_props,
-                    uncached=[str(p) for p in params.get("dvc_uncached", [])],
-                    code=code,
-                )
-            )
-    return specs
+        return Workflow(rules=specs_of(workflow), config=dict(workflow.config))
+
+
+def load_rules(snakefile: Path = SNAKEFILE, workdir: Path = Path(".")) -> list[RuleSpec]:
+    return load_workflow(snakefile, workdir).rules

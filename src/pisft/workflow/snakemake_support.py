@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -9,7 +12,7 @@ import yaml
 
 from pisft import config as pisft_config
 from pisft.io import write_text_atomic
-from pisft.workflow.stages import STAGE_KEYS, code_deps, lookup
+from pisft.workflow.stages import STAGE_KEYS, code_deps
 
 DEFAULT_FILE = pisft_config.DEFAULT_CONFIG.as_posix()
 
@@ -41,34 +44,106 @@ def check_config_files(workflow, default: str = DEFAULT_FILE) -> None:
 
 
 def validated_config(config: dict, workflow) -> tuple[pisft_config.PisftConfig, str]:
-    """Validate Snakemake's merged config before any job; return it and the file to pass on.
+    """Validate Snakemake's merged config once per parse; return it and the file stages read.
 
     Stages read one config file. When Snakemake's config is exactly config/config.yaml, that
     file is passed on (the same command DVC runs). When `--configfile`/`--config` changed it,
-    the merged config is written to results/config/effective.yaml (rewritten only when its
-    content changes, so its timestamp does not trigger reruns) and that file is passed on.
+    the stages read results/config/effective.yaml, the merged config, which `write_effective_config`
+    writes when the run starts (`onstart`: nothing is written by `snakemake -n` or `--lint`).
     """
     try:
         cfg = pisft_config.from_dict(dict(config), _source_name(workflow))
     except pisft_config.ConfigError as exc:
         sys.stderr.write(f"error: {exc}\n")
         raise SystemExit(2) from None
-    default_path = Path(DEFAULT_FILE)
-    default_raw = yaml.safe_load(default_path.read_text()) if default_path.is_file() else None
-    if default_raw == dict(config):
+    if _is_default(config):
         return cfg, DEFAULT_FILE
-    effective = Path(cfg.results_dir, "config", "effective.yaml")
+    return cfg, _effective_path(cfg).as_posix()
+
+
+def _is_default(config: dict) -> bool:
+    default_path = Path(DEFAULT_FILE)
+    return default_path.is_file() and yaml.safe_load(default_path.read_text()) == dict(config)
+
+
+def _effective_path(cfg: pisft_config.PisftConfig) -> Path:
+    return Path(cfg.results_dir, "config", "effective.yaml")
+
+
+def write_effective_config(cfg: pisft_config.PisftConfig, config: dict) -> None:
+    """At the start of a real run: the merged config the stages read (rewritten only when its
+    content changes, so its timestamp does not trigger reruns)."""
+    if _is_default(config):
+        return
+    effective = _effective_path(cfg)
     text = "# written by the Snakefile: config/config.yaml merged with --configfile/--config\n"
     text += yaml.safe_dump(pisft_config.to_dict(cfg), sort_keys=False)
     if not effective.is_file() or effective.read_text() != text:
         write_text_atomic(effective, text)
-    return cfg, effective.as_posix()
 
 
 def tracked_params(config: dict, stage: str) -> dict:
-    """The values of the config keys `stage` reads (validated config, defaults filled in)."""
-    cfg = pisft_config.to_dict(pisft_config.from_dict(dict(config)))
-    return {key: lookup(cfg, key) for key in STAGE_KEYS[stage]}
+    """The values of the config keys `stage` reads, from the validated config as a mapping
+    (`pisft_config.to_dict`, defaults filled in), so the config is validated once per parse."""
+    values = {}
+    for key in STAGE_KEYS[stage]:
+        node = config
+        for part in key.split("."):
+            node = node[part]
+        values[key] = node
+    return values
+
+
+def every_output(workflow) -> list[str]:
+    """Every stage's outputs, for `rule all`: a missing intermediate (e.g. the model a failed
+    training left out) is requested itself, so it is rebuilt with everything after it."""
+    return [str(out) for rule in workflow.rules if rule.name != "all" for out in rule.output]
+
+
+def _dvc_say(message: str) -> None:
+    print(f"dvc.lock: {message}", file=sys.stderr, flush=True)
+
+
+def record_in_dvc(workflow, config_file: str) -> list[str]:
+    """After a Snakemake run: `dvc commit` the stages Snakemake ran or found up to date.
+
+    Then `dvc status` agrees with Snakemake and `dvc push` carries every output (README,
+    "Both drivers"). Only the stages in this run's DAG are recorded (a stage outside it may be
+    out of date); nothing is recorded after `--touch` (an assertion, not a run), inside a DVC
+    stage, when the stages read another config than dvc.yaml's (`--configfile`), or when
+    dvc.yaml does not describe these rules.
+    """
+    if workflow.touch or os.environ.get("DVC_STAGE") or not Path(".dvc").is_dir():
+        return []
+    if config_file != DEFAULT_FILE:
+        _dvc_say(f"not updated: this run's stages read {config_file} (--configfile/--config), "
+                 f"DVC's read {DEFAULT_FILE}; to run a profile under both tools use "
+                 "`python -m pisft profile FILE` (README, Profiles)")
+        return []
+    from pisft.workflow import dvc_yaml
+    from pisft.workflow.snakemake_rules import specs_of
+
+    dvc_file = Path("dvc.yaml")
+    if not dvc_file.is_file() or dvc_file.read_text() != dvc_yaml.render(specs_of(workflow), dict(workflow.config)):
+        _dvc_say("not updated: dvc.yaml does not match the workflow rules; run `python -m pisft dvc-yaml`")
+        return []
+    dag = workflow.dag
+    stages = set(yaml.safe_load(dvc_file.read_text()).get("stages", {}))
+    done = sorted({job.rule.name for job in dag.jobs if dag.noneedrun_finished(job)} & stages)
+    if not done:
+        return []
+    dvc = Path(sys.executable).with_name("dvc")
+    exe = str(dvc) if dvc.exists() else shutil.which("dvc")
+    if exe is None:
+        _dvc_say("not updated: the dvc command was not found")
+        return []
+    proc = subprocess.run([exe, "commit", "--force", "--quiet", *done], capture_output=True, text=True)
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        _dvc_say(f"not updated ({why}); run `dvc commit {' '.join(done)}` to record these outputs")
+        return []
+    _dvc_say(f"recorded {', '.join(done)}")
+    return done
 
 
 def accelerator_resources(cfg: pisft_config.PisftConfig, nproc: int) -> dict:

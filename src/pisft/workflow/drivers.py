@@ -1,0 +1,132 @@
+"""What a stage does for the driver that started it, so Snakemake and DVC agree (README,
+"Both drivers").
+
+dvc.yaml runs each stage's command through this module (`python -m pisft.workflow.drivers dvc
+<stage> -- <the rule's command>`), which
+- before the stage checks that dvc.yaml was generated for this config's shape (paths are DVC
+  templates, but whether the model comes from a local folder, the closed-loop stage and the
+  device's lock change the stages); if not, it regenerates dvc.yaml and stops with one line;
+- after the stage succeeds writes the rule's benchmark file (`results/benchmarks/<stage>.tsv`,
+  in Snakemake's format) and Snakemake's record of the job (`snakemake <stage> --touch
+  --forcerun <stage>`: the job's params, code and inputs in .snakemake/metadata), so that
+  `snakemake -n` after `dvc repro` has nothing to do and a key changed later still reruns
+  exactly its readers under Snakemake.
+The other way round, a Snakemake run ends with `dvc commit` of its stages
+(`snakemake_support.record_in_dvc`).
+
+Under either driver, a non-training stage takes its CPU thread count from the one place the
+training launcher uses (`device.threads_per_process`; PISFT_NUM_THREADS to choose): Snakemake
+exports OMP_NUM_THREADS=<the rule's threads>, DVC nothing (`pin_threads`).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pisft.config import PisftConfig
+from pisft.errors import PisftError
+
+WRAPPER = "python -m pisft.workflow.drivers dvc"
+BENCHMARK_COLUMNS = ("s", "h:m:s", "max_rss", "max_vms", "max_uss", "max_pss", "io_in", "io_out",
+                     "mean_load", "cpu_time")
+
+
+def pin_threads() -> int:
+    """CPU threads of a non-training stage: the same under both drivers."""
+    from pisft import device
+
+    threads = device.threads_per_process(1)
+    os.environ.update({var: str(threads) for var in device.THREAD_VARS})
+    import torch
+
+    torch.set_num_threads(threads)
+    return threads
+
+
+def check_dvc_shape(cfg: PisftConfig, dvc_file: Path = Path("dvc.yaml")) -> None:
+    """Under DVC: stop (with dvc.yaml regenerated) when dvc.yaml has another shape than the config."""
+    from pisft.workflow import dvc_yaml
+
+    written = dvc_yaml.shape_of(dvc_file.read_text()) if dvc_file.is_file() else None
+    wanted = dvc_yaml.shape(cfg)
+    if written == wanted:
+        return
+    with open(os.devnull, "w") as quiet:
+        old, sys.stdout = sys.stdout, quiet
+        try:
+            dvc_yaml.main(output=str(dvc_file))
+        finally:
+            sys.stdout = old
+    raise PisftError(
+        f"dvc.yaml was generated for a config shaped '{written}', and config/config.yaml is now "
+        f"'{wanted}'; dvc.yaml has been regenerated for it: run `dvc repro` again (and commit dvc.yaml)"
+    )
+
+
+def write_benchmark(path: Path, started: float) -> None:
+    """One row in Snakemake's benchmark format: wall seconds and peak memory (MB) of the stage."""
+    seconds = time.time() - started
+    rss_kib = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    hms = time.strftime("%H:%M:%S", time.gmtime(seconds))
+    row = [f"{seconds:.4f}", hms, f"{rss_kib / 1024:.2f}"] + ["NA"] * (len(BENCHMARK_COLUMNS) - 3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\t".join(BENCHMARK_COLUMNS) + "\n" + "\t".join(row) + "\n")
+
+
+def record_for_snakemake(stage: str) -> bool:
+    """Snakemake's record of the job DVC just ran (metadata, timestamps); False with a line if not."""
+    exe = Path(sys.executable).with_name("snakemake")
+    cmd = [str(exe), stage, "--touch", "--cores", "1", "--forcerun", stage]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+        print(f"{stage}: not recorded for Snakemake ({lines[-1] if lines else 'no message'}); "
+              f"`snakemake {stage} --touch --forcerun {stage}` records it", file=sys.stderr)
+        return False
+    return True
+
+
+def _config_of(cmd: list[str]) -> PisftConfig | None:
+    from pisft import config as pisft_config
+
+    path = cmd[cmd.index("--config") + 1] if "--config" in cmd[:-1] else str(pisft_config.DEFAULT_CONFIG)
+    try:
+        return pisft_config.load(path)
+    except PisftError:
+        return None  # the stage itself refuses the config, with its message
+
+
+def run_dvc_stage(stage: str, cmd: list[str]) -> int:
+    """Run one stage for DVC: shape check, the command, then the benchmark and Snakemake's record."""
+    cfg = _config_of(cmd)
+    if cfg is not None:
+        try:
+            check_dvc_shape(cfg)
+        except PisftError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    started = time.time()
+    code = subprocess.run(cmd).returncode
+    if code != 0 or cfg is None:
+        return code
+    write_benchmark(cfg.results("benchmarks", f"{stage}.tsv"), started)
+    record_for_snakemake(stage)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 4 or argv[0] != "dvc" or argv[2] != "--":
+        print("usage: python -m pisft.workflow.drivers dvc <stage> -- <command>", file=sys.stderr)
+        return 2
+    return run_dvc_stage(argv[1], argv[3:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
