@@ -97,7 +97,10 @@ class TrainConfig:
     activation_checkpointing: bool = False
     # Peak dense bf16 FLOP/s of one device for MFU; 0 looks the device up in a table.
     peak_flops: float = 0.0
-    num_workers: int = 0
+    # Data-loader worker processes per training process; -1 chooses from the cores
+    # (pisft.train.batches.default_workers). prefetch_factor: micro-batches each worker prepares ahead.
+    num_workers: int = -1
+    prefetch_factor: int = 4
     # Also write the per-step metrics as TensorBoard scalars (results/checkpoints/train/<run>/tensorboard;
     # needs the `tensorboard` package).
     tensorboard: bool = False
@@ -279,8 +282,12 @@ def _value_problems(cfg: PisftConfig) -> list[str]:
         problems.append(f"train.grad_clip: the gradient-norm limit must be > 0, got {t.grad_clip}")
     if t.weight_decay < 0:
         problems.append(f"train.weight_decay: must be >= 0, got {t.weight_decay}")
-    if t.num_workers < 0:
-        problems.append(f"train.num_workers: data-loader processes must be >= 0, got {t.num_workers}")
+    if t.num_workers < -1:
+        problems.append(f"train.num_workers: data-loader processes per training process must be "
+                        f">= 0, or -1 to choose from the cores; got {t.num_workers}")
+    if t.prefetch_factor < 1:
+        problems.append(f"train.prefetch_factor: micro-batches each data-loader worker prepares "
+                        f"ahead must be >= 1, got {t.prefetch_factor}")
     if t.peak_flops < 0:
         problems.append(f"train.peak_flops: must be 0 (use the table) or a positive FLOP/s, got {t.peak_flops}")
     for key in ("demo_episodes_per_task", "demo_episode_length", "demo_image_size"):

@@ -7,6 +7,7 @@ whatever the world size, micro batch or number of data workers.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -57,11 +58,59 @@ class _RankBatches:
         return (self.end - self.start) * self.sampler.layout.accum
 
 
+AUTO_WORKERS = -1  # train.num_workers: choose from the cores (default_workers)
+MAX_AUTO_WORKERS = 8
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def default_workers(kind: str, nproc_per_node: int, cores: int | None = None) -> int:
+    """Data-loader worker processes per training process when train.num_workers is -1.
+
+    On an accelerator the training process only launches work: each gets its share of the
+    node's cores minus one (its own), at least 1 and at most MAX_AUTO_WORKERS. On the CPU the
+    training processes' threads already use every core; one worker per process still takes
+    decoding, collation and preprocessing off the training thread's critical path (it runs
+    while the step waits on a collective or runs single-threaded Python) without adding more
+    processes competing for the cores than there are batches to prepare.
+    """
+    cores = usable_cores() if cores is None else cores
+    if kind == "cpu":
+        return 1
+    share = max(1, cores // max(1, nproc_per_node))
+    return max(1, min(MAX_AUTO_WORKERS, share - 1))
+
+
+def resolve_workers(num_workers: int, kind: str, nproc_per_node: int) -> int:
+    if num_workers == AUTO_WORKERS:
+        return default_workers(kind, nproc_per_node)
+    if num_workers < 0:
+        raise ValueError(f"train.num_workers must be -1 (from the cores) or >= 0, got {num_workers}")
+    return num_workers
+
+
 def make_loader(train_set: Dataset, sampler: StepSampler, *, rank: int, start_step: int,
                 end_step: int, seed: int, draw: Draw | None, num_workers: int,
                 prompt: Prompt | None = None,
                 collate: Callable[[list[dict]], dict] | None = None,
-                pin_memory: bool = False) -> DataLoader:
+                pin_memory: bool = False, prefetch_factor: int = 4) -> DataLoader:
+    """The rank's micro-batches, in order, from start_step to end_step.
+
+    With `num_workers` > 0 each worker reads, decodes, collates and (through `collate`, e.g.
+    PolicyTask.collate) preprocesses whole micro-batches; `prefetch_factor` batches per worker
+    are prepared ahead, and the DataLoader hands them out in sampler order whatever worker
+    finished first, so the order (and every sample's random draws, from (seed, step,
+    position)) does not depend on the number of workers. `pin_memory` (on an accelerator)
+    puts the batches in page-locked memory, from which the non-blocking host->device copies
+    are asynchronous.
+    """
+    if num_workers > 0:
+        # The tokenizer runs in the workers (forked): its own thread pool off, no fork warning.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if prefetch_factor < 1:
+        raise ValueError(f"train.prefetch_factor must be >= 1, got {prefetch_factor}")
     return DataLoader(
         StepDataset(train_set, seed, draw, prompt),
         batch_sampler=_RankBatches(sampler, rank, start_step, end_step),
@@ -69,7 +118,7 @@ def make_loader(train_set: Dataset, sampler: StepSampler, *, rank: int, start_st
         collate_fn=collate or default_collate,
         pin_memory=pin_memory,
         persistent_workers=False,
-        prefetch_factor=4 if num_workers > 0 else None,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
     )
 
 

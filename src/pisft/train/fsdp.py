@@ -172,6 +172,34 @@ def shard(model: nn.Module, mesh: DeviceMesh, precision: str) -> list[Unit]:
     return units
 
 
+def distribute(model: nn.Module, mesh: DeviceMesh, precision: str, device: torch.device, *,
+               keep_sharded: bool = False) -> list[Unit]:
+    """The training layout: FSDP2 units (`shard`) on more than one process; on one process the
+    same model unsharded on `device`, unless `keep_sharded`.
+
+    With one process there is nothing to shard: FSDP2 would still copy every unit into an
+    all-gather buffer and out of a reduce-scatter buffer, run its hooks, and make the optimizer
+    and the gradient clipping work on DTensors, for the same numbers. Unsharded, the model,
+    the optimizer (AdamW over the same parameters, fp32 master weights) and the precision policy
+    are the same: with train.precision=bf16 every matmul runs in bf16 under the task's
+    `torch.autocast` (as under FSDP's bf16 compute copies) and gradients accumulate in fp32
+    (as FSDP's fp32 reduce_dtype); ops autocast keeps in fp32 (norms, embeddings) then read the
+    fp32 weights instead of their bf16 copies. Checkpoints (DCP) and the export are
+    layout-independent: a 1-process run resumes an N-process checkpoint and the reverse
+    (README.md, "Checkpoints belong to a run").
+
+    `keep_sharded`: the smoke run keeps FSDP2 on its 1-process mesh, because it measures the
+    memory of the sharded layout that the N-process run will use (its gathered unit buffers;
+    see the smoke report's projection).
+    """
+    if keep_sharded or mesh.size() > 1:
+        return shard(model, mesh, precision)
+    units = choose_units(model)
+    _check_no_shared_params(units, model)
+    model.to(device)
+    return units
+
+
 def _checkpointed(model: nn.Module) -> bool:
     """Whether the decoder layers recompute their forward in backward (activation checkpointing).
 

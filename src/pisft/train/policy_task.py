@@ -17,11 +17,14 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import default_collate
 
 from pisft.model.lerobot_internals import set_non_blocking_transfers, sync_free_forward
+from pisft.train.batches import RAND_KEY
 from pisft.train.flops import pi05_training_flops_per_sample
 
 TOKENS_KEY = "observation.language.tokens"
+PREPARED_KEY = "_pisft_host_prepared"  # set by host_prepare: only the device copies are left
 
 
 @contextlib.contextmanager
@@ -48,6 +51,27 @@ def injected_flow_samples(core: nn.Module, noise: torch.Tensor, time: torch.Tens
         del core.sample_time
 
 
+class HostCollate:
+    """collate_fn of the training data loader: default_collate, then the preprocessor without
+    its device step; the per-sample random draws pass through untouched."""
+
+    def __init__(self, host_pipeline: Any) -> None:
+        self.host_pipeline = host_pipeline
+
+    def host_prepare(self, batch: dict[str, Any]) -> dict[str, Any]:
+        out = dict(self.host_pipeline(batch))
+        out[PREPARED_KEY] = True
+        return out
+
+    def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = default_collate(items)
+        rand = batch.pop(RAND_KEY, None)
+        batch = self.host_prepare(batch)
+        if rand is not None:
+            batch[RAND_KEY] = rand
+        return batch
+
+
 class PolicyTask:
     def __init__(self, policy: nn.Module, preprocessor: Any, device: torch.device,
                  precision: str = "fp32") -> None:
@@ -64,6 +88,8 @@ class PolicyTask:
         self.scale = float(cfg.time_sampling_scale)
         self.offset = float(cfg.time_sampling_offset)
         self._flops: dict[int, float] = {}
+        self._collate: HostCollate | None = None
+        self._device_step: Any = None  # the preprocessor's last step alone (LeRobot's device copies)
         self.image_keys = frozenset(cfg.image_features)
         set_non_blocking_transfers(preprocessor)
 
@@ -72,7 +98,31 @@ class PolicyTask:
         time = np.float32(rng.beta(self.alpha, self.beta) * self.scale + self.offset)
         return {"noise": noise, "time": np.asarray(time, dtype=np.float32)}
 
+    def host_prepare(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """LeRobot's preprocessing of a collated batch on the host, up to (not including) its
+        device step: normalised state/action, the prompt tokens (which read the state).
+
+        The data loader runs it in its worker processes (`collate`), so the training process
+        only moves the prepared tensors to the device (`prepare`)."""
+        return self.collate.host_prepare(batch)
+
+    @property
+    def collate(self) -> HostCollate:
+        """The data loader's collate_fn: stack the samples, then `host_prepare` (in a worker).
+        It holds the preprocessor only (not the policy), so a worker gets a small object."""
+        if self._collate is None:
+            steps = getattr(self.pre, "steps", None)
+            if not steps or type(steps[-1]).__name__ != "DeviceProcessorStep":
+                raise TypeError("the preprocessor does not end with LeRobot's DeviceProcessorStep; "
+                                "LeRobot's pi0.5 pipeline changed underneath?")
+            self._collate = HostCollate(self.pre[:-1])
+        return self._collate
+
     def prepare(self, batch: dict[str, Any]) -> dict[str, Any]:
+        if batch.pop(PREPARED_KEY, False):  # preprocessed by the data loader: the device step only
+            if self._device_step is None:
+                self._device_step = self.pre[-1:]
+            return self._device_step(batch)
         # Images (the bulk of the bytes; pinned by the data loader on an accelerator) go to the
         # device first, asynchronously; LeRobot's pipeline then normalises state/action and
         # builds the prompt on the host (the prompt reads the state) and moves the rest.

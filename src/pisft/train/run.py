@@ -11,7 +11,7 @@ from pisft import config as config_mod
 from pisft.errors import PisftError
 from pisft.train import loop, optim
 from pisft.train.checkpoint import CheckpointManager, checkpoint_root, other_runs, run_fingerprint
-from pisft.train.batches import make_loader
+from pisft.train.batches import make_loader, resolve_workers
 from pisft.train.export import export_model
 from pisft.train.fsdp import sharding_report
 from pisft.train.guard import RunLock, RunLockHeld
@@ -102,16 +102,18 @@ def _train(ctx: Context, built, scheduler, resolved: dict, ckpt_root: Path,
         metrics_log.reset(keep_upto_step=start_step)
 
     sampler = make_sampler(cfg, built.train_set, ctx.world_size)
+    workers = resolve_workers(t.num_workers, ctx.info.kind, t.nproc_per_node)
     loader = make_loader(built.train_set, sampler, rank=ctx.rank, start_step=start_step,
                          end_step=t.steps, seed=t.seed, draw=built.task.draw,
-                         num_workers=t.num_workers, prompt=built.prompt,
-                         pin_memory=ctx.info.kind != "cpu")
+                         num_workers=workers, prompt=built.prompt, collate=built.task.collate,
+                         pin_memory=ctx.info.kind != "cpu", prefetch_factor=t.prefetch_factor)
     peak, peak_source = peak_flops(ctx)
     ctx.log(f"{ctx.world_size} process(es) on {ctx.info.kind} ({ctx.info.name}), "
             f"micro batch {t.micro_batch_size} × accumulation {cfg.grad_accum_steps} × "
             f"{ctx.world_size} = global batch {t.global_batch_size}; steps {start_step}..{t.steps}; "
-            f"train set {len(built.train_set)} frames; precision {t.precision}; peak FLOP/s: "
-            f"{peak_source}")
+            f"train set {len(built.train_set)} frames; precision {t.precision}; "
+            f"{'FSDP2' if ctx.world_size > 1 else 'unsharded (one process)'}; data-loader workers "
+            f"{workers} per process (train.num_workers {t.num_workers}); peak FLOP/s: {peak_source}")
     progress = Progress(t.steps, start_step, enabled=ctx.is_main, desc="train_8card")
     tb = TensorBoardSink(ckpt_root / "tensorboard") if (t.tensorboard and ctx.is_main) else None
 

@@ -86,7 +86,10 @@ def build(ctx: Context) -> Built:
     # One checkpointing level (per decoder layer); the unused expert lm_head detached.
     internals.prepare_for_training(policy, checkpointing=cfg.train.activation_checkpointing)
     mesh = init_device_mesh(ctx.info.device.type, (ctx.world_size,))
-    units = fsdp.shard(policy, mesh, cfg.train.precision)  # moves shards and buffers to the device
+    # FSDP2 on N processes; one process trains unsharded, except the smoke (it measures the
+    # sharded layout's memory). Moves the parameters and buffers to the device.
+    units = fsdp.distribute(policy, mesh, cfg.train.precision, ctx.info.device,
+                            keep_sharded=ctx.stage == "smoke_1card")
     optimizer = optim.build_optimizer(policy.parameters(), lr=cfg.train.lr,
                                       weight_decay=cfg.train.weight_decay,
                                       fused=devices.fused_adamw_supported(ctx.info.kind))
