@@ -209,3 +209,23 @@ def test_make_setup_installs_the_simulator_and_reruns_when_its_pins_change(tmp_p
     out = make("-s", "setup", cwd=work, env=env)
     assert out.returncode == 0 and "up to date" not in out.stdout
     assert "python scripts/libero_sim_setup.py all" in log.read_text()
+
+
+@pytest.mark.skipif(not INSTALLED, reason="the LIBERO simulator is not installed (`make setup` installs it)")
+def test_an_unwritable_config_folder_is_named_with_the_variable_to_set(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("LIBERO_CONFIG_PATH", str(blocker / "libero"))
+    with pytest.raises(libero_sim.SimulatorUnavailable, match="set LIBERO_CONFIG_PATH to a writable folder"):
+        libero_sim.LiberoSimulator()
+
+
+def test_the_config_file_is_written_whole_and_then_kept(tmp_path):
+    if not INSTALLED:
+        pytest.skip("the LIBERO simulator is not installed (`make setup` installs it)")
+    env = {"LIBERO_CONFIG_PATH": str(tmp_path / "cfg")}
+    written = libero_sim.ensure_libero_config(env)
+    assert written == tmp_path / "cfg" / "config.yaml"
+    assert [p.name for p in (tmp_path / "cfg").iterdir()] == ["config.yaml"]  # no temporary left
+    assert libero_sim.config_problem(written) is None
+    assert libero_sim.ensure_libero_config(env) is None

@@ -123,7 +123,10 @@ def ensure_libero_config(environ: dict | None = None) -> Path | None:
         "assets": bench_root / "assets",
     }
     config_file.parent.mkdir(parents=True, exist_ok=True)
-    config_file.write_text(yaml.safe_dump({k: str(v) for k, v in paths.items()}))
+    # atomic: environment worker processes may start together and LIBERO reads it at import
+    tmp = config_file.with_name(f".{config_file.name}.{os.getpid()}.tmp")
+    tmp.write_text(yaml.safe_dump({k: str(v) for k, v in paths.items()}))
+    os.replace(tmp, config_file)
     return config_file
 
 
@@ -218,7 +221,12 @@ class LiberoSimulator:
         for problem in (rendering_problem(os.environ["MUJOCO_GL"]), assets_problem(bench_root)):
             if problem:
                 raise SimulatorUnavailable(problem)
-        written = ensure_libero_config()
+        try:
+            written = ensure_libero_config()
+        except OSError as exc:
+            raise SimulatorUnavailable(
+                f"cannot write LIBERO's config file {libero_config_file()} ({exc}); set LIBERO_CONFIG_PATH "
+                "to a writable folder (LIBERO asks on stdin for its paths without this file)") from None
         if written is not None:
             print(f"closed_loop: wrote LIBERO's paths to {written}", flush=True)
         elif problem := config_problem(libero_config_file()):  # a file from elsewhere, e.g. an old install
