@@ -8,6 +8,10 @@ Settings follow openpi's `examples/libero/main.py`: 256×256 renders, images rot
 resized with padding to 224 before they are sent, the state is end-effector position (3) +
 axis-angle orientation (3) + gripper joint positions (2), 10 wait steps with a dummy action
 while objects settle, a fixed environment seed (7), and per-suite step limits.
+
+`make setup` installs the simulator, its scene assets, the OpenGL libraries and LIBERO's config
+file (README.md, "The LIBERO simulator"); `LiberoSimulator` checks each of these before the slow
+import and names what is missing and the command that provides it.
 """
 
 from __future__ import annotations
