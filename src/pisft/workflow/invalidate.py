@@ -1,17 +1,23 @@
 """A stage that starts removes the outputs derived from its previous outputs.
 
-Why: when a job fails, Snakemake deletes its outputs; Snakemake 9 then treats the missing
-intermediate files like temporary ones and reports "Nothing to be done" for `all` as long as
-the downstream outputs (e.g. an old evaluation) still exist, so a stale evaluation would
-survive a failed retraining. Removing downstream outputs when a stage starts makes the next
-`snakemake --cores all` or `dvc repro` rerun the failed stage and everything after it.
+Which case still needs this: a downstream rule named as Snakemake's target after a failure.
+When a job fails, Snakemake deletes its outputs, and Snakemake 9 then treats a missing
+intermediate like a temporary file: `snakemake evaluate` (or any target whose own outputs
+exist) reports "Nothing to be done" while the evaluation of the previous model is still there.
+The plain `snakemake --cores all` does not need this (its `rule all` asks for every stage's
+outputs, so the missing model is itself requested and everything after it reruns), nor does
+DVC, which compares content hashes. Removing the downstream outputs when a stage starts covers
+the named-target case, and leaves no stale evaluation beside a failed training.
 
 The DAG comes from dvc.yaml, which is generated from the Snakemake rules and checked for
-staleness by a test. Persistent outputs (training checkpoints) are never removed.
+staleness by a test; its outputs are `${results_dir}/...` templates, filled in with the run's
+results_dir. Persistent outputs (training checkpoints) are never removed, nor anything outside
+the run's results_dir.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -29,8 +35,29 @@ def _out_paths(entries: list) -> list[tuple[str, bool]]:
     return paths
 
 
-def load_dag(dvc_yaml: Path) -> dict[str, dict]:
-    stages = yaml.safe_load(dvc_yaml.read_text())["stages"]
+def _filled(text: str, dvc_yaml: Path, results_dir: str | Path) -> str:
+    """dvc.yaml's templates filled in as DVC does (from its vars file), results_dir the run's."""
+    text = text.replace("${results_dir}", str(results_dir).rstrip("/"))
+    vars_files = (yaml.safe_load(text) or {}).get("vars", [])
+    values: dict = {}
+    for name in vars_files:
+        path = dvc_yaml.parent / name
+        if isinstance(name, str) and path.is_file():
+            values.update(yaml.safe_load(path.read_text()) or {})
+
+    def value(match: re.Match) -> str:
+        node = values
+        for part in match.group(1).split("."):
+            if not isinstance(node, dict) or part not in node:
+                return match.group(0)
+            node = node[part]
+        return str(node)
+
+    return re.sub(r"\$\{([a-zA-Z_.]+)\}", value, text)
+
+
+def load_dag(dvc_yaml: Path, results_dir: str | Path = "results") -> dict[str, dict]:
+    stages = yaml.safe_load(_filled(dvc_yaml.read_text(), dvc_yaml, results_dir))["stages"]
     dag = {}
     for name, stage in stages.items():
         outs = _out_paths(stage.get("outs", [])) + _out_paths(stage.get("metrics", [])) + _out_paths(
@@ -70,14 +97,14 @@ def invalidate_downstream(stage: str, results_dir: str | Path = "results",
                           dvc_yaml: str | Path = "dvc.yaml") -> list[str]:
     """Remove the downstream outputs of `stage` under `results_dir`; return what was removed.
 
-    dvc.yaml names outputs under the results folder it was generated for; a run with another
-    `results_dir` (e.g. `--set results_dir=...`) has them rebased there, and nothing outside
-    the run's own results folder is ever touched.
+    dvc.yaml's outputs are templates over results_dir; a dvc.yaml with literal paths (generated
+    before) has them rebased onto the run's `results_dir`. Nothing outside the run's own results
+    folder is ever touched.
     """
     dvc_yaml = Path(dvc_yaml)
     if not dvc_yaml.is_file():
         return []
-    dag = load_dag(dvc_yaml)
+    dag = load_dag(dvc_yaml, results_dir)
     generated_for = _results_dir_of(dag)
     if stage not in dag or generated_for is None:
         return []
