@@ -68,7 +68,8 @@ def test_missing_python312_is_one_clear_line(tmp_path):
 
 def _setup_tree(tmp_path: Path) -> Path:
     """What `make setup` reads, in a scratch folder, with a .venv whose python records every call
-    and installs nothing (`-m pip ...` is logged and succeeds): the tests' own .venv is never touched."""
+    and does nothing but answer `-c` checks (pip installs and set-up scripts are logged and
+    succeed): the tests' own .venv is never touched."""
     work = tmp_path / "proj"
     (work / "workflow").mkdir(parents=True)
     for name in ("Makefile", "pyproject.toml"):
@@ -78,7 +79,7 @@ def _setup_tree(tmp_path: Path) -> Path:
     py = work / ".venv/bin/python"
     py.parent.mkdir(parents=True)
     py.write_text(f'#!/bin/bash\necho "$*" >> "{work}/calls.log"\n'
-                  f'[ "$1" = -m ] && exit 0\nexec "{REAL_PY312}" "$@"\n')
+                  f'[ "$1" = -c ] && exec "{REAL_PY312}" "$@"\nexit 0\n')
     py.chmod(0o755)
     return work
 
