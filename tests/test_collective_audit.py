@@ -130,6 +130,7 @@ def _torchrun(out: Path, *args: str, timeout: float = 120) -> list[dict]:
     return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.integration  # ~25 s: gloo worker processes
 def test_stand_in_hccl_refuses_what_hccl_refuses(tmp_path):
     for r in _torchrun(tmp_path / "out", "collectives"):
         assert r["backend"] == "hccl" and r["stand_in"] is True

@@ -316,6 +316,7 @@ def deterministic_part(metrics):
     return {k: v for k, v in metrics.items() if k not in ("timing", "wall_time_s", "settings", "model_dir")}
 
 
+@pytest.mark.integration  # ~15 s: rollouts in worker processes
 def test_results_do_not_depend_on_the_number_of_environment_processes(tmp_path):
     """Worker processes (spawned), 1 and 2: same episodes, same order, same metrics, same videos."""
     tasks = [StandInTask(f"reach {g} 0 0", [g, 0, 0]) for g in (0.3, 0.45, 0.2)]
@@ -508,6 +509,7 @@ def test_resize_with_pad_keeps_aspect():
     assert out[0, 112].sum() == 0 and out[112, 112].min() == 255  # padded top, image in middle
 
 
+@pytest.mark.integration  # ~15 s: rollouts in worker processes
 def test_stage_rolls_out_the_exported_model_in_process(tmp_path):
     """The default policy: results/train/model through LiberoPolicy (the code `serve` runs)."""
     from test_serve_openpi_client import write_tiny_model

@@ -77,6 +77,7 @@ def evaluated(results) -> dict:
     return offline.run(make_cfg(results))
 
 
+@pytest.mark.integration  # ~4 min on 2 cores for the module: demo, conversion, two tiny models, the evaluation
 def test_metrics_have_both_models_per_task_and_intervals(results, evaluated):
     m = json.loads((results / "eval" / "metrics.json").read_text())
     assert m == json.loads(json.dumps(evaluated))
@@ -102,6 +103,7 @@ def test_metrics_have_both_models_per_task_and_intervals(results, evaluated):
     assert m["improvement"] == pytest.approx(1 - comp["ratio"])
 
 
+@pytest.mark.integration  # ~4 min on 2 cores for the module: demo, conversion, two tiny models, the evaluation
 def test_metrics_are_flat_enough_for_dvc(results):
     m = json.loads((results / "eval" / "metrics.json").read_text())
 
@@ -114,6 +116,7 @@ def test_metrics_are_flat_enough_for_dvc(results):
     assert depth(m) <= 4
 
 
+@pytest.mark.integration  # ~4 min on 2 cores for the module: demo, conversion, two tiny models, the evaluation
 def test_plot_tables_and_report(results):
     out = results / "eval"
     for png in ("loss.png", "throughput.png", "per_task.png", "per_step.png"):
@@ -135,6 +138,7 @@ def test_plot_tables_and_report(results):
     assert json.loads((out / "pisft_config.json").read_text())["eval"]["frame_stride"] == 4
 
 
+@pytest.mark.integration  # ~4 min on 2 cores for the module: demo, conversion, two tiny models, the evaluation
 def test_figures_do_not_depend_on_batching_and_the_same_model_twice_gives_ratio_one(results, evaluated, tmp_path):
     # fewer episodes, another batch size: each episode's figures are unchanged (noise per frame)
     part, _, _ = offline.evaluate_models(make_cfg(results, max_episodes=3, batch_size=5, bootstrap_samples=0),
@@ -156,6 +160,7 @@ def test_figures_do_not_depend_on_batching_and_the_same_model_twice_gives_ratio_
     assert same["comparison"]["action_mse"]["ratio"] == 1.0
 
 
+@pytest.mark.integration  # ~4 min on 2 cores for the module: demo, conversion, two tiny models, the evaluation
 def test_missing_fine_tuned_model_is_a_clear_error(results, tmp_path):
     partial = tmp_path / "results"
     partial.mkdir()
@@ -178,6 +183,7 @@ STALE_CLOSED_LOOP = {"success_rate": 0.97, "suites": {"libero_10": {
     "successes": 97, "trials": 100, "success_rate": 0.97}}}
 
 
+@pytest.mark.integration  # ~4 min on 2 cores for the module: demo, conversion, two tiny models, the evaluation
 def test_a_stale_closed_loop_file_never_reaches_the_report_when_closed_loop_is_off(results, evaluated):
     """An earlier model's success rates in results/closed_loop/ must not be reported (issue 11)."""
     stale = results / "closed_loop" / "metrics.json"

@@ -38,6 +38,7 @@ def tiny_estimates(tmp_path_factory):
     }
 
 
+@pytest.mark.integration  # ~25-50 s each: memory simulations on fake tensors
 def test_counts_sharding_and_the_training_structure(tiny_estimates):
     from pisft.train.fsdp import choose_units
 
@@ -65,6 +66,7 @@ def test_counts_sharding_and_the_training_structure(tiny_estimates):
     assert base["peak_phase"] in ("forward", "backward", "clip + optimizer")
 
 
+@pytest.mark.integration  # ~25-50 s each: memory simulations on fake tensors
 def test_activations_follow_micro_batch_checkpointing_and_precision(tiny_estimates):
     act = {k: v["bytes"]["activations"] for k, v in tiny_estimates.items()}
     assert 1.6 < act["batch16"] / act["base"] < 2.2
@@ -74,6 +76,7 @@ def test_activations_follow_micro_batch_checkpointing_and_precision(tiny_estimat
     assert tiny_estimates["bf16"]["bytes"]["gathered"] < tiny_estimates["base"]["bytes"]["gathered"]
 
 
+@pytest.mark.integration  # ~25-50 s each: memory simulations on fake tensors
 def test_estimate_uses_the_fetched_model_config(tmp_path):
     from pisft.model import fetch
 
@@ -86,6 +89,7 @@ def test_estimate_uses_the_fetched_model_config(tmp_path):
     assert after["total_bytes"] == before["total_bytes"]
 
 
+@pytest.mark.integration  # ~25-50 s each: memory simulations on fake tensors
 def test_cli_json(tmp_path, capsys):
     from pisft import cli
 

@@ -89,6 +89,7 @@ def test_analytic_flops_match_a_flop_counter(tiny):
     assert analytic == pytest.approx(measured, rel=0.15)
 
 
+@pytest.mark.integration  # ~17 s
 def test_fused_joint_attention_matches_eager(tiny, monkeypatch):
     from unittest import mock
 

@@ -18,6 +18,7 @@ def _args(tmp_path, *extra):
                            "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "g.json"), *extra])
 
 
+@pytest.mark.integration  # ~15-55 s each: whole training steps of the tiny model
 def test_bf16_step_with_and_without_activation_checkpointing(tmp_path, capsys):
     result = gpu_step.run(_args(tmp_path))
     runs = result["runs"]
@@ -54,6 +55,7 @@ def _capacity_for(budget: float, headroom: float = 0.10) -> int:
     return int(budget / (1 - headroom))
 
 
+@pytest.mark.integration  # ~15-55 s each: whole training steps of the tiny model
 def test_the_choice_follows_the_device_capacity(tmp_path, cached_estimate):
     need = cached_estimate
     assert need["sign_descent"] < need["adamw"]  # AdamW's moments are part of the peak
@@ -70,6 +72,7 @@ def test_the_choice_follows_the_device_capacity(tmp_path, cached_estimate):
     assert forced["optimizer"] == "adamw"
 
 
+@pytest.mark.integration  # ~15-55 s each: whole training steps of the tiny model
 def test_a_device_too_small_for_adamw_measures_the_stateless_first_step(tmp_path, monkeypatch, capsys,
                                                                         cached_estimate):
     """pi0.5 + AdamW on one 64 GB card, in miniature: a stand-in capacity between the two peaks."""
