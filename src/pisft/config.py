@@ -302,15 +302,21 @@ def _value_problems(cfg: PisftConfig) -> list[str]:
     return problems
 
 
-def _cross_check(cfg: PisftConfig, source: str) -> None:
-    t = cfg.train
+def _choice_problems(cfg: PisftConfig) -> list[str]:
     problems: list[str] = []
     if cfg.device not in DEVICES:
         problems.append(f"device: '{cfg.device}' is not one of {', '.join(DEVICES)}")
     if cfg.model.preset not in PRESETS:
         problems.append(f"model.preset: '{cfg.model.preset}' is not one of {', '.join(PRESETS)}")
-    if t.precision not in PRECISIONS:
-        problems.append(f"train.precision: '{t.precision}' is not one of {', '.join(PRECISIONS)}")
+    if cfg.train.precision not in PRECISIONS:
+        problems.append(f"train.precision: '{cfg.train.precision}' is not one of {', '.join(PRECISIONS)}")
+    return problems
+
+
+def _layout_problems(cfg: PisftConfig) -> list[str]:
+    """Counts, nodes and the batch split of the training run."""
+    t = cfg.train
+    problems: list[str] = []
     for key in ("nproc_per_node", "nnodes", "micro_batch_size", "global_batch_size", "steps",
                 "save_every", "keep_last", "log_every"):
         if getattr(t, key) < 1:
@@ -326,6 +332,11 @@ def _cross_check(cfg: PisftConfig, source: str) -> None:
             f"train.micro_batch_size × world size = {t.micro_batch_size} × {cfg.world_size} = "
             f"{per_step}; pick a multiple of {per_step} (e.g. {per_step * max(1, round(t.global_batch_size / per_step))})"
         )
+    return problems
+
+
+def _smoke_and_data_problems(cfg: PisftConfig) -> list[str]:
+    problems: list[str] = []
     if cfg.smoke.steps < 2:
         problems.append("smoke.steps: must be at least 2 (the smoke run checks the loss falls)")
     if not 0 <= cfg.smoke.min_memory_headroom < 1:
@@ -336,32 +347,45 @@ def _cross_check(cfg: PisftConfig, source: str) -> None:
         problems.append("data.demo_failure_fraction: must be in [0, 1)")
     if cfg.data.image_size < 0:
         problems.append("data.image_size: must be 0 (keep) or a positive size in pixels")
-    problems.extend(_data_problems(cfg.data))
-    if t.warmup_steps < 0 or t.lr <= 0:
-        problems.append("train.lr must be > 0 and train.warmup_steps >= 0")
-    problems.extend(_value_problems(cfg))
-    e = cfg.eval
+    return problems + _data_problems(cfg.data)
+
+
+# suite -> number of tasks
+LIBERO_SUITES = {"libero_spatial": 10, "libero_object": 10, "libero_goal": 10, "libero_10": 10,
+                 "libero_90": 90}
+
+
+def _eval_problems(e: EvalConfig) -> list[str]:
+    problems: list[str] = []
     for key in ("batch_size", "frame_stride", "trials_per_task", "replan_steps", "resize_size"):
         if getattr(e, key) < 1:
             problems.append(f"eval.{key}: must be at least 1, got {getattr(e, key)}")
     for key in ("max_episodes", "bootstrap_samples", "num_wait_steps"):
         if getattr(e, key) < 0:
             problems.append(f"eval.{key}: must be at least 0, got {getattr(e, key)}")
-    libero_suites = {"libero_spatial": 10, "libero_object": 10, "libero_goal": 10, "libero_10": 10,
-                     "libero_90": 90}  # suite -> number of tasks
     for suite in e.libero_suites:
-        if suite not in libero_suites:
-            problems.append(f"eval.libero_suites: unknown suite '{suite}'; one of {', '.join(libero_suites)}")
+        if suite not in LIBERO_SUITES:
+            problems.append(f"eval.libero_suites: unknown suite '{suite}'; one of {', '.join(LIBERO_SUITES)}")
     for key in ("max_steps", "num_envs"):
         if getattr(e, key) < 0:
             problems.append(f"eval.{key}: must be 0 (the default: "
                             + ("openpi's limit per suite" if key == "max_steps" else "one per available core")
                             + f") or a positive number, got {getattr(e, key)}")
-    n_tasks = min((libero_suites.get(s, 90) for s in e.libero_suites), default=90)
+    n_tasks = min((LIBERO_SUITES.get(s, 90) for s in e.libero_suites), default=90)
     bad_ids = [t for t in e.task_ids if not 0 <= t < n_tasks]
     if bad_ids or len(set(e.task_ids)) != len(e.task_ids):
         problems.append(f"eval.task_ids: {list(e.task_ids)}: task ids must be distinct and in 0..{n_tasks - 1} "
                         "(the tasks of every suite in eval.libero_suites); [] evaluates every task")
+    return problems
+
+
+def _cross_check(cfg: PisftConfig, source: str) -> None:
+    """Every problem of a schema-valid config at once: values, ranges, their combinations."""
+    t = cfg.train
+    problems = _choice_problems(cfg) + _layout_problems(cfg) + _smoke_and_data_problems(cfg)
+    if t.warmup_steps < 0 or t.lr <= 0:
+        problems.append("train.lr must be > 0 and train.warmup_steps >= 0")
+    problems += _value_problems(cfg) + _eval_problems(cfg.eval)
     if problems:
         raise ConfigError(f"{source}: invalid configuration:\n  - " + "\n  - ".join(problems))
 
