@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from pisft.errors import PisftError
@@ -327,10 +327,11 @@ def _layout_problems(cfg: PisftConfig) -> list[str]:
         problems.append("train.rdzv_endpoint: required when train.nnodes > 1 (host:port of node 0)")
     per_step = t.micro_batch_size * max(cfg.world_size, 1)
     if t.micro_batch_size >= 1 and cfg.world_size >= 1 and t.global_batch_size % per_step:
+        example = per_step * max(1, round(t.global_batch_size / per_step))
         problems.append(
             f"train.global_batch_size: {t.global_batch_size} is not divisible by "
             f"train.micro_batch_size × world size = {t.micro_batch_size} × {cfg.world_size} = "
-            f"{per_step}; pick a multiple of {per_step} (e.g. {per_step * max(1, round(t.global_batch_size / per_step))})"
+            f"{per_step}; pick a multiple of {per_step} (e.g. {example})"
         )
     return problems
 
