@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 print(_storage_error_line(exc), file=sys.stderr)
                 return 1
-            except Exception:  # a bug, not a user error: show the traceback in the log too
+            except Exception:  # noqa: BLE001 - a bug, not a user error: the traceback goes to the log too
                 import traceback
 
                 traceback.print_exc()

@@ -163,7 +163,7 @@ def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path) -> tuple[int, 
     lines: list[str] = []
     me = os.getpid()
     log = _open_log(log_file)
-    guard._prctl()  # loaded here, not in the forked child
+    guard._prctl()  # noqa: SLF001 - loaded here, not in the forked child
     env = {**env, guard.LAUNCHER_PID_ENV: str(me)}
     with subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -78,7 +78,7 @@ def _estimate(cfg: Any) -> Any:
             est = estimate_memory(cfg, world_size=n)
             out[str(n)] = {"total_bytes": est["total_bytes"], "bytes": est["bytes"],
                            "state_bytes": est["state_bytes"]}
-        except Exception as exc:  # an estimate is informative only
+        except Exception as exc:  # noqa: BLE001 - an estimate is informative only
             out[str(n)] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
 
