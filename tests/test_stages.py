@@ -53,17 +53,25 @@ def test_every_stage_names_a_function_that_exists():
         assert func in defined, f"{name}: {stage.run}"
 
 
-def test_the_rules_run_the_tables_commands_and_write_its_outputs():
+def test_the_rules_run_the_tables_commands_and_write_its_outputs(tmp_path):
+    """Every stage (closed_loop enabled) against the rule Snakemake parses from workflow/rules."""
+    import yaml
+
+    from pisft.workflow.scratch import copy_project
     from pisft.workflow.snakemake_rules import load_rules
 
-    rules = [r for r in load_rules(ROOT / "workflow" / "Snakefile", ROOT) if r.name in STAGES]
-    assert {r.name for r in rules} >= set(STAGES) - {"closed_loop"}  # closed_loop: when enabled
-    for rule in rules:
-        stage = STAGES[rule.name]
-        log = f"results/logs/{rule.name}.log"
-        expected = stage.command.replace("{params.config}", "config/config.yaml").replace("{log}", log)
-        assert rule.cmd == expected, rule.name
-        assert sorted(rule.outputs.values()) == sorted(f"results/{o}" for o in stage.outputs), rule.name
+    project = copy_project(ROOT, tmp_path / "project")
+    config_file = project / "config" / "config.yaml"
+    config = yaml.safe_load(config_file.read_text())
+    config["eval"]["closed_loop"] = True
+    config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+    rules = {r.name: r for r in load_rules(project / "workflow" / "Snakefile", project)}
+    assert set(STAGES) <= set(rules)
+    for name, stage in STAGES.items():
+        rule = rules[name]
+        log = f"results/logs/{name}.log"
+        assert rule.cmd == stage.command.replace("{params.config}", rule.config_file).replace("{log}", log)
+        assert sorted(rule.outputs.values()) == sorted(f"results/{o}" for o in stage.outputs), name
 
 
 # ---------------------------------------------------------------------------------- imports
