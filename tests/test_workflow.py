@@ -1,6 +1,7 @@
 """The DAG's single source of truth: Snakemake rules; dvc.yaml is generated from them."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -74,11 +75,15 @@ def test_dvc_only_settings_are_no_snakemake_params(monkeypatch):
     from snakemake.api import SnakemakeApi
     from snakemake.settings.types import ConfigSettings, OutputSettings, ResourceSettings, StorageSettings
 
+    validations = []
+    real = pisft_config.from_dict
+    monkeypatch.setattr(pisft_config, "from_dict", lambda *a, **k: validations.append(1) or real(*a, **k))
     with SnakemakeApi(OutputSettings(quiet=None)) as api:
         wf = api.workflow(resource_settings=ResourceSettings(cores=1), config_settings=ConfigSettings(),
                           storage_settings=StorageSettings(), snakefile=Path("workflow/Snakefile"))._workflow
         for rule in wf.rules:
             assert set(dict(rule.params.items())) <= {"code", "config", "tracked"}, rule.name
+    assert len(validations) == 1, "the config is validated once per parse, not once per rule"
     # and dvc_yaml.py, where they live, is no code any stage depends on
     assert not any("dvc_yaml" in c or c == "src/pisft/workflow" for s in STAGES for c in code_deps(s, "auto"))
 
@@ -225,3 +230,23 @@ def test_slurm_profile_asks_for_a_whole_node_of_accelerators(tmp_path):
     train = out[out.index("rule train_8card:"):]
     resources = next(line for line in train.splitlines() if "resources:" in line)
     assert "gres=npu:8" in resources and "accelerators=8" in resources and "nodes=1" in resources
+
+
+def test_non_training_stages_take_their_threads_from_one_place(monkeypatch):
+    """Snakemake exports OMP_NUM_THREADS=<rule threads>, DVC nothing: the stage sets its own."""
+    import torch
+
+    from pisft.workflow.drivers import pin_threads
+
+    before = torch.get_num_threads()
+    try:
+        for exported in ("1", "7", None):  # what a driver may have exported
+            if exported is None:
+                monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+            else:
+                monkeypatch.setenv("OMP_NUM_THREADS", exported)
+            monkeypatch.setenv("PISFT_NUM_THREADS", "2")
+            assert pin_threads() == 2 and torch.get_num_threads() == 2
+            assert os.environ["OMP_NUM_THREADS"] == "2"
+    finally:
+        torch.set_num_threads(before)
