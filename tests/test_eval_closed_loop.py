@@ -519,7 +519,15 @@ def test_stage_rolls_out_the_exported_model_in_process(tmp_path):
     (tmp_path / "results" / "train").mkdir(parents=True)
     model.rename(tmp_path / "results" / "train" / "model")
     sim = StandInSimulator([StandInTask("reach 99 0 0", [99.0, 0, 0])])
-    metrics = closed_loop.run(cfg, simulator=lambda: sim, inline=True)
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        metrics = closed_loop.run(cfg, simulator=lambda: sim, inline=True)
+        # one policy thread beside the simulating workers, whatever the driver exported
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
     episode = json.loads((tmp_path / "results" / "closed_loop" / "episodes.jsonl").read_text())
     assert episode["error"] is None and episode["steps"] == 15 and episode["policy_calls"] == 3
     assert metrics["success_rate"] == 0.0

@@ -15,8 +15,9 @@ of its current task and building the policy's requests itself. The policy runs o
 (the parent) process, one request at a time as workers ask: while it computes one worker's
 chunk, the other workers simulate. One model in memory whatever the number of environments
 (pi0.5 is 3B parameters; on a GPU host it sits on the one device), and the parent is busy only
-between chunks (a chunk is 5 simulator steps of about 0.2 CPU-s each on this CPU, against
-milliseconds to a few hundred for the policy), so N workers keep N cores simulating. Requests
+between chunks: on this 2-core CPU a chunk is 5 simulator steps of about 0.2 CPU-s each (both
+256×256 cameras rendered in software), the tiny policy about 0.1 CPU-s per chunk on one thread
+(`policy_threads`), so N workers keep N cores simulating. Requests
 are not batched across environments: a batch's composition would depend on timing, and
 results would then depend on `eval.num_envs`.
 
@@ -55,6 +56,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from pisft import config as config_mod
+from pisft import device as device_mod
 from pisft.errors import PisftError
 from pisft.evaluate import libero_sim
 from pisft.evaluate import video as video_mod
@@ -117,6 +119,21 @@ def resolve_num_envs(num_envs: int) -> int:
         raise PisftError(f"eval.num_envs: must be 0 (one per available core) or a positive number "
                          f"of environment processes, got {num_envs}")
     return num_envs or available_cores()
+
+
+def policy_threads() -> int:
+    """CPU threads of the policy: `PISFT_NUM_THREADS` when set, else 1.
+
+    The environment workers take the cores (`eval.num_envs` defaults to one per core), and a
+    multi-threaded PyTorch forward among busy cores stalls at every parallel region waiting for
+    a descheduled thread: measured here, the tiny model took 3-13 s per chunk with 2 threads
+    beside 2 simulating workers and 0.3 s with 1 (about 0.1 CPU-s). A fixed count (not what
+    the driver exported: Snakemake the rule's threads, DVC nothing; not derived from
+    eval.num_envs) also keeps the numbers the same under either driver and any num_envs.
+    On a GPU host the count hardly matters."""
+    if os.environ.get(device_mod.THREADS_ENV, "").strip():
+        return device_mod.threads_per_process(1)
+    return 1
 
 
 @dataclass
@@ -512,7 +529,11 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
     sim = factory()  # SimulatorUnavailable with the install line when LIBERO is not installed
     sim_info = simulator_info(sim)
     if policy is None:
+        import torch
+
         from pisft.serve.libero_policy import LiberoPolicy
+
+        torch.set_num_threads(policy_threads())
 
         policy = LiberoPolicy.from_model_dir(model_dir, device=cfg.device, seed=settings.seed,
                                              trained_on=cfg.results("dataset"))
