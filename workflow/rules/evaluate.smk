@@ -6,6 +6,18 @@ if CFG.eval.closed_loop:
             f"{RESULTS}/train/model",
         output:
             metrics=f"{RESULTS}/closed_loop/metrics.json",
+            report=report(
+                f"{RESULTS}/closed_loop/report.md",
+                caption="../report/closed_loop_report.rst",
+                category="Closed-loop LIBERO",
+            ),
+            # one HTML page per video (the report plays no bare MP4), the MP4s beside them
+            videos=report(
+                directory(f"{RESULTS}/closed_loop/videos"),
+                patterns=["{name}.html"],
+                caption="../report/closed_loop_video.rst",
+                category="Closed-loop LIBERO",
+            ),
         log:
             f"{LOGS}/closed_loop.log",
         benchmark:

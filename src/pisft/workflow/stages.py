@@ -68,6 +68,10 @@ CLOSED_LOOP_KEYS = (
     "eval.num_wait_steps",
     "eval.closed_loop_seed",
     "eval.resize_size",
+    "eval.max_steps",
+    "eval.task_ids",
+    "eval.videos",
+    # not eval.num_envs: it changes how fast, not what (results do not depend on it)
 )
 
 # The source each stage runs: a change reruns the stage (and what follows). Paths relative to
@@ -130,7 +134,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           ("train/model", "train/metrics.jsonl"),
           "train on train.nproc_per_node x train.nnodes devices; resumes, exports", training=True),
     Stage("closed_loop", "pisft.evaluate.closed_loop:run", ("device", *CLOSED_LOOP_KEYS), EVAL_CODE,
-          ("closed_loop/metrics.json",), "closed-loop LIBERO success rates (LIBERO simulator)"),
+          ("closed_loop/metrics.json", "closed_loop/report.md", "closed_loop/videos"),
+          "closed-loop LIBERO success rates, rollout videos (LIBERO simulator)"),
     Stage("evaluate", "pisft.evaluate.offline:run", ("device", *EVAL_KEYS), EVAL_CODE,
           EVAL_OUTPUTS, "held-out action error of the base and the fine-tuned model, plots, report"),
 )}
