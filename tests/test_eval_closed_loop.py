@@ -142,6 +142,10 @@ class GoalSeekingPolicy:
         return {"actions": np.tile(action, (self.horizon, 1))}
 
 
+def ci(entry):
+    return [entry["success_rate_ci_low"], entry["success_rate_ci_high"]]
+
+
 def settings(**kw):
     base = dict(suites=("libero_spatial",), trials_per_task=3, replan_steps=5, num_wait_steps=10,
                 seed=7, resize_size=224)
@@ -230,9 +234,9 @@ def test_failures_time_out_at_the_step_limit_and_crashes_are_recorded():
     assert (s["per_task"]["0"]["successes"], s["per_task"]["2"]["errors"]) == (2, 2)
     assert metrics["success_rate"] == pytest.approx(2 / 6)
     # 95% Wilson interval of 2/6: (0.0968, 0.7000)
-    np.testing.assert_allclose(s["success_rate_ci95"], [0.0968, 0.7000], atol=1e-4)
-    np.testing.assert_allclose(s["per_task"]["1"]["success_rate_ci95"], [0.0, 0.6576], atol=1e-4)
-    np.testing.assert_allclose(s["per_task"]["0"]["success_rate_ci95"], [0.3424, 1.0], atol=1e-4)
+    np.testing.assert_allclose(ci(s), [0.0968, 0.7000], atol=1e-4)
+    np.testing.assert_allclose(ci(s["per_task"]["1"]), [0.0, 0.6576], atol=1e-4)
+    np.testing.assert_allclose(ci(s["per_task"]["0"]), [0.3424, 1.0], atol=1e-4)
 
 
 def test_max_steps_and_task_ids_select_the_short_check():
@@ -274,7 +278,7 @@ def test_stage_writes_success_per_task_and_suite(tmp_path):
     assert set(on_disk["suites"]) == {"libero_spatial", "libero_10"}
     task = on_disk["suites"]["libero_10"]["per_task"]["1"]
     assert task["trials"] == 2 and task["episode_steps"]["max"] == 520  # libero_10 allows 520 steps
-    np.testing.assert_allclose(on_disk["success_rate_ci95"], [0.2152, 0.7848], atol=1e-4)  # 4 / 8
+    np.testing.assert_allclose(ci(on_disk), [0.2152, 0.7848], atol=1e-4)  # 4 / 8
     episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
     assert len(episodes) == 8 and not any((out / "videos").iterdir())
     t = on_disk["timing"]

@@ -319,9 +319,12 @@ def _stats(values: list[float]) -> dict:
 
 
 def _rate(entry: dict) -> None:
+    """success_rate and its 95% Wilson interval as two scalars (`success_rate_ci_low/_high`,
+    like the evaluate stage's `action_mse_ci_low/_high`), so `dvc metrics diff` compares them."""
     entry["success_rate"] = entry["successes"] / entry["trials"] if entry["trials"] else None
-    ci = wilson_interval(entry["successes"], entry["trials"], CONFIDENCE)
-    entry["success_rate_ci95"] = ci.as_list()
+    ci = wilson_interval(entry["successes"], entry["trials"], CONFIDENCE) if entry["trials"] else None
+    entry["success_rate_ci_low"] = ci.low if ci else None
+    entry["success_rate_ci_high"] = ci.high if ci else None
 
 
 def summarize(results: list[EpisodeResult]) -> dict:
@@ -347,20 +350,19 @@ def summarize(results: list[EpisodeResult]) -> dict:
             entry["episode_steps"] = _stats(entry.pop("_steps"))
     total = sum(s["trials"] for s in suites.values())
     successes = sum(s["successes"] for s in suites.values())
-    out = {
-        "success_rate": successes / total if total else None,
-        "success_rate_ci95": wilson_interval(successes, total, CONFIDENCE).as_list() if total else None,
+    out = {"successes": successes, "trials": total}
+    _rate(out)
+    out.update({
         # Mean of the suites' rates: how LIBERO results are usually quoted.
         "mean_suite_success_rate": (float(np.mean([s["success_rate"] for s in suites.values()]))
                                     if suites else None),
         "episodes": total,
-        "successes": successes,
         "errors": sum(s["errors"] for s in suites.values()),
         "episode_steps": _stats([r.steps for r in results]),
         "successful_episode_steps": _stats([r.steps for r in results if r.success]),
-        "confidence_interval": "95% Wilson score interval over the episodes",
+        "confidence_interval": "success_rate_ci_low/_high: 95% Wilson score interval over the episodes",
         "suites": suites,
-    }
+    })
     return out
 
 
@@ -434,8 +436,9 @@ def expectation(cfg: config_mod.PisftConfig, settings: Settings) -> str | None:
     return " ".join(notes) or None
 
 
-def _fmt_ci(ci: list | None) -> str:
-    return f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "n/a"
+def _fmt_ci(entry: dict) -> str:
+    low, high = entry.get("success_rate_ci_low"), entry.get("success_rate_ci_high")
+    return f"[{low:.2f}, {high:.2f}]" if low is not None and high is not None else "n/a"
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -459,12 +462,12 @@ def report_markdown(metrics: dict, settings: Settings, model_dir: str, *, video_
     if metrics.get("prompt"):
         lines.append(f"Prompt: {metrics['prompt']['describe']}.")
     lines += ["", f"Success rate {_num(metrics['success_rate'], '.3f')} "
-              f"(95% Wilson {_fmt_ci(metrics.get('success_rate_ci95'))}) over {metrics['episodes']} "
+              f"(95% Wilson {_fmt_ci(metrics)}) over {metrics['episodes']} "
               f"episodes; {metrics['errors']} crashed.", ""]
     lines += ["| suite | success rate | 95% CI | successes / trials | mean steps | episodes that crashed |",
               "|---|---|---|---|---|---|"]
     for name, s in metrics["suites"].items():
-        lines.append(f"| {name} | {s['success_rate']:.3f} | {_fmt_ci(s['success_rate_ci95'])} | "
+        lines.append(f"| {name} | {s['success_rate']:.3f} | {_fmt_ci(s)} | "
                      f"{s['successes']} / {s['trials']} | {_num(s['episode_steps']['mean'], '.1f')} | "
                      f"{s['errors']} |")
     lines += ["", "| suite | task | success rate | 95% CI | successes / trials | mean steps | video |",
@@ -473,7 +476,7 @@ def report_markdown(metrics: dict, settings: Settings, model_dir: str, *, video_
         for e in s["per_task"].values():
             video = f"[{Path(e['video']).name}]({video_prefix}{e['video']})" if e.get("video") else "—"
             lines.append(f"| {name} | {e['task_id']}: {e['task']} | {e['success_rate']:.3f} | "
-                         f"{_fmt_ci(e['success_rate_ci95'])} | {e['successes']} / {e['trials']} | "
+                         f"{_fmt_ci(e)} | {e['successes']} / {e['trials']} | "
                          f"{_num(e['episode_steps']['mean'], '.1f')} | {video} |")
     if t:
         lines += ["", f"Throughput: {_num(t.get('simulator_steps_per_s'), '.2f')} simulator steps/s per "

@@ -71,8 +71,8 @@ def _per_dim_table(per_dim: list[dict]) -> list[str]:
 
 
 def _ci95(entry: dict) -> str:
-    ci = entry.get("success_rate_ci95")
-    return f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "n/a"
+    low, high = entry.get("success_rate_ci_low"), entry.get("success_rate_ci_high")
+    return f"[{low:.2f}, {high:.2f}]" if low is not None and high is not None else "n/a"
 
 
 def closed_loop_section(cl: dict, video_prefix: str = "../closed_loop/") -> list[str]:
