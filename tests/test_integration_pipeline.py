@@ -34,6 +34,19 @@ def test_snakemake_runs_the_whole_dag_and_it_learns(default_pipeline):
         assert resolved["train"]["steps"] == cfg["train"]["steps"]
 
 
+def test_the_embedded_default_checks_the_closed_loop_in_the_real_simulator(default_pipeline):
+    """make run's short closed-loop check (issue 13): the real hf-libero, its videos, in the report."""
+    results = default_pipeline / "results"
+    closed = json.loads((results / "closed_loop/metrics.json").read_text())
+    assert closed["simulator"]["package"] == "hf-libero", closed["simulator"]
+    assert closed["episodes"] == 2 and closed["errors"] == 0
+    for task in closed["suites"]["libero_10"]["per_task"].values():
+        assert task["episode_steps"]["max"] <= 60 and (results / "closed_loop" / task["video"]).stat().st_size > 0
+    report = (results / "eval/report.md").read_text()
+    assert "## Closed-loop LIBERO success" in report and "Simulator: hf-libero" in report
+    assert "Expect a success rate of about 0" in report and "../closed_loop/videos/libero_10_task00.mp4" in report
+
+
 def test_second_snakemake_call_does_no_work(default_pipeline):
     out = run(["snakemake", "--cores", "2"], default_pipeline)
     assert "Nothing to be done" in out.stdout + out.stderr
@@ -43,3 +56,5 @@ def test_snakemake_report_builds_html_with_the_plots(default_pipeline):
     run(["snakemake", "--report", "report.html"], default_pipeline)
     html = (default_pipeline / "report.html").read_text(errors="replace")
     assert "loss.png" in html and "per_task.png" in html
+    # the rollout videos, one page each (snakemake --report plays no bare MP4)
+    assert "libero_10_task00.html" in html and "libero_10_task01.html" in html

@@ -453,7 +453,7 @@ def report_markdown(metrics: dict, settings: Settings, model_dir: str, *, video_
     if metrics.get("expectation"):
         lines += [f"**What to expect.** {metrics['expectation']}", ""]
     lines += [
-        f"Model `{model_dir}`; simulator {sim_name}; {settings.trials_per_task} trials per task, "
+        f"Model `{model_dir}`; simulator {sim_name}; trials per task: {settings.trials_per_task}, "
         f"replanning every {settings.replan_steps} steps, {settings.num_wait_steps} wait steps, "
         f"environment seed {settings.seed}, images resized to {settings.resize_size}, step limit "
         + (f"{settings.max_steps} (eval.max_steps)" if settings.max_steps else "openpi's per suite")
@@ -492,8 +492,7 @@ def report_markdown(metrics: dict, settings: Settings, model_dir: str, *, video_
                   "the policy sees them, 10 frames per second.", ""]
         for name, e in videos:
             src = f"{video_prefix}{e['video']}"
-            lines += [f"{name} task {e['task_id']} "
-                      f"({'success' if e['successes'] and e['trials'] else 'see table'}):", "",
+            lines += [f"{name} task {e['task_id']}: {e['task']}", "",
                       f'<video src="{src}" controls width="512"></video>', ""]
     return "\n".join(lines) + "\n"
 

@@ -85,7 +85,7 @@ def closed_loop_section(cl: dict, video_prefix: str = "../closed_loop/") -> list
                + (f" {sim['version']}" if sim.get("version") else "")
                + (f" (robosuite {sim['robosuite']}, MuJoCo {sim['mujoco']}, MUJOCO_GL={sim.get('MUJOCO_GL')})"
                   if sim.get("robosuite") else "")
-               + f"; {settings.get('trials_per_task', '?')} trials per task, step limit "
+               + f"; trials per task: {settings.get('trials_per_task', '?')}, step limit "
                + (f"{settings['max_steps']} (eval.max_steps)" if settings.get("max_steps") else "openpi's per suite")
                + f"; {t.get('num_envs', '?')} environment processes.")
     out.append("")
