@@ -33,7 +33,7 @@ from pathlib import Path
 import yaml
 
 from pisft import config as pisft_config
-from pisft.workflow.drivers import WRAPPER
+from pisft.workflow.stages import DVC_WRAPPER as WRAPPER
 from pisft.workflow.snakemake_rules import RuleSpec, load_workflow
 
 VARS_FILE = pisft_config.DEFAULT_CONFIG.as_posix()

@@ -91,6 +91,9 @@ SHARED_CODE = (
 )
 TRAIN_CODE = ("src/pisft/train", "src/pisft/model", "src/pisft/data")
 EVAL_CODE = ("src/pisft/evaluate", "src/pisft/serve", "src/pisft/model", "src/pisft/data")
+# DVC runs each stage's command through this wrapper (pisft.workflow.drivers: the config-shape
+# check, the benchmark row, Snakemake's records): dvc.yaml's cmd is `<wrapper> <stage> -- <command>`.
+DVC_WRAPPER = "python -m pisft.workflow.drivers dvc"
 LOCKS = {"npu": "workflow/envs/ascend-aarch64.lock.txt"}
 DEFAULT_LOCK = "workflow/envs/cpu-cuda.lock.txt"
 
