@@ -75,14 +75,14 @@ def test_the_rules_run_the_tables_commands_and_write_its_outputs(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- imports
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(SRC).with_suffix("").parts)
+def module_name(path: Path, src: Path = SRC) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def import_graph(src: Path = SRC) -> dict[str, set[str]]:
     """module -> the pisft modules it imports, anywhere in it (inside functions too)."""
-    files = {module_name(p): p for p in sorted(src.rglob("*.py"))}
+    files = {module_name(p, src): p for p in sorted(src.rglob("*.py"))}
 
     def known(name: str) -> str | None:
         while name and name not in files:
