@@ -13,7 +13,7 @@ import yaml
 from pisft import config as pisft_config
 from pisft.workflow import dvc_yaml
 from pisft.workflow.drivers import WRAPPER
-from pisft.workflow.snakemake_rules import load_rules, load_workflow
+from pisft.workflow.snakemake_rules import load_workflow
 from pisft.workflow.stages import STAGE_KEYS, code_deps
 
 ROOT = Path(__file__).resolve().parents[1]

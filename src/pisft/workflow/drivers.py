@@ -61,6 +61,10 @@ def check_dvc_shape(cfg: PisftConfig, dvc_file: Path = Path("dvc.yaml")) -> None
         old, sys.stdout = sys.stdout, quiet
         try:
             dvc_yaml.main(output=str(dvc_file))
+        except Exception as exc:  # noqa: BLE001 - e.g. the Snakefile refuses the config
+            raise PisftError(f"dvc.yaml was generated for a config shaped '{written}', and "
+                             f"config/config.yaml is now '{wanted}'; regenerating it failed ({exc}): "
+                             "fix that, run `python -m pisft dvc-yaml`, then `dvc repro`") from None
         finally:
             sys.stdout = old
     raise PisftError(
