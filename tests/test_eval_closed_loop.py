@@ -567,3 +567,19 @@ def test_the_embedded_default_is_a_short_real_simulator_check_that_says_what_to_
     real = C.from_dict({"model": {"source": "/models/pi05_base"}, "data": {"recap_dir": "/data/recap"},
                         "eval": {"closed_loop": True}})
     assert closed_loop.expectation(real, closed_loop.Settings.from_config(real)) is None
+
+
+def test_num_envs_defaults_to_the_available_cores_and_bad_keys_are_refused():
+    cfg = C.from_dict({"eval": {"closed_loop": True}})
+    assert closed_loop.Settings.from_config(cfg).num_envs == len(os.sched_getaffinity(0))
+    assert closed_loop.Settings.from_config(C.from_dict({"eval": {"num_envs": 3}})).num_envs == 3
+    for bad, message in (({"num_envs": -1}, "eval.num_envs: must be 0"),
+                         ({"max_steps": -5}, "eval.max_steps: must be 0"),
+                         ({"task_ids": [10]}, r"eval.task_ids: \[10\]: task ids must be distinct and in 0..9"),
+                         ({"task_ids": [3, 3]}, "must be distinct"),
+                         ({"libero_suites": ["libero_90"], "task_ids": [89]}, None)):
+        if message is None:
+            C.from_dict({"eval": bad})  # libero_90 has 90 tasks
+        else:
+            with pytest.raises(C.ConfigError, match=message):
+                C.from_dict({"eval": bad})
