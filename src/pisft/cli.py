@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _summary(cfg: config_mod.PisftConfig) -> int:
     import json
 
+    from pisft.bench.run import stage_times_lines
+
+    print("\n".join(stage_times_lines(cfg.results("benchmarks"))))
     path = cfg.results("eval", "metrics.json")
     if not path.is_file():
         print(f"no evaluation yet ({path} missing): run `snakemake --cores all` first")

@@ -74,6 +74,24 @@ def read_snakemake_benchmarks(bench_dir: Path) -> dict[str, dict]:
     return stages
 
 
+def stage_times_lines(bench_dir: Path) -> list[str]:
+    """Each stage's wall time of its last run, from the benchmark files the rules write
+    (`results/benchmarks/<stage>.tsv`: Snakemake's `benchmark:`, and the same file when DVC
+    runs the stage), in the order the stages finished; for `python -m pisft summary`."""
+    try:
+        stages = read_snakemake_benchmarks(bench_dir)
+    except (OSError, StopIteration, KeyError, ValueError) as exc:
+        return [f"stage wall times: {bench_dir} unreadable ({type(exc).__name__}: {exc})"]
+    if not stages:
+        return [f"stage wall times: none recorded yet ({bench_dir} has no benchmark files)"]
+    order = sorted(stages, key=lambda name: (bench_dir / f"{name}.tsv").stat().st_mtime)
+    width = max(len(name) for name in order)
+    lines = [f"stage wall times (last run of each stage; {bench_dir}):"]
+    lines += [f"  {name:<{width}}  {stages[name]['wall_s']:8.1f} s" for name in order]
+    lines.append(f"  {'sum':<{width}}  {sum(v['wall_s'] for v in stages.values()):8.1f} s")
+    return lines
+
+
 def pipeline_bench(project: Path, work: Path) -> dict:
     copy_project(project, work, git=True)
     total, _ = _timed([_tool("snakemake"), "--cores", "all", "--quiet", "all"], work)
