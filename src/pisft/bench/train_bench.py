@@ -1,23 +1,38 @@
-"""Training-loop throughput, side by side in one process on the same model and batches.
+"""Training-step throughput, side by side in one run, on the same model and the same batches.
 
-Variants (each on a fresh copy of the same tiny model, the same in-memory collated micro-batches,
-preprocessing included, AdamW, grad clipping, one process):
-  ours            pisft.train.loop.run on the FSDP2-sharded policy (metrics, all-reduces, JSONL)
-  bare            a plain forward/backward/clip/step loop over the same FSDP2-sharded policy
-  bare_unsharded  the same plain loop on the policy without FSDP (what FSDP costs on 1 process)
-  lerobot         LeRobot 0.6.1's own training step, `lerobot_train.update_policy` (the function
-                  `lerobot-train` calls every step) with `accelerate.Accelerator(cpu=...)`, on the
-                  unsharded policy — lerobot-train on 1 process, without its data loader
-  ours_with_data  pisft's loop fed by its real DataLoader from the LeRobot dataset on disk
-Rounds alternate between the variants; the best round of each is reported (less sensitive to
-other load on the machine). `overhead_ratio` = ours / bare (aim >= 0.95);
-`ours_vs_lerobot` = ours / lerobot.
+One process (each variant on a fresh copy of the same tiny pi0.5, AdamW, gradient clipping):
+  ours            pisft.train.loop.run on the policy laid out as train_8card lays it out for
+                  one process (`fsdp.distribute`: unsharded), fed the batches our data loader
+                  yields (collated and preprocessed by its workers), kept in memory
+  bare            a plain forward/backward/clip/step loop over the same layout and batches
+  bare_sharded    the same plain loop on FSDP2 over a 1-process mesh (what the smoke run keeps
+                  to measure the sharded layout's memory; `fsdp_sharded_1proc_ratio`)
+  lerobot         LeRobot 0.6.1's own step: its preprocessor on the collated batch (lerobot-train
+                  runs it in the training process) then `lerobot_train.update_policy` with an
+                  `accelerate.Accelerator`, on the unsharded policy: lerobot-train without its
+                  data loader
+  ours_with_data  `ours` fed by the real DataLoader from the LeRobot dataset on disk, with the
+                  default train.num_workers / prefetch_factor of the config
+Two processes (torchrun, gloo; `pisft.bench.train_dist`): `ours` on FSDP2 over 2 processes vs
+LeRobot's step under its own `accelerate launch --cpu --num_processes 2` (DDP), each process
+with the same micro-batches.
+
+Honest measurement (README.md, "make bench"): every variant gets the same warm-up and timed
+steps; rounds interleave the variants (the order rotates each round) and each figure is the
+median over rounds; wall time AND the CPU time of the variant's processes (the training
+processes and their data-loader workers, from /proc) are recorded, so `cores_used` shows
+whether a ratio came from one side getting more CPU. `load_avg` is the host's load average
+when the run started and ended.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
+import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,10 +43,12 @@ from torch.utils.data import default_collate
 
 from pisft import config as config_mod
 from pisft.train import fsdp, loop, optim
-from pisft.train.batches import StepDataset, make_loader, split_rand
+from pisft.train.batches import StepDataset, make_loader, resolve_workers, split_rand
 from pisft.train.metrics import MetricsLog
 from pisft.train.policy_task import PolicyTask
 from pisft.train.sampler import StepLayout, StepSampler
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _inputs(cfg: config_mod.PisftConfig, work: Path) -> Path:
@@ -60,10 +77,42 @@ def _ensure_process_group(work: Path) -> bool:
     return True
 
 
-class _Setup:
+def process_tree_cpu_s(pid: int | None = None) -> float:
+    """user + system CPU seconds of a process and of its living descendants (from /proc)."""
+    pid = os.getpid() if pid is None else pid
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK)
+    total, todo, seen = 0.0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen or p not in stats:
+            continue
+        seen.add(p)
+        total += stats[p][1]
+        todo += [c for c, (ppid, _) in stats.items() if ppid == p]
+    return total
+
+
+def load_avg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+class Setup:
+    """The model files, the train split, and the in-memory micro-batches every variant uses."""
+
     def __init__(self, root: Path, micro: int, n_batches: int, seed: int) -> None:
         from pisft.data.dataset import load_split, load_stats
-        from pisft.model.policy import load_policy
+        from pisft.model.policy import load_policy, make_processors
 
         self.root = root
         self.base = root / "base_model"
@@ -73,25 +122,30 @@ class _Setup:
         self.micro = micro
         self.seed = seed
         self.sampler = StepSampler(len(self.train_set), seed, StepLayout(micro, micro, 1))
-        task = PolicyTask(probe, None, torch.device("cpu"))
+        pre, _ = make_processors(probe, self.base, self.stats)
+        task = PolicyTask(probe, pre, torch.device("cpu"))
         self.draw = task.draw
         ds = StepDataset(self.train_set, seed, task.draw)
-        self.batches = [default_collate([ds[r] for r in self.sampler.micro_batch(k, 0, 0)])
-                        for k in range(n_batches)]
+        items = [[ds[r] for r in self.sampler.micro_batch(k, 0, 0)] for k in range(n_batches)]
+        self.raw = [default_collate(b) for b in items]  # what LeRobot's loop gets from its loader
+        self.prepared = [task.collate(b) for b in items]  # what our loader's workers yield
 
     def policy(self, *, sharded: bool):
         from torch.distributed.device_mesh import init_device_mesh
 
+        from pisft.model import lerobot_internals as internals
         from pisft.model.policy import load_policy, make_processors
 
         policy = load_policy(self.base, dtype="float32")
         pre, _ = make_processors(policy, self.base, self.stats)
-        if sharded:
-            fsdp.shard(policy, init_device_mesh("cpu", (1,)), "fp32")
+        internals.prepare_for_training(policy, checkpointing=False)
+        fsdp.distribute(policy, init_device_mesh("cpu", (1,)), "fp32", torch.device("cpu"),
+                        keep_sharded=sharded)
         return policy, pre
 
-    def stream(self):
-        return (dict(b) for b in itertools.cycle(self.batches))
+    def stream(self, prepared: bool = True):
+        source = self.prepared if prepared else self.raw
+        return (dict(b) for b in itertools.cycle(source))
 
 
 def _optimizer(policy, lr: float):
@@ -99,42 +153,50 @@ def _optimizer(policy, lr: float):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
 
-def _time_steps(step_fn, warmup: int, steps: int) -> float:
+def timed(step_fn, warmup: int, steps: int) -> dict[str, float]:
+    """Wall and CPU seconds (this process and its descendants) of `steps` calls after `warmup`."""
     for _ in range(warmup):
         step_fn()
-    t0 = time.perf_counter()
+    c0, t0 = process_tree_cpu_s(), time.perf_counter()
     for _ in range(steps):
         step_fn()
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "cpu_s": process_tree_cpu_s() - c0}
 
 
-def _ours(setup: _Setup, warmup: int, steps: int, work: Path, lr: float, with_data: bool) -> float:
-    policy, pre = setup.policy(sharded=True)
+def _ours(setup: Setup, warmup: int, steps: int, work: Path, lr: float, log_every: int,
+               workers: int | None, prefetch: int) -> dict[str, float]:
+    """loop.run over warm-up + timed steps in one call; the timed window starts when the
+    warm-up's last record arrives (records arrive every log_every steps, so warm-up is a
+    multiple of it)."""
+    policy, pre = setup.policy(sharded=False)
     opt, sched = _optimizer(policy, lr)
     task = PolicyTask(policy, pre, torch.device("cpu"))
     log = MetricsLog(work / "bench_metrics.jsonl")
     log.reset(0)
     total = warmup + steps
-    if with_data:
+    if workers is not None:
         batches = iter(make_loader(setup.train_set, setup.sampler, rank=0, start_step=0,
-                                   end_step=total, seed=setup.seed, draw=task.draw, num_workers=0))
+                                   end_step=total, seed=setup.seed, draw=task.draw,
+                                   num_workers=workers, collate=task.collate,
+                                   prefetch_factor=prefetch))
     else:
         batches = setup.stream()
     settings = loop.LoopSettings(steps=total, accum=1, global_batch=setup.micro, grad_clip=1.0,
-                                 kind="cpu", device=torch.device("cpu"), world_size=1, rank=0)
-    stamps: list[float] = []
+                                 kind="cpu", device=torch.device("cpu"), world_size=1, rank=0,
+                                 log_every=log_every)
+    marks: dict[str, float] = {}
 
     def on_step(record: dict) -> None:
         log.append(record)
-        stamps.append(time.perf_counter())
+        if record["step"] == warmup:
+            marks["c0"], marks["t0"] = process_tree_cpu_s(), time.perf_counter()
 
-    t0 = time.perf_counter()
     loop.run(policy, opt, sched, task, batches, settings, start_step=0, on_step=on_step)
-    start = stamps[warmup - 1] if warmup else t0
-    return stamps[-1] - start
+    return {"wall_s": time.perf_counter() - marks["t0"], "cpu_s": process_tree_cpu_s() - marks["c0"]}
 
 
-def _bare(setup: _Setup, warmup: int, steps: int, lr: float, sharded: bool) -> float:
+def _bare(setup: Setup, warmup: int, steps: int, lr: float, sharded: bool) -> dict[str, float]:
     policy, pre = setup.policy(sharded=sharded)
     opt, sched = _optimizer(policy, lr)
     task = PolicyTask(policy, pre, torch.device("cpu"))
@@ -151,81 +213,187 @@ def _bare(setup: _Setup, warmup: int, steps: int, lr: float, sharded: bool) -> f
         opt.zero_grad(set_to_none=True)
         sched.step()
 
-    return _time_steps(step, warmup, steps)
+    return timed(step, warmup, steps)
 
 
-def _lerobot(setup: _Setup, warmup: int, steps: int, lr: float) -> float:
-    from accelerate import Accelerator
+def lerobot_step_fn(policy, pre, opt, sched, accelerator, micro: int, dataset_len: int, stream):
+    """One lerobot-train step: its preprocessor, then `update_policy` (LeRobot 0.6.1)."""
     from lerobot.scripts.lerobot_train import update_policy
     from lerobot.utils.logging_utils import AverageMeter, MetricsTracker
 
-    policy, pre = setup.policy(sharded=False)
-    opt, sched = _optimizer(policy, lr)
-    accelerator = Accelerator(cpu=True)
-    policy, opt = accelerator.prepare(policy, opt)
     meters = {name: AverageMeter(name, ":.3f") for name in ("loss", "grad_norm", "lr", "update_s",
                                                               "dataloading_s")}
-    tracker = MetricsTracker(setup.micro, len(setup.train_set), 1, meters)
-    stream = setup.stream()
+    tracker = MetricsTracker(micro, dataset_len, 1, meters)
 
     def step() -> None:
         batch, _ = split_rand(next(stream))
         update_policy(tracker, policy, pre(batch), opt, 1.0, accelerator=accelerator, lr_scheduler=sched)
 
-    return _time_steps(step, warmup, steps)
+    return step
 
 
-def run(cfg: config_mod.PisftConfig, work: Path, *, steps: int = 20, warmup: int = 3,
-        rounds: int = 2) -> dict[str, Any]:
+def lerobot_accelerator():
+    """The Accelerator lerobot-train makes for an fp32 CPU policy (lerobot_train.train, 0.6.1)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    return Accelerator(step_scheduler_with_optimizer=False, mixed_precision="no",
+                       kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+                       cpu=True)
+
+
+def _lerobot(setup: Setup, warmup: int, steps: int, lr: float) -> dict[str, float]:
+    from pisft.model.policy import load_policy, make_processors
+
+    policy = load_policy(setup.base, dtype="float32")  # LeRobot's model as it loads it
+    pre, _ = make_processors(policy, setup.base, setup.stats)
+    opt, sched = _optimizer(policy, lr)
+    accelerator = lerobot_accelerator()
+    policy, opt = accelerator.prepare(policy, opt)
+    step = lerobot_step_fn(policy, pre, opt, sched, accelerator, setup.micro, len(setup.train_set),
+                           setup.stream(prepared=False))
+    return timed(step, warmup, steps)
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def _summarise(runs: dict[str, list[dict[str, float]]], samples: int) -> dict[str, dict]:
+    out = {}
+    for name, rs in runs.items():
+        if not rs:
+            continue
+        out[name] = {
+            "samples_per_s": _median([samples / r["wall_s"] for r in rs]),
+            "cores_used": _median([r["cpu_s"] / r["wall_s"] for r in rs]),
+            "wall_s_per_round": [round(r["wall_s"], 3) for r in rs],
+            "cpu_s_per_round": [round(r["cpu_s"], 3) for r in rs],
+        }
+    return out
+
+
+def _two_process(setup_root: Path, work: Path, cfg: config_mod.PisftConfig, *, warmup: int,
+                 steps: int, rounds: int) -> dict[str, Any]:
+    """ours (torchrun, FSDP2) vs LeRobot (accelerate launch, DDP) on 2 processes, interleaved."""
+    from pisft.bench import train_dist
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    launchers = train_dist.launch_commands(setup_root, work, micro=cfg.train.micro_batch_size,
+                                          warmup=warmup, steps=steps, lr=cfg.train.lr,
+                                          log_every=cfg.train.log_every, seed=cfg.train.seed)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in launchers}
+    failures: dict[str, str] = {}
+    names = list(launchers)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if name in failures:
+                continue
+            out = work / f"{name}_{r}.json"
+            cmd = launchers[name](out)
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            if proc.returncode != 0 or not out.is_file():
+                failures[name] = f"{' '.join(cmd[:4])} … exit {proc.returncode}: {proc.stderr[-1500:]}"
+                continue
+            runs[name].append(json.loads(out.read_text()))
+    samples = 2 * cfg.train.micro_batch_size * steps
+    result: dict[str, Any] = {"processes": 2, "threads_per_process": 1,
+                              "variants": _summarise(runs, samples)}
+    if failures:
+        result["failed"] = failures
+    v = result["variants"]
+    if "ours" in v and "lerobot" in v:
+        result["ours_vs_lerobot"] = v["ours"]["samples_per_s"] / v["lerobot"]["samples_per_s"]
+    return result
+
+
+def run(cfg: config_mod.PisftConfig, work: Path, *, steps: int = 20, warmup: int = 4,
+        rounds: int = 3, two_process: bool = True) -> dict[str, Any]:
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
+    load_start = load_avg()
     root = _inputs(cfg, work)
     owns_pg = _ensure_process_group(work)
     micro = cfg.train.micro_batch_size
     lr = cfg.train.lr
+    log_every = cfg.train.log_every
+    workers = resolve_workers(cfg.train.num_workers, "cpu", 1)
+    prefetch = cfg.train.prefetch_factor
+    # Our loop fetches its values every log_every steps: warm-up and timed steps are whole
+    # logging intervals (for every variant alike), so the timed window starts and ends on a fetch.
+    warmup = -(-max(1, warmup) // log_every) * log_every
+    steps = -(-max(1, steps) // log_every) * log_every
     try:
-        setup = _Setup(root, micro, n_batches=8, seed=cfg.train.seed)
+        setup = Setup(root, micro, n_batches=8, seed=cfg.train.seed)
         variants = {
-            "ours": lambda: _ours(setup, warmup, steps, work, lr, with_data=False),
-            "bare": lambda: _bare(setup, warmup, steps, lr, sharded=True),
-            "bare_unsharded": lambda: _bare(setup, warmup, steps, lr, sharded=False),
+            "ours": lambda: _ours(setup, warmup, steps, work, lr, log_every, None, prefetch),
+            "bare": lambda: _bare(setup, warmup, steps, lr, sharded=False),
+            "bare_sharded": lambda: _bare(setup, warmup, steps, lr, sharded=True),
             "lerobot": lambda: _lerobot(setup, warmup, steps, lr),
-            "ours_with_data": lambda: _ours(setup, warmup, steps, work, lr, with_data=True),
+            "ours_with_data": lambda: _ours(setup, warmup, steps, work, lr, log_every,
+                                                 workers, prefetch),
         }
-        seconds: dict[str, list[float]] = {k: [] for k in variants}
-        for _ in range(rounds):
-            for name, fn in variants.items():
-                seconds[name].append(fn())
+        runs: dict[str, list[dict[str, float]]] = {k: [] for k in variants}
+        names = list(variants)
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order
+                runs[name].append(variants[name]())
     finally:
         if owns_pg:
             dist.destroy_process_group()
-    sps = {k: steps * micro / min(v) for k, v in seconds.items()}
-    result = {
-        "what": "samples/s of one training process, tiny pi0.5, same model and in-memory batches",
+    one = _summarise(runs, steps * micro)
+    sps = {k: v["samples_per_s"] for k, v in one.items()}
+    result: dict[str, Any] = {
+        "what": "samples/s of the training step, tiny pi0.5, same model and batches; medians over "
+                "interleaved rounds; cores_used = CPU seconds of the variant's processes "
+                "(data-loader workers included) / wall seconds",
         "micro_batch_size": micro,
         "steps_timed": steps,
         "warmup_steps": warmup,
         "rounds": rounds,
         "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "data_loader": {"num_workers": workers, "train.num_workers": cfg.train.num_workers,
+                        "prefetch_factor": prefetch},
+        "one_process": {
+            "layout": "unsharded (fsdp.distribute on a 1-process mesh)",
+            "variants": one,
+        },
         "samples_per_s": sps,
-        "seconds_per_round": seconds,
         "overhead_ratio": sps["ours"] / sps["bare"],
-        "fsdp_1proc_ratio": sps["bare"] / sps["bare_unsharded"],
+        # The 1-process training layout is unsharded: what FSDP costs it is nothing by construction.
+        "fsdp_1proc_ratio": 1.0,
+        "fsdp_sharded_1proc_ratio": sps["bare_sharded"] / sps["bare"],
         "ours_vs_lerobot": sps["ours"] / sps["lerobot"],
+        "ours_with_data_vs_lerobot": sps["ours_with_data"] / sps["lerobot"],
         "data_pipeline_ratio": sps["ours_with_data"] / sps["ours"],
     }
+    if two_process:
+        result["two_process"] = _two_process(root, work / "two_process", cfg, warmup=warmup,
+                                             steps=steps, rounds=rounds)
+        result["ours_vs_lerobot_2proc"] = result["two_process"].get("ours_vs_lerobot")
+    result["load_avg"] = {"start": load_start, "end": load_avg()}
     (work / "train_bench.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
-def main() -> int:  # python -m pisft.bench.train_bench
+def main(argv: list[str] | None = None) -> int:  # python -m pisft.bench.train_bench
+    import argparse
     import tempfile
 
-    cfg = config_mod.load(config_mod.DEFAULT_CONFIG)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(config_mod.DEFAULT_CONFIG))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-two-process", action="store_true")
+    args = parser.parse_args(argv)
+    cfg = config_mod.load(args.config)
     with tempfile.TemporaryDirectory(prefix="pisft-train-bench-") as tmp:
-        print(json.dumps(run(cfg, Path(tmp)), indent=2))
+        print(json.dumps(run(cfg, Path(tmp), steps=args.steps, warmup=args.warmup,
+                             rounds=args.rounds, two_process=not args.no_two_process), indent=2))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""The train_loop bench's measuring tools: CPU seconds of a process tree, the 2-process launches."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pisft.bench import train_bench, train_dist
+
+
+def test_cpu_seconds_include_the_child_processes():
+    """A busy child (like a data-loader worker) counts towards the variant's cores_used."""
+    before = train_bench.process_tree_cpu_s()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 1.0: pass\ntime.sleep(30)"])
+    try:
+        deadline = time.time() + 60
+        while train_bench.process_tree_cpu_s() - before < 0.9:
+            assert time.time() < deadline, "the child's CPU time was not counted"
+            time.sleep(0.2)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_lerobot_runs_under_its_own_accelerate_launch_ours_under_torchrun(tmp_path):
+    cmds = train_dist.launch_commands(tmp_path / "root", tmp_path, micro=4, warmup=10, steps=20,
+                                      lr=1e-3, log_every=10, seed=0)
+    ours, lerobot = cmds["ours"](tmp_path / "o.json"), cmds["lerobot"](tmp_path / "l.json")
+    assert ours[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert "--nproc-per-node" in ours and ours[ours.index("--nproc-per-node") + 1] == "2"
+    assert Path(lerobot[0]).name == "accelerate" and lerobot[1] == "launch"
+    assert lerobot[lerobot.index("--num_processes") + 1] == "2"
+    for cmd, variant in ((ours, "ours"), (lerobot, "lerobot")):
+        assert cmd[cmd.index("--variant") + 1] == variant
+        assert cmd[cmd.index("--warmup") + 1] == "10" and cmd[cmd.index("--steps") + 1] == "20"
