@@ -342,6 +342,7 @@ def test_results_do_not_depend_on_the_number_of_environment_processes(tmp_path):
     assert outcomes == {True, False}
 
 
+@pytest.mark.integration  # ~20 s: a worker process is killed and replaced
 def test_a_worker_that_dies_fails_its_episode_and_is_replaced(tmp_path):
     tasks = [StandInTask("reach 0.5 0 0", [0.5, 0, 0], die_at=15), StandInTask("reach 0.3 0 0", [0.3, 0, 0])]
     cfg = make_cfg(tmp_path, libero_suites=["libero_spatial"], num_envs=1)

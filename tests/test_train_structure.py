@@ -50,6 +50,7 @@ def _losses(root, *, structured: bool, steps: int = 2) -> list[float]:
     return losses
 
 
+@pytest.mark.integration  # ~15 s: two models trained side by side
 def test_losses_equal_the_plain_lerobot_model(tmp_path_factory):
     root = inputs_dir(tmp_path_factory)
     plain = _losses(root, structured=False)

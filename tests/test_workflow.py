@@ -159,6 +159,7 @@ def test_configfile_override_is_passed_to_stages_as_one_file(tmp_path):
     assert effective["train"]["steps"] == 3
 
 
+@pytest.mark.integration  # ~25 s on 2 cores: both drivers' dry runs for two profiles
 def test_profile_switches_both_drivers(tmp_path, monkeypatch):
     """One command: config/config.yaml runs the profile, dvc.yaml follows; a refused one writes nothing."""
     work = workflow_copy(tmp_path)
