@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch_npu  # noqa: F401  (the stand-in: registers the "hccl" backend)
+import torch_npu
 
 
 def _attempt(fn) -> str | None:

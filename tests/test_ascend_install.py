@@ -238,7 +238,7 @@ def _reachable(url: str) -> str | None:
     try:
         urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=15).close()
         return None
-    except Exception as exc:  # DNS, proxy, TLS, HTTP errors: all mean "cannot check from here"
+    except Exception as exc:  # noqa: BLE001 - DNS, proxy, TLS, HTTP errors: all mean "cannot check from here"
         return f"{type(exc).__name__}: {exc}"
 
 

@@ -21,7 +21,7 @@ RLINF = prompts.PromptConditioning("demo", positive_only_conditional=True, uncon
 
 def test_prompt_text_is_rlinfs():
     # rlinf/data/datasets/recap/cfg_model.py: f"{prompt}\nAdvantage: positive"
-    assert POS == f"{TASK}\nAdvantage: positive" and NEG == f"{TASK}\nAdvantage: negative"
+    assert f"{TASK}\nAdvantage: positive" == POS and f"{TASK}\nAdvantage: negative" == NEG
 
 
 def test_frame_prompts_of_both_recipes():

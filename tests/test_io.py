@@ -55,7 +55,8 @@ def test_log_captures_child_processes(tmp_path):
         "from pisft.logs import tee_output\n"
         f"with tee_output({str(log)!r}):\n"
         "    print('parent says hi', flush=True)\n"
-        "    subprocess.run([sys.executable, '-c', 'import sys; print(\"child out\"); print(\"child err\", file=sys.stderr)'])\n"
+        "    subprocess.run([sys.executable, '-c',\n"
+        "                    'import sys; print(\"child out\"); print(\"child err\", file=sys.stderr)'])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     text = log.read_text()

@@ -28,7 +28,8 @@ def test_every_patched_assumption_still_holds():
 
 def test_tiny_policy_has_the_expected_module_tree(tiny):
     from lerobot.policies.pi05.modeling_pi05 import PaliGemmaWithExpertModel, PI05Pytorch
-    from lerobot.policies.pi_gemma import PaliGemmaForConditionalGenerationWithPiGemma, PiGemmaForCausalLM, PiGemmaRMSNorm
+    from lerobot.policies.pi_gemma import (PaliGemmaForConditionalGenerationWithPiGemma, PiGemmaForCausalLM,
+                                           PiGemmaRMSNorm)
 
     arch = PRESETS["tiny"].arch
     core = tiny.model

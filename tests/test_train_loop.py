@@ -81,7 +81,7 @@ def weights(model):
 def test_loop_learns_and_records_every_metric():
     _, _, _, records = train(micro=8, steps=12)
     assert [r["step"] for r in records] == list(range(1, 13))
-    assert METRIC_KEYS <= set(records[0])
+    assert set(records[0]) >= METRIC_KEYS
     assert records[0]["peak_memory_bytes_per_rank"] == [records[0]["peak_memory_bytes"]]
     assert records[-1]["loss"] < records[0]["loss"]
     assert all(math.isfinite(r["grad_norm"]) for r in records)

@@ -111,7 +111,7 @@ def _import_torch_npu() -> ModuleType:
     """Import torch_npu (which registers `torch.npu`) and return `torch.npu`."""
     try:
         importlib.import_module("torch_npu")
-    except Exception as exc:  # ImportError, or a broken CANN install raising anything
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken CANN install raising anything
         raise DeviceError(
             "device 'npu' requested but torch_npu cannot be imported "
             f"({type(exc).__name__}: {exc}). On an Ascend host: install torch-npu matching "

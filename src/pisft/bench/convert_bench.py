@@ -23,8 +23,8 @@ the wall time the decode of every frame accounts for).
 `scaling`: our conversion of two inputs of the same kind (RLinf's complete RECAP output: data,
 returns and advantages side files), the second with 4x the episodes, each in a fresh process:
 frames/s and the process's peak resident memory (`VmHWM`), also measured right after the
-imports, so the conversion's own share shows, and the resident memory over the run. Memory that does not grow with the number of
-episodes is the claim checked here: frames stream through a bounded window of episodes.
+imports, so the conversion's own share shows, and the resident memory over the run. Memory that
+does not grow with the number of episodes is the claim checked here: frames stream through a bounded window of episodes.
 """
 
 from __future__ import annotations

@@ -302,7 +302,8 @@ class _V2Writer:
 
 
 class _V3Writer:
-    def __init__(self, root, tasks, naming, video, fps, pool, version, robot_type, success_column):
+    def __init__(self, root, tasks, naming, video, fps, pool, version,  # noqa: ARG002 - the v2.1 writer's signature
+                 robot_type, success_column):
         self.root, self.tasks, self.naming, self.video, self.fps = root, tasks, naming, video, fps
         self.pool, self.robot_type = pool, robot_type
         self.success_column = success_column

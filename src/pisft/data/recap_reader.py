@@ -453,7 +453,7 @@ class RecapSource:
             raise DataError(f"{where}: video file missing; restore it")
         try:
             frames = imgs.decode_mp4_range(path, start, count, self.fps)
-        except Exception as exc:  # PyAV raises many types for broken files
+        except Exception as exc:  # noqa: BLE001 - PyAV raises many types for broken files
             raise DataError(f"{where}: the video does not decode ({exc}); re-encode or restore it") from None
         if len(frames) < count:
             raise DataError(f"{where}: the video has {len(frames)} frame(s) from t={start:.3f}s, the episode "

@@ -58,4 +58,5 @@ def check_episode(src: RecapSource, ep: EpisodeRef, cols: dict[str, np.ndarray])
     unknown = [int(t) for t in tasks if int(t) not in src.tasks]
     if unknown:
         raise DataError(f"{where}, column 'task_index': task_index {unknown} not in "
-                        f"{src.where(src.tasks_path)} (known: {sorted(src.tasks)[:20]}); add the task there or fix the column")
+                        f"{src.where(src.tasks_path)} (known: {sorted(src.tasks)[:20]}); "
+                        "add the task there or fix the column")

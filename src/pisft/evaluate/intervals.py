@@ -58,7 +58,7 @@ def bootstrap_pooled_mean(sums: np.ndarray, counts: np.ndarray, *, n_samples: in
     return _percentile_interval(means, level)
 
 
-def bootstrap_paired_ratio(sums_a: np.ndarray, sums_b: np.ndarray, counts: np.ndarray, *,
+def bootstrap_paired_ratio(sums_a: np.ndarray, sums_b: np.ndarray, counts: np.ndarray, *,  # noqa: ARG001 - cancels in the ratio
                            n_samples: int, seed: int, level: float = 0.95) -> Interval:
     """Interval of pooled_mean(b) / pooled_mean(a), both models on the same resampled episodes.
 

@@ -240,7 +240,7 @@ class LiberoSimulator:
             from libero.libero.envs import OffScreenRenderEnv
         except ModuleNotFoundError as exc:
             raise SimulatorUnavailable(f"{INSTALL_HELP}\n(import failed: {exc})") from None
-        except Exception as exc:  # a rendering back end or LIBERO's set-up failing at import
+        except Exception as exc:  # noqa: BLE001 - a rendering back end or LIBERO's set-up failing at import
             raise SimulatorUnavailable(
                 f"LIBERO is installed but failed to import ({type(exc).__name__}: {exc}). Check the "
                 f"rendering back end: MUJOCO_GL={os.environ.get('MUJOCO_GL')} needs EGL (a GPU driver "

@@ -143,7 +143,8 @@ def _fetch_directory(cfg: PisftConfig, source: sources.Source, out: Path) -> dic
         "input": {k: list(v.shape) for k, v in config.input_features.items()},
         "output": {k: list(v.shape) for k, v in config.output_features.items()},
     }
-    config.input_features, config.output_features = policy_mod._split_features(policy_mod.LIBERO_FEATURES)
+    config.input_features, config.output_features = policy_mod._split_features(  # noqa: SLF001
+        policy_mod.LIBERO_FEATURES)
     config.device = "cpu"
 
     # Strict check of names and shapes against the preset, without reading any tensor data.

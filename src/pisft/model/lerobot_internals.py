@@ -311,7 +311,7 @@ def structure_problems() -> list[str]:
     try:
         m = _modeling()
         from lerobot.policies.pi05 import processor_pi05
-    except Exception as exc:  # pragma: no cover - import failure is itself the report
+    except Exception as exc:  # noqa: BLE001  # pragma: no cover - import failure is itself the report
         return [f"cannot import lerobot.policies.pi05: {exc}"]
     for name in ("get_gemma_config", "GemmaConfig", "PaliGemmaWithExpertModel", "PI05Pytorch",
                  "PaliGemmaForConditionalGenerationWithPiGemma", "PiGemmaForCausalLM",

@@ -205,7 +205,7 @@ def read_config(path: str | Path, *, tolerate_unknown: bool = False):
     raw["device"] = "cpu"
     try:
         config = draccus.decode(PI05Config, raw)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - draccus raises many types for a bad config
         raise ModelLoadError(f"{path}: not a valid PI05Config ({type(exc).__name__}: {exc})") from None
     config.device = device or "cpu"
     return config, unknown

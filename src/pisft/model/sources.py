@@ -90,7 +90,7 @@ def hf_snapshot(repo_id: str, revision: str | None, patterns: list[str], what: s
             token=os.environ.get("HF_TOKEN") or None,
             local_files_only=os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False"),
         )
-    except Exception as exc:  # network, auth, cache: every failure becomes one clear message
+    except Exception as exc:  # noqa: BLE001 - network, auth, cache: every failure becomes one clear message
         raise _hub_error(what, exc) from None
     return Path(path)
 

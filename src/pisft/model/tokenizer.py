@@ -102,7 +102,7 @@ def load_tokenizer(tokenizer_dir: str | Path):
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    except Exception as exc:  # transformers raises many types here
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types here
         raise ModelLoadError(
             f"{tokenizer_dir}: not a loadable tokenizer ({type(exc).__name__}: {exc}); it must hold "
             f"the files written by a transformers tokenizer's save_pretrained (e.g. tokenizer.json)"

@@ -124,8 +124,8 @@ def file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
     try:
         with safe_open(str(path), framework="pt") as fh:
-            return {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
-    except Exception as exc:
+            return {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}  # noqa: SIM118 - safe_open has no `in`
+    except Exception as exc:  # noqa: BLE001 - safetensors raises many types for a damaged file
         raise ModelLoadError(
             f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc}); "
             f"re-download or re-export it"
@@ -157,7 +157,8 @@ def load_strict(
     for file_name in raw_shapes:
         model_name = rename(file_name)
         if model_name in to_file:
-            raise ModelLoadError(f"{path}: tensors {to_file[model_name]!r} and {file_name!r} both map to {model_name!r}")
+            raise ModelLoadError(
+                f"{path}: tensors {to_file[model_name]!r} and {file_name!r} both map to {model_name!r}")
         to_file[model_name] = file_name
     provided = {m: raw_shapes[f] for m, f in to_file.items()}
     groups = tied_groups(module)
@@ -204,7 +205,7 @@ def read_tensor(path: str | Path, name: str, *,
 
     rename = rename or (lambda n: n)
     with safe_open(str(path), framework="pt") as fh:
-        for file_name in fh.keys():
+        for file_name in fh.keys():  # noqa: SIM118 - safe_open is no mapping
             if rename(file_name) == name:
                 return fh.get_tensor(file_name)
     return None

@@ -370,7 +370,7 @@ def register(name: str, *, table: DtypeTable | None = None, enforce: bool = True
              log: CollectiveLog | None = None) -> None:
     """Make `dist.init_process_group(name)` build an AuditedProcessGroup over gloo (CPU)."""
 
-    def create(opts: Any, backend_options: Any = None) -> AuditedProcessGroup:
+    def create(opts: Any, backend_options: Any = None) -> AuditedProcessGroup:  # noqa: ARG001 - torch's creator signature
         inner = _gloo_group(opts.store, opts.group_rank, opts.group_size, opts.timeout)
         return AuditedProcessGroup(inner, backend_name=name, table=table, enforce=enforce, log=log)
 

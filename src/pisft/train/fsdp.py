@@ -125,9 +125,9 @@ def generic_units(model: nn.Module) -> list[Unit]:
     """Fallback for other models: every Linear/Embedding with at least MIN_UNIT_PARAMS params."""
     units = []
     for name, mod in model.named_modules():
-        if isinstance(mod, (nn.Linear, nn.Embedding)) and not any(k in name for k in _UNCALLED):
-            if sum(p.numel() for p in mod.parameters()) >= MIN_UNIT_PARAMS:
-                units.append(Unit(name, "other", (mod,)))
+        if (isinstance(mod, (nn.Linear, nn.Embedding)) and not any(k in name for k in _UNCALLED)
+                and sum(p.numel() for p in mod.parameters()) >= MIN_UNIT_PARAMS):
+            units.append(Unit(name, "other", (mod,)))
     return units
 
 
