@@ -15,7 +15,7 @@ import psutil
 import pytest
 import yaml
 
-from conftest import BIN, copy_project, run, tool_env
+from conftest import BIN, run, tool_env
 
 pytestmark = pytest.mark.integration
 
