@@ -46,7 +46,7 @@ def run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 1800) ->
 @pytest.fixture(scope="session")
 def default_pipeline(tmp_path_factory) -> Path:
     """The whole pipeline on the embedded default, run once through Snakemake."""
-    work = copy_project(tmp_path_factory.mktemp("default_pipeline"))
+    work = copy_project(tmp_path_factory.mktemp("default_pipeline"), git=True)  # a DVC project too
     run(["snakemake", "--cores", "2"], work)
     return work
 

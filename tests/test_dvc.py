@@ -23,7 +23,10 @@ SMALL = {
     ("train", "steps"): 6,
     ("train", "save_every"): 3,
     ("eval", "bootstrap_samples"): 50,
+    ("eval", "closed_loop"): False,  # the simulator costs minutes; tests/test_eval_closed_loop.py runs it
 }
+STAGES = {"fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card", "evaluate"}
+NOTHING = "Nothing to be done"
 
 
 def set_keys(work: Path, values: dict) -> None:
@@ -37,12 +40,15 @@ def set_keys(work: Path, values: dict) -> None:
 @pytest.fixture(scope="module")
 def dvc_run(tmp_path_factory) -> Path:
     work = copy_project(tmp_path_factory.mktemp("dvc") / "w", git=True)
-    set_keys(work, SMALL)
+    # The documented switch: the settings go into config/config.yaml, dvc.yaml follows its shape
+    small = work.parent / "small.yaml"
+    small.write_text(yaml.safe_dump({s: {k: v for (s2, k), v in SMALL.items() if s2 == s}
+                                     for s in {s for s, _ in SMALL}}))
+    run([str(BIN / "python"), "-m", "pisft", "profile", str(small)], work)
+    assert set(yaml.safe_load((work / "dvc.yaml").read_text())["stages"]) == STAGES
     run(["git", "commit", "-qam", "small config"], work)
     first = run(["dvc", "repro"], work)
-    assert set(RAN.findall(first.stdout)) == {
-        "fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card", "evaluate",
-    }
+    assert set(RAN.findall(first.stdout)) == STAGES
     run(["git", "add", "dvc.lock"], work)
     run(["git", "commit", "-qm", "lock"], work)
     return work
@@ -61,6 +67,13 @@ def test_dvc_repro_twice_does_no_work(dvc_run):
     assert "up to date" in run(["dvc", "status"], dvc_run).stdout.lower()
 
 
+def test_snakemake_has_nothing_to_do_after_dvc_repro(dvc_run):
+    """DVC ran every stage; Snakemake's records (benchmarks, metadata, timestamps) agree."""
+    dry = run(["snakemake", "-n", "--cores", "2"], dvc_run)
+    assert NOTHING in dry.stdout + dry.stderr, dry.stdout[-3000:]
+    assert all((dvc_run / f"results/benchmarks/{s}.tsv").is_file() for s in STAGES)
+
+
 @pytest.mark.parametrize(
     "change, expected",
     [
@@ -74,6 +87,12 @@ def test_dvc_reruns_exactly_what_reads_a_changed_key(dvc_run, tmp_path, change, 
     set_keys(work, change)
     out = run(["dvc", "repro"], work)
     assert set(RAN.findall(out.stdout)) == expected
+    # Snakemake recorded what DVC ran: nothing to do, and a later change reruns exactly its readers
+    dry = run(["snakemake", "-n", "--cores", "2"], work)
+    assert NOTHING in dry.stdout + dry.stderr, dry.stdout[-3000:]
+    set_keys(work, {("eval", "seed"): 1})
+    planned = set(re.findall(r"^rule (\w+):", run(["snakemake", "-n", "--cores", "2"], work).stdout, re.M))
+    assert planned - {"all"} == {"evaluate"}
 
 
 def test_fresh_clone_and_dvc_pull_does_not_make_snakemake_retrain(dvc_run, tmp_path):
@@ -160,7 +179,6 @@ def _values_at(node, path):
 def test_snakemake_and_dvc_repro_at_once_leave_one_trainer_and_clean_metrics(dvc_run, tmp_path):
     """Both drivers started together on one run folder: one trains, the other is refused."""
     work = clone_run(dvc_run, tmp_path / "w")
-    run(["snakemake", "--touch", "--cores", "1"], work)  # Snakemake adopts DVC's outputs
     set_keys(work, {("train", "steps"): 60, ("train", "save_every"): 20})
     assert set(re.findall(r"^rule (\w+):", run(["snakemake", "-n", "--cores", "2", "train_8card"],
                                                  work).stdout, re.M)) == {"train_8card"}
@@ -200,3 +218,67 @@ def test_dvc_sees_edited_code(dvc_run, tmp_path, edited, expected):
     with (work / edited).open("a") as fh:
         fh.write("\n# edited\n")
     assert _changed_stages(work) == expected
+
+
+def test_a_new_data_folder_needs_no_new_dvc_yaml(dvc_run, tmp_path):
+    """dvc.yaml's paths are templates over config/config.yaml: DVC follows a changed data.recap_dir."""
+    work = clone_run(dvc_run, tmp_path / "w")
+    other = tmp_path / "recap"
+    shutil.copytree(work / "results/demo_recap", other)
+    set_keys(work, {("data", "recap_dir"): str(other)})
+    run([str(BIN / "python"), "-m", "pisft", "dvc-yaml", "--check"], work)  # dvc.yaml still current
+    status = json.loads(run(["dvc", "status", "--json"], work).stdout)
+    assert set(status) == {"convert_recap"}, status
+    assert str(other) in json.dumps(status["convert_recap"])  # the new folder is the dependency
+
+
+def test_dvc_regenerates_dvc_yaml_when_the_model_becomes_a_local_folder(dvc_run, tmp_path):
+    """A change of shape (tiny -> a local folder): the stage stops once, with dvc.yaml regenerated."""
+    work = clone_run(dvc_run, tmp_path / "w")
+    local = tmp_path / "pi05_local"
+    shutil.copytree(work / "results/base_model", local, ignore=shutil.ignore_patterns(".snakemake_timestamp"))
+    set_keys(work, {("model", "source"): str(local)})
+    first = run(["dvc", "repro", "fetch_base"], work, check=False)
+    assert first.returncode != 0
+    assert "dvc.yaml has been regenerated" in first.stdout + first.stderr, first.stderr[-2000:]
+    assert "model.source=local" in (work / "dvc.yaml").read_text().splitlines()[2]
+    second = run(["dvc", "repro", "fetch_base"], work)
+    assert set(RAN.findall(second.stdout)) == {"fetch_base"}
+    lock = yaml.safe_load((work / "dvc.lock").read_text())["stages"]["fetch_base"]
+    assert str(local) in [d["path"] for d in lock["deps"]]  # the folder's content is tracked
+
+
+def test_after_snakemake_dvc_is_up_to_date_and_a_pull_restores_every_output(default_pipeline, tmp_path):
+    """Snakemake's run ends with `dvc commit`: dvc status is clean, push carries every output."""
+    work = clone_run(default_pipeline, tmp_path / "origin")
+    status = run(["dvc", "status"], work).stdout
+    assert "up to date" in status.lower(), status
+    run(["dvc", "remote", "add", "-d", "local", str(tmp_path / "remote")], work)
+    run(["dvc", "push"], work)
+    run(["git", "add", "dvc.lock", ".dvc"], work)
+    run(["git", "commit", "-qm", "lock and remote"], work)
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(work), str(clone)], tmp_path)
+    run(["dvc", "pull"], clone)
+    status = run(["dvc", "status"], clone).stdout
+    assert "up to date" in status.lower(), status
+    lock = yaml.safe_load((clone / "dvc.lock").read_text())["stages"]
+    assert set(lock) == {*STAGES, "closed_loop"}  # every stage Snakemake ran is recorded
+    outs = [o["path"] for stage in lock.values() for o in stage.get("outs", [])]
+    assert all((clone / path).exists() for path in outs), [p for p in outs if not (clone / p).exists()]
+    run(["snakemake", "--touch", "--cores", "1"], clone)  # the documented step after a pull
+    dry = run(["snakemake", "-n", "--cores", "2"], clone)
+    assert NOTHING in dry.stdout + dry.stderr
+
+
+def test_dvc_retrains_the_bytes_snakemake_trained(default_pipeline, tmp_path):
+    """The embedded default's weights are byte-identical through either driver (same threads)."""
+    work = clone_run(default_pipeline, tmp_path / "w")
+    shutil.rmtree(work / "results/checkpoints")
+    shutil.rmtree(work / "results/train")
+    # --force: really train (the outputs Snakemake committed are in DVC's cache, and a stage whose
+    # dependencies did not change would only have them checked out)
+    out = run(["dvc", "repro", "--force", "--single-item", "train_8card"], work)
+    assert set(RAN.findall(out.stdout)) == {"train_8card"}
+    weights = "results/train/model/model.safetensors"
+    assert (work / weights).read_bytes() == (default_pipeline / weights).read_bytes()

@@ -47,10 +47,11 @@ def planned_jobs(work: Path, *targets: str) -> set[str]:
 @pytest.mark.parametrize(
     "key, value, expected",
     [
-        ("train.steps", 12, {"train_8card", "evaluate"}),
+        ("train.steps", 12, {"train_8card", "closed_loop", "evaluate"}),
         ("eval.batch_size", 4, {"evaluate"}),
-        ("data.success_only", True, {"convert_recap", "smoke_1card", "train_8card", "evaluate"}),
-        ("model.init_seed", 1, {"fetch_base", "smoke_1card", "train_8card", "evaluate"}),
+        ("eval.trials_per_task", 2, {"closed_loop", "evaluate"}),
+        ("data.success_only", True, {"convert_recap", "smoke_1card", "train_8card", "closed_loop", "evaluate"}),
+        ("model.init_seed", 1, {"fetch_base", "smoke_1card", "train_8card", "closed_loop", "evaluate"}),
     ],
 )
 def test_snakemake_reruns_exactly_what_reads_a_changed_key(default_pipeline, tmp_path, key, value, expected):
@@ -92,6 +93,7 @@ def _training_workers(root_pid: int) -> list[psutil.Process]:
 def test_failed_training_reruns_alone_and_resumes(default_pipeline, tmp_path):
     work = clone_run(default_pipeline, tmp_path / "w")
     shutil.rmtree(work / "results/checkpoints/train")
+    set_key(work, "eval.closed_loop", False)  # the simulator's minutes add nothing here
     set_key(work, "train.steps", 60)  # retrain: only train_8card and evaluate are due
     set_key(work, "train.save_every", 20)
     upstream = {p: p.stat().st_mtime for p in (work / "results/dataset").rglob("*") if p.is_file()}
@@ -149,10 +151,12 @@ def test_killed_snakemake_is_recovered_with_unlock_and_rerun_incomplete(default_
 @pytest.mark.parametrize(
     "edited, expected",
     [
-        ("src/pisft/evaluate/report.py", {"evaluate"}),
-        ("src/pisft/train/loop.py", {"smoke_1card", "train_8card", "evaluate"}),
+        ("src/pisft/evaluate/report.py", {"closed_loop", "evaluate"}),
+        ("src/pisft/train/loop.py", {"smoke_1card", "train_8card", "closed_loop", "evaluate"}),
         ("src/pisft/config.py", {"fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card",
-                                 "evaluate"}),
+                                 "closed_loop", "evaluate"}),
+        # DVC-only settings (plot axes, caching) live in dvc_yaml.py, which no stage runs
+        ("src/pisft/workflow/dvc_yaml.py", set()),
     ],
 )
 def test_snakemake_reruns_what_runs_edited_code(default_pipeline, tmp_path, edited, expected):
@@ -161,3 +165,12 @@ def test_snakemake_reruns_what_runs_edited_code(default_pipeline, tmp_path, edit
     with (work / edited).open("a") as fh:
         fh.write("\n# edited\n")
     assert planned_jobs(work) == expected
+
+
+def test_a_missing_intermediate_is_rebuilt_with_what_follows(default_pipeline, tmp_path):
+    """`rule all` asks for every stage's outputs (the Snakemake idiom), so a removed model is
+    retrained and everything after it rerun, though the evaluation is still there."""
+    work = clone_run(default_pipeline, tmp_path / "w")
+    shutil.rmtree(work / "results/train/model")
+    assert (work / "results/eval/metrics.json").is_file()
+    assert planned_jobs(work) == {"train_8card", "closed_loop", "evaluate"}
