@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from pisft.bench import train_bench, train_dist
+from pisft.bench import train_bench
 
 
 def test_cpu_seconds_include_the_child_processes():
@@ -26,8 +26,8 @@ def test_cpu_seconds_include_the_child_processes():
 
 
 def test_lerobot_runs_under_its_own_accelerate_launch_ours_under_torchrun(tmp_path):
-    cmds = train_dist.launch_commands(tmp_path / "root", tmp_path, micro=4, warmup=10, steps=20,
-                                      lr=1e-3, log_every=10, seed=0)
+    cmds = train_bench.launch_commands(tmp_path / "root", tmp_path, micro=4, warmup=10, steps=20,
+                                       lr=1e-3, log_every=10, seed=0)
     ours, lerobot = cmds["ours"](tmp_path / "o.json"), cmds["lerobot"](tmp_path / "l.json")
     assert ours[1:4] == ["-m", "torch.distributed.run", "--standalone"]
     assert "--nproc-per-node" in ours and ours[ours.index("--nproc-per-node") + 1] == "2"

@@ -30,10 +30,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -273,13 +275,43 @@ def _summarise(runs: dict[str, list[dict[str, float]]], samples: int) -> dict[st
     return out
 
 
+# The two-process variants run `pisft.bench.train_dist` as a script under each launcher (it imports
+# this module for the shared LeRobot step, so this module only names its path).
+DIST_WORKER = Path(__file__).with_name("train_dist.py")
+DIST_WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_commands(root: Path, work: Path, *, micro: int, warmup: int, steps: int, lr: float,
+                    log_every: int, seed: int) -> dict[str, Callable[[Path], list[str]]]:
+    work.mkdir(parents=True, exist_ok=True)
+    accelerate = Path(sys.executable).with_name("accelerate")
+
+    def args(variant: str, out: Path) -> list[str]:
+        return [str(DIST_WORKER), "--variant", variant, "--root", str(root), "--micro", str(micro),
+                "--warmup", str(warmup), "--steps", str(steps), "--lr", str(lr),
+                "--log-every", str(log_every), "--seed", str(seed), "--out", str(out)]
+
+    return {
+        "ours": lambda out: [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nnodes", "1", "--nproc-per-node", str(DIST_WORLD), *args("ours", out)],
+        "lerobot": lambda out: [str(accelerate), "launch", "--multi_gpu", "--num_processes", str(DIST_WORLD),
+                                "--num_machines", "1", "--mixed_precision", "no",
+                                "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1",
+                                "--main_process_port", str(_free_port()), *args("lerobot", out)],
+    }
+
+
 def _two_process(setup_root: Path, work: Path, cfg: config_mod.PisftConfig, *, warmup: int,
                  steps: int, rounds: int) -> dict[str, Any]:
     """ours (torchrun, FSDP2) vs LeRobot (accelerate launch, DDP) on 2 processes, interleaved."""
-    from pisft.bench import train_dist
-
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    launchers = train_dist.launch_commands(setup_root, work, micro=cfg.train.micro_batch_size,
+    launchers = launch_commands(setup_root, work, micro=cfg.train.micro_batch_size,
                                           warmup=warmup, steps=steps, lr=cfg.train.lr,
                                           log_every=cfg.train.log_every, seed=cfg.train.seed)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in launchers}

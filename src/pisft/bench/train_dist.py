@@ -14,45 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
+from pisft.bench.train_bench import DIST_WORLD as WORLD
+
 VARIANTS = ("ours", "lerobot")
-WORLD = 2
 N_BATCHES = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_commands(root: Path, work: Path, *, micro: int, warmup: int, steps: int, lr: float,
-                    log_every: int, seed: int) -> dict[str, Callable[[Path], list[str]]]:
-    work.mkdir(parents=True, exist_ok=True)
-    accelerate = Path(sys.executable).with_name("accelerate")
-
-    def args(variant: str, out: Path) -> list[str]:
-        return [str(Path(__file__)), "--variant", variant, "--root", str(root), "--micro", str(micro),
-                "--warmup", str(warmup), "--steps", str(steps), "--lr", str(lr),
-                "--log-every", str(log_every), "--seed", str(seed), "--out", str(out)]
-
-    return {
-        "ours": lambda out: [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nnodes", "1", "--nproc-per-node", str(WORLD), *args("ours", out)],
-        "lerobot": lambda out: [str(accelerate), "launch", "--multi_gpu", "--num_processes", str(WORLD),
-                                "--num_machines", "1", "--mixed_precision", "no",
-                                "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1",
-                                "--main_process_port", str(_free_port()), *args("lerobot", out)],
-    }
 
 
 def _items(root: Path, micro: int, seed: int, rank: int, draw) -> list[list[dict]]:
