@@ -4,6 +4,7 @@ that shape them."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -115,6 +116,8 @@ class _Predictor:
         self.model_dir = model_dir
         self.chunk_size, self.action_dim, self.state_dim, self.max_action_dim = 4, 7, 8, 32
         self.image_features = ["observation.images.base_0_rgb"]
+        self.preprocessor = None  # no tokenizer step: prompts are not cut
+        self.policy = SimpleNamespace(config=SimpleNamespace(image_resolution=None))
         self.seen: list[str] = []
 
     def predict(self, batch, noise):
@@ -125,7 +128,7 @@ class _Predictor:
 def test_served_and_closed_loop_policy_prompts_the_positive_prompt(tmp_path):
     from pisft.serve.libero_policy import LiberoPolicy
 
-    obs = {"observation/image": np.zeros((8, 8, 3), np.uint8), "observation/state": np.zeros(8), "prompt": TASK}
+    obs = {"observation/image": np.zeros((16, 16, 3), np.uint8), "observation/state": np.zeros(8), "prompt": TASK}
     RLINF.write(tmp_path / prompts.CONDITIONING_FILE)
     pred = _Predictor(tmp_path)
     policy = LiberoPolicy(pred)  # reads the model directory's record
