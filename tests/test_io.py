@@ -48,6 +48,15 @@ def test_manifest_detects_changes(tmp_path):
     assert any("not listed" in p for p in problems)
 
 
+def test_manifest_ignores_the_marker_snakemake_adds_to_directory_outputs(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    io.write_manifest(tmp_path)
+    (tmp_path / ".snakemake_timestamp").write_text("")  # what Snakemake does after the job
+    assert io.verify_manifest(tmp_path) == []
+    (tmp_path / ".other_hidden").write_text("")  # anything else is still refused
+    assert io.verify_manifest(tmp_path) == [f"{tmp_path / '.other_hidden'}: present but not listed in MANIFEST.json"]
+
+
 def test_log_captures_child_processes(tmp_path):
     log = tmp_path / "logs" / "stage.log"
     code = (

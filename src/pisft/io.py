@@ -82,13 +82,19 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+# Snakemake touches this file in every directory() output after the job; it is not content, so
+# a model folder made by the workflow still matches its manifest when used as a model source.
+WORKFLOW_MARKERS = frozenset({".snakemake_timestamp"})
+
+
 def build_manifest(root: str | Path, exclude: tuple[str, ...] = ("MANIFEST.json",)) -> dict[str, dict]:
-    """sha256 and size of every file under root (links followed), keyed by relative path."""
+    """sha256 and size of every file under root (links followed), keyed by relative path;
+    Snakemake's directory markers (`WORKFLOW_MARKERS`) are left out."""
     root = Path(root)
     files: dict[str, dict] = {}
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root).as_posix()
-        if path.is_dir() or rel in exclude:
+        if path.is_dir() or rel in exclude or path.name in WORKFLOW_MARKERS:
             continue
         files[rel] = {"sha256": sha256_file(path), "size": path.stat().st_size}
     return files

@@ -86,6 +86,7 @@ SHARED_CODE = (
     "src/pisft/errors.py",
     "src/pisft/io.py",
     "src/pisft/logs.py",
+    "src/pisft/workflow/drivers.py",  # the wrapper DVC runs every stage through
     "src/pisft/workflow/invalidate.py",
     "src/pisft/workflow/stages.py",
 )
