@@ -14,10 +14,11 @@ from pisft import config as pisft_config
 from pisft.workflow import dvc_yaml
 from pisft.workflow.drivers import WRAPPER
 from pisft.workflow.snakemake_rules import load_workflow
+from pisft.workflow import stages as stage_table
 from pisft.workflow.stages import STAGE_KEYS, code_deps
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ["fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card", "closed_loop", "evaluate"]
+STAGES = list(stage_table.STAGES)  # the one table of stages; the rules must follow it, in its order
 
 
 def workflow_copy(tmp_path: Path) -> Path:
