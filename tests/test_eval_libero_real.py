@@ -198,7 +198,7 @@ def test_the_policy_actions_are_executed_and_move_the_arm(rollout):
 
 def test_the_scene_is_at_rest_when_the_policy_first_looks(rollout):
     """LIBERO's stored initial states settle during openpi's wait steps only with the MuJoCo the
-    lock pins (3.3.7): from MuJoCo 3.4 on, box contacts changed and in this task the first step
+    lock pins (3.3.2): from MuJoCo 3.4 on, box contacts changed and in this task the first step
     throws the ketchup, milk and juice to z ~1.07 m, still falling after the 10 wait steps
     (README.md, "The LIBERO simulator"; huggingface/lerobot issue 4390)."""
     _, log, _ = rollout
@@ -208,7 +208,7 @@ def test_the_scene_is_at_rest_when_the_policy_first_looks(rollout):
     before, first_look = (np.array([obs[i][k] for k in objects]) for i in (WAIT - 1, WAIT))
     moved = np.linalg.norm(first_look - before, axis=1)
     assert moved.max() < 1e-3, (f"{objects[moved.argmax()]} still moved {moved.max() * 1000:.1f} mm in the "
-                                f"last wait step (is MuJoCo the pinned 3.3.7?)")
+                                f"last wait step (is MuJoCo the pinned 3.3.2?)")
     assert first_look[:, 2].max() < 0.6, "an object is in the air when the policy first looks"
 
 
