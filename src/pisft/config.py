@@ -417,17 +417,26 @@ def from_dict(raw: dict | None, source: str = "<config>") -> PisftConfig:
     return cfg
 
 
+def read_yaml(path: str | Path, *, missing: str) -> Any:
+    """The YAML document in `path` (safe loader). ConfigError naming the file when it is absent
+    (`missing` says what to do) or is not valid YAML (with the line and column)."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: {missing}")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+
+
 def load(path: str | Path = DEFAULT_CONFIG, overrides: list[str] | None = None) -> PisftConfig:
     """Load and validate a YAML config file (safe loader), with optional `key=value` overrides."""
     import yaml
 
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file not found; pass --config PATH (default {DEFAULT_CONFIG})")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    raw = read_yaml(path, missing=f"config file not found; pass --config PATH (default {DEFAULT_CONFIG})")
     if raw is None:
         raise ConfigError(f"{path}: the config file is empty (or only comments): a run on code "
                           f"defaults is not what was meant; start from {DEFAULT_CONFIG}")

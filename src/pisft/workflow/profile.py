@@ -35,12 +35,7 @@ def switch(profile: str | Path, config: str | Path = pisft_config.DEFAULT_CONFIG
     from ruamel.yaml import YAML  # round-trip YAML (comments kept); installed with DVC
 
     profile, config = Path(profile), Path(config)
-    if not profile.is_file():
-        raise PisftError(f"{profile}: no such profile; the profiles are in config/profiles/")
-    try:
-        overlay = yaml.safe_load(profile.read_text())
-    except yaml.YAMLError as exc:
-        raise PisftError(f"{profile}: not valid YAML: {exc}") from None
+    overlay = pisft_config.read_yaml(profile, missing="no such profile; the profiles are in config/profiles/")
     if not isinstance(overlay, dict) or not overlay:
         raise PisftError(f"{profile}: a profile is a mapping of config keys (see config/profiles/)")
     rt = YAML()

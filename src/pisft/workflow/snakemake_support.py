@@ -33,9 +33,9 @@ def check_config_files(workflow, default: str = DEFAULT_FILE) -> None:
         if not Path(path).is_file():
             continue
         try:
-            raw = yaml.safe_load(Path(path).read_text())
-        except yaml.YAMLError as exc:
-            sys.stderr.write(f"error: {path}: not valid YAML: {exc}\n")
+            raw = pisft_config.read_yaml(path, missing="not found")
+        except pisft_config.ConfigError as exc:
+            sys.stderr.write(f"error: {exc}\n")
             raise SystemExit(2) from None
         if raw is None:
             sys.stderr.write(f"error: {path}: the config file is empty (or only comments); "
