@@ -10,7 +10,6 @@ environment of its own.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -29,6 +28,7 @@ import pytest
 import torch
 
 from model_fixtures import tiny_model_dir
+from serve_fixtures import start_in_thread
 from pisft.serve import observations, protocol
 from pisft.serve.libero_policy import LiberoPolicy, cut_prompt
 from pisft.serve.server import PolicyServer
@@ -156,26 +156,11 @@ def tiny_policy(tiny_model) -> LiberoPolicy:
 @contextlib.contextmanager
 def served(policy):
     """`policy` behind a real PolicyServer on a free port; yields its ws:// URL."""
-    server = PolicyServer(policy, host="127.0.0.1", port=0)
-    loop = asyncio.new_event_loop()
-    stop = loop.create_future()
-    ready = threading.Event()
-    where = {}
-
-    def on_ready(host, port):
-        where["url"] = f"ws://{host}:{port}"
-        ready.set()
-
-    thread = threading.Thread(
-        target=lambda: loop.run_until_complete(server.run(on_ready=on_ready, stop=stop)), daemon=True)
-    thread.start()
-    assert ready.wait(30), "server did not start"
+    where, stop = start_in_thread(PolicyServer(policy, host="127.0.0.1", port=0), timeout=30)
     try:
         yield where["url"]
     finally:
-        loop.call_soon_threadsafe(stop.set_result, None)
-        thread.join(30)
-        loop.close()
+        stop()
 
 
 def _ask(ws, obs):

@@ -4,7 +4,6 @@ clients at once, a taken port), each fault made the way it happens: real websock
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import logging
@@ -22,6 +21,8 @@ import pytest
 import torch
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
+
+from serve_fixtures import start_in_thread
 
 from pisft.serve import hostile_probe, observations, protocol
 from pisft.serve.server import PolicyServer, bind
@@ -219,30 +220,15 @@ def serve():
 
     def start(policy, **options):
         server = PolicyServer(policy, host="127.0.0.1", port=0, **options)
-        ready = threading.Event()
-        where: dict = {}
-        loop = asyncio.new_event_loop()
-        stop = loop.create_future()
-
-        def on_ready(host, port):
-            where["url"] = f"ws://{host}:{port}"
-            where["http"] = f"http://{host}:{port}"
-            ready.set()
-
-        thread = threading.Thread(
-            target=lambda: loop.run_until_complete(server.run(on_ready=on_ready, stop=stop)), daemon=True)
-        thread.start()
-        assert ready.wait(10), "server did not start"
-        started.append((loop, stop, thread, policy))
+        where, stop = start_in_thread(server, timeout=10)
+        started.append((stop, policy))
         return server, where
 
     yield start
-    for loop, stop, thread, policy in started:
+    for stop, policy in started:
         for event in (policy.release_prepare, policy.release_predict):
             event.set()
-        loop.call_soon_threadsafe(stop.set_result, None)
-        thread.join(10)
-        loop.close()
+        stop()
 
 
 @contextlib.contextmanager
