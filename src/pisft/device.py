@@ -214,6 +214,13 @@ THREADS_ENV = "PISFT_NUM_THREADS"  # the one knob: CPU threads per training proc
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, e.g. a Slurm or taskset limit)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
 def threads_per_process(nproc_per_node: int, base: Mapping[str, str] | None = None) -> int:
     """CPU threads of each training process: PISFT_NUM_THREADS, else the usable cores / processes."""
     base = os.environ if base is None else base
@@ -222,8 +229,7 @@ def threads_per_process(nproc_per_node: int, base: Mapping[str, str] | None = No
             return max(1, int(base[THREADS_ENV]))
         except ValueError:
             raise DeviceError(f"{THREADS_ENV}={base[THREADS_ENV]!r}: must be a whole number of threads") from None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, nproc_per_node))
+    return max(1, usable_cores() // max(1, nproc_per_node))
 
 
 def process_env(kind: str, base: Mapping[str, str] | None = None, *,

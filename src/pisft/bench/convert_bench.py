@@ -41,6 +41,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from pisft import device
+
 REPO_ID = "pisft/bench_recap"
 
 
@@ -66,13 +68,6 @@ class _Clock:
                 "cpu_seconds": round(self.cpu, 3), "cores_used": round(self.cpu / self.wall, 2),
                 # work per frame, independent of what else shares the machine
                 "frames_per_cpu_s": round(frames / max(self.cpu, 1e-9), 1)}
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover
-        return os.cpu_count() or 1
 
 
 def build_input(root: Path, episodes_per_task: int, length: int, image_size: int, labelled: bool = False) -> dict:
@@ -141,7 +136,7 @@ def bench_lerobot_recorder(src: Path, out: Path, episodes: int) -> dict:
     source = RecapSource.open(src)
     chosen = source.episodes[:episodes]
     features = _output_features(source.image_shape("image"))
-    threads = 2 * _cpus()
+    threads = 2 * device.usable_cores()
     frames = 0
     with _Clock() as c:
         ds = LeRobotDataset.create(repo_id=REPO_ID, fps=source.fps, features=features, root=out,
@@ -220,7 +215,7 @@ def scaling(work: Path, *, episodes_per_task: tuple[int, int] = (1, 4), length: 
     small, large = episodes_per_task
     if large < 4 * small:
         raise ValueError("the larger input must have at least 4x the episodes of the smaller")
-    workers = workers or _cpus()
+    workers = workers or device.usable_cores()
     out: dict = {"workers": workers, "advantage_tag": "demo"}
     for name, per_task in (("small", small), ("large", large)):
         src = work / f"scale_{name}"
@@ -270,9 +265,9 @@ def run(workdir: str | Path, *, episodes_per_task: int = 2, length: int = 100, i
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     src = work / "recap_v21"
-    out: dict = {"input": build_input(src, episodes_per_task, length, image_size), "cpus": _cpus()}
+    out: dict = {"input": build_input(src, episodes_per_task, length, image_size), "cpus": device.usable_cores()}
     out["pisft"] = bench_pisft(src, work / "pisft_out", workers=0)
-    out["pisft"]["workers"] = _cpus()
+    out["pisft"]["workers"] = device.usable_cores()
     out["pisft_1_worker"] = bench_pisft(src, work / "pisft_out_1", workers=1)
     out["lerobot_v21_to_v30"] = bench_lerobot_v21_to_v30(src, work / "lerobot")
     out["lerobot_recorder"] = bench_lerobot_recorder(src, work / "lerobot_recorder", recorder_episodes)

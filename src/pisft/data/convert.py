@@ -17,7 +17,6 @@ leaves no output behind.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -30,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pisft import device
 from pisft.config import PisftConfig, write_resolved
 from pisft.data import images as imgs
 from pisft.data import dataset_stats as st
@@ -76,10 +76,7 @@ class Options:
     def n_workers(self) -> int:
         if self.workers > 0:
             return self.workers
-        try:
-            return max(1, len(os.sched_getaffinity(0)))
-        except AttributeError:  # pragma: no cover - not Linux
-            return max(1, os.cpu_count() or 1)
+        return device.usable_cores()
 
 
 @dataclass

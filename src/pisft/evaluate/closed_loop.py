@@ -109,16 +109,12 @@ class Settings:
         return self.max_steps or libero_sim.SUITE_MAX_STEPS[suite]
 
 
-def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def resolve_num_envs(num_envs: int) -> int:
     """`eval.num_envs`: 0 means one environment per core available to this process."""
     if num_envs < 0:
         raise PisftError(f"eval.num_envs: must be 0 (one per available core) or a positive number "
                          f"of environment processes, got {num_envs}")
-    return num_envs or available_cores()
+    return num_envs or device_mod.usable_cores()
 
 
 def policy_threads() -> int:
@@ -542,8 +538,8 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
     with atomic_dir(cfg.results(OUTPUT_DIR)) as out:
         specs, languages = plan_episodes(sim, settings, out)
         num_envs = max(1, min(settings.num_envs, len(specs)))
-        if num_envs > available_cores():
-            print(f"closed_loop: note: {num_envs} environment processes on {available_cores()} cores "
+        if num_envs > device_mod.usable_cores():
+            print(f"closed_loop: note: {num_envs} environment processes on {device_mod.usable_cores()} cores "
                   "(eval.num_envs); they will share them", flush=True)
         print(f"closed_loop: {len(specs)} episodes in {sim_info.get('package')} "
               f"{sim_info.get('version') or ''}, {num_envs} environment "

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from pisft import device
 from pisft.train.sampler import SampleRef, StepSampler, sample_rng
 
 RAND_KEY = "_pisft_rand"
@@ -62,10 +63,6 @@ AUTO_WORKERS = -1  # train.num_workers: choose from the cores (default_workers)
 MAX_AUTO_WORKERS = 8
 
 
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def default_workers(kind: str, nproc_per_node: int, cores: int | None = None) -> int:
     """Data-loader worker processes per training process when train.num_workers is -1.
 
@@ -76,7 +73,7 @@ def default_workers(kind: str, nproc_per_node: int, cores: int | None = None) ->
     while the step waits on a collective or runs single-threaded Python) without adding more
     processes competing for the cores than there are batches to prepare.
     """
-    cores = usable_cores() if cores is None else cores
+    cores = device.usable_cores() if cores is None else cores
     if kind == "cpu":
         return 1
     share = max(1, cores // max(1, nproc_per_node))
