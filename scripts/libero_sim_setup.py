@@ -18,13 +18,13 @@ Rendering: Debian's libosmesa6 libegl1 libegl-mesa0 libgl1 are installed with ap
 and this runs as root; otherwise the one `apt-get install` line is printed (set-up goes on: only the
 closed-loop stage needs them, and it fails with the same line).
 
-Only the standard library is used here, apart from pisft itself for LIBERO's config file.
+Only the standard library is used here, apart from pisft itself (installed just before by `make
+setup`) for file hashes and LIBERO's config file.
 """
 
 from __future__ import annotations
 
 import ctypes.util
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -33,6 +33,8 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from pisft.io import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "workflow/envs/libero-assets.sha256"
@@ -108,14 +110,6 @@ def read_manifest(path: Path = MANIFEST) -> dict[str, str]:
             raise SetupError(f"{path}:{n}: not a '<sha256>  <relative path>' line: {line!r}")
         entries[rel] = digest
     return entries
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def verify_tree(assets: Path, manifest: dict[str, str]) -> list[str]:
