@@ -34,13 +34,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from pisft.evaluate.libero_sim import INSTALLED_MANIFEST  # the copy libero_sim checks at run time
 from pisft.io import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "workflow/envs/libero-assets.sha256"
 ASSET_WHEELS = ROOT / "workflow/envs/libero-assets.txt"
-# The copy of the manifest kept in the installed tree (libero_sim checks against it at run time).
-INSTALLED_MANIFEST = ".pisft-manifest.sha256"
 GL_PACKAGES = ("libosmesa6", "libegl1", "libegl-mesa0", "libgl1")
 GL_LIBRARIES = {"libosmesa6": "OSMesa", "libegl1": "EGL", "libgl1": "GL"}  # for hosts without dpkg
 APT_LINE = "apt-get install -y " + " ".join(GL_PACKAGES)

@@ -41,6 +41,9 @@ SUITE_MAX_STEPS = {
 }
 DUMMY_ACTION = [0.0] * 6 + [-1.0]  # no motion, gripper open
 RENDER_RESOLUTION = 256  # resolution LIBERO's training data was rendered at
+# `make setup` keeps a copy of the asset checksum manifest beside the assets under this name
+# (scripts/libero_sim_setup.py writes it, `assets_problem` reads it).
+INSTALLED_MANIFEST = ".pisft-manifest.sha256"
 
 # Debian packages LIBERO's cameras need (MuJoCo's EGL or OSMesa back end); `make setup` installs
 # them when it runs as root (scripts/libero_sim_setup.py, README.md "The LIBERO simulator").
@@ -181,7 +184,7 @@ def assets_problem(bench_root: Path) -> str | None:
         return (f"LIBERO's scene assets are not installed ({assets} is missing; hf-libero would try "
                 "to download them from the Hugging Face hub). Run `make setup`, or "
                 "`.venv/bin/python scripts/libero_sim_setup.py assets`")
-    manifest = assets / ".pisft-manifest.sha256"
+    manifest = assets / INSTALLED_MANIFEST
     if not manifest.is_file():
         return None  # installed some other way: taken as it is
     listed = [line.split("  ", 1)[1] for line in manifest.read_text().splitlines()
