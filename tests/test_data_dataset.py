@@ -58,6 +58,56 @@ def test_load_split_items(converted):
     assert batch["action"].shape == (4, chunk, 7) and len(batch["task"]) == 4
 
 
+@pytest.mark.parametrize("split", ["train", "eval"])
+@pytest.mark.parametrize("chunk", [1, 5, 15])
+def test_items_are_lerobots_own_chunked_items(converted, split, chunk):
+    """Every item equals, tensor for tensor, the item of LeRobot's own delta_timestamps query
+    (what load_split returned before ActionChunks), chunks past the episode's end included."""
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    ours = dataset.load_split(converted, split, chunk_size=chunk)
+    theirs = LeRobotDataset(repo_id=dataset.REPO_ID, root=converted,
+                            episodes=dataset.split_episodes(converted)[split],
+                            delta_timestamps={"action": [k / dataset.fps(converted) for k in range(chunk)]},
+                            video_backend="pyav")
+    assert len(ours) == len(theirs)
+    padded = 0
+    for i in range(len(ours)):
+        a, b = ours[i], theirs[i]
+        assert a.keys() == b.keys()
+        for key in b:
+            if isinstance(b[key], torch.Tensor):
+                assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), (i, key)
+            else:
+                assert a[key] == b[key], (i, key)
+        padded += int(b["action_is_pad"].any())
+    assert padded >= min(chunk - 1, 12) * ours.frames.num_episodes  # episode ends were compared
+
+
+def test_a_chunk_decodes_only_its_own_frame(converted, monkeypatch):
+    """LeRobot's chunk query decodes the images of all chunk frames; ours decodes one frame's."""
+    from datasets.features import image as hf_image
+
+    decoded = []
+    real = hf_image.Image.decode_example
+    monkeypatch.setattr(hf_image.Image, "decode_example",
+                        lambda self, *a, **k: decoded.append(1) or real(self, *a, **k))
+    ds = dataset.load_split(converted, "train", chunk_size=10)
+    ds[3]
+    assert len(decoded) == 2  # the two cameras of frame 3
+
+
+def test_frames_of_an_episode_missing_from_the_data_are_named(converted):
+    from types import SimpleNamespace
+
+    frames = dataset.load_split(converted, "eval", chunk_size=3).frames
+    keep = [i for i in range(len(frames.hf_dataset)) if i != 4]
+    frames = SimpleNamespace(hf_dataset=frames.hf_dataset.select(keep), meta=frames.meta,
+                             root=frames.root)  # a data file that lost a row the metadata counts
+    with pytest.raises(DataError, match=r"episode \d+ lacks frames \[\d+\]"):
+        dataset.ActionChunks(frames, 3)
+
+
 def test_load_split_train_has_the_other_episodes(converted):
     ds = dataset.load_split(converted, "train", chunk_size=2)
     eps = {int(ds[i]["episode_index"]) for i in range(0, len(ds), 12)}

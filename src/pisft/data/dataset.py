@@ -6,9 +6,11 @@
 - `episode_tasks(dataset_dir)`: episode index -> task instruction (without any advantage suffix).
 - `episode_success(dataset_dir)`: episode index -> success (True/False; None when the source
   recorded none), as the conversion report lists them.
-- `load_split(dataset_dir, split, chunk_size=...)`: LeRobot's `LeRobotDataset` restricted to the
-  split's episodes; items carry the action chunk (`action` (chunk_size, 7), `action_is_pad`),
-  the cameras as float CHW in [0, 1], `observation.state` (8,) and `task` (the prompt).
+- `load_split(dataset_dir, split, chunk_size=...)`: the split's episodes read through LeRobot's
+  `LeRobotDataset`; items carry the action chunk (`action` (chunk_size, 7), `action_is_pad`),
+  the cameras as float CHW in [0, 1], `observation.state` (8,) and `task` (the prompt): the
+  items of a `LeRobotDataset` with `delta_timestamps` for the chunk, tensor for tensor
+  (`ActionChunks`, which builds the chunk without decoding every frame's images).
 
 Everything is read from disk; nothing is ever downloaded (a missing file is a DataError).
 """
@@ -18,8 +20,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
+from torch.utils.data import Dataset
 
 from pisft.data.libero import REPO_ID
 from pisft.errors import DataError
@@ -88,11 +93,56 @@ def load_split(dataset_dir: str | Path, split: str, *, chunk_size: int):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local root never needs the hub
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
-    rate = fps(root)
-    return LeRobotDataset(
+    frames = LeRobotDataset(
         repo_id=REPO_ID,
         root=root,
         episodes=episodes,
-        delta_timestamps={"action": [i / rate for i in range(chunk_size)]},
         video_backend="pyav",  # images are stored as PNG; also skips torchcodec's noisy probe
     )
+    return ActionChunks(frames, chunk_size)
+
+
+class ActionChunks(Dataset):
+    """The frames of a `LeRobotDataset`, each with the chunk of the next `chunk_size` actions.
+
+    It gives what `LeRobotDataset(..., delta_timestamps={"action": [k / fps for k < chunk_size]})`
+    gives (the test compares every tensor), without its cost: LeRobot 0.6.1 reads a chunk with
+    `hf_dataset[key][rows]` on a dataset whose format transform converts whole rows, so every
+    one of the chunk's frames has its PNG images decoded and thrown away (2 x chunk_size decodes
+    per sample, 100 for pi0.5's 50-action chunk; `dataset_reader._query_hf_dataset`). Here the
+    actions of the split are read once into memory (chunk_size x 7 floats per frame, small) and
+    only the sample's own frame goes through LeRobot. The padding is LeRobot's
+    (`dataset_reader._get_query_indices`): an index past the episode's end repeats its last
+    action and is marked in `action_is_pad`.
+    """
+
+    def __init__(self, frames: Any, chunk_size: int) -> None:
+        self.frames = frames
+        self.chunk_size = chunk_size
+        columns = frames.hf_dataset.with_format("numpy")
+        self.actions = torch.from_numpy(np.ascontiguousarray(columns["action"], dtype=np.float32))
+        self.index = np.asarray(columns["index"], dtype=np.int64)  # absolute frame index
+        self.episode_index = np.asarray(columns["episode_index"], dtype=np.int64)
+        self.frame_index = np.asarray(columns["frame_index"], dtype=np.int64)
+        self._row_of = {int(a): r for r, a in enumerate(self.index)}
+        self._bounds = {int(e): (int(frames.meta.episodes[int(e)]["dataset_from_index"]),
+                                 int(frames.meta.episodes[int(e)]["dataset_to_index"]))
+                        for e in np.unique(self.episode_index)}
+        for e, (start, end) in self._bounds.items():
+            missing = [a for a in range(start, end) if a not in self._row_of]
+            if missing:
+                raise DataError(f"{frames.root}: episode {e} lacks frames {missing[:5]} of "
+                                f"[{start}, {end}) in its data files; convert it again")
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        item = self.frames[idx]
+        abs_idx = int(self.index[idx])
+        start, end = self._bounds[int(self.episode_index[idx])]
+        wanted = np.arange(abs_idx, abs_idx + self.chunk_size)
+        rows = [self._row_of[int(a)] for a in np.clip(wanted, start, end - 1)]
+        item["action"] = self.actions[rows]
+        item["action_is_pad"] = torch.from_numpy((wanted < start) | (wanted >= end))
+        return item

@@ -71,10 +71,7 @@ def select_episodes(eval_episodes: list[int], tasks: dict[int, str], max_episode
 
 def frame_positions(dataset, episodes: list[int], stride: int) -> list[int]:
     """Dataset positions of the frames to evaluate: the chosen episodes, every stride-th frame."""
-    cols = dataset.select_columns(["episode_index", "frame_index"])
-    ep = np.asarray([int(x) for x in cols["episode_index"]])
-    frame = np.asarray([int(x) for x in cols["frame_index"]])
-    keep = np.isin(ep, episodes) & (frame % stride == 0)
+    keep = np.isin(dataset.episode_index, episodes) & (dataset.frame_index % stride == 0)
     return np.flatnonzero(keep).tolist()
 
 
