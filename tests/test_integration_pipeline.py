@@ -21,6 +21,10 @@ def test_snakemake_runs_the_whole_dag_and_it_learns(default_pipeline):
     cfg = yaml.safe_load((default_pipeline / "config/config.yaml").read_text())
     assert len(lines) == cfg["train"]["steps"]
     assert (results / "train/model/model.safetensors").is_file()
+    # 2 CPU processes: every parameter sharded, in the root unit alone (train.fsdp_min_unit_params)
+    sharding = json.loads((results / "train/train_summary.json").read_text())["sharding_rank0"]
+    assert sharding["all_params_sharded"] is True and sharding["units_by_group"] == {}
+    assert sharding["params_local_fraction"] == pytest.approx(0.5, abs=0.02)
     metrics = json.loads((results / "eval/metrics.json").read_text())
     base, tuned = metrics["base"]["action_mse"], metrics["finetuned"]["action_mse"]
     assert tuned <= 0.5 * base, f"fine-tuned {tuned} vs base {base}: the model did not learn"

@@ -87,7 +87,10 @@ def test_one_process_trains_unsharded_the_smoke_keeps_the_sharded_layout():
     mesh = init_device_mesh("cpu", (1,))
     plain, sharded = model(), model()
     units = fsdp.distribute(plain, mesh, "fp32", torch.device("cpu"))
-    assert [u.name for u in units] == ["0", "2"]  # the units the N-process run shards
+    # the units an N-process run on the CPU shards: none, both layers are below
+    # CPU_MIN_UNIT_PARAMS and stay in the root unit (on an accelerator: "0" and "2")
+    assert [u.name for u in units] == []
+    assert [u.name for u in fsdp.distribute(model(), mesh, "fp32", torch.device("meta"))] == ["0", "2"]
     assert not any(isinstance(p, DTensor) for p in plain.parameters())
     fsdp.distribute(sharded, mesh, "fp32", torch.device("cpu"), keep_sharded=True)
     assert all(isinstance(p, DTensor) for p in sharded.parameters())

@@ -14,6 +14,7 @@ from pisft.train.estimate import estimate_memory
 def _cfg(tmp_path, model=None, **train):
     micro, nproc = train.get("micro_batch_size", 4), train.get("nproc_per_node", 2)
     train.setdefault("global_batch_size", micro * 2 * nproc)
+    train.setdefault("fsdp_min_unit_params", 0)  # the layer units (an accelerator's layout)
     return from_dict({"results_dir": str(tmp_path / "results"), "model": model or {}, "train": train})
 
 
@@ -24,6 +25,26 @@ def _training_model(preset: str):
     policy = build_policy(preset, seed=0, device="meta")
     internals.prepare_for_training(policy, checkpointing=False)
     return policy
+
+
+@pytest.mark.parametrize(("device", "configured", "expected"), [
+    ("cpu", -1, 16_000_000), ("npu", -1, 0), ("cuda", -1, 0), ("cpu", 0, 0), ("npu", 5_000_000, 5_000_000)])
+def test_the_estimate_simulates_the_units_the_run_will_have(tmp_path, monkeypatch, device, configured,
+                                                             expected):
+    from pisft.train import estimate
+
+    seen = {}
+
+    def simulate(make, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop after the layout was chosen")
+
+    monkeypatch.setattr(estimate, "simulate_step", simulate)
+    cfg = from_dict({"results_dir": str(tmp_path), "device": device,
+                     "train": {"fsdp_min_unit_params": configured}})
+    with pytest.raises(RuntimeError, match="stop after"):
+        estimate_memory(cfg)
+    assert seen["min_unit_params"] == expected
 
 
 @pytest.fixture(scope="module")

@@ -76,6 +76,30 @@ def test_one_unit_per_decoder_layer_pair_and_per_vision_layer(tiny):
                            "lm_head.weight")) for n in root), root
 
 
+def test_small_units_merge_within_their_group_in_forward_order(tiny):
+    policy, _ = tiny
+    layers = fsdp.choose_units(policy)
+    sizes = {u.name: u.numel() for u in layers}
+    vision = [u for u in layers if u.group == "vision"]
+    smallest = vision[1].numel()  # a vision layer: the embeddings alone are smaller
+    merged = fsdp.choose_units(policy, smallest)
+    assert [(u.group, u.reshard_after_forward) for u in merged] == [
+        ("vision", False), ("vision", False), ("decoder", True), ("decoder", True)]
+    # the embeddings took the first layer along; the projector, a remainder, joined the last
+    # layer; the action
+    # projections (41k parameters, a group of their own) went to the root
+    assert merged[0].name == f"{vision[0].name}..{vision[1].name}"
+    assert merged[1].name == f"{vision[2].name}..{vision[-1].name}"
+    assert [u.name for u in merged[2:]] == ["decoder_pair.0", "decoder_pair.1"]
+    assert all(u.numel() >= smallest for u in merged)
+    assert sum(u.numel() for u in merged) == sum(sizes.values()) - sizes["model.action_time_projections"]
+    modules = [m for u in merged for m in u.modules]
+    assert modules == [m for u in layers if u.group != "action" for m in u.modules]
+    # the CPU's floor leaves the tiny model to the root unit alone; accelerators keep the layers
+    assert fsdp.choose_units(policy, fsdp.min_unit_params(torch.device("cpu"))) == []
+    assert fsdp.min_unit_params(torch.device("meta")) == 0
+
+
 def test_analytic_flops_match_a_flop_counter(tiny):
     policy, batch = tiny
     task = PolicyTask(policy, lambda b: b, torch.device("cpu"))

@@ -101,6 +101,11 @@ class TrainConfig:
     # (pisft.train.batches.default_workers). prefetch_factor: micro-batches each worker prepares ahead.
     num_workers: int = -1
     prefetch_factor: int = 4
+    # The smallest FSDP unit, in parameters: smaller layer units are merged with their neighbours
+    # of the same group (pisft.train.fsdp.merge_small_units). -1 chooses by device: on the CPU
+    # 16M (gloo collectives cost milliseconds each; the tiny model trains with the root unit
+    # alone), on an accelerator 0 (one unit per decoder layer pair and per vision layer).
+    fsdp_min_unit_params: int = -1
     # Also write the per-step metrics as TensorBoard scalars (results/checkpoints/train/<run>/tensorboard;
     # needs the `tensorboard` package).
     tensorboard: bool = False
@@ -285,6 +290,9 @@ def _value_problems(cfg: PisftConfig) -> list[str]:
     if t.num_workers < -1:
         problems.append(f"train.num_workers: data-loader processes per training process must be "
                         f">= 0, or -1 to choose from the cores; got {t.num_workers}")
+    if t.fsdp_min_unit_params < -1:
+        problems.append(f"train.fsdp_min_unit_params: the smallest FSDP unit in parameters must be "
+                        f">= 0, or -1 to choose by device; got {t.fsdp_min_unit_params}")
     if t.prefetch_factor < 1:
         problems.append(f"train.prefetch_factor: micro-batches each data-loader worker prepares "
                         f"ahead must be >= 1, got {t.prefetch_factor}")

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from pisft import config as config_mod
+from pisft import device as devices
 from pisft.train import fsdp, loop, optim
 from pisft.train.batches import StepDataset, make_loader, resolve_workers, split_rand
 from pisft.train.metrics import MetricsLog
@@ -150,9 +151,27 @@ class Setup:
         return (dict(b) for b in itertools.cycle(source))
 
 
-def _optimizer(policy, lr: float):
-    opt = optim.build_optimizer(policy.parameters(), lr=lr, weight_decay=1e-2, fused=False)
+def ours_optimizer(policy, lr: float):
+    """The optimizer the training stages build on the CPU (`train.stage`): AdamW, fused where
+    torch has the kernel."""
+    opt = optim.build_optimizer(policy.parameters(), lr=lr, weight_decay=1e-2,
+                                fused=devices.fused_adamw_supported("cpu"))
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+
+
+def lerobot_optimizer(policy, lr: float):
+    """The optimizer lerobot-train builds for pi0.5 (`optim.factory.make_optimizer_and_scheduler`
+    with the policy's preset): `torch.optim.AdamW` with torch's default implementation."""
+    import dataclasses
+
+    preset = dataclasses.replace(policy.config.get_optimizer_preset(), lr=lr)
+    opt = preset.build(policy.get_optim_params())
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+
+
+OPTIMIZERS = {"ours": "AdamW, fused where torch has the kernel (what train.stage builds)",
+              "lerobot": "LeRobot's pi0.5 preset: torch.optim.AdamW, torch's default implementation "
+                         "(what lerobot-train builds)"}
 
 
 def timed(step_fn, warmup: int, steps: int) -> dict[str, float]:
@@ -172,7 +191,7 @@ def _ours(setup: Setup, warmup: int, steps: int, work: Path, lr: float, log_ever
     warm-up's last record arrives (records arrive every log_every steps, so warm-up is a
     multiple of it)."""
     policy, pre = setup.policy(sharded=False)
-    opt, sched = _optimizer(policy, lr)
+    opt, sched = ours_optimizer(policy, lr)
     task = PolicyTask(policy, pre, torch.device("cpu"))
     log = MetricsLog(work / "bench_metrics.jsonl")
     log.reset(0)
@@ -200,7 +219,7 @@ def _ours(setup: Setup, warmup: int, steps: int, work: Path, lr: float, log_ever
 
 def _bare(setup: Setup, warmup: int, steps: int, lr: float, sharded: bool) -> dict[str, float]:
     policy, pre = setup.policy(sharded=sharded)
-    opt, sched = _optimizer(policy, lr)
+    opt, sched = ours_optimizer(policy, lr)
     task = PolicyTask(policy, pre, torch.device("cpu"))
     params = [p for p in policy.parameters() if p.requires_grad]
     stream = setup.stream()
@@ -249,7 +268,7 @@ def _lerobot(setup: Setup, warmup: int, steps: int, lr: float) -> dict[str, floa
 
     policy = load_policy(setup.base, dtype="float32")  # LeRobot's model as it loads it
     pre, _ = make_processors(policy, setup.base, setup.stats)
-    opt, sched = _optimizer(policy, lr)
+    opt, sched = lerobot_optimizer(policy, lr)
     accelerator = lerobot_accelerator()
     policy, opt = accelerator.prepare(policy, opt)
     step = lerobot_step_fn(policy, pre, opt, sched, accelerator, setup.micro, len(setup.train_set),
@@ -385,6 +404,7 @@ def run(cfg: config_mod.PisftConfig, work: Path, *, steps: int = 20, warmup: int
         "rounds": rounds,
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
+        "optimizers": OPTIMIZERS,
         "data_loader": {"num_workers": workers, "train.num_workers": cfg.train.num_workers,
                         "prefetch_factor": prefetch},
         "one_process": {

@@ -45,11 +45,11 @@ def _ours(a: argparse.Namespace) -> dict[str, float] | None:
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pisft.bench.train_bench import process_tree_cpu_s
+    from pisft.bench.train_bench import ours_optimizer, process_tree_cpu_s
     from pisft.data.dataset import load_stats
     from pisft.model import lerobot_internals as internals
     from pisft.model.policy import load_policy, make_processors
-    from pisft.train import fsdp, loop, optim
+    from pisft.train import fsdp, loop
     from pisft.train.policy_task import PolicyTask
 
     dist.init_process_group("gloo")
@@ -63,8 +63,7 @@ def _ours(a: argparse.Namespace) -> dict[str, float] | None:
     items, _ = _items(a.root, a.micro, a.seed, rank, task.draw)
     prepared = [task.collate(b) for b in items]
     batches = (dict(b) for b in itertools.cycle(prepared))
-    opt = optim.build_optimizer(policy.parameters(), lr=a.lr, weight_decay=1e-2, fused=False)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    opt, sched = ours_optimizer(policy, a.lr)
     settings = loop.LoopSettings(steps=a.warmup + a.steps, accum=1, global_batch=WORLD * a.micro,
                                  grad_clip=1.0, kind="cpu", device=torch.device("cpu"),
                                  world_size=WORLD, rank=rank, log_every=a.log_every)
@@ -81,10 +80,10 @@ def _ours(a: argparse.Namespace) -> dict[str, float] | None:
 def _lerobot(a: argparse.Namespace) -> dict[str, float] | None:
     import itertools
 
-    from pisft.bench.train_bench import lerobot_accelerator, lerobot_step_fn, process_tree_cpu_s
+    from pisft.bench.train_bench import (lerobot_accelerator, lerobot_optimizer, lerobot_step_fn,
+                                         process_tree_cpu_s)
     from pisft.data.dataset import load_stats
     from pisft.model.policy import load_policy, make_processors
-    from pisft.train import optim
     from pisft.train.policy_task import PolicyTask
 
     accelerator = lerobot_accelerator()
@@ -97,8 +96,7 @@ def _lerobot(a: argparse.Namespace) -> dict[str, float] | None:
     draw = PolicyTask(policy, pre, torch.device("cpu")).draw
     items, n = _items(a.root, a.micro, a.seed, rank, draw)
     raw = [default_collate(b) for b in items]
-    opt = optim.build_optimizer(policy.parameters(), lr=a.lr, weight_decay=1e-2, fused=False)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    opt, sched = lerobot_optimizer(policy, a.lr)
     policy, opt = accelerator.prepare(policy, opt)
     step = lerobot_step_fn(policy, pre, opt, sched, accelerator, a.micro, n,
                            (dict(b) for b in itertools.cycle(raw)))

@@ -237,12 +237,13 @@ def _fake_world(world_size: int) -> Iterator[Any]:
 
 
 def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batch: int,
-                  precision: str, checkpointing: bool) -> dict[str, Any]:
+                  precision: str, checkpointing: bool, min_unit_params: int = 0) -> dict[str, Any]:
     """One steady-state training step of rank 0 of `world_size`, on fake tensors: peak bytes.
 
     `make_policy()` returns a PI05Policy on the meta device. Returns the per-category bytes at
     the peak (`bytes`), the peak above the pre-step memory (`step_peak_bytes`, comparable to
     `pisft.train.measure`), the model state, the FSDP plan and where the peak happened.
+    `min_unit_params`: the FSDP units' floor (`pisft.train.fsdp.merge_small_units`; 0: layer units).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -250,13 +251,13 @@ def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batc
 
     policy = make_policy()
     internals.prepare_for_training(policy, checkpointing=checkpointing)
-    plan = fsdp_plan(policy)
+    plan = fsdp_plan(policy, min_unit_params)
     sequence = {"prefix_tokens": _prefix_tokens(policy), "suffix_tokens": int(policy.config.chunk_size)}
     params_total = sum(p.numel() for p in policy.parameters())
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     _to_fake(policy, fake)
     with _fake_world(world_size) as mesh, fake:
-        step = _tracked_step(policy, mesh, micro_batch, precision)
+        step = _tracked_step(policy, mesh, micro_batch, precision, min_unit_params)
     tracker = step.pop("tracker")
     step_peak, live, phase = tracker.peak(held=step["opt_ids"])
     at_peak = _at_peak(tracker, live, step)
@@ -277,7 +278,8 @@ def _nbytes(tensors) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
 
 
-def _tracked_step(policy, mesh, micro_batch: int, precision: str) -> dict[str, Any]:
+def _tracked_step(policy, mesh, micro_batch: int, precision: str,
+                  min_unit_params: int = 0) -> dict[str, Any]:
     """Shard, then forward, backward, clip, AdamW and zero_grad under a StepMemory tracker.
 
     Returns the tracker and what the attribution needs: the allocation ids of the parameters,
@@ -289,7 +291,7 @@ def _tracked_step(policy, mesh, micro_batch: int, precision: str) -> dict[str, A
     from pisft.train.synthetic import synthetic_batch
 
     cpu = torch.device("cpu")
-    fsdp.shard(policy, mesh, precision)
+    fsdp.shard(policy, mesh, precision, min_params=min_unit_params)
     # Fused AdamW: the kernel the training takes on CUDA, NPU and CPU (no foreach temporaries).
     optimizer = optim.build_optimizer(policy.parameters(), lr=1e-4, weight_decay=1e-10, fused=True)
     task = PolicyTask(policy, None, cpu, precision)
@@ -339,11 +341,11 @@ def _at_peak(tracker: StepMemory, live: dict, step: dict[str, Any]) -> dict[str,
     return at_peak
 
 
-def fsdp_plan(policy) -> dict[str, int]:
+def fsdp_plan(policy, min_unit_params: int = 0) -> dict[str, int]:
     """Units of pisft's FSDP plan: how many, the root's and the largest unit's parameters."""
     from pisft.train.fsdp import choose_units
 
-    units = choose_units(policy)
+    units = choose_units(policy, min_unit_params)
 
     def unit_params(u) -> list:
         modules = getattr(u, "modules", None) or (u.module,)
@@ -410,10 +412,15 @@ def estimate_memory(cfg: PisftConfig, *, world_size: int | None = None) -> dict[
     world = world_size or cfg.world_size
     if dist.is_initialized():
         return _simulate_elsewhere(cfg, world)
+    from pisft import device as devices
+    from pisft.train.fsdp import min_unit_params
+
     make, model_from = _estimate_policy(cfg)
     t = cfg.train
+    kind = devices.resolve_kind("auto") if cfg.device == "auto" else cfg.device
+    smallest = min_unit_params(torch.device(kind if kind == "cpu" else "meta"), t.fsdp_min_unit_params)
     sim = simulate_step(make, world_size=world, micro_batch=t.micro_batch_size, precision=t.precision,
-                        checkpointing=t.activation_checkpointing)
+                        checkpointing=t.activation_checkpointing, min_unit_params=smallest)
     return {
         "model": model_from,
         "preset": cfg.model.preset,
@@ -423,6 +430,7 @@ def estimate_memory(cfg: PisftConfig, *, world_size: int | None = None) -> dict[
         "params_root_unit": sim["fsdp"]["params_root_unit"],
         "params_largest_unit": sim["fsdp"]["params_largest_unit"],
         "fsdp_units": sim["fsdp"]["units"],
+        "fsdp_min_unit_params": smallest,
         "world_size": world,
         "micro_batch_size": t.micro_batch_size,
         "precision": t.precision,

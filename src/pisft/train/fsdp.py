@@ -28,6 +28,14 @@ copy), gathered in bf16 and gradients reduced in fp32. The forward runs under
 when activation checkpointing recomputes a unit from outside it, and autocast makes every matmul
 agree on bf16 in both cases; the loss (mse) runs in fp32 under autocast. The root does not cast
 its inputs.
+
+On the CPU (gloo) the units are coarser (`merge_small_units`, `CPU_MIN_UNIT_PARAMS`): there a
+collective costs milliseconds of host time whatever its size, and the units above cost more than
+their arithmetic at small sizes. Measured on 2 processes, 1 thread each, tiny pi0.5 (2.2M
+parameters), per optimizer step: the 7 layer units + root 185-205 ms, one unit per group 163-174
+ms, the root alone 121-147 ms, LeRobot's DDP 107-115 ms, no synchronisation at all 68 ms
+(README.md, "make bench"). Accelerators keep the layer units (HCCL/NCCL collectives cost tens of
+microseconds; what the units save there is memory).
 """
 
 from __future__ import annotations
@@ -131,8 +139,57 @@ def generic_units(model: nn.Module) -> list[Unit]:
     return units
 
 
-def choose_units(model: nn.Module) -> list[Unit]:
-    return pi05_units(model) if _pi05_core(model) is not None else generic_units(model)
+def choose_units(model: nn.Module, min_unit_params: int = 0) -> list[Unit]:
+    units = pi05_units(model) if _pi05_core(model) is not None else generic_units(model)
+    return merge_small_units(units, min_unit_params) if min_unit_params > 0 else units
+
+
+# The smallest unit on the CPU: every unit of pi0.5 below it is merged with its neighbours of the
+# same group, so the tiny model trains with the root unit alone and a full-size one (SigLIP layers
+# of 15M parameters, decoder layer pairs of about 130M) keeps one unit per decoder layer pair.
+CPU_MIN_UNIT_PARAMS = 16_000_000
+
+
+def merge_small_units(units: list[Unit], min_params: int) -> list[Unit]:
+    """Consecutive units of one group merged until each holds at least `min_params` parameters.
+
+    A remainder below it joins the group's previous merged unit; a group smaller than
+    `min_params` in all is left to the root unit. Groups are never mixed (a vision unit stays
+    gathered until its backward, a decoder unit does not), and the order stays the forward order.
+    """
+    out: list[Unit] = []
+    pending: list[Unit] = []
+
+    def merged(parts: list[Unit]) -> Unit:
+        name = parts[0].name if len(parts) == 1 else f"{parts[0].name}..{parts[-1].name}"
+        return Unit(name, parts[0].group, tuple(m for u in parts for m in u.modules),
+                    parts[0].reshard_after_forward)
+
+    def close_group() -> None:
+        if pending and out and out[-1].group == pending[0].group:
+            out[-1] = merged([out[-1], *pending])
+        pending.clear()  # a whole group below min_params: its parameters stay in the root
+
+    for unit in units:
+        if pending and unit.group != pending[0].group:
+            close_group()
+        if pending and unit.reshard_after_forward != pending[0].reshard_after_forward:
+            raise RuntimeError(f"units {pending[0].name} and {unit.name} of group {unit.group} "
+                               "differ in reshard_after_forward")
+        pending.append(unit)
+        if sum(u.numel() for u in pending) >= min_params:
+            out.append(merged(pending))
+            pending.clear()
+    close_group()
+    return out
+
+
+def min_unit_params(device: torch.device, configured: int = -1) -> int:
+    """The smallest FSDP unit for training on `device`: `configured` (train.fsdp_min_unit_params)
+    when >= 0, else by device (see the module docstring)."""
+    if configured >= 0:
+        return configured
+    return CPU_MIN_UNIT_PARAMS if device.type == "cpu" else 0
 
 
 def _check_no_shared_params(units: list[Unit], model: nn.Module) -> None:
@@ -157,9 +214,10 @@ def mixed_precision(precision: str, *, root: bool) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def shard(model: nn.Module, mesh: DeviceMesh, precision: str) -> list[Unit]:
-    """Apply fully_shard to the units (in forward order), then to the root; set forward prefetch."""
-    units = choose_units(model)
+def shard(model: nn.Module, mesh: DeviceMesh, precision: str, *, min_params: int = 0) -> list[Unit]:
+    """Apply fully_shard to the units (in forward order), then to the root; set forward prefetch.
+    `min_params`: merge smaller units (`merge_small_units`; 0: the layer units)."""
+    units = choose_units(model, min_params)
     _check_no_shared_params(units, model)
     for unit in units:
         target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
@@ -173,7 +231,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, precision: str) -> list[Unit]:
 
 
 def distribute(model: nn.Module, mesh: DeviceMesh, precision: str, device: torch.device, *,
-               keep_sharded: bool = False) -> list[Unit]:
+               keep_sharded: bool = False, min_params: int = -1) -> list[Unit]:
     """The training layout: FSDP2 units (`shard`) on more than one process; on one process the
     same model unsharded on `device`, unless `keep_sharded`.
 
@@ -188,13 +246,17 @@ def distribute(model: nn.Module, mesh: DeviceMesh, precision: str, device: torch
     layout-independent: a 1-process run resumes an N-process checkpoint and the reverse
     (README.md, "Checkpoints belong to a run").
 
+    `min_params` (train.fsdp_min_unit_params; -1: by device, `min_unit_params`): smaller units
+    are merged (`merge_small_units`); on the CPU by default up to `CPU_MIN_UNIT_PARAMS`.
+
     `keep_sharded`: the smoke run keeps FSDP2 on its 1-process mesh, because it measures the
     memory of the sharded layout that the N-process run will use (its gathered unit buffers;
     see the smoke report's projection).
     """
+    smallest = min_unit_params(device, min_params)
     if keep_sharded or mesh.size() > 1:
-        return shard(model, mesh, precision)
-    units = choose_units(model)
+        return shard(model, mesh, precision, min_params=smallest)
+    units = choose_units(model, smallest)
     _check_no_shared_params(units, model)
     model.to(device)
     return units

@@ -89,7 +89,8 @@ def build(ctx: Context) -> Built:
     # FSDP2 on N processes; one process trains unsharded, except the smoke (it measures the
     # sharded layout's memory). Moves the parameters and buffers to the device.
     units = fsdp.distribute(policy, mesh, cfg.train.precision, ctx.info.device,
-                            keep_sharded=ctx.stage == "smoke_1card")
+                            keep_sharded=ctx.stage == "smoke_1card",
+                            min_params=cfg.train.fsdp_min_unit_params)
     optimizer = optim.build_optimizer(policy.parameters(), lr=cfg.train.lr,
                                       weight_decay=cfg.train.weight_decay,
                                       fused=devices.fused_adamw_supported(ctx.info.kind))

@@ -49,6 +49,7 @@ TRAIN_STEP_KEYS = (
     "train.activation_checkpointing",
     "train.peak_flops",
     "train.num_workers",
+    "train.fsdp_min_unit_params",  # the FSDP layout the smoke run measures
     "train.log_every",  # host syncs per step: the smoke run's step time and projection
     "train.deterministic",  # numerics and speed of every step (train_8card reads all of `train`)
 )
