@@ -73,6 +73,28 @@ def test_log_captures_child_processes(tmp_path):
         assert line in text and line in out.stdout
 
 
+def test_the_log_ends_with_the_stage_not_with_a_process_that_holds_its_pipe(tmp_path):
+    """A process that outlives the stage's work (multiprocessing's resource tracker does, after
+    any spawn) keeps the tee's pipe open: the stage must still end, with all output logged."""
+    log = tmp_path / "stage.log"
+    code = (
+        "import subprocess, sys\n"
+        "from multiprocessing import resource_tracker\n"
+        "from pisft.logs import tee_output\n"
+        f"with tee_output({str(log)!r}):\n"
+        "    subprocess.run([sys.executable, '-c', 'print(\"x\" * 999_999)'])\n"
+        "    holder = subprocess.Popen(['sleep', '600'])\n"  # inherits fds 1 and 2
+        "    resource_tracker.ensure_running()\n"  # what a spawn start method starts
+        "    print('last line', flush=True)\n"
+        "holder.kill()\n"
+    )
+    # The old tee waited 30 s for an end of file that never came; this bound is 10x the rest
+    # of the run, not a speed requirement.
+    subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=20)
+    text = log.read_text()
+    assert "x" * 999_999 in text and text.rstrip().endswith("last line")
+
+
 def test_outputs_follow_the_umask_not_tempfile_modes(tmp_path):
     import os
     import stat

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+
+
+DRAIN_IDLE_S = 0.2
 
 
 @contextlib.contextmanager
@@ -29,11 +33,23 @@ def tee_output(log_path: str | Path | None) -> Iterator[None]:
     log = open(log_path, "wb")  # noqa: SIM115 - closed by the pump thread's owner below
 
     failed: list[OSError] = []
+    stop = threading.Event()
 
     def pump() -> None:
         # The console always gets everything; a log that cannot be written (disk full, a
         # folder gone read-only) is given up with one warning at the end, never the output.
-        while chunk := os.read(read_fd, 65536):
+        # After the stage, the pipe is drained until it stays empty for DRAIN_IDLE_S: its end
+        # of file may never come while the stage runs, because a helper process that outlives
+        # the stage's work holds the pipe open (multiprocessing's resource tracker, started by
+        # any "spawn" start method, lives until this process exits).
+        while True:
+            if not select.select([read_fd], [], [], DRAIN_IDLE_S)[0]:
+                if stop.is_set():
+                    return
+                continue
+            chunk = os.read(read_fd, 65536)
+            if not chunk:
+                return
             os.write(saved_out, chunk)
             if failed:
                 continue
@@ -55,7 +71,8 @@ def tee_output(log_path: str | Path | None) -> Iterator[None]:
         sys.stderr.flush()
         os.dup2(saved_out, 1)
         os.dup2(saved_err, 2)
-        thread.join(timeout=30)
+        stop.set()
+        thread.join()
         os.close(read_fd)
         try:
             log.close()
