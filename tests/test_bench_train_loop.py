@@ -36,3 +36,20 @@ def test_lerobot_runs_under_its_own_accelerate_launch_ours_under_torchrun(tmp_pa
     for cmd, variant in ((ours, "ours"), (lerobot, "lerobot")):
         assert cmd[cmd.index("--variant") + 1] == variant
         assert cmd[cmd.index("--warmup") + 1] == "10" and cmd[cmd.index("--steps") + 1] == "20"
+
+
+def test_each_side_steps_with_the_optimizer_its_trainer_builds():
+    """Ours: the fused AdamW train.stage builds on the CPU; LeRobot: its pi0.5 preset, as
+    lerobot-train builds it (torch's default AdamW implementation)."""
+    import torch
+
+    from pisft.model.policy import build_policy
+
+    policy = build_policy("tiny", seed=0, device="cpu")
+    ours, _ = train_bench.ours_optimizer(policy, 1e-3)
+    theirs, _ = train_bench.lerobot_optimizer(policy, 1e-3)
+    assert isinstance(ours, torch.optim.AdamW) and ours.defaults["fused"] is True
+    assert isinstance(theirs, torch.optim.AdamW) and not theirs.defaults["fused"]
+    preset = policy.config.get_optimizer_preset()
+    assert theirs.defaults["betas"] == tuple(preset.betas) and theirs.defaults["eps"] == preset.eps
+    assert theirs.defaults["weight_decay"] == preset.weight_decay and theirs.defaults["lr"] == 1e-3

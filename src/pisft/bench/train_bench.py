@@ -358,7 +358,12 @@ def _two_process(setup_root: Path, work: Path, cfg: config_mod.PisftConfig, *, w
     return result
 
 
-def run(cfg: config_mod.PisftConfig, work: Path, *, steps: int = 20, warmup: int = 4,
+# Timed steps per variant and round (a multiple of train.log_every): 40, about 2 s at one
+# process. Rounds of one variant still differ by up to 30% on this 2-core host: compare medians.
+TIMED_STEPS = 40
+
+
+def run(cfg: config_mod.PisftConfig, work: Path, *, steps: int = TIMED_STEPS, warmup: int = 4,
         rounds: int = 3, two_process: bool = True) -> dict[str, Any]:
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
@@ -435,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:  # python -m pisft.bench.train_b
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(config_mod.DEFAULT_CONFIG))
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=TIMED_STEPS)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-two-process", action="store_true")
