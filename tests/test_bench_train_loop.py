@@ -33,9 +33,12 @@ def test_lerobot_runs_under_its_own_accelerate_launch_ours_under_torchrun(tmp_pa
     assert "--nproc-per-node" in ours and ours[ours.index("--nproc-per-node") + 1] == "2"
     assert Path(lerobot[0]).name == "accelerate" and lerobot[1] == "launch"
     assert lerobot[lerobot.index("--num_processes") + 1] == "2"
-    for cmd, variant in ((ours, "ours"), (lerobot, "lerobot")):
+    layers = cmds["ours_layer_units"](tmp_path / "u.json")
+    for cmd, variant in ((ours, "ours"), (lerobot, "lerobot"), (layers, "ours")):
         assert cmd[cmd.index("--variant") + 1] == variant
         assert cmd[cmd.index("--warmup") + 1] == "10" and cmd[cmd.index("--steps") + 1] == "20"
+    assert "--min-unit-params" not in ours  # the training default for the CPU
+    assert layers[layers.index("--min-unit-params") + 1] == "0" and layers[:4] == ours[:4]
 
 
 def test_each_side_steps_with_the_optimizer_its_trainer_builds():

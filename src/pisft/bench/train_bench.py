@@ -13,7 +13,8 @@ One process (each variant on a fresh copy of the same tiny pi0.5, AdamW, gradien
                   data loader
   ours_with_data  `ours` fed by the real DataLoader from the LeRobot dataset on disk, with the
                   default train.num_workers / prefetch_factor of the config
-Two processes (torchrun, gloo; `pisft.bench.train_dist`): `ours` on FSDP2 over 2 processes vs
+Two processes (torchrun, gloo; `pisft.bench.train_dist`): `ours` on FSDP2 over 2 processes (the
+CPU's merged units, train.fsdp_min_unit_params -1; `ours_layer_units`: the layer units) vs
 LeRobot's step under its own `accelerate launch --cpu --num_processes 2` (DDP), each process
 with the same micro-batches.
 
@@ -311,14 +312,20 @@ def launch_commands(root: Path, work: Path, *, micro: int, warmup: int, steps: i
     work.mkdir(parents=True, exist_ok=True)
     accelerate = Path(sys.executable).with_name("accelerate")
 
-    def args(variant: str, out: Path) -> list[str]:
+    def args(variant: str, out: Path, *extra: str) -> list[str]:
         return [str(DIST_WORKER), "--variant", variant, "--root", str(root), "--micro", str(micro),
                 "--warmup", str(warmup), "--steps", str(steps), "--lr", str(lr),
-                "--log-every", str(log_every), "--seed", str(seed), "--out", str(out)]
+                "--log-every", str(log_every), "--seed", str(seed), "--out", str(out), *extra]
+
+    def torchrun(*worker_args: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                "--nproc-per-node", str(DIST_WORLD), *worker_args]
 
     return {
-        "ours": lambda out: [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nnodes", "1", "--nproc-per-node", str(DIST_WORLD), *args("ours", out)],
+        "ours": lambda out: torchrun(*args("ours", out)),
+        # the same, with the layer units an accelerator trains with (train.fsdp_min_unit_params=0):
+        # what merging the units buys on the CPU
+        "ours_layer_units": lambda out: torchrun(*args("ours", out, "--min-unit-params", "0")),
         "lerobot": lambda out: [str(accelerate), "launch", "--multi_gpu", "--num_processes", str(DIST_WORLD),
                                 "--num_machines", "1", "--mixed_precision", "no",
                                 "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1",
@@ -328,7 +335,8 @@ def launch_commands(root: Path, work: Path, *, micro: int, warmup: int, steps: i
 
 def _two_process(setup_root: Path, work: Path, cfg: config_mod.PisftConfig, *, warmup: int,
                  steps: int, rounds: int) -> dict[str, Any]:
-    """ours (torchrun, FSDP2) vs LeRobot (accelerate launch, DDP) on 2 processes, interleaved."""
+    """ours (torchrun, FSDP2; the CPU's merged units and the layer units) vs LeRobot (accelerate
+    launch, DDP) on 2 processes, interleaved."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     launchers = launch_commands(setup_root, work, micro=cfg.train.micro_batch_size,
                                           warmup=warmup, steps=steps, lr=cfg.train.lr,
@@ -355,6 +363,9 @@ def _two_process(setup_root: Path, work: Path, cfg: config_mod.PisftConfig, *, w
     v = result["variants"]
     if "ours" in v and "lerobot" in v:
         result["ours_vs_lerobot"] = v["ours"]["samples_per_s"] / v["lerobot"]["samples_per_s"]
+    if "ours" in v and "ours_layer_units" in v:
+        result["merged_vs_layer_units"] = (v["ours"]["samples_per_s"]
+                                           / v["ours_layer_units"]["samples_per_s"])
     return result
 
 

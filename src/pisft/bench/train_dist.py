@@ -58,7 +58,8 @@ def _ours(a: argparse.Namespace) -> dict[str, float] | None:
     policy = load_policy(base, dtype="float32")
     pre, _ = make_processors(policy, base, load_stats(a.root / "dataset"))
     internals.prepare_for_training(policy, checkpointing=False)
-    fsdp.distribute(policy, init_device_mesh("cpu", (WORLD,)), "fp32", torch.device("cpu"))
+    fsdp.distribute(policy, init_device_mesh("cpu", (WORLD,)), "fp32", torch.device("cpu"),
+                    min_params=a.min_unit_params)
     task = PolicyTask(policy, pre, torch.device("cpu"))
     items, _ = _items(a.root, a.micro, a.seed, rank, task.draw)
     prepared = [task.collate(b) for b in items]
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-unit-params", type=int, default=-1,
+                   help="ours: train.fsdp_min_unit_params (-1: by device, the CPU's merged units)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     result = _ours(a) if a.variant == "ours" else _lerobot(a)
