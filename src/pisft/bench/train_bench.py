@@ -130,9 +130,18 @@ class Setup:
         task = PolicyTask(probe, pre, torch.device("cpu"))
         self.draw = task.draw
         ds = StepDataset(self.train_set, seed, task.draw)
-        items = [[ds[r] for r in self.sampler.micro_batch(k, 0, 0)] for k in range(n_batches)]
-        self.raw = [default_collate(b) for b in items]  # what LeRobot's loop gets from its loader
+        refs = [self.sampler.micro_batch(k, 0, 0) for k in range(n_batches)]
+        # The data loader's work, timed on this process's CPU clock (its workers do the same):
+        # reading a sample (LeRobot's row, the action chunk, the random draws) and preparing a
+        # micro-batch (collation and LeRobot's preprocessing without its device step).
+        t0 = time.process_time()
+        items = [[ds[r] for r in batch] for batch in refs]
+        t1 = time.process_time()
         self.prepared = [task.collate(b) for b in items]  # what our loader's workers yield
+        t2 = time.process_time()
+        self.data_cpu_ms = {"per_sample_read": 1e3 * (t1 - t0) / sum(map(len, refs)),
+                            "per_micro_batch_prepare": 1e3 * (t2 - t1) / n_batches}
+        self.raw = [default_collate(b) for b in items]  # what LeRobot's loop gets from its loader
 
     def policy(self, *, sharded: bool):
         from torch.distributed.device_mesh import init_device_mesh
@@ -422,7 +431,8 @@ def run(cfg: config_mod.PisftConfig, work: Path, *, steps: int = TIMED_STEPS, wa
         "cpus": os.cpu_count(),
         "optimizers": OPTIMIZERS,
         "data_loader": {"num_workers": workers, "train.num_workers": cfg.train.num_workers,
-                        "prefetch_factor": prefetch},
+                        "prefetch_factor": prefetch,
+                        "cpu_ms": {k: round(v, 3) for k, v in setup.data_cpu_ms.items()}},
         "one_process": {
             "layout": "unsharded (fsdp.distribute on a 1-process mesh)",
             "variants": one,
