@@ -418,7 +418,7 @@ def estimate_memory(cfg: PisftConfig, *, world_size: int | None = None) -> dict[
     make, model_from = _estimate_policy(cfg)
     t = cfg.train
     kind = devices.resolve_kind("auto") if cfg.device == "auto" else cfg.device
-    smallest = min_unit_params(torch.device(kind if kind == "cpu" else "meta"), t.fsdp_min_unit_params)
+    smallest = min_unit_params(kind, t.fsdp_min_unit_params)
     sim = simulate_step(make, world_size=world, micro_batch=t.micro_batch_size, precision=t.precision,
                         checkpointing=t.activation_checkpointing, min_unit_params=smallest)
     return {

@@ -184,12 +184,12 @@ def merge_small_units(units: list[Unit], min_params: int) -> list[Unit]:
     return out
 
 
-def min_unit_params(device: torch.device, configured: int = -1) -> int:
-    """The smallest FSDP unit for training on `device`: `configured` (train.fsdp_min_unit_params)
-    when >= 0, else by device (see the module docstring)."""
+def min_unit_params(kind: str, configured: int = -1) -> int:
+    """The smallest FSDP unit for training on devices of `kind` (cpu | cuda | npu | ...):
+    `configured` (train.fsdp_min_unit_params) when >= 0, else by kind (see the module docstring)."""
     if configured >= 0:
         return configured
-    return CPU_MIN_UNIT_PARAMS if device.type == "cpu" else 0
+    return CPU_MIN_UNIT_PARAMS if kind == "cpu" else 0
 
 
 def _check_no_shared_params(units: list[Unit], model: nn.Module) -> None:
@@ -253,7 +253,7 @@ def distribute(model: nn.Module, mesh: DeviceMesh, precision: str, device: torch
     memory of the sharded layout that the N-process run will use (its gathered unit buffers;
     see the smoke report's projection).
     """
-    smallest = min_unit_params(device, min_params)
+    smallest = min_unit_params(device.type, min_params)
     if keep_sharded or mesh.size() > 1:
         return shard(model, mesh, precision, min_params=smallest)
     units = choose_units(model, smallest)
