@@ -125,9 +125,10 @@ class ActionChunks(Dataset):
         self.episode_index = np.asarray(columns["episode_index"], dtype=np.int64)
         self.frame_index = np.asarray(columns["frame_index"], dtype=np.int64)
         self._row_of = {int(a): r for r, a in enumerate(self.index)}
-        self._bounds = {int(e): (int(frames.meta.episodes[int(e)]["dataset_from_index"]),
-                                 int(frames.meta.episodes[int(e)]["dataset_to_index"]))
-                        for e in np.unique(self.episode_index)}
+        self._bounds = {}
+        for e in np.unique(self.episode_index).tolist():
+            meta = frames.meta.episodes[e]
+            self._bounds[e] = (int(meta["dataset_from_index"]), int(meta["dataset_to_index"]))
         for e, (start, end) in self._bounds.items():
             missing = [a for a in range(start, end) if a not in self._row_of]
             if missing:

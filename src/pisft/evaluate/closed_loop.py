@@ -538,8 +538,9 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
     with atomic_dir(cfg.results(OUTPUT_DIR)) as out:
         specs, languages = plan_episodes(sim, settings, out)
         num_envs = max(1, min(settings.num_envs, len(specs)))
-        if num_envs > device_mod.usable_cores():
-            print(f"closed_loop: note: {num_envs} environment processes on {device_mod.usable_cores()} cores "
+        cores = device_mod.usable_cores()
+        if num_envs > cores:
+            print(f"closed_loop: note: {num_envs} environment processes on {cores} cores "
                   "(eval.num_envs); they will share them", flush=True)
         print(f"closed_loop: {len(specs)} episodes in {sim_info.get('package')} "
               f"{sim_info.get('version') or ''}, {num_envs} environment "
