@@ -59,6 +59,19 @@ def clone_run(src: Path, dest: Path) -> Path:
     return dest
 
 
+def push_and_clone(work: Path, tmp_path: Path) -> Path:
+    """`dvc push` from `work` to a local remote, its lock and remote config committed, then a git
+    clone of `work` with `dvc pull` run in it: the clone."""
+    run(["dvc", "remote", "add", "-d", "local", str(tmp_path / "remote")], work)
+    run(["dvc", "push"], work)
+    run(["git", "add", "dvc.lock", ".dvc"], work)
+    run(["git", "commit", "-qam", "lock and remote"], work)
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(work), str(clone)], tmp_path)
+    run(["dvc", "pull"], clone)
+    return clone
+
+
 def test_dvc_repro_twice_does_no_work(dvc_run):
     assert (dvc_run / "results/eval/metrics.json").is_file()
     assert len((dvc_run / "results/train/metrics.jsonl").read_text().splitlines()) == 6
@@ -96,14 +109,7 @@ def test_dvc_reruns_exactly_what_reads_a_changed_key(dvc_run, tmp_path, change, 
 
 
 def test_fresh_clone_and_dvc_pull_does_not_make_snakemake_retrain(dvc_run, tmp_path):
-    work = clone_run(dvc_run, tmp_path / "origin")
-    remote = tmp_path / "remote"
-    run(["dvc", "remote", "add", "-d", "local", str(remote)], work)
-    run(["dvc", "push"], work)
-    run(["git", "commit", "-qam", "remote"], work)
-    clone = tmp_path / "clone"
-    run(["git", "clone", "-q", str(work), str(clone)], tmp_path)
-    run(["dvc", "pull"], clone)
+    clone = push_and_clone(clone_run(dvc_run, tmp_path / "origin"), tmp_path)
     # The pulled clone is up to date for DVC itself (no checkpoints there: they are no output)
     status = run(["dvc", "status"], clone).stdout
     assert "up to date" in status.lower(), status
@@ -253,13 +259,7 @@ def test_after_snakemake_dvc_is_up_to_date_and_a_pull_restores_every_output(defa
     work = clone_run(default_pipeline, tmp_path / "origin")
     status = run(["dvc", "status"], work).stdout
     assert "up to date" in status.lower(), status
-    run(["dvc", "remote", "add", "-d", "local", str(tmp_path / "remote")], work)
-    run(["dvc", "push"], work)
-    run(["git", "add", "dvc.lock", ".dvc"], work)
-    run(["git", "commit", "-qm", "lock and remote"], work)
-    clone = tmp_path / "clone"
-    run(["git", "clone", "-q", str(work), str(clone)], tmp_path)
-    run(["dvc", "pull"], clone)
+    clone = push_and_clone(work, tmp_path)
     status = run(["dvc", "status"], clone).stdout
     assert "up to date" in status.lower(), status
     lock = yaml.safe_load((clone / "dvc.lock").read_text())["stages"]
