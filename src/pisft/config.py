@@ -12,7 +12,7 @@ import difflib
 import json
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -46,8 +46,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # RECAP-format LIBERO dataset (LeRobot layout). The default is written by `demo_recap`.
-    recap_dir: str = "results/demo_recap"
+    # RECAP-format LIBERO dataset(s) (LeRobot layout): one directory (demonstrations, type `sft`),
+    # or a list of typed sources, each a directory or `{path: DIR, type: sft|rollout}`
+    # (`data_sources()`). The default is written by `demo_recap`.
+    recap_dir: Any = "results/demo_recap"
     # Synthetic demo data (used only when recap_dir is the demo directory).
     demo_episodes_per_task: int = 6
     demo_episode_length: int = 40
@@ -147,6 +149,46 @@ class EvalConfig:
     num_envs: int = 0
     # An MP4 (agent view | wrist camera) of the first episode of each task.
     videos: bool = True
+    # Classifier-free guidance of an advantage-conditioned policy (RLinf's cfgrl_guidance_scale):
+    # 1.0 prompts with the positive tag alone; w > 1 blends v = (1 - w) v_uncond + w v_cond.
+    cfg_scale: float = 1.0
+
+
+THRESHOLD_SCOPES = ("global", "task")
+RECAP_INITS = ("previous", "base")
+SOURCE_TYPES = ("sft", "rollout")
+
+
+@dataclass
+class RecapConfig:
+    """The RECAP loop around the SFT run (README, "The RECAP loop"): iteration k >= 1 rolls
+    policy k-1 out, trains a value model on the pool, labels advantages, retrains, evaluates."""
+
+    # Iterations after the SFT run (iteration 0); 0 runs the SFT pipeline alone.
+    iterations: int = 0
+    # collect_rollouts: LIBERO suite and task ids rolled out, episodes per task, step limit
+    # (0: the suite's limit). Collection starts from initial states after the evaluation's
+    # (state eval.trials_per_task + i for episode i) and seeds from collect_seed.
+    suite: str = "libero_10"
+    task_ids: list[int] = field(default_factory=lambda: [0])
+    episodes_per_task: int = 2
+    max_steps: int = 0
+    collect_seed: int = 1000
+    # Returns as RLinf computes them: -1 per step, 0 (success) or failure_reward at the end.
+    gamma: float = 1.0
+    failure_reward: float = -300.0
+    # train_value: the distributional value model (bins on [-1, 0]).
+    value_bins: int = 201
+    value_steps: int = 50
+    value_lr: float = 5e-5
+    value_head_lr: float = 1e-4
+    value_global_batch_size: int = 16
+    # advantages: N-step lookahead, the positive fraction, where the threshold is taken.
+    lookahead: int = 10
+    positive_quantile: float = 0.3
+    threshold_scope: str = "global"
+    # Retraining at iteration k starts from the base model or from policy k-1.
+    init: str = "previous"
 
 
 @dataclass
@@ -158,6 +200,11 @@ class PisftConfig:
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    recap: RecapConfig = field(default_factory=RecapConfig)
+
+    # The RECAP iteration a stage runs for (set by `--iteration K`, never a config key): 0 is the
+    # SFT run; k >= 1 reads and writes its own folder (`results()`).
+    iteration: ClassVar[int] = 0
 
     # ---- derived values: computed, never typed by hand ----
     @property
@@ -169,11 +216,59 @@ class PisftConfig:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.world_size)
 
     def results(self, *parts: str) -> Path:
+        """A path under results_dir. At iteration k >= 1 the folders an iteration owns
+        (`ITERATION_FOLDERS`) are those of `results_dir/recap/iter_<k>/`; the base model, the
+        demo data, benchmarks of the whole run and the RECAP summary stay shared."""
+        if self.iteration and parts and parts[0] in ITERATION_FOLDERS:
+            return Path(self.results_dir, "recap", f"iter_{self.iteration}", *parts)
         return Path(self.results_dir, *parts)
+
+    def at_iteration(self, k: int) -> PisftConfig:
+        """This config as iteration k's stages see it (a copy; `iteration` set)."""
+        import copy
+
+        if k < 0 or k > self.recap.iterations:
+            raise ConfigError(f"iteration {k}: recap.iterations is {self.recap.iterations}, so iterations "
+                              f"0..{self.recap.iterations} exist")
+        out = copy.copy(self)
+        out.iteration = k
+        return out
+
+    def policy_of(self, k: int) -> Path:
+        """The exported policy of iteration k (0: the SFT run's)."""
+        return self.at_iteration(k).results("train", "model")
 
     @property
     def uses_demo_data(self) -> bool:
-        return Path(self.data.recap_dir) == self.results("demo_recap")
+        return any(Path(s.path) == self.results("demo_recap") for s in data_sources(self))
+
+
+# The folders of one RECAP iteration (`PisftConfig.results`): at iteration k >= 1 they live in
+# results/recap/iter_<k>/.
+ITERATION_FOLDERS = ("rollouts", "dataset", "value", "advantages", "smoke", "train", "checkpoints",
+                     "closed_loop", "eval", "logs", "benchmarks")
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One RECAP dataset of `data.recap_dir`: its folder and type (`sft`: demonstrations, all
+    frames successful and positive; `rollout`: policy rollouts with `is_success`)."""
+
+    path: str
+    type: str = "sft"
+
+
+def data_sources(cfg: PisftConfig) -> list[DataSource]:
+    """`data.recap_dir` as a list of typed sources (a single directory: one `sft` source)."""
+    value = cfg.data.recap_dir
+    items = value if isinstance(value, list | tuple) else [value]
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(DataSource(item))
+        else:
+            out.append(DataSource(str(item["path"]), str(item.get("type", "sft"))))
+    return out
 
 
 def all_keys(schema: type = PisftConfig, prefix: str = "") -> list[str]:
@@ -388,13 +483,105 @@ def _eval_problems(e: EvalConfig) -> list[str]:
     return problems
 
 
+def _source_problems(d: DataConfig) -> list[str]:
+    value = d.recap_dir
+    items = value if isinstance(value, list | tuple) else [value]
+    if not items:
+        return ["data.recap_dir: an empty list names no dataset; give a directory or a list of "
+                "{path: DIR, type: sft|rollout}"]
+    problems: list[str] = []
+    paths: list[str] = []
+    for i, item in enumerate(items):
+        where = "data.recap_dir" + (f"[{i}]" if isinstance(value, list | tuple) else "")
+        if isinstance(item, dict):
+            unknown = sorted(set(item) - {"path", "type"})
+            if unknown:
+                problems.append(f"{where}: unknown key(s) {unknown}; a source is {{path: DIR, type: sft|rollout}}")
+            path, kind = item.get("path"), item.get("type", "sft")
+        else:
+            path, kind = item, "sft"
+        if not isinstance(path, str) or not path.strip():
+            problems.append(f"{where}: needs a dataset directory (a non-empty string), got {path!r}")
+            continue
+        if kind not in SOURCE_TYPES:
+            problems.append(f"{where}: type '{kind}' is not one of {', '.join(SOURCE_TYPES)} "
+                            "(sft: demonstrations, all positive; rollout: policy rollouts with is_success)")
+        bad = sorted({c for c in path if c in _SHELL_UNSAFE})
+        if bad:
+            problems.append(f"{where}: '{path}' contains {' '.join(repr(c) for c in bad)}; the workflow "
+                            "passes paths to shell commands unquoted")
+        paths.append(path.rstrip("/"))
+    dup = sorted({p for p in paths if paths.count(p) > 1})
+    if dup:
+        problems.append(f"data.recap_dir: {dup} listed more than once; each dataset once")
+    return problems
+
+
+def _recap_problems(cfg: PisftConfig) -> list[str]:
+    r, e = cfg.recap, cfg.eval
+    problems: list[str] = []
+    for key in ("iterations", "max_steps", "lookahead"):
+        if getattr(r, key) < 0:
+            problems.append(f"recap.{key}: must be at least 0, got {getattr(r, key)}")
+    for key in ("episodes_per_task", "value_steps", "value_bins", "value_global_batch_size"):
+        if getattr(r, key) < 1:
+            problems.append(f"recap.{key}: must be at least 1, got {getattr(r, key)}")
+    if r.value_bins < 2:
+        problems.append(f"recap.value_bins: a distribution needs at least 2 bins, got {r.value_bins}")
+    if r.suite not in LIBERO_SUITES:
+        problems.append(f"recap.suite: unknown suite '{r.suite}'; one of {', '.join(LIBERO_SUITES)}")
+    n_tasks = LIBERO_SUITES.get(r.suite, 90)
+    if not r.task_ids or any(not 0 <= t < n_tasks for t in r.task_ids) or len(set(r.task_ids)) != len(r.task_ids):
+        problems.append(f"recap.task_ids: {list(r.task_ids)}: give distinct task ids in 0..{n_tasks - 1} "
+                        f"of {r.suite}")
+    if not 0 < r.positive_quantile < 1:
+        problems.append(f"recap.positive_quantile: the fraction of frames labelled positive must be in (0, 1), "
+                        f"got {r.positive_quantile}")
+    if r.threshold_scope not in THRESHOLD_SCOPES:
+        problems.append(f"recap.threshold_scope: '{r.threshold_scope}' is not one of {', '.join(THRESHOLD_SCOPES)} "
+                        "(global: one threshold over all frames, as RLinf; task: one per task, as the paper)")
+    if r.init not in RECAP_INITS:
+        problems.append(f"recap.init: '{r.init}' is not one of {', '.join(RECAP_INITS)}")
+    if not 0 < r.gamma <= 1:
+        problems.append(f"recap.gamma: the discount must be in (0, 1], got {r.gamma}")
+    if r.failure_reward > 0:
+        problems.append(f"recap.failure_reward: the reward of a failed episode's last step must be <= 0, "
+                        f"got {r.failure_reward}")
+    for key in ("value_lr", "value_head_lr"):
+        if not getattr(r, key) > 0:
+            problems.append(f"recap.{key}: must be > 0, got {getattr(r, key)}")
+    per_step = cfg.train.micro_batch_size * max(cfg.world_size, 1)
+    if per_step >= 1 and r.value_global_batch_size % per_step:
+        problems.append(f"recap.value_global_batch_size: {r.value_global_batch_size} is not divisible by "
+                        f"train.micro_batch_size × world size = {per_step}")
+    # LIBERO keeps 50 fixed initial states per task: the evaluation takes the first
+    # eval.trials_per_task, collection the next ones, so the two never share a start.
+    if r.iterations and e.trials_per_task + r.episodes_per_task > LIBERO_INIT_STATES:
+        problems.append(f"recap.episodes_per_task: {r.episodes_per_task} collection episodes after the "
+                        f"evaluation's {e.trials_per_task} exceed the {LIBERO_INIT_STATES} initial states "
+                        "LIBERO keeps per task; lower one of them")
+    if r.iterations and r.collect_seed == e.closed_loop_seed:
+        problems.append("recap.collect_seed: equals eval.closed_loop_seed; collection and evaluation must "
+                        "draw different seeds")
+    if r.iterations and not e.closed_loop:
+        problems.append("recap.iterations > 0 needs eval.closed_loop: true (every iteration is evaluated "
+                        "in the simulator, and rollouts are collected there)")
+    if not cfg.eval.cfg_scale >= 1.0:
+        problems.append(f"eval.cfg_scale: the guidance scale must be >= 1 (1: the positive prompt alone), "
+                        f"got {cfg.eval.cfg_scale}")
+    return problems
+
+
+LIBERO_INIT_STATES = 50
+
+
 def _cross_check(cfg: PisftConfig, source: str) -> None:
     """Every problem of a schema-valid config at once: values, ranges, their combinations."""
     t = cfg.train
     problems = _choice_problems(cfg) + _layout_problems(cfg) + _smoke_and_data_problems(cfg)
     if t.warmup_steps < 0 or t.lr <= 0:
         problems.append("train.lr must be > 0 and train.warmup_steps >= 0")
-    problems += _value_problems(cfg) + _eval_problems(cfg.eval)
+    problems += _value_problems(cfg) + _eval_problems(cfg.eval) + _source_problems(cfg.data) + _recap_problems(cfg)
     if problems:
         raise ConfigError(f"{source}: invalid configuration:\n  - " + "\n  - ".join(problems))
 
