@@ -312,3 +312,31 @@ def test_output_is_deterministic(tmp_path):
     assert ha == hb
     rep = json.loads((tmp_path / "a" / "conversion_report.json").read_text())
     assert "_timing" not in rep
+
+
+def test_decoded_episodes_in_memory_are_bounded_by_the_window():
+    """The conversion's memory does not follow the number of episodes: at most `window` decoded
+    episodes exist at once (submitted and not yet consumed), whatever the dataset's size."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pisft.data.convert import _ordered_results
+
+    lock = threading.Lock()
+    alive = {"now": 0, "max": 0}
+
+    def job(i):
+        with lock:
+            alive["now"] += 1
+            alive["max"] = max(alive["max"], alive["now"])
+        return i
+
+    window = 3
+    got = []
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for result in _ordered_results(pool, [lambda i=i: job(i) for i in range(40)], window):
+            got.append(result)
+            with lock:
+                alive["now"] -= 1  # the writer has consumed (and dropped) this episode's frames
+    assert got == list(range(40))  # in submission order
+    assert 1 <= alive["max"] <= window  # never more decoded episodes than the window
