@@ -12,6 +12,7 @@ from data_fixtures import convert, make_recap, read_json
 from pisft import config
 from pisft.data import convert as convert_mod
 from pisft.data import prompts
+from pisft.data.convert import Options, convert_recap
 from pisft.data.libero import LIBERO_10_TASKS, advantage_prompt
 
 KEYS = ("observation.images.base_0_rgb", "observation.images.left_wrist_0_rgb", "observation.state", "action")
@@ -340,3 +341,51 @@ def test_decoded_episodes_in_memory_are_bounded_by_the_window():
                 alive["now"] -= 1  # the writer has consumed (and dropped) this episode's frames
     assert got == list(range(40))  # in submission order
     assert 1 <= alive["max"] <= window  # never more decoded episodes than the window
+
+
+def test_a_pool_of_typed_sources_trains_together_with_returns_per_type(tmp_path):
+    """Demonstrations (sft) and rollouts convert into one dataset: one split and one set of
+    statistics over the pool, counts per source, and RLinf's returns beside it (the inputs are
+    not touched); an sft episode's return is a success's whatever its success column says."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from pisft.config import DataSource
+    from pisft.data.convert import RETURNS_FILE, Returns
+    from pisft.data.rlinf_recap import episode_returns
+
+    demos = make_recap(tmp_path / "demos", n_tasks=2, per_task=2, length=8, failure_fraction=0.0)
+    rollouts = make_recap(tmp_path / "rollouts", n_tasks=2, per_task=3, length=10, failure_fraction=0.34, seed=3)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    rep = convert_recap([DataSource(str(demos), "sft"), DataSource(str(rollouts), "rollout")], tmp_path / "out",
+                        Options(), returns=Returns(gamma=1.0, failure_reward=-50.0))
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")
+                  if p.is_file() and "out" not in p.relative_to(tmp_path).parts) == before
+    assert [s["type"] for s in rep["sources"]] == ["sft", "rollout"]
+    assert [(s["episodes"], s["frames"]) for s in rep["sources"]] == [(4, 32), (6, 60)]
+    assert rep["sources"][1]["failures"] == sum(e["success"] is False for e in rep["episodes"]) > 0
+    assert rep["out"]["episodes"] == 10 and rep["out"]["frames"] == 92
+    split = read_json(tmp_path / "out" / "split.json")
+    assert sorted(split["train"] + split["eval"]) == list(range(10))
+    returns = pq.read_table(tmp_path / "out" / RETURNS_FILE).to_pandas()
+    assert len(returns) == 92
+    for e in rep["episodes"]:
+        rows = returns[returns.episode_index == e["episode_index"]].sort_values("frame_index")
+        success = e["source_type"] == "sft" or e["success"]
+        expected, _ = episode_returns(e["frames"], bool(success), 1.0, -50.0)
+        np.testing.assert_array_equal(rows["return"].to_numpy(), expected)
+    # by hand: a failed rollout of 10 frames: -1 x 9 steps, then -50 -> G_0 = -59
+    failed = next(e for e in rep["episodes"] if e["success"] is False)
+    assert returns[(returns.episode_index == failed["episode_index"]) & (returns.frame_index == 0)]["return"].item() == -59.0
+
+
+def test_a_pool_refuses_sources_that_cannot_share_one_dataset(tmp_path):
+    from pisft.config import DataSource
+    from pisft.errors import DataError
+
+    a = make_recap(tmp_path / "a", n_tasks=1, per_task=2, length=6, size=32)
+    b = make_recap(tmp_path / "b", n_tasks=1, per_task=2, length=6, size=16)
+    with pytest.raises(DataError, match="differ in size.*data.image_size"):
+        convert_recap([DataSource(str(a)), DataSource(str(b), "rollout")], tmp_path / "out", Options())
+    assert not (tmp_path / "out").exists()
+    convert_recap([DataSource(str(a)), DataSource(str(b), "rollout")], tmp_path / "out", Options(image_size=16))

@@ -1,6 +1,14 @@
 """`convert_recap`: RECAP-format LIBERO (LeRobot v2.0/v2.1/v3.0) -> pi0.5-ready LeRobot v3.0.
 
-Two passes over the input:
+The input is a pool of typed sources (`data.recap_dir`; at RECAP iteration k also the rollouts
+of iterations 1..k): `sft` demonstrations and `rollout` collections train together, with one
+episode split (stratified by task) and one set of statistics over the pool; the report counts
+episodes, frames and successes per source. Every episode's Monte-Carlo return is written beside
+the dataset (`returns.parquet`, RLinf's `compute_returns`: -1 per step, the last step 0 for a
+success or `recap.failure_reward` for a failure; an `sft` episode counts as a success), in this
+stage's own output: the inputs are never changed.
+
+Two passes over each source:
 
 1. metadata and every episode's non-image columns (cheap, column projection): the layout and
    naming are detected, every episode is checked (`validate.check_episode`), the filters
@@ -17,6 +25,7 @@ leaves no output behind.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -30,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pisft import device
-from pisft.config import PisftConfig, write_resolved
+from pisft.config import DataSource, PisftConfig, data_sources, write_resolved
 from pisft.data import images as imgs
 from pisft.data import dataset_stats as st
 from pisft.data.libero import ACTION_DIM, CAMERAS, OUTPUT_NAMES, STATE_DIM, SUCCESS_COLUMNS
@@ -85,6 +94,19 @@ class _Kept:
     cols: dict[str, np.ndarray]
     task_index: int
     prompts: list[str]
+    src: RecapSource | None = None  # the source it comes from (set by convert_recap)
+    source: int = 0  # its position in the pool
+
+
+RETURNS_FILE = "returns.parquet"  # beside the converted dataset: one row per frame
+
+
+@dataclass(frozen=True)
+class Returns:
+    """RLinf's return settings (`recap_compute_returns.yaml`: gamma 1, failure reward -300)."""
+
+    gamma: float = 1.0
+    failure_reward: float = -300.0
 
 
 # ------------------------------------------------------------------------- pass 1
@@ -337,7 +359,7 @@ def _ordered_results(pool: ThreadPoolExecutor, jobs: list[Callable[[], _Frames]]
         yield result
 
 
-def _write_episodes(writer: V30Writer, src: RecapSource, kept: list[_Kept], opts: Options,
+def _write_episodes(writer: V30Writer, fps: int, kept: list[_Kept], opts: Options,
                     prompt_index: dict[str, int], workers: int, train: set[int]
                     ) -> tuple[list[dict], dict[str, list[np.ndarray]]]:
     """Pass 2: frames decoded/checked on the pool, episodes written in order by this thread.
@@ -345,7 +367,7 @@ def _write_episodes(writer: V30Writer, src: RecapSource, kept: list[_Kept], opts
     from which the dataset statistics are computed."""
     per_episode_stats: list[dict] = []
     numeric_all: dict[str, list[np.ndarray]] = {}
-    jobs = [lambda k=k: _episode_frames(src, k.ref, len(k.cols["frame_index"]), opts.image_size) for k in kept]
+    jobs = [lambda k=k: _episode_frames(k.src, k.ref, len(k.cols["frame_index"]), opts.image_size) for k in kept]
     cv_threads = cv2.getNumThreads()
     # our pool is the parallelism: OpenCV's own per-call thread pool on top of it only
     # oversubscribes the cores (2 workers ran slower than 1 without this)
@@ -358,7 +380,7 @@ def _write_episodes(writer: V30Writer, src: RecapSource, kept: list[_Kept], opts
                 numeric = {
                     OUTPUT_NAMES["state"]: k.cols["state"].astype(np.float32),
                     OUTPUT_NAMES["actions"]: k.cols["actions"].astype(np.float32),
-                    "timestamp": (np.arange(n) / src.fps).astype(np.float32),
+                    "timestamp": (np.arange(n) / fps).astype(np.float32),
                     "frame_index": np.arange(n, dtype=np.int64),
                     "episode_index": np.full(n, out_idx, dtype=np.int64),
                     "index": np.arange(start, start + n, dtype=np.int64),
@@ -397,11 +419,10 @@ def _check_output_shape(src: RecapSource, opts: Options) -> tuple[int, int, int]
 
 # ------------------------------------------------------------------------- entry points
 
-def convert_recap(src_dir: str | Path, out_dir: Path, opts: Options, cfg: PisftConfig | None = None) -> dict:
-    """Convert `src_dir` into `out_dir` (written atomically). Returns the conversion report."""
-    t0 = time.perf_counter()
-    src = RecapSource.open(src_dir, opts.columns)
-    out_shape = _check_output_shape(src, opts)
+def _open_source(source: DataSource, opts: Options
+                 ) -> tuple[RecapSource, dict[int, dict[str, np.ndarray]], list[_Kept], list[dict]]:
+    """Pass 1 over one source: layout, every episode checked, the filters applied."""
+    src = RecapSource.open(source.path, opts.columns)
     lowdim: dict[int, dict[str, np.ndarray]] = {}
     for ref in src.episodes:
         cols = src.read_lowdim(ref)
@@ -409,17 +430,51 @@ def convert_recap(src_dir: str | Path, out_dir: Path, opts: Options, cfg: PisftC
         lowdim[ref.episode_index] = cols
     if not src.episodes:
         raise DataError(f"{src.where(src.episodes_path)}: lists no episodes; nothing to convert")
+    if source.type == "rollout" and "is_success" not in src.names:
+        names = " nor ".join(f"'{c}'" for c in SUCCESS_COLUMNS)
+        raise DataError(f"{src.where(src.info_path)}: a source of type rollout needs each episode's outcome, but "
+                        f"neither {names} is among its features; give it type sft if it holds demonstrations")
     _check_returns_files(src, lowdim)
     kept, dropped = _select(src, lowdim, opts)
-    frames_in = sum(len(c["frame_index"]) for c in lowdim.values())
+    for k in kept:
+        k.src = src
+    return src, lowdim, kept, dropped
+
+
+def _as_sources(sources: str | Path | DataSource | list) -> list[DataSource]:
+    items = sources if isinstance(sources, list | tuple) else [sources]
+    return [s if isinstance(s, DataSource) else DataSource(str(s)) for s in items]
+
+
+def convert_recap(sources: str | Path | DataSource | list, out_dir: Path, opts: Options,
+                  cfg: PisftConfig | None = None, returns: Returns | None = None) -> dict:
+    """Convert the pool `sources` (a directory, or typed sources) into `out_dir` (written
+    atomically). Returns the conversion report."""
+    t0 = time.perf_counter()
+    pool = _as_sources(sources)
+    opened = []
+    kept: list[_Kept] = []
+    for i, source in enumerate(pool):
+        src, lowdim, kept_i, dropped_i = _open_source(source, opts)
+        for k in kept_i:
+            k.source = i
+        for d in dropped_i:
+            d["source"] = i
+        opened.append((source, src, lowdim, kept_i, dropped_i))
+        kept += kept_i
+    dropped = [d for *_, ds in opened for d in ds]
+    frames_in = sum(len(c["frame_index"]) for _, _, lowdim, _, _ in opened for c in lowdim.values())
     if not kept:
         by_reason: dict[str, list[int]] = {}
         for d in dropped:
             by_reason.setdefault(d["reason"], []).append(d["source_episode_index"])
-        parts = [f"episode(s) {_short(eps)}: {_reason_text(src, r)}" for r, eps in sorted(by_reason.items())]
-        raise DataError(f"{src.root}: nothing left to convert after filtering; all {len(src.episodes)} episodes "
+        first = opened[0][1]
+        parts = [f"episode(s) {_short(eps)}: {_reason_text(first, r)}" for r, eps in sorted(by_reason.items())]
+        where = first.root if len(opened) == 1 else f"the {len(opened)} sources of data.recap_dir"
+        raise DataError(f"{where}: nothing left to convert after filtering; all {len(dropped)} episodes "
                         f"were dropped: {'; '.join(parts)}. Relax data.success_only / data.tasks")
-    split = stratified_split({i: src.tasks[k.task_index] for i, k in enumerate(kept)},
+    out_shape, fps = _pool_shape_and_fps(opened, opts)
+    split = stratified_split({i: k.src.tasks[k.task_index] for i, k in enumerate(kept)},  # type: ignore[union-attr]
                              opts.eval_fraction, opts.split_seed)
     t_meta = time.perf_counter()
 
@@ -428,18 +483,20 @@ def convert_recap(src_dir: str | Path, out_dir: Path, opts: Options, cfg: PisftC
         for p in k.prompts:
             prompt_index.setdefault(p, len(prompt_index))
     out = Path(out_dir)
+    first_src = opened[0][1]
     with atomic_dir(out) as tmp:
-        writer = V30Writer(tmp, _output_features(out_shape), src.fps, robot_type=src.info.get("robot_type"))
+        writer = V30Writer(tmp, _output_features(out_shape), fps, robot_type=first_src.info.get("robot_type"))
         workers = opts.n_workers()
-        per_episode_stats, numeric_all = _write_episodes(writer, src, kept, opts, prompt_index, workers,
+        per_episode_stats, numeric_all = _write_episodes(writer, fps, kept, opts, prompt_index, workers,
                                                          set(split["train"]))
         tasks_out = sorted(prompt_index, key=prompt_index.get)
         stats = st.dataset_stats({k: np.concatenate(v) for k, v in numeric_all.items()}, per_episode_stats)
         writer.finish(tasks_out, stats)
         t_write = time.perf_counter()
-        report = _report(src, opts, lowdim, kept, dropped, split, frames_in, tasks_out, out_shape)
+        report = _report(opened, opts, kept, dropped, split, frames_in, tasks_out, out_shape)
         write_json_atomic(tmp / "split.json", split)
         write_json_atomic(tmp / "conversion_report.json", report)
+        _write_returns(tmp / RETURNS_FILE, kept, [s.type for s in pool], returns or Returns())
         # how the prompts were conditioned; the export copies it next to the trained model
         (opts.conditioning if opts.advantage_tag else PromptConditioning()).write(tmp / "meta" / CONDITIONING_FILE)
         if cfg is not None:
@@ -451,41 +508,101 @@ def convert_recap(src_dir: str | Path, out_dir: Path, opts: Options, cfg: PisftC
     return report
 
 
-def _report(src, opts, lowdim, kept, dropped, split, frames_in, tasks_out, out_shape) -> dict:
+def _pool_shape_and_fps(opened: list, opts: Options) -> tuple[tuple[int, int, int], int]:
+    """One image shape and one frame rate for the whole pool, or a DataError naming the sources."""
+    shapes = [(src, _check_output_shape(src, opts)) for _, src, _, kept, _ in opened if kept]
+    if len({shape for _, shape in shapes}) > 1:
+        listed = "; ".join(f"{src.root}: {'x'.join(map(str, shape))}" for src, shape in shapes)
+        raise DataError(f"data.recap_dir: the sources' images differ in size ({listed}); set data.image_size "
+                        "to convert all of them to one size")
+    rates = {src.root: src.fps for _, src, _, kept, _ in opened if kept}
+    if len(set(rates.values())) > 1:
+        listed = "; ".join(f"{root}: {fps} fps" for root, fps in rates.items())
+        raise DataError(f"data.recap_dir: the sources were recorded at different frame rates ({listed}); "
+                        "one dataset needs one fps: resample the odd one out or leave it out")
+    return shapes[0][1], next(iter(rates.values()))
+
+
+def episode_outcome(k: _Kept, source_type: str) -> bool:
+    """An episode's success for its return: an sft episode always; a rollout by the success
+    column of its last frame (RLinf's compute_returns)."""
+    if source_type == "sft":
+        return True
+    return bool(k.cols["is_success"][-1])
+
+
+def _write_returns(path: Path, kept: list[_Kept], types: list[str], settings: Returns) -> None:
+    """Every frame's Monte-Carlo return and reward, by output episode and frame index."""
+    from pisft.data.rlinf_recap import episode_returns
+
+    eps, frs, rets, rews = [], [], [], []
+    for i, k in enumerate(kept):
+        n = len(k.cols["frame_index"])
+        ret, rew = episode_returns(n, episode_outcome(k, types[k.source]), settings.gamma, settings.failure_reward)
+        eps.append(np.full(n, i, dtype=np.int64))
+        frs.append(np.arange(n, dtype=np.int64))
+        rets.append(ret)
+        rews.append(rew)
+    table = pa.table({"episode_index": np.concatenate(eps), "frame_index": np.concatenate(frs),
+                      "return": np.concatenate(rets).astype(np.float32),
+                      "reward": np.concatenate(rews).astype(np.float32)})
+    meta = {b"pisft": json.dumps({"gamma": settings.gamma, "failure_reward": settings.failure_reward,
+                                  "source": "RLinf compute_returns: -1 per step; last step 0 (success) "
+                                            "or failure_reward; G_t = r_t + gamma G_{t+1}"}, sort_keys=True).encode()}
+    pq.write_table(table.replace_schema_metadata(meta), path)
+
+
+def _source_info(src: RecapSource) -> dict:
+    return {"path": str(src.root), "codebase_version": src.version, "naming": src.naming,
+            "columns": {k: src.names[k] for k in ("image", "wrist_image", "state", "actions")},
+            "success_column": src.names.get("is_success"),
+            "side_features": {k: p.name for k, p in sorted(src.side_features.items())},
+            "image_storage": "video" if src.has_video else "png_in_parquet", "fps": src.fps,
+            "image_shape": list(src.image_shape("image"))}
+
+
+def _report(opened, opts, kept, dropped, split, frames_in, tasks_out, out_shape) -> dict:
     in_split = {i: name for name, ids in split.items() for i in ids}
-    success = "is_success" in src.names
+    types = [source.type for source, *_ in opened]
     episodes = []
     for i, k in enumerate(kept):
+        src = k.src
+        success = "is_success" in src.names
         episodes.append({
             "episode_index": i, "source_episode_index": k.ref.episode_index, "task_index": k.task_index,
             "task": src.tasks[k.task_index], "frames": len(k.cols["frame_index"]),
             "success": bool(k.cols["is_success"].any()) if success else None, "split": in_split[i],
+            "source": k.source, "source_type": types[k.source],
         })
-    source_tasks = sorted({_episode_task(c) for c in lowdim.values()})
+    source_tasks = sorted({(n, _episode_task(c)) for n, (_, _, lowdim, _, _) in enumerate(opened)
+                           for c in lowdim.values()})
 
-    def outcomes(name: str) -> dict:
-        eps = [e for e in episodes if e["split"] == name]
+    def outcomes(eps: list[dict]) -> dict:
         return {"episodes": len(eps), "successes": sum(e["success"] is True for e in eps),
                 "failures": sum(e["success"] is False for e in eps),
                 "unknown": sum(e["success"] is None for e in eps)}
 
+    sources = []
+    for n, (source, src, lowdim, _, _) in enumerate(opened):
+        mine = [e for e in episodes if e["source"] == n]
+        sources.append({**_source_info(src), "type": source.type, "episodes_in": len(lowdim),
+                        "frames_in": int(sum(len(c["frame_index"]) for c in lowdim.values())),
+                        "frames": int(sum(e["frames"] for e in mine)), **outcomes(mine),
+                        "dropped": sum(d["source"] == n for d in dropped)})
     cond = opts.conditioning if opts.advantage_tag else PromptConditioning()
     return {
-        "source": {"path": str(src.root), "codebase_version": src.version, "naming": src.naming,
-                   "columns": {k: src.names[k] for k in ("image", "wrist_image", "state", "actions")},
-                   "success_column": src.names.get("is_success"),
-                   "side_features": {k: p.name for k, p in sorted(src.side_features.items())},
-                   "image_storage": "video" if src.has_video else "png_in_parquet", "fps": src.fps,
-                   "image_shape": list(src.image_shape("image"))},
+        "source": _source_info(opened[0][1]),  # the first source (the only one unless a pool)
+        "sources": sources,
         "options": {k: v for k, v in asdict(opts).items() if k != "workers"},
         "prompts": cond.to_dict(),
         "stats_from": "train",
         # held-out successes and failures: with data.success_only false, failed rollouts are held
         # out too and evaluated like demonstrations
-        "outcomes": {"train": outcomes("train"), "eval": outcomes("eval")},
-        "in": {"episodes": len(lowdim), "frames": int(frames_in), "tasks": len(source_tasks)},
+        "outcomes": {name: outcomes([e for e in episodes if e["split"] == name]) for name in ("train", "eval")},
+        "in": {"episodes": sum(len(lowdim) for _, _, lowdim, _, _ in opened), "frames": int(frames_in),
+               "tasks": len(source_tasks)},
         "out": {"episodes": len(kept), "frames": int(sum(e["frames"] for e in episodes)),
-                "tasks": len({k.task_index for k in kept}), "prompts": len(tasks_out),
+                "tasks": len({e["task"] for e in episodes}), "prompts": len(tasks_out),
                 "image_shape": list(out_shape), "train_episodes": len(split["train"]),
                 "eval_episodes": len(split["eval"])},
         "dropped": dropped,
@@ -498,14 +615,23 @@ def output_dir(cfg: PisftConfig) -> Path:
     return cfg.results("dataset")
 
 
+def pool(cfg: PisftConfig) -> list[DataSource]:
+    """The sources converted at cfg's iteration: `data.recap_dir`, then the rollouts of
+    iterations 1..k (RECAP's pool grows by one collection per iteration)."""
+    rollouts = [DataSource(str(cfg.at_iteration(j).results("rollouts")), "rollout")
+                for j in range(1, cfg.iteration + 1)]
+    return data_sources(cfg) + rollouts
+
+
 def run(cfg: PisftConfig) -> Path:
     out = output_dir(cfg)
-    report = convert_recap(cfg.data.recap_dir, out, Options.from_config(cfg), cfg)
+    report = convert_recap(pool(cfg), out, Options.from_config(cfg), cfg,
+                           Returns(cfg.recap.gamma, cfg.recap.failure_reward))
     t = report["_timing"]
     held = report["outcomes"]["eval"]
     print(f"convert_recap: {report['out']['episodes']}/{report['in']['episodes']} episodes, "
           f"{report['out']['frames']} frames, {report['out']['tasks']} tasks "
           f"({len(report['dropped'])} dropped; held out {held['episodes']}: {held['successes']} successes, "
-          f"{held['failures']} failures) in {t['total_s']:.1f} s "
+          f"{held['failures']} failures) from {len(report['sources'])} source(s) in {t['total_s']:.1f} s "
           f"({t['frames_per_s']:.0f} frames/s, {t['workers']} workers) -> {out}")
     return out

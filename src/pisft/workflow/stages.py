@@ -35,6 +35,8 @@ CONVERT_KEYS = (
     "data.image_size",
     "data.eval_fraction",
     "data.split_seed",
+    "recap.gamma",  # the returns written beside the dataset (returns.parquet)
+    "recap.failure_reward",
 )
 # What a training step does (not how long the run is): a change reruns the smoke test.
 TRAIN_STEP_KEYS = (
