@@ -376,7 +376,8 @@ def test_a_pool_of_typed_sources_trains_together_with_returns_per_type(tmp_path)
         np.testing.assert_array_equal(rows["return"].to_numpy(), expected)
     # by hand: a failed rollout of 10 frames: -1 x 9 steps, then -50 -> G_0 = -59
     failed = next(e for e in rep["episodes"] if e["success"] is False)
-    assert returns[(returns.episode_index == failed["episode_index"]) & (returns.frame_index == 0)]["return"].item() == -59.0
+    first = returns[(returns.episode_index == failed["episode_index"]) & (returns.frame_index == 0)]
+    assert first["return"].item() == -59.0
 
 
 def test_a_pool_refuses_sources_that_cannot_share_one_dataset(tmp_path):
