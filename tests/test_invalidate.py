@@ -11,7 +11,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_downstream_of_training_is_the_evaluation_only():
     dag = load_dag(ROOT / "dvc.yaml")
     down = downstream_outputs("train_8card", dag)
-    assert down and all(p.startswith(("results/eval/", "results/closed_loop/")) for p in down)
+    # the evaluations, and the RECAP iteration that starts from this policy
+    assert down and all(p.startswith(("results/eval/", "results/closed_loop/", "results/recap/")) for p in down)
+    assert "results/recap/iter_1/rollouts" in down and "results/recap/metrics.json" in down
+    assert not [p for p in downstream_outputs("advantages_1", dag)
+                if "rollouts" in p or "/value" in p]  # a new labelling never reruns collection or the value model
     assert {"results/eval/metrics.json", "results/eval/report.md", "results/eval/loss.png"} <= set(down)
     down = downstream_outputs("convert_recap", dag)
     assert "results/train/model" in down and "results/smoke/report.json" in down

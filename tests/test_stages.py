@@ -21,6 +21,7 @@ LAYERS = (
     ("pisft", "pisft.errors", "pisft.io", "pisft.logs", "pisft.device", "pisft.config"),
     ("pisft.data", "pisft.model"),
     ("pisft.train", "pisft.evaluate", "pisft.serve"),
+    ("pisft.recap",),  # the RECAP loop's stages: built on training, evaluation and the simulator
     ("pisft.workflow",),
     ("pisft.bench", "pisft.cli", "pisft.__main__", "pisft.train.__main__"),
 )
@@ -54,24 +55,35 @@ def test_every_stage_names_a_function_that_exists():
 
 
 def test_the_rules_run_the_tables_commands_and_write_its_outputs(tmp_path):
-    """Every stage (closed_loop enabled) against the rule Snakemake parses from workflow/rules."""
+    """Every stage (closed_loop enabled, two RECAP iterations) against the rules Snakemake parses
+    from workflow/rules: iteration k's rule runs the stage with `--iteration k` and writes its
+    outputs in results/recap/iter_<k>/."""
     import yaml
 
+    from pisft.config import from_dict
     from pisft.workflow.scratch import copy_project
     from pisft.workflow.snakemake_rules import load_rules
+    from pisft.workflow.stages import rule_name, rule_names, stage_of
 
     project = copy_project(ROOT, tmp_path / "project")
     config_file = project / "config" / "config.yaml"
     config = yaml.safe_load(config_file.read_text())
     config["eval"]["closed_loop"] = True
+    config["recap"]["iterations"] = 2
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+    cfg = from_dict(config)
     rules = {r.name: r for r in load_rules(project / "workflow" / "Snakefile", project)}
-    assert set(STAGES) <= set(rules)
-    for name, stage in STAGES.items():
+    assert list(rules) == rule_names(2)
+    assert {stage_of(r)[0] for r in rules} == set(STAGES)
+    for name in rules:
+        stage, k = stage_of(name)
         rule = rules[name]
+        assert name == rule_name(stage, k)
         log = f"results/logs/{name}.log"
-        assert rule.cmd == stage.command.replace("{params.config}", rule.config_file).replace("{log}", log)
-        assert sorted(rule.outputs.values()) == sorted(f"results/{o}" for o in stage.outputs), name
+        assert rule.cmd == STAGES[stage].command_at(k).replace("{params.config}", rule.config_file).replace(
+            "{log}", log)
+        assert sorted(rule.outputs.values()) == sorted(str(cfg.at_iteration(k).results(o))
+                                                       for o in STAGES[stage].outputs), name
 
 
 # ---------------------------------------------------------------------------------- imports

@@ -36,7 +36,7 @@ def snakemake(*args, cwd=ROOT, check=True):
 def test_committed_dvc_yaml_is_not_stale(monkeypatch):
     monkeypatch.chdir(ROOT)
     workflow = load_workflow()
-    assert [r.name for r in workflow.rules] == STAGES
+    assert [r.name for r in workflow.rules] == stage_table.rule_names(workflow.config["recap"]["iterations"])
     assert (ROOT / "dvc.yaml").read_text() == dvc_yaml.render(workflow.rules, workflow.config), (
         "dvc.yaml is stale: run `python -m pisft dvc-yaml` and commit it"
     )
@@ -53,12 +53,13 @@ def test_dvc_stages_mirror_the_rules(monkeypatch):
         # the rule's command, through the driver wrapper (shape check, Snakemake's records)
         assert stage["cmd"] == f"{WRAPPER} {rule.name} -- " + rule.cmd.replace("results/", "${results_dir}/")
         assert f"--config {rule.config_file}" in stage["cmd"]
-        inputs = ["${data.recap_dir}" if i == "results/demo_recap" and rule.name == "convert_recap"
+        inputs = ["${data.recap_dir}" if i == "results/demo_recap" and rule.name.startswith("convert_recap")
                   else i.replace("results/", "${results_dir}/") for i in rule.inputs]
         assert stage.get("deps", []) == [*inputs, *rule.code]
         # code is a dependency: the stage's package folders, the shared modules, the lock
-        assert rule.code == code_deps(rule.name, "auto") and all((ROOT / c).exists() for c in rule.code)
-        assert stage["params"] == [{"config/config.yaml": list(STAGE_KEYS[rule.name])}]
+        name, k = stage_table.stage_of(rule.name)
+        assert rule.code == code_deps(name, "auto") and all((ROOT / c).exists() for c in rule.code)
+        assert stage["params"] == [{"config/config.yaml": list(stage_table.STAGES[name].keys_at(k))}]
     # checkpoints are no DVC output: never deleted, and a fresh clone without them is not "changed"
     assert not any("checkpoints" in json.dumps(out) for out in stages["train_8card"]["outs"])
     assert stages["evaluate"]["metrics"] == ["${results_dir}/eval/metrics.json"]
@@ -124,7 +125,9 @@ def test_dry_run_lists_every_stage_and_writes_nothing(tmp_path):
     out = snakemake("-n", "--cores", "2", cwd=work).stdout
     all_inputs = out[out.index("rule all:"):].splitlines()[1]
     for path in ("results/base_model", "results/demo_recap", "results/dataset", "results/smoke/report.json",
-                 "results/train/model", "results/eval/metrics.json"):
+                 "results/train/model", "results/eval/metrics.json", "results/recap/iter_1/rollouts",
+                 "results/recap/iter_1/value", "results/recap/iter_1/advantages", "results/recap/iter_1/train/model",
+                 "results/recap/iter_1/closed_loop/metrics.json", "results/recap/metrics.json"):
         assert path in all_inputs
     assert not (work / "results").exists() and not (work / "dvc.lock").exists()
 

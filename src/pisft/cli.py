@@ -23,7 +23,7 @@ from pisft.errors import PisftError
 from pisft.logs import tee_output
 from pisft.workflow.drivers import pin_threads
 from pisft.workflow.invalidate import invalidate_downstream
-from pisft.workflow.stages import STAGES, TRAINING_STAGES
+from pisft.workflow.stages import STAGES, TRAINING_STAGES, rule_name
 
 # The stages this process runs itself (the training stages run under torchrun).
 IN_PROCESS = {name: stage for name, stage in STAGES.items() if not stage.training}
@@ -45,6 +45,8 @@ def _add_config(p: argparse.ArgumentParser) -> None:
                    help="override one config key, e.g. --set train.steps=10 (repeatable)")
     p.add_argument("--log", default=None, metavar="FILE",
                    help="also write everything printed (child processes too) to FILE")
+    p.add_argument("--iteration", type=int, default=0, metavar="K",
+                   help="the RECAP iteration the stage runs for (0: the SFT run; README, 'The RECAP loop')")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,16 +179,16 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "profile":
             from pisft.workflow import profile
             return profile.switch(args.file)
-        cfg = config_mod.load(args.config, args.overrides)
+        cfg = config_mod.load(args.config, args.overrides).at_iteration(args.iteration)
         if args.command in IN_PROCESS:
-            invalidate_downstream(args.command, cfg.results_dir)
+            invalidate_downstream(rule_name(args.command, cfg.iteration), cfg.results_dir)
             pin_threads()  # the same CPU threads under Snakemake and DVC
             resolve(IN_PROCESS[args.command].run)(cfg)
             return 0
         if args.command == "launch":
             from pisft.train import launch
 
-            invalidate_downstream(args.stage, cfg.results_dir)
+            invalidate_downstream(rule_name(args.stage, cfg.iteration), cfg.results_dir)
             return launch.main(args.stage, cfg, args.config, args.overrides)
         if args.command == "estimate":
             from pisft.train import estimate

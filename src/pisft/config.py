@@ -218,8 +218,8 @@ class PisftConfig:
     def results(self, *parts: str) -> Path:
         """A path under results_dir. At iteration k >= 1 the folders an iteration owns
         (`ITERATION_FOLDERS`) are those of `results_dir/recap/iter_<k>/`; the base model, the
-        demo data, benchmarks of the whole run and the RECAP summary stay shared."""
-        if self.iteration and parts and parts[0] in ITERATION_FOLDERS:
+        demo data, the rules' benchmarks (one file per rule) and the RECAP summary stay shared."""
+        if self.iteration and parts and Path(parts[0]).parts[0] in ITERATION_FOLDERS:
             return Path(self.results_dir, "recap", f"iter_{self.iteration}", *parts)
         return Path(self.results_dir, *parts)
 
@@ -238,6 +238,17 @@ class PisftConfig:
         """The exported policy of iteration k (0: the SFT run's)."""
         return self.at_iteration(k).results("train", "model")
 
+    def init_model(self) -> Path:
+        """The weights training starts from: the base model, or at RECAP iteration k >= 1 with
+        `recap.init: previous` the exported policy of iteration k - 1."""
+        if self.iteration and self.recap.init == "previous":
+            return self.policy_of(self.iteration - 1)
+        return self.results("base_model")
+
+    def advantage_labels(self) -> Path | None:
+        """At RECAP iteration k >= 1 the frames' advantage labels (the advantages stage); else None."""
+        return self.results("advantages", "labels.parquet") if self.iteration else None
+
     @property
     def uses_demo_data(self) -> bool:
         return any(Path(s.path) == self.results("demo_recap") for s in data_sources(self))
@@ -246,7 +257,7 @@ class PisftConfig:
 # The folders of one RECAP iteration (`PisftConfig.results`): at iteration k >= 1 they live in
 # results/recap/iter_<k>/.
 ITERATION_FOLDERS = ("rollouts", "dataset", "value", "advantages", "smoke", "train", "checkpoints",
-                     "closed_loop", "eval", "logs", "benchmarks")
+                     "closed_loop", "eval", "logs")
 
 
 @dataclass(frozen=True)

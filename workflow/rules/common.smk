@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pisft import config as pisft_config
 from pisft.workflow import snakemake_support as support
-from pisft.workflow.stages import STAGES
+from pisft.workflow.stages import STAGES, rule_name
 
 # Commands run `python -m pisft ...`; make `python` the interpreter that runs Snakemake.
 os.environ["PATH"] = os.pathsep.join(
@@ -20,6 +20,12 @@ CFG_VALUES = pisft_config.to_dict(CFG)
 RESULTS = CFG.results_dir
 LOGS = f"{RESULTS}/logs"
 BENCH = f"{RESULTS}/benchmarks"
+SOURCES = [
+    s.path for s in pisft_config.data_sources(CFG)
+]  # data.recap_dir: one folder or several
+ITERATIONS = range(
+    1, CFG.recap.iterations + 1
+)  # the RECAP iterations after the SFT run (rules/recap.smk)
 
 
 def command(stage):
@@ -40,3 +46,18 @@ def code(stage):
 def code_files(stage):
     """The same as files: editing the code reruns the stage."""
     return support.stage_code_files(CFG, stage)
+
+
+def command_at(stage, k):
+    """The stage's command at RECAP iteration k (`--iteration k`)."""
+    return STAGES[stage].command_at(k)
+
+
+def tracked_at(stage, k):
+    """The config keys `stage` reads at iteration k."""
+    return support.tracked_params(CFG_VALUES, stage, k)
+
+
+def at(k, *parts):
+    """A path of iteration k (results/recap/iter_<k>/...; iteration 0: results/...)."""
+    return str(CFG.at_iteration(k).results(*parts))

@@ -23,7 +23,7 @@ rule demo_recap:
 rule convert_recap:
     input:
         *code_files("convert_recap"),
-        CFG.data.recap_dir,
+        *SOURCES,
     output:
         directory(f"{RESULTS}/dataset"),
     log:

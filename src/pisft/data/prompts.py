@@ -158,3 +158,51 @@ def training_prompt_fn(dataset_dir: str | Path):
     when the dataset's prompts are used as stored (no random unconditioned prompt)."""
     cond = for_dataset(dataset_dir)
     return cond.training_prompt if cond.drops else None
+
+
+def recap_conditioning(iteration: int, positive_only_conditional: bool, unconditional_prob: float
+                       ) -> PromptConditioning:
+    """How the policy of RECAP iteration k >= 1 is conditioned: on the labels of that iteration's
+    `advantages` stage (its tag names the iteration), with RLinf's CFG recipe settings."""
+    return PromptConditioning(advantage_tag=f"recap_iter{iteration}",
+                              positive_only_conditional=positive_only_conditional,
+                              unconditional_prob=unconditional_prob)
+
+
+class LabelledPrompts:
+    """The training prompt of a frame whose advantage label comes from a labels file (RECAP's
+    `advantages` stage: `labels.parquet`, one row per frame, RLinf's columns `episode_index`,
+    `frame_index`, `advantage`), not from the converted dataset's prompts.
+
+    A frame's prompt is `conditioning.frame_prompt(task, label)`, then RLinf's random drop to the
+    plain task (`training_prompt`) from the sample's generator, as for a dataset converted with
+    labels. Called with the whole sample (`for_frame`), since the label is looked up by its
+    episode and frame.
+    """
+
+    def __init__(self, labels_path: str | Path, conditioning: PromptConditioning) -> None:
+        import pyarrow.parquet as pq
+
+        from pisft.errors import DataError
+
+        path = Path(labels_path)
+        if not path.is_file():
+            raise DataError(f"{path}: missing; the advantages stage writes it (run it first)")
+        table = pq.read_table(path, columns=["episode_index", "frame_index", "advantage"])
+        ep = table.column("episode_index").to_numpy().astype(np.int64)
+        fr = table.column("frame_index").to_numpy().astype(np.int64)
+        adv = table.column("advantage").to_numpy(zero_copy_only=False).astype(bool)
+        self.labels: dict[tuple[int, int], bool] = dict(zip(zip(ep.tolist(), fr.tolist(), strict=True),
+                                                            adv.tolist(), strict=True))
+        self.path = path
+        self.conditioning = conditioning
+
+    def for_frame(self, item: dict[str, Any], rng: np.random.Generator) -> str:
+        key = (int(item["episode_index"]), int(item["frame_index"]))
+        if key not in self.labels:
+            from pisft.errors import DataError
+
+            raise DataError(f"{self.path}: no label for episode {key[0]}, frame {key[1]}; the labels "
+                            "belong to another dataset: rerun the advantages stage")
+        task = strip_advantage(item["task"])
+        return self.conditioning.training_prompt(self.conditioning.frame_prompt(task, self.labels[key]), rng)

@@ -22,7 +22,7 @@ COLORS = {"base": "#8c8c8c", "finetuned": "#1f77b4"}
 LABELS = {"base": "base", "finetuned": "fine-tuned"}
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -58,7 +58,7 @@ def loss_and_lr(records: list[dict], path: Path) -> Path | None:
     ax.set_ylabel("learning rate")
     ax.set_xlabel("optimizer step")
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # Memory keys of a training log: `peak_memory_*` (allocated), `peak_reserved_*` (held by the
@@ -159,7 +159,7 @@ def throughput_and_memory_figure(records: list[dict]):
 def throughput_and_memory(records: list[dict], path: Path) -> Path | None:
     """Samples/s, step time and data wait per step; peak memory per device (GiB) per step."""
     fig = throughput_and_memory_figure(records)
-    return None if fig is None else _save(fig, path)
+    return None if fig is None else save_figure(fig, path)
 
 
 def per_task_error(metrics: dict, path: Path, metric: str = "action_mse") -> Path | None:
@@ -179,7 +179,7 @@ def per_task_error(metrics: dict, path: Path, metric: str = "action_mse") -> Pat
     ax.set_title(f"Held-out {metric} per task: base vs fine-tuned")
     ax.grid(axis="x", alpha=0.3)
     ax.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def per_step_error(curves: dict[str, np.ndarray], path: Path, metric: str) -> Path | None:
@@ -195,4 +195,4 @@ def per_step_error(curves: dict[str, np.ndarray], path: Path, metric: str) -> Pa
     ax.set_title(f"Held-out {metric} per chunk step")
     ax.grid(alpha=0.3)
     ax.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -26,6 +26,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stage", required=True, choices=TRAINING_STAGES)
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--iteration", type=int, default=0, help="the RECAP iteration (0: the SFT run)")
     return parser.parse_args(argv)
 
 
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     rank = os.environ.get("RANK", "0")
     try:
-        return run_stage(args.stage, config_mod.load(args.config, args.overrides))
+        return run_stage(args.stage, config_mod.load(args.config, args.overrides).at_iteration(args.iteration))
     except PisftError as exc:
         print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         return 2

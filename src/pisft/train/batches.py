@@ -44,7 +44,8 @@ class StepDataset(Dataset):
                 item[RAND_KEY] = {k: torch.from_numpy(np.array(v, copy=True))
                                   for k, v in self.draw(rng).items()}
             if self.prompt is not None:  # after the objective's draws, which stay as they were
-                item["task"] = self.prompt(item["task"], rng)
+                for_frame = getattr(self.prompt, "for_frame", None)  # labels by episode and frame
+                item["task"] = for_frame(item, rng) if for_frame else self.prompt(item["task"], rng)
         return item
 
 

@@ -417,8 +417,9 @@ def run_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
     its inputs: the base model (its sha256 MANIFEST: weights, tokenizer, config) and the
     dataset (split, features, statistics, prompt conditioning, episode index, data files).
     """
-    base = cfg.results("base_model")
+    base = cfg.init_model()
     data = cfg.results("dataset")
+    labels = cfg.advantage_labels()
     values = to_dict(cfg)
     sections = {f"{section}.{key}": value for section in FINGERPRINT_SECTIONS
                 for key, value in values[section].items()
@@ -431,6 +432,9 @@ def run_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
                                data / "meta" / "stats.json", data / "meta" / "prompt_conditioning.json",
                                data / "meta" / "tasks.parquet"],
                               listed=[data / "data", data / "meta" / "episodes", data / "videos"]),
+        # a RECAP iteration's run: which iteration, where it starts, and its labels
+        **({"iteration": cfg.iteration, "recap.init": cfg.recap.init,
+            "labels": _sha256_of([labels])} if labels is not None else {}),
     }
 
 

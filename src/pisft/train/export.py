@@ -43,9 +43,11 @@ def export_model(ctx: Any, built: Any, metrics_log: Any, summary: dict, resolved
         model_dir.mkdir()
         save_model(built.policy, model_dir, tokenizer_dir=built.base_dir / "tokenizer",
                    dataset_stats=built.stats, state_dict=full)
-        conditioning = built.dataset_dir / "meta" / CONDITIONING_FILE  # how prompts were conditioned
-        if conditioning.is_file():
-            shutil.copy2(conditioning, model_dir / CONDITIONING_FILE)
+        # how prompts were conditioned: the dataset's record, or the RECAP iteration's labels
+        if ctx.cfg.iteration and built.conditioning is not None:
+            built.conditioning.write(model_dir / CONDITIONING_FILE)
+        elif (built.dataset_dir / "meta" / CONDITIONING_FILE).is_file():
+            shutil.copy2(built.dataset_dir / "meta" / CONDITIONING_FILE, model_dir / CONDITIONING_FILE)
         (model_dir / "pisft_config.json").write_text(json.dumps(resolved, indent=2, sort_keys=True) + "\n")
         write_manifest(model_dir)
         shutil.copy2(metrics_log.path, tmp / "metrics.jsonl")

@@ -72,6 +72,8 @@ def torchrun_command(stage: str, cfg: PisftConfig, config_path: str, overrides: 
     cmd += ["--nproc-per-node", str(nproc_for(stage, cfg)), "--max-restarts", "0",
             "--log-dir", str(log_dir), "--tee", "3",
             "-m", "pisft.train", "--stage", stage, "--config", str(config_path)]
+    if cfg.iteration:
+        cmd += ["--iteration", str(cfg.iteration)]
     for item in overrides:
         cmd += ["--set", item]
     return cmd

@@ -45,6 +45,17 @@ class Context:
             print(f"[{self.stage}] {msg}", file=sys.stderr, flush=True)
 
 
+def conditioning_of(cfg: PisftConfig, dataset_dir: Path):
+    """How the trained policy's prompts are conditioned: by the iteration's labels at k >= 1,
+    else as the converted dataset records."""
+    from pisft.data import prompts
+
+    if cfg.iteration:
+        return prompts.recap_conditioning(cfg.iteration, cfg.data.positive_only_conditional,
+                                          cfg.data.unconditional_prob)
+    return prompts.for_dataset(dataset_dir)
+
+
 @dataclass
 class Built:
     policy: nn.Module
@@ -56,11 +67,17 @@ class Built:
     base_dir: Path
     dataset_dir: Path
     prompt: Any = None  # the training prompt of a sample (advantage conditioning), or None
+    conditioning: Any = None  # how the prompts are conditioned (data.prompts.PromptConditioning)
 
 
 def require_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
-    base, data = cfg.results("base_model"), cfg.results("dataset")
-    for path, producer in ((base / "config.json", "fetch_base"), (data / "split.json", "convert_recap")):
+    base, data = cfg.init_model(), cfg.results("dataset")
+    needed = [(base / "config.json", "train_8card" if cfg.iteration and base != cfg.results("base_model")
+               else "fetch_base"), (data / "split.json", "convert_recap")]
+    labels = cfg.advantage_labels()
+    if labels is not None and stage != "train_value":
+        needed.append((labels, "advantages"))
+    for path, producer in needed:
         if not path.is_file():
             raise PisftError(f"{stage}: {path} not found; run the `{producer}` stage first "
                              f"(snakemake --cores all {stage} runs what is missing)")
@@ -95,10 +112,13 @@ def build(ctx: Context) -> Built:
                                       weight_decay=cfg.train.weight_decay,
                                       fused=devices.fused_adamw_supported(ctx.info.kind))
     task = PolicyTask(policy, pre, ctx.info.device, cfg.train.precision)
-    from pisft.data.prompts import training_prompt_fn
+    from pisft.data.prompts import LabelledPrompts, training_prompt_fn
 
+    labels = cfg.advantage_labels()
+    conditioning = conditioning_of(cfg, data)
+    prompt = LabelledPrompts(labels, conditioning) if labels is not None else training_prompt_fn(data)
     return Built(policy, task, train_set, stats, units, optimizer, base, data,
-                 prompt=training_prompt_fn(data))
+                 prompt=prompt, conditioning=conditioning)
 
 
 def setup_process(cfg: PisftConfig, stage: str, expected_world_size: int) -> Context:

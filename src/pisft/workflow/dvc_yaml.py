@@ -65,7 +65,8 @@ def shape(cfg: pisft_config.PisftConfig) -> str:
     lock = code_deps("fetch_base", cfg.device)[-1]
     return (f"model.source={'local' if _local(cfg.model.source) else cfg.model.source.split(':')[0]} "
             f"model.tokenizer={'local' if _local(cfg.model.tokenizer) else 'other'} "
-            f"eval.closed_loop={str(cfg.eval.closed_loop).lower()} lock={lock}")
+            f"eval.closed_loop={str(cfg.eval.closed_loop).lower()} recap.iterations={cfg.recap.iterations} "
+            f"recap.init={cfg.recap.init} lock={lock}")
 
 
 def shape_of(text: str) -> str | None:
@@ -80,7 +81,15 @@ class Templater:
 
     def __init__(self, cfg: pisft_config.PisftConfig):
         self.results = cfg.results_dir.rstrip("/")
-        self.folders = {cfg.data.recap_dir.rstrip("/"): "${data.recap_dir}"}
+        self.folders = {}
+        value = cfg.data.recap_dir
+        if isinstance(value, str):
+            self.folders[value.rstrip("/")] = "${data.recap_dir}"
+        else:  # a list of typed sources: each path by its position (DVC reads `a.0.b` as a[0].b)
+            for i, item in enumerate(value):
+                path, key = (item, f"data.recap_dir.{i}") if isinstance(item, str) else \
+                    (item["path"], f"data.recap_dir.{i}.path")
+                self.folders[str(path).rstrip("/")] = "${" + key + "}"
         for key, value in (("model.source", cfg.model.source), ("model.tokenizer", cfg.model.tokenizer)):
             if _local(value):
                 self.folders[value.rstrip("/")] = "${" + key + "}"
@@ -97,12 +106,12 @@ class Templater:
         return " ".join(self.path(token) for token in cmd.split(" "))
 
     def model_folders(self) -> list[str]:
-        return [t for t in self.folders.values() if t != "${data.recap_dir}"]
+        return [t for t in self.folders.values() if not t.startswith("${data.recap_dir")]
 
     def under_folder(self, path: str) -> str | None:
         """The template of a local model source / tokenizer folder `path` lies in, if any."""
         for folder, template in self.folders.items():
-            if template != "${data.recap_dir}" and path.startswith(folder + "/"):
+            if not template.startswith("${data.recap_dir") and path.startswith(folder + "/"):
                 return template
         return None
 
@@ -170,10 +179,10 @@ def resolve(text: str, config: dict) -> str:
     def value(match: re.Match) -> str:
         node = config
         for part in match.group(1).split("."):
-            node = node[part]
+            node = node[int(part)] if isinstance(node, list) else node[part]
         return str(node)
 
-    return re.sub(r"\$\{([a-zA-Z_.]+)\}", value, text)
+    return re.sub(r"\$\{([a-zA-Z_.0-9]+)\}", value, text)
 
 
 def main(check: bool = False, output: str = "dvc.yaml") -> int:

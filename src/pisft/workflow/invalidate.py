@@ -48,12 +48,15 @@ def _filled(text: str, dvc_yaml: Path, results_dir: str | Path) -> str:
     def value(match: re.Match) -> str:
         node = values
         for part in match.group(1).split("."):
-            if not isinstance(node, dict) or part not in node:
+            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            elif isinstance(node, dict) and part in node:
+                node = node[part]
+            else:
                 return match.group(0)
-            node = node[part]
         return str(node)
 
-    return re.sub(r"\$\{([a-zA-Z_.]+)\}", value, text)
+    return re.sub(r"\$\{([a-zA-Z_.0-9]+)\}", value, text)
 
 
 def load_dag(dvc_yaml: Path, results_dir: str | Path = "results") -> dict[str, dict]:

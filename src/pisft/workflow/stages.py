@@ -74,8 +74,38 @@ CLOSED_LOOP_KEYS = (
     "eval.max_steps",
     "eval.task_ids",
     "eval.videos",
+    "eval.cfg_scale",
     # not eval.num_envs: it changes how fast, not what (results do not depend on it)
 )
+# The RECAP loop's stages (iteration k >= 1; README, "The RECAP loop").
+COLLECT_KEYS = (
+    "recap.suite",
+    "recap.task_ids",
+    "recap.episodes_per_task",
+    "recap.max_steps",
+    "recap.collect_seed",
+    "eval.trials_per_task",  # collection starts from the initial states after the evaluation's
+    "eval.num_wait_steps",
+    "eval.replan_steps",
+    "eval.resize_size",
+    "eval.cfg_scale",
+)
+VALUE_KEYS = (
+    "train",  # the process layout, micro batch, precision, seed and schedule shape
+    "recap.value_bins",
+    "recap.value_steps",
+    "recap.value_lr",
+    "recap.value_head_lr",
+    "recap.value_global_batch_size",
+)
+ADVANTAGE_KEYS = (
+    "recap.gamma",
+    "recap.lookahead",
+    "recap.positive_quantile",
+    "recap.threshold_scope",
+)
+# What retraining at iteration k reads besides `train`: where it starts, how labels become prompts.
+RETRAIN_KEYS = ("recap.init", "data.positive_only_conditional", "data.unconditional_prob")
 
 # The source each stage runs: a change reruns the stage (and what follows). Paths relative to
 # the project root; package folders as a whole (DVC hashes their content; Snakemake gets their
@@ -95,6 +125,7 @@ SHARED_CODE = (
 )
 TRAIN_CODE = ("src/pisft/train", "src/pisft/model", "src/pisft/data")
 EVAL_CODE = ("src/pisft/evaluate", "src/pisft/serve", "src/pisft/model", "src/pisft/data")
+RECAP_CODE = ("src/pisft/recap",)
 # DVC runs each stage's command through this wrapper (pisft.workflow.drivers: the config-shape
 # check, the benchmark row, Snakemake's records): dvc.yaml's cmd is `<wrapper> <stage> -- <command>`.
 DVC_WRAPPER = "python -m pisft.workflow.drivers dvc"
@@ -115,12 +146,27 @@ class Stage:
     outputs: tuple[str, ...]  # what it writes, relative to results_dir
     help: str
     training: bool = False  # started under torchrun by `python -m pisft launch <name>`
+    # When it runs: "sft" at iteration 0 only; "all" at iteration 0 and at every RECAP iteration
+    # k >= 1 (in results/recap/iter_<k>/); "recap" at the RECAP iterations only; "after" once,
+    # after the last iteration, when recap.iterations > 0.
+    iterations: str = "sft"
+    recap_keys: tuple[str, ...] = ()  # keys it also reads at a RECAP iteration
 
     @property
     def command(self) -> str:
         """The command the workflow runs (Snakemake's shell, dvc.yaml's cmd)."""
         verb = f"launch {self.name}" if self.training else self.name
         return f"python -m pisft {verb} --config {{params.config}} --log {{log}}"
+
+    def command_at(self, k: int) -> str:
+        """The command of iteration k's rule."""
+        return self.command if k == 0 else self.command.replace(" --log ", f" --iteration {k} --log ")
+
+    def keys_at(self, k: int) -> tuple[str, ...]:
+        return self.keys if k == 0 else self.keys + self.recap_keys
+
+    def runs_at(self, k: int) -> bool:
+        return {"sft": k == 0, "all": True, "recap": k >= 1, "after": False}[self.iterations]
 
 
 EVAL_OUTPUTS = tuple(f"eval/{name}" for name in (
@@ -132,22 +178,57 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           ("base_model",), "fetch (or build) the base model into results/base_model"),
     Stage("demo_recap", "pisft.data.demo:run", DEMO_KEYS, ("src/pisft/data",),
           ("demo_recap",), "write the synthetic demo dataset (when data.recap_dir is the demo folder)"),
+    Stage("collect_rollouts", "pisft.recap.collect:run", ("device", *COLLECT_KEYS), (*RECAP_CODE, *EVAL_CODE),
+          ("rollouts",), "RECAP: roll policy k-1 out in the LIBERO simulator, record every step",
+          iterations="recap"),
     Stage("convert_recap", "pisft.data.convert:run", CONVERT_KEYS, ("src/pisft/data",),
-          ("dataset",), "convert the RECAP dataset into the training dataset with its split"),
+          ("dataset",), "convert the RECAP dataset (at iteration k, the pool) into the training dataset",
+          iterations="all"),
     Stage("smoke_1card", "pisft.train.smoke:run_smoke", ("device", "smoke", *TRAIN_STEP_KEYS),
           TRAIN_CODE, ("smoke/report.json",),
           "a few optimizer steps on one device: the go/no-go report", training=True),
+    Stage("train_value", "pisft.recap.value_training:run_value_training", ("device", *VALUE_KEYS),
+          (*RECAP_CODE, *TRAIN_CODE), ("value",),
+          "RECAP: train the distributional value model on the pool", training=True, iterations="recap"),
+    Stage("advantages", "pisft.recap.advantages:run", ("device", *ADVANTAGE_KEYS), (*RECAP_CODE, *TRAIN_CODE),
+          ("advantages",), "RECAP: every frame's value and N-step advantage, the positive labels",
+          iterations="recap"),
     Stage("train_8card", "pisft.train.run:run_training", ("device", "train"), TRAIN_CODE,
           ("train/model", "train/metrics.jsonl"),
-          "train on train.nproc_per_node x train.nnodes devices; resumes, exports", training=True),
+          "train on train.nproc_per_node x train.nnodes devices; resumes, exports", training=True,
+          iterations="all", recap_keys=RETRAIN_KEYS),
     Stage("closed_loop", "pisft.evaluate.closed_loop:run", ("device", *CLOSED_LOOP_KEYS), EVAL_CODE,
           ("closed_loop/metrics.json", "closed_loop/report.md", "closed_loop/videos"),
-          "closed-loop LIBERO success rates, rollout videos (LIBERO simulator)"),
+          "closed-loop LIBERO success rates, rollout videos (LIBERO simulator)", iterations="all"),
     Stage("evaluate", "pisft.evaluate.offline:run", ("device", *EVAL_KEYS), EVAL_CODE,
           EVAL_OUTPUTS, "held-out action error of the base and the fine-tuned model, plots, report"),
+    Stage("recap_summary", "pisft.recap.summary:run", ("recap.iterations",), (*RECAP_CODE, "src/pisft/evaluate"),
+          ("recap/metrics.json", "recap/report.md", "recap/success.png"),
+          "RECAP: success per iteration (Wilson intervals), value and advantage diagnostics",
+          iterations="after"),
 )}
 TRAINING_STAGES = tuple(name for name, s in STAGES.items() if s.training)
 STAGE_KEYS: dict[str, tuple[str, ...]] = {name: s.keys for name, s in STAGES.items()}
+
+
+def rule_name(stage: str, k: int) -> str:
+    """The workflow rule (and DVC stage) of `stage` at iteration k: `train_8card`, `train_8card_1`."""
+    return stage if k == 0 else f"{stage}_{k}"
+
+
+def rule_names(iterations: int) -> list[str]:
+    """The workflow's rules, in order: the SFT run's stages (iteration 0), each RECAP iteration's,
+    then the stages that run once after the loop."""
+    names = [rule_name(n, k) for k in range(iterations + 1) for n, s in STAGES.items() if s.runs_at(k)]
+    return names + ([n for n, s in STAGES.items() if s.iterations == "after"] if iterations else [])
+
+
+def stage_of(rule: str) -> tuple[str, int]:
+    """The stage and iteration a rule runs: `train_8card_1` -> ("train_8card", 1)."""
+    base, _, k = rule.rpartition("_")
+    if k.isdigit() and base in STAGES:
+        return base, int(k)
+    return rule, 0
 
 
 def code_deps(stage: str, device: str) -> list[str]:
