@@ -15,7 +15,7 @@ from pisft.workflow import dvc_yaml
 from pisft.workflow.drivers import WRAPPER
 from pisft.workflow.snakemake_rules import load_workflow
 from pisft.workflow import stages as stage_table
-from pisft.workflow.stages import STAGE_KEYS, code_deps
+from pisft.workflow.stages import code_deps
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = list(stage_table.STAGES)  # the one table of stages; the rules must follow it, in its order

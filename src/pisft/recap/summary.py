@@ -144,7 +144,7 @@ def render_report(summary: dict) -> str:
         lines.append(f"| {task}: {name} | " + " | ".join(cells) + " |")
     for it in its[1:]:
         lines += ["", f"## Iteration {it['k']}: value model and advantages", ""]
-        lines += [f"- value model: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+        lines += ["- value model: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                                   for k, v in it["value"].items())]
         adv = it["advantages"]
         per_task = adv.get("positive_fraction_per_task", {})
