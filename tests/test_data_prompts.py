@@ -241,3 +241,53 @@ def test_offline_evaluation_prompts_each_model_as_trained(tmp_path, monkeypatch)
     report = json.loads((root / "dataset" / "conversion_report.json").read_text())
     assert info["held_out"] == report["outcomes"]["eval"]
     assert info["held_out"]["failures"] >= 1 and info["held_out"]["successes"] >= 1
+
+
+def test_labelled_prompts_take_each_frames_label_from_the_labels_file(tmp_path):
+    """RECAP iteration k trains on labels written beside the dataset (the advantages stage): the
+    frame's label picks its prompt, RLinf's drop to the plain task draws from the sample's
+    generator, and a frame without a label is an error naming the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pisft.data.prompts import LabelledPrompts, recap_conditioning
+    from pisft.errors import DataError
+
+    path = tmp_path / "labels.parquet"
+    pq.write_table(pa.table({"episode_index": [0, 0, 1], "frame_index": [0, 1, 0],
+                             "advantage_continuous": [0.5, -0.2, 0.1], "advantage": [True, False, True]}), path)
+    cond = recap_conditioning(1, positive_only_conditional=False, unconditional_prob=0.0)
+    labelled = LabelledPrompts(path, cond)
+    rng = np.random.default_rng(0)
+    task = "put the bowl on the plate"
+    assert labelled.for_frame({"task": task, "episode_index": 0, "frame_index": 0}, rng) == advantage_prompt(task, True)
+    assert labelled.for_frame({"task": task, "episode_index": 0, "frame_index": 1}, rng) == advantage_prompt(task, False)
+    # positive_only_conditional: a negative frame trains on the plain task
+    only_pos = LabelledPrompts(path, recap_conditioning(1, True, 0.0))
+    assert only_pos.for_frame({"task": task, "episode_index": 0, "frame_index": 1}, rng) == task
+    # unconditional_prob 1: always the plain task
+    always_plain = LabelledPrompts(path, recap_conditioning(1, True, 1.0))
+    assert always_plain.for_frame({"task": task, "episode_index": 1, "frame_index": 0}, rng) == task
+    with pytest.raises(DataError, match="no label for episode 2, frame 0"):
+        labelled.for_frame({"task": task, "episode_index": 2, "frame_index": 0}, rng)
+    assert cond.conditioned and cond.eval_prompt == "positive"
+
+
+def test_the_training_sample_gets_its_labelled_prompt(tmp_path):
+    """StepDataset hands the whole sample to a per-frame prompt (the labels are looked up by it)."""
+    from pisft.train.batches import StepDataset
+    from pisft.train.sampler import SampleRef
+
+    class Frames:
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return {"task": "t", "episode_index": 0, "frame_index": i}
+
+    class ByFrame:
+        def for_frame(self, item, rng):
+            return f"{item['task']} #{item['frame_index']}"
+
+    ds = StepDataset(Frames(), seed=0, draw=None, prompt=ByFrame())
+    assert ds[SampleRef(index=1, step=0, position=0)]["task"] == "t #1"
