@@ -260,8 +260,11 @@ def test_labelled_prompts_take_each_frames_label_from_the_labels_file(tmp_path):
     labelled = LabelledPrompts(path, cond)
     rng = np.random.default_rng(0)
     task = "put the bowl on the plate"
-    assert labelled.for_frame({"task": task, "episode_index": 0, "frame_index": 0}, rng) == advantage_prompt(task, True)
-    assert labelled.for_frame({"task": task, "episode_index": 0, "frame_index": 1}, rng) == advantage_prompt(task, False)
+    def frame(episode, index):
+        return {"task": task, "episode_index": episode, "frame_index": index}
+
+    assert labelled.for_frame(frame(0, 0), rng) == advantage_prompt(task, True)
+    assert labelled.for_frame(frame(0, 1), rng) == advantage_prompt(task, False)
     # positive_only_conditional: a negative frame trains on the plain task
     only_pos = LabelledPrompts(path, recap_conditioning(1, True, 0.0))
     assert only_pos.for_frame({"task": task, "episode_index": 0, "frame_index": 1}, rng) == task

@@ -37,8 +37,8 @@ def _iteration_outputs(cfg, k):
 
 
 def test_the_summary_lists_every_iteration_with_wilson_intervals(tmp_path):
-    cfg = from_dict({"results_dir": str(tmp_path / "results"), "eval": {"closed_loop": True, "task_ids": [0, 1], "trials_per_task": 2},
-                     "recap": {"iterations": 2}})
+    cfg = from_dict({"results_dir": str(tmp_path / "results"), "recap": {"iterations": 2},
+                     "eval": {"closed_loop": True, "task_ids": [0, 1], "trials_per_task": 2}})
     _closed_loop(cfg.results("closed_loop", "metrics.json"), {0: [True, False], 1: [False, False]})
     for k, outcomes in ((1, {0: [True, True], 1: [False, False]}), (2, {0: [True, True], 1: [True, False]})):
         _iteration_outputs(cfg, k)
