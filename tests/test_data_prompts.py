@@ -152,12 +152,20 @@ def test_report_shows_prompts_and_held_out_outcomes():
             "held_out": {"episodes": 3, "successes": 2, "failures": 1, "unknown": 0},
             "prompts": {"base": {"describe": prompts.PLAIN_PROMPTS.describe()},
                         "finetuned": {"describe": RLINF.describe()}}}
+    from pisft.model import guidance
+
+    info["guidance"] = {"base": guidance.record(2.0, prompts.PLAIN_PROMPTS), "finetuned": guidance.record(2.0, RLINF)}
     text = report.build(metrics=metrics, eval_info=info, train_summary={}, run_info={}, plots={},
-                        resolved_config={}, closed_loop={"suites": {}, "prompt": {"describe": RLINF.describe()}})
+                        resolved_config={}, closed_loop={"suites": {}, "prompt": {"describe": RLINF.describe()},
+                                                         "guidance": guidance.record(3.0, RLINF)})
     assert "Held-out episodes: 2 successes, 1 failures (of 3)" in text
     assert "fine-tuned model: `<task>\\nAdvantage: positive` (RLinf's positive prompt" in text
     assert "base model: the task instruction" in text
     assert text.count("RLinf's positive prompt") == 2  # open loop and closed loop
+    assert ("Guidance (eval.cfg_scale): base model: cfg_scale 2 ignored: the model was trained on plain "
+            "task prompts") in text
+    assert "fine-tuned model: classifier-free guidance, scale 2: v = (1 - w)·v_uncond + w·v_cond" in text
+    assert "Guidance: classifier-free guidance, scale 3" in text  # the closed-loop section
 
 
 # ---------------------------------------------------------------- the data keys
@@ -200,7 +208,8 @@ def test_convert_stage_tracks_the_new_keys():
 def test_offline_evaluation_prompts_each_model_as_trained(tmp_path, monkeypatch):
     """convert_recap with RLinf's recipe -> evaluate: the fine-tuned model gets the positive
     prompt on every held-out frame (never the stored per-frame labels), the base model the task;
-    eval_info says so and counts the held-out successes and failures."""
+    eval_info says so and counts the held-out successes and failures. With eval.cfg_scale 2 the
+    fine-tuned model is guided against its frames' plain tasks; the base model (plain) is not."""
     from pisft.data import convert, demo
     from pisft.data import dataset as data
     from pisft.evaluate import inference, offline
@@ -213,7 +222,7 @@ def test_offline_evaluation_prompts_each_model_as_trained(tmp_path, monkeypatch)
         "data": {"recap_dir": str(root / "demo_recap"), "demo_episodes_per_task": 2, "demo_episode_length": 4,
                  "demo_image_size": 16, "demo_failure_fraction": 0.5, "eval_fraction": 0.5,
                  "advantage_tag": "demo", "tasks": ["0", "1", "2"], "split_seed": 1},
-        "eval": {"batch_size": 8, "frame_stride": 2, "bootstrap_samples": 0}})
+        "eval": {"batch_size": 8, "frame_stride": 2, "bootstrap_samples": 0, "cfg_scale": 2.0}})
     demo.run(cfg)
     convert.run(cfg)
     tok = tmp_path / "tok"
@@ -225,11 +234,14 @@ def test_offline_evaluation_prompts_each_model_as_trained(tmp_path, monkeypatch)
     save_model(build_policy("tiny", seed=1), root / "train" / "model", tokenizer_dir=tok,
                dataset_stats=data.load_stats(root / "dataset"))
     seen: dict[str, list[str]] = {}
+    guided: dict[str, list] = {}
     real = inference.ChunkPredictor.predict
 
-    def spy(self, batch, noise):
+    def spy(self, batch, noise, **blend):
         seen.setdefault(self.model_dir.name, []).extend(batch["task"])
-        return real(self, batch, noise)
+        guided.setdefault(self.model_dir.name, []).append(
+            (blend.get("cfg_scale"), blend.get("unconditioned_tasks"), list(batch["task"])))
+        return real(self, batch, noise, **blend)
 
     monkeypatch.setattr(inference.ChunkPredictor, "predict", spy)
     _, _, info = offline.evaluate_models(cfg, progress=False)
@@ -238,6 +250,11 @@ def test_offline_evaluation_prompts_each_model_as_trained(tmp_path, monkeypatch)
     assert set(seen["base_model"]) <= tasks
     assert info["prompts"]["finetuned"]["eval_prompt"] == "positive"
     assert info["prompts"]["base"]["eval_prompt"] == "task"
+    assert all(w == 2.0 and [advantage_prompt(t, True) for t in plain] == cond
+               for w, plain, cond in guided["model"])
+    assert all(w is None and plain is None for w, plain, _ in guided["base_model"])
+    assert info["guidance"]["finetuned"]["cfg_scale"] == 2.0 and info["guidance"]["base"]["cfg_scale"] == 1.0
+    assert "cfg_scale 2 ignored" in info["guidance"]["base"]["note"]
     report = json.loads((root / "dataset" / "conversion_report.json").read_text())
     assert info["held_out"] == report["outcomes"]["eval"]
     assert info["held_out"]["failures"] >= 1 and info["held_out"]["successes"] >= 1

@@ -584,3 +584,45 @@ def test_num_envs_defaults_to_the_available_cores_and_bad_keys_are_refused():
         else:
             with pytest.raises(C.ConfigError, match=message):
                 C.from_dict({"eval": bad})
+
+
+def test_stage_guides_a_conditioned_model_with_eval_cfg_scale_and_records_it(tmp_path, tmp_path_factory, capsys):
+    """eval.cfg_scale reaches the policy the stage builds (the exported model, in-process): a
+    model trained on advantage prompts is guided (its executed actions move with the scale) and
+    metrics.json and report.md record the scale; a plain model runs unguided and says so once."""
+    import torch
+
+    from model_fixtures import tiny_model_dir
+    from test_serve_openpi_client import SERVE_STATS
+    from pisft.data import prompts
+    from pisft.model.norm_stats import STATS_FILE, save_stats
+
+    def stage(name: str, *, conditioned: bool, scale: float):
+        root = tmp_path / name
+        cfg = make_cfg(root, libero_suites=["libero_spatial"], trials_per_task=1, max_steps=5,
+                       videos=False, cfg_scale=scale)  # one chunk after the wait steps
+        (root / "results" / "train").mkdir(parents=True)
+        model = tiny_model_dir(tmp_path_factory, root / "results" / "train" / "model")  # a copy
+        save_stats(SERVE_STATS, model / STATS_FILE)
+        if conditioned:
+            prompts.PromptConditioning("demo").write(model / prompts.CONDITIONING_FILE)
+        sim = StandInSimulator([StandInTask("reach 99 0 0", [99.0, 0, 0])])
+        capsys.readouterr()
+        closed_loop.run(cfg, simulator=lambda: sim, inline=True)
+        out = root / "results" / "closed_loop"
+        return (json.loads((out / "metrics.json").read_text()), (out / "report.md").read_text(),
+                np.array(sim.envs[0].actions[10:]), capsys.readouterr().out)
+
+    threads = torch.get_num_threads()
+    try:
+        guided, report, guided_actions, _ = stage("guided", conditioned=True, scale=2.0)
+        _, _, positive_actions, _ = stage("positive", conditioned=True, scale=1.0)
+        plain, _, _, log = stage("plain", conditioned=False, scale=2.0)
+    finally:
+        torch.set_num_threads(threads)
+    assert guided["cfg_scale"] == 2.0 and guided["guidance"]["guided"]
+    assert "Guidance: classifier-free guidance, scale 2" in report
+    assert guided_actions.shape == positive_actions.shape == (5, 7)
+    assert not np.allclose(guided_actions, positive_actions, atol=1e-4)
+    assert plain["cfg_scale"] == 1.0 and plain["guidance"]["cfg_scale_requested"] == 2.0
+    assert log.count("cfg_scale 2 ignored") == 1 and "cfg_scale 2 ignored" in plain["guidance"]["note"]

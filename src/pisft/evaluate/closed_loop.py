@@ -457,6 +457,8 @@ def report_markdown(metrics: dict, settings: Settings, model_dir: str, *, video_
     ]
     if metrics.get("prompt"):
         lines.append(f"Prompt: {metrics['prompt']['describe']}.")
+    if metrics.get("guidance"):
+        lines.append(f"Guidance: {metrics['guidance']['describe']}.")
     lines += ["", f"Success rate {_num(metrics['success_rate'], '.3f')} "
               f"(95% Wilson {_fmt_ci(metrics)}) over {metrics['episodes']} "
               f"episodes; {metrics['errors']} crashed.", ""]
@@ -529,12 +531,17 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
     if policy is None:
         import torch
 
+        from pisft.model.guidance import check_scale
         from pisft.serve.libero_policy import LiberoPolicy
 
         torch.set_num_threads(policy_threads())
 
         policy = LiberoPolicy.from_model_dir(model_dir, device=cfg.device, seed=settings.seed,
-                                             trained_on=cfg.results("dataset"))
+                                             trained_on=cfg.results("dataset"),
+                                             cfg_scale=check_scale(cfg.eval.cfg_scale, "eval.cfg_scale"))
+    guided = getattr(policy, "guidance", None)  # LiberoPolicy: the classifier-free guidance in effect
+    if guided is not None and (guided["note"] or guided["guided"]):  # said once, before the rollouts
+        print(f"closed_loop: {'note: ' + guided['note'] if guided['note'] else guided['describe']}", flush=True)
     with atomic_dir(cfg.results(OUTPUT_DIR)) as out:
         specs, languages = plan_episodes(sim, settings, out)
         num_envs = max(1, min(settings.num_envs, len(specs)))
@@ -599,6 +606,9 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
         cond = getattr(policy, "conditioning", None)  # LiberoPolicy: how the task is turned into the prompt
         if cond is not None:
             metrics["prompt"] = {**cond.to_dict(), "describe": cond.describe()}
+        if guided is not None:
+            metrics["cfg_scale"] = guided["cfg_scale"]  # the scale in effect (1 for a plain model)
+            metrics["guidance"] = guided
         metrics["wall_time_s"] = wall
         write_json_atomic(out / "metrics.json", metrics)
         write_text_atomic(out / "report.md", report_markdown(metrics, settings, str(model_dir)))

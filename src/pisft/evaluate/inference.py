@@ -1,5 +1,6 @@
 """Action-chunk inference with a pi0.5 model: the one path that evaluation, closed-loop and
-serving all use (preprocessor -> `policy.predict_action_chunk` -> postprocessor).
+serving all use (preprocessor -> `policy.predict_action_chunk` -> postprocessor; with a
+classifier-free guidance scale above 1, `pisft.model.guidance` in the middle).
 
 Flow matching starts from Gaussian noise, so a prediction is only reproducible when the noise
 is. `frame_noise` derives the noise of each frame from (seed, key), e.g. (seed, episode,
@@ -95,15 +96,30 @@ class ChunkPredictor:
         return list(self.policy.config.image_features)
 
     @torch.no_grad()
-    def predict(self, batch: dict, noise: torch.Tensor) -> torch.Tensor:
+    def predict(self, batch: dict, noise: torch.Tensor, *, cfg_scale: float = 1.0,
+                unconditioned_tasks: Sequence[str] | None = None) -> torch.Tensor:
         """Raw-unit action chunks (B, chunk_size, action_dim), float32 on CPU.
 
         `batch` is in the dataset's layout (images float (B,3,H,W) in [0,1], state, `task`);
         an `action` key, if present, is ignored.
+
+        `cfg_scale` w != 1: classifier-free guidance (`pisft.model.guidance`): `batch["task"]`
+        holds the conditioned prompts and `unconditioned_tasks` the plain ones; every denoising
+        step uses (1 - w) v_uncond + w v_cond. w = 1 is the conditioned prompt alone, LeRobot's
+        sampler untouched.
         """
         batch = {k: v for k, v in batch.items() if k not in ("action", "action_is_pad")}
-        processed = self.preprocessor(batch)
         noise = noise.to(device=self.device, dtype=torch.float32)
-        normalized = self.policy.predict_action_chunk(processed, noise=noise)
+        if cfg_scale == 1.0:
+            processed = self.preprocessor(batch)
+            normalized = self.policy.predict_action_chunk(processed, noise=noise)
+        else:
+            from pisft.model import guidance
+
+            if unconditioned_tasks is None:
+                raise ValueError("cfg_scale != 1 needs the unconditioned prompts (unconditioned_tasks)")
+            normalized = guidance.predict_normalized(self.policy, self.preprocessor, batch,
+                                                     unconditioned_tasks, noise,
+                                                     guidance.check_scale(cfg_scale, "cfg_scale"))
         raw = self.postprocessor(normalized)
         return raw.detach().to("cpu", torch.float32)

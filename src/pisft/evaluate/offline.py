@@ -12,6 +12,9 @@ Prompts: each model gets the task instruction the way it is meant to be prompted
 (`pisft.data.prompts.for_model`): the base model the plain task; a model fine-tuned with
 advantage-conditioned prompts (`data.advantage_tag`) RLinf's positive prompt
 `"<task>\nAdvantage: positive"` — never the per-frame labels the dataset stores for training.
+With `eval.cfg_scale` w > 1 such a model is guided (`pisft.model.guidance`): every denoising
+step blends (1 - w) v_uncond + w v_cond, v_uncond under the plain task; a model trained on
+plain prompts ignores w (eval_info.json `guidance` and the report say which model got what).
 
 Writes `results/eval/` atomically:
   metrics.json     base / finetuned sections (action_mse, action_l1, their `_norm` variants,
@@ -92,6 +95,8 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
 
     from pisft.data import dataset as data
     from pisft.data import prompts
+    from pisft.data.libero import strip_advantage
+    from pisft.model import guidance
 
     dataset_dir = cfg.results("dataset")
     model_dirs = {"base": cfg.results("base_model"), "finetuned": cfg.results("train", "model")}
@@ -115,6 +120,11 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
 
     conditioning = {"base": prompts.for_model(model_dirs["base"]),
                     "finetuned": prompts.for_model(model_dirs["finetuned"], trained_on=dataset_dir)}
+    scale = guidance.check_scale(cfg.eval.cfg_scale, "eval.cfg_scale")
+    guided = {name: guidance.record(scale, c) for name, c in conditioning.items()}
+    for name, g in guided.items():
+        if g["note"] and progress:
+            print(f"evaluate: {name} model: {g['note']}", flush=True)
     tasks = data.episode_tasks(dataset_dir)
     eval_eps = data.split_episodes(dataset_dir)["eval"]
     if not eval_eps:
@@ -138,7 +148,10 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
         batch_tasks = [tasks.get(e, t) for e, t in zip(ep_ids, batch["task"], strict=True)]
         for name, predictor in predictors.items():
             prompted = {**batch, "task": [conditioning[name].inference_prompt(t) for t in batch_tasks]}
-            pred_raw = predictor.predict(prompted, noise).to(torch.float64).numpy()
+            w = guided[name]["cfg_scale"]
+            blend = {} if w == 1.0 else {"cfg_scale": w,
+                                         "unconditioned_tasks": [strip_advantage(t) for t in batch_tasks]}
+            pred_raw = predictor.predict(prompted, noise, **blend).to(torch.float64).numpy()
             accs[name].add(episodes=ep_ids, tasks=batch_tasks, pred_norm=quantile_normalize(pred_raw, q01, q99),
                            target_norm=target_norm, pred_raw=pred_raw, target_raw=target_raw,
                            is_pad=batch["action_is_pad"])
@@ -164,6 +177,7 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
         "normalisation_stats": {name: ("model" if (d / STATS_FILE).is_file() else "dataset")
                                 for name, d in model_dirs.items()},
         "prompts": {name: {**c.to_dict(), "describe": c.describe()} for name, c in conditioning.items()},
+        "guidance": guided,
         # successes and failures among the evaluated held-out episodes (failed rollouts are held
         # out too when data.success_only is false, and scored like demonstrations)
         "held_out": data.outcome_counts(dataset_dir, episodes),

@@ -93,6 +93,8 @@ def closed_loop_section(cl: dict, video_prefix: str = "../closed_loop/") -> list
         out += [f"**What to expect.** {cl['expectation']}", ""]
     if cl.get("prompt"):
         out += [f"Prompt: {cl['prompt'].get('describe')}.", ""]
+    if cl.get("guidance"):
+        out += [f"Guidance: {cl['guidance'].get('describe')}.", ""]
     out += ["| suite | task | successes / trials | success rate | 95% CI (Wilson) | mean steps | crashed | video |",
             "|---|---|---|---|---|---|---|---|"]
     for suite, entry in cl.get("suites", {}).items():
@@ -145,6 +147,11 @@ def build(*, metrics: dict, eval_info: dict, train_summary: dict, run_info: dict
         out += ["", "Prompts: " + "; ".join(
             f"{'fine-tuned' if name == 'finetuned' else name} model: {p.get('describe')}"
             for name, p in prompts_used.items()) + "."]
+    guided = eval_info.get("guidance")
+    if guided:
+        out += ["", "Guidance (eval.cfg_scale): " + "; ".join(
+            f"{'fine-tuned' if name == 'finetuned' else name} model: {g.get('describe')}"
+            for name, g in guided.items()) + "."]
     out += ["", "| metric | base | fine-tuned | fine-tuned / base |", "|---|---|---|---|"]
     for m in METRICS:
         b, f = metrics["base"], metrics["finetuned"]

@@ -45,6 +45,15 @@ changes underneath. Nothing else in pisft patches or inspects LeRobot's private 
      (`_preprocess_images`, `prepare_action`, `sample_noise`/`sample_time`, `model.forward`,
      truncation to the action dimension, mean) without them, through the policy's `__call__`
      (FSDP hooks run): `PI05Policy.forward`'s body is checked by `structure_problems`.
+6. The velocity of a denoising step (`velocity_hook`, used by `pisft.model.guidance` for
+   classifier-free guidance). `PI05Pytorch.sample_actions` embeds the prefix (images, prompt)
+   once, keeps its KV cache, and hands `euler_integrate` a closure that calls
+   `self.denoise_step(prefix_pad_masks=..., past_key_values=..., x_t=..., timestep=...)`, which
+   returns the velocity v(x_t, t) for every row of the batch; the integrator then steps
+   `x_t + dt * v`. Because the method is looked up on the instance at every step, an instance
+   attribute `denoise_step` set for the duration of one `predict_action_chunk` sees (and may
+   replace) every step's velocity while LeRobot's prefix pass, KV cache, noise and time schedule
+   run unchanged.
 """
 
 from __future__ import annotations
@@ -269,6 +278,32 @@ def sync_free_forward(policy) -> Iterator[None]:
         del policy.forward
 
 
+@contextlib.contextmanager
+def velocity_hook(policy, hook) -> Iterator[None]:
+    """Within the block, every denoising step of `policy.predict_action_chunk` returns
+    `hook(velocity)` where `velocity(x_t, timestep)` is LeRobot's own step (see 6. above).
+
+    One inference at a time per policy (as `serve` and `closed_loop` run them): the hook is an
+    attribute of the policy's model while the block lasts.
+    """
+    model = policy.model
+    if "denoise_step" in vars(model):
+        raise RuntimeError("velocity_hook: the policy's denoise_step is already hooked "
+                           "(one inference at a time per policy)")
+    original = model.denoise_step  # LeRobot's bound method
+
+    def step(**kwargs):
+        def velocity(x_t, timestep):
+            return original(**{**kwargs, "x_t": x_t, "timestep": timestep})
+        return hook(velocity)(kwargs["x_t"], kwargs["timestep"])
+
+    model.denoise_step = step
+    try:
+        yield
+    finally:
+        del model.denoise_step
+
+
 def set_non_blocking_transfers(preprocessor) -> None:
     """Host->device copies of LeRobot's device step without blocking, on every accelerator.
 
@@ -346,6 +381,14 @@ def structure_problems() -> list[str]:
             m.PaliGemmaWithExpertModel.forward):
         problems.append("PaliGemmaWithExpertModel.forward no longer reads "
                         "gemma_expert.model.gradient_checkpointing: revisit enable_layer_checkpointing")
+    src_sample = inspect.getsource(m.PI05Pytorch.sample_actions)
+    for needle in ("euler_integrate(", "self.denoise_step(", "x_t=input_x_t", "timestep=current_timestep"):
+        if needle not in src_sample:
+            problems.append(f"PI05Pytorch.sample_actions no longer contains {needle!r}: revisit velocity_hook")
+    step_params = list(inspect.signature(m.PI05Pytorch.denoise_step).parameters)
+    if step_params != ["self", "prefix_pad_masks", "past_key_values", "x_t", "timestep"]:
+        problems.append(f"PI05Pytorch.denoise_step takes {step_params[1:]}, not (prefix_pad_masks, "
+                        "past_key_values, x_t, timestep): revisit velocity_hook")
     if not hasattr(processor_pi05, "TokenizerProcessorStep"):
         problems.append("processor_pi05.TokenizerProcessorStep no longer exists")
     elif "TokenizerProcessorStep(" not in inspect.getsource(processor_pi05.make_pi05_pre_post_processors):

@@ -15,6 +15,12 @@ advantage-conditioned prompts (`data.advantage_tag`) is prompted the way RLinf e
 `"<task>\nAdvantage: positive"` (`pisft.data.prompts`; what the model directory records in
 `prompt_conditioning.json`). A prompt that already carries an advantage label is used as sent.
 The prompt is cut to what the tokenizer can use before it is tokenized (`prompt_budget`).
+
+Guidance: `cfg_scale` (`eval.cfg_scale`, `serve --cfg-scale`) w > 1 guides an
+advantage-conditioned model as RLinf does (`pisft.model.guidance`): every denoising step blends
+the velocity under the prompt above (v_cond) with the velocity under the plain task (v_uncond),
+(1 - w) v_uncond + w v_cond. w = 1, and any scale for a model trained on plain prompts, is the
+prompt above alone; `metadata["guidance"]` records which (`cfg_scale`: the scale in effect).
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ import torch
 
 from pisft import device as device_mod
 from pisft.data import prompts
+from pisft.data.libero import strip_advantage
 from pisft.evaluate.inference import ChunkPredictor, noise_generator
+from pisft.model import guidance
 from pisft.serve import observations
 
 
@@ -49,6 +57,10 @@ def prompt_budget(preprocessor: Any) -> int | None:
     return None
 
 
+# The prepared request's plain-task prompts (the unconditioned branch), only when guidance applies.
+UNCONDITIONED_KEY = "pisft.unconditioned_task"
+
+
 def cut_prompt(text: str, budget: int | None) -> str:
     """The prompt as the model sees it, without the characters it cannot reach.
 
@@ -62,11 +74,15 @@ def cut_prompt(text: str, budget: int | None) -> str:
 class LiberoPolicy:
     def __init__(self, predictor: ChunkPredictor, *, seed: int = 0,
                  conditioning: prompts.PromptConditioning | None = None,
-                 limits: observations.Limits | None = None) -> None:
+                 limits: observations.Limits | None = None, cfg_scale: float = 1.0) -> None:
         self.predictor = predictor
         self.seed = seed
         self.limits = limits if limits is not None else observations.Limits()
         self.conditioning = conditioning if conditioning is not None else prompts.for_model(predictor.model_dir)
+        requested = guidance.check_scale(cfg_scale, "cfg_scale")
+        # the scale in effect: 1 for a model trained on plain prompts (it has no conditioned branch)
+        self.cfg_scale = guidance.applied_scale(requested, self.conditioning)
+        self.guidance = guidance.record(requested, self.conditioning)
         self.prompt_budget = prompt_budget(predictor.preprocessor)
         resolution = getattr(predictor.policy.config, "image_resolution", None)
         self.image_resolution = tuple(resolution) if resolution is not None else None
@@ -83,6 +99,8 @@ class LiberoPolicy:
                                  observations.PROMPT_KEY],
             "action_units": "raw (unnormalised with the model's stats)",
             "prompt_conditioning": self.conditioning.to_dict(),
+            "cfg_scale": self.cfg_scale,
+            "guidance": self.guidance,
             "limits": {**self.limits.to_dict(), "min_image_side": observations.MIN_IMAGE_SIDE},
         }
 
@@ -90,14 +108,18 @@ class LiberoPolicy:
     def from_model_dir(cls, model_dir: str | Path, *, device: str = "auto",
                        dataset_dir: str | Path | None = None, seed: int = 0,
                        trained_on: str | Path | None = None,
-                       limits: observations.Limits | None = None) -> LiberoPolicy:
+                       limits: observations.Limits | None = None,
+                       cfg_scale: float = 1.0) -> LiberoPolicy:
         """`trained_on`: the converted dataset the model was fine-tuned on, whose prompt
-        conditioning applies when the model directory records none."""
+        conditioning applies when the model directory records none. `cfg_scale`: the
+        classifier-free guidance scale (module docstring)."""
+        requested = guidance.check_scale(cfg_scale, "cfg_scale")  # before the model loads
         stats = _dataset_stats(Path(dataset_dir)) if dataset_dir is not None else None
         kind = device_mod.resolve_kind(device)
         dev = str(device_mod.local_device(kind, 0)) if kind != "cpu" else "cpu"
         return cls(ChunkPredictor.load(model_dir, device=dev, dataset_stats=stats), seed=seed,
-                   conditioning=prompts.for_model(model_dir, trained_on=trained_on), limits=limits)
+                   conditioning=prompts.for_model(model_dir, trained_on=trained_on), limits=limits,
+                   cfg_scale=requested)
 
     def new_noise(self, seed: int | None = None) -> torch.Generator:
         """A noise generator starting an episode from `seed` (default: the policy's seed)."""
@@ -112,15 +134,21 @@ class LiberoPolicy:
         p = self.predictor
         batch = observations.to_batch(obs, image_features=p.image_features, state_dim=p.state_dim,
                                       limits=self.limits, image_resolution=self.image_resolution)
+        sent = batch["task"]
         batch["task"] = [cut_prompt(self.conditioning.inference_prompt(t), self.prompt_budget)
-                         for t in batch["task"]]
+                         for t in sent]
+        if self.cfg_scale != 1.0:
+            batch[UNCONDITIONED_KEY] = [cut_prompt(strip_advantage(t), self.prompt_budget) for t in sent]
         return batch
 
     def predict(self, batch: dict, noise: torch.Generator) -> dict:
         """The action chunk of a prepared request, drawing its noise from `noise`."""
         p = self.predictor
+        batch = dict(batch)
+        plain = batch.pop(UNCONDITIONED_KEY, None)
+        guided = {} if plain is None else {"cfg_scale": self.cfg_scale, "unconditioned_tasks": plain}
         draw = torch.randn((1, p.chunk_size, p.max_action_dim), generator=noise)
-        actions = p.predict(batch, draw)[0].numpy().astype(np.float32)
+        actions = p.predict(batch, draw, **guided)[0].numpy().astype(np.float32)
         return {"actions": actions}
 
     def infer(self, obs: dict) -> dict:

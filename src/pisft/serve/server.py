@@ -260,6 +260,15 @@ def _positive(kind: type) -> Callable[[str], Any]:
     return parse
 
 
+def _cfg_scale(text: str) -> float:
+    from pisft.model.guidance import check_scale
+
+    try:
+        return check_scale(text, "the scale")
+    except PisftError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("the scale: ")) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = Limits()
     p = argparse.ArgumentParser(
@@ -278,6 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "none (e.g. results/dataset for the base model)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the flow-matching noise (each connection starts from it)")
+    p.add_argument("--cfg-scale", type=_cfg_scale, default=1.0,
+                   help="classifier-free guidance scale w of an advantage-conditioned model "
+                        "(RLinf's cfgrl_guidance_scale; the config's eval.cfg_scale): 1 prompts with "
+                        "the positive tag alone (default), w > 1 blends (1 - w) v_uncond + w v_cond at "
+                        "every denoising step, at about twice the compute; a model trained on plain "
+                        "prompts ignores it. The metadata reports the scale in effect (cfg_scale)")
     p.add_argument("--max-message-mib", type=_positive(float), default=DEFAULT_MAX_MESSAGE_MIB,
                    help=f"largest request in MiB; a larger one closes its connection with code "
                         f"1009 (default {DEFAULT_MAX_MESSAGE_MIB})")
@@ -308,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         from pisft.serve.libero_policy import LiberoPolicy
 
         policy = LiberoPolicy.from_model_dir(args.model, device=args.device, dataset_dir=args.dataset,
-                                             seed=args.seed, limits=limits)
+                                             seed=args.seed, limits=limits, cfg_scale=args.cfg_scale)
     except PisftError as exc:
         sock.close()
         print(f"error: {exc}", file=sys.stderr)
@@ -319,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     def ready(host: str, port: int) -> None:
         cond = getattr(policy, "conditioning", None)
         prompt = f"; prompt: {cond.describe()}" if cond is not None else ""
+        guided = getattr(policy, "guidance", None)
+        if guided is not None:
+            prompt += f"; {guided['describe']}"
         print(f"pisft serve: serving {args.model} on ws://{host}:{port} "
               f"(openpi websocket policy protocol; GET /healthz){prompt}; limits: "
               f"{args.max_message_mib:g} MiB a message, {limits.max_image_side} px an image side, "
