@@ -577,7 +577,7 @@ def _recap_problems(cfg: PisftConfig) -> list[str]:
     if r.iterations and not e.closed_loop:
         problems.append("recap.iterations > 0 needs eval.closed_loop: true (every iteration is evaluated "
                         "in the simulator, and rollouts are collected there)")
-    if not cfg.eval.cfg_scale >= 1.0:
+    if not 1.0 <= cfg.eval.cfg_scale < float("inf"):
         problems.append(f"eval.cfg_scale: the guidance scale must be >= 1 (1: the positive prompt alone), "
                         f"got {cfg.eval.cfg_scale}")
     return problems

@@ -62,6 +62,7 @@ EVAL_KEYS = (
     "eval.frame_stride",
     "eval.seed",
     "eval.bootstrap_samples",
+    "eval.cfg_scale",
 )
 CLOSED_LOOP_KEYS = (
     "eval.closed_loop",
