@@ -39,8 +39,10 @@ ASCEND_ENV_DEFAULTS: dict[str, str] = {
     "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
     # HCCL link set-up timeout (s): 8 processes loading a 3.6B model can take minutes to meet.
     "HCCL_CONNECT_TIMEOUT": "1200",
-    # HCCL collective execution timeout (s): long enough for a checkpoint save between steps.
-    "HCCL_EXEC_TIMEOUT": "1800",
+    # HCCL_EXEC_TIMEOUT is deliberately NOT set: CANN's own default on Atlas A2 (1836 s) is longer
+    # than the 1800 s this table used to set (CANN environment-variable reference, HCCL_EXEC_TIMEOUT),
+    # and long enough for a checkpoint save between steps
+    # (all ranks take part in a DCP save). A value in the user's environment still reaches HCCL.
     # The next two are the values of Huawei's pi0.5 training recipe for Atlas A2 (910B) cards:
     # hicann/cann-recipes-embodied-ai, manipulation/pi05/train/src/scripts/run_train.sh.
     # Host-side cache of aclnn operator information (workspace size, executor, tiling), entries
