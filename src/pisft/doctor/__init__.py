@@ -1,0 +1,1 @@
+"""`python -m pisft doctor`: whether this node can run the configured training (see checks)."""
