@@ -317,7 +317,7 @@ def _embed_suffix(self, noisy_actions, timestep):
     """PI05Pytorch.embed_suffix; the time embedding in float32 (`sinusoidal_time_embedding`) and
     the attention mask row ([1, 0, ..., 0]: the action block starts a new causal block) made on
     the device."""
-    import torch.nn.functional as F  # noqa: N812
+    import torch.nn.functional as F
 
     time_emb = sinusoidal_time_embedding(timestep, self.action_in_proj.out_features,
                                          self.config.min_period, self.config.max_period)
