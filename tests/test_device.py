@@ -165,6 +165,18 @@ def test_hccl_exec_timeout_is_left_to_cann():
     assert "HCCL_EXEC_TIMEOUT" not in device.process_env("npu", {})
 
 
+def test_free_memory_is_what_the_device_reports(fake_npu_path):
+    assert device.free_memory_bytes("cpu", torch.device("cpu")) is None
+    result = _run_with_fake_npu(fake_npu_path, """
+        import json
+        import torch, torch_npu
+        from pisft import device
+        torch_npu.memory[3] = (7 * 2**30, 64 * 2**30)
+        print(json.dumps([device.free_memory_bytes("npu", torch.device("npu", i)) for i in (0, 3)]))
+    """)
+    assert result == [60 * 2**30, 7 * 2**30]
+
+
 def test_peak_reserved_and_empty_cache():
     # CPU: no caching allocator; reserved is the same peak RSS as allocated
     assert device.peak_reserved_bytes("cpu") == device.peak_memory_bytes("cpu") > 0

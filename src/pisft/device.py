@@ -350,6 +350,17 @@ def capacity_bytes(kind: str, device: torch.device) -> int | None:
     return int(accel.get_device_properties(device.index or 0).total_memory)
 
 
+def free_memory_bytes(kind: str, device: torch.device) -> int | None:
+    """The memory the device reports free now (`mem_get_info`: the driver's view, after the
+    runtime context, other processes and this process's allocator); None on the CPU, or when
+    the device's runtime cannot say."""
+    accel = _accel(kind)
+    if accel is None or not hasattr(accel, "mem_get_info"):
+        return None
+    free, _total = accel.mem_get_info(device.index or 0)
+    return int(free)
+
+
 def fused_adamw_supported(kind: str) -> bool:
     """Whether `torch.optim.AdamW(fused=True)` has a kernel for this device kind.
 
