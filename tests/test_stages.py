@@ -22,7 +22,7 @@ LAYERS = (
     ("pisft.data", "pisft.model"),
     ("pisft.train", "pisft.evaluate", "pisft.serve"),
     ("pisft.workflow",),
-    ("pisft.bench", "pisft.cli", "pisft.__main__", "pisft.train.__main__"),
+    ("pisft.bench", "pisft.cli", "pisft.__main__", "pisft.train.__main__", "pisft.doctor"),
 )
 
 
