@@ -151,6 +151,12 @@ def test_readme_states_cann_the_lock_and_every_environment_default():
     for key, value in device.DETERMINISTIC_ENV["npu"].items():
         assert f"{key}={value}" in section
     assert "8.x" not in section
+    first_paragraph = section.split("\n\n")[1]
+    assert "python -m pisft doctor" in first_paragraph  # the section starts with the preflight
+    from pisft.doctor import CHECK_NAMES
+
+    for name in CHECK_NAMES:
+        assert f"| `{name}` |" in section, f"README's preflight table misses {name}"
 
 
 # ---------------------------------------------------------------- the Makefile (fast)
