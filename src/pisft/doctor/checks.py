@@ -196,7 +196,7 @@ def check_collectives(node: Node) -> Check:
     world = node.cards if node.accelerator else collectives.CPU_PROCESSES
     if world < 1:
         return fail("no card to run a collective on")
-    passed, detail = collectives.run(node.kind, world)
+    passed, detail = collectives.run(node.kind, world, deterministic=node.cfg.train.deterministic)
     return ok(detail) if passed else fail(detail)
 
 

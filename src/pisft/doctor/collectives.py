@@ -58,8 +58,9 @@ def _ops(rank: int, world: int, device: torch.device) -> list[str]:
     return problems
 
 
-def worker(rank: int, kind: str, world: int, port: int, out_dir: str) -> None:
-    """One rank, in its own process (`python -m pisft.doctor.collectives RANK KIND WORLD PORT OUT`)."""
+def worker(rank: int, kind: str, world: int, port: int, out_dir: str, deterministic: bool = False) -> None:
+    """One rank, in its own process (`python -m pisft.doctor.collectives RANK KIND WORLD PORT OUT
+    DETERMINISTIC`), set up as `pisft.train.stage.setup_process` sets up a training process."""
     import torch.distributed as dist
 
     from pisft import device as devices
@@ -70,7 +71,9 @@ def worker(rank: int, kind: str, world: int, port: int, out_dir: str) -> None:
                            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
         devices.apply_process_env(kind)  # the environment the training processes get
         device = devices.local_device(kind, rank) if kind != "cpu" else torch.device("cpu")
-        kwargs = {"device_id": device} if kind != "cpu" else {}
+        if deterministic:  # train.deterministic: HCCL_DETERMINISTIC, before the communicator
+            devices.enable_determinism(kind)
+        kwargs = {"device_id": device} if kind == "cuda" else {}  # as setup_process does
         dist.init_process_group(devices.backend_for(kind), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=TIMEOUT_S), **kwargs)
         try:
@@ -85,7 +88,7 @@ def worker(rank: int, kind: str, world: int, port: int, out_dir: str) -> None:
     Path(out_dir, f"rank_{rank}.json").write_text(json.dumps(result))
 
 
-def run(kind: str, world: int) -> tuple[bool, str]:
+def run(kind: str, world: int, deterministic: bool = False) -> tuple[bool, str]:
     """Start `world` worker processes (only torch and pisft.device imported: seconds); (all
     passed, a one-line summary)."""
     from pisft import device as devices
@@ -93,7 +96,7 @@ def run(kind: str, world: int) -> tuple[bool, str]:
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="pisft-doctor-") as out:
         procs = [subprocess.Popen([sys.executable, "-m", "pisft.doctor.collectives", str(r), kind,
-                                   str(world), str(port), out],
+                                   str(world), str(port), out, str(int(deterministic))],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for r in range(world)]
         deadline = time.monotonic() + 3 * TIMEOUT_S
@@ -122,5 +125,5 @@ def run(kind: str, world: int) -> tuple[bool, str]:
 
 
 if __name__ == "__main__":
-    rank_, kind_, world_, port_, out_ = sys.argv[1:6]
-    worker(int(rank_), kind_, int(world_), int(port_), out_)
+    rank_, kind_, world_, port_, out_, det_ = sys.argv[1:7]
+    worker(int(rank_), kind_, int(world_), int(port_), out_, det_ == "1")
