@@ -7,7 +7,8 @@ STAMP := $(VENV)/.pisft-setup
 # DEVICE picks the pinned environment .venv is built from (it does not pick the device a run
 # trains on: that is `device:` in the config, e.g. config/profiles/ascend-8card.yaml):
 #   cpu, cuda  workflow/envs/cpu-cuda.lock.txt        x86_64; PyPI's torch (a CUDA build, runs on the CPU)
-#   npu        workflow/envs/ascend-aarch64.lock.txt  Ascend hosts (aarch64, CANN 8.5.0): CPU torch + torch-npu
+#   npu        workflow/envs/ascend-aarch64.lock.txt  Ascend hosts (aarch64, CANN 9.1.0): CPU torch + torch-npu;
+#              setup then ends with the node's preflight, `python -m pisft doctor` (about a minute)
 # Without DEVICE, the lock .venv was last built from is kept (cpu when there is none).
 LOCK_cpu := workflow/envs/cpu-cuda.lock.txt
 LOCK_cuda := $(LOCK_cpu)
@@ -37,7 +38,7 @@ help:
 	@echo "make test   - install what is missing, run the whole test suite"
 	@echo "make bench  - benchmarks into results/bench/bench.json"
 	@echo "make setup  - only create/refresh .venv (idempotent)"
-	@echo "DEVICE=cpu|cuda|npu picks the pinned environment (npu: Ascend, CANN 8.5.0); now: $(DEVICE) -> $(LOCK)"
+	@echo "DEVICE=cpu|cuda|npu picks the pinned environment (npu: Ascend, CANN 9.1.0); now: $(DEVICE) -> $(LOCK)"
 
 # The stamp holds the hash of the lock file, pyproject.toml and the simulator's inputs, then the lock's path: unchanged
 # inputs, no work. Another lock rebuilds .venv from scratch (pip never removes packages, so the
@@ -51,7 +52,7 @@ setup:
 	  echo "setup: $(VENV) is up to date"; exit 0; fi; \
 	if [ "$(DEVICE)" = npu ]; then \
 	  if [ -z "$${ASCEND_HOME_PATH:-}$${ASCEND_TOOLKIT_HOME:-}" ]; then \
-	    echo "setup: DEVICE=npu needs CANN 8.5.0 installed and its set_env.sh sourced first (e.g. source /usr/local/Ascend/ascend-toolkit/set_env.sh); torch-npu without CANN breaks 'import torch'" >&2; \
+	    echo "setup: DEVICE=npu needs CANN 9.1.0 installed and its set_env.sh sourced first (e.g. source /usr/local/Ascend/ascend-toolkit/set_env.sh); torch-npu without CANN breaks 'import torch'" >&2; \
 	    exit 1; fi; \
 	  [ "$$(uname -m)" = aarch64 ] || echo "setup: note: $(LOCK) is resolved and tested for aarch64; this host is $$(uname -m)"; \
 	fi; \
@@ -68,8 +69,10 @@ setup:
 	$(PY) -m pip install --quiet --no-deps --require-hashes -r $(SIM_NODEPS); \
 	$(PY) scripts/libero_sim_setup.py all; \
 	if [ "$(DEVICE)" = npu ] && ! $(PY) -c 'import torch, torch_npu; print("setup: torch", torch.__version__, "torch_npu", torch_npu.__version__)'; then \
-	  echo "setup: torch_npu does not import (above); check that CANN 8.5.0 is installed and its set_env.sh sourced" >&2; exit 1; fi; \
+	  echo "setup: torch_npu does not import (above); check that CANN 9.1.0 is installed and its set_env.sh sourced" >&2; exit 1; fi; \
 	echo "$$want" > $(STAMP); echo "setup: done"
+	@if [ "$(DEVICE)" = npu ]; then echo "setup: preflight of this node: $(PY) -m pisft doctor"; \
+	  $(PY) -m pisft doctor || { echo "setup: .venv is installed, but this node failed the preflight above; fix what it names, then rerun '$(PY) -m pisft doctor'" >&2; exit 1; }; fi
 
 run: setup
 	snakemake --cores $(CORES)

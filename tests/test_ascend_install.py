@@ -37,6 +37,13 @@ SDIST_ONLY = ("antlr4-python3-runtime==4.9.3", "connection_pool==0.0.3")
 AARCH64_PLATFORMS = ["manylinux2014_aarch64"] + [f"manylinux_2_{m}_aarch64" for m in range(17, 29)]
 
 
+# Pins of the Ascend lock that the CPU/CUDA lock lacks: Python packages CANN 9.1.0 and torch-npu
+# load at run time (CANN 9.1.0 "Runtime Dependencies": decorator, cython, pathlib2, protobuf;
+# Huawei's pi0.5 recipe, TORCH_NPU_RUNTIME_DEPS: tornado, ml-dtypes). See the lock's header.
+ASCEND_RUNTIME_EXTRAS = {"cython": "3.3.1", "decorator": "5.3.1", "ml-dtypes": "0.7.0",
+                         "pathlib2": "2.3.7.post1", "protobuf": "6.33.6", "tornado": "6.6.1"}
+
+
 def _cuda_only(name: str) -> bool:
     name = canonicalize_name(name)
     return name.startswith(("nvidia-", "cuda-")) or name == "triton"
@@ -54,10 +61,13 @@ def pins(path: Path) -> dict[str, str]:
 
 # ---------------------------------------------------------------- the lock itself (fast)
 
-def test_npu_lock_is_the_cpu_lock_without_cuda_plus_torch_npu():
+def test_npu_lock_is_the_cpu_lock_without_cuda_plus_torch_npu_and_cann_runtime():
     cpu, npu = pins(CPU_LOCK), pins(NPU_LOCK)
     assert not [n for n in npu if _cuda_only(n)], "CUDA-only packages in the Ascend lock"
     assert npu.pop("torch-npu").startswith("2.11."), "torch-npu must match torch 2.11"
+    assert not set(ASCEND_RUNTIME_EXTRAS) & set(cpu), "an extra is in the CPU lock: not an extra"
+    for name, version in ASCEND_RUNTIME_EXTRAS.items():
+        assert npu.pop(name) == version, name
     for name, version in FROM_TORCH_INDEX.items():
         assert npu.pop(name) == version
         assert cpu.pop(name) == version.split("+")[0]
@@ -66,6 +76,26 @@ def test_npu_lock_is_the_cpu_lock_without_cuda_plus_torch_npu():
     lines = NPU_LOCK.read_text().splitlines()
     assert f"--extra-index-url {TORCH_CPU_INDEX}" in lines
     assert any(line.startswith("# Regenerate") for line in lines)  # `make lock` keeps the header up to it
+
+
+def test_npu_lock_satisfies_cann_and_the_recipe():
+    """CANN 9.1.0's Python run-time dependencies and the recipe's torch_npu ones are all pinned,
+    numpy satisfies both CANN's rule for Python 3.12 and LeRobot's range, and the header names
+    the CANN release the doctor checks against."""
+    from pisft.doctor import versions
+
+    npu = pins(NPU_LOCK)
+    missing = sorted(n for n in versions.CANN_PYTHON_DEPENDENCIES if canonicalize_name(n) not in npu)
+    assert not missing, f"CANN's run-time Python dependencies missing from the Ascend lock: {missing}"
+    for name, spec in versions.CANN_PYTHON_DEPENDENCIES.items():
+        assert Version(npu[canonicalize_name(name)]) in spec, (name, npu[canonicalize_name(name)], spec)
+    numpy = npu["numpy"]
+    assert versions.numpy_rule(versions.CANN_RELEASE, (3, 12)).contains(numpy)
+    assert not versions.numpy_rule("8.5.0", (3, 12)).contains(numpy)  # why not CANN 8.5.0
+    header = NPU_LOCK.read_text().split("# Regenerate")[0]
+    assert f"CANN {versions.CANN_RELEASE}" in header.splitlines()[0]
+    assert "8.5.0" not in header.splitlines()[0]
+    assert versions.supported_pair(npu["torch-npu"], versions.CANN_RELEASE)
 
 
 def test_npu_lock_pins_every_project_dependency():
@@ -113,13 +143,20 @@ def test_readme_states_cann_the_lock_and_every_environment_default():
 
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## Running on an Ascend 910B node"):text.index("## What has run where")]
-    assert "CANN 8.5.0" in section and "make setup DEVICE=npu" in section
+    assert "CANN 9.1.0" in section and "make setup DEVICE=npu" in section
+    assert "built for CANN 8.5.0" not in text
     assert "ascend-aarch64.lock.txt" in section
     for key, value in device.ASCEND_ENV_DEFAULTS.items():
         assert f"| `{key}` | `{value}` |" in section, f"README's Ascend section misses {key}={value}"
     for key, value in device.DETERMINISTIC_ENV["npu"].items():
         assert f"{key}={value}" in section
     assert "8.x" not in section
+    first_paragraph = section.split("\n\n")[1]
+    assert "python -m pisft doctor" in first_paragraph  # the section starts with the preflight
+    from pisft.doctor import CHECK_NAMES
+
+    for name in CHECK_NAMES:
+        assert f"| `{name}` |" in section, f"README's preflight table misses {name}"
 
 
 # ---------------------------------------------------------------- the Makefile (fast)
@@ -152,6 +189,7 @@ def test_unknown_device_is_a_one_line_error():
 STUB_PYTHON = """#!/bin/bash
 # Stand-in interpreter: logs what setup asks of it; `-m venv DIR` makes DIR/bin/python a copy.
 echo "python $*" >> "$PISFT_TEST_LOG"
+if [ "$*" = "-m pisft doctor" ] && [ -n "${PISFT_TEST_DOCTOR_FAILS:-}" ]; then exit 1; fi
 if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; fi
 exit 0
 """
@@ -203,9 +241,11 @@ def test_switching_device_rebuilds_the_venv_and_the_stamp_remembers_the_lock(scr
     assert "-m venv .venv" in calls and "-r workflow/envs/ascend-aarch64.lock.txt" in calls
     assert "cpu-cuda.lock.txt" not in calls
     assert "import torch, torch_npu" in calls  # set-up checks the install imports against CANN
+    assert calls.rstrip().endswith("-m pisft doctor")  # and ends with the node's preflight
 
     out = _setup(work, log)  # no DEVICE: keeps the lock .venv was built from
-    assert out.stdout.strip() == "setup: .venv is up to date", out.stdout + out.stderr
+    assert out.stdout.splitlines()[0] == "setup: .venv is up to date", out.stdout + out.stderr
+    assert _calls(log).strip() == "python -m pisft doctor"  # the preflight runs every time
     out = make("-n", "test", cwd=work)
     assert "ascend-aarch64.lock.txt" in out.stdout  # make test / make run honour it too
 
@@ -222,13 +262,25 @@ def test_a_stamp_from_before_the_lock_was_recorded_still_counts_as_the_cpu_lock(
     assert out.stdout.strip() == "setup: .venv is up to date" and _calls(log) == ""
 
 
+def test_npu_setup_fails_when_the_preflight_fails_and_says_what_to_rerun(scratch):
+    work, log = scratch
+    out = _setup(work, log, "DEVICE=npu", ASCEND_HOME_PATH="/usr/local/Ascend/cann",
+                 PISFT_TEST_DOCTOR_FAILS="1")
+    assert out.returncode != 0
+    assert "failed the preflight" in out.stderr and "pisft doctor" in out.stderr, out.stderr
+    assert (work / ".venv/.pisft-setup").is_file()  # the install itself is kept
+    assert make("-s", "setup", "DEVICE=cpu", cwd=work,
+                env={"PISFT_TEST_LOG": str(log)}).returncode == 0  # no preflight off Ascend
+    assert "pisft doctor" not in _calls(log).splitlines()[-1]
+
+
 def test_npu_setup_without_cann_is_a_one_line_error_and_installs_nothing(scratch):
     work, log = scratch
     out = _setup(work, log, "DEVICE=npu")
     assert out.returncode != 0
     lines = [line for line in out.stderr.strip().splitlines()
              if not re.match(r"make(\[\d+\])?: ", line)]  # make's own trailer
-    assert len(lines) == 1 and "CANN 8.5.0" in lines[0] and "set_env.sh" in lines[0], out.stderr
+    assert len(lines) == 1 and "CANN 9.1.0" in lines[0] and "set_env.sh" in lines[0], out.stderr
     assert "pip" not in _calls(log)
 
 

@@ -47,6 +47,36 @@ def test_host_sync_counter_tells_device_from_host_tensors():
     assert all("test_bench_train_structure.py" in site for site in counter.by_step[0])
 
 
+def test_census_counts_device_tensors_from_python_and_float64_device_ops():
+    device = torch.device("cpu")  # the training device object
+    weight = torch.ones(3)  # model state: on the device
+    counter = ts.HostSyncCounter(device)
+    with counter:
+        counter.step = 0
+        rows = torch.tensor([0, 1, 1], dtype=torch.bool, device=weight.device)  # 1: from a list
+        torch.tensor([1.0, 2.0])  # a host tensor from a list: no host->device copy
+        torch.as_tensor(3.0, device=device)  # 2: from a Python number
+        torch.zeros(3, dtype=torch.bool, device=weight.device)  # made on the device: not counted
+        f = torch.linspace(0.0, 1.0, 4, dtype=torch.float64, device=weight.device)  # float64 op 1
+        (4e-3 * 1000.0 ** f).sum()  # float64 ops 2, 3, 4 (pow, mul, sum)
+        torch.linspace(0.0, 1.0, 4, dtype=torch.float64)  # float64 on the host: not counted
+        (weight * 2).float()  # float32 on the device: not counted
+        counter.paused = True
+        torch.tensor([1], device=device)  # paused: not counted
+        assert rows.dtype == torch.bool
+    assert sum(counter.from_python_by_step[0].values()) == 2
+    assert sum(counter.float64_by_step[0].values()) == 4
+
+
+def test_the_bench_measures_the_accelerator_layout_on_any_host(tmp_path):
+    """The CPU's FSDP floor would leave the tiny model in one root unit (fsdp_units 1)."""
+    from pisft.train.fsdp import min_unit_params
+
+    raw = ts.bench_config(config_mod.load(CONFIG), tmp_path)
+    assert raw["train"]["fsdp_min_unit_params"] == min_unit_params("npu") == 0
+    assert raw["device"] == "cpu" and min_unit_params("cpu") > 0
+
+
 def test_host_state_of_an_object_graph_is_marked():
     class Step:
         def __init__(self):
@@ -136,8 +166,15 @@ def test_train_structure_component(tmp_path):
         assert key in r, key
     assert r["world_size"] == 2 and r["micro_batch_size"] == 4 and r["activation_checkpointing"]
     assert r["ranks_agree"] is True
-    assert isinstance(r["fsdp_units"], int) and r["fsdp_units"] >= 1
+    # the accelerator's layout: a unit per decoder pair and vision layer, a few more; <= 2 gathers each
+    assert r["fsdp_min_unit_params"] == 0
+    assert r["decoder_layer_pairs"] + r["vision_layers"] < r["fsdp_units"] <= r["fsdp_units_target"]
     assert r["fsdp_units_excluding_root"] == r["fsdp_units"] - 1
+    assert r["all_gather_per_micro_step"] <= r["all_gather_bound"] == 2 * r["fsdp_units"]
+    assert r["max_unsharded_param_fraction"] < 1
+    # no blocking host->device copy and no float64 inside a step
+    assert r["tensors_from_python_per_micro_step"] == 0, r["tensors_from_python"]
+    assert r["float64_ops_per_micro_step"] == 0, r["float64_ops"]
     assert isinstance(r["float64_collectives"], int) and r["float64_collectives"] >= 0
     assert r["all_gather_per_micro_step"] >= r["fsdp_units"]  # every unit gathered at least once
     assert r["reduce_scatter_per_micro_step"] > 0

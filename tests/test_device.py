@@ -139,7 +139,8 @@ def test_npu_branches_with_stand_in_torch_npu(fake_npu_path):
         print(json.dumps({
             "kind": info.kind, "backend": info.backend, "device": str(info.device),
             "name": info.name, "calls": torch.npu.calls,
-            "env": {k: os.environ.get(k) for k in list(device.ASCEND_ENV_DEFAULTS) + ["JAX_PLATFORMS"]},
+            "env": {k: os.environ.get(k) for k in
+                    list(device.ASCEND_ENV_DEFAULTS) + ["JAX_PLATFORMS", "HCCL_EXEC_TIMEOUT"]},
             "fused": device.fused_adamw_supported("npu"),
             "capacity": device.capacity_bytes("npu", info.device),
             "transfer_to_npu": any("transfer_to_npu" in m for m in sys.modules),
@@ -151,11 +152,29 @@ def test_npu_branches_with_stand_in_torch_npu(fake_npu_path):
     assert result["calls"] == [["set_device", 3]]
     assert result["name"] == "Ascend910B2"
     assert result["env"]["TASK_QUEUE_ENABLE"] == device.ASCEND_ENV_DEFAULTS["TASK_QUEUE_ENABLE"]
-    assert result["env"]["HCCL_EXEC_TIMEOUT"] == "999"
+    assert result["env"]["HCCL_EXEC_TIMEOUT"] == "999"  # the user's value reaches HCCL
     assert result["env"]["JAX_PLATFORMS"] == "cpu"
     assert result["fused"] is True
     assert result["capacity"] == 64 * 2**30
     assert result["transfer_to_npu"] is False
+
+
+def test_hccl_exec_timeout_is_left_to_cann():
+    """CANN's Atlas A2 default (1836 s) is longer than the 1800 s pisft used to set."""
+    assert "HCCL_EXEC_TIMEOUT" not in device.ASCEND_ENV_DEFAULTS
+    assert "HCCL_EXEC_TIMEOUT" not in device.process_env("npu", {})
+
+
+def test_free_memory_is_what_the_device_reports(fake_npu_path):
+    assert device.free_memory_bytes("cpu", torch.device("cpu")) is None
+    result = _run_with_fake_npu(fake_npu_path, """
+        import json
+        import torch, torch_npu
+        from pisft import device
+        torch_npu.memory[3] = (7 * 2**30, 64 * 2**30)
+        print(json.dumps([device.free_memory_bytes("npu", torch.device("npu", i)) for i in (0, 3)]))
+    """)
+    assert result == [60 * 2**30, 7 * 2**30]
 
 
 def test_peak_reserved_and_empty_cache():

@@ -119,3 +119,89 @@ def test_pi05_preset_builds_on_meta_without_memory():
     assert 3.3e9 <= total <= 3.8e9, total
     assert internals.vlm_embeddings_tied(policy)
     assert policy.config.device == "meta"
+
+
+# ------------------------------------------------------------------ no host copy, no float64
+class _StepCensus(torch.overrides.TorchFunctionMode):
+    """Counts tensors built from Python data (`torch.tensor(<list or number>)`) and ops with a
+    float64 result, as one training forward of the tiny model makes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.from_python = 0
+        self.float64 = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in ("tensor", "as_tensor") and args \
+                and not isinstance(args[0], torch.Tensor):
+            self.from_python += 1
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float64:
+            self.float64 += 1
+        return out
+
+
+def _forward_both_ways(seed: int = 0):
+    """LeRobot's own PI05Policy.forward and `sync_free_forward`'s on the same batch and draws."""
+    from pisft.train.policy_task import injected_flow_samples
+    from pisft.train.synthetic import synthetic_batch
+
+    policy = build_policy("tiny", seed=0)
+    policy.train()
+    batch, rand = synthetic_batch(policy, 3, torch.device("cpu"), seed=seed)
+    batch["observation.language.attention_mask"][:, -5:] = False  # padded prompt tails
+    out = {}
+    for name in ("lerobot", "sync_free"):
+        census = _StepCensus()
+        with injected_flow_samples(policy.model, rand["noise"], rand["time"]), census:
+            if name == "lerobot":
+                loss, _ = policy.forward(batch)
+            else:
+                with internals.sync_free_forward(policy):
+                    loss = policy(batch)
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
+        policy.zero_grad(set_to_none=True)
+        out[name] = (loss.detach(), grads, census)
+    return out
+
+
+def test_sync_free_forward_keeps_lerobots_loss_without_host_copies_or_float64():
+    runs = _forward_both_ways()
+    (loss0, grads0, plain), (loss1, grads1, ours) = runs["lerobot"], runs["sync_free"]
+    assert float(loss1) == pytest.approx(float(loss0), rel=1e-5)
+    torch.testing.assert_close(grads1, grads0, rtol=1e-4, atol=1e-6)
+    # LeRobot: embed_prefix's and embed_suffix's mask rows from Python lists; a float64 sinusoid
+    assert plain.from_python == 2 and plain.float64 > 0
+    assert ours.from_python == 0 and ours.float64 == 0
+
+
+def test_embeddings_match_lerobots_outside_the_time_embedding_rounding(tiny):
+    from lerobot.policies.common.vla_utils import create_sinusoidal_pos_embedding
+
+    core = tiny.model
+    g = torch.Generator().manual_seed(0)
+    actions = torch.randn(2, tiny.config.chunk_size, tiny.config.max_action_dim, generator=g)
+    time = torch.tensor([0.001, 0.999])
+    ours = internals._embed_suffix(core, actions, time)
+    theirs = core.embed_suffix(actions, time)
+    for a, b in zip(ours[:3], theirs[:3], strict=True):  # action embedding, pad and att masks
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    torch.testing.assert_close(ours[3], theirs[3], rtol=1e-4, atol=1e-5)  # the time MLP's output
+    # pi0.5's sizes (expert width 1024, periods 4e-3..4): float32 against LeRobot's float64
+    t = torch.linspace(0.0, 1.0, 257)
+    ref = create_sinusoidal_pos_embedding(t.double(), 1024, 4e-3, 4.0, device=torch.device("cpu"))
+    emb = internals.sinusoidal_time_embedding(t, 1024, 4e-3, 4.0)
+    assert emb.dtype == torch.float32
+    assert (emb.double() - ref).abs().max() < 5e-4
+    with pytest.raises(ValueError, match="divisible by 2"):
+        internals.sinusoidal_time_embedding(t, 1023, 4e-3, 4.0)
+
+
+def test_sync_free_forward_undoes_its_patches(tiny):
+    core = tiny.model
+    with internals.sync_free_forward(tiny):
+        assert core.embed_prefix.__func__ is internals._embed_prefix
+    assert "embed_prefix" not in vars(core) and "embed_suffix" not in vars(core)
+    assert "forward" not in vars(tiny)

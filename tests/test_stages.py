@@ -23,7 +23,7 @@ LAYERS = (
     ("pisft.train", "pisft.evaluate", "pisft.serve"),
     ("pisft.recap",),  # the RECAP loop's stages: built on training, evaluation and the simulator
     ("pisft.workflow",),
-    ("pisft.bench", "pisft.cli", "pisft.__main__", "pisft.train.__main__"),
+    ("pisft.bench", "pisft.cli", "pisft.__main__", "pisft.train.__main__", "pisft.doctor"),
 )
 
 

@@ -140,3 +140,40 @@ def test_sign_descent_is_adams_first_step():
     torch.optim.AdamW([p1], lr=0.1, weight_decay=0.01, eps=1e-12).step()
     smoke.SignDescent([p2], lr=0.1, weight_decay=0.01).step()
     torch.testing.assert_close(p2, p1)
+
+
+# ------------------------------------------------------------------ the one-card gate (fast)
+GIB = 2**30
+
+
+def test_one_card_gate_compares_with_free_memory_and_says_so():
+    """pi0.5's ~51 GiB one-card estimate on a 64 GiB card: 95% of the capacity would admit it,
+    what the card reports free after the runtime and other processes may not."""
+    hccl = smoke.hccl_buffer_bytes("npu", {})
+    assert hccl == 400 * 2**20  # 2 x HCCL_BUFFSIZE (200 MB by default)
+    roomy = smoke.one_card_gate(51 * GIB, 60 * GIB, 64 * GIB, 0.05, hccl)
+    assert roomy["fits"] and roomy["decided_by"] == "free"
+    assert roomy["needed_bytes"] == 51 * GIB + hccl + int(0.05 * 64 * GIB)
+    tight = smoke.one_card_gate(51 * GIB, 54 * GIB, 64 * GIB, 0.05, hccl)
+    assert not tight["fits"] and tight["decided_by"] == "free"
+    assert "54.0 GiB free" in tight["detail"] and "free memory decided" in tight["detail"]
+    assert 51 * GIB <= 0.95 * 64 * GIB  # the old rule (95% of capacity) would have said "fits"
+    no_free = smoke.one_card_gate(51 * GIB, None, 64 * GIB, 0.05, hccl)
+    assert no_free["fits"] and no_free["decided_by"] == "capacity"
+    assert smoke.one_card_gate(51 * GIB, None, None, 0.05)["fits"]  # CPU: nothing to compare
+
+
+def test_hccl_buffers_follow_hccl_buffsize_on_npu_only():
+    assert smoke.hccl_buffer_bytes("npu", {"HCCL_BUFFSIZE": "512"}) == 1024 * 2**20
+    assert smoke.hccl_buffer_bytes("cuda", {"HCCL_BUFFSIZE": "512"}) == 0
+
+
+def test_the_gate_picks_sign_descent_when_the_free_memory_is_short():
+    cfg = config_mod.load(CONFIG)
+    estimate = {"1": {"total_bytes": 51 * GIB}}
+    fits, label, gate = smoke._adamw_fits_one_device(
+        cfg, estimate, {"free": 50 * GIB, "capacity": 64 * GIB, "hccl": 0})
+    assert not fits and label.startswith("sign descent") and "free memory decided" in label
+    assert gate["decided_by"] == "free"
+    fits, label, _ = smoke._adamw_fits_one_device(cfg, estimate, {"free": None, "capacity": None})
+    assert fits and label == "adamw"

@@ -5,7 +5,7 @@ Stages (each reads the config, writes under results/):
 Training stages run through the launcher, which starts torchrun:
   {training}   (python -m pisft launch <stage> --config FILE)
 Tools:
-  validate [FILE], estimate, dvc-yaml, profile FILE, bench, summary
+  validate [FILE], estimate, dvc-yaml, profile FILE, bench, summary, doctor
   serve --model DIR    serve a model over openpi's websocket policy protocol
 
 The stages are the table in pisft.workflow.stages.
@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
 
     p = sub.add_parser("estimate", help="parameter count and per-device memory estimate")
+    _add_config(p)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("doctor", help="preflight: can this node run the configured training? "
+                                      "(versions, devices, collectives, kernels, checkpoint; ~1 min)")
     _add_config(p)
     p.add_argument("--json", action="store_true")
 
@@ -193,6 +198,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "estimate":
             from pisft.train import estimate
             return estimate.main(cfg, as_json=args.json)
+        if args.command == "doctor":
+            from pisft import doctor
+            return doctor.main(cfg, as_json=args.json)
         if args.command == "summary":
             return _summary(cfg)
         if args.command == "bench":

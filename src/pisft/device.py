@@ -39,8 +39,10 @@ ASCEND_ENV_DEFAULTS: dict[str, str] = {
     "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
     # HCCL link set-up timeout (s): 8 processes loading a 3.6B model can take minutes to meet.
     "HCCL_CONNECT_TIMEOUT": "1200",
-    # HCCL collective execution timeout (s): long enough for a checkpoint save between steps.
-    "HCCL_EXEC_TIMEOUT": "1800",
+    # HCCL_EXEC_TIMEOUT is deliberately NOT set: CANN's own default on Atlas A2 (1836 s) is longer
+    # than the 1800 s this table used to set (CANN environment-variable reference, HCCL_EXEC_TIMEOUT),
+    # and long enough for a checkpoint save between steps
+    # (all ranks take part in a DCP save). A value in the user's environment still reaches HCCL.
     # The next two are the values of Huawei's pi0.5 training recipe for Atlas A2 (910B) cards:
     # hicann/cann-recipes-embodied-ai, manipulation/pi05/train/src/scripts/run_train.sh.
     # Host-side cache of aclnn operator information (workspace size, executor, tiling), entries
@@ -346,6 +348,17 @@ def capacity_bytes(kind: str, device: torch.device) -> int | None:
     if accel is None:
         return None
     return int(accel.get_device_properties(device.index or 0).total_memory)
+
+
+def free_memory_bytes(kind: str, device: torch.device) -> int | None:
+    """The memory the device reports free now (`mem_get_info`: the driver's view, after the
+    runtime context, other processes and this process's allocator); None on the CPU, or when
+    the device's runtime cannot say."""
+    accel = _accel(kind)
+    if accel is None or not hasattr(accel, "mem_get_info"):
+        return None
+    free, _total = accel.mem_get_info(device.index or 0)
+    return int(free)
 
 
 def fused_adamw_supported(kind: str) -> bool:

@@ -32,6 +32,21 @@ left out of the per-step figures. Figures are rank 0's (`ranks_agree`: rank 1 co
   from such tensors are host tensors; `.to(<training device>)` makes a device tensor; parameters,
   buffers, gradients and everything derived from them are device tensors. Calls inside
   `backward()` (autograd hooks) are not seen.
+- `tensors_from_python_per_micro_step`: tensors built on the device from Python data
+  (`torch.tensor(<list>, device=<device>)`, `torch.as_tensor`): each is a host->device copy from
+  pageable memory, which blocks the host on an NPU (torch_npu's `copy_between_host_and_device_opapi`
+  synchronises unless the copy is non-blocking). `float64_ops_per_micro_step`: operations whose
+  result is a float64 device tensor. Both per micro-step of the steps without a metrics fetch,
+  with call sites; both 0 for the training path (LeRobot's own pi0.5 forward makes 2 of the
+  first and several of the second: `lerobot_internals` 5.). A logging step's fetch (every
+  `train.log_every` steps) builds one int64 tensor of per-rank figures from Python numbers right
+  before its own device->host transfer, which synchronises anyway: reported apart
+  (`tensors_from_python.per_logging_step`, `logging_sites`).
+- The layout measured is the ACCELERATOR's, whatever the host: `train.fsdp_min_unit_params` 0,
+  the layer units an NPU or GPU trains with (`fsdp.min_unit_params`: floor 0 off the CPU). The
+  CPU's own floor (16M parameters) would merge the tiny model into the root unit alone
+  (`fsdp_units` 1, `max_unsharded_param_fraction` 1.0), which says nothing about an NPU run.
+  `all_gather_bound`: 2 x fsdp_units (one gather in forward, at most one again for backward).
 """
 
 from __future__ import annotations
@@ -56,6 +71,8 @@ MICRO_BATCH = 4
 ACCUM = 2
 STEPS = 4
 LOG_EVERY = 2
+# The device kind whose FSDP layout is measured (its `fsdp.min_unit_params` floor), whatever the host.
+LAYOUT_OF = "npu"
 HOST_ATTR = "_pisft_host"  # set on tensors that live on the host in the modelled device run
 
 
@@ -63,6 +80,7 @@ HOST_ATTR = "_pisft_host"  # set on tensors that live on the host in the modelle
 _SYNC_METHODS = frozenset({"item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__",
                            "__index__", "__repr__", "__format__", "__str__", "__array__"})
 _HOST_RESULT = frozenset({"cpu", "numpy"})  # their result is a host tensor
+_FROM_PYTHON = frozenset({"tensor", "as_tensor"})  # factories that copy Python data
 _SKIP_FRAMES = ("torch/overrides.py", "torch/_tensor.py", "pisft/bench/train_structure.py",
                 "torch/utils/_device.py", "torch/_tensor_str.py")
 
@@ -156,6 +174,8 @@ class HostSyncCounter(TorchFunctionMode):
         self.step = -1
         self.paused = False
         self.by_step: dict[int, Counter] = defaultdict(Counter)  # step -> site -> calls
+        self.from_python_by_step: dict[int, Counter] = defaultdict(Counter)  # step -> site -> tensors
+        self.float64_by_step: dict[int, Counter] = defaultdict(Counter)  # step -> site -> ops
 
     def _on_host(self, target: Any) -> bool:
         if isinstance(target, torch.Tensor):
@@ -191,7 +211,17 @@ class HostSyncCounter(TorchFunctionMode):
         else:  # a factory: on the device only when asked for a device other than the host
             target = kwargs.get("device")
             _set_host(result, target is None or self._on_host(target))
+        if not self.paused:
+            self._census(name, inputs, result)
         return result
+
+    def _census(self, name: str, inputs: list[torch.Tensor], result: Any) -> None:
+        """Tensors copied from Python data to the device; ops with a float64 device result."""
+        on_device = [t for t in _tensors(result) if not _is_host(t)]
+        if name in _FROM_PYTHON and not inputs and on_device:
+            self.from_python_by_step[self.step][_site()] += 1
+        if any(t.dtype == torch.float64 for t in on_device):
+            self.float64_by_step[self.step][_site()] += 1
 
 
 # ---------------------------------------------------------------------------------- FSDP state
@@ -412,6 +442,22 @@ def worker(spec_path: str, out_dir: str) -> int:
         return (step + 1) % log_every == 0 or step + 1 == t.steps
 
     syncs = {s: sum(counter.by_step[s].values()) for s in range(t.steps)}
+
+    def census(by_step: dict[int, Counter]) -> dict[str, Any]:
+        """Per micro-step of the steps without a fetch; per logging step (its fetch included)."""
+        plain = [s for s in measured if not is_log_step(s)]
+        found: Counter = Counter()
+        for s in plain:
+            found.update(by_step[s])
+        n = len(plain) * accum
+        logging = [s for s in measured if is_log_step(s)]
+        return {"per_micro_step": sum(found.values()) / n if n else None,
+                "sites": {k: v / n for k, v in found.most_common()} if n else {},
+                "per_logging_step": _mean([sum(by_step[s].values()) for s in logging]),
+                "logging_sites": dict(sum((by_step[s] for s in logging), Counter()).most_common())}
+
+    from_python = census(counter.from_python_by_step)
+    float64_ops = census(counter.float64_by_step)
     sites: Counter = Counter()
     for s in measured:
         sites.update(counter.by_step[s])
@@ -437,6 +483,8 @@ def worker(spec_path: str, out_dir: str) -> int:
         "decoder_layer_pairs": pairs,
         "vision_layers": vision_layers,
         "fsdp_units_target": pairs + vision_layers + 4,
+        "fsdp_min_unit_params": t.fsdp_min_unit_params,
+        "all_gather_bound": 2 * len(groups),
         "all_gather_per_micro_step": ag / micro,
         "reduce_scatter_per_micro_step": rs / micro,
         "collectives_per_micro_step": {f"{op}:{dt}": c / micro
@@ -460,6 +508,10 @@ def worker(spec_path: str, out_dir: str) -> int:
             "logging_step_numbers": [s + 1 for s in range(t.steps) if is_log_step(s)],
             "sites": dict(sites.most_common()),
         },
+        "tensors_from_python_per_micro_step": from_python["per_micro_step"],
+        "tensors_from_python": from_python,
+        "float64_ops_per_micro_step": float64_ops["per_micro_step"],
+        "float64_ops": float64_ops,
         "losses": [r["loss"] for r in records],
         "inputs_s": inputs_s,
         "build_s": t_loop - t0 - inputs_s,
@@ -475,6 +527,7 @@ def bench_config(cfg: Any, work: Path) -> dict:
     """The configuration the workers run, as a dict: the user's config with the bench's shape
     (tiny preset, small demo data under work/results, 2 processes, micro batch 4, ...)."""
     from pisft import config as config_mod
+    from pisft.train.fsdp import min_unit_params
 
     root = work / "results"
     raw = config_mod.to_dict(cfg)
@@ -487,7 +540,8 @@ def bench_config(cfg: Any, work: Path) -> dict:
     train.update(nproc_per_node=NPROC, nnodes=1, node_rank=0, rdzv_endpoint="",
                  micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * ACCUM * NPROC,
                  steps=STEPS, warmup_steps=1, activation_checkpointing=True, precision="fp32",
-                 num_workers=0, tensorboard=False)
+                 num_workers=0, tensorboard=False,
+                 fsdp_min_unit_params=min_unit_params(LAYOUT_OF))  # the accelerator's layout
     if "log_every" in train:
         train["log_every"] = LOG_EVERY
     if "deterministic" in train:
@@ -509,7 +563,8 @@ def build_inputs(cfg: Any) -> None:
 
 def _agree(a: dict, b: dict) -> bool:
     keys = ("fsdp_units", "all_gather_per_micro_step", "reduce_scatter_per_micro_step",
-            "float64_collectives", "decoder_layer_forwards_per_micro_step")
+            "float64_collectives", "decoder_layer_forwards_per_micro_step",
+            "tensors_from_python_per_micro_step", "float64_ops_per_micro_step")
     return all(a.get(k) == b.get(k) for k in keys)
 
 
@@ -534,6 +589,7 @@ def run(cfg: Any, work: Path) -> dict[str, Any]:
     ranks = [json.loads((out / f"rank_{r}.json").read_text()) for r in range(NPROC)]
     result = {
         "what": ("structure of the real training path per micro-step: tiny preset, 2 processes, "
+                 "the accelerator's FSDP layout (train.fsdp_min_unit_params 0, whatever the host), "
                  "activation checkpointing on, micro batch 4, accumulation 2; rank 0's figures; "
                  "first optimizer step excluded (see pisft/bench/train_structure.py)"),
         **{k: v for k, v in ranks[0].items() if k != "rank"},

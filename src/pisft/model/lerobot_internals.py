@@ -45,6 +45,20 @@ changes underneath. Nothing else in pisft patches or inspects LeRobot's private 
      (`_preprocess_images`, `prepare_action`, `sample_noise`/`sample_time`, `model.forward`,
      truncation to the action dimension, mean) without them, through the policy's `__call__`
      (FSDP hooks run): `PI05Policy.forward`'s body is checked by `structure_problems`.
+   - Within `sync_free_forward`, `PI05Pytorch.embed_prefix` / `embed_suffix` are replaced by
+     `_embed_prefix` / `_embed_suffix` (same steps, same values): LeRobot builds each attention
+     mask row from a Python list with `torch.tensor(..., device=<the NPU>)`, a host->device copy
+     from pageable memory that blocks the host on NPU (torch_npu's
+     `copy_between_host_and_device_opapi` synchronises the stream unless the copy is
+     non-blocking): two stream syncs per micro-step. Here the rows are made on the device
+     (`arange == 0`, `zeros`). And LeRobot's `create_sinusoidal_pos_embedding` computes the time
+     embedding in float64 on the device (`get_safe_dtype` keeps float64 except on mps/xpu): the
+     only float64 arithmetic of the step. `sinusoidal_time_embedding` computes the same formula
+     in float32. Huawei's pi0.5 training recipe patches these same two places (issue 21, citing
+     hicann/cann-recipes-embodied-intelligence, manipulation/pi05/train/src/modeling_pi05.py).
+     The losses equal LeRobot's (tests/test_model_internals.py); `python -m pisft bench --only
+     train_structure` counts both (`tensors_from_python_per_micro_step`,
+     `float64_ops_per_micro_step`).
 6. The velocity of a denoising step (`velocity_hook`, used by `pisft.model.guidance` for
    classifier-free guidance). `PI05Pytorch.sample_actions` embeds the prefix (images, prompt)
    once, keeps its KV cache, and hands `euler_integrate` a closure that calls
@@ -61,6 +75,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import math
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -268,14 +283,85 @@ def _loss_forward(self, batch):
     return losses[:, :, :action_dim].mean()
 
 
+def sinusoidal_time_embedding(time: torch.Tensor, dimension: int, min_period: float,
+                              max_period: float) -> torch.Tensor:
+    """LeRobot's `create_sinusoidal_pos_embedding` (the same formula, operation by operation) in
+    float32 on `time`'s device instead of float64.
+
+    The largest argument of sin/cos is 2*pi/min_period * time (about 1571 for pi0.5's 4e-3 and
+    time <= 1): float32 rounds it to about 1e-4, so the embedding moves by up to ~2e-4 against the
+    float64 one. The time MLP that reads it runs in bf16 in training (resolution 2**-8 = 3.9e-3).
+    """
+    if dimension % 2 != 0:
+        raise ValueError(f"dimension ({dimension}) must be divisible by 2")
+    if time.ndim != 1:
+        raise ValueError("The time tensor is expected to be of shape `(batch_size, )`.")
+    fraction = torch.linspace(0.0, 1.0, dimension // 2, dtype=torch.float32, device=time.device)
+    period = min_period * (max_period / min_period) ** fraction
+    scaling_factor = 1.0 / period * 2 * math.pi
+    sin_input = scaling_factor[None, :] * time[:, None].to(torch.float32)
+    return torch.cat([torch.sin(sin_input), torch.cos(sin_input)], dim=1)
+
+
+def _embed_prefix(self, images, img_masks, tokens, masks):
+    """PI05Pytorch.embed_prefix; the attention mask row (all 0: every prefix token attends to
+    the whole prefix) is made on the device instead of copied from a Python list."""
+    embs, pad_masks = [], []
+    for img, img_mask in zip(images, img_masks, strict=True):
+        img_emb = self._apply_checkpoint(self.paligemma_with_expert.embed_image, img)
+        bsize, num_img_embs = img_emb.shape[:2]
+        embs.append(img_emb)
+        pad_masks.append(img_mask[:, None].expand(bsize, num_img_embs))
+    lang_emb = self._apply_checkpoint(self.paligemma_with_expert.embed_language_tokens, tokens)
+    embs.append(lang_emb)
+    pad_masks.append(masks)
+    embs = torch.cat(embs, dim=1)
+    pad_masks = torch.cat(pad_masks, dim=1)
+    bsize, length = pad_masks.shape
+    att_masks = torch.zeros(length, dtype=torch.bool, device=pad_masks.device)
+    return embs, pad_masks, att_masks[None, :].expand(bsize, length)
+
+
+def _embed_suffix(self, noisy_actions, timestep):
+    """PI05Pytorch.embed_suffix; the time embedding in float32 (`sinusoidal_time_embedding`) and
+    the attention mask row ([1, 0, ..., 0]: the action block starts a new causal block) made on
+    the device."""
+    import torch.nn.functional as F
+
+    time_emb = sinusoidal_time_embedding(timestep, self.action_in_proj.out_features,
+                                         self.config.min_period, self.config.max_period)
+    time_emb = time_emb.type(dtype=timestep.dtype)
+    action_emb = self._apply_checkpoint(self.action_in_proj, noisy_actions)
+
+    def time_mlp_func(time_emb):
+        x = self.time_mlp_in(time_emb)
+        x = F.silu(x)
+        x = self.time_mlp_out(x)
+        return F.silu(x)
+
+    adarms_cond = self._apply_checkpoint(time_mlp_func, time_emb)
+    bsize, action_time_dim = action_emb.shape[:2]
+    pad_masks = torch.ones(bsize, action_time_dim, dtype=torch.bool, device=timestep.device)
+    chunk = self.config.chunk_size
+    first = torch.arange(chunk, device=action_emb.device) == 0
+    att_masks = first.to(dtype=action_emb.dtype)[None, :].expand(bsize, chunk)
+    return action_emb, pad_masks, att_masks, adarms_cond
+
+
 @contextlib.contextmanager
 def sync_free_forward(policy) -> Iterator[None]:
-    """Within the block, `policy(batch)` returns the training loss tensor (no host sync)."""
+    """Within the block, `policy(batch)` returns the training loss tensor: no host sync, no
+    tensor copied from a Python list, no float64 (see 5. above)."""
+    core = policy.model
     policy.forward = _loss_forward.__get__(policy)
+    core.embed_prefix = _embed_prefix.__get__(core)
+    core.embed_suffix = _embed_suffix.__get__(core)
     try:
         yield
     finally:
         del policy.forward
+        del core.embed_prefix
+        del core.embed_suffix
 
 
 @contextlib.contextmanager
@@ -340,6 +426,36 @@ def pi05_processors(config, dataset_stats, tokenizer):
         return processor_pi05.make_pi05_pre_post_processors(config, dataset_stats=dataset_stats)
 
 
+# What LeRobot's embed_prefix / embed_suffix / create_sinusoidal_pos_embedding must still do for
+# `_embed_prefix`, `_embed_suffix` and `sinusoidal_time_embedding` to compute the same values.
+_PREFIX_STEPS = ("self.paligemma_with_expert.embed_image(img)", "img_mask[:, None].expand(bsize, num_img_embs)",
+                 "att_masks += [0] * num_img_embs", "self.paligemma_with_expert.embed_language_tokens(tokens)",
+                 "att_masks += [0] * num_lang_embs", "torch.cat(embs, dim=1)", "torch.cat(pad_masks, dim=1)",
+                 "att_masks[None, :].expand(bsize, len(att_masks))")
+_SUFFIX_STEPS = ("create_sinusoidal_pos_embedding(", "self.action_in_proj.out_features",
+                 "min_period=self.config.min_period", "max_period=self.config.max_period",
+                 "time_emb.type(dtype=timestep.dtype)", "self.action_in_proj(noisy_actions)",
+                 "x = self.time_mlp_in(time_emb)", "x = self.time_mlp_out(x)", "adarms_cond = time_emb",
+                 "torch.ones(bsize, action_time_dim, dtype=torch.bool, device=timestep.device)",
+                 "att_masks += [1] + ([0] * (self.config.chunk_size - 1))",
+                 "dtype=action_emb.dtype", "att_masks[None, :].expand(bsize, len(att_masks))")
+_SINUSOID_STEPS = ("torch.linspace(0.0, 1.0, dimension // 2", "min_period * (max_period / min_period) ** fraction",
+                   "1.0 / period * 2 * math.pi", "scaling_factor[None, :] * time[:, None]",
+                   "torch.cat([torch.sin(sin_input), torch.cos(sin_input)], dim=1)")
+
+
+def _embedding_problems(m) -> list[str]:
+    problems = []
+    for name, steps in (("embed_prefix", _PREFIX_STEPS), ("embed_suffix", _SUFFIX_STEPS)):
+        src = inspect.getsource(getattr(m.PI05Pytorch, name))
+        problems += [f"PI05Pytorch.{name} no longer contains {s!r}: revisit _{name}"
+                     for s in steps if s not in src]
+    src = inspect.getsource(m.create_sinusoidal_pos_embedding)
+    problems += [f"create_sinusoidal_pos_embedding no longer contains {s!r}: revisit "
+                 "sinusoidal_time_embedding" for s in _SINUSOID_STEPS if s not in src]
+    return problems
+
+
 def structure_problems() -> list[str]:
     """Every assumption above checked against the installed LeRobot; empty list: all hold."""
     problems: list[str] = []
@@ -377,6 +493,7 @@ def structure_problems() -> list[str]:
     for needle in _FORWARD_STEPS:
         if needle not in src_forward:
             problems.append(f"PI05Policy.forward no longer contains {needle!r}: revisit sync_free_forward")
+    problems += _embedding_problems(m)
     if "gemma_expert.model.gradient_checkpointing" not in inspect.getsource(
             m.PaliGemmaWithExpertModel.forward):
         problems.append("PaliGemmaWithExpertModel.forward no longer reads "

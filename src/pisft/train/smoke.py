@@ -6,7 +6,9 @@ with its fixed flow-matching draws) at the peak learning rate: a model that can 
 lower that loss within a few steps.
 
 Checks (all must pass): loss finite, gradients finite, loss falling (last < first), memory
-headroom. The run that the smoke stage gates is the N-process train_8card run, where the
+headroom. Before the steps, the one-card gate (`one_card_gate`) decides whether the whole model
+with AdamW state fits this card, against the memory the device reports free, not its capacity.
+The run that the smoke stage gates is the N-process train_8card run, where the
 parameters, gradients and optimizer state are sharded N ways; the report gives the measured
 1-process peak and the projected per-device peak on N devices (measured peak minus the
 (N-1)/N of the model state that sharding removes), and the headroom check applies to the latter.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -106,15 +109,67 @@ class SignDescent(torch.optim.Optimizer):
                 p.add_(torch.sign(p.grad), alpha=-group["lr"])
 
 
-def _adamw_fits_one_device(cfg: Any, estimate: Any, capacity: int | None) -> tuple[bool, str]:
+# HCCL's buffers outside the caching allocator: 2 x HCCL_BUFFSIZE per communicator, 200 MB by
+# default (CANN documentation, HCCL_BUFFSIZE; docs/memory.md, "What a device adds").
+HCCL_BUFFSIZE_DEFAULT_MB = 200
+
+
+def hccl_buffer_bytes(kind: str, env: dict[str, str] | None = None) -> int:
+    """The send and receive buffers of the training's one HCCL communicator (0 off the NPU)."""
+    if kind != "npu":
+        return 0
+    raw = (os.environ if env is None else env).get("HCCL_BUFFSIZE", "")
+    try:
+        mb = int(raw) if raw.strip() else HCCL_BUFFSIZE_DEFAULT_MB
+    except ValueError:
+        mb = HCCL_BUFFSIZE_DEFAULT_MB
+    return 2 * mb * 2**20
+
+
+def one_card_gate(estimate_bytes: int, free: int | None, capacity: int | None,
+                  headroom_fraction: float, hccl_bytes: int = 0) -> dict[str, Any]:
+    """Whether the whole model with AdamW state (the estimate for one device) fits this card.
+
+    Compared with the memory the device reports FREE before the model is built (what the
+    runtime context, other processes and earlier allocations leave), not with its capacity:
+    needed = estimate + HCCL's buffers (outside the allocator) + `headroom_fraction` of the
+    capacity (smoke.min_memory_headroom: the estimate's own error, operator workspaces and the
+    allocator's fragmentation, which no estimate counts; docs/memory.md). Without a free figure
+    (a device whose runtime has no mem_get_info) the capacity decides; on the CPU nothing does.
+    `decided_by` names the figure that decided.
+    """
+    if capacity is None:
+        return {"fits": True, "decided_by": None, "detail": "CPU: no fixed device capacity"}
+    headroom = int(headroom_fraction * capacity)
+    needed = int(estimate_bytes) + int(hccl_bytes) + headroom
+    limit, decided_by = (free, "free") if free is not None else (capacity, "capacity")
+    gib = 2**30
+    return {
+        "fits": needed <= limit, "decided_by": decided_by,
+        "estimate_bytes": int(estimate_bytes), "hccl_buffer_bytes": int(hccl_bytes),
+        "headroom_bytes": headroom, "needed_bytes": needed,
+        "free_bytes": free, "capacity_bytes": capacity,
+        "detail": (f"one device needs about {needed / gib:.1f} GiB (estimate {estimate_bytes / gib:.1f}"
+                   f" + HCCL buffers {hccl_bytes / gib:.2f} + headroom {headroom / gib:.1f} = "
+                   f"{headroom_fraction:.0%} of {capacity / gib:.1f}); the device reports "
+                   + (f"{free / gib:.1f} GiB free" if free is not None else "no free figure")
+                   + f": the {decided_by} memory decided"),
+    }
+
+
+def _adamw_fits_one_device(cfg: Any, estimate: Any, gate_inputs: dict[str, Any]) -> tuple[bool, str, dict]:
+    """AdamW, or sign descent when the whole model with AdamW state would not fit (see
+    `one_card_gate`); the gate's figures go to the report (`one_card_gate`)."""
+    capacity = gate_inputs.get("capacity")
     if capacity is None or not isinstance(estimate, dict) or "total_bytes" not in estimate.get("1", {}):
-        return True, "adamw"
-    need = estimate["1"]["total_bytes"]
-    if need <= capacity * (1 - cfg.smoke.min_memory_headroom):
-        return True, "adamw"
-    return False, (f"sign descent (AdamW's first step without its state): the whole model with AdamW "
-                   f"state would need about {need / 2**30:.1f} GiB on one device of {capacity / 2**30:.1f} "
-                   "GiB; the state is added to the N-device projection analytically")
+        return True, "adamw", {"fits": True, "decided_by": None,
+                               "detail": "no device capacity or no estimate: AdamW"}
+    gate = one_card_gate(estimate["1"]["total_bytes"], gate_inputs.get("free"), capacity,
+                         cfg.smoke.min_memory_headroom, gate_inputs.get("hccl", 0))
+    if gate["fits"]:
+        return True, "adamw", gate
+    return False, (f"sign descent (AdamW's first step without its state): {gate['detail']}; "
+                   "the state is added to the N-device projection analytically"), gate
 
 
 def _advice(cfg: Any) -> str:
@@ -184,9 +239,13 @@ def _run_steps(ctx: Context, report: dict[str, Any]) -> SmokeRun:
     cfg, t = ctx.cfg, ctx.cfg.train
     run = SmokeRun()
     try:
+        gate_inputs = {  # read before the model exists: what this card really has for it
+            "free": devices.free_memory_bytes(ctx.info.kind, ctx.info.device),
+            "capacity": devices.capacity_bytes(ctx.info.kind, ctx.info.device),
+            "hccl": hccl_buffer_bytes(ctx.info.kind)}
         run.built = build(ctx)
-        fits, report["optimizer"] = _adamw_fits_one_device(
-            cfg, report["estimate"], devices.capacity_bytes(ctx.info.kind, ctx.info.device))
+        fits, report["optimizer"], report["one_card_gate"] = _adamw_fits_one_device(
+            cfg, report["estimate"], gate_inputs)
         if not fits:
             run.built.optimizer = SignDescent(run.built.policy.parameters(), lr=t.lr,
                                               weight_decay=t.weight_decay)

@@ -55,6 +55,13 @@ class _Stream:
 
 _STREAM = _Stream()
 
+__version__ = "2.11.0.post3"  # the Ascend lock's pin
+
+# What torch_npu.npu.utils.get_cann_version(module) answers; tests change it to play other nodes.
+cann_versions = {"CANN": "9.1.0", "DRIVER": "26.0.rc1"}
+# (free, total) bytes per card, as torch.npu.mem_get_info(device) answers.
+memory = {i: (60 * 2**30, 64 * 2**30) for i in range(8)}
+
 calls: list = []
 npu = types.SimpleNamespace(
     is_available=lambda: True,
@@ -65,6 +72,8 @@ npu = types.SimpleNamespace(
     reset_peak_memory_stats=lambda: None,
     max_memory_allocated=lambda: 123,
     get_device_properties=lambda i: types.SimpleNamespace(total_memory=64 * 2**30),
+    mem_get_info=lambda device=None: memory[0 if device is None else int(getattr(device, "index", device) or 0)],
+    utils=types.SimpleNamespace(get_cann_version=lambda module="CANN": cann_versions[module]),
     is_bf16_supported=lambda: True,
     current_stream=lambda device=None: _STREAM,
     stream=lambda s=None: contextlib.nullcontext(),
