@@ -104,7 +104,7 @@ def test_metrics_have_both_models_per_task_and_intervals(results, evaluated):
 
 
 @pytest.mark.integration  # ~4 min on 2 cores for the module: demo, conversion, two tiny models, the evaluation
-def test_metrics_are_flat_enough_for_dvc(results):
+def test_metrics_are_flat_enough_for_dvc(results, evaluated):  # evaluated: the evaluation writes them
     m = json.loads((results / "eval" / "metrics.json").read_text())
 
     def depth(node, level=0):
@@ -117,7 +117,7 @@ def test_metrics_are_flat_enough_for_dvc(results):
 
 
 @pytest.mark.integration  # ~4 min on 2 cores for the module: demo, conversion, two tiny models, the evaluation
-def test_plot_tables_and_report(results):
+def test_plot_tables_and_report(results, evaluated):  # evaluated: the evaluation writes them
     out = results / "eval"
     for png in ("loss.png", "throughput.png", "per_task.png", "per_step.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
