@@ -24,9 +24,9 @@ results would then depend on `eval.num_envs`.
 **Same results for any `eval.num_envs`.** Episodes are listed in a fixed order (suite, task,
 trial); each gets its environment seed (`eval.closed_loop_seed`, set before every reset, so an
 episode does not depend on what its worker ran before) and, for the k-th chunk of the episode,
-a policy noise seed derived from (run seed, suite, task, trial, k) (`chunk_seed`). Which worker
-runs an episode and in which order replies arrive change nothing; results are written in
-episode order.
+a policy noise seed derived from (run seed, suite, task, initial state = trial, k)
+(`chunk_seed`). Which worker runs an episode and in which order replies arrive change nothing;
+results are written in episode order.
 
 The policy is anything with `infer(request) -> {"actions": (horizon, 7)}` and
 `reset(seed)`: by default `pisft.serve.libero_policy.LiberoPolicy` (the same code that
@@ -95,6 +95,9 @@ class Settings:
     task_ids: tuple[int, ...] = ()  # empty: every task of each suite
     num_envs: int = 1
     videos: bool = True
+    # Initial state of each task's first trial (trial i starts from state first_init_state + i):
+    # 0 for the evaluation; the RECAP rollout collection starts after the evaluation's states.
+    first_init_state: int = 0
 
     @classmethod
     def from_config(cls, cfg: config_mod.PisftConfig) -> Settings:
@@ -152,9 +155,10 @@ class EpisodeResult:
     video_frames: int = 0
 
 
-def episode_seed(seed: int, suite: str, task_id: int, trial: int) -> int:
-    """Seed of the policy's noise for one episode: fixed by the run seed and the episode."""
-    words = [seed, task_id, trial] + [ord(c) for c in suite]
+def episode_seed(seed: int, suite: str, task_id: int, init_state: int) -> int:
+    """Seed of the policy's noise for one episode: fixed by the run seed and the episode (its
+    task and initial state number, which is the trial number in the evaluation)."""
+    words = [seed, task_id, init_state] + [ord(c) for c in suite]
     return int(np.random.SeedSequence(words).generate_state(1)[0])
 
 
@@ -167,9 +171,10 @@ def video_name(suite: str, task_id: int) -> str:
     return f"{VIDEO_DIR}/{suite}_task{task_id:02d}.mp4"
 
 
-def plan_episodes(simulator: libero_sim.Simulator, settings: Settings, out_dir: Path | None
-                  ) -> tuple[list[EpisodeSpec], dict[tuple[str, int], str]]:
-    """The run's episodes in order, and each task's instruction; checked before any rollout."""
+def plan_episodes(simulator: libero_sim.Simulator, settings: Settings, out_dir: Path | None,
+                  record_dir: Path | None = None) -> tuple[list[EpisodeSpec], dict[tuple[str, int], str]]:
+    """The run's episodes in order, and each task's instruction; checked before any rollout.
+    `record_dir`: every episode records its executed steps in `record_dir/episode_<index>/`."""
     specs: list[EpisodeSpec] = []
     languages: dict[tuple[str, int], str] = {}
     for suite_name in settings.suites:
@@ -185,18 +190,27 @@ def plan_episodes(simulator: libero_sim.Simulator, settings: Settings, out_dir: 
         for task_id in task_ids:
             languages[(suite_name, task_id)] = suite.get_task(task_id).language
             n_init = len(suite.get_task_init_states(task_id))
-            if n_init < settings.trials_per_task:
+            if settings.first_init_state == 0 and n_init < settings.trials_per_task:
                 raise PisftError(
                     f"{suite_name} task {task_id} has {n_init} initial states, fewer than "
                     f"eval.trials_per_task={settings.trials_per_task}; lower eval.trials_per_task")
+            if n_init < settings.first_init_state + settings.trials_per_task:
+                raise PisftError(
+                    f"{suite_name} task {task_id} has {n_init} initial states; {settings.trials_per_task} "
+                    f"episodes from initial state {settings.first_init_state} on (after the evaluation's "
+                    f"eval.trials_per_task) need {settings.first_init_state + settings.trials_per_task}: "
+                    "lower recap.episodes_per_task or eval.trials_per_task")
             for trial in range(settings.trials_per_task):
                 video = None
                 if settings.videos and trial == 0 and out_dir is not None:
                     video = str(out_dir / video_name(suite_name, task_id))
+                index = len(specs)
                 specs.append(EpisodeSpec(
-                    index=len(specs), suite=suite_name, task_id=task_id, trial=trial,
+                    index=index, suite=suite_name, task_id=task_id, trial=trial,
                     max_steps=settings.steps_for(suite_name), num_wait_steps=settings.num_wait_steps,
-                    env_seed=settings.seed, resize_size=settings.resize_size, video=video))
+                    env_seed=settings.seed, resize_size=settings.resize_size, video=video,
+                    init_state=settings.first_init_state + trial,
+                    record=None if record_dir is None else str(record_dir / f"episode_{index:06d}")))
     return specs, languages
 
 
@@ -262,7 +276,7 @@ def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settin
         pick = next((k for k, s in enumerate(pending) if (s.suite, s.task_id) == key), 0)
         spec = pending.pop(pick)
         busy[i] = _InFlight(spec=spec, seed=episode_seed(settings.seed, spec.suite, spec.task_id,
-                                                         spec.trial), start=time.monotonic())
+                                                         spec.initial_state), start=time.monotonic())
         last_task[i] = (spec.suite, spec.task_id)
         workers[i].send("start", spec)
 
@@ -304,6 +318,51 @@ def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settin
         for i in sorted(ready):
             handle(i)
     return [results[s.index] for s in specs]
+
+
+def env_count(settings: Settings, specs: list[EpisodeSpec], *, stage: str) -> int:
+    """Environment processes for `specs`: `settings.num_envs`, at most one per episode; a note
+    when they outnumber the cores."""
+    num_envs = max(1, min(settings.num_envs, len(specs)))
+    cores = device_mod.usable_cores()
+    if num_envs > cores:
+        print(f"{stage}: note: {num_envs} environment processes on {cores} cores "
+              "(eval.num_envs); they will share them", flush=True)
+    return num_envs
+
+
+def roll_out(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settings, *,
+             factory: Callable[[], libero_sim.Simulator], simulator: libero_sim.Simulator, num_envs: int,
+             inline: bool, languages: dict[tuple[str, int], str],
+             on_episode: Callable[[EpisodeResult], None] | None = None,
+             name: str = "closed_loop") -> tuple[list[EpisodeResult], float]:
+    """Run `specs` in `num_envs` workers (spawned processes built by `factory`, or, `inline`, in
+    this process, the first on `simulator`); (results in the order of `specs`, wall seconds).
+    Workers are closed whatever happens; one that dies is replaced (not inline)."""
+
+    def spawn(i: int):
+        w = ProcessWorker(factory, name=f"{name}-env{i}")
+        w.wait_ready()
+        return w
+
+    start = time.monotonic()
+    workers: list = []
+    try:
+        if inline:
+            workers = [InlineWorker(simulator if i == 0 else factory(), name=f"inline{i}")
+                       for i in range(num_envs)]
+        else:
+            for i in range(num_envs):  # started together, then waited for (imports take seconds)
+                workers.append(ProcessWorker(factory, name=f"{name}-env{i}"))
+            for w in workers:
+                w.wait_ready()
+        results = run_episodes(specs, policy, settings, workers=workers,
+                               respawn=None if inline else spawn, languages=languages,
+                               on_episode=on_episode)
+    finally:
+        for w in workers:
+            w.close()
+    return results, time.monotonic() - start
 
 
 def _stats(values: list[float]) -> dict:
@@ -544,15 +603,10 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
         print(f"closed_loop: {'note: ' + guided['note'] if guided['note'] else guided['describe']}", flush=True)
     with atomic_dir(cfg.results(OUTPUT_DIR)) as out:
         specs, languages = plan_episodes(sim, settings, out)
-        num_envs = max(1, min(settings.num_envs, len(specs)))
-        cores = device_mod.usable_cores()
-        if num_envs > cores:
-            print(f"closed_loop: note: {num_envs} environment processes on {cores} cores "
-                  "(eval.num_envs); they will share them", flush=True)
+        num_envs = env_count(settings, specs, stage="closed_loop")
         print(f"closed_loop: {len(specs)} episodes in {sim_info.get('package')} "
               f"{sim_info.get('version') or ''}, {num_envs} environment "
               f"{'(inline)' if inline else 'processes'}", flush=True)
-        start = time.monotonic()
         done: list[EpisodeResult] = []
 
         def record(r: EpisodeResult) -> None:
@@ -563,28 +617,8 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
                 print(f"closed_loop: {len(done)}/{len(specs)} episodes, "
                       f"{sum(x.success for x in done)} successes", flush=True)
 
-        def spawn(i: int):
-            w = ProcessWorker(factory, name=f"closed_loop-env{i}")
-            w.wait_ready()
-            return w
-
-        workers: list = []
-        try:
-            if inline:
-                workers = [InlineWorker(sim if i == 0 else factory(), name=f"inline{i}")
-                           for i in range(num_envs)]
-            else:
-                for i in range(num_envs):  # started together, then waited for (imports take seconds)
-                    workers.append(ProcessWorker(factory, name=f"closed_loop-env{i}"))
-                for w in workers:
-                    w.wait_ready()
-            results = run_episodes(specs, policy, settings, workers=workers,
-                                   respawn=None if inline else spawn, languages=languages,
-                                   on_episode=record)
-        finally:
-            for w in workers:
-                w.close()
-        wall = time.monotonic() - start
+        results, wall = roll_out(specs, policy, settings, factory=factory, simulator=sim, num_envs=num_envs,
+                                 inline=inline, languages=languages, on_episode=record, name="closed_loop")
         for r in results:
             if r.video:  # a page per video for `snakemake --report`, which plays no bare MP4
                 write_text_atomic(out / Path(r.video).with_suffix(".html"), video_mod.html_page(

@@ -6,7 +6,7 @@ is created again only when the worker moves to another task (creating a LIBERO e
 seconds). The parent sends three kinds of message:
 
   ("start", EpisodeSpec)     seed the environment, reset it, set the task's initial state number
-                             `trial`, run the wait steps; reply ("obs", request)
+                             `init_state` (default: `trial`), run the wait steps; reply ("obs", request)
   ("act", actions)           execute the actions (a chunk's first `replan_steps`) until the task
                              is done or the step limit is reached; reply ("obs", request) when
                              more actions are needed, else ("done", EpisodeOutcome)
@@ -18,6 +18,8 @@ environment is closed (its state is unknown) and the worker waits for the next e
 Requests are built in the worker (`libero_sim.policy_request`: 180° rotation, resize with
 padding, 8-dim state), so only 224×224 images cross the pipe, and the video of an episode
 (`EpisodeSpec.video`) is encoded in the worker, frame by frame, in parallel with the others.
+Likewise `EpisodeSpec.record` has the worker record every executed step (both cameras, the
+state, the action; `episode_recording`) for the rollout collection of the RECAP loop.
 
 `InlineWorker` runs the same `EpisodeRunner` in the calling process (tests that inspect the
 stand-in environment, debugging); `ProcessWorker` in a spawned process (spawn, not fork: the
@@ -38,6 +40,7 @@ import numpy as np
 
 from pisft.errors import PisftError
 from pisft.evaluate import libero_sim
+from pisft.evaluate.episode_recording import EpisodeRecorder
 from pisft.evaluate.video import SideBySideWriter
 
 
@@ -52,6 +55,12 @@ class EpisodeSpec:
     env_seed: int
     resize_size: int
     video: str | None = None  # write this episode's rollout video here
+    init_state: int | None = None  # the task's initial state number; None: `trial`
+    record: str | None = None  # record the executed steps into this folder (episode_recording)
+
+    @property
+    def initial_state(self) -> int:
+        return self.trial if self.init_state is None else self.init_state
 
 
 @dataclass
@@ -64,6 +73,7 @@ class EpisodeOutcome:
     reset_s: float  # env.seed + reset + set_init_state
     video_frames: int = 0
     error: str | None = None
+    recorded_steps: int = 0
 
 
 @dataclass
@@ -74,6 +84,7 @@ class _Episode:
     obs: dict
     outcome: EpisodeOutcome
     writer: SideBySideWriter | None = None
+    recorder: EpisodeRecorder | None = None
     done: bool = False
 
 
@@ -128,7 +139,7 @@ class EpisodeRunner:
         if callable(seed):
             seed(spec.env_seed)
         env.reset()
-        obs = env.set_init_state(suite.get_task_init_states(spec.task_id)[spec.trial])
+        obs = env.set_init_state(suite.get_task_init_states(spec.task_id)[spec.initial_state])
         reset_s = time.monotonic() - t0
         outcome = EpisodeOutcome(success=False, steps=0, sim_steps=0, step_time_s=0.0,
                                  env_create_s=created, reset_s=reset_s)
@@ -139,6 +150,8 @@ class EpisodeRunner:
         if spec.video:
             ep.writer = SideBySideWriter(spec.video)
             ep.writer.add(*_frame(ep.obs))
+        if spec.record:
+            ep.recorder = EpisodeRecorder(spec.record)
         return libero_sim.policy_request(ep.obs, ep.prompt, resize=spec.resize_size)
 
     def _step(self, ep: _Episode, action: list[float]) -> bool:
@@ -154,6 +167,8 @@ class EpisodeRunner:
         for action in np.asarray(actions, dtype=np.float64):
             if ep.outcome.steps >= ep.spec.max_steps:
                 break
+            if ep.recorder is not None:  # the observation this step is taken from, and its action
+                ep.recorder.add(*_frame(ep.obs), libero_sim.libero_state(ep.obs), action)
             done = self._step(ep, action.tolist())
             ep.outcome.steps += 1
             if ep.writer is not None:
@@ -177,6 +192,14 @@ class EpisodeRunner:
                 ep.outcome.video_frames = ep.writer.close()
             except Exception as exc:  # noqa: BLE001 - the episode's result stands without its video
                 error = error or f"video: {type(exc).__name__}: {exc}"
+        if ep.recorder is not None:
+            if error is None:
+                try:
+                    ep.outcome.recorded_steps = ep.recorder.close(ep.outcome.success)
+                except Exception as exc:  # noqa: BLE001 - a recording that cannot be written is this episode's error
+                    error = f"recording: {type(exc).__name__}: {exc}"
+            if error is not None:
+                ep.recorder.discard()
         if error is not None:
             ep.outcome.error = error
             if not keep_env:
