@@ -1,0 +1,221 @@
+"""`collect_rollouts`: roll policy k-1 out in LIBERO and keep what RLinf's collector keeps.
+
+Iteration k >= 1 of the RECAP loop starts here. The rollouts are the closed-loop evaluation's
+(`pisft.evaluate.closed_loop`: the same worker processes, episode plan, noise seeds, policy
+object and openpi settings), with three differences:
+
+- the policy is iteration k-1's (`cfg.policy_of(k - 1)`), prompted as its
+  `prompt_conditioning.json` says (`LiberoPolicy`, `pisft.data.prompts.for_model`);
+- episode i of a task starts from LIBERO initial state `eval.trials_per_task + i` (the
+  evaluation uses states 0 .. eval.trials_per_task-1), and the environment seed and the policy
+  noise seeds come from `recap.collect_seed` (the evaluation's from `eval.closed_loop_seed`), so
+  collection and evaluation never share a start or a draw;
+- every executed step after the wait steps is recorded in the worker
+  (`pisft.evaluate.episode_recording`).
+
+The output is what RLinf's LIBERO collection leaves before any labelling: a LeRobot dataset
+written as RLinf's `LeRobotDatasetWriter` (`rlinf/data/storage/lerobot/writer.py`) writes the
+frames of `CollectEpisode` (`rlinf/envs/wrappers/collect_episode.py`, `_buffer_to_lerobot_ep`):
+one frame per executed step (the observation it was taken from, the action executed), `image`
+and `wrist_image` (256×256, rotated 180° as RLinf's LIBERO environment and openpi's LIBERO data
+have them), `state` (8), `actions` (7), `done` (the last frame), `is_success` (the episode's
+outcome on every frame), `intervene_flag` (false), `segment_id` (0), LeRobot's index columns,
+and the task text in `meta/tasks.jsonl`. RLinf's writer runs LeRobot at the commit RLinf pins
+(`requirements/install.sh`, LEROBOT_COMMIT 0cf8648, the v2.1 dataset format), so this is LeRobot
+v2.1 with PNG images in parquet, written by `pisft.data.recap_layout` (the demo's writer too).
+`convert_recap` reads it as it reads RLinf's own collection.
+
+An episode that crashes (the simulator, a worker process, the policy) is not a failed trial:
+the stage stops at the first one, naming it and its error, and writes nothing (the closed-loop
+code retries nothing either: a crashed episode is recorded there, and fails the stage here).
+
+Output `results/recap/iter_<k>/rollouts/` (atomic): the dataset, `collection.json` (suite,
+tasks, every episode's task, initial state, seeds, frames, outcome; the policy; the settings;
+timing) and `pisft_config.json`.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pisft import config as config_mod
+from pisft import device as device_mod
+from pisft.data.libero import FPS
+from pisft.data.recap_layout import RecapEpisode, write_recap_dataset
+from pisft.errors import PisftError
+from pisft.evaluate import closed_loop, episode_recording, libero_sim
+from pisft.evaluate.rollout_workers import EpisodeSpec
+from pisft.io import atomic_dir, write_json_atomic
+
+log = logging.getLogger("pisft.collect_rollouts")
+
+OUTPUT_DIR = "rollouts"
+RECORDINGS = ".recordings"  # the workers' step recordings, inside the output until written
+DATASET_VERSION = "v2.1"  # LeRobot at RLinf's pinned commit (see the module docstring)
+ROBOT_TYPE = "panda"  # CollectEpisode's default robot_type (and fps 10: pisft.data.libero.FPS)
+
+
+class CollectionError(PisftError):
+    """An episode crashed: the collection is not a result."""
+
+
+def settings_for(cfg: config_mod.PisftConfig) -> closed_loop.Settings:
+    """The closed-loop settings of the collection: recap.* for what is rolled out, eval.* for
+    how (openpi's loop), the initial states after the evaluation's."""
+    r, e = cfg.recap, cfg.eval
+    return closed_loop.Settings(
+        suites=(r.suite,), trials_per_task=r.episodes_per_task, replan_steps=e.replan_steps,
+        num_wait_steps=e.num_wait_steps, seed=r.collect_seed, resize_size=e.resize_size,
+        max_steps=r.max_steps, task_ids=tuple(r.task_ids), num_envs=closed_loop.resolve_num_envs(e.num_envs),
+        videos=False, first_init_state=e.trials_per_task)
+
+
+def _load_policy(cfg: config_mod.PisftConfig, model_dir: Path, trained_on: Path, seed: int):
+    """Policy k-1 as closed_loop.run loads a model: LiberoPolicy, one CPU thread (`policy_threads`)."""
+    import torch
+
+    from pisft.serve.libero_policy import LiberoPolicy
+
+    torch.set_num_threads(closed_loop.policy_threads())
+    return LiberoPolicy.from_model_dir(model_dir, device=cfg.device, seed=seed, trained_on=trained_on)
+
+
+def _crash_message(spec: EpisodeSpec, r: closed_loop.EpisodeResult, out: Path) -> str:
+    return (f"collect_rollouts: episode {spec.index} ({spec.suite} task {spec.task_id} \"{r.task}\", initial "
+            f"state {spec.initial_state}, environment seed {spec.env_seed}) crashed after {r.steps} steps: "
+            f"{r.error}. A crash is not a failed trial, so nothing was written to {out}; fix the cause (the "
+            "simulator install, the policy) and rerun the stage")
+
+
+def _dataset_episodes(specs: list[EpisodeSpec], results: list[closed_loop.EpisodeResult],
+                      task_index: dict[str, int]):
+    """The recorded episodes in plan order, as the dataset writer takes them."""
+    for spec, r in zip(specs, results, strict=True):
+        assert spec.record is not None
+        rec = episode_recording.read(spec.record)
+        n = len(rec["actions"])
+        if n != r.steps or n == 0 or rec["success"] != r.success:
+            raise PisftError(f"collect_rollouts: episode {spec.index}: the worker recorded {n} steps "
+                             f"(success {rec['success']}) but executed {r.steps} (success {r.success})")
+        done = np.zeros(n, dtype=bool)
+        done[-1] = True
+        yield RecapEpisode(
+            episode_index=spec.index, task_index=task_index[r.task], state=rec["state"], actions=rec["actions"],
+            images={cam: rec[cam] for cam in episode_recording.CAMERAS},
+            is_success=np.full(n, r.success, dtype=bool), done=done,
+            intervene_flag=np.zeros(n, dtype=bool), segment_id=np.zeros(n, dtype=np.uint8))
+
+
+def collection_record(cfg: config_mod.PisftConfig, settings: closed_loop.Settings, specs: list[EpisodeSpec],
+                      results: list[closed_loop.EpisodeResult], tasks: list[str], model_dir: Path) -> dict:
+    """collection.json: what was rolled out, from where, with which seeds; its outcomes."""
+    suite = settings.suites[0]
+    by_task: dict[int, dict] = {}
+    episodes = []
+    for spec, r in zip(specs, results, strict=True):
+        policy_seed = closed_loop.episode_seed(settings.seed, spec.suite, spec.task_id, spec.initial_state)
+        episodes.append({
+            "episode_index": spec.index, "task_id": spec.task_id, "task": r.task,
+            "task_index": tasks.index(r.task), "initial_state": spec.initial_state, "env_seed": spec.env_seed,
+            "policy_seed": policy_seed, "policy_calls": r.policy_calls, "frames": r.steps,
+            "success": r.success, "error": r.error})
+        entry = by_task.setdefault(spec.task_id, {"task_id": spec.task_id, "task": r.task,
+                                                  "task_index": tasks.index(r.task), "episodes": 0,
+                                                  "successes": 0})
+        entry["episodes"] += 1
+        entry["successes"] += int(r.success)
+    e = cfg.eval
+    return {
+        "iteration": cfg.iteration,
+        "policy_dir": str(model_dir),
+        "suite": suite,
+        "tasks": list(by_task.values()),
+        "episodes_per_task": settings.trials_per_task,
+        "max_steps": settings.steps_for(suite),
+        "num_wait_steps": settings.num_wait_steps,
+        "replan_steps": settings.replan_steps,
+        "resize_size": settings.resize_size,
+        "seeds": {
+            "collect_seed": settings.seed,
+            "env_seed": "recap.collect_seed, set before every episode's reset (as the evaluation sets its own)",
+            "policy_seed": "closed_loop.episode_seed(recap.collect_seed, suite, task_id, initial_state)",
+            "chunk_seed": "closed_loop.chunk_seed(policy_seed, k) for the episode's k-th chunk",
+        },
+        "evaluation": {"initial_states": [0, e.trials_per_task - 1], "env_seed": e.closed_loop_seed,
+                       "note": "the evaluation's initial states (inclusive range) and seed; collection uses "
+                               "neither"},
+        "episodes": episodes,
+        "frames": sum(r.steps for r in results),
+        "successes": sum(r.success for r in results),
+        "dataset": {"format": f"LeRobot {DATASET_VERSION}, RLinf's LeRobotDatasetWriter layout (collection, "
+                              "unlabelled)", "codebase_version": DATASET_VERSION, "fps": FPS,
+                    "robot_type": ROBOT_TYPE},
+    }
+
+
+def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inline: bool = False) -> dict:
+    """The collect_rollouts stage at iteration `cfg.iteration` (>= 1). `simulator`: a picklable
+    factory (default `libero_sim.LiberoSimulator`); `policy`: instead of policy k-1 (tests);
+    `inline`: the environments in this process (tests)."""
+    k = cfg.iteration
+    if k < 1:
+        raise PisftError(f"collect_rollouts runs at a RECAP iteration k >= 1 (it rolls out policy k-1); "
+                         f"got iteration {k}: pass --iteration K")
+    settings = settings_for(cfg)
+    model_dir = cfg.policy_of(k - 1)
+    if policy is None and not (model_dir / "config.json").is_file():
+        raise PisftError(f"{model_dir}: policy {k - 1} (the model iteration {k - 1} exported) is missing; "
+                         f"run iteration {k - 1}'s training first")
+    factory = simulator if simulator is not None else libero_sim.LiberoSimulator
+    sim = factory()  # SimulatorUnavailable with the install line when LIBERO is not installed
+    sim_info = closed_loop.simulator_info(sim)
+    if policy is None:
+        policy = _load_policy(cfg, model_dir, cfg.at_iteration(k - 1).results("dataset"), settings.seed)
+    final = cfg.results(OUTPUT_DIR)
+    with atomic_dir(final) as out:
+        specs, languages = closed_loop.plan_episodes(sim, settings, None, record_dir=out / RECORDINGS)
+        num_envs = closed_loop.env_count(settings, specs, stage="collect_rollouts")
+        print(f"collect_rollouts: iteration {k}, policy {model_dir}: {len(specs)} episodes in "
+              f"{sim_info.get('package')} {sim_info.get('version') or ''}, {num_envs} environment "
+              f"{'(inline)' if inline else 'processes'}", flush=True)
+        done: list[closed_loop.EpisodeResult] = []
+
+        spec_of = {(s.suite, s.task_id, s.trial): s for s in specs}
+
+        def record(r: closed_loop.EpisodeResult) -> None:
+            spec = spec_of[(r.suite, r.task_id, r.trial)]
+            if r.error is not None:
+                raise CollectionError(_crash_message(spec, r, final))
+            done.append(r)
+            log.info("%s task %d initial state %d: %s (%d steps)", r.suite, r.task_id, spec.initial_state,
+                     "success" if r.success else "failure", r.steps)
+            if len(done) % 10 == 0 or len(done) == len(specs):
+                print(f"collect_rollouts: {len(done)}/{len(specs)} episodes, "
+                      f"{sum(x.success for x in done)} successes", flush=True)
+
+        results, wall = closed_loop.roll_out(specs, policy, settings, factory=factory, simulator=sim,
+                                             num_envs=num_envs, inline=inline, languages=languages,
+                                             on_episode=record, name="collect_rollouts")
+        tasks = list(dict.fromkeys(r.task for r in results))  # LeRobot's task_index: order of first appearance
+        write_recap_dataset(out, _dataset_episodes(specs, results, {t: i for i, t in enumerate(tasks)}), tasks,
+                            version=DATASET_VERSION, naming="recap", fps=FPS, robot_type=ROBOT_TYPE,
+                            workers=device_mod.usable_cores())
+        shutil.rmtree(out / RECORDINGS)
+        collection = collection_record(cfg, settings, specs, results, tasks, model_dir)
+        collection["simulator"] = sim_info
+        cond = getattr(policy, "conditioning", None)
+        if cond is not None:
+            collection["prompt"] = {**cond.to_dict(), "describe": cond.describe()}
+        collection["settings"] = asdict(settings)
+        collection["timing"] = closed_loop.timing(results, wall, num_envs)
+        write_json_atomic(out / "collection.json", collection)
+        config_mod.write_resolved(cfg, out / "pisft_config.json")
+    print(f"collect_rollouts: {len(results)} episodes, {collection['frames']} frames, "
+          f"{collection['successes']} successes in {wall:.1f} s -> {final}", flush=True)
+    return collection
