@@ -16,7 +16,9 @@ _CACHE: dict[tuple, Path] = {}
 def make_recap(root: Path, *, version: str = "v2.1", naming: str = "recap", video: bool = False,
                n_tasks: int = 3, per_task: int = 3, length: int = 12, size: int = 32,
                failure_fraction: float = 0.34, seed: int = 0) -> Path:
-    """A RECAP dataset at `root` (copied from a per-session cache: tests may then break it)."""
+    """RLinf's finished RECAP output at `root`: its writer's collection (the demo generator),
+    then its compute_returns and compute_advantages (`demo.label`, tag `demo`); copied from a
+    per-session cache, so tests may then break it."""
     key = (version, naming, video, n_tasks, per_task, length, size, failure_fraction, seed)
     if key not in _CACHE:
         import tempfile
@@ -25,7 +27,7 @@ def make_recap(root: Path, *, version: str = "v2.1", naming: str = "recap", vide
         cached.mkdir()
         demo.build(cached, episodes_per_task=per_task, length=length, image_size=size,
                    failure_fraction=failure_fraction, seed=seed, version=version, naming=naming, video=video,
-                   tasks=LIBERO_10_TASKS[:n_tasks], workers=1)
+                   tasks=LIBERO_10_TASKS[:n_tasks], workers=1, labelled=True)
         _CACHE[key] = cached
     shutil.copytree(_CACHE[key], root)
     return root

@@ -177,7 +177,7 @@ def test_rlinf_untagged_output_converts(tmp_path):
     src = tmp_path / "in"
     src.mkdir()
     demo.build(src, episodes_per_task=2, length=6, image_size=16, failure_fraction=0.5, seed=0,
-               tasks=LIBERO_10_TASKS[:2], workers=1, side_tag=None)
+               tasks=LIBERO_10_TASKS[:2], workers=1, labelled=True, side_tag=None)
     rep = convert(src, tmp_path / "out", advantage_tag="advantages.parquet")
     assert set(rep["source"]["side_features"].values()) == {"returns.parquet"}
     assert rep["out"]["prompts"] == 4

@@ -1,5 +1,6 @@
 """demo_recap: the synthetic RECAP LIBERO-10 dataset (layout, content, determinism), written as
-RLinf's writer and its returns/advantages steps leave a dataset (issue 12, item 1)."""
+RLinf's writer leaves its collection, unlabelled (issue 20, item 10); and RLinf's finished output
+(its returns and advantages steps run on such a dataset, issue 12, item 1)."""
 
 from __future__ import annotations
 
@@ -39,14 +40,14 @@ def _hashes(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != "pisft_config.json"}
 
 
-def test_run_writes_v21_layout(tmp_path):
+def test_run_writes_rlinfs_unlabelled_collection(tmp_path):
     cfg = _cfg(tmp_path)
     out = demo.run(cfg)
     assert out == tmp_path / "results" / "demo_recap"
     meta = out / "meta"
-    for name in ("info.json", "tasks.jsonl", "episodes.jsonl", "episodes_stats.jsonl",
-                 "returns_demo.parquet", "advantages_demo.parquet", "mixture_config.yaml", "stats.json"):
-        assert (meta / name).is_file(), name
+    # RLinf's collection before any labelling: LeRobot v2.1's metadata, no returns/advantages files
+    assert sorted(p.name for p in meta.iterdir()) == ["episodes.jsonl", "episodes_stats.jsonl", "info.json",
+                                                      "tasks.jsonl"]
     assert (out / "pisft_config.json").is_file()
     info = json.loads((meta / "info.json").read_text())
     assert info["codebase_version"] == "v2.1"
@@ -54,7 +55,7 @@ def test_run_writes_v21_layout(tmp_path):
     assert info["features"]["image"]["dtype"] == "image"
     assert info["features"]["image"]["shape"] == [32, 32, 3]
     assert info["features"]["state"]["shape"] == [8] and info["features"]["actions"]["shape"] == [7]
-    assert list(info["features"]) == RLINF_COLUMNS + ["return", "reward", "prompt"]
+    assert list(info["features"]) == RLINF_COLUMNS
     tasks = [json.loads(line)["task"] for line in (meta / "tasks.jsonl").read_text().splitlines()]
     assert tasks == list(LIBERO_10_TASKS)
     files = sorted((out / "data" / "chunk-000").glob("episode_*.parquet"))
@@ -147,7 +148,7 @@ def test_untagged_rlinf_output(tmp_path):
     root = tmp_path / "ds"
     root.mkdir()
     demo.build(root, episodes_per_task=2, length=6, image_size=16, failure_fraction=0.5, seed=0,
-               tasks=LIBERO_10_TASKS[:2], workers=1, side_tag=None)
+               tasks=LIBERO_10_TASKS[:2], workers=1, labelled=True, side_tag=None)
     assert (root / "meta/returns.parquet").is_file() and (root / "meta/advantages.parquet").is_file()
     assert not list((root / "meta").glob("*_demo.parquet"))
     mixture = yaml.safe_load((root / "meta/mixture_config.yaml").read_text())

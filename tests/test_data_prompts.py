@@ -223,7 +223,8 @@ def test_offline_evaluation_prompts_each_model_as_trained(tmp_path, monkeypatch)
                  "demo_image_size": 16, "demo_failure_fraction": 0.5, "eval_fraction": 0.5,
                  "advantage_tag": "demo", "tasks": ["0", "1", "2"], "split_seed": 1},
         "eval": {"batch_size": 8, "frame_stride": 2, "bootstrap_samples": 0, "cfg_scale": 2.0}})
-    demo.run(cfg)
+    demo.run(cfg)  # RLinf's collection; then its labelling steps, as RLinf's finished output
+    demo.label(root / "demo_recap", "demo", length=4)
     convert.run(cfg)
     tok = tmp_path / "tok"
     tok.mkdir()

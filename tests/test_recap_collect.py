@@ -17,6 +17,7 @@ from data_fixtures import convert
 from test_eval_closed_loop import GoalSeekingPolicy, StandInSimulator, StandInTask
 
 from pisft import config as C
+from pisft.data import demo
 from pisft.data.images import decode_png
 from pisft.errors import PisftError
 from pisft.evaluate import closed_loop, libero_sim
@@ -124,7 +125,7 @@ def test_outcome_columns_are_rlinfs(collected):
     assert [e["success"] for e in collection["episodes"]] == [True, True, False, False]
 
 
-def test_layout_is_rlinfs_collection(collected):
+def test_layout_is_rlinfs_collection_and_the_demos(collected, tmp_path):
     _, _, _, _, out = collected
     info = json.loads((out / "meta/info.json").read_text())
     assert info["codebase_version"] == "v2.1" and info["fps"] == 10 and info["robot_type"] == "panda"
@@ -135,6 +136,15 @@ def test_layout_is_rlinfs_collection(collected):
     tasks = [json.loads(line) for line in (out / "meta/tasks.jsonl").read_text().splitlines()]
     assert tasks == [{"task_index": 0, "task": "reach 0.3 0 0"}, {"task_index": 1, "task": "reach 99 0 0"}]
     assert not list((out / "meta").glob("returns*")) and not list((out / "meta").glob("advantages*"))
+    # the demo is written by the same writer: the same files and features (its images are smaller)
+    demo_root = tmp_path / "demo"
+    demo_root.mkdir()
+    demo.build(demo_root, episodes_per_task=1, length=3, image_size=16, failure_fraction=0.0, seed=0, workers=1)
+    demo_info = json.loads((demo_root / "meta/info.json").read_text())
+    assert sorted(p.relative_to(demo_root).as_posix() for p in (demo_root / "meta").iterdir()) == \
+        sorted(p.relative_to(out).as_posix() for p in (out / "meta").iterdir())
+    for key, ft in info["features"].items():
+        assert {**demo_info["features"][key], "shape": ft["shape"]} == ft, key
 
 
 def test_initial_states_and_seeds_are_disjoint_from_the_evaluations_and_recorded(collected):

@@ -1,11 +1,14 @@
 """`demo_recap`: a synthetic RECAP-format LIBERO-10 dataset, so the pipeline runs anywhere.
 
-Written as RLinf's RECAP pipeline leaves a LIBERO rollout dataset: the LeRobot v2.1 layout and
-features of RLinf's LeRobot writer (see `recap_layout`), then RLinf's `compute_returns` and
-`compute_advantages` run on it (see `rlinf_recap`): `meta/returns_demo.parquet`,
-`meta/advantages_demo.parquet`, `meta/mixture_config.yaml`, `return`/`reward` in
-`meta/stats.json` and the `return`, `reward`, `prompt` features declared in `meta/info.json`
-(whose values live in the returns side file). The data is made to be learnable:
+Written as RLinf's LIBERO collection leaves a dataset before any labelling: the LeRobot v2.1
+layout and features of RLinf's LeRobot writer (`recap_layout`, the writer `collect_rollouts`
+uses for real rollouts too), with no returns or advantages side files: the pipeline computes
+its labels itself. `label` runs RLinf's `compute_returns` and `compute_advantages` on such a
+dataset (see `rlinf_recap`) where RLinf's finished output is wanted (tests, the conversion
+benchmark): `meta/returns_<tag>.parquet`, `meta/advantages_<tag>.parquet`,
+`meta/mixture_config.yaml`, `return`/`reward` in `meta/stats.json` and the `return`, `reward`,
+`prompt` features declared in `meta/info.json` (whose values live in the returns side file).
+The data is made to be learnable:
 
 - each of the ten LIBERO-10 tasks has its own goal pose, gain, phase wave and gripper timing;
 - the action is a task-specific linear function of the state plus a smooth phase term
@@ -18,10 +21,10 @@ features of RLinf's LeRobot writer (see `recap_layout`), then RLinf's `compute_r
 - a `demo_failure_fraction` of each task's episodes fail: they drift away from the goal and
   never close the gripper (`is_success` false on every frame, as RLinf's collector records the
   outcome), some successful ones carry a short `intervene_flag` window;
-- returns with RLinf's recipe (reward -1 per step, 0 at a success's last step, -300 at a
-  failure's); advantages with a critic that knows each task's mean return at each frame but not
-  the episode's outcome, looking ahead over the whole episode (RLinf's N-step advantage with N
-  the episode length: the Monte-Carlo advantage), labelled positive for the top 30% (RLinf's
+- `label`: returns with RLinf's recipe (reward -1 per step, 0 at a success's last step, -300 at
+  a failure's); advantages with a critic that knows each task's mean return at each frame but
+  not the episode's outcome, looking ahead over the whole episode (RLinf's N-step advantage with
+  N the episode length: the Monte-Carlo advantage), labelled positive for the top 30% (RLinf's
   `positive_quantile`): successes positive, failures negative.
 
 Deterministic for `data.demo_seed`: the same config gives byte-identical files.
@@ -183,10 +186,11 @@ def label(out_dir: Path, tag: str | None = SIDE_TAG, *, length: int, dataset_nam
 def build(out_dir: Path, *, episodes_per_task: int, length: int, image_size: int, failure_fraction: float,
           seed: int, version: str = "v2.1", naming: str = "recap", video: bool = False,
           workers: int | None = None, tasks: tuple[str, ...] = LIBERO_10_TASKS,
-          side_tag: str | None = SIDE_TAG, labelled: bool = True, success_column: str = "is_success",
+          side_tag: str | None = SIDE_TAG, labelled: bool = False, success_column: str = "is_success",
           dataset_name: str | None = None) -> None:
-    """Generate and write a demo dataset into `out_dir` (an existing empty directory).
-    `labelled`: run RLinf's returns/advantages steps with tag `side_tag` (None: untagged files);
+    """Generate and write a demo dataset into `out_dir` (an existing empty directory): RLinf's
+    raw collection output. `labelled`: then run RLinf's returns/advantages steps with tag
+    `side_tag` (None: untagged files), as RLinf's finished output;
     `success_column`: `is_success` (RLinf's writer) or `next.success` (LeRobot's lerobot-eval;
     RLinf's returns step needs `is_success`, so such a dataset is left unlabelled)."""
     episodes = generate(episodes_per_task, length, image_size, failure_fraction, seed, tasks)
@@ -198,7 +202,9 @@ def build(out_dir: Path, *, episodes_per_task: int, length: int, image_size: int
 
 
 def output_dir(cfg: PisftConfig) -> Path:
-    return Path(cfg.data.recap_dir) if cfg.uses_demo_data else cfg.results("demo_recap")
+    """results/demo_recap (`data.recap_dir` names it, alone or among its sources, when the demo
+    is used: `PisftConfig.uses_demo_data`)."""
+    return cfg.results("demo_recap")
 
 
 def run(cfg: PisftConfig) -> Path:
@@ -206,10 +212,9 @@ def run(cfg: PisftConfig) -> Path:
     out = output_dir(cfg)
     with atomic_dir(out) as tmp:
         build(tmp, episodes_per_task=d.demo_episodes_per_task, length=d.demo_episode_length,
-              image_size=d.demo_image_size, failure_fraction=d.demo_failure_fraction, seed=d.demo_seed,
-              dataset_name=out.name)
+              image_size=d.demo_image_size, failure_fraction=d.demo_failure_fraction, seed=d.demo_seed)
         write_resolved(cfg, tmp / "pisft_config.json")
     n = d.demo_episodes_per_task * len(LIBERO_10_TASKS)
     print(f"demo_recap: {n} episodes x {d.demo_episode_length} frames "
-          f"({d.demo_image_size}px, 2 cameras) -> {out}")
+          f"({d.demo_image_size}px, 2 cameras), unlabelled as RLinf's collection -> {out}")
     return out
