@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -236,12 +237,12 @@ def _hashes(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file() and (p.suffix == ".parquet" or p.suffix == ".jsonl")}
 
 
-@pytest.mark.integration  # ~20 s: spawned environment processes
+@pytest.mark.integration  # 8-14 s here: spawned environment processes
 def test_the_dataset_does_not_depend_on_the_number_of_environment_processes(tmp_path):
     tasks = [StandInTask(f"reach {g} 0 0", [g, 0, 0]) for g in (0.3, 0.45)]
     out = {}
     for n in (1, 2):
-        cfg = make_cfg(tmp_path / f"n{n}", max_steps=20)
+        cfg = make_cfg(tmp_path / f"n{n}", max_steps=30)
         cfg.eval.num_envs = n
         collection = collect.run(cfg, simulator=functools.partial(StandInSimulator, tasks),
                                  policy=GoalSeekingPolicy(noise=0.9))
@@ -250,3 +251,82 @@ def test_the_dataset_does_not_depend_on_the_number_of_environment_processes(tmp_
     assert out[1] == out[2]
     assert {e["success"] for e in out[1][1]} == {True, False}  # the noise matters: equality is not vacuous
     assert len(out[1][0]) == 4 + 3  # 4 episode files; tasks, episodes, episodes_stats
+
+
+@pytest.mark.integration  # ~60-150 s here: LIBERO's environment creation, two resets, 32 rendered steps
+@pytest.mark.skipif(importlib.util.find_spec("libero") is None,
+                    reason="the LIBERO simulator (hf-libero) is not installed in this environment; "
+                           "`make setup` installs it (README.md, 'The LIBERO simulator')")
+def test_collection_in_the_real_simulator(tmp_path):
+    """Policy 0 (the tiny pi0.5, exported) rolled out in hf-libero: each recorded frame is the raw
+    observation each executed step was taken from (cameras rotated 180°, openpi's state) and
+    the action executed, from the initial states after the evaluation's."""
+    import torch
+    from test_eval_libero_real import RecordingEnv, RecordingSimulator, openpi_state
+    from test_serve_openpi_client import write_tiny_model
+
+    steps = 6
+
+    class InitRecordingEnv(RecordingEnv):
+        def set_init_state(self, state):
+            self._log.append(("init", np.array(state)))
+            return super().set_init_state(state)
+
+    class InitRecordingSimulator(RecordingSimulator):
+        def make_env(self, task, *, resolution, seed):
+            env = super().make_env(task, resolution=resolution, seed=seed)
+            return InitRecordingEnv(env._env, self.log)
+
+    cfg = C.from_dict({
+        "results_dir": str(tmp_path / "results"), "device": "cpu",
+        "eval": {"closed_loop": True, "trials_per_task": 1, "num_envs": 1, "num_wait_steps": WAIT,
+                 "replan_steps": 5, "closed_loop_seed": 7},
+        "recap": {"iterations": 1, "suite": "libero_10", "task_ids": [0], "episodes_per_task": 2,
+                  "max_steps": steps, "collect_seed": SEED}}).at_iteration(1)
+    model = write_tiny_model(tmp_path / "export")
+    cfg.policy_of(0).parent.mkdir(parents=True)
+    model.rename(cfg.policy_of(0))
+    log: list = []
+    sims: list = []
+
+    def simulator():
+        sims.append(InitRecordingSimulator(log))
+        return sims[-1]
+
+    threads = torch.get_num_threads()
+    try:
+        collection = collect.run(cfg, simulator=simulator, inline=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert collection["simulator"]["package"] == "hf-libero"
+    assert [(e["initial_state"], e["env_seed"], e["frames"], e["error"]) for e in collection["episodes"]] == \
+        [(1, SEED, steps, None), (2, SEED, steps, None)]
+    assert ("make_env", 256, SEED) in log and ("seed", 7) not in log
+    stored = sims[0].suite("libero_10").get_task_init_states(0)
+    inits = [e[1] for e in log if e[0] == "init"]
+    assert len(inits) == 2 and all(np.array_equal(a, stored[k]) for a, k in zip(inits, (1, 2), strict=True))
+    # the observation before each executed step (wait steps excluded), and the step's action
+    pairs, last, n_steps = [], None, 0
+    for entry in log:
+        if entry[0] == "obs":
+            last = entry[1]
+        elif entry[0] == "init":
+            n_steps = 0
+        elif entry[0] == "step":
+            n_steps += 1
+            if n_steps > WAIT:
+                pairs.append((last, np.asarray(entry[1])))
+    out = tmp_path / "results/recap/iter_1/rollouts"
+    rows = episode_rows(out)
+    assert len(rows) == len(pairs) == 2 * steps
+    for row, (obs, action) in zip(rows, pairs, strict=True):
+        np.testing.assert_array_equal(decode_png(row["image"]["bytes"]), obs["agentview_image"][::-1, ::-1])
+        np.testing.assert_array_equal(decode_png(row["wrist_image"]["bytes"]),
+                                      obs["robot0_eye_in_hand_image"][::-1, ::-1])
+        np.testing.assert_allclose(row["state"], openpi_state(obs), rtol=0, atol=1e-6)  # stored as float32
+        np.testing.assert_array_equal(np.float32(row["actions"]), action.astype(np.float32))
+    assert decode_png(rows[0]["image"]["bytes"]).shape == (256, 256, 3)
+    assert not np.array_equal(rows[0]["state"], rows[steps]["state"])  # two initial states, two episodes
+    report = convert(out, tmp_path / "dataset", eval_fraction=0.5)
+    assert report["in"] == {"episodes": 2, "frames": 2 * steps, "tasks": 1}
+    assert report["outcomes"]["train"]["failures"] + report["outcomes"]["eval"]["failures"] == 2
