@@ -219,6 +219,23 @@ def test_a_crashed_episode_fails_the_stage_naming_it(tmp_path):
     assert list((tmp_path / "results/recap/iter_1").iterdir()) == []  # no half-written output either
 
 
+def test_a_policy_that_fails_fails_the_stage(tmp_path):
+    with pytest.raises(collect.CollectionError, match=r"episode 0 .* crashed after 0 steps: PisftError: the policy "
+                                                      r"returned actions of shape \(3, 7\)"):
+        collect.run(make_cfg(tmp_path), simulator=functools.partial(StandInSimulator, TASKS),
+                    policy=GoalSeekingPolicy(horizon=3), inline=True)
+    assert not (tmp_path / "results/recap/iter_1/rollouts").exists()
+
+
+def test_a_worker_that_dies_fails_the_stage(tmp_path):  # one spawned worker: ~2 s
+    tasks = [TASKS[0], StandInTask("reach 0.5 0 0", [0.5, 0, 0], die_at=WAIT + 2)]
+    with pytest.raises(collect.CollectionError, match=r"episode 2 \(libero_10 task 1 .* crashed after 0 steps: "
+                                                      r"worker collect_rollouts-env0 died \(exit code 3\)"):
+        collect.run(make_cfg(tmp_path), simulator=functools.partial(StandInSimulator, tasks),
+                    policy=GoalSeekingPolicy())
+    assert not (tmp_path / "results/recap/iter_1/rollouts").exists()
+
+
 def test_wrong_iteration_missing_policy_and_too_few_initial_states(tmp_path):
     cfg = make_cfg(tmp_path)
     with pytest.raises(PisftError, match="iteration k >= 1 .* got iteration 0"):
