@@ -236,6 +236,51 @@ def test_a_worker_that_dies_fails_the_stage(tmp_path):  # one spawned worker: ~2
     assert not (tmp_path / "results/recap/iter_1/rollouts").exists()
 
 
+def test_policy_k_minus_1_is_loaded_prompted_and_guided_as_the_evaluation_does(tmp_path, monkeypatch):
+    """Without a policy given, collect loads iteration k-1's export (here a model trained with
+    advantage prompts), prompts it "<task>\nAdvantage: positive", guides it with eval.cfg_scale;
+    the dataset keeps the plain task."""
+    import torch
+    from test_serve_openpi_client import write_tiny_model
+
+    from pisft.data import prompts
+    from pisft.data.libero import advantage_prompt
+    from pisft.evaluate import inference
+
+    seen: list = []
+    real = inference.ChunkPredictor.predict
+
+    def spy(self, batch, noise, **blend):
+        seen.append((str(self.model_dir), list(batch["task"]), blend.get("cfg_scale"),
+                     blend.get("unconditioned_tasks")))
+        return real(self, batch, noise, **blend)
+
+    monkeypatch.setattr(inference.ChunkPredictor, "predict", spy)
+    cfg = make_cfg(tmp_path, task_ids=[1], max_steps=5)
+    cfg.eval.cfg_scale = 2.0
+    model = write_tiny_model(tmp_path / "export")
+    prompts.recap_conditioning(1, True, 0.1).write(model / prompts.CONDITIONING_FILE)
+    cfg.policy_of(0).parent.mkdir(parents=True)
+    model.rename(cfg.policy_of(0))
+    sim = StandInSimulator(TASKS)
+    threads = torch.get_num_threads()
+    try:
+        collection = collect.run(cfg, simulator=lambda: sim, inline=True)
+    finally:
+        torch.set_num_threads(threads)
+    # two chunks (one per 5-step episode), each the positive prompt guided against the plain task
+    assert seen == [(str(cfg.policy_of(0)), [advantage_prompt("reach 99 0 0", True)], 2.0, ["reach 99 0 0"])] * 2
+    assert collection["guidance"]["guided"] and collection["cfg_scale"] == 2.0
+    assert collection["prompt"]["eval_prompt"] == "positive"
+    assert [e["frames"] for e in collection["episodes"]] == [5, 5]
+    out = tmp_path / "results/recap/iter_1/rollouts"
+    tasks = [json.loads(line)["task"] for line in (out / "meta/tasks.jsonl").read_text().splitlines()]
+    assert tasks == ["reach 99 0 0"]
+    actions = np.array([r["actions"] for r in episode_rows(out)], dtype=np.float32)
+    np.testing.assert_array_equal(actions, np.asarray(executed_actions(sim.envs[0], 2)).reshape(10, 7)
+                                  .astype(np.float32))
+
+
 def test_wrong_iteration_missing_policy_and_too_few_initial_states(tmp_path):
     cfg = make_cfg(tmp_path)
     with pytest.raises(PisftError, match="iteration k >= 1 .* got iteration 0"):

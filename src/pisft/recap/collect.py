@@ -5,7 +5,8 @@ Iteration k >= 1 of the RECAP loop starts here. The rollouts are the closed-loop
 object and openpi settings), with three differences:
 
 - the policy is iteration k-1's (`cfg.policy_of(k - 1)`), prompted as its
-  `prompt_conditioning.json` says (`LiberoPolicy`, `pisft.data.prompts.for_model`);
+  `prompt_conditioning.json` says (`LiberoPolicy`, `pisft.data.prompts.for_model`) and guided
+  with `eval.cfg_scale` as the evaluation guides it (`pisft.model.guidance`);
 - episode i of a task starts from LIBERO initial state `eval.trials_per_task + i` (the
   evaluation uses states 0 .. eval.trials_per_task-1), and the environment seed and the policy
   noise seeds come from `recap.collect_seed` (the evaluation's from `eval.closed_loop_seed`), so
@@ -77,13 +78,16 @@ def settings_for(cfg: config_mod.PisftConfig) -> closed_loop.Settings:
 
 
 def _load_policy(cfg: config_mod.PisftConfig, model_dir: Path, trained_on: Path, seed: int):
-    """Policy k-1 as closed_loop.run loads a model: LiberoPolicy, one CPU thread (`policy_threads`)."""
+    """Policy k-1 as closed_loop.run loads a model: LiberoPolicy, one CPU thread (`policy_threads`),
+    eval.cfg_scale."""
     import torch
 
+    from pisft.model.guidance import check_scale
     from pisft.serve.libero_policy import LiberoPolicy
 
     torch.set_num_threads(closed_loop.policy_threads())
-    return LiberoPolicy.from_model_dir(model_dir, device=cfg.device, seed=seed, trained_on=trained_on)
+    return LiberoPolicy.from_model_dir(model_dir, device=cfg.device, seed=seed, trained_on=trained_on,
+                                       cfg_scale=check_scale(cfg.eval.cfg_scale, "eval.cfg_scale"))
 
 
 def _crash_message(spec: EpisodeSpec, r: closed_loop.EpisodeResult, out: Path) -> str:
@@ -177,6 +181,10 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
     sim_info = closed_loop.simulator_info(sim)
     if policy is None:
         policy = _load_policy(cfg, model_dir, cfg.at_iteration(k - 1).results("dataset"), settings.seed)
+    guided = getattr(policy, "guidance", None)  # LiberoPolicy: the classifier-free guidance in effect
+    if guided is not None and (guided["note"] or guided["guided"]):  # said once, before the rollouts
+        print(f"collect_rollouts: {'note: ' + guided['note'] if guided['note'] else guided['describe']}",
+              flush=True)
     final = cfg.results(OUTPUT_DIR)
     with atomic_dir(final) as out:
         specs, languages = closed_loop.plan_episodes(sim, settings, None, record_dir=out / RECORDINGS)
@@ -212,6 +220,9 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
         cond = getattr(policy, "conditioning", None)
         if cond is not None:
             collection["prompt"] = {**cond.to_dict(), "describe": cond.describe()}
+        if guided is not None:
+            collection["cfg_scale"] = guided["cfg_scale"]  # the scale in effect (1 for a plain model)
+            collection["guidance"] = guided
         collection["settings"] = asdict(settings)
         collection["timing"] = closed_loop.timing(results, wall, num_envs)
         write_json_atomic(out / "collection.json", collection)
