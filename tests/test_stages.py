@@ -20,7 +20,7 @@ SRC = ROOT / "src"
 LAYERS = (
     ("pisft", "pisft.errors", "pisft.io", "pisft.logs", "pisft.device", "pisft.config"),
     ("pisft.data", "pisft.model"),
-    ("pisft.train", "pisft.evaluate", "pisft.serve"),
+    ("pisft.train", "pisft.evaluate", "pisft.serve", "pisft.recap"),
     ("pisft.workflow",),
     ("pisft.bench", "pisft.cli", "pisft.__main__", "pisft.train.__main__"),
 )

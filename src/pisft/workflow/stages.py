@@ -61,6 +61,22 @@ EVAL_KEYS = (
     "eval.seed",
     "eval.bootstrap_samples",
 )
+# The RECAP value model (train_value) and the advantage labelling (advantages).
+VALUE_KEYS = (
+    "recap.value_bins",
+    "recap.value_steps",
+    "recap.value_lr",
+    "recap.value_head_lr",
+    "recap.value_global_batch_size",
+)
+ADVANTAGE_KEYS = (
+    "recap.gamma",
+    "recap.lookahead",
+    "recap.positive_quantile",
+    "recap.threshold_scope",
+    "train.precision",  # the value model's inference precision
+    # not eval.batch_size, train.num_workers: they change how fast, not what
+)
 CLOSED_LOOP_KEYS = (
     "eval.closed_loop",
     "eval.libero_suites",
@@ -138,6 +154,12 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("train_8card", "pisft.train.run:run_training", ("device", "train"), TRAIN_CODE,
           ("train/model", "train/metrics.jsonl"),
           "train on train.nproc_per_node x train.nnodes devices; resumes, exports", training=True),
+    Stage("train_value", "pisft.recap.value_training:run_value_training", ("device", "train", *VALUE_KEYS),
+          TRAIN_CODE + ("src/pisft/recap",), ("value",),
+          "train the RECAP value model on the pool (results/value)", training=True),
+    Stage("advantages", "pisft.recap.advantages:run", ("device", *ADVANTAGE_KEYS),
+          TRAIN_CODE + ("src/pisft/recap",), ("advantages",),
+          "label every frame of the pool by its N-step advantage (results/advantages)"),
     Stage("closed_loop", "pisft.evaluate.closed_loop:run", ("device", *CLOSED_LOOP_KEYS), EVAL_CODE,
           ("closed_loop/metrics.json", "closed_loop/report.md", "closed_loop/videos"),
           "closed-loop LIBERO success rates, rollout videos (LIBERO simulator)"),
