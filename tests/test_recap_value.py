@@ -193,7 +193,7 @@ def test_a_returns_file_that_does_not_match_the_dataset_is_refused(inputs, tmp_p
 def test_the_value_run_folder_follows_the_iteration_and_the_returns(inputs, tmp_path):
     import shutil
 
-    from pisft.recap.run_folder import checkpoint_root
+    from pisft.train.run_folders import value_checkpoint_root as checkpoint_root
 
     loop = ["recap.iterations=1", "eval.closed_loop=true", "eval.trials_per_task=1"]
     cfg = config_mod.load(CONFIG, [*overrides(tmp_path), *loop])

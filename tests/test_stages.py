@@ -20,7 +20,8 @@ SRC = ROOT / "src"
 LAYERS = (
     ("pisft", "pisft.errors", "pisft.io", "pisft.logs", "pisft.device", "pisft.config"),
     ("pisft.data", "pisft.model"),
-    ("pisft.train", "pisft.evaluate", "pisft.serve", "pisft.recap"),
+    ("pisft.train", "pisft.evaluate", "pisft.serve"),
+    ("pisft.recap",),  # the RECAP loop's stages: built on training, evaluation and the simulator
     ("pisft.workflow",),
     ("pisft.bench", "pisft.cli", "pisft.__main__", "pisft.train.__main__"),
 )

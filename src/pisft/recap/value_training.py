@@ -49,7 +49,7 @@ from pisft.config import PisftConfig
 from pisft.errors import PisftError
 from pisft.io import atomic_dir, sha256_file, write_json_atomic
 from pisft.recap import value_metrics, value_model
-from pisft.recap.run_folder import CHECKPOINT_SUBDIR, RETURNS_FILE, value_fingerprint
+from pisft.train.run_folders import CHECKPOINT_SUBDIR, RETURNS_FILE, value_fingerprint
 from pisft.recap.value_data import PromptCollate, ReturnRange, ValueFrames, read_returns
 from pisft.recap.value_task import ValueTask
 from pisft.train import fsdp, optim

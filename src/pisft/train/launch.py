@@ -123,21 +123,12 @@ def _describe_exit(code: str) -> str:
 RESUMABLE = ("train_8card", "train_value")
 
 
-def _run_folder(stage: str, cfg: PisftConfig) -> Path:
-    if stage == "train_value":
-        from pisft.recap.run_folder import checkpoint_root as value_root
-
-        return value_root(cfg)
-    from pisft.train.checkpoint import checkpoint_root
-
-    return checkpoint_root(cfg)
-
-
 def _latest_checkpoint(cfg: PisftConfig, stage: str = "train_8card") -> str:
     from pisft.train.checkpoint import CheckpointsDamaged, latest_complete
+    from pisft.train.run_folders import stage_checkpoint_root
 
     try:  # sizes only: the trainer checks the content before it resumes
-        found = latest_complete(_run_folder(stage, cfg), log=lambda _msg: None, content=False)
+        found = latest_complete(stage_checkpoint_root(stage, cfg), log=lambda _msg: None, content=False)
     except CheckpointsDamaged as exc:
         return str(exc)
     if found is None:

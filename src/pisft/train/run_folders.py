@@ -1,8 +1,9 @@
-"""The value run's folder: `results/checkpoints/value/run-<fingerprint digest>`.
+"""The run folder of each training stage that checkpoints: the policy's (`train_8card`:
+`checkpoint.checkpoint_root`) and the RECAP value model's (`train_value`:
+`results/checkpoints/value/run-<fingerprint digest>`, trained by `pisft.recap.value_training`).
 
-Kept apart from the trainer (`value_training`) so that the launcher can name the latest value
-checkpoint after a failure without importing the training code or the model (as
-`pisft.train.checkpoint` does for the policy).
+Here, below the trainers, so that the launcher names the latest checkpoint of either after a
+failure without importing the training code, the model or the RECAP package.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from pisft.config import PisftConfig
 from pisft.io import sha256_file
+from pisft.train import checkpoint
 from pisft.train.checkpoint import inputs_fingerprint, run_folder, settings_fingerprint
 
 RETURNS_FILE = "returns.parquet"  # in the converted pool: the returns the value model learns
@@ -34,5 +36,10 @@ def value_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
             "returns": sha256_file(returns) if returns.is_file() else None}
 
 
-def checkpoint_root(cfg: PisftConfig) -> Path:
+def value_checkpoint_root(cfg: PisftConfig) -> Path:
     return run_folder(cfg, value_fingerprint(cfg), CHECKPOINT_SUBDIR)
+
+
+def stage_checkpoint_root(stage: str, cfg: PisftConfig) -> Path:
+    """The run folder of `stage` (train_8card or train_value) for this config."""
+    return value_checkpoint_root(cfg) if stage == "train_value" else checkpoint.checkpoint_root(cfg)
