@@ -31,7 +31,11 @@ exactly what RLinf leaves behind (RLinf: `examples/offline_rl/advantage_labeling
 
 RLinf's value model is a trained critic; here `value` is a function of (task, frame, episode
 length, normalised returns of the task's episodes) supplied by the caller (the demo: the task's
-mean normalised return at that frame, what an outcome-blind critic learns).
+mean normalised return at that frame, what an outcome-blind critic learns; the RECAP loop:
+`pisft.recap.advantages` with the trained value model).
+
+The arithmetic shared with the RECAP loop lives here once: `value_target` (the value model's
+target), `normalize_reward_sum`, `nstep_advantage` and `positive_threshold`.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -180,40 +185,21 @@ def compute_advantages(root: str | Path, tag: str | None, *, returns_tag: str | 
     rew = side["reward"].to_numpy(np.float64)
     stats = json.loads((root / "meta" / "stats.json").read_text())
     ret_min, ret_max = float(stats["return"]["min"]), float(stats["return"]["max"])
-    span = ret_max - ret_min
-
-    def normalize(x):
-        return np.full_like(np.asarray(x, dtype=np.float64), -0.5) if span <= 0 else (x - ret_min) / span - 1.0
 
     task = np.array([task_of[(int(e), int(f))] for e, f in zip(ep, fr, strict=True)], dtype=np.int64)
     v = np.asarray(value({"task_index": task, "frame_index": fr, "episode_index": ep,
-                          "normalized_return": normalize(ret)}), dtype=np.float64)
-    n = len(ep)
-    ends = np.empty(n, dtype=np.int64)  # one past each frame's episode end, in row order
-    starts = np.concatenate([[0], np.flatnonzero(np.diff(ep) != 0) + 1])
-    stops = np.concatenate([starts[1:], [n]])
-    for a, b in zip(starts, stops, strict=True):
-        ends[a:b] = b
-    idx = np.arange(n)
-    nxt = idx + lookahead
-    pad = nxt >= ends
-    num_valid = np.minimum(lookahead, ends - idx)
-    v_next = np.where(pad, 0.0, v[np.minimum(nxt, n - 1)])
-    if abs(gamma - 1.0) < 1e-8:
-        raw = np.where(pad, ret, ret - ret[np.minimum(nxt, n - 1)])
-    else:
-        powers = gamma ** np.arange(lookahead)
-        raw = np.array([float(np.sum(powers[:k] * rew[i:i + k])) for i, k in enumerate(num_valid)])
-    reward_sum = normalize(raw)
-    gamma_k = gamma ** num_valid if discount_next_value else np.ones(n)
-    advantage = reward_sum + gamma_k * v_next - v
+                          "normalized_return": normalize_reward_sum(ret, ret_min, ret_max)}), dtype=np.float64)
+    out = nstep_advantage(ep, ret, rew, v, lookahead=lookahead, gamma=gamma, ret_min=ret_min,
+                          ret_max=ret_max, discount_next_value=discount_next_value)
+    advantage = out.advantage
     if decimals is not None:
         advantage = np.round(advantage, decimals)
     df = pd.DataFrame({"episode_index": ep, "frame_index": fr, "advantage": advantage, "return": ret,
-                       "value_current": v, "value_next": v_next, "reward_sum": reward_sum,
-                       "reward_sum_raw": raw, "num_valid_rewards": num_valid.astype(np.int64)})
+                       "value_current": v, "value_next": out.value_next, "reward_sum": out.reward_sum,
+                       "reward_sum_raw": out.reward_sum_raw,
+                       "num_valid_rewards": out.num_valid.astype(np.int64)})
     df["dataset_name"] = dataset_name or root.name
-    threshold = float(np.percentile(advantage, (1.0 - positive_quantile) * 100.0))
+    threshold = positive_threshold(advantage, positive_quantile)
     df = df.rename(columns={"advantage": "advantage_continuous"})
     df["advantage"] = True if dataset_type == "sft" else df["advantage_continuous"] >= threshold
     df.to_parquet(root / "meta" / side_name("advantages", tag), index=False)
@@ -230,3 +216,77 @@ def compute_advantages(root: str | Path, tag: str | None, *, returns_tag: str | 
         mixture.update(entry)
     mix_path.write_text(yaml.safe_dump(mixture, sort_keys=False))
     return threshold
+
+
+# ------------------------------------------------------------------------------------------------
+# The arithmetic of RLinf's value target and N-step advantage, shared with pisft.recap.
+
+
+def value_target(returns: np.ndarray, ret_min: float) -> np.ndarray:
+    """The value model's target: the return divided by |minimum return| of the dataset, clipped to
+    [-1, 0] (RLinf `rlinf/data/datasets/recap/value_dataset.py`, `ReturnNormalizer.normalize_value`
+    with `normalize_to_minus_one_zero`; a minimum of 0 divides by 1; the clip is the critic's
+    `_compute_categorical_loss` clamp to [v_min, v_max])."""
+    denom = abs(float(ret_min)) if ret_min != 0 else 1.0
+    return np.clip(np.asarray(returns, dtype=np.float64) / denom, -1.0, 0.0)
+
+
+def normalize_reward_sum(x: np.ndarray, ret_min: float, ret_max: float) -> np.ndarray:
+    """RLinf's `normalize` of the N-step reward sum (`compute_advantages_for_dataset`): maps
+    [ret_min, ret_max] onto [-1, 0]; a zero-width range gives -0.5 everywhere. With ret_max = 0
+    (any successful episode: its last return is 0) it is x / |ret_min|, the value target's scale."""
+    x = np.asarray(x, dtype=np.float64)
+    span = float(ret_max) - float(ret_min)
+    return np.full_like(x, -0.5) if span <= 0 else (x - ret_min) / span - 1.0
+
+
+@dataclass(frozen=True)
+class NStep:
+    """Per-frame pieces of the N-step advantage (rows in the caller's order)."""
+
+    advantage: np.ndarray  # A_t
+    value_next: np.ndarray  # V(o_{t+N}), 0 past the episode's end
+    reward_sum: np.ndarray  # normalised reward sum
+    reward_sum_raw: np.ndarray  # sum_{k<n} gamma^k r_{t+k}
+    num_valid: np.ndarray  # n = min(N, frames left in the episode)
+
+
+def nstep_advantage(episode: np.ndarray, returns: np.ndarray, rewards: np.ndarray, values: np.ndarray, *,
+                    lookahead: int, gamma: float, ret_min: float, ret_max: float,
+                    discount_next_value: bool = True) -> NStep:
+    """RLinf's N-step advantage A_t = normalize(sum_{k<n} gamma^k r_{t+k}) + gamma^n V(o_{t+N}) - V(o_t)
+    with n = min(N, frames left), V(o_{t+N}) = 0 when t+N is past the episode's end
+    (`examples/offline_rl/advantage_labeling/recap/process/compute_advantages.py`,
+    `compute_advantages_for_dataset`, `_resolve_lookahead`). With gamma = 1 the reward sum is
+    G_t - G_{t+N} (G_t when padded), as RLinf computes it. Rows must be grouped by episode and
+    ordered by frame within each episode (the dataset's order)."""
+    ep = np.asarray(episode, dtype=np.int64)
+    ret = np.asarray(returns, dtype=np.float64)
+    rew = np.asarray(rewards, dtype=np.float64)
+    v = np.asarray(values, dtype=np.float64)
+    n = len(ep)
+    ends = np.empty(n, dtype=np.int64)  # one past each frame's episode end, in row order
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(ep) != 0) + 1]) if n else np.zeros(0, np.int64)
+    stops = np.concatenate([starts[1:], [n]]) if n else np.zeros(0, np.int64)
+    for a, b in zip(starts, stops, strict=True):
+        ends[a:b] = b
+    idx = np.arange(n)
+    nxt = idx + lookahead
+    pad = nxt >= ends
+    num_valid = np.minimum(lookahead, ends - idx)
+    last = max(n - 1, 0)
+    v_next = np.where(pad, 0.0, v[np.minimum(nxt, last)]) if n else np.zeros(0)
+    if abs(gamma - 1.0) < 1e-8:
+        raw = np.where(pad, ret, ret - ret[np.minimum(nxt, last)]) if n else np.zeros(0)
+    else:
+        powers = gamma ** np.arange(lookahead)
+        raw = np.array([float(np.sum(powers[:k] * rew[i:i + k])) for i, k in enumerate(num_valid)])
+    reward_sum = normalize_reward_sum(raw, ret_min, ret_max)
+    gamma_k = gamma ** num_valid if discount_next_value else np.ones(n)
+    return NStep(reward_sum + gamma_k * v_next - v, v_next, reward_sum, raw, num_valid)
+
+
+def positive_threshold(advantage: np.ndarray, positive_quantile: float) -> float:
+    """The (1 - positive_quantile) percentile of the advantages (numpy's linear interpolation, as
+    RLinf's `quantile_threshold`); a frame is positive when A >= it (inclusive)."""
+    return float(np.percentile(np.asarray(advantage, dtype=np.float64), (1.0 - positive_quantile) * 100.0))

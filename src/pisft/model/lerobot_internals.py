@@ -68,6 +68,14 @@ changes underneath. Nothing else in pisft patches or inspects LeRobot's private 
    attribute `denoise_step` set for the duration of one `predict_action_chunk` sees (and may
    replace) every step's velocity while LeRobot's prefix pass, KV cache, noise and time schedule
    run unchanged.
+7. The value model's backbone (`strip_to_vlm_prefix`, `vlm_prefix_readout`; pisft.recap.value_model):
+   the policy's own vision-language prefix without the action expert. `PI05Pytorch.embed_prefix`
+   embeds the images (SigLIP + projector) and the language tokens; `PaliGemmaWithExpertModel.forward`
+   with `inputs_embeds=[prefix, None]` runs the VLM alone (its `if inputs_embeds[1] is None`
+   branch: `paligemma.model.language_model.forward`, never the expert), which is how
+   `PI05Pytorch.sample_actions` runs the prefix, with the VLM's attention set to "eager" as it does.
+   The action expert (`gemma_expert`) and the action/time projections are removed: the value model
+   never calls them, so they are neither sharded, trained nor saved.
 """
 
 from __future__ import annotations
@@ -259,6 +267,47 @@ def attach_expert_head(policy, weight: torch.Tensor) -> None:
     head = torch.nn.Linear(in_features, out_features, bias=False, device="meta")
     head.weight = torch.nn.Parameter(weight, requires_grad=False)
     policy.model.paligemma_with_expert.gemma_expert.lm_head = head
+
+
+# The modules of PI05Pytorch that only the action expert's suffix uses (see 6. above).
+ACTION_ONLY_MODULES = ("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out")
+
+
+def strip_to_vlm_prefix(policy) -> None:
+    """Remove the action expert and the action/time projections from `policy` (6. above)."""
+    core = policy.model
+    core.paligemma_with_expert.gemma_expert = None
+    for name in ACTION_ONLY_MODULES:
+        setattr(core, name, None)
+
+
+def vlm_width(policy) -> int:
+    return int(policy.model.paligemma_with_expert.paligemma.model.language_model.config.hidden_size)
+
+
+def vlm_prefix_readout(policy, images: list[torch.Tensor], img_masks: list[torch.Tensor],
+                       tokens: torch.Tensor, masks: torch.Tensor, readout: torch.Tensor) -> torch.Tensor:
+    """The final VLM hidden states (B, n, width) of `readout` tokens (B, n, width) appended to
+    pi0.5's prefix (images, then language tokens): LeRobot's `embed_prefix` and its prefix-only
+    VLM pass (6. above). The prefix attends within itself as in pi0.5 (bidirectionally, padding
+    masked); each read-out token attends to the whole prefix and the read-out tokens before it,
+    and no prefix token attends to a read-out token (its autoregressive mask is 1)."""
+    from lerobot.policies.common.vla_utils import make_att_2d_masks, prepare_attention_masks_4d
+
+    core = policy.model
+    embs, pad, att = core.embed_prefix(images, img_masks, tokens, masks)
+    bsize, n = readout.shape[:2]
+    ones = torch.ones(bsize, n, dtype=torch.bool, device=pad.device)
+    embs = torch.cat([embs, readout.to(embs.dtype)], dim=1)
+    pad = torch.cat([pad, ones], dim=1)
+    att = torch.cat([att, ones], dim=1)
+    position_ids = torch.cumsum(pad, dim=1) - 1
+    mask_4d = prepare_attention_masks_4d(make_att_2d_masks(pad, att))
+    pwe = core.paligemma_with_expert
+    pwe.paligemma.model.language_model.config._attn_implementation = "eager"  # noqa: SLF001 - as sample_actions
+    (hidden, _), _ = pwe.forward(attention_mask=mask_4d, position_ids=position_ids, past_key_values=None,
+                                 inputs_embeds=[embs, None], use_cache=False)
+    return hidden[:, -n:]
 
 
 # What PI05Policy.forward must still do for `sync_free_forward` to be the same computation.
@@ -506,8 +555,27 @@ def structure_problems() -> list[str]:
     if step_params != ["self", "prefix_pad_masks", "past_key_values", "x_t", "timestep"]:
         problems.append(f"PI05Pytorch.denoise_step takes {step_params[1:]}, not (prefix_pad_masks, "
                         "past_key_values, x_t, timestep): revisit velocity_hook")
+    problems += _prefix_problems(m)
     if not hasattr(processor_pi05, "TokenizerProcessorStep"):
         problems.append("processor_pi05.TokenizerProcessorStep no longer exists")
     elif "TokenizerProcessorStep(" not in inspect.getsource(processor_pi05.make_pi05_pre_post_processors):
         problems.append("make_pi05_pre_post_processors no longer builds a TokenizerProcessorStep")
+    return problems
+
+
+def _prefix_problems(m) -> list[str]:
+    """The assumptions of 6. above (the value model's prefix-only pass)."""
+    problems = []
+    params = list(inspect.signature(m.PI05Pytorch.embed_prefix).parameters)
+    if params[1:5] != ["images", "img_masks", "tokens", "masks"]:
+        problems.append(f"PI05Pytorch.embed_prefix now takes {params[1:]}: revisit vlm_prefix_readout")
+    forward = inspect.getsource(m.PaliGemmaWithExpertModel.forward)
+    branch = forward.split("if inputs_embeds[1] is None:", 1)[-1].split("elif", 1)[0]
+    if "if inputs_embeds[1] is None:" not in forward or "gemma_expert" in branch:
+        problems.append("PaliGemmaWithExpertModel.forward's prefix-only branch changed (it must run the VLM "
+                        "alone): revisit vlm_prefix_readout")
+    sample = inspect.getsource(m.PI05Pytorch.sample_actions)
+    for needle in ("inputs_embeds=[prefix_embs, None]", '_attn_implementation = "eager"'):
+        if needle not in sample:
+            problems.append(f"PI05Pytorch.sample_actions no longer contains {needle!r}: revisit vlm_prefix_readout")
     return problems

@@ -417,24 +417,33 @@ def run_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
     its inputs: the base model (its sha256 MANIFEST: weights, tokenizer, config) and the
     dataset (split, features, statistics, prompt conditioning, episode index, data files).
     """
-    base = cfg.init_model()
-    data = cfg.results("dataset")
     labels = cfg.advantage_labels()
+    # a RECAP iteration's run: which iteration, where it starts, and its labels
+    recap = ({"iteration": cfg.iteration, "recap.init": cfg.recap.init, "labels": _sha256_of([labels])}
+             if labels is not None else {})
+    return {**settings_fingerprint(cfg, FINGERPRINT_KEYS), **inputs_fingerprint(cfg, cfg.init_model()), **recap}
+
+
+def settings_fingerprint(cfg: PisftConfig, keys: tuple[str, ...]) -> dict[str, Any]:
+    """FINGERPRINT_SECTIONS whole (less FINGERPRINT_EXCLUDED) and the dotted `keys`."""
     values = to_dict(cfg)
     sections = {f"{section}.{key}": value for section in FINGERPRINT_SECTIONS
                 for key, value in values[section].items()
                 if not f"{section}.{key}".startswith(FINGERPRINT_EXCLUDED)}
+    return {**sections, **{key: lookup(values, key) for key in keys}}
+
+
+def inputs_fingerprint(cfg: PisftConfig, base: Path | None = None) -> dict[str, Any]:
+    """The content of the model training starts from (`base`; the base model by default) and of
+    the dataset (see `_sha256_of`)."""
+    base = base or cfg.results("base_model")
+    data = cfg.results("dataset")
     return {
-        **sections,
-        **{key: lookup(values, key) for key in FINGERPRINT_KEYS},
         "base_model": _sha256_of([base / "MANIFEST.json", base / "config.json"]),
         "dataset": _sha256_of([data / "split.json", data / "meta" / "info.json",
                                data / "meta" / "stats.json", data / "meta" / "prompt_conditioning.json",
                                data / "meta" / "tasks.parquet"],
                               listed=[data / "data", data / "meta" / "episodes", data / "videos"]),
-        # a RECAP iteration's run: which iteration, where it starts, and its labels
-        **({"iteration": cfg.iteration, "recap.init": cfg.recap.init,
-            "labels": _sha256_of([labels])} if labels is not None else {}),
     }
 
 
@@ -451,13 +460,19 @@ def checkpoint_root(cfg: PisftConfig) -> Path:
     free space). The world size is not part of the fingerprint: a run resumes on any number of
     processes.
     """
-    digest = hashlib.sha256(json.dumps(run_fingerprint(cfg), sort_keys=True).encode()).hexdigest()
-    return cfg.results(*CHECKPOINT_SUBDIR, f"run-{digest[:12]}")
+    return run_folder(cfg, run_fingerprint(cfg), CHECKPOINT_SUBDIR)
 
 
-def other_runs(cfg: PisftConfig) -> list[Path]:
-    """Checkpoint folders of runs with other settings (kept, never deleted by pisft)."""
-    mine = checkpoint_root(cfg)
+def run_folder(cfg: PisftConfig, fingerprint: dict[str, Any], subdir: tuple[str, ...]) -> Path:
+    """`results/<subdir>/run-<first 12 hex digits of the fingerprint's sha256>`."""
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
+    return cfg.results(*subdir, f"run-{digest[:12]}")
+
+
+def other_runs(cfg: PisftConfig, mine: Path | None = None) -> list[Path]:
+    """Checkpoint folders of runs with other settings beside `mine` (default: this config's
+    policy run folder); kept, never deleted by pisft."""
+    mine = checkpoint_root(cfg) if mine is None else mine
     parent = mine.parent
     if not parent.is_dir():
         return []

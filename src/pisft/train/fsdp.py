@@ -105,19 +105,9 @@ def pi05_units(policy: nn.Module) -> list[Unit]:
     if core is None:
         raise TypeError(f"{type(policy).__name__} is not a LeRobot PI05Policy")
     pwe = core.paligemma_with_expert
-    pg = pwe.paligemma.model
-    vision = pg.vision_tower.vision_model
     prefix = "model.paligemma_with_expert.paligemma.model"
-    vp = f"{prefix}.vision_tower.vision_model"
-    units = [Unit(f"{vp}.embeddings", "vision", (vision.embeddings,), reshard_after_forward=False)]
-    units += [Unit(f"{vp}.encoder.layers.{i}", "vision", (layer,), reshard_after_forward=False)
-              for i, layer in enumerate(vision.encoder.layers)]
-    head = tuple(m for m in (getattr(vision, "post_layernorm", None), pg.multi_modal_projector)
-                 if m is not None)
-    units.append(Unit(f"{prefix}.multi_modal_projector", "vision", head, reshard_after_forward=False))
-    lm = pg.language_model
-    if not _is_tied(policy, lm.embed_tokens):  # pisft ties it to the (unused) lm_head: root
-        units.append(Unit(f"{prefix}.language_model.embed_tokens", "embed", (lm.embed_tokens,)))
+    units = prefix_units(policy, pwe.paligemma.model, prefix)
+    lm = pwe.paligemma.model.language_model
     # Called before the decoder (embed_suffix) and after it (action_out_proj): one small unit.
     action = tuple(getattr(core, n) for n in ("action_in_proj", "time_mlp_in", "time_mlp_out",
                                                "action_out_proj"))
@@ -126,6 +116,25 @@ def pi05_units(policy: nn.Module) -> list[Unit]:
     for i, (vlm_layer, expert_layer) in enumerate(zip(lm.layers, expert_layers, strict=True)):
         units.append(Unit(f"decoder_pair.{i}", "decoder",
                           _layer_parts(vlm_layer) + _layer_parts(expert_layer)))
+    return units
+
+
+def prefix_units(model: nn.Module, pg: nn.Module, prefix: str) -> list[Unit]:
+    """The units of PaliGemma's vision-language prefix (`pg`: the PaliGemma model, named `prefix`
+    in `model`): the SigLIP embeddings, each encoder layer and the post-layernorm + projector
+    (gathered once per forward, see the module docstring), and the token embedding when it is not
+    tied (pisft ties it to the unused lm_head: then it stays in the root)."""
+    vision = pg.vision_tower.vision_model
+    vp = f"{prefix}.vision_tower.vision_model"
+    units = [Unit(f"{vp}.embeddings", "vision", (vision.embeddings,), reshard_after_forward=False)]
+    units += [Unit(f"{vp}.encoder.layers.{i}", "vision", (layer,), reshard_after_forward=False)
+              for i, layer in enumerate(vision.encoder.layers)]
+    head = tuple(m for m in (getattr(vision, "post_layernorm", None), pg.multi_modal_projector)
+                 if m is not None)
+    units.append(Unit(f"{prefix}.multi_modal_projector", "vision", head, reshard_after_forward=False))
+    lm = pg.language_model
+    if not _is_tied(model, lm.embed_tokens):
+        units.append(Unit(f"{prefix}.language_model.embed_tokens", "embed", (lm.embed_tokens,)))
     return units
 
 
@@ -140,7 +149,13 @@ def generic_units(model: nn.Module) -> list[Unit]:
 
 
 def choose_units(model: nn.Module, min_unit_params: int = 0) -> list[Unit]:
-    units = pi05_units(model) if _pi05_core(model) is not None else generic_units(model)
+    """The model's units: its own `fsdp_units()` when it declares them (e.g. the RECAP value
+    model), pi0.5's (`pi05_units`), else the generic ones."""
+    declared = getattr(model, "fsdp_units", None)
+    if callable(declared):
+        units = declared()
+    else:
+        units = pi05_units(model) if _pi05_core(model) is not None else generic_units(model)
     return merge_small_units(units, min_unit_params) if min_unit_params > 0 else units
 
 

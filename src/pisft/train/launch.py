@@ -1,4 +1,4 @@
-"""`python -m pisft launch smoke_1card|train_8card`: start the training processes under torchrun.
+"""`python -m pisft launch smoke_1card|train_8card|train_value`: start the training processes under torchrun.
 
 The command is an argument list (no shell), the environment comes from the device layer
 (Ascend defaults, JAX_PLATFORMS=cpu). Every worker's stdout/stderr goes to the console and to
@@ -121,11 +121,16 @@ def _describe_exit(code: str) -> str:
             3: "smoke check failed (exit code 3)"}.get(n, f"exit code {n}")
 
 
-def _latest_checkpoint(cfg: PisftConfig) -> str:
-    from pisft.train.checkpoint import CheckpointsDamaged, checkpoint_root, latest_complete
+# Training stages that checkpoint and resume (the smoke run does neither).
+RESUMABLE = ("train_8card", "train_value")
+
+
+def _latest_checkpoint(cfg: PisftConfig, stage: str = "train_8card") -> str:
+    from pisft.train.checkpoint import CheckpointsDamaged, latest_complete
+    from pisft.train.run_folders import stage_checkpoint_root
 
     try:  # sizes only: the trainer checks the content before it resumes
-        found = latest_complete(checkpoint_root(cfg), log=lambda _msg: None, content=False)
+        found = latest_complete(stage_checkpoint_root(stage, cfg), log=lambda _msg: None, content=False)
     except CheckpointsDamaged as exc:
         return str(exc)
     if found is None:
@@ -211,7 +216,7 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = torchrun_command(stage, cfg, config_path, overrides, log_dir)
     env = devices.process_env(kind, nproc_per_node=nproc, force_threads=True)
-    print(f"[launch] {stage}: {nproc} process(es) × {cfg.train.nnodes if stage == 'train_8card' else 1} "
+    print(f"[launch] {stage}: {nproc} process(es) × {1 if stage == 'smoke_1card' else cfg.train.nnodes} "
           f"node(s) on {kind}; logs in {log_dir}", file=sys.stderr, flush=True)
     rc, output = _run_tee(cmd, env, log_dir / "launcher.log")
     if rc == 0:
@@ -223,10 +228,10 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
         lines.append(f"rank {f.rank} (local rank {f.local_rank}) {_describe_exit(f.exitcode)}; {where}")
     if not failures:
         lines.append(f"torchrun output: {log_dir / 'launcher.log'}")
-    if stage == "train_8card":
-        lines.append(_latest_checkpoint(cfg))
-        lines.append("Rerun the same command (`snakemake --cores all train_8card`, `dvc repro "
-                     "train_8card` or `python -m pisft launch train_8card ...`) to resume.")
+    if stage in RESUMABLE:
+        lines.append(_latest_checkpoint(cfg, stage))
+        lines.append(f"Rerun the same command (`snakemake --cores all {stage}`, `dvc repro "
+                     f"{stage}` or `python -m pisft launch {stage} ...`) to resume.")
     else:
         lines.append(f"smoke report (if written): {cfg.results('logs', 'smoke_1card', 'report.json')}")
     print("error: " + "\n  ".join(lines), file=sys.stderr, flush=True)

@@ -24,11 +24,17 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, decay_lr: float, steps: in
     return decay_lr + (lr - decay_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float,
-                    fused: bool) -> torch.optim.AdamW:
-    params = [p for p in params if p.requires_grad]
+def build_optimizer(params: Iterable[torch.nn.Parameter] | Iterable[dict], *, lr: float,
+                    weight_decay: float, fused: bool) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters: one group, or parameter groups (dicts with `params`
+    and their own `lr`, as torch takes them; the schedule scales every group's lr alike)."""
+    items = list(params)
+    if items and isinstance(items[0], dict):
+        groups: list = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in items]
+    else:
+        groups = [p for p in items if p.requires_grad]
     kwargs = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.AdamW(params, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
+    return torch.optim.AdamW(groups, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
                              weight_decay=weight_decay, **kwargs)
 
 

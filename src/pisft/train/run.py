@@ -1,9 +1,17 @@
-"""The `train_8card` stage inside one process: resume, train, checkpoint, export."""
+"""A training stage inside one process: resume, train, checkpoint, export.
+
+`run_training` is the `train_8card` stage (the policy). The loop around the optimizer steps
+(run folder lock, verified checkpoints, resume, metrics, data loader, export) is `run_plan`'s,
+for any `RunPlan`: the RECAP value model (`pisft.recap.value_training`) trains through it too.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -17,6 +25,7 @@ from pisft.train.fsdp import sharding_report
 from pisft.train.guard import RunLock, RunLockHeld
 from pisft.train.metrics import MetricsLog, Progress, TensorBoardSink
 from pisft.train.stage import (
+    Built,
     Context,
     build,
     env_summary,
@@ -25,6 +34,23 @@ from pisft.train.stage import (
     require_inputs,
 )
 
+
+@dataclass
+class RunPlan:
+    """What a training stage trains, how long, where its checkpoints and output go."""
+
+    stage: str
+    steps: int  # optimizer steps of the run
+    global_batch: int  # samples per optimizer step (micro batch: train.micro_batch_size)
+    ckpt_root: Path  # the run folder (one per fingerprint)
+    fingerprint: dict[str, Any]  # what a checkpoint must share with this run to be resumed
+    output: Path  # the stage's output folder (written by `export`)
+    build: Callable[[Context], Built]  # model, task, train set, optimizer (same on every rank)
+    scheduler: Callable[[Any], Any]  # optimizer -> learning-rate scheduler
+    export: Callable[[Context, Built, MetricsLog, dict, dict], None]  # collective; rank 0 writes
+    nonfinite_advice: str  # what to change when a loss or gradient is not finite
+
+
 def lr_scheduler(cfg, optimizer):
     """The run's warmup + cosine schedule (train.lr, warmup_steps, decay_lr, steps)."""
     t = cfg.train
@@ -32,32 +58,49 @@ def lr_scheduler(cfg, optimizer):
                                  decay_lr=t.decay_lr, steps=t.steps)
 
 
-def loop_settings(ctx: Context, peak: float | None = None) -> loop.LoopSettings:
-    """The optimizer-step loop's settings of the train_8card stage for this process."""
+def loop_settings(ctx: Context, peak: float | None = None, *, steps: int | None = None,
+                  global_batch: int | None = None) -> loop.LoopSettings:
+    """The optimizer-step loop's settings for this process: train.steps and
+    train.global_batch_size unless given (a RunPlan's)."""
     cfg, t = ctx.cfg, ctx.cfg.train
+    global_batch = global_batch or t.global_batch_size
     return loop.LoopSettings(
-        steps=t.steps, accum=cfg.grad_accum_steps, global_batch=t.global_batch_size,
-        grad_clip=t.grad_clip, kind=ctx.info.kind, device=ctx.info.device,
-        world_size=ctx.world_size, rank=ctx.rank, peak_flops=peak, save_every=t.save_every,
-        log_every=t.log_every)
+        steps=steps or t.steps, accum=global_batch // (t.micro_batch_size * cfg.world_size),
+        global_batch=global_batch, grad_clip=t.grad_clip, kind=ctx.info.kind,
+        device=ctx.info.device, world_size=ctx.world_size, rank=ctx.rank, peak_flops=peak,
+        save_every=t.save_every, log_every=t.log_every)
+
+
+def policy_plan(ctx: Context) -> RunPlan:
+    """The train_8card stage's plan: the policy, train.steps at train.global_batch_size."""
+    cfg, t = ctx.cfg, ctx.cfg.train
+    require_inputs(cfg, ctx.stage)  # the fingerprint (hence the run folder) reads them
+    return RunPlan(
+        stage=ctx.stage, steps=t.steps, global_batch=t.global_batch_size,
+        ckpt_root=checkpoint_root(cfg), fingerprint=run_fingerprint(cfg), output=cfg.results("train"),
+        build=build, scheduler=lambda optimizer: lr_scheduler(cfg, optimizer), export=export_model,
+        nonfinite_advice=f"Lower train.lr (now {t.lr}) or raise train.warmup_steps")
+
 
 def run_training(ctx: Context) -> int:
+    return run_plan(ctx, policy_plan(ctx))
+
+
+def run_plan(ctx: Context, plan: RunPlan) -> int:
+    """Lock the run folder, build, resume, train, export: one training stage in this process."""
     cfg = ctx.cfg
     t_start = time.perf_counter()
-    require_inputs(cfg, ctx.stage)  # the fingerprint (hence the run folder) reads them
-    ckpt_root = checkpoint_root(cfg)
     # Locked before anything in the folder is read or written, and before the (slow) model load,
     # so a second trainer stops at once; held until this process ends.
-    lock = _lock_run_folder(ctx, ckpt_root)
+    lock = _lock_run_folder(ctx, plan.ckpt_root)
     try:
-        built = build(ctx)
-        t = cfg.train
-        scheduler = lr_scheduler(cfg, built.optimizer)
+        built = plan.build(ctx)
+        scheduler = plan.scheduler(built.optimizer)
         resolved = config_mod.resolved(cfg)
-        ckpt = CheckpointManager(ckpt_root, keep_last=t.keep_last, rank=ctx.rank,
-                                 world_size=ctx.world_size, fingerprint=run_fingerprint(cfg),
+        ckpt = CheckpointManager(plan.ckpt_root, keep_last=cfg.train.keep_last, rank=ctx.rank,
+                                 world_size=ctx.world_size, fingerprint=plan.fingerprint,
                                  config=resolved, log=ctx.log)
-        return _train(ctx, built, scheduler, resolved, ckpt_root, ckpt, t_start)
+        return _train(ctx, plan, built, scheduler, resolved, ckpt, t_start)
     finally:
         lock.release()
 
@@ -77,10 +120,12 @@ def _lock_run_folder(ctx: Context, ckpt_root: Path) -> RunLock:
     return lock
 
 
-def _train(ctx: Context, built, scheduler, resolved: dict, ckpt_root: Path,
+def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
            ckpt: CheckpointManager, t_start: float) -> int:
     cfg = ctx.cfg
     t = cfg.train
+    ckpt_root = plan.ckpt_root
+    accum = plan.global_batch // (t.micro_batch_size * ctx.world_size)
     start_step = 0
     resumed_from = None
     found = ckpt.find_resume()
@@ -93,7 +138,7 @@ def _train(ctx: Context, built, scheduler, resolved: dict, ckpt_root: Path,
                 f"{state.get('world_size')} processes; now {ctx.world_size})")
     else:
         ctx.log(f"starting from step 0; checkpoints go to {ckpt_root}")
-    others = other_runs(cfg)
+    others = other_runs(cfg, ckpt_root)
     if others and ctx.is_main:
         ctx.log(f"checkpoints of {len(others)} earlier run(s) with other settings are kept in "
                 f"{ckpt_root.parent} ({', '.join(p.name for p in others)}); delete them to free space")
@@ -101,20 +146,20 @@ def _train(ctx: Context, built, scheduler, resolved: dict, ckpt_root: Path,
     if ctx.is_main:
         metrics_log.reset(keep_upto_step=start_step)
 
-    sampler = make_sampler(cfg, built.train_set, ctx.world_size)
+    sampler = make_sampler(cfg, built.train_set, ctx.world_size, plan.global_batch)
     workers = resolve_workers(t.num_workers, ctx.info.kind, t.nproc_per_node)
     loader = make_loader(built.train_set, sampler, rank=ctx.rank, start_step=start_step,
-                         end_step=t.steps, seed=t.seed, draw=built.task.draw,
+                         end_step=plan.steps, seed=t.seed, draw=built.task.draw,
                          num_workers=workers, prompt=built.prompt, collate=built.task.collate,
                          pin_memory=ctx.info.kind != "cpu", prefetch_factor=t.prefetch_factor)
     peak, peak_source = peak_flops(ctx)
     ctx.log(f"{ctx.world_size} process(es) on {ctx.info.kind} ({ctx.info.name}), "
-            f"micro batch {t.micro_batch_size} × accumulation {cfg.grad_accum_steps} × "
-            f"{ctx.world_size} = global batch {t.global_batch_size}; steps {start_step}..{t.steps}; "
+            f"micro batch {t.micro_batch_size} × accumulation {accum} × "
+            f"{ctx.world_size} = global batch {plan.global_batch}; steps {start_step}..{plan.steps}; "
             f"train set {len(built.train_set)} frames; precision {t.precision}; "
             f"{'FSDP2' if ctx.world_size > 1 else 'unsharded (one process)'}; data-loader workers "
             f"{workers} per process (train.num_workers {t.num_workers}); peak FLOP/s: {peak_source}")
-    progress = Progress(t.steps, start_step, enabled=ctx.is_main, desc="train_8card")
+    progress = Progress(plan.steps, start_step, enabled=ctx.is_main, desc=plan.stage)
     tb = TensorBoardSink(ckpt_root / "tensorboard") if (t.tensorboard and ctx.is_main) else None
 
     def on_step(record: dict) -> None:
@@ -129,13 +174,13 @@ def _train(ctx: Context, built, scheduler, resolved: dict, ckpt_root: Path,
         path = ckpt.save(step, built.policy, built.optimizer, scheduler)
         ctx.log(f"checkpoint {path}")
 
-    settings = loop_settings(ctx, peak)
+    settings = loop_settings(ctx, peak, steps=plan.steps, global_batch=plan.global_batch)
     try:
         loop.run(built.policy, built.optimizer, scheduler, built.task, iter(loader), settings,
                  start_step=start_step, on_step=on_step, save=save)
     except loop.NonFiniteError as exc:
         raise PisftError(
-            f"train_8card: {exc}. Lower train.lr (now {t.lr}) or raise train.warmup_steps; with "
+            f"{plan.stage}: {exc}. {plan.nonfinite_advice}; with "
             "bf16 try train.precision: fp32 to rule out overflow; check the data "
             f"({built.dataset_dir}/conversion_report.json). The last good checkpoint is kept in "
             f"{ckpt_root}."
@@ -147,8 +192,8 @@ def _train(ctx: Context, built, scheduler, resolved: dict, ckpt_root: Path,
 
     report = sharding_report(built.policy, built.optimizer, built.units)
     summary = {
-        "stage": "train_8card",
-        "steps": t.steps,
+        "stage": plan.stage,
+        "steps": plan.steps,
         "world_size": ctx.world_size,
         "device": {"kind": ctx.info.kind, "name": ctx.info.name, "backend": ctx.info.backend},
         "resumed_from": resumed_from,
@@ -158,8 +203,8 @@ def _train(ctx: Context, built, scheduler, resolved: dict, ckpt_root: Path,
         "sharding_rank0": report,
         "environment": env_summary(),
     }
-    export_model(ctx, built, metrics_log, summary, resolved)
+    plan.export(ctx, built, metrics_log, summary, resolved)
     dist.barrier()
-    ctx.log(f"done: {cfg.results('train')}")
+    ctx.log(f"done: {plan.output}")
     return 0
 

@@ -58,8 +58,8 @@ def conditioning_of(cfg: PisftConfig, dataset_dir: Path):
 
 @dataclass
 class Built:
-    policy: nn.Module
-    task: PolicyTask
+    policy: nn.Module  # the trained module: the pi0.5 policy (or the RECAP value model)
+    task: PolicyTask  # (or pisft.recap.value_task.ValueTask: the loop's Task protocol)
     train_set: Any
     stats: dict
     units: list[fsdp.Unit]
@@ -142,12 +142,15 @@ def peak_flops(ctx: Context) -> tuple[float | None, str]:
     return peak_flops_for(ctx.info.name, ctx.info.kind, ctx.cfg.train.peak_flops)
 
 
-def layout_for(cfg: PisftConfig, world_size: int) -> StepLayout:
-    return StepLayout(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+def layout_for(cfg: PisftConfig, world_size: int, global_batch: int | None = None) -> StepLayout:
+    """The step layout: `global_batch` (default train.global_batch_size) in micro-batches of
+    train.micro_batch_size over `world_size` processes."""
+    return StepLayout(global_batch or cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
 
 
-def make_sampler(cfg: PisftConfig, train_set: Any, world_size: int) -> StepSampler:
-    return StepSampler(len(train_set), cfg.train.seed, layout_for(cfg, world_size))
+def make_sampler(cfg: PisftConfig, train_set: Any, world_size: int,
+                 global_batch: int | None = None) -> StepSampler:
+    return StepSampler(len(train_set), cfg.train.seed, layout_for(cfg, world_size, global_batch))
 
 
 def env_summary() -> dict[str, str]:

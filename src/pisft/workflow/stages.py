@@ -64,6 +64,7 @@ EVAL_KEYS = (
     "eval.bootstrap_samples",
     "eval.cfg_scale",
 )
+# The RECAP value model (train_value) and the advantage labelling (advantages).
 CLOSED_LOOP_KEYS = (
     "eval.closed_loop",
     "eval.libero_suites",
@@ -104,6 +105,8 @@ ADVANTAGE_KEYS = (
     "recap.lookahead",
     "recap.positive_quantile",
     "recap.threshold_scope",
+    "train.precision",  # the value model's inference precision
+    # not eval.batch_size, train.num_workers: they change how fast, not what
 )
 # What retraining at iteration k reads besides `train`: where it starts, how labels become prompts.
 RETRAIN_KEYS = ("recap.init", "data.positive_only_conditional", "data.unconditional_prob")

@@ -1,0 +1,226 @@
+"""The distributional value model of RECAP: V(o, task) in [-1, 0] as a distribution over bins.
+
+As in the pi*0.6 paper (arXiv 2511.14759, Sec. IV-A and Appendix: a value function over 201
+bins of the normalised return, trained with cross-entropy) and RLinf's critic
+(`rlinf/models/embodiment/value_model/modeling_critic.py`, `ValueHead`,
+`_compute_categorical_loss`, `_compute_value_from_hidden`):
+
+- bins: `bins` atoms evenly spaced on [-1, 0] (recap.value_bins, 201);
+- target: the normalised return (`pisft.data.rlinf_recap.value_target`: return / |minimum
+  return|, clipped to [-1, 0]) projected onto its two neighbouring atoms ("two-hot": weight
+  1 - d on the lower atom and d on the upper, d the fractional position between them; a target
+  exactly on an atom puts all its weight there);
+- loss: cross-entropy between that two-hot distribution and the softmax of the logits;
+- V = the expectation of the atoms under the softmax.
+
+Backbone: the policy's own vision-language prefix (PaliGemma: SigLIP image embeddings and the
+language tokens through the Gemma VLM), loaded from the base model, without the action expert
+(`lerobot_internals.strip_to_vlm_prefix`, `vlm_prefix_readout`): a learned read-out token
+(RLinf's `cls_embedding`, initialised N(0, 0.02)) is appended to the prefix, attends to all of
+it, and its final hidden state feeds a linear bin head. (RLinf routes its read-out token through
+a separate small Gemma expert; here it goes through the VLM itself, so the value model is the
+policy's prefix plus two small tensors.) The prompt is the plain task text (any advantage label
+stripped), tokenised as LeRobot tokenises pi0.5's prompt (same tokenizer, max length, right
+padding); the robot state is not part of it.
+
+A saved value model (`save` / `load`) is a directory with `model.safetensors` (the value model's
+weights: backbone, read-out token, head) and `value_model.json` (`ValueModelConfig`: the base
+model directory whose architecture and tokenizer it uses, the preset, bins, the return range of
+its training data, the prompt).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pisft.errors import ModelLoadError
+from pisft.model import lerobot_internals as internals
+
+V_MIN, V_MAX = -1.0, 0.0
+CONFIG_FILE = "value_model.json"
+WEIGHTS_FILE = "model.safetensors"
+FORMAT_VERSION = 1
+TOKENS_KEY = "tokens"
+TOKEN_MASK_KEY = "token_mask"
+TARGET_KEY = "target"
+
+
+# ------------------------------------------------------------------------------ the bin arithmetic
+def atoms(bins: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The `bins` values of the bins, evenly spaced on [V_MIN, V_MAX]."""
+    return torch.linspace(V_MIN, V_MAX, bins, device=device)
+
+
+def _position(target: torch.Tensor, bins: int) -> torch.Tensor:
+    """The target's fractional bin index in [0, bins - 1] (clipped to [V_MIN, V_MAX])."""
+    delta = (V_MAX - V_MIN) / (bins - 1)
+    return (target.float().clamp(V_MIN, V_MAX) - V_MIN) / delta
+
+
+def two_hot(target: torch.Tensor, bins: int) -> torch.Tensor:
+    """(B, bins): each target's weight on its two neighbouring bins (RLinf's projection)."""
+    b = _position(target, bins)
+    lower = b.floor().long().clamp(0, bins - 1)
+    upper = (lower + 1).clamp(max=bins - 1)
+    frac = b - lower.float()  # 0 on a bin (then `upper` gets nothing)
+    out = torch.zeros(*target.shape, bins, dtype=torch.float32, device=target.device)
+    out.scatter_add_(-1, lower.unsqueeze(-1), (1.0 - frac).unsqueeze(-1))
+    out.scatter_add_(-1, upper.unsqueeze(-1), frac.unsqueeze(-1))
+    return out
+
+
+def nearest_bin(target: torch.Tensor, bins: int) -> torch.Tensor:
+    """The bin nearest each target; halfway between two bins: the lower one (RLinf's `acc_best`)."""
+    b = _position(target, bins)
+    lower = b.floor()
+    return torch.where(b - lower > 0.5, lower + 1, lower).long().clamp(0, bins - 1)
+
+
+def categorical_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """(B,): cross-entropy of the softmax of `logits` (B, bins) against the two-hot targets."""
+    bins = logits.shape[-1]
+    return -(two_hot(target, bins) * F.log_softmax(logits.float(), dim=-1)).sum(dim=-1)
+
+
+def expected_value(logits: torch.Tensor) -> torch.Tensor:
+    """(B,): V = sum over bins of softmax(logits) * atom."""
+    probs = F.softmax(logits.float(), dim=-1)
+    return (probs * atoms(logits.shape[-1], logits.device)).sum(dim=-1)
+
+
+# ------------------------------------------------------------------------------------- the model
+class ValueModel(nn.Module):
+    """pi0.5's VLM prefix + a learned read-out token + a linear head over `bins` bins."""
+
+    def __init__(self, policy: nn.Module, bins: int) -> None:
+        super().__init__()
+        if bins < 2:
+            raise ValueError(f"a distribution over bins needs at least 2 bins, got {bins}")
+        internals.strip_to_vlm_prefix(policy)
+        self.policy = policy
+        width = internals.vlm_width(policy)
+        self.bins = bins
+        self.readout = nn.Embedding(1, width)
+        nn.init.normal_(self.readout.weight, std=0.02)  # RLinf's cls_embedding
+        self.head = nn.Linear(width, bins)
+
+    def forward(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Logits (B, bins) of a prepared batch: camera images (B, 3, H, W) in [0, 1],
+        `tokens` (B, L) and `token_mask` (B, L) of the prompt."""
+        tokens = batch[TOKENS_KEY]
+        images, img_masks = self.policy._preprocess_images(batch)  # noqa: SLF001 - LeRobot's resize + [-1, 1]
+        # An embedding lookup, not `.weight`: FSDP2 gathers parameters in a module's forward hooks.
+        ids = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=tokens.device)
+        hidden = internals.vlm_prefix_readout(self.policy, images, img_masks, tokens,
+                                              batch[TOKEN_MASK_KEY], self.readout(ids))
+        return self.head(hidden[:, 0]).float()
+
+    def backbone_parameters(self) -> list[nn.Parameter]:
+        head = {id(p) for p in self.head_parameters()}
+        return [p for p in self.parameters() if id(p) not in head]
+
+    def head_parameters(self) -> list[nn.Parameter]:
+        return [*self.readout.parameters(), *self.head.parameters()]
+
+    def fsdp_units(self) -> list:
+        """FSDP2 units (`pisft.train.fsdp.choose_units`): the prefix's vision units and one unit
+        per VLM decoder layer (the layers are called as modules by the VLM's forward); the
+        read-out token, the head and the tied embedding stay in the root."""
+        from pisft.train import fsdp
+
+        prefix = "policy.model.paligemma_with_expert.paligemma.model"
+        pg = self.policy.model.paligemma_with_expert.paligemma.model
+        units = fsdp.prefix_units(self, pg, prefix)
+        units += [fsdp.Unit(f"{prefix}.language_model.layers.{i}", "decoder", (layer,))
+                  for i, layer in enumerate(pg.language_model.layers)]
+        return units
+
+
+# ------------------------------------------------------------------------------- save and load
+@dataclass(frozen=True)
+class ValueModelConfig:
+    base_model: str  # the base model directory: architecture (config.json) and tokenizer
+    preset: str
+    bins: int
+    return_min: float  # the return range of the training data (the value target's scale)
+    return_max: float
+    base_config_sha256: str = ""  # of the base model's config.json when the model was trained
+    prompt: str = "task"  # the plain task text, advantage label stripped
+    v_min: float = V_MIN
+    v_max: float = V_MAX
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def read(cls, path: Path) -> ValueModelConfig:
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: not found; {path.parent} is not a value model directory "
+                                 "(run the train_value stage)")
+        try:
+            raw = json.loads(path.read_text())
+            known = {f.name for f in fields(cls)}
+            config = cls(**{k: v for k, v in raw.items() if k in known})
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ModelLoadError(f"{path}: unreadable ({exc}); run the train_value stage again") from None
+        if config.format_version != FORMAT_VERSION:
+            raise ModelLoadError(f"{path}: format_version {config.format_version} is not {FORMAT_VERSION}; "
+                                 "run the train_value stage again with this pisft")
+        return config
+
+
+def from_base(base_dir: Path, *, bins: int, preset: str | None, seed: int) -> ValueModel:
+    """A value model whose backbone is the base model's (loaded strictly), read-out token and
+    head freshly initialised from `seed` (identical on every process)."""
+    from pisft.model.policy import load_policy
+
+    policy = load_policy(base_dir, device="cpu", dtype="float32", preset=preset)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return ValueModel(policy, bins)
+
+
+def save(model: ValueModel, out_dir: Path, config: ValueModelConfig,
+         state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Write `model` (or a full `state_dict` of it, e.g. gathered from FSDP) into the existing
+    directory `out_dir` (the caller makes it atomic)."""
+    from pisft.io import write_manifest
+    from pisft.model.weights import save_weights
+
+    save_weights(model, out_dir / WEIGHTS_FILE, state_dict=state_dict)
+    (out_dir / CONFIG_FILE).write_text(config.to_json())
+    write_manifest(out_dir)
+
+
+def load(model_dir: Path, *, device: str | torch.device = "cpu") -> tuple[ValueModel, ValueModelConfig]:
+    """A saved value model, loaded strictly (every tensor, no other), in eval mode on `device`."""
+    from pisft.io import sha256_file
+    from pisft.model.policy import CONFIG_FILE as POLICY_CONFIG
+    from pisft.model.policy import policy_from_config, read_config, read_model_info
+    from pisft.model.weights import load_strict
+
+    model_dir = Path(model_dir)
+    config = ValueModelConfig.read(model_dir / CONFIG_FILE)
+    base = Path(config.base_model)
+    if not (base / POLICY_CONFIG).is_file():
+        raise ModelLoadError(f"{model_dir / CONFIG_FILE}: its base model {base} has no {POLICY_CONFIG}; "
+                             "the value model needs the base model it was trained from (run fetch_base)")
+    if config.base_config_sha256 and sha256_file(base / POLICY_CONFIG) != config.base_config_sha256:
+        raise ModelLoadError(f"{base / POLICY_CONFIG} changed since the value model in {model_dir} was "
+                             "trained from it; run the train_value stage again")
+    policy_config, _ = read_config(base / POLICY_CONFIG)
+    policy = policy_from_config(policy_config, read_model_info(base), device="cpu", dtype="float32")
+    model = ValueModel(policy, config.bins)
+    load_strict(model, model_dir / WEIGHTS_FILE)
+    model.to(device)
+    model.policy.config.device = str(device)
+    model.eval()
+    return model, config

@@ -1,0 +1,237 @@
+"""The `train_value` stage: the distributional value model on the pool, under torchrun/FSDP2.
+
+Started like `train_8card` (`python -m pisft launch train_value`: torchrun with
+train.nproc_per_node x train.nnodes processes) and run by the same machinery
+(`pisft.train.run.run_plan`): the run folder `results/checkpoints/value/run-<fingerprint>`
+locked by rank 0 (`RunLock`), verified DCP checkpoints every train.save_every steps with
+automatic resume (`CheckpointManager`), the deterministic sample order of `StepSampler`, the
+data loader with workers, the optimizer-step loop with accumulation, clipping and non-finite
+step skipping.
+
+What differs from the policy (`value_plan`):
+- the model: `value_model.ValueModel` from the base model (the policy's VLM prefix, a read-out
+  token and a bin head), trained on the train split with targets from `dataset/returns.parquet`;
+- recap.value_steps optimizer steps of recap.value_global_batch_size samples (micro batch
+  train.micro_batch_size, accumulation derived);
+- AdamW (train.weight_decay, openpi's betas) with two parameter groups: the backbone at
+  recap.value_lr, the read-out token and the head at recap.value_head_lr (RLinf's
+  `optim.lr` / `optim.value_lr`); the policy's warmup + cosine shape (train.warmup_steps, decaying
+  to train.decay_lr / train.lr of each group's peak at the last step);
+- the fingerprint: the value settings, the base model, the dataset and the returns file.
+
+Output, `results/value/` (one atomic rename on rank 0):
+  model/              `value_model.save`: model.safetensors, value_model.json, MANIFEST.json
+  metrics.json        held-out Spearman rho (V vs the normalised return), bin accuracy, MAE, the
+                      frame count, first and last training loss, steps, the return range, bins
+  calibration.png     V against the normalised return, held-out frames
+  metrics.jsonl       one line per optimizer step (resumes included)
+  train_summary.json  world size, device, resume point, wall time, sharding figures
+  pisft_config.json   the resolved config
+
+`smoke_value_steps` runs the model's first optimizer steps on one device (for smoke_1card).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from pisft import device as devices
+from pisft.config import PisftConfig
+from pisft.errors import PisftError
+from pisft.io import atomic_dir, sha256_file, write_json_atomic
+from pisft.recap import value_metrics, value_model
+from pisft.train.run_folders import CHECKPOINT_SUBDIR, RETURNS_FILE, value_fingerprint
+from pisft.recap.value_data import PromptCollate, ReturnRange, ValueFrames, read_returns
+from pisft.recap.value_task import ValueTask
+from pisft.train import fsdp, optim
+from pisft.train.checkpoint import run_folder
+from pisft.train.run import RunPlan, run_plan
+from pisft.train.stage import Built, Context, require_inputs
+
+def require_value_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
+    base, data = require_inputs(cfg, stage)
+    if not (data / RETURNS_FILE).is_file():
+        raise PisftError(f"{stage}: {data / RETURNS_FILE} not found; the RECAP loop's returns step writes it "
+                         f"with the pool (snakemake --cores all {stage} runs what is missing)")
+    return base, data
+
+
+def scheduler_for(cfg: PisftConfig, optimizer: torch.optim.Optimizer):
+    """The policy's warmup + cosine shape over recap.value_steps; every group decays to
+    train.decay_lr / train.lr of its own peak."""
+    r, t = cfg.recap, cfg.train
+    return optim.build_scheduler(optimizer, lr=r.value_lr, warmup_steps=t.warmup_steps,
+                                 decay_lr=r.value_lr * t.decay_lr / t.lr, steps=r.value_steps)
+
+
+@dataclass
+class ValueBuilt(Built):
+    returns: pd.DataFrame | None = None
+    scale: ReturnRange | None = None
+
+
+@dataclass
+class _Pieces:
+    model: value_model.ValueModel
+    train_set: ValueFrames
+    collate: PromptCollate
+    returns: pd.DataFrame
+    scale: ReturnRange
+    base: Path
+    data: Path
+
+
+def _pieces(cfg: PisftConfig, stage: str, device: torch.device) -> _Pieces:
+    """The value model from the base model, the train frames, the prompt collate (CPU)."""
+    from pisft.model.policy import TOKENIZER_DIR
+    from pisft.model.tokenizer import load_tokenizer
+
+    base, data = require_value_inputs(cfg, stage)
+    torch.manual_seed(cfg.train.seed)
+    returns = read_returns(data)
+    scale = ReturnRange.of(returns)
+    model = value_model.from_base(base, bins=cfg.recap.value_bins, preset=cfg.model.preset,
+                                  seed=cfg.train.seed)
+    model.policy.config.device = str(device)
+    image_keys = tuple(model.policy.config.image_features)
+    train_set = ValueFrames(data, "train", returns, scale, image_keys)
+    collate = PromptCollate(load_tokenizer(base / TOKENIZER_DIR), int(model.policy.config.tokenizer_max_length))
+    return _Pieces(model, train_set, collate, returns, scale, base, data)
+
+
+def _optimizer(cfg: PisftConfig, model: value_model.ValueModel, kind: str) -> torch.optim.Optimizer:
+    r = cfg.recap
+    groups = [{"params": model.backbone_parameters(), "lr": r.value_lr},
+              {"params": model.head_parameters(), "lr": r.value_head_lr}]
+    return optim.build_optimizer(groups, lr=r.value_lr, weight_decay=cfg.train.weight_decay,
+                                 fused=devices.fused_adamw_supported(kind))
+
+
+def build_value(ctx: Context) -> ValueBuilt:
+    """The value model sharded with FSDP2 (unsharded on one process), its task, data, optimizer."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = ctx.cfg
+    p = _pieces(cfg, ctx.stage, ctx.info.device)
+    if cfg.train.activation_checkpointing:
+        ctx.log("note: train.activation_checkpointing is not applied to the value model (its VLM layers "
+                "run without recomputation)")
+    mesh = init_device_mesh(ctx.info.device.type, (ctx.world_size,))
+    units = fsdp.distribute(p.model, mesh, cfg.train.precision, ctx.info.device,
+                            min_params=cfg.train.fsdp_min_unit_params)
+    optimizer = _optimizer(cfg, p.model, ctx.info.kind)  # after sharding: the sharded parameters
+    task = ValueTask(p.collate, ctx.info.device, cfg.train.precision)
+    return ValueBuilt(p.model, task, p.train_set, {}, units, optimizer, p.base, p.data,
+                      returns=p.returns, scale=p.scale)
+
+
+def value_plan(ctx: Context) -> RunPlan:
+    cfg, r = ctx.cfg, ctx.cfg.recap
+    require_value_inputs(cfg, ctx.stage)  # the fingerprint reads them
+    fingerprint = value_fingerprint(cfg)
+    return RunPlan(
+        stage=ctx.stage, steps=r.value_steps, global_batch=r.value_global_batch_size,
+        ckpt_root=run_folder(cfg, fingerprint, CHECKPOINT_SUBDIR), fingerprint=fingerprint,
+        output=cfg.results("value"), build=build_value,
+        scheduler=lambda optimizer: scheduler_for(cfg, optimizer), export=export_value,
+        nonfinite_advice=(f"Lower recap.value_lr (now {r.value_lr}) and recap.value_head_lr (now "
+                          f"{r.value_head_lr}) or raise train.warmup_steps"))
+
+
+def run_value_training(ctx: Context) -> int:
+    """The train_value stage in one torchrun process."""
+    return run_plan(ctx, value_plan(ctx))
+
+
+# ----------------------------------------------------------------------------------------- export
+def _losses(metrics_path: Path) -> list[float]:
+    lines = metrics_path.read_text().splitlines() if metrics_path.is_file() else []
+    return [float(json.loads(line)["loss"]) for line in lines if line.strip()]
+
+
+def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dict, resolved: dict) -> None:
+    """Held-out metrics (every process predicts a share), then the model gathered to rank 0,
+    which writes results/value/ atomically. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    cfg = ctx.cfg
+    t0 = time.perf_counter()
+    heldout = ValueFrames(built.dataset_dir, "eval", built.returns, built.scale, built.train_set.image_keys)
+    pred = value_metrics.predict(built.policy, heldout, built.task, batch_size=cfg.eval.batch_size,
+                                 rank=ctx.rank, world_size=ctx.world_size)
+    full = get_model_state_dict(built.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not ctx.is_main:
+        return
+    losses = _losses(metrics_log.path)
+    metrics = {
+        **value_metrics.heldout_metrics(pred["value"], pred["bin"], heldout.target.astype(np.float64),
+                                        cfg.recap.value_bins),
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "steps": cfg.recap.value_steps,
+        "bins": cfg.recap.value_bins,
+        "return_min": built.scale.min,
+        "return_max": built.scale.max,
+        "frames_train": len(built.train_set),
+        "heldout_inference_s": time.perf_counter() - t0,
+    }
+    config = value_model.ValueModelConfig(
+        base_model=str(built.base_dir), preset=cfg.model.preset, bins=cfg.recap.value_bins,
+        return_min=built.scale.min, return_max=built.scale.max,
+        base_config_sha256=sha256_file(built.base_dir / "config.json"))
+    rho = metrics["spearman_heldout"]
+    with atomic_dir(cfg.results("value")) as tmp:
+        (tmp / "model").mkdir()
+        value_model.save(built.policy, tmp / "model", config, state_dict=full)
+        write_json_atomic(tmp / "metrics.json", metrics)
+        value_metrics.calibration_plot(
+            heldout.target, pred["value"], tmp / "calibration.png",
+            title=(f"value model, {metrics['frames_heldout']} held-out frames, Spearman rho "
+                   + (f"{rho:.3f}" if rho is not None else "undefined")))
+        shutil.copy2(metrics_log.path, tmp / "metrics.jsonl")
+        write_json_atomic(tmp / "train_summary.json", {**summary, "stage": ctx.stage})
+        write_json_atomic(tmp / "pisft_config.json", resolved)
+    ctx.log(f"held-out: Spearman rho {rho}, bin accuracy {metrics['bin_accuracy_heldout']}, "
+            f"{metrics['frames_heldout']} frames")
+
+
+# ------------------------------------------------------------------------------------ smoke steps
+def smoke_value_steps(ctx: Context, steps: int | None = None) -> dict[str, Any]:
+    """The value model's first `steps` (default smoke.steps) optimizer steps on this process's
+    device, unsharded, on the first micro-batch of the real run at the peak learning rates: the
+    losses and gradient norms, and the checks the policy's smoke run makes (loss finite,
+    gradients finite, loss falling). Needs the process group (smoke_1card's one process)."""
+    import itertools
+
+    from pisft.train import loop
+    from pisft.train.smoke import training_checks
+    from pisft.train.stage import make_sampler
+
+    cfg, t = ctx.cfg, ctx.cfg.train
+    steps = steps or cfg.smoke.steps
+    p = _pieces(cfg, ctx.stage, ctx.info.device)
+    p.model.to(ctx.info.device)
+    optimizer = _optimizer(cfg, p.model, ctx.info.kind)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    task = ValueTask(p.collate, ctx.info.device, t.precision)
+    first = make_sampler(cfg, p.train_set, 1, cfg.recap.value_global_batch_size).micro_batch(0, 0, 0)
+    fixed = p.collate([p.train_set[ref.index] for ref in first])
+    settings = loop.LoopSettings(steps=steps, accum=1, global_batch=t.micro_batch_size, grad_clip=t.grad_clip,
+                                 kind=ctx.info.kind, device=ctx.info.device, world_size=1, rank=0,
+                                 stop_on_nonfinite=False, log_every=steps)
+    records = loop.run(p.model, optimizer, scheduler, task, (dict(fixed) for _ in itertools.count()),
+                       settings, start_step=0)
+    losses = [r["loss"] for r in records]
+    grad_norms = [r["grad_norm"] for r in records]
+    checks = training_checks(losses, grad_norms)
+    return {"losses": losses, "grad_norms": grad_norms, "checks": checks,
+            "passed": all(c["passed"] for c in checks)}

@@ -1,0 +1,45 @@
+"""The run folder of each training stage that checkpoints: the policy's (`train_8card`:
+`checkpoint.checkpoint_root`) and the RECAP value model's (`train_value`:
+`results/checkpoints/value/run-<fingerprint digest>`, trained by `pisft.recap.value_training`).
+
+Here, below the trainers, so that the launcher names the latest checkpoint of either after a
+failure without importing the training code, the model or the RECAP package.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pisft.config import PisftConfig
+from pisft.io import sha256_file
+from pisft.train import checkpoint
+from pisft.train.checkpoint import inputs_fingerprint, run_folder, settings_fingerprint
+
+RETURNS_FILE = "returns.parquet"  # in the converted pool: the returns the value model learns
+CHECKPOINT_SUBDIR = ("checkpoints", "value")
+# Settings that change what the value run computes (with the model and data sections and the
+# inputs' content); the world size, the micro batch and everything that only splits or speeds up
+# the same computation are left out, as for the policy (pisft.train.checkpoint).
+FINGERPRINT_KEYS = (
+    "recap.value_bins", "recap.value_steps", "recap.value_lr", "recap.value_head_lr",
+    "recap.value_global_batch_size", "train.seed", "train.warmup_steps", "train.lr", "train.decay_lr",
+    "train.weight_decay", "train.grad_clip", "train.precision",
+)
+
+
+def value_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
+    """What a value checkpoint must share with the current run to be resumed: the settings above,
+    the base model, the dataset and the returns file (sha256)."""
+    returns = cfg.results("dataset", RETURNS_FILE)
+    return {**settings_fingerprint(cfg, FINGERPRINT_KEYS), **inputs_fingerprint(cfg),
+            "returns": sha256_file(returns) if returns.is_file() else None}
+
+
+def value_checkpoint_root(cfg: PisftConfig) -> Path:
+    return run_folder(cfg, value_fingerprint(cfg), CHECKPOINT_SUBDIR)
+
+
+def stage_checkpoint_root(stage: str, cfg: PisftConfig) -> Path:
+    """The run folder of `stage` (train_8card or train_value) for this config."""
+    return value_checkpoint_root(cfg) if stage == "train_value" else checkpoint.checkpoint_root(cfg)

@@ -1,0 +1,372 @@
+"""The RECAP value model: two-hot targets and loss by hand, the model on the tiny preset, its
+returns input, save/load, the smoke steps, and the train_value stage under torchrun (2 gloo
+processes) with its outputs, resume after SIGKILL, and the advantages stage on its output."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from recap_fixtures import overrides, results_with_inputs, value_inputs
+from safetensors.torch import load_file
+from train_fixtures import CONFIG, ROOT, launch_env, read_jsonl
+
+from pisft import config as config_mod
+from pisft.data.rlinf_recap import value_target
+from pisft.errors import DataError, ModelLoadError
+from pisft.recap import value_model
+from pisft.recap.value_data import PromptCollate, ReturnRange, ValueFrames, read_returns
+from pisft.recap.value_metrics import bin_accuracy, spearman
+from pisft.recap.value_model import categorical_loss, expected_value, nearest_bin, two_hot
+from pisft.recap.value_task import ValueTask
+
+
+# ------------------------------------------------------------------------------ bins by hand
+def test_two_hot_puts_the_target_on_its_two_neighbouring_bins():
+    # 5 bins: atoms -1, -0.75, -0.5, -0.25, 0 (spacing 0.25)
+    got = two_hot(torch.tensor([-0.6, -0.5, -1.0, 0.0, -1.3, 0.2, -0.1]), 5)
+    want = torch.tensor([
+        [0, 0.4, 0.6, 0, 0],  # -0.6 = 0.4 * -0.75 + 0.6 * -0.5
+        [0, 0, 1, 0, 0],  # exactly on a bin
+        [1, 0, 0, 0, 0],  # -1: the first bin
+        [0, 0, 0, 0, 1],  # 0: the last bin
+        [1, 0, 0, 0, 0],  # below -1: clipped
+        [0, 0, 0, 0, 1],  # above 0: clipped
+        [0, 0, 0, 0.4, 0.6],  # -0.1 = 0.4 * -0.25 + 0.6 * 0
+    ])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert torch.allclose(got.sum(-1), torch.ones(7))
+    # the expectation of the two-hot distribution is the (clipped) target
+    atoms = value_model.atoms(5)
+    torch.testing.assert_close((got * atoms).sum(-1), torch.tensor([-0.6, -0.5, -1, 0, -1, 0, -0.1]))
+
+
+def test_categorical_loss_is_the_cross_entropy_against_the_two_hot_target():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 0.5, -1.0], [3.0, 0.0, 0.0, 0.0, 0.0]])
+    target = torch.tensor([-0.6, -1.0])
+    logp = torch.log_softmax(logits, dim=-1)
+    want = torch.stack([-(0.4 * logp[0, 1] + 0.6 * logp[0, 2]), -logp[1, 0]])
+    torch.testing.assert_close(categorical_loss(logits, target), want)
+    # by hand for the second row: log-sum-exp of (3, 0, 0, 0, 0) minus 3
+    assert categorical_loss(logits, target)[1].item() == pytest.approx(math.log(math.exp(3) + 4) - 3, rel=1e-6)
+
+
+def test_expected_value_and_nearest_bin():
+    torch.testing.assert_close(expected_value(torch.zeros(1, 5)), torch.tensor([-0.5]))  # mean of the atoms
+    torch.testing.assert_close(expected_value(torch.tensor([[0.0, 50.0, 0.0, 0.0, 0.0]])), torch.tensor([-0.75]))
+    # -0.6 is 0.4 of the way from bin 1 to bin 2: nearest 2; -0.625 halfway: the lower (RLinf's acc_best)
+    assert nearest_bin(torch.tensor([-0.6, -0.625, -1.0, 0.0, -0.7]), 5).tolist() == [2, 1, 0, 4, 1]
+    assert bin_accuracy(np.array([2, 2, 0]), np.array([-0.6, -0.625, -1.0]), 5) == pytest.approx(2 / 3)
+
+
+def test_value_target_divides_by_the_minimum_return_and_clips():
+    got = value_target(np.array([-323.0, -10.0, 0.0, -400.0]), -323.0)
+    np.testing.assert_allclose(got, [-1.0, -10 / 323, 0.0, -1.0])
+    np.testing.assert_allclose(value_target(np.array([0.0, 0.0]), 0.0), [0.0, 0.0])  # min 0: divide by 1
+
+
+def test_spearman_averages_tied_ranks():
+    x, y = np.array([1.0, 2.0, 2.0, 3.0]), np.array([1.0, 3.0, 2.0, 4.0])
+    rx, ry = np.array([1, 2.5, 2.5, 4]), np.array([1, 3, 2, 4.0])
+    want = np.corrcoef(rx, ry)[0, 1]  # Pearson of the (tie-averaged) ranks
+    assert spearman(x, y) == pytest.approx(want)
+    assert spearman(np.ones(4), y) is None  # constant: undefined
+
+
+# ------------------------------------------------------------------ the model on the tiny preset
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    return value_inputs(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def pieces(inputs):
+    from pisft.model.tokenizer import load_tokenizer
+
+    returns = read_returns(inputs / "dataset")
+    scale = ReturnRange.of(returns)
+    model = value_model.from_base(inputs / "base_model", bins=11, preset="tiny", seed=0)
+    frames = ValueFrames(inputs / "dataset", "train", returns, scale, tuple(model.policy.config.image_features))
+    collate = PromptCollate(load_tokenizer(inputs / "base_model" / "tokenizer"),
+                            int(model.policy.config.tokenizer_max_length))
+    return model, frames, collate, scale
+
+
+def test_the_value_model_is_the_policy_prefix_a_readout_token_and_a_head(pieces):
+    model, frames, collate, scale = pieces
+    names = [n for n, _ in model.named_parameters()]
+    assert not [n for n in names if "gemma_expert" in n or "action_" in n or "time_mlp" in n]
+    assert any(".vision_tower." in n for n in names) and any(".language_model.layers." in n for n in names)
+    from pisft.model.lerobot_internals import vlm_width
+
+    assert model.readout.weight.shape == (1, vlm_width(model.policy)) and model.head.out_features == 11
+    task = ValueTask(collate, torch.device("cpu"))
+    batch = task.prepare(collate([frames[i] for i in range(3)]))
+    logits = task.logits(model, batch)
+    assert logits.shape == (3, 11) and logits.dtype == torch.float32
+    loss = task.loss(model, batch, {})
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert grads["readout.weight"].abs().sum() > 0 and grads["head.weight"].abs().sum() > 0
+    layer = next(n for n in grads if ".language_model.layers.0.self_attn.q_proj" in n)
+    assert grads[layer].abs().sum() > 0  # the backbone trains too
+    model.zero_grad(set_to_none=True)
+    # the prompt and the images both reach the read-out token
+    with torch.no_grad():
+        other = dict(batch)
+        other["tokens"], other["token_mask"] = collate.tokens(["open the top drawer of the cabinet"] * 3)
+        assert not torch.allclose(task.logits(model, other), logits)
+        dark = {**batch, **{k: torch.zeros_like(batch[k]) for k in frames.image_keys}}
+        assert not torch.allclose(task.logits(model, dark), logits)
+    # parameter groups: head = read-out token + bin head; backbone = everything else
+    assert len(model.head_parameters()) == 3
+    assert len(model.backbone_parameters()) + 3 == len(list(model.parameters()))
+
+
+def test_targets_follow_the_returns_file(pieces, inputs):
+    _, frames, _, scale = pieces
+    assert scale.max == 0.0 and scale.min == -(24 - 1) - 300  # a failed 24-frame episode
+    returns = pd.read_parquet(inputs / "dataset" / "returns.parquet")
+    row = 5
+    ep, fr = int(frames.episode_index[row]), int(frames.frame_index[row])
+    ret = float(returns[(returns.episode_index == ep) & (returns.frame_index == fr)]["return"].iloc[0])
+    assert frames.target[row] == pytest.approx(ret / 323.0)
+    assert "\nAdvantage" not in frames.task[row] and frames.task[row]
+
+
+def test_save_and_load_give_the_same_logits(pieces, inputs, tmp_path):
+    model, frames, collate, scale = pieces
+    config = value_model.ValueModelConfig(base_model=str(inputs / "base_model"), preset="tiny", bins=11,
+                                          return_min=scale.min, return_max=scale.max)
+    out = tmp_path / "model"
+    out.mkdir()
+    value_model.save(model, out, config)
+    loaded, got_config = value_model.load(out)
+    assert got_config == config
+    task = ValueTask(collate, torch.device("cpu"))
+    batch = task.prepare(collate([frames[i] for i in range(2)]))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(task.logits(loaded, batch), task.logits(model, batch))
+    model.train()
+    stale = value_model.ValueModelConfig(**{**config.__dict__, "base_config_sha256": "0" * 64})
+    (out / value_model.CONFIG_FILE).write_text(stale.to_json())
+    with pytest.raises(ModelLoadError, match="changed since the value model"):
+        value_model.load(out)
+
+
+def _write_returns(dataset: Path, table: pd.DataFrame) -> None:
+    pq.write_table(pa.Table.from_pandas(table, preserve_index=False), dataset / "returns.parquet")
+
+
+def test_a_returns_file_that_does_not_match_the_dataset_is_refused(inputs, tmp_path):
+    import shutil
+
+    dataset = tmp_path / "dataset"
+    shutil.copytree(inputs / "dataset", dataset)
+    good = pd.read_parquet(dataset / "returns.parquet")
+    _write_returns(dataset, good.iloc[:-3])
+    with pytest.raises(DataError, match="3 frames of .* without a row"):
+        read_returns(dataset)
+    bad = good.copy()
+    bad.loc[7, "return"] = np.nan
+    _write_returns(dataset, bad)
+    with pytest.raises(DataError, match="1 row\\(s\\) with a non-finite return"):
+        read_returns(dataset)
+    _write_returns(dataset, good.drop(columns=["reward"]))
+    with pytest.raises(DataError, match="lacks column\\(s\\) \\['reward'\\]"):
+        read_returns(dataset)
+
+
+def test_the_value_run_folder_follows_the_iteration_and_the_returns(inputs, tmp_path):
+    import shutil
+
+    from pisft.train.run_folders import value_checkpoint_root as checkpoint_root
+
+    loop = ["recap.iterations=1", "eval.closed_loop=true", "eval.trials_per_task=1"]
+    cfg = config_mod.load(CONFIG, [*overrides(tmp_path), *loop])
+    for sub in ("base_model", "dataset"):
+        shutil.copytree(inputs / sub, tmp_path / sub)
+    root = checkpoint_root(cfg)
+    assert root.parent == tmp_path / "checkpoints" / "value"
+    it1 = cfg.at_iteration(1)
+    assert checkpoint_root(it1).parent == tmp_path / "recap" / "iter_1" / "checkpoints" / "value"
+    returns = pd.read_parquet(tmp_path / "dataset" / "returns.parquet")
+    returns.loc[0, "return"] -= 1.0
+    _write_returns(tmp_path / "dataset", returns)
+    assert checkpoint_root(cfg) != root  # other returns: another run, never a resume
+    assert checkpoint_root(config_mod.load(CONFIG, [*overrides(tmp_path), *loop, "recap.value_lr=0.002"])) \
+        != checkpoint_root(cfg)
+    assert checkpoint_root(config_mod.load(CONFIG, [*overrides(tmp_path), *loop, "train.nproc_per_node=1",
+                                                    "recap.value_global_batch_size=16"])) == checkpoint_root(cfg)
+
+
+def test_smoke_steps_train_the_value_model_on_one_device(inputs, tmp_path):
+    """The value model's first optimizer steps (for smoke_1card): loss finite and falling."""
+    import torch.distributed as dist
+
+    from pisft.device import DeviceInfo
+    from pisft.recap.value_training import smoke_value_steps
+    from pisft.train.stage import Context
+
+    cfg = config_mod.load(CONFIG, [*overrides(inputs), "recap.value_lr=0.001", "recap.value_head_lr=0.001"])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        ctx = Context(cfg, "smoke_1card", DeviceInfo("cpu", "gloo", torch.device("cpu"), "cpu"), 0, 1)
+        report = smoke_value_steps(ctx, steps=4)
+    finally:
+        dist.destroy_process_group()
+    assert len(report["losses"]) == 4 and all(math.isfinite(x) for x in report["losses"])
+    assert report["passed"], report
+    assert report["losses"][-1] < report["losses"][0]
+
+
+# ------------------------------------------------------------------ train_value under torchrun
+RUN = ["recap.value_steps=10", "train.save_every=5", "train.warmup_steps=2", "recap.value_bins=51",
+       "recap.value_global_batch_size=16", "train.micro_batch_size=4", "train.nproc_per_node=2"]
+
+
+def _launch_cmd(results: Path, *extra: str) -> list[str]:
+    cmd = [sys.executable, "-m", "pisft", "launch", "train_value", "--config", str(CONFIG)]
+    for item in overrides(results, *RUN, *extra):
+        cmd += ["--set", item]
+    return cmd
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def value_run(tmp_path_factory) -> Path:
+    res = results_with_inputs(tmp_path_factory, "value_run")
+    _ok(subprocess.run(_launch_cmd(res), cwd=ROOT, capture_output=True, text=True, timeout=600, env=launch_env()))
+    return res
+
+
+@pytest.mark.integration
+def test_train_value_writes_the_model_metrics_and_plot(value_run):
+    out = value_run / "value"
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("spearman_heldout", "bin_accuracy_heldout", "loss_first", "loss_last", "steps", "frames_heldout"):
+        assert key in metrics, key
+    assert metrics["steps"] == 10 and metrics["bins"] == 51
+    assert metrics["frames_heldout"] == 10 * 24  # 10 held-out episodes of 24 frames
+    assert metrics["loss_last"] < metrics["loss_first"]
+    assert metrics["spearman_heldout"] is None or -1 <= metrics["spearman_heldout"] <= 1
+    assert 0 <= metrics["bin_accuracy_heldout"] <= 1
+    assert (out / "calibration.png").stat().st_size > 1000
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert records[0]["lr"] < records[2]["lr"]  # warmup, then cosine
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["stage"] == "train_value"
+    assert json.loads((out / "pisft_config.json").read_text())["recap"]["value_steps"] == 10
+    config = json.loads((out / "model" / value_model.CONFIG_FILE).read_text())
+    assert config["bins"] == 51 and config["preset"] == "tiny" and config["return_min"] == -323.0
+    assert Path(config["base_model"]) == value_run / "base_model"
+    model, _ = value_model.load(out / "model")  # strict
+    assert model.bins == 51
+    runs = list((value_run / "checkpoints" / "value").glob("run-*/step_000010/COMPLETE.json"))
+    assert len(runs) == 1
+    assert not (value_run / "checkpoints" / "train").exists()
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _worker(pid: int, local_rank: int) -> int:
+    for child in _descendants(pid):
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"pisft.train" in cmd and b"torch.distributed.run" not in cmd \
+                and f"LOCAL_RANK={local_rank}".encode() in env:
+            return child
+    raise AssertionError("worker process not found")
+
+
+@pytest.mark.integration
+def test_sigkill_then_rerun_resumes_the_value_run_exactly(tmp_path_factory, value_run):
+    res = results_with_inputs(tmp_path_factory, "value_killed")
+    cmd = _launch_cmd(res)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=launch_env())
+    deadline = time.time() + 400
+    while not list((res / "checkpoints" / "value").glob("run-*/step_000005/COMPLETE.json")):
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.kill(_worker(proc.pid, local_rank=1), signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "rank 1 (local rank 1) killed by SIGKILL" in err
+    assert "step_000005 (step 5); a rerun resumes from it" in err
+    assert "launch train_value" in err
+    assert not (res / "value").exists()  # nothing that looks finished
+    _ok(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=launch_env()))
+    summary = json.loads((res / "value" / "train_summary.json").read_text())
+    assert summary["resumed_from"]["step"] == 5
+    ref, got = read_jsonl(value_run / "value" / "metrics.jsonl"), read_jsonl(res / "value" / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(1, 11))
+    assert [r["loss"] for r in got] == [r["loss"] for r in ref]
+    wa, wb = load_file(value_run / "value" / "model" / "model.safetensors"), \
+        load_file(res / "value" / "model" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
+@pytest.mark.integration
+def test_advantages_label_the_pool_with_the_trained_value_model(value_run):
+    from pisft.recap import advantages
+
+    cfg = config_mod.load(CONFIG, overrides(value_run, *RUN))
+    out = advantages.run(cfg)
+    labels = pd.read_parquet(out / "labels.parquet")
+    assert list(labels.columns[:4]) == ["episode_index", "frame_index", "advantage_continuous", "advantage"]
+    assert {"value_current", "value_next", "reward_sum", "task_index", "source_type"} <= set(labels.columns)
+    assert labels["advantage"].dtype == bool and labels["episode_index"].dtype == np.int64
+    assert len(labels) == 50 * 24
+    assert not labels.duplicated(["episode_index", "frame_index"]).any()
+    sft = labels["source_type"] == "sft"
+    assert set(labels.loc[sft, "episode_index"]) == {0, 5} and labels.loc[sft, "advantage"].all()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["scope"] == "global" and summary["lookahead"] == 10
+    threshold = summary["threshold"]
+    assert threshold == pytest.approx(np.percentile(labels["advantage_continuous"], 70))
+    by_value = labels["advantage_continuous"] >= threshold
+    assert (labels["advantage"] == (by_value | sft)).all()
+    assert summary["positive"] == int(labels["advantage"].sum())
+    assert set(summary["per_source_type"]) == {"sft", "rollout"} and len(summary["per_task"]) == 10
+    # V of the last frame's successor is 0: the last frame of every episode has value_next 0
+    last = labels.groupby("episode_index").tail(1)
+    assert (last["value_next"] == 0).all()
