@@ -562,7 +562,7 @@ def _recap_problems(cfg: PisftConfig) -> list[str]:
         if not getattr(r, key) > 0:
             problems.append(f"recap.{key}: must be > 0, got {getattr(r, key)}")
     per_step = cfg.train.micro_batch_size * max(cfg.world_size, 1)
-    if per_step >= 1 and r.value_global_batch_size % per_step:
+    if r.iterations and per_step >= 1 and r.value_global_batch_size % per_step:
         problems.append(f"recap.value_global_batch_size: {r.value_global_batch_size} is not divisible by "
                         f"train.micro_batch_size × world size = {per_step}")
     # LIBERO keeps 50 fixed initial states per task: the evaluation takes the first
