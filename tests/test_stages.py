@@ -198,3 +198,11 @@ def test_the_launcher_finds_checkpoints_without_the_training_code():
     training = {"pisft.train.stage", "pisft.train.run", "pisft.train.loop", "pisft.train.fsdp",
                 "pisft.train.smoke"}
     assert not reached & training and not any(m.startswith("pisft.model") for m in reached), reached
+
+
+def test_the_launcher_runs_the_tables_one_process_stages_as_one_process():
+    from pisft.train import launch
+
+    assert set(launch.ONE_PROCESS) == {n for n, s in STAGES.items() if s.one_process}
+    assert set(launch.GATES) == {n for n, s in STAGES.items() if s.training and not s.one_process}
+    assert {gate for gate, _ in launch.GATES.values()} == set(launch.ONE_PROCESS)

@@ -256,7 +256,7 @@ class PisftConfig:
 
 # The folders of one RECAP iteration (`PisftConfig.results`): at iteration k >= 1 they live in
 # results/recap/iter_<k>/.
-ITERATION_FOLDERS = ("rollouts", "dataset", "value", "advantages", "smoke", "train", "checkpoints",
+ITERATION_FOLDERS = ("rollouts", "dataset", "value_smoke", "value", "advantages", "train", "checkpoints",
                      "closed_loop", "eval", "logs")
 
 

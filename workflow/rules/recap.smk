@@ -50,11 +50,35 @@ for k in ITERATIONS:
 
     rule:
         name:
+            rule_name("smoke_value", k)
+        input:
+            *code_files("smoke_value"),
+            f"{RESULTS}/base_model",
+            at(k, "dataset"),
+        output:
+            at(k, "value_smoke", "report.json"),
+        log:
+            f"{LOGS}/{rule_name('smoke_value', k)}.log",
+        benchmark:
+            f"{BENCH}/{rule_name('smoke_value', k)}.tsv"
+        threads: workflow.cores
+        resources:
+            **support.accelerator_resources(CFG, 1),
+        params:
+            code=code("smoke_value"),
+            config=CONFIG_FILE,
+            tracked=tracked_at("smoke_value", k),
+        shell:
+            command_at("smoke_value", k)
+
+    rule:
+        name:
             rule_name("train_value", k)
         input:
             *code_files("train_value"),
             f"{RESULTS}/base_model",
             at(k, "dataset"),
+            at(k, "value_smoke", "report.json"),
         output:
             directory(at(k, "value")),
         log:

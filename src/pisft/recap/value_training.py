@@ -235,3 +235,27 @@ def smoke_value_steps(ctx: Context, steps: int | None = None) -> dict[str, Any]:
     checks = training_checks(losses, grad_norms)
     return {"losses": losses, "grad_norms": grad_norms, "checks": checks,
             "passed": all(c["passed"] for c in checks)}
+
+
+def run_value_smoke(ctx: Context) -> int:
+    """The `smoke_value` stage: the value model's first `smoke.steps` optimizer steps on one
+    device, before `train_value` takes every device (as smoke_1card gates train_8card). Writes
+    `value_smoke/report.json` (losses, gradient norms, the checks, `passed`); exit 3 when a check
+    fails, with what failed."""
+    cfg = ctx.cfg
+    t0 = time.perf_counter()
+    result = smoke_value_steps(ctx)
+    failed = [c for c in result["checks"] if not c["passed"]]
+    report = {**result, "stage": ctx.stage, "iteration": cfg.iteration, "device": str(ctx.info.device),
+              "micro_batch_size": cfg.train.micro_batch_size, "precision": cfg.train.precision,
+              "wall_time_s": round(time.perf_counter() - t0, 2),
+              "messages": [f"{c['name']}: {c.get('detail', 'failed')}" for c in failed]}
+    if ctx.is_main:
+        with atomic_dir(cfg.results("value_smoke")) as tmp:
+            write_json_atomic(tmp / "report.json", report)
+    if failed:
+        print("error: smoke_value failed:\n  - " + "\n  - ".join(report["messages"])
+              + "\n  (lower recap.value_lr / recap.value_head_lr, or check the dataset's returns)", flush=True)
+        return 3
+    ctx.log(f"passed: losses {', '.join(f'{x:.4g}' for x in result['losses'])}")
+    return 0

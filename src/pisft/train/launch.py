@@ -49,21 +49,26 @@ def split_endpoint(endpoint: str) -> tuple[str, str]:
     return host, port
 
 
+# The smoke gates: one process on one device (the stage table's `one_process` rows; a test keeps
+# the two in step, since the launcher sits below the table's layer).
+ONE_PROCESS = ("smoke_1card", "smoke_value")
+
+
 def nproc_for(stage: str, cfg: PisftConfig) -> int:
-    """Processes per node: the smoke stage runs one process on one node."""
-    return 1 if stage == "smoke_1card" else cfg.train.nproc_per_node
+    """Processes per node: a smoke gate runs one process on one node."""
+    return 1 if stage in ONE_PROCESS else cfg.train.nproc_per_node
 
 
 def world_size_for(stage: str, cfg: PisftConfig) -> int:
     """Processes in all: what `python -m pisft.train` checks torchrun started."""
-    return 1 if stage == "smoke_1card" else cfg.world_size
+    return 1 if stage in ONE_PROCESS else cfg.world_size
 
 
 def torchrun_command(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str],
                      log_dir: Path) -> list[str]:
     t = cfg.train
     cmd = [sys.executable, "-m", "torch.distributed.run"]
-    if stage == "smoke_1card" or t.nnodes == 1:
+    if stage in ONE_PROCESS or t.nnodes == 1:
         cmd += ["--standalone", "--nnodes", "1"]
     else:
         host, port = split_endpoint(t.rdzv_endpoint)
@@ -79,17 +84,30 @@ def torchrun_command(stage: str, cfg: PisftConfig, config_path: str, overrides: 
     return cmd
 
 
-def check_smoke_report(cfg: PisftConfig) -> None:
-    """train_8card needs a passing smoke report made with the same model and micro batch."""
-    path = cfg.results("smoke", "report.json")
+# The gate each training stage needs passed first: its smoke stage and report.
+GATES = {"train_8card": ("smoke_1card", ("smoke", "report.json")),
+         "train_value": ("smoke_value", ("value_smoke", "report.json"))}
+
+
+def check_gate_report(cfg: PisftConfig, stage: str) -> dict:
+    """A training stage needs its smoke gate's report, passed."""
+    gate, parts = GATES[stage]
+    path = cfg.results(*parts)
     if not path.is_file():
-        raise PisftError(f"train_8card: {path} not found; run smoke_1card first "
-                         "(`python -m pisft launch smoke_1card`, or let the workflow do it)")
+        raise PisftError(f"{stage}: {path} not found; run {gate} first "
+                         f"(`python -m pisft launch {gate}`, or let the workflow do it)")
     report = json.loads(path.read_text())
     if not report.get("passed"):
         msgs = "\n  - ".join(report.get("messages") or ["(no message)"])
-        raise PisftError(f"train_8card: the smoke report {path} did not pass:\n  - {msgs}\n"
-                         "fix the cause and rerun smoke_1card")
+        raise PisftError(f"{stage}: the smoke report {path} did not pass:\n  - {msgs}\n"
+                         f"fix the cause and rerun {gate}")
+    return report
+
+
+def check_smoke_report(cfg: PisftConfig) -> None:
+    """train_8card needs a passing smoke report made with the same model and micro batch."""
+    path = cfg.results("smoke", "report.json")
+    report = check_gate_report(cfg, "train_8card")
     then = flatten(report.get("pisft_config") or {})
     now = flatten(resolved(cfg))
     stale = [f"{k}: smoke {then.get(k)!r}, now {now.get(k)!r}" for k in SMOKE_MUST_MATCH
@@ -211,12 +229,14 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
                          f"{devices.device_count(kind)} are visible; lower train.nproc_per_node")
     if stage == "train_8card":
         check_smoke_report(cfg)
+    elif stage in GATES:
+        check_gate_report(cfg, stage)
     stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     log_dir = cfg.results("logs", stage, stamp)
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = torchrun_command(stage, cfg, config_path, overrides, log_dir)
     env = devices.process_env(kind, nproc_per_node=nproc, force_threads=True)
-    print(f"[launch] {stage}: {nproc} process(es) × {1 if stage == 'smoke_1card' else cfg.train.nnodes} "
+    print(f"[launch] {stage}: {nproc} process(es) × {1 if stage in ONE_PROCESS else cfg.train.nnodes} "
           f"node(s) on {kind}; logs in {log_dir}", file=sys.stderr, flush=True)
     rc, output = _run_tee(cmd, env, log_dir / "launcher.log")
     if rc == 0:
@@ -235,4 +255,4 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
     else:
         lines.append(f"smoke report (if written): {cfg.results('logs', 'smoke_1card', 'report.json')}")
     print("error: " + "\n  ".join(lines), file=sys.stderr, flush=True)
-    return 3 if stage == "smoke_1card" and any(f.exitcode == "3" for f in failures) else 1
+    return 3 if stage in ONE_PROCESS and any(f.exitcode == "3" for f in failures) else 1

@@ -155,6 +155,7 @@ class Stage:
     # after the last iteration, when recap.iterations > 0.
     iterations: str = "sft"
     recap_keys: tuple[str, ...] = ()  # keys it also reads at a RECAP iteration
+    one_process: bool = False  # a training stage run as one process on one device (a smoke gate)
 
     @property
     def command(self) -> str:
@@ -190,7 +191,11 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           iterations="all"),
     Stage("smoke_1card", "pisft.train.smoke:run_smoke", ("device", "smoke", *TRAIN_STEP_KEYS),
           TRAIN_CODE, ("smoke/report.json",),
-          "a few optimizer steps on one device: the go/no-go report", training=True),
+          "a few optimizer steps on one device: the go/no-go report", training=True, one_process=True),
+    Stage("smoke_value", "pisft.recap.value_training:run_value_smoke", ("device", "smoke", *VALUE_KEYS),
+          (*RECAP_CODE, *TRAIN_CODE), ("value_smoke/report.json",),
+          "RECAP: the value model's first steps on one device: the go/no-go before train_value",
+          training=True, iterations="recap", one_process=True),
     Stage("train_value", "pisft.recap.value_training:run_value_training", ("device", *VALUE_KEYS),
           (*RECAP_CODE, *TRAIN_CODE), ("value",),
           "RECAP: train the distributional value model on the pool", training=True, iterations="recap"),
