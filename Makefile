@@ -79,6 +79,7 @@ run: setup
 	@echo
 	@$(PY) -m pisft summary || true
 	@echo "Report: $(CURDIR)/results/eval/report.md"
+	@if [ -f results/recap/report.md ]; then echo "RECAP loop: $(CURDIR)/results/recap/report.md"; fi
 
 test: setup
 	$(PY) -m pytest -q

@@ -24,6 +24,7 @@ SMALL = {
     ("train", "save_every"): 3,
     ("eval", "bootstrap_samples"): 50,
     ("eval", "closed_loop"): False,  # the simulator costs minutes; tests/test_eval_closed_loop.py runs it
+    ("recap", "iterations"): 0,  # the loop runs in the simulator: tests/test_integration_pipeline.py drives it
 }
 STAGES = {"fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card", "evaluate"}
 NOTHING = "Nothing to be done"

@@ -51,6 +51,71 @@ def test_the_embedded_default_checks_the_closed_loop_in_the_real_simulator(defau
     assert "Expect a success rate of about 0" in report and "../closed_loop/videos/libero_10_task00.mp4" in report
 
 
+def planned(work, *args) -> set[str]:
+    """The rules `snakemake -n` would run (besides `all`)."""
+    import re
+
+    out = run(["snakemake", "-n", "--cores", "2", *args], work).stdout
+    return set(re.findall(r"^rule (\w+):", out, re.M)) - {"all"}
+
+
+def test_the_embedded_default_runs_one_recap_iteration(default_pipeline):
+    """Iteration 1: policy 0 rolled out in the real simulator, the pool converted, the value model
+    trained, the frames labelled, the policy retrained on the labels and evaluated on iteration
+    0's episodes; the summary lists both iterations."""
+    results = default_pipeline / "results"
+    it = results / "recap" / "iter_1"
+    collection = json.loads((it / "rollouts/collection.json").read_text())
+    assert len(collection["episodes"]) == 4 and all(e["error"] is None for e in collection["episodes"])
+    assert {e["initial_state"] for e in collection["episodes"]} == {1, 2}  # after the evaluation's state 0
+    report = json.loads((it / "dataset/conversion_report.json").read_text())
+    assert [s["type"] for s in report["sources"]] == ["sft", "rollout"]
+    assert report["sources"][1]["frames"] == collection["frames"]
+    value = json.loads((it / "value/metrics.json").read_text())
+    assert value["steps"] == 50 and value["loss_last"] < value["loss_first"]
+    labels = json.loads((it / "advantages/summary.json").read_text())
+    assert 0 < labels["positive_fraction"] < 1
+    cond = json.loads((it / "train/model/prompt_conditioning.json").read_text())
+    assert cond["advantage_tag"] == "recap_iter1" and cond["eval_prompt"] == "positive"
+    closed = [json.loads((d / "closed_loop/metrics.json").read_text()) for d in (results, it)]
+    assert closed[0]["episodes"] == closed[1]["episodes"] == 2
+    summary = json.loads((results / "recap/metrics.json").read_text())
+    assert [i["k"] for i in summary["iterations"]] == [0, 1]
+    assert summary["iterations"][1]["rollouts"]["episodes"] == 4
+    assert "../recap/report.md" in (results / "eval/report.md").read_text()
+    for rule in ("collect_rollouts_1", "convert_recap_1", "smoke_value_1", "train_value_1", "advantages_1",
+                 "train_8card_1", "closed_loop_1", "recap_summary"):
+        assert (results / "benchmarks" / f"{rule}.tsv").is_file(), rule
+
+
+def test_a_new_labelling_reruns_the_advantages_and_what_follows_only(default_pipeline, tmp_path):
+    """recap.positive_quantile: Snakemake plans, and DVC (`dvc exp run -S`) runs, the advantages
+    and what follows; never the collection or the value model. A second iteration reuses the
+    first's outputs."""
+    import shutil
+
+    import re
+
+    work = shutil.copytree(default_pipeline, tmp_path / "w", symlinks=True)
+    config_file = work / "config/config.yaml"
+    original = config_file.read_text()
+
+    def with_recap(**values):
+        cfg = yaml.safe_load(original)
+        cfg["recap"].update(values)
+        config_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+    after_labels = {"advantages_1", "train_8card_1", "closed_loop_1", "recap_summary"}
+    with_recap(positive_quantile=0.4)
+    assert planned(work) == after_labels
+    with_recap(iterations=2)
+    assert planned(work) == {f"{s}_2" for s in ("collect_rollouts", "convert_recap", "smoke_value", "train_value",
+                                                "advantages", "train_8card", "closed_loop")} | {"recap_summary"}
+    config_file.write_text(original)
+    out = run(["dvc", "exp", "run", "-S", "config/config.yaml:recap.positive_quantile=0.4"], work)
+    assert set(re.findall(r"Running stage '(\w+)'", out.stdout)) == after_labels
+
+
 def test_second_snakemake_call_does_no_work(default_pipeline):
     out = run(["snakemake", "--cores", "2"], default_pipeline)
     assert "Nothing to be done" in out.stdout + out.stderr

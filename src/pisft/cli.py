@@ -110,6 +110,11 @@ def _summary(cfg: config_mod.PisftConfig) -> int:
     tuned = metrics.get("finetuned", {}).get("action_mse")
     print(f"held-out action MSE: base {base:.4g} -> fine-tuned {tuned:.4g}"
           + (f" ({base / tuned:.1f}x lower)" if base and tuned else ""))
+    recap = cfg.results("recap", "metrics.json")
+    if cfg.recap.iterations and recap.is_file():
+        rates = [(it["k"], it["closed_loop"]) for it in json.loads(recap.read_text())["iterations"]]
+        print("closed-loop success per RECAP iteration: " + ", ".join(
+            f"k={k} {c['successes']}/{c['episodes']}" for k, c in rates))
     return 0
 
 

@@ -179,6 +179,13 @@ def build(*, metrics: dict, eval_info: dict, train_summary: dict, run_info: dict
 
     if closed_loop:
         out += closed_loop_section(closed_loop)
+    iterations = (resolved_config.get("recap") or {}).get("iterations", 0)
+    if iterations:
+        out += ["## The RECAP loop", "",
+                f"This is iteration 0 (the SFT run) of a RECAP loop of {iterations} iteration(s). Every "
+                "iteration's closed-loop success, on these same episodes, with the rollouts, the value "
+                "model's held-out fit and the advantage labels: [the RECAP report](../recap/report.md) "
+                "(`results/recap/`, written by `recap_summary` after the last iteration).", ""]
 
     out += ["## Training", ""]
     if train_summary:

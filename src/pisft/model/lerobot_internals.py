@@ -288,14 +288,16 @@ def vlm_width(policy) -> int:
 def vlm_prefix_readout(policy, images: list[torch.Tensor], img_masks: list[torch.Tensor],
                        tokens: torch.Tensor, masks: torch.Tensor, readout: torch.Tensor) -> torch.Tensor:
     """The final VLM hidden states (B, n, width) of `readout` tokens (B, n, width) appended to
-    pi0.5's prefix (images, then language tokens): LeRobot's `embed_prefix` and its prefix-only
+    pi0.5's prefix (images, then language tokens): LeRobot's `embed_prefix` (as `_embed_prefix`,
+    without the host->device copy of its mask row) and its prefix-only
     VLM pass (6. above). The prefix attends within itself as in pi0.5 (bidirectionally, padding
     masked); each read-out token attends to the whole prefix and the read-out tokens before it,
     and no prefix token attends to a read-out token (its autoregressive mask is 1)."""
     from lerobot.policies.common.vla_utils import make_att_2d_masks, prepare_attention_masks_4d
 
     core = policy.model
-    embs, pad, att = core.embed_prefix(images, img_masks, tokens, masks)
+    # the sync-free embedding of the training step (5. above): same values, no host->device copy
+    embs, pad, att = _embed_prefix(core, images, img_masks, tokens, masks)
     bsize, n = readout.shape[:2]
     ones = torch.ones(bsize, n, dtype=torch.bool, device=pad.device)
     embs = torch.cat([embs, readout.to(embs.dtype)], dim=1)

@@ -39,7 +39,8 @@ def closed_loop_entry(metrics: dict) -> dict[str, Any]:
                                    "ci_low": t["success_rate_ci_low"], "ci_high": t["success_rate_ci_high"],
                                    "episodes": t["trials"]}
                 for suite, s in metrics.get("suites", {}).items() for tid, t in s["per_task"].items()}
-    return {"success_rate": metrics["success_rate"], "ci_low": metrics["success_rate_ci_low"],
+    return {"successes": metrics["successes"], "success_rate": metrics["success_rate"],
+            "ci_low": metrics["success_rate_ci_low"],
             "ci_high": metrics["success_rate_ci_high"], "episodes": metrics["episodes"],
             "errors": metrics.get("errors", 0), "per_task": per_task}
 
