@@ -253,6 +253,8 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
         lines.append(f"Rerun the same command (`snakemake --cores all {stage}`, `dvc repro "
                      f"{stage}` or `python -m pisft launch {stage} ...`) to resume.")
     else:
-        lines.append(f"smoke report (if written): {cfg.results('logs', 'smoke_1card', 'report.json')}")
+        report = (cfg.results("logs", "smoke_1card", "report.json") if stage == "smoke_1card"
+                  else cfg.results(*next(parts for gate, parts in GATES.values() if gate == stage)))
+        lines.append(f"smoke report (if written): {report}")
     print("error: " + "\n  ".join(lines), file=sys.stderr, flush=True)
     return 3 if stage in ONE_PROCESS and any(f.exitcode == "3" for f in failures) else 1

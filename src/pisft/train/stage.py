@@ -75,7 +75,7 @@ def require_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
     needed = [(base / "config.json", "train_8card" if cfg.iteration and base != cfg.results("base_model")
                else "fetch_base"), (data / "split.json", "convert_recap")]
     labels = cfg.advantage_labels()
-    if labels is not None and stage != "train_value":
+    if labels is not None and stage == "train_8card":  # the policy's retraining (not the value model's)
         needed.append((labels, "advantages"))
     for path, producer in needed:
         if not path.is_file():
