@@ -182,7 +182,7 @@ class RecapConfig:
     value_steps: int = 50
     value_lr: float = 5e-5
     value_head_lr: float = 1e-4
-    value_global_batch_size: int = 16
+    value_global_batch_size: int = 0  # 0: train.global_batch_size
     # advantages: N-step lookahead, the positive fraction, where the threshold is taken.
     lookahead: int = 10
     positive_quantile: float = 0.3
@@ -210,6 +210,12 @@ class PisftConfig:
     @property
     def world_size(self) -> int:
         return self.train.nproc_per_node * self.train.nnodes
+
+    @property
+    def value_global_batch_size(self) -> int:
+        """Samples per value-model optimizer step: recap.value_global_batch_size, 0 meaning
+        train.global_batch_size."""
+        return self.recap.value_global_batch_size or self.train.global_batch_size
 
     @property
     def grad_accum_steps(self) -> int:
@@ -534,7 +540,7 @@ def _recap_problems(cfg: PisftConfig) -> list[str]:
     for key in ("iterations", "max_steps", "lookahead"):
         if getattr(r, key) < 0:
             problems.append(f"recap.{key}: must be at least 0, got {getattr(r, key)}")
-    for key in ("episodes_per_task", "value_steps", "value_bins", "value_global_batch_size"):
+    for key in ("episodes_per_task", "value_steps", "value_bins"):
         if getattr(r, key) < 1:
             problems.append(f"recap.{key}: must be at least 1, got {getattr(r, key)}")
     if r.value_bins < 2:
@@ -562,9 +568,12 @@ def _recap_problems(cfg: PisftConfig) -> list[str]:
         if not getattr(r, key) > 0:
             problems.append(f"recap.{key}: must be > 0, got {getattr(r, key)}")
     per_step = cfg.train.micro_batch_size * max(cfg.world_size, 1)
-    if r.iterations and per_step >= 1 and r.value_global_batch_size % per_step:
-        problems.append(f"recap.value_global_batch_size: {r.value_global_batch_size} is not divisible by "
-                        f"train.micro_batch_size × world size = {per_step}")
+    if r.value_global_batch_size < 0:
+        problems.append(f"recap.value_global_batch_size: must be 0 (train.global_batch_size) or a positive "
+                        f"number of samples, got {r.value_global_batch_size}")
+    elif r.iterations and per_step >= 1 and cfg.value_global_batch_size % per_step:
+        problems.append(f"recap.value_global_batch_size: {cfg.value_global_batch_size} is not divisible by "
+                        f"train.micro_batch_size × world size = {per_step}; pick a multiple of {per_step}")
     # LIBERO keeps 50 fixed initial states per task: the evaluation takes the first
     # eval.trials_per_task, collection the next ones, so the two never share a start.
     if r.iterations and e.trials_per_task + r.episodes_per_task > LIBERO_INIT_STATES:

@@ -11,7 +11,7 @@ step skipping.
 What differs from the policy (`value_plan`):
 - the model: `value_model.ValueModel` from the base model (the policy's VLM prefix, a read-out
   token and a bin head), trained on the train split with targets from `dataset/returns.parquet`;
-- recap.value_steps optimizer steps of recap.value_global_batch_size samples (micro batch
+- recap.value_steps optimizer steps of cfg.value_global_batch_size samples (micro batch
   train.micro_batch_size, accumulation derived);
 - AdamW (train.weight_decay, openpi's betas) with two parameter groups: the backbone at
   recap.value_lr, the read-out token and the head at recap.value_head_lr (RLinf's
@@ -139,7 +139,7 @@ def value_plan(ctx: Context) -> RunPlan:
     require_value_inputs(cfg, ctx.stage)  # the fingerprint reads them
     fingerprint = value_fingerprint(cfg)
     return RunPlan(
-        stage=ctx.stage, steps=r.value_steps, global_batch=r.value_global_batch_size,
+        stage=ctx.stage, steps=r.value_steps, global_batch=cfg.value_global_batch_size,
         ckpt_root=run_folder(cfg, fingerprint, CHECKPOINT_SUBDIR), fingerprint=fingerprint,
         output=cfg.results("value"), build=build_value,
         scheduler=lambda optimizer: scheduler_for(cfg, optimizer), export=export_value,
@@ -223,7 +223,7 @@ def smoke_value_steps(ctx: Context, steps: int | None = None) -> dict[str, Any]:
     optimizer = _optimizer(cfg, p.model, ctx.info.kind)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     task = ValueTask(p.collate, ctx.info.device, t.precision)
-    first = make_sampler(cfg, p.train_set, 1, cfg.recap.value_global_batch_size).micro_batch(0, 0, 0)
+    first = make_sampler(cfg, p.train_set, 1, cfg.value_global_batch_size).micro_batch(0, 0, 0)
     fixed = p.collate([p.train_set[ref.index] for ref in first])
     settings = loop.LoopSettings(steps=steps, accum=1, global_batch=t.micro_batch_size, grad_clip=t.grad_clip,
                                  kind=ctx.info.kind, device=ctx.info.device, world_size=1, rank=0,

@@ -23,7 +23,8 @@ CHECKPOINT_SUBDIR = ("checkpoints", "value")
 # the same computation are left out, as for the policy (pisft.train.checkpoint).
 FINGERPRINT_KEYS = (
     "recap.value_bins", "recap.value_steps", "recap.value_lr", "recap.value_head_lr",
-    "recap.value_global_batch_size", "train.seed", "train.warmup_steps", "train.lr", "train.decay_lr",
+    "recap.value_global_batch_size", "train.global_batch_size",  # 0 above takes the latter
+    "train.seed", "train.warmup_steps", "train.lr", "train.decay_lr",
     "train.weight_decay", "train.grad_clip", "train.precision",
 )
 
