@@ -30,10 +30,10 @@ def _iteration_outputs(cfg, k):
     at.results("value", "metrics.json").write_text(json.dumps(
         {"spearman_heldout": 0.61, "bin_accuracy_heldout": 0.2, "loss_first": 5.3, "loss_last": 3.1, "steps": 50}))
     at.results("advantages").mkdir(parents=True)
-    at.results("advantages", "summary.json").write_text(json.dumps(
-        {"positive_fraction": 0.31, "positive_fraction_per_task": {"0": 0.4, "1": 0.2},
-         "positive_fraction_per_source": {"sft": 1.0, "rollout": 0.3}, "threshold_scope": "global",
-         "lookahead": 10}))
+    at.results("advantages", "summary.json").write_text(json.dumps(  # as pisft.recap.advantages writes it
+        {"positive_fraction": 0.31, "frames": 90, "positive": 28, "scope": "global", "lookahead": 10,
+         "per_task": {"0": {"positive_fraction": 0.4}, "1": {"positive_fraction": 0.2}},
+         "per_source_type": {"sft": {"positive_fraction": 1.0}, "rollout": {"positive_fraction": 0.3}}}))
 
 
 def test_the_summary_lists_every_iteration_with_wilson_intervals(tmp_path):
@@ -55,6 +55,7 @@ def test_the_summary_lists_every_iteration_with_wilson_intervals(tmp_path):
     assert its[1]["rollouts"] == {"episodes": 2, "frames": 90, "successes": 1}
     assert its[1]["value"]["spearman_heldout"] == 0.61
     assert its[1]["advantages"]["positive_fraction"] == 0.31
+    assert its[1]["advantages"]["positive_fraction_per_source"] == {"sft": 1.0, "rollout": 0.3}
     report = cfg.results("recap", "report.md").read_text()
     assert "![success per iteration](success.png)" in report and "| 2 | 75.0% |" in report
     assert "not that RECAP improves a policy" in report

@@ -59,10 +59,15 @@ def _value_entry(folder: Path) -> dict[str, Any]:
 
 
 def _advantages_entry(folder: Path) -> dict[str, Any]:
+    """The labelling's figures, from `advantages/summary.json` (pisft.recap.advantages)."""
     summary = _read(folder / "summary.json", "advantages")
-    keep = ("positive_fraction", "positive_fraction_per_task", "positive_fraction_per_source", "threshold",
-            "thresholds", "threshold_scope", "lookahead", "frames")
-    return {k: summary[k] for k in keep if k in summary}
+    return {"positive_fraction": summary["positive_fraction"], "frames": summary["frames"],
+            "positive": summary["positive"], "positive_by_value": summary.get("positive_by_value"),
+            "threshold_scope": summary["scope"], "thresholds": summary.get("thresholds"),
+            "lookahead": summary["lookahead"], "positive_quantile": summary.get("positive_quantile"),
+            "positive_fraction_per_task": {t: e["positive_fraction"] for t, e in summary.get("per_task", {}).items()},
+            "positive_fraction_per_source": {k: e["positive_fraction"]
+                                             for k, e in summary.get("per_source_type", {}).items()}}
 
 
 def collect(cfg: PisftConfig) -> dict[str, Any]:
