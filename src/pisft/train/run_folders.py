@@ -23,7 +23,6 @@ CHECKPOINT_SUBDIR = ("checkpoints", "value")
 # the same computation are left out, as for the policy (pisft.train.checkpoint).
 FINGERPRINT_KEYS = (
     "recap.value_bins", "recap.value_steps", "recap.value_lr", "recap.value_head_lr",
-    "recap.value_global_batch_size", "train.global_batch_size",  # 0 above takes the latter
     "train.seed", "train.warmup_steps", "train.lr", "train.decay_lr",
     "train.weight_decay", "train.grad_clip", "train.precision",
 )
@@ -34,6 +33,7 @@ def value_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
     the base model, the dataset and the returns file (sha256)."""
     returns = cfg.results("dataset", RETURNS_FILE)
     return {**settings_fingerprint(cfg, FINGERPRINT_KEYS), **inputs_fingerprint(cfg),
+            "value_global_batch_size": cfg.value_global_batch_size,  # 0 in the config: train's
             "returns": sha256_file(returns) if returns.is_file() else None}
 
 
