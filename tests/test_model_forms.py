@@ -312,6 +312,16 @@ def test_openpi_sharded_conversion_with_equal_values(tmp_path, src):
     assert _record(out)["layout"] == "openpi" and _values_equal(out, src)
 
 
+def test_safetensors_without_config_json_take_the_preset_settings_and_say_so(tmp_path, src, capsys):
+    (src / "config.json").unlink()  # as a folder RLinf loads by its own config_name may be
+    out = fetch.run(_cfg(tmp_path, source=str(src)))
+    record = _record(out)
+    assert record["layout"] == "safetensors without config.json"
+    assert record["settings"]["chunk_size"]["from"].startswith("model.preset 'tiny' (the source has no config.json")
+    assert "chunk_size 10 (model.preset 'tiny' (the source has no config.json" in capsys.readouterr().out
+    assert load_policy(out).config.chunk_size == 10
+
+
 # ------------------------------------------------------------------ RLinf's FSDP checkpoint
 
 def _as_rlinf(src, dest, rel="actor/model_state_dict/full_weights.pt", extra=None):
@@ -339,7 +349,7 @@ def test_rlinf_sft_checkpoint_loads_strictly_into_the_lerobot_layout(tmp_path, s
     out = fetch.run(_cfg(tmp_path, source=str(d), tokenizer=str(spm)))
     record = _record(out)
     assert (record["layout"], record["weights_form"]) == ("rlinf", "torch state dict")
-    assert record["settings"]["chunk_size"]["from"].startswith("model.preset 'tiny' (the RLinf checkpoint holds no")
+    assert record["settings"]["chunk_size"]["from"].startswith("model.preset 'tiny' (the source has no config.json")
     assert record["settings"]["weights_dtypes"]["value"]["bfloat16"] == 2
     loaded = load_policy(out).model.state_dict()
     assert all(torch.equal(loaded[k], state[k].to(loaded[k].dtype)) for k in state)

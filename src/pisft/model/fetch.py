@@ -154,8 +154,8 @@ def _source_config(cfg: PisftConfig, ckpt: sources.Checkpoint, what: str):
         config = policy_mod.make_config(preset)
         for name in SOURCE_SETTINGS:
             settings[name] = {"value": _setting(config, name),
-                              "from": f"model.preset '{preset}' (the RLinf checkpoint holds no config.json; "
-                                      f"RLinf's openpi config_name decided its action horizon)"}
+                              "from": f"model.preset '{preset}' (the source has no config.json; RLinf's "
+                                      f"openpi config_name decided its training's action horizon)"}
     source_chunk, config_chunk = int(config.chunk_size), int(reference.chunk_size)
     if source_chunk != config_chunk:
         origin = settings["chunk_size"]["from"]

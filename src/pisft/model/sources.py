@@ -36,6 +36,7 @@ HF_TOKENIZER_PATTERNS = ["*.json", "*.model", "*.txt", "tokenizer*"]
 LEROBOT = "lerobot"
 OPENPI = "openpi"
 RLINF = "rlinf"
+BARE = "safetensors without config.json"
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -167,7 +168,7 @@ def materialise(source: Source) -> tuple[Path, str | None]:
 class Checkpoint:
     """What a source directory holds: its layout, where its weights are and in which form."""
 
-    layout: str  # LEROBOT | OPENPI | RLINF
+    layout: str  # LEROBOT | OPENPI | RLINF | BARE
     weights: Path  # model.safetensors, model.safetensors.index.json or full_weights.pt
     weights_form: str  # "safetensors" | "sharded safetensors" | "torch state dict"
     config: Path | None  # config.json; None only for an RLinf checkpoint without one
@@ -220,17 +221,15 @@ def detect_checkpoint(directory: Path, what: str) -> Checkpoint:
         raise ModelLoadError(f"{what}: {directory} lacks {', '.join(missing)} "
                              f"(found: {', '.join(present) or 'nothing'}).{hint}")
     weights, form = found[0]
-    if form == "torch state dict":
-        config_form = _config_form(config_path) if config_path.is_file() else None
-        return Checkpoint(RLINF, weights, form, config_path if config_form else None, config_form)
-    if not config_path.is_file():
-        raise ModelLoadError(f"{what}: {directory} lacks config.json (found: {', '.join(present)})")
-    config_form = _config_form(config_path)
-    return Checkpoint(config_form, weights, form, config_path, config_form)
+    # Without config.json (RLinf's checkpoints; folders RLinf loads by its own config_name), the
+    # settings come from model.preset, as fetch_base prints and records.
+    config_form = _config_form(config_path) if config_path.is_file() else None
+    layout = RLINF if form == "torch state dict" else (config_form or BARE)
+    return Checkpoint(layout, weights, form, config_path if config_form else None, config_form)
 
 
 def detect_layout(directory: Path, what: str) -> str:
-    """LEROBOT, OPENPI or RLINF (see detect_checkpoint)."""
+    """LEROBOT, OPENPI, RLINF or BARE (see detect_checkpoint)."""
     return detect_checkpoint(directory, what).layout
 
 
