@@ -426,3 +426,5 @@ def test_several_cached_snapshots_without_a_ref_name_the_choice(tmp_path, src, m
         fetch.run(_cfg(tmp_path, source="hf://someone/pi05_tiny"))
     with pytest.raises(ModelLoadError, match="no ref for 'v1'"):
         fetch.run(_cfg(tmp_path, source="hf://someone/pi05_tiny@v1"))
+    with pytest.raises(ModelLoadError, match=f"{SHA_A}, {SHA_B} of someone/pi05_tiny, not {'f' * 40}"):
+        fetch.run(_cfg(tmp_path, source=f"hf://someone/pi05_tiny@{'f' * 40}"))

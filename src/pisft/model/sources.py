@@ -120,6 +120,11 @@ def _snapshot_without_ref(repo_id: str, revision: str | None, what: str) -> tupl
         return snapshots[0], (f"the Hugging Face cache holds snapshot {shas[0]} of {repo_id} but no refs/main "
                               f"(what `hf download --revision` leaves); using it. Pass "
                               f"hf://{repo_id}@{shas[0]} to name it")
+    if _is_commit(revision):
+        raise ModelLoadError(
+            f"{what}: the Hugging Face cache holds snapshot(s) {', '.join(shas)} of {repo_id}, not {revision}, "
+            f"and the hub could not be reached. Pass hf://{repo_id}@<sha> with one of them, or make the hub "
+            f"reachable.")
     raise ModelLoadError(
         f"{what}: the Hugging Face cache holds {len(shas)} snapshot(s) of {repo_id} ({', '.join(shas)}) but no "
         f"ref for '{revision or 'main'}', and the hub could not be asked which one that is. Pass "
