@@ -141,6 +141,18 @@ def test_unusable_tokenizer_files_are_clear_errors(tmp_path, src, monkeypatch):
         fetch.run(_cfg(tmp_path, source=str(src), tokenizer=str(bad)))
 
 
+def test_a_conversion_that_does_not_reproduce_sentencepiece_is_refused(tmp_path, src):
+    import sentencepiece
+
+    model = io.BytesIO()  # a Unigram model: GemmaTokenizer's BPE cannot reproduce it
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(_CORPUS[:2] * 50), model_writer=model, model_type="unigram", vocab_size=24,
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, minloglevel=2)
+    (tmp_path / "unigram.model").write_bytes(model.getvalue())
+    with pytest.raises(ModelLoadError, match="the transformers conversion does not reproduce SentencePiece"):
+        fetch.run(_cfg(tmp_path, source=str(src), tokenizer=str(tmp_path / "unigram.model")))
+
+
 def test_no_tokenizer_anywhere_says_where_each_form_comes_from(tmp_path, src):
     shutil.rmtree(src / "tokenizer")
     with pytest.raises(ModelLoadError, match="has no tokenizer") as err:
