@@ -38,10 +38,11 @@ AARCH64_PLATFORMS = ["manylinux2014_aarch64"] + [f"manylinux_2_{m}_aarch64" for 
 
 
 # Pins of the Ascend lock that the CPU/CUDA lock lacks: Python packages CANN 9.1.0 and torch-npu
-# load at run time (CANN 9.1.0 "Runtime Dependencies": decorator, cython, pathlib2, protobuf;
-# Huawei's pi0.5 recipe, TORCH_NPU_RUNTIME_DEPS: tornado, ml-dtypes). See the lock's header.
+# load at run time (CANN 9.1.0 "Runtime Dependencies": decorator, cython, pathlib2; Huawei's pi0.5
+# recipe, TORCH_NPU_RUNTIME_DEPS: tornado, ml-dtypes). See the lock's header. protobuf, also a CANN
+# run-time dependency, is in both locks (the SentencePiece tokenizer conversion needs it).
 ASCEND_RUNTIME_EXTRAS = {"cython": "3.3.1", "decorator": "5.3.1", "ml-dtypes": "0.7.0",
-                         "pathlib2": "2.3.7.post1", "protobuf": "6.33.6", "tornado": "6.6.1"}
+                         "pathlib2": "2.3.7.post1", "tornado": "6.6.1"}
 
 
 def _cuda_only(name: str) -> bool:

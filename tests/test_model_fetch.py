@@ -122,7 +122,7 @@ def _as_openpi(src, tmp_path, horizon=10):
     d.mkdir()
     tensors = load_file(str(src / "model.safetensors"))
     save_file({k[len("model."):]: v for k, v in tensors.items()}, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps({"action_dim": 7, "action_horizon": horizon,
+    (d / "config.json").write_text(json.dumps({"action_dim": 32, "action_horizon": horizon,
                                                "paligemma_variant": "gemma_2b",
                                                "action_expert_variant": "gemma_300m",
                                                "precision": "float32"}))
@@ -133,7 +133,7 @@ def _as_openpi(src, tmp_path, horizon=10):
 
 
 def test_openpi_converted_checkpoint(tmp_path, src):
-    d = _as_openpi(src, tmp_path, horizon=8)
+    d = _as_openpi(src, tmp_path)  # horizon 10, the tiny preset's chunk (tests/test_model_forms.py: others)
     stats = {"norm_stats": {
         "state": {"mean": [0] * 8, "std": [1] * 8, "q01": [-1] * 8, "q99": [1] * 8},
         "actions": {"mean": [0] * 32, "std": [1] * 32, "q01": [-2] * 7 + [0] * 25, "q99": [2] * 7 + [0] * 25}}}
@@ -142,9 +142,10 @@ def test_openpi_converted_checkpoint(tmp_path, src):
     policy = load_policy(out)
     reference = load_policy(src)
     assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), reference.state_dict().values()))
-    assert policy.config.chunk_size == 8
+    assert policy.config.chunk_size == 10
     record = json.loads((out / "SOURCE.json").read_text())
     assert record["layout"] == "openpi" and record["normalization_stats"].startswith("imported")
+    assert record["settings"]["chunk_size"] == {"value": 10, "from": "openpi config.json action_horizon"}
     assert load_stats(out / STATS_FILE)["action"]["q99"].tolist() == [2.0] * 7
 
 

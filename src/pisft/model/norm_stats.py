@@ -3,10 +3,17 @@
 A model directory holds the stats it was trained with in `normalization_stats.safetensors`
 (tensor names `<feature>/<stat>`, e.g. `observation.state/q01`; float32), so an exported model
 can be evaluated or served without the dataset it was trained on.
+
+openpi and RLinf keep one `norm_stats.json` per asset id (the dataset's repo id, e.g.
+`physical-intelligence/libero`): openpi under `assets/<asset_id>/` (its checkpoints' assets,
+copied by examples/convert_jax_model_to_pytorch.py), RLinf directly under the model directory,
+`<model_path>/<asset_id>/norm_stats.json` (RLinf rlinf/models/embodiment/openpi/__init__.py reads
+it with openpi's `load_norm_stats(checkpoint_dir, asset_id)`). `find_norm_stats` finds both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -123,3 +130,27 @@ def stats_equal(a: Stats, b: Stats) -> bool:
             if x.shape != y.shape or not np.allclose(x, y, rtol=0, atol=0, equal_nan=True):
                 return False
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsFile:
+    asset_id: str
+    path: Path
+    form: str  # "openpi" (assets/<asset_id>/norm_stats.json) | "rlinf" (<asset_id>/norm_stats.json)
+
+    def describe(self, directory: Path) -> str:
+        return f"{self.asset_id} ({self.path.relative_to(directory)})"
+
+
+def find_norm_stats(directory: str | Path) -> list[StatsFile]:
+    """Every openpi `assets/<asset_id>/norm_stats.json` and RLinf `<asset_id>/norm_stats.json`
+    below `directory` (asset ids may have several levels: `physical-intelligence/libero`)."""
+    directory = Path(directory)
+    found = []
+    for path in sorted(directory.rglob("norm_stats.json")):
+        parts = path.parent.relative_to(directory).parts
+        if parts[:1] == ("assets",) and len(parts) > 1:
+            found.append(StatsFile("/".join(parts[1:]), path, "openpi"))
+        else:
+            found.append(StatsFile("/".join(parts) or ".", path, "rlinf"))
+    return found

@@ -3,11 +3,19 @@
 `model.source`:
   tiny                        built locally (random init from model.init_seed, own tokenizer)
   /path/to/dir                a local directory: LeRobot layout (config.json with "type": "pi05"
-                              + model.safetensors, as `lerobot/pi05_base`) or an openpi checkpoint
+                              + model.safetensors, as `lerobot/pi05_base`), an openpi checkpoint
                               converted to PyTorch (config.json with `paligemma_variant` and
-                              `action_horizon`, model.safetensors, optional assets/*/norm_stats.json)
+                              `action_horizon`, model.safetensors, optional
+                              assets/<asset_id>/norm_stats.json; openpi
+                              examples/convert_jax_model_to_pytorch.py), or an RLinf FSDP
+                              checkpoint (actor/model_state_dict/full_weights.pt or
+                              model_state_dict/full_weights.pt, optional <asset_id>/norm_stats.json;
+                              RLinf rlinf/models/embodiment/openpi/__init__.py)
   hf://<repo_id>[@revision]   downloaded with huggingface_hub into its cache (HF_ENDPOINT,
                               HF_TOKEN, HF_HUB_OFFLINE honoured), then read as a local directory
+
+Weights in safetensors may be one `model.safetensors` or shards with `model.safetensors.index.json`
+(what `save_pretrained` writes above its shard size).
 """
 
 from __future__ import annotations
@@ -21,11 +29,21 @@ from pisft.errors import ModelLoadError
 
 HF_PREFIX = "hf://"
 # Files fetched from a hub model repository (weights, configs, tokenizer, openpi assets).
-HF_MODEL_PATTERNS = ["*.json", "*.safetensors", "*.model", "tokenizer*", "assets/**"]
+HF_MODEL_PATTERNS = ["*.json", "*.safetensors", "*.model", "tokenizer*", "assets/**",
+                     "actor/model_state_dict/full_weights.pt", "model_state_dict/full_weights.pt"]
 HF_TOKENIZER_PATTERNS = ["*.json", "*.model", "*.txt", "tokenizer*"]
 
 LEROBOT = "lerobot"
 OPENPI = "openpi"
+RLINF = "rlinf"
+BARE = "safetensors without config.json"
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# RLinf's FSDP checkpoints: `<model_path>/actor/model_state_dict/full_weights.pt` (a runner's
+# checkpoint, global_step_N/) or `<model_path>/model_state_dict/full_weights.pt` (its actor/);
+# RLinf rlinf/models/embodiment/openpi/__init__.py, get_model.
+RLINF_WEIGHTS = ("actor/model_state_dict/full_weights.pt", "model_state_dict/full_weights.pt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +95,46 @@ def _hub_error(what: str, exc: Exception) -> ModelLoadError:
     )
 
 
-def hf_snapshot(repo_id: str, revision: str | None, patterns: list[str], what: str) -> Path:
-    """Download (or reuse from the cache) a hub snapshot; its local directory."""
+def _cached_snapshots(repo_id: str) -> list[Path]:
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots"
+    return sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+
+
+def _is_commit(revision: str | None) -> bool:
+    return bool(revision) and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)
+
+
+def _snapshot_without_ref(repo_id: str, revision: str | None, what: str) -> tuple[Path, str] | None:
+    """A cached snapshot to use when huggingface_hub found none: `hf download --revision <sha>`
+    fills snapshots/<sha>/ without writing refs/main, so a source without @revision misses it."""
+    snapshots = _cached_snapshots(repo_id)
+    if not snapshots:
+        return None
+    shas = [p.name for p in snapshots]
+    if _is_commit(revision) and revision in shas:
+        return snapshots[shas.index(revision)], f"the hub was not reached; using the cached snapshot {revision}"
+    if revision is None and len(snapshots) == 1:
+        return snapshots[0], (f"the Hugging Face cache holds snapshot {shas[0]} of {repo_id} but no refs/main "
+                              f"(what `hf download --revision` leaves); using it. Pass "
+                              f"hf://{repo_id}@{shas[0]} to name it")
+    if _is_commit(revision):
+        raise ModelLoadError(
+            f"{what}: the Hugging Face cache holds snapshot(s) {', '.join(shas)} of {repo_id}, not {revision}, "
+            f"and the hub could not be reached. Pass hf://{repo_id}@<sha> with one of them, or make the hub "
+            f"reachable.")
+    raise ModelLoadError(
+        f"{what}: the Hugging Face cache holds {len(shas)} snapshot(s) of {repo_id} ({', '.join(shas)}) but no "
+        f"ref for '{revision or 'main'}', and the hub could not be asked which one that is. Pass "
+        f"hf://{repo_id}@<sha> with one of them.")
+
+
+def hf_snapshot(repo_id: str, revision: str | None, patterns: list[str], what: str) -> tuple[Path, str | None]:
+    """Download (or reuse from the cache) a hub snapshot: (its local directory, a note or None)."""
     import huggingface_hub
+    from huggingface_hub import errors as hf_errors
 
     try:
         path = huggingface_hub.snapshot_download(
@@ -91,38 +146,41 @@ def hf_snapshot(repo_id: str, revision: str | None, patterns: list[str], what: s
             local_files_only=os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False"),
         )
     except Exception as exc:  # noqa: BLE001 - network, auth, cache: every failure becomes one clear message
-        raise _hub_error(what, exc) from None
-    return Path(path)
+        refused = (hf_errors.GatedRepoError, hf_errors.RepositoryNotFoundError, hf_errors.RevisionNotFoundError)
+        found = None if isinstance(exc, refused) else _snapshot_without_ref(repo_id, revision, what)
+        if found is None:
+            raise _hub_error(what, exc) from None
+        return found
+    return Path(path), None
 
 
-def materialise(source: Source) -> Path:
-    """The local directory holding a non-tiny source (downloading it if on the hub)."""
+def materialise(source: Source) -> tuple[Path, str | None]:
+    """(the local directory holding a non-tiny source, a note or None), downloading it if on the hub."""
     if source.kind == "local":
         assert source.path is not None
         if not source.path.is_dir():
-            raise ModelLoadError(f"model.source '{source.text}': directory not found")
-        return source.path
+            hint = (" (model.source is the checkpoint's directory; for RLinf, the one holding "
+                    "actor/model_state_dict/full_weights.pt)" if source.path.is_file() else "")
+            raise ModelLoadError(f"model.source '{source.text}': directory not found{hint}")
+        return source.path, None
     if source.kind == "hf":
         assert source.repo_id is not None
         return hf_snapshot(source.repo_id, source.revision, HF_MODEL_PATTERNS, f"model.source '{source.text}'")
     raise ValueError(f"source kind {source.kind!r} has no directory")
 
 
-def detect_layout(directory: Path, what: str) -> str:
-    """LEROBOT or OPENPI, from config.json; a clear error for anything else."""
-    config_path = directory / "config.json"
-    weights = directory / "model.safetensors"
-    present = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
-    if not config_path.is_file() or not weights.is_file():
-        missing = [p.name for p in (config_path, weights) if not p.is_file()]
-        hint = ""
-        if any(name.endswith((".bin", ".pt", ".pth", ".ckpt")) for name in present):
-            hint = " Pickled weights (.bin/.pt) are never loaded: convert them to safetensors."
-        elif (directory / "params").is_dir():
-            hint = (" This looks like an openpi JAX checkpoint: convert it with openpi's "
-                    "examples/convert_jax_model_to_pytorch.py first.")
-        raise ModelLoadError(f"{what}: {directory} lacks {', '.join(missing)} "
-                             f"(found: {', '.join(present) or 'nothing'}).{hint}")
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """What a source directory holds: its layout, where its weights are and in which form."""
+
+    layout: str  # LEROBOT | OPENPI | RLINF | BARE
+    weights: Path  # model.safetensors, model.safetensors.index.json or full_weights.pt
+    weights_form: str  # "safetensors" | "sharded safetensors" | "torch state dict"
+    config: Path | None  # config.json; None only for an RLinf checkpoint without one
+    config_form: str | None  # LEROBOT | OPENPI | None (how config.json is written)
+
+
+def _config_form(config_path: Path) -> str:
     try:
         raw = json.loads(config_path.read_text())
     except json.JSONDecodeError as exc:
@@ -137,11 +195,53 @@ def detect_layout(directory: Path, what: str) -> str:
                          f"converted config (no \"paligemma_variant\"/\"action_horizon\")")
 
 
+def detect_checkpoint(directory: Path, what: str) -> Checkpoint:
+    """The checkpoint a directory holds; a clear error for anything else."""
+    config_path = directory / "config.json"
+    present = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    forms = [(directory / WEIGHTS_FILE, "safetensors"), (directory / INDEX_FILE, "sharded safetensors")]
+    forms += [(directory / rel, "torch state dict") for rel in RLINF_WEIGHTS]
+    found = [(path, form) for path, form in forms if path.is_file()]
+    if len(found) > 1:
+        raise ModelLoadError(
+            f"{what}: {directory} holds weights in more than one form ("
+            + ", ".join(str(p.relative_to(directory)) for p, _ in found)
+            + "); which one is the checkpoint is ambiguous: move the others out of the directory")
+    if not found:
+        hint = ""
+        if (directory / "full_weights.pt").is_file():
+            hint = (" This looks like RLinf's model_state_dict/ folder: point model.source at the directory "
+                    "above it (RLinf's model_path).")
+        elif any(name.endswith((".bin", ".pt", ".pth", ".ckpt")) for name in present):
+            hint = (" Pickled weights (.bin/.pt) are never loaded, except RLinf's "
+                    "actor/model_state_dict/full_weights.pt (read with weights_only=True): convert them to "
+                    "safetensors.")
+        elif (directory / "params").is_dir():
+            hint = (" This looks like an openpi JAX checkpoint: convert it with openpi's "
+                    "examples/convert_jax_model_to_pytorch.py first.")
+        missing = ["model.safetensors (or model.safetensors.index.json with its shards, or RLinf's "
+                   "actor/model_state_dict/full_weights.pt)"]
+        if not config_path.is_file():
+            missing.insert(0, "config.json")
+        raise ModelLoadError(f"{what}: {directory} lacks {', '.join(missing)} "
+                             f"(found: {', '.join(present) or 'nothing'}).{hint}")
+    weights, form = found[0]
+    # Without config.json (RLinf's checkpoints; folders RLinf loads by its own config_name), the
+    # settings come from model.preset, as fetch_base prints and records.
+    config_form = _config_form(config_path) if config_path.is_file() else None
+    layout = RLINF if form == "torch state dict" else (config_form or BARE)
+    return Checkpoint(layout, weights, form, config_path if config_form else None, config_form)
+
+
+def detect_layout(directory: Path, what: str) -> str:
+    """LEROBOT, OPENPI, RLINF or BARE (see detect_checkpoint)."""
+    return detect_checkpoint(directory, what).layout
+
 
 # Files of a local source whose change must rerun fetch_base. Kept in this light module (no
 # torch, no LeRobot) because the Snakefile calls it at parse time.
 LOCAL_SOURCE_FILES = ("config.json", "model.safetensors", "pisft_model.json",
-                      "normalization_stats.safetensors")
+                      "normalization_stats.safetensors", INDEX_FILE, *RLINF_WEIGHTS)
 
 
 def local_input_files(source_text: str, tokenizer_text: str = "") -> list[str]:
@@ -149,6 +249,17 @@ def local_input_files(source_text: str, tokenizer_text: str = "") -> list[str]:
     found: list[str] = []
     if source.kind == "local" and source.path is not None:
         found.extend(str(source.path / n) for n in LOCAL_SOURCE_FILES if (source.path / n).is_file())
-    if tokenizer_text and not tokenizer_text.startswith(HF_PREFIX) and Path(tokenizer_text).is_dir():
-        found.extend(str(p) for p in sorted(Path(tokenizer_text).iterdir()) if p.is_file())
+        if source.path.is_dir():
+            # shards (model-00001-of-00003.safetensors) and norm stats (openpi's assets/<asset_id>/,
+            # RLinf's <asset_id>/, asset ids up to two levels deep), which fetch_base reads
+            found.extend(str(p) for p in sorted(source.path.glob("*-of-*.safetensors")))
+            found.extend(str(p) for pattern in ("*/norm_stats.json", "*/*/norm_stats.json",
+                                                "assets/*/norm_stats.json", "assets/*/*/norm_stats.json")
+                         for p in sorted(source.path.glob(pattern)) if p.is_file() and str(p) not in found)
+    if tokenizer_text and not tokenizer_text.startswith(HF_PREFIX):
+        path = Path(tokenizer_text).expanduser()
+        if path.is_dir():
+            found.extend(str(p) for p in sorted(path.iterdir()) if p.is_file())
+        elif path.is_file():
+            found.append(str(path))
     return found

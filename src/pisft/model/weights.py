@@ -10,11 +10,20 @@ Tied tensors (several names, one Parameter, e.g. PaliGemma's `lm_head.weight` an
 `save_model` convention, which is also what openpi's converter and `lerobot/pi05_base` hold). On
 load, any one name of a tied group satisfies the group; if a file holds several names of one
 group, the name the forward pass reads (not an `lm_head`) wins, and the difference is reported.
+
+A checkpoint's tensors may be in one safetensors file, in shards listed by
+`model.safetensors.index.json` (what `save_pretrained` and huggingface_hub write above their shard
+size: `{"metadata": {...}, "weight_map": {tensor name: shard file name}}`), or, for RLinf's FSDP
+checkpoints, in a torch file holding a plain state dict (`full_weights.pt`), which is read with
+`torch.load(weights_only=True)` only: tensors and containers, never an arbitrary pickle.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -23,6 +32,8 @@ from pisft.errors import ModelLoadError
 from pisft.io import follow_umask
 
 LIST_LIMIT = 12  # names shown per list in an error message
+# The index `save_pretrained` / huggingface_hub write beside sharded safetensors.
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def lerobot_name(name: str) -> str:
@@ -119,7 +130,7 @@ def raise_if_not_strict(source: str, missing: list[str], unexpected: list[str], 
     raise ModelLoadError("\n".join(parts))
 
 
-def file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+def _single_file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     from safetensors import safe_open
 
     try:
@@ -130,6 +141,91 @@ def file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc}); "
             f"re-download or re-export it"
         ) from None
+
+
+def _shard_like(name: str) -> bool:
+    # `model-00001-of-00003.safetensors`, as save_pretrained / huggingface_hub name shards
+    stem = name.removesuffix(".safetensors")
+    parts = stem.rsplit("-", 3)
+    return (name.endswith(".safetensors") and len(parts) == 4 and parts[2] == "of"
+            and parts[1].isdigit() and parts[3].isdigit())
+
+
+def tensor_locations(path: str | Path) -> tuple[dict[str, tuple[int, ...]], dict[str, Path]]:
+    """(shapes, file of each tensor) of one safetensors file or of the shards an index lists.
+
+    An index is checked strictly: every shard it names exists, every shard holds exactly the
+    tensors the index assigns to it, no tensor is in two shards, and no shard-named file beside
+    the index is left out of it (any of these would silently drop or shadow tensors).
+    """
+    path = Path(path)
+    if not path.name.endswith(".index.json"):
+        shapes = _single_file_shapes(path)
+        return shapes, {name: path for name in shapes}
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: safetensors index not found") from None
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc}); re-download or re-export the checkpoint") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise ModelLoadError(f"{path}: no \"weight_map\" of tensor name -> shard file (the layout "
+                             f"save_pretrained writes); re-download or re-export the checkpoint")
+    directory = path.parent
+    by_shard: dict[str, set[str]] = {}
+    for name, shard in weight_map.items():
+        by_shard.setdefault(shard, set()).add(name)
+    missing_files = sorted(s for s in by_shard if not (directory / s).is_file())
+    if missing_files:
+        raise ModelLoadError(f"{path}: shards named by the index are missing: {', '.join(missing_files)} "
+                             f"(download every model-*-of-*.safetensors file)")
+    stray = sorted(p.name for p in directory.iterdir() if _shard_like(p.name) and p.name not in by_shard)
+    problems: list[str] = []
+    if stray:
+        problems.append(f"shard files the index does not list (left over from another save?): {', '.join(stray)}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    where: dict[str, Path] = {}
+    for shard in sorted(by_shard):
+        shard_shapes = _single_file_shapes(directory / shard)
+        absent = sorted(by_shard[shard] - set(shard_shapes))
+        unlisted = sorted(set(shard_shapes) - by_shard[shard])
+        if absent:
+            problems.append(f"{shard} lacks {len(absent)} tensor(s) the index puts there:{_fmt(absent)}")
+        if unlisted:
+            problems.append(f"{shard} holds {len(unlisted)} tensor(s) the index does not list "
+                            f"there:{_fmt(unlisted)}")
+        for name, shape in shard_shapes.items():
+            if name in by_shard[shard]:
+                shapes[name] = shape
+                where[name] = directory / shard
+    if problems:
+        raise ModelLoadError(f"{path}: the shards do not match their index:\n  " + "\n  ".join(problems)
+                             + "\n  Re-download or re-export the checkpoint; nothing was loaded.")
+    return shapes, where
+
+
+def file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of a safetensors file, or of the shards an index lists."""
+    return tensor_locations(path)[0]
+
+
+@contextlib.contextmanager
+def _tensor_reader(where: dict[str, Path]) -> Iterator[Callable[[str], torch.Tensor]]:
+    """`get(name)` reading each tensor from its file (each file opened once)."""
+    from safetensors import safe_open
+
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, object] = {}
+
+        def get(name: str) -> torch.Tensor:
+            file = where[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+            return handles[file].get_tensor(name)  # type: ignore[attr-defined]
+
+        yield get
 
 
 def load_strict(
@@ -146,12 +242,10 @@ def load_strict(
     listed in the report's "optional_missing". Returns a report: which tied names were filled
     from which, tied duplicates that differed, and the optional names that were absent.
     """
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"{path}: weights file not found")
-    raw_shapes = file_shapes(path)
+    raw_shapes, where = tensor_locations(path)
     rename = rename or (lambda n: n)
     to_file: dict[str, str] = {}
     for file_name in raw_shapes:
@@ -175,12 +269,12 @@ def load_strict(
         for name in optional_missing:
             targets[name].zero_()
     loaded_from: dict[int, str] = {}
-    with safe_open(str(path), framework="pt") as fh, torch.no_grad():
+    with _tensor_reader(where) as get_tensor, torch.no_grad():
         for name, source in plan.items():
             target = targets[name]
             if id(target) in loaded_from:
                 continue
-            tensor = fh.get_tensor(to_file[source])
+            tensor = get_tensor(to_file[source])
             target.copy_(tensor.to(dtype=target.dtype))
             loaded_from[id(target)] = source
             if source != name:
@@ -189,9 +283,9 @@ def load_strict(
             present = [n for n in group if n in provided]
             if len(present) > 1:
                 used = plan[group[0]]
-                ref = fh.get_tensor(to_file[used])
+                ref = get_tensor(to_file[used])
                 for other in present:
-                    if other != used and not torch.equal(fh.get_tensor(to_file[other]), ref):
+                    if other != used and not torch.equal(get_tensor(to_file[other]), ref):
                         report["tied_conflicts"].append(
                             f"{other} differs from {used} (tied in the model; {used} was loaded)"
                         )
@@ -200,15 +294,133 @@ def load_strict(
 
 def read_tensor(path: str | Path, name: str, *,
                 rename: Callable[[str], str] | None = None) -> torch.Tensor | None:
-    """The tensor a file holds under model name `name` (after `rename`), or None."""
+    """The tensor a file (or the shards of an index) holds under model name `name`, or None."""
+    rename = rename or (lambda n: n)
+    _, where = tensor_locations(path)
+    for file_name in where:
+        if rename(file_name) == name:
+            with _tensor_reader(where) as get_tensor:
+                return get_tensor(file_name)
+    return None
+
+
+# torch dtype -> safetensors' dtype name (safetensors' format specification).
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _dtype_name(name: str, tensor: torch.Tensor) -> str:
+    if tensor.dtype not in _SAFETENSORS_DTYPES:
+        raise ModelLoadError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot hold")
+    return _SAFETENSORS_DTYPES[tensor.dtype]
+
+
+def write_safetensors(path: str | Path, names: Iterable[str], get_tensor: Callable[[str], torch.Tensor],
+                      *, specs: dict[str, tuple[str, list[int]]] | None = None,
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write the named tensors to one safetensors file, one tensor in memory at a time.
+
+    The bytes of each tensor are written unchanged (same dtype, same values): merging shards or
+    converting a torch state dict keeps every value bit for bit. `specs` (name -> safetensors
+    dtype name and shape) spares reading each tensor twice; without it the header is built from
+    the tensors themselves.
+    """
+    if sys.byteorder != "little":  # safetensors stores little-endian data
+        raise ModelLoadError("writing safetensors needs a little-endian host")
+    names = sorted(names)
+    if specs is None:
+        specs = {}
+        for name in names:
+            tensor = get_tensor(name)
+            specs[name] = (_dtype_name(name, tensor), list(tensor.shape))
+    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for name in names:
+        dtype, shape = specs[name]
+        size = _DTYPE_BYTES[dtype]
+        for dim in shape:
+            size *= dim
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    path = Path(path)
+    with open(path, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little"))
+        fh.write(raw)
+        for name in names:
+            tensor = get_tensor(name).detach().to("cpu").contiguous()
+            if (_dtype_name(name, tensor), list(tensor.shape)) != (specs[name][0], list(specs[name][1])):
+                raise ModelLoadError(f"tensor {name!r} changed while being written ({tensor.dtype}, "
+                                     f"{list(tensor.shape)} against {specs[name]})")
+            if tensor.numel():
+                fh.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    follow_umask(path)
+
+
+def merge_shards(index: str | Path, out: str | Path) -> int:
+    """One safetensors file holding every tensor of the shards `index` lists (checked strictly);
+    returns the number of shards."""
     from safetensors import safe_open
 
-    rename = rename or (lambda n: n)
-    with safe_open(str(path), framework="pt") as fh:
-        for file_name in fh.keys():  # noqa: SIM118 - safe_open is no mapping
-            if rename(file_name) == name:
-                return fh.get_tensor(file_name)
-    return None
+    _, where = tensor_locations(index)
+    specs: dict[str, tuple[str, list[int]]] = {}
+    for file in sorted(set(where.values())):
+        with safe_open(str(file), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open is no mapping
+                if where.get(name) == file:
+                    piece = fh.get_slice(name)
+                    specs[name] = (piece.get_dtype(), list(piece.get_shape()))
+    with _tensor_reader(where) as get_tensor:
+        write_safetensors(out, where, get_tensor, specs=specs)
+    return len(set(where.values()))
+
+
+def read_torch_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """A plain state dict from a torch file, read with `torch.load(weights_only=True)` only.
+
+    RLinf writes its FSDP checkpoints' full weights so (`torch.save(get_model_state_dict(...,
+    full_state_dict=True))` into `model_state_dict/full_weights.pt`; RLinf
+    `rlinf/hybrid_engines/fsdp/strategy/base.py`). Anything but a flat {name: tensor} mapping is
+    refused, and so is any pickled object `weights_only` does not allow: nothing else is unpickled.
+    """
+    import pickle
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: weights file not found")
+    obj = None
+    for mmap in (True, False):  # mmap: tensors are paged in as they are read (a legacy file cannot)
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            break
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelLoadError(
+                f"{path}: refused: the file holds more than tensors and plain containers "
+                f"(torch.load with weights_only=True: {first}). pisft never unpickles arbitrary objects; "
+                f"re-save the weights as a plain state dict (torch.save(model.state_dict(), ...)) or as "
+                f"safetensors") from None
+        except (RuntimeError, OSError, ValueError, EOFError) as exc:
+            if mmap:
+                continue
+            raise ModelLoadError(f"{path}: not a readable torch file ({type(exc).__name__}: {exc}); "
+                                 f"re-download or re-save it") from None
+    if not isinstance(obj, dict) or not obj:
+        raise ModelLoadError(f"{path}: expected a state dict ({{tensor name: tensor}}), found "
+                             f"{type(obj).__name__}{' (empty)' if isinstance(obj, dict) else ''}")
+    bad = [f"{k!r}: {type(v).__name__}" for k, v in obj.items()
+           if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise ModelLoadError(f"{path}: not a flat state dict of tensors; entries that are not tensors "
+                             f"({len(bad)}):{_fmt(bad)}\n  (a training checkpoint with optimizer state? "
+                             f"give the model's full weights file)")
+    return obj
 
 
 def save_weights(module: torch.nn.Module, path: str | Path,
