@@ -42,6 +42,12 @@ class ModelConfig:
     tokenizer: str = ""
     # Seed of the random initialisation of the tiny preset.
     init_seed: int = 0
+    # The asset id (e.g. `physical-intelligence/libero`) whose norm_stats.json fetch_base carries
+    # into the base model, from openpi's `assets/<asset_id>/` or RLinf's `<asset_id>/`; "" carries
+    # the only one (several: fetch_base lists them and carries none).
+    asset_id: str = ""
+    # Keep a source's chunk size when it differs from model.preset's (else that is an error).
+    follow_source_chunk_size: bool = False
 
 
 @dataclass
