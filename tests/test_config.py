@@ -223,3 +223,20 @@ def test_disk_full_and_read_only_end_in_one_line(tmp_path):
     for code, words in ((28, "no space left"), (30, "read-only filesystem")):  # ENOSPC, EROFS
         line = cli._storage_error_line(OSError(code, "x", str(tmp_path / "results" / "f")))
         assert words in line and str(tmp_path / "results" / "f") in line and "\n" not in line
+
+
+def test_a_recap_iteration_sees_its_own_folders_and_retraining_length():
+    cfg = C.from_dict({"results_dir": "r", "eval": {"closed_loop": True, "trials_per_task": 1},
+                       "train": {"steps": 150}, "recap": {"iterations": 2, "policy_steps": 60}})
+    it2 = cfg.at_iteration(2)
+    assert it2.results("train", "model") == Path("r/recap/iter_2/train/model")
+    assert it2.results("base_model") == Path("r/base_model")  # shared
+    assert it2.results("smoke", "report.json") == Path("r/smoke/report.json")  # iteration 0's gate
+    assert it2.init_model() == Path("r/recap/iter_1/train/model")  # recap.init: previous
+    assert it2.train.steps == 60 and cfg.train.steps == 150  # a copy: iteration 0 keeps its own
+    assert cfg.at_iteration(0).train.steps == 150
+    with pytest.raises(C.ConfigError, match="iterations 0..2 exist"):
+        cfg.at_iteration(3)
+    overlapping = {"eval": {"closed_loop": True, "trials_per_task": 49}, "recap": {"iterations": 1}}
+    with pytest.raises(C.ConfigError, match="initial states"):
+        C.from_dict(overlapping)

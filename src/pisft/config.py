@@ -8,6 +8,7 @@ gradient accumulation) are computed here, never typed by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -195,6 +196,8 @@ class RecapConfig:
     threshold_scope: str = "global"
     # Retraining at iteration k starts from the base model or from policy k-1.
     init: str = "previous"
+    # Optimizer steps of the retraining at iteration k >= 1; 0: train.steps (the SFT run's).
+    policy_steps: int = 0
 
 
 @dataclass
@@ -236,7 +239,8 @@ class PisftConfig:
         return Path(self.results_dir, *parts)
 
     def at_iteration(self, k: int) -> PisftConfig:
-        """This config as iteration k's stages see it (a copy; `iteration` set)."""
+        """This config as iteration k's stages see it (a copy; `iteration` set, and at k >= 1
+        `train.steps` is `recap.policy_steps` when that is set)."""
         import copy
 
         if k < 0 or k > self.recap.iterations:
@@ -244,6 +248,8 @@ class PisftConfig:
                               f"0..{self.recap.iterations} exist")
         out = copy.copy(self)
         out.iteration = k
+        if k and self.recap.policy_steps:  # the retraining's own length (RLinf's CFG run has its own)
+            out.train = dataclasses.replace(self.train, steps=self.recap.policy_steps)
         return out
 
     def policy_of(self, k: int) -> Path:
@@ -543,7 +549,7 @@ def _source_problems(d: DataConfig) -> list[str]:
 def _recap_problems(cfg: PisftConfig) -> list[str]:
     r, e = cfg.recap, cfg.eval
     problems: list[str] = []
-    for key in ("iterations", "max_steps", "lookahead"):
+    for key in ("iterations", "max_steps", "lookahead", "policy_steps"):
         if getattr(r, key) < 0:
             problems.append(f"recap.{key}: must be at least 0, got {getattr(r, key)}")
     for key in ("episodes_per_task", "value_steps", "value_bins"):

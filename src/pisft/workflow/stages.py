@@ -109,7 +109,7 @@ ADVANTAGE_KEYS = (
     # not eval.batch_size, train.num_workers: they change how fast, not what
 )
 # What retraining at iteration k reads besides `train`: where it starts, how labels become prompts.
-RETRAIN_KEYS = ("recap.init", "data.positive_only_conditional", "data.unconditional_prob")
+RETRAIN_KEYS = ("recap.init", "recap.policy_steps", "data.positive_only_conditional", "data.unconditional_prob")
 
 # The source each stage runs: a change reruns the stage (and what follows). Paths relative to
 # the project root; package folders as a whole (DVC hashes their content; Snakemake gets their
