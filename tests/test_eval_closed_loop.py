@@ -626,3 +626,36 @@ def test_stage_guides_a_conditioned_model_with_eval_cfg_scale_and_records_it(tmp
     assert not np.allclose(guided_actions, positive_actions, atol=1e-4)
     assert plain["cfg_scale"] == 1.0 and plain["guidance"]["cfg_scale_requested"] == 2.0
     assert log.count("cfg_scale 2 ignored") == 1 and "cfg_scale 2 ignored" in plain["guidance"]["note"]
+
+
+def test_workers_spread_over_tasks_so_each_environment_is_built_once():
+    """2 workers, 2 tasks x 2 trials: each worker keeps one task (2 environment builds, not 4)."""
+    from pisft.evaluate.closed_loop import run_episodes
+
+    class Worker:
+        def __init__(self):
+            self.tasks, self.reply = [], None
+
+        def send(self, kind, payload=None):
+            if kind == "start":
+                self.tasks.append(payload.task_id)
+                self.reply = ("done", EpisodeOutcome(True, 1, 1, 0.0, 0.0, 0.0))
+
+        def recv(self):
+            reply, self.reply = self.reply, None
+            return reply
+
+        def has_reply(self):
+            return self.reply is not None
+
+    from pisft.evaluate.rollout_workers import EpisodeOutcome, EpisodeSpec
+
+    specs = [EpisodeSpec(index=i, suite="libero_10", task_id=t, trial=n, max_steps=1, num_wait_steps=0,
+                         env_seed=0, resize_size=224)
+             for i, (t, n) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)])]
+    workers = [Worker(), Worker()]
+    settings = closed_loop.Settings.from_config(C.from_dict({"eval": {"closed_loop": True}}))
+    results = run_episodes(specs, policy=None, settings=settings, workers=workers,
+                           languages={("libero_10", 0): "a", ("libero_10", 1): "b"})
+    assert [r.task_id for r in results] == [0, 0, 1, 1]
+    assert sorted(w.tasks for w in workers) == [[0, 0], [1, 1]]

@@ -244,7 +244,8 @@ def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settin
     """Drive the workers through `specs`; results in the order of `specs`.
 
     A free worker takes the next pending episode of the task whose environment it holds, else
-    the first pending episode. A worker that dies (a crash in native simulator code) fails its
+    the first pending episode of a task no other worker holds, else the first pending episode
+    (building an environment costs seconds; which worker runs an episode changes no result). A worker that dies (a crash in native simulator code) fails its
     episode with the reason and is replaced by `respawn(i)`.
     """
     pending = list(specs)
@@ -273,7 +274,10 @@ def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settin
 
     def assign(i: int) -> None:
         key = last_task.get(i)
-        pick = next((k for k, s in enumerate(pending) if (s.suite, s.task_id) == key), 0)
+        pick = next((k for k, s in enumerate(pending) if (s.suite, s.task_id) == key), None)
+        if pick is None:  # a task no other worker holds: each task's environment built once, not per worker
+            held = {t for j, t in last_task.items() if j != i}
+            pick = next((k for k, s in enumerate(pending) if (s.suite, s.task_id) not in held), 0)
         spec = pending.pop(pick)
         busy[i] = _InFlight(spec=spec, seed=episode_seed(settings.seed, spec.suite, spec.task_id,
                                                          spec.initial_state), start=time.monotonic())
