@@ -245,8 +245,9 @@ def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settin
 
     A free worker takes the next pending episode of the task whose environment it holds, else
     the first pending episode of a task no other worker holds, else the first pending episode
-    (building an environment costs seconds; which worker runs an episode changes no result). A worker that dies (a crash in native simulator code) fails its
-    episode with the reason and is replaced by `respawn(i)`.
+    (building an environment costs seconds; which worker runs an episode changes no result).
+    A worker that dies (a crash in native simulator code) fails its episode with the reason and
+    is replaced by `respawn(i)`.
     """
     pending = list(specs)
     results: dict[int, EpisodeResult] = {}
