@@ -8,7 +8,6 @@ import io
 import json
 import math
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -358,7 +357,7 @@ def test_a_worker_that_dies_fails_its_episode_and_is_replaced(tmp_path):
     assert "died (exit code 3)" in episodes
 
 
-def test_stage_is_off_by_default_and_needs_the_simulator(tmp_path, monkeypatch):
+def test_stage_is_off_by_default(tmp_path):
     # off (the code default): an explicit "not run" output that carries no numbers (DVC keeps the stage)
     cfg = C.from_dict({"results_dir": str(tmp_path / "results")})
     assert closed_loop.run(cfg, simulator=lambda: pytest.fail("no simulator when off"))["closed_loop"] is False
@@ -370,22 +369,53 @@ def test_stage_is_off_by_default_and_needs_the_simulator(tmp_path, monkeypatch):
     assert offline.closed_loop_results(cfg) is None  # off: not reported
     with pytest.raises(PisftError, match="was not run .* rerun the `closed_loop` stage"):
         offline.closed_loop_results(make_cfg(tmp_path))  # on: the "not run" output is refused
-    shutil.rmtree(tmp_path / "results/closed_loop")
-    import builtins
 
-    real_import = builtins.__import__
 
-    def no_libero(name, *args, **kwargs):
-        if name.startswith("libero"):
-            raise ImportError(f"No module named '{name}'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_libero)
+def test_stage_without_libero_installed_says_how_to_install_it(tmp_path, monkeypatch):
+    """No `libero` package: None in sys.modules is how Python marks a module that cannot be
+    imported (`importlib.util.find_spec` returns None, `import libero` fails), so LiberoSimulator's
+    own lookup is what finds it missing, with hf-libero installed here or not."""
+    for name in [m for m in sys.modules if m == "libero" or m.startswith("libero.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "libero", None)
+    monkeypatch.setenv("LIBERO_CONFIG_PATH", str(tmp_path / "libero-config"))
     monkeypatch.setenv("MUJOCO_GL", "osmesa")
-    with pytest.raises(libero_sim.SimulatorUnavailable, match="MUJOCO_GL=egl"):
+    with pytest.raises(libero_sim.SimulatorUnavailable) as exc:
         closed_loop.run(make_cfg(tmp_path))
+    msg = str(exc.value)
+    assert msg.startswith("The LIBERO simulator is not installed in this environment. `make setup` installs it")
+    assert "hf-libero 0.1.4" in msg and "(no 'libero' package to import)" in msg
+    assert "failed to import" not in msg
     assert not (tmp_path / "results" / "closed_loop").exists()
+    assert not (tmp_path / "libero-config").exists()  # nothing to write LIBERO's paths for
     assert os.environ["MUJOCO_GL"] == "osmesa"  # a user's choice of back end is kept
+
+
+@pytest.mark.parametrize("backend", ["osmesa", "egl"])
+def test_stage_with_libero_installed_but_failing_to_import_names_the_back_end(fake_libero, tmp_path,
+                                                                              monkeypatch, backend):
+    """An installed `libero` whose import fails (as LIBERO's does when its OpenGL back end cannot
+    start): the hint is about that back end and the paths file, never "not installed"."""
+    (fake_libero / "libero/libero/envs/__init__.py").write_text(
+        f"raise ImportError('Unable to load {backend} library: cannot open shared object file')\n")
+    monkeypatch.setenv("MUJOCO_GL", backend)
+    # the back end's libraries are taken as present (their check: test_libero_sim_setup.py)
+    monkeypatch.setattr(libero_sim, "rendering_problem", lambda backend: None)
+    with pytest.raises(libero_sim.SimulatorUnavailable) as exc:
+        closed_loop.run(make_cfg(tmp_path))
+    msg = str(exc.value)
+    assert msg.startswith(f"LIBERO is installed ({fake_libero / 'libero'}) but failed to import "
+                          f"(ImportError: Unable to load {backend} library")
+    assert libero_sim.import_failure_hint(backend) in msg
+    if backend == "osmesa":
+        assert "MUJOCO_GL=osmesa needs OSMesa (libosmesa6)" in msg and "osmesa needs EGL" not in msg
+    else:
+        assert "MUJOCO_GL=egl needs EGL" in msg and "MUJOCO_GL=osmesa renders on the CPU" in msg
+    assert libero_sim.APT_LINE in msg and "not installed" not in msg
+    assert str(tmp_path / "libero-config" / "config.yaml") in msg  # the paths file, in this test's folder
+    assert (tmp_path / "libero-config" / "config.yaml").is_file()  # written there, not in the home folder
+    assert not (tmp_path / "results" / "closed_loop").exists()
+    assert os.environ["MUJOCO_GL"] == backend
 
 
 # A stand-in `libero` package with the real one's module layout and first-run behaviour
@@ -452,6 +482,8 @@ def fake_libero(tmp_path, monkeypatch):
     for rel, text in FAKE_LIBERO.items():
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
         (pkg / rel).write_text(text)
+    for name in [m for m in sys.modules if m == "libero" or m.startswith("libero.")]:
+        monkeypatch.delitem(sys.modules, name)  # a `libero` imported earlier (hf-libero) comes back after
     monkeypatch.syspath_prepend(str(pkg))
     monkeypatch.setenv("LIBERO_CONFIG_PATH", str(tmp_path / "libero-config"))
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # a job has no one to answer
