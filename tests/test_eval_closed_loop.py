@@ -29,11 +29,19 @@ class StandInEnv:
     The agent-view image is a gradient whose top-left pixel is dark and bottom-right bright,
     so a request built without LIBERO's 180° rotation shows. `explode_at` makes `step` raise;
     `die_at` ends the (worker) process the way a crash in native simulator code does.
+
+    Stateful as LIBERO is: `seed` seeds the environment's generator (LIBERO's seeds numpy's),
+    and every `reset` draws the scene's placement from it, so without a seed before each reset
+    an episode depends on the resets its environment ran before. The draw moves the initial
+    position along x by up to `placement_noise` (0: drawn, without effect).
     """
 
-    def __init__(self, goal, seed, explode_at=None, die_at=None):
+    def __init__(self, goal, seed, explode_at=None, die_at=None, placement_noise=0.0):
         self.goal = np.asarray(goal, dtype=float)
         self.seeds = [seed]
+        self.rng = np.random.default_rng(seed)
+        self.placement_noise = placement_noise
+        self.placement = np.zeros(3)
         self.explode_at = explode_at
         self.die_at = die_at
         self.actions: list[list[float]] = []
@@ -53,14 +61,16 @@ class StandInEnv:
 
     def seed(self, seed):
         self.seeds.append(seed)
+        self.rng = np.random.default_rng(seed)
 
     def reset(self):
-        self.pos = np.zeros(3)
+        self.placement = np.array([self.placement_noise * self.rng.uniform(-1, 1), 0.0, 0.0])  # along x
+        self.pos = self.placement.copy()
         return self._obs()
 
     def set_init_state(self, state):
         self.init_states.append(state)
-        self.pos = np.asarray(state, dtype=float)[:3].copy()
+        self.pos = np.asarray(state, dtype=float)[:3] + self.placement
         return self._obs()
 
     def step(self, action):
@@ -100,9 +110,10 @@ class StandInSuite:
 class StandInSimulator:
     """A picklable factory builds one per worker process: `functools.partial(StandInSimulator, tasks)`."""
 
-    def __init__(self, tasks, n_init=50):
+    def __init__(self, tasks, n_init=50, placement_noise=0.0):
         self.tasks = tasks
         self.n_init = n_init
+        self.placement_noise = placement_noise
         self.envs: list[StandInEnv] = []
 
     def describe(self):
@@ -113,7 +124,7 @@ class StandInSimulator:
 
     def make_env(self, task, *, resolution, seed):
         assert resolution == RES
-        env = StandInEnv(task.goal, seed, task.explode_at, task.die_at)
+        env = StandInEnv(task.goal, seed, task.explode_at, task.die_at, self.placement_noise)
         self.envs.append(env)
         return env
 
@@ -319,15 +330,40 @@ def deterministic_part(metrics):
     return {k: v for k, v in metrics.items() if k not in ("timing", "wall_time_s", "settings", "model_dir")}
 
 
+def test_the_stand_in_is_stateful_as_libero():
+    """What makes the check below mean something: each reset draws from the environment's
+    generator, so an episode depends on the resets before it unless the seed is set again."""
+    sim = StandInSimulator([StandInTask("reach 0.5 0 0", [0.5, 0, 0])], placement_noise=0.02)
+    env = sim.make_env(sim.suite("libero_spatial").get_task(0), resolution=RES, seed=7)
+    first, second = env.reset()["robot0_eef_pos"], env.reset()["robot0_eef_pos"]
+    assert not np.allclose(first, second) and np.abs(first).max() <= 0.02
+    env.seed(7)
+    np.testing.assert_array_equal(env.reset()["robot0_eef_pos"], first)
+    np.testing.assert_array_equal(env.set_init_state([0.03, 0, 0, 9])["robot0_eef_pos"], first + [0.03, 0, 0])
+
+
+def requests_by_chunk(policy) -> dict[int, tuple]:
+    """The policy's requests keyed by their chunk's noise seed (unique per episode and call):
+    the state and both images each chunk was computed from, whichever worker sent it."""
+    return {seed: (tuple(req["observation/state"]), req["observation/image"].tobytes(),
+                   req["observation/wrist_image"].tobytes())
+            for seed, req in zip(policy.seeds, policy.requests, strict=True)}
+
+
 @pytest.mark.integration  # ~15 s: rollouts in worker processes
 def test_results_do_not_depend_on_the_number_of_environment_processes(tmp_path):
-    """Worker processes (spawned), 1 and 2: same episodes, same order, same metrics, same videos."""
+    """Worker processes (spawned), 1 and 2: same episodes, same order, same metrics, same videos,
+    the same states and images behind every chunk. The stand-in environments carry state across
+    resets as LIBERO's do (`StandInEnv`): with 2 workers a task's episodes run in environments
+    that have seen other resets than with 1."""
     tasks = [StandInTask(f"reach {g} 0 0", [g, 0, 0]) for g in (0.3, 0.45, 0.2)]
-    runs = {}
+    runs, requests = {}, {}
     for n in (1, 2):
-        cfg = make_cfg(tmp_path / f"n{n}", libero_suites=["libero_spatial"], num_envs=n, max_steps=30)
-        metrics = closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, tasks),
-                                  policy=GoalSeekingPolicy(noise=0.9))
+        cfg = make_cfg(tmp_path / f"n{n}", libero_suites=["libero_spatial"], num_envs=n, max_steps=30,
+                       trials_per_task=3)
+        policy = GoalSeekingPolicy(noise=0.9)
+        metrics = closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, tasks, placement_noise=0.02),
+                                  policy=policy)
         out = tmp_path / f"n{n}" / "results" / "closed_loop"
         episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
         assert metrics["timing"]["num_envs"] == n
@@ -335,10 +371,16 @@ def test_results_do_not_depend_on_the_number_of_environment_processes(tmp_path):
                    [(e["task_id"], e["trial"], e["success"], e["steps"], e["policy_calls"], e["sim_steps"])
                     for e in episodes],
                    (out / "videos/libero_spatial_task01.mp4").read_bytes())
+        requests[n] = requests_by_chunk(policy)
     assert runs[1] == runs[2]
+    assert requests[1] == requests[2] and len(requests[1]) == metrics["timing"]["policy_calls"]
     # the noise matters (some episodes succeed, some do not), so equality is not vacuous
     outcomes = {e[2] for e in runs[1][1]}
     assert outcomes == {True, False}
+    # and so does the placement drawn at reset: trial k starts off initial state k (x = 0.01 k)
+    firsts = {(t, k): requests[1][closed_loop.chunk_seed(closed_loop.episode_seed(7, "libero_spatial", t, k), 0)]
+              for t in range(3) for k in range(3)}
+    assert all(abs(state[0][0] - 0.01 * k) > 1e-6 for (_, k), state in firsts.items())
 
 
 @pytest.mark.integration  # ~20 s: a worker process is killed and replaced
