@@ -588,10 +588,24 @@ def test_resize_with_pad_keeps_aspect():
     assert out[0, 112].sum() == 0 and out[112, 112].min() == 255  # padded top, image in middle
 
 
+def test_the_policy_takes_one_thread_unless_pisft_num_threads_says(monkeypatch):
+    from pisft import device as device_mod
+
+    monkeypatch.delenv(device_mod.THREADS_ENV, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # what Snakemake exports: not the policy's count
+    assert closed_loop.policy_threads() == 1
+    monkeypatch.setenv(device_mod.THREADS_ENV, "3")
+    assert closed_loop.policy_threads() == 3
+
+
 @pytest.mark.integration  # ~15 s: rollouts in worker processes
-def test_stage_rolls_out_the_exported_model_in_process(tmp_path):
+def test_stage_rolls_out_the_exported_model_in_process(tmp_path, monkeypatch):
     """The default policy: results/train/model through LiberoPolicy (the code `serve` runs)."""
     from test_serve_openpi_client import write_tiny_model
+
+    from pisft import device as device_mod
+
+    monkeypatch.delenv(device_mod.THREADS_ENV, raising=False)  # the default: the one thread asserted below
 
     cfg = make_cfg(tmp_path, libero_suites=["libero_spatial"], trials_per_task=1, max_steps=15)  # 3 chunks
     model = write_tiny_model(tmp_path / "export")
