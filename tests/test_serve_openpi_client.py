@@ -320,10 +320,12 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _start_server(model: Path) -> tuple[subprocess.Popen, int, queue.Queue]:
+def _start_server(model: Path, *options: str) -> tuple[subprocess.Popen, int, queue.Queue, str]:
+    """`pisft serve` in a process of its own: (process, port, its further output lines, its
+    output up to the line naming the URL)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "pisft", "serve", "--model", str(model),
-                             "--host", "127.0.0.1", "--port", "0", "--device", "cpu"],
+                             "--host", "127.0.0.1", "--port", "0", "--device", "cpu", *options],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
@@ -337,7 +339,7 @@ def _start_server(model: Path) -> tuple[subprocess.Popen, int, queue.Queue]:
         seen.append(line)
         match = re.search(r"ws://127\.0\.0\.1:(\d+)", line)
         if match:
-            return proc, int(match.group(1)), lines
+            return proc, int(match.group(1)), lines, "".join(seen)
         if proc.poll() is not None:
             raise AssertionError("server exited:\n" + "".join(seen))
 
@@ -345,7 +347,7 @@ def _start_server(model: Path) -> tuple[subprocess.Popen, int, queue.Queue]:
 @pytest.mark.integration
 def test_openpi_client_gets_the_in_process_chunk_and_errors_keep_the_server_up(tiny_model, tmp_path):
     client_python = openpi_client_python()
-    server, port, lines = _start_server(tiny_model)
+    server, port, lines, _ = _start_server(tiny_model)
     try:
         script = tmp_path / "client.py"
         script.write_text(CLIENT_SCRIPT)
@@ -381,6 +383,55 @@ def test_openpi_client_gets_the_in_process_chunk_and_errors_keep_the_server_up(t
         log.append(lines.get())
     assert server.returncode == 0, "".join(log)
     assert "stopped after 6 requests (3 errors)" in "".join(log)
+
+
+@pytest.mark.integration  # ~15-25 s here: the server process imports torch and LeRobot, loads the model
+def test_serve_with_small_limits_refuses_accordingly_and_reports_them(tiny_model):
+    """`serve --max-message-mib 0.5 --max-image-side 300 --max-prompt-chars 40`: a request
+    within them is answered; one over each is refused naming the limit; the metadata, the
+    start-up line and the closing line say so."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    server, port, lines, started = _start_server(tiny_model, "--max-message-mib", "0.5", "--max-image-side",
+                                                 "300", "--max-prompt-chars", "40")
+    assert "limits: 0.5 MiB a message, 300 px an image side, 40 prompt characters" in started
+    url = f"ws://127.0.0.1:{port}"
+    try:
+        with connect(url, compression=None, max_size=None) as ws:
+            meta = protocol.unpackb(ws.recv())
+            assert meta["limits"] == {"max_image_side": 300, "max_prompt_chars": 40, "min_image_side": 16,
+                                      "max_message_bytes": 512 * 1024}
+            ok = {**libero_request(), "prompt": "x" * 40}  # 2 x 224 x 224 x 3 bytes: about 0.29 MiB
+            assert _ask(ws, ok)["actions"].shape == (10, 7)
+            wide = np.zeros((301, 301, 3), np.uint8)  # about 0.4 MiB in all: under the message limit
+            reply = _ask(ws, {**ok, "observation/image": wide})
+            assert isinstance(reply, str) and "(301, 301, 3)" in reply and "300 pixels a side" in reply
+            assert "--max-image-side" in reply
+            assert _ask(ws, {**ok, "observation/image": np.zeros((300, 300, 3), np.uint8)})["actions"].shape == (10, 7)
+            reply = _ask(ws, {**ok, "prompt": "x" * 41})
+            assert isinstance(reply, str) and "41 characters; the limit is 40" in reply
+            assert "--max-prompt-chars" in reply
+        with connect(url, compression=None, max_size=None) as ws:  # over 0.5 MiB: refused unread
+            ws.recv()
+            big = protocol.packb({**ok, "observation/image": np.zeros((400, 400, 3), np.uint8)})
+            assert 512 * 1024 < len(big) < 32 * 2**20  # over this server's limit, under the default
+            try:
+                ws.send(big)
+            except (ConnectionClosed, OSError):
+                pass  # the server may close before the whole frame is written
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=60)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+    log = []
+    while not lines.empty():
+        log.append(lines.get())
+    log = "".join(log)
+    assert server.returncode == 0, log
+    assert "stopped after 4 requests (2 errors); 1 oversized messages refused" in log
 
 
 def test_serve_refuses_a_missing_model_directory(tmp_path):
