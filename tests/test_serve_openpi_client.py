@@ -395,9 +395,9 @@ def test_serve_with_small_limits_refuses_accordingly_and_reports_them(tiny_model
 
     server, port, lines, started = _start_server(tiny_model, "--max-message-mib", "0.5", "--max-image-side",
                                                  "300", "--max-prompt-chars", "40")
-    assert "limits: 0.5 MiB a message, 300 px an image side, 40 prompt characters" in started
     url = f"ws://127.0.0.1:{port}"
     try:
+        assert "limits: 0.5 MiB a message, 300 px an image side, 40 prompt characters" in started
         with connect(url, compression=None, max_size=None) as ws:
             meta = protocol.unpackb(ws.recv())
             assert meta["limits"] == {"max_image_side": 300, "max_prompt_chars": 40, "min_image_side": 16,
