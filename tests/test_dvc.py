@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import BIN, copy_project, run, tool_env
+
+from pisft.train.guard import LOCK_NAME
 
 pytestmark = pytest.mark.integration
 
@@ -183,8 +189,38 @@ def _values_at(node, path):
             yield from _values_at(value, path)
 
 
+def _descends_from(pid: int, ancestors: set[int]) -> bool:
+    while pid > 1:
+        if pid in ancestors:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
+def _trainer_holding(work: Path, drivers: set[int]) -> int | None:
+    """The pid of the trainer (rank 0) under one of `drivers` that holds a run folder's lock under
+    results/, if any: the holder writes it into the lock file right after taking the flock
+    (pisft.train.guard)."""
+    for lock in work.glob(f"results/**/{LOCK_NAME}"):
+        try:
+            text = lock.read_text().strip()
+            pid = int(json.loads(text)["pid"]) if text else None
+        except (OSError, ValueError, KeyError):
+            continue  # being written: look again
+        if pid is not None and _descends_from(pid, drivers):
+            return pid
+    return None
+
+
 def test_snakemake_and_dvc_repro_at_once_leave_one_trainer_and_clean_metrics(dvc_run, tmp_path):
-    """Both drivers started together on one run folder: one trains, the other is refused."""
+    """Both drivers started together on one run folder: one trains, the other is refused.
+
+    The overlap is made certain: the first trainer to take the run folder is held (SIGSTOP)
+    as soon as it holds the lock, until the other driver has finished, then let go (SIGCONT);
+    started together and left alone, one driver may be done before the other starts."""
     work = clone_run(dvc_run, tmp_path / "w")
     set_keys(work, {("train", "steps"): 60, ("train", "save_every"): 20})
     assert set(re.findall(r"^rule (\w+):", run(["snakemake", "-n", "--cores", "2", "train_8card"],
@@ -194,12 +230,40 @@ def test_snakemake_and_dvc_repro_at_once_leave_one_trainer_and_clean_metrics(dvc
     procs = {name: subprocess.Popen(cmd, cwd=work, env=tool_env(), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
              for name, cmd in commands.items()}
-    outs = {name: p.communicate(timeout=1800)[0] for name, p in procs.items()}
+    outs: dict[str, str] = {}
+    readers = [threading.Thread(target=lambda n=n, p=p: outs.__setitem__(n, p.stdout.read()), daemon=True)
+               for n, p in procs.items()]
+    for t in readers:
+        t.start()
+    drivers = {p.pid for p in procs.values()}
+    held = None
+    try:
+        deadline = time.monotonic() + 1200
+        while held is None and time.monotonic() < deadline:
+            held = _trainer_holding(work, drivers)
+            if held is None:
+                assert all(p.poll() is None for p in procs.values()), \
+                    "a driver ended before any trainer held the run folder"
+                time.sleep(0.01)
+        assert held is not None, "no trainer took the run folder"
+        os.kill(held, signal.SIGSTOP)  # the holder, held where it is: it keeps the lock
+        # the other driver runs its trainer against the held one and ends
+        while all(p.poll() is None for p in procs.values()):
+            assert time.monotonic() < deadline, "neither driver ended while a trainer was held"
+            time.sleep(0.1)
+        assert _trainer_holding(work, drivers) == held  # still the holder when the other driver ended
+    finally:
+        if held is not None:
+            os.kill(held, signal.SIGCONT)
+    for p in procs.values():
+        p.wait(timeout=1800)
+    for t in readers:
+        t.join(timeout=60)
     codes = {name: p.returncode for name, p in procs.items()}
     losers = [name for name, code in codes.items() if code != 0]
     assert len(losers) == 1, {n: outs[n][-3000:] for n in outs}
     (loser,) = losers
-    assert re.search(r"in use by another trainer \(pid \d+ on host \S+, started \d{4}-", outs[loser]), \
+    assert re.search(rf"in use by another trainer \(pid {held} on host \S+, started \d{{4}}-", outs[loser]), \
         outs[loser][-3000:]
     steps = [json.loads(line)["step"] for line in
              (work / "results/train/metrics.jsonl").read_text().splitlines()]

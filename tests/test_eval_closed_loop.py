@@ -8,7 +8,6 @@ import io
 import json
 import math
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -30,11 +29,19 @@ class StandInEnv:
     The agent-view image is a gradient whose top-left pixel is dark and bottom-right bright,
     so a request built without LIBERO's 180° rotation shows. `explode_at` makes `step` raise;
     `die_at` ends the (worker) process the way a crash in native simulator code does.
+
+    Stateful as LIBERO is: `seed` seeds the environment's generator (LIBERO's seeds numpy's),
+    and every `reset` draws the scene's placement from it, so without a seed before each reset
+    an episode depends on the resets its environment ran before. The draw moves the initial
+    position along x by up to `placement_noise` (0: drawn, without effect).
     """
 
-    def __init__(self, goal, seed, explode_at=None, die_at=None):
+    def __init__(self, goal, seed, explode_at=None, die_at=None, placement_noise=0.0):
         self.goal = np.asarray(goal, dtype=float)
         self.seeds = [seed]
+        self.rng = np.random.default_rng(seed)
+        self.placement_noise = placement_noise
+        self.placement = np.zeros(3)
         self.explode_at = explode_at
         self.die_at = die_at
         self.actions: list[list[float]] = []
@@ -54,14 +61,16 @@ class StandInEnv:
 
     def seed(self, seed):
         self.seeds.append(seed)
+        self.rng = np.random.default_rng(seed)
 
     def reset(self):
-        self.pos = np.zeros(3)
+        self.placement = np.array([self.placement_noise * self.rng.uniform(-1, 1), 0.0, 0.0])  # along x
+        self.pos = self.placement.copy()
         return self._obs()
 
     def set_init_state(self, state):
         self.init_states.append(state)
-        self.pos = np.asarray(state, dtype=float)[:3].copy()
+        self.pos = np.asarray(state, dtype=float)[:3] + self.placement
         return self._obs()
 
     def step(self, action):
@@ -101,9 +110,10 @@ class StandInSuite:
 class StandInSimulator:
     """A picklable factory builds one per worker process: `functools.partial(StandInSimulator, tasks)`."""
 
-    def __init__(self, tasks, n_init=50):
+    def __init__(self, tasks, n_init=50, placement_noise=0.0):
         self.tasks = tasks
         self.n_init = n_init
+        self.placement_noise = placement_noise
         self.envs: list[StandInEnv] = []
 
     def describe(self):
@@ -114,7 +124,7 @@ class StandInSimulator:
 
     def make_env(self, task, *, resolution, seed):
         assert resolution == RES
-        env = StandInEnv(task.goal, seed, task.explode_at, task.die_at)
+        env = StandInEnv(task.goal, seed, task.explode_at, task.die_at, self.placement_noise)
         self.envs.append(env)
         return env
 
@@ -320,15 +330,40 @@ def deterministic_part(metrics):
     return {k: v for k, v in metrics.items() if k not in ("timing", "wall_time_s", "settings", "model_dir")}
 
 
+def test_the_stand_in_is_stateful_as_libero():
+    """What makes the check below mean something: each reset draws from the environment's
+    generator, so an episode depends on the resets before it unless the seed is set again."""
+    sim = StandInSimulator([StandInTask("reach 0.5 0 0", [0.5, 0, 0])], placement_noise=0.02)
+    env = sim.make_env(sim.suite("libero_spatial").get_task(0), resolution=RES, seed=7)
+    first, second = env.reset()["robot0_eef_pos"], env.reset()["robot0_eef_pos"]
+    assert not np.allclose(first, second) and np.abs(first).max() <= 0.02
+    env.seed(7)
+    np.testing.assert_array_equal(env.reset()["robot0_eef_pos"], first)
+    np.testing.assert_array_equal(env.set_init_state([0.03, 0, 0, 9])["robot0_eef_pos"], first + [0.03, 0, 0])
+
+
+def requests_by_chunk(policy) -> dict[int, tuple]:
+    """The policy's requests keyed by their chunk's noise seed (unique per episode and call):
+    the state and both images each chunk was computed from, whichever worker sent it."""
+    return {seed: (tuple(req["observation/state"]), req["observation/image"].tobytes(),
+                   req["observation/wrist_image"].tobytes())
+            for seed, req in zip(policy.seeds, policy.requests, strict=True)}
+
+
 @pytest.mark.integration  # ~15 s: rollouts in worker processes
 def test_results_do_not_depend_on_the_number_of_environment_processes(tmp_path):
-    """Worker processes (spawned), 1 and 2: same episodes, same order, same metrics, same videos."""
+    """Worker processes (spawned), 1 and 2: same episodes, same order, same metrics, same videos,
+    the same states and images behind every chunk. The stand-in environments carry state across
+    resets as LIBERO's do (`StandInEnv`): with 2 workers a task's episodes run in environments
+    that have seen other resets than with 1."""
     tasks = [StandInTask(f"reach {g} 0 0", [g, 0, 0]) for g in (0.3, 0.45, 0.2)]
-    runs = {}
+    runs, requests = {}, {}
     for n in (1, 2):
-        cfg = make_cfg(tmp_path / f"n{n}", libero_suites=["libero_spatial"], num_envs=n, max_steps=30)
-        metrics = closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, tasks),
-                                  policy=GoalSeekingPolicy(noise=0.9))
+        cfg = make_cfg(tmp_path / f"n{n}", libero_suites=["libero_spatial"], num_envs=n, max_steps=30,
+                       trials_per_task=3)
+        policy = GoalSeekingPolicy(noise=0.9)
+        metrics = closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, tasks, placement_noise=0.02),
+                                  policy=policy)
         out = tmp_path / f"n{n}" / "results" / "closed_loop"
         episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
         assert metrics["timing"]["num_envs"] == n
@@ -336,10 +371,16 @@ def test_results_do_not_depend_on_the_number_of_environment_processes(tmp_path):
                    [(e["task_id"], e["trial"], e["success"], e["steps"], e["policy_calls"], e["sim_steps"])
                     for e in episodes],
                    (out / "videos/libero_spatial_task01.mp4").read_bytes())
+        requests[n] = requests_by_chunk(policy)
     assert runs[1] == runs[2]
+    assert requests[1] == requests[2] and len(requests[1]) == metrics["timing"]["policy_calls"]
     # the noise matters (some episodes succeed, some do not), so equality is not vacuous
     outcomes = {e[2] for e in runs[1][1]}
     assert outcomes == {True, False}
+    # and so does the placement drawn at reset: trial k starts off initial state k (x = 0.01 k)
+    firsts = {(t, k): requests[1][closed_loop.chunk_seed(closed_loop.episode_seed(7, "libero_spatial", t, k), 0)]
+              for t in range(3) for k in range(3)}
+    assert all(abs(state[0][0] - 0.01 * k) > 1e-6 for (_, k), state in firsts.items())
 
 
 @pytest.mark.integration  # ~20 s: a worker process is killed and replaced
@@ -358,7 +399,7 @@ def test_a_worker_that_dies_fails_its_episode_and_is_replaced(tmp_path):
     assert "died (exit code 3)" in episodes
 
 
-def test_stage_is_off_by_default_and_needs_the_simulator(tmp_path, monkeypatch):
+def test_stage_is_off_by_default(tmp_path):
     # off (the code default): an explicit "not run" output that carries no numbers (DVC keeps the stage)
     cfg = C.from_dict({"results_dir": str(tmp_path / "results")})
     assert closed_loop.run(cfg, simulator=lambda: pytest.fail("no simulator when off"))["closed_loop"] is False
@@ -370,22 +411,53 @@ def test_stage_is_off_by_default_and_needs_the_simulator(tmp_path, monkeypatch):
     assert offline.closed_loop_results(cfg) is None  # off: not reported
     with pytest.raises(PisftError, match="was not run .* rerun the `closed_loop` stage"):
         offline.closed_loop_results(make_cfg(tmp_path))  # on: the "not run" output is refused
-    shutil.rmtree(tmp_path / "results/closed_loop")
-    import builtins
 
-    real_import = builtins.__import__
 
-    def no_libero(name, *args, **kwargs):
-        if name.startswith("libero"):
-            raise ImportError(f"No module named '{name}'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_libero)
+def test_stage_without_libero_installed_says_how_to_install_it(tmp_path, monkeypatch):
+    """No `libero` package: None in sys.modules is how Python marks a module that cannot be
+    imported (`importlib.util.find_spec` returns None, `import libero` fails), so LiberoSimulator's
+    own lookup is what finds it missing, with hf-libero installed here or not."""
+    for name in [m for m in sys.modules if m == "libero" or m.startswith("libero.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "libero", None)
+    monkeypatch.setenv("LIBERO_CONFIG_PATH", str(tmp_path / "libero-config"))
     monkeypatch.setenv("MUJOCO_GL", "osmesa")
-    with pytest.raises(libero_sim.SimulatorUnavailable, match="MUJOCO_GL=egl"):
+    with pytest.raises(libero_sim.SimulatorUnavailable) as exc:
         closed_loop.run(make_cfg(tmp_path))
+    msg = str(exc.value)
+    assert msg.startswith("The LIBERO simulator is not installed in this environment. `make setup` installs it")
+    assert "hf-libero 0.1.4" in msg and "(no 'libero' package to import)" in msg
+    assert "failed to import" not in msg
     assert not (tmp_path / "results" / "closed_loop").exists()
+    assert not (tmp_path / "libero-config").exists()  # nothing to write LIBERO's paths for
     assert os.environ["MUJOCO_GL"] == "osmesa"  # a user's choice of back end is kept
+
+
+@pytest.mark.parametrize("backend", ["osmesa", "egl"])
+def test_stage_with_libero_installed_but_failing_to_import_names_the_back_end(fake_libero, tmp_path,
+                                                                              monkeypatch, backend):
+    """An installed `libero` whose import fails (as LIBERO's does when its OpenGL back end cannot
+    start): the hint is about that back end and the paths file, never "not installed"."""
+    (fake_libero / "libero/libero/envs/__init__.py").write_text(
+        f"raise ImportError('Unable to load {backend} library: cannot open shared object file')\n")
+    monkeypatch.setenv("MUJOCO_GL", backend)
+    # the back end's libraries are taken as present (their check: test_libero_sim_setup.py)
+    monkeypatch.setattr(libero_sim, "rendering_problem", lambda backend: None)
+    with pytest.raises(libero_sim.SimulatorUnavailable) as exc:
+        closed_loop.run(make_cfg(tmp_path))
+    msg = str(exc.value)
+    assert msg.startswith(f"LIBERO is installed ({fake_libero / 'libero'}) but failed to import "
+                          f"(ImportError: Unable to load {backend} library")
+    assert libero_sim.import_failure_hint(backend) in msg
+    if backend == "osmesa":
+        assert "MUJOCO_GL=osmesa needs OSMesa (libosmesa6)" in msg and "osmesa needs EGL" not in msg
+    else:
+        assert "MUJOCO_GL=egl needs EGL" in msg and "MUJOCO_GL=osmesa renders on the CPU" in msg
+    assert libero_sim.APT_LINE in msg and "not installed" not in msg
+    assert str(tmp_path / "libero-config" / "config.yaml") in msg  # the paths file, in this test's folder
+    assert (tmp_path / "libero-config" / "config.yaml").is_file()  # written there, not in the home folder
+    assert not (tmp_path / "results" / "closed_loop").exists()
+    assert os.environ["MUJOCO_GL"] == backend
 
 
 # A stand-in `libero` package with the real one's module layout and first-run behaviour
@@ -452,6 +524,8 @@ def fake_libero(tmp_path, monkeypatch):
     for rel, text in FAKE_LIBERO.items():
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
         (pkg / rel).write_text(text)
+    for name in [m for m in sys.modules if m == "libero" or m.startswith("libero.")]:
+        monkeypatch.delitem(sys.modules, name)  # a `libero` imported earlier (hf-libero) comes back after
     monkeypatch.syspath_prepend(str(pkg))
     monkeypatch.setenv("LIBERO_CONFIG_PATH", str(tmp_path / "libero-config"))
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # a job has no one to answer
@@ -514,10 +588,24 @@ def test_resize_with_pad_keeps_aspect():
     assert out[0, 112].sum() == 0 and out[112, 112].min() == 255  # padded top, image in middle
 
 
+def test_the_policy_takes_one_thread_unless_pisft_num_threads_says(monkeypatch):
+    from pisft import device as device_mod
+
+    monkeypatch.delenv(device_mod.THREADS_ENV, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # what Snakemake exports: not the policy's count
+    assert closed_loop.policy_threads() == 1
+    monkeypatch.setenv(device_mod.THREADS_ENV, "3")
+    assert closed_loop.policy_threads() == 3
+
+
 @pytest.mark.integration  # ~15 s: rollouts in worker processes
-def test_stage_rolls_out_the_exported_model_in_process(tmp_path):
+def test_stage_rolls_out_the_exported_model_in_process(tmp_path, monkeypatch):
     """The default policy: results/train/model through LiberoPolicy (the code `serve` runs)."""
     from test_serve_openpi_client import write_tiny_model
+
+    from pisft import device as device_mod
+
+    monkeypatch.delenv(device_mod.THREADS_ENV, raising=False)  # the default: the one thread asserted below
 
     cfg = make_cfg(tmp_path, libero_suites=["libero_spatial"], trials_per_task=1, max_steps=15)  # 3 chunks
     model = write_tiny_model(tmp_path / "export")

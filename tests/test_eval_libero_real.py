@@ -227,3 +227,54 @@ def test_the_rollout_video_decodes_to_the_frames_the_policy_saw(rollout):
                               axis=1).astype(int)
     assert np.abs(frames[0].astype(int) - expected).mean() < 6  # H.264 is lossy, not a different picture
     assert np.abs(frames[0].astype(int) - expected[::-1, ::-1]).mean() > 10
+
+
+class SeededPolicy:
+    """Actions drawn from each chunk's noise seed (no model: the simulator is what is checked),
+    with every request kept, in the parent process where the policy runs."""
+
+    def __init__(self, horizon: int = REPLAN):
+        self.horizon = horizon
+        self.seeds: list = []
+        self.requests: list[dict] = []
+
+    def reset(self, seed=None):
+        self.seeds.append(seed)
+
+    def infer(self, obs):
+        self.requests.append(copy.deepcopy(obs))
+        actions = np.random.default_rng(self.seeds[-1]).uniform(-0.5, 0.5, (self.horizon, 7))
+        actions[:, 6] = -1.0  # gripper open
+        return {"actions": actions}
+
+
+def test_results_do_not_depend_on_the_number_of_environment_processes(tmp_path):
+    """One task, 2 trials, a few steps, in 1 and in 2 spawned LIBERO environment processes: the
+    same episode records, the same video, and the same state and camera images behind every
+    chunk (with 2 processes the second trial runs in an environment of its own, with 1 after the
+    first trial's reset)."""
+    from test_eval_closed_loop import deterministic_part, requests_by_chunk
+
+    steps, replan = 6, 2
+    runs, requests = {}, {}
+    for n in (1, 2):
+        cfg = C.from_dict({"results_dir": str(tmp_path / f"n{n}" / "results"), "device": "cpu", "eval": {
+            "closed_loop": True, "libero_suites": [SUITE], "task_ids": [TASK_ID], "trials_per_task": 2,
+            "max_steps": steps, "num_envs": n, "replan_steps": replan, "num_wait_steps": WAIT,
+            "closed_loop_seed": 7, "resize_size": 224, "videos": True}})
+        policy = SeededPolicy()
+        metrics = closed_loop.run(cfg, policy=policy)  # LiberoSimulator, in worker processes
+        assert metrics["simulator"]["package"] == "hf-libero" and metrics["timing"]["num_envs"] == n
+        out = tmp_path / f"n{n}" / "results" / "closed_loop"
+        episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+        assert [(e["trial"], e["steps"], e["error"]) for e in episodes] == [(0, steps, None), (1, steps, None)]
+        runs[n] = (deterministic_part(metrics),
+                   [{k: e[k] for k in ("task_id", "trial", "success", "steps", "policy_calls", "sim_steps",
+                                       "video", "video_frames")} for e in episodes],
+                   (out / episodes[0]["video"]).read_bytes())
+        requests[n] = requests_by_chunk(policy)
+    assert runs[1] == runs[2]
+    assert requests[1] == requests[2] and len(requests[1]) == 2 * steps // replan
+    # the two trials start from different stored states: the comparison covers two scenes
+    first = [requests[1][closed_loop.chunk_seed(closed_loop.episode_seed(7, SUITE, TASK_ID, k), 0)] for k in (0, 1)]
+    assert first[0][0] != first[1][0] and first[0][1] != first[1][1]

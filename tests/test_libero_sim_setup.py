@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,19 +74,48 @@ def test_a_malformed_manifest_line_is_named(tmp_path):
         mod.read_manifest(bad)
 
 
+def _manifest_lines() -> dict[str, str]:
+    """The shipped manifest's entries read without the parser under test: sha256sum's format."""
+    found = [re.fullmatch(r"([0-9a-f]{64})  (\S.*)", line) for line in MANIFEST.read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert all(found), "a line of libero-assets.sha256 is not sha256sum's '<hex>  <path>'"
+    return {m.group(2): m.group(1) for m in found}
+
+
 def test_shipped_manifest_lists_libero_upstream_assets():
     mod = _load_script()
     entries = mod.read_manifest(MANIFEST)
-    assert len(entries) == 585  # LIBERO's assets/ tree, without LIBERO-PRO's additions
+    assert entries == _manifest_lines()
+    assert len(entries) == 585  # LIBERO's assets/ tree, without LIBERO-PRO's additions (README.md)
     assert any(e.startswith("stable_hope_objects/alphabet_soup/") for e in entries)  # LIBERO-10 task 0
-    assert all(len(d) == 64 for d in entries.values())
 
 
 @pytest.mark.skipif(not INSTALLED, reason="the LIBERO simulator is not installed (`make setup` installs it)")
-def test_installed_assets_match_the_shipped_manifest():
+def test_installed_assets_match_the_shipped_manifest(tmp_path):
+    """The count is the installed tree's, walked here: the manifest lists exactly its files, and
+    verify checks each of them (a damaged last entry, in a copy of the tree, is found)."""
+    assets = libero_sim._libero_bench_root() / "assets"
+    installed = sorted(p.relative_to(assets).as_posix() for p in assets.rglob("*")
+                       if p.is_file() and p.name != libero_sim.INSTALLED_MANIFEST)
+    assert sorted(_manifest_lines()) == installed
     out = subprocess.run([sys.executable, str(SCRIPT), "verify"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "all 585 files match libero-assets.sha256" in out.stdout
+    assert f"all {len(installed)} files match libero-assets.sha256" in out.stdout
+    # the same tree (links to the installed files), the manifest's last file with one byte flipped
+    copy = tmp_path / "assets"
+    for rel in installed:
+        (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+        (copy / rel).symlink_to(assets / rel)
+    last = list(_manifest_lines())[-1]
+    data = bytearray((assets / last).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (copy / last).unlink()
+    (copy / last).write_bytes(bytes(data))
+    out = subprocess.run([sys.executable, str(SCRIPT), "verify", str(copy), str(MANIFEST)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert f"damaged (sha256 differs from the manifest): {copy / last}" in out.stderr
+    assert f"1 of {len(installed)} LIBERO asset files are missing or damaged" in out.stderr
 
 
 def test_simulator_pins_are_in_every_lock_and_not_installed_with_their_deps():

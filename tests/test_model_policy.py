@@ -222,7 +222,24 @@ def test_processors_feed_forward_and_predict(model_dir):
     loss, info = policy(batch)
     assert loss.ndim == 0 and math.isfinite(loss.item())
     loss.backward()
-    assert all(torch.isfinite(p.grad).all() for p in policy.parameters() if p.grad is not None)
+    # Every parameter gets a gradient except those that cannot reach the action loss: the VLM's
+    # last layer after its keys and values (the action expert reads only those), the VLM's final
+    # norm, the action expert's (unused) LM head.
+    vlm = "model.paligemma_with_expert.paligemma.model.language_model"
+    last = f"{vlm}.layers.{len(policy.model.paligemma_with_expert.paligemma.model.language_model.layers) - 1}"
+    no_grad = {n for n, p in policy.named_parameters() if p.grad is None}
+    assert no_grad == {f"{last}.self_attn.o_proj.weight", f"{last}.mlp.gate_proj.weight",
+                       f"{last}.mlp.up_proj.weight", f"{last}.mlp.down_proj.weight",
+                       f"{last}.post_attention_layernorm.weight", f"{vlm}.norm.weight",
+                       "model.paligemma_with_expert.gemma_expert.lm_head.weight"}, sorted(no_grad)
+    grads = {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    # the loss reaches the action head, the expert, the VLM's first layer and the vision tower
+    for name in ("model.action_out_proj.weight",
+                 "model.paligemma_with_expert.gemma_expert.model.layers.0.mlp.down_proj.weight",
+                 f"{vlm}.layers.0.self_attn.k_proj.weight",
+                 "model.paligemma_with_expert.paligemma.model.vision_tower.vision_model.embeddings.patch_embedding.weight"):
+        assert grads[name].abs().sum() > 0, name
     chunk = policy.predict_action_chunk(batch)
     assert chunk.shape == (4, policy.config.chunk_size, 7)
     actions = post(chunk)

@@ -306,7 +306,8 @@ def test_the_dataset_does_not_depend_on_the_number_of_environment_processes(tmp_
     for n in (1, 2):
         cfg = make_cfg(tmp_path / f"n{n}", max_steps=30)
         cfg.eval.num_envs = n
-        collection = collect.run(cfg, simulator=functools.partial(StandInSimulator, tasks),
+        # placements drawn at each reset, as LIBERO's: an episode depends on its environment's past unless reseeded
+        collection = collect.run(cfg, simulator=functools.partial(StandInSimulator, tasks, placement_noise=0.02),
                                  policy=GoalSeekingPolicy(noise=0.9))
         assert collection["timing"]["num_envs"] == n
         out[n] = (_hashes(tmp_path / f"n{n}/results/recap/iter_1/rollouts"), collection["episodes"])

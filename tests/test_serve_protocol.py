@@ -247,7 +247,8 @@ def ask(ws, obs, timeout=60):
 def test_metadata_then_actions_then_errors_then_actions_again(serve, caplog):
     server, where = serve(StandInPolicy())
     with connect(where["url"], compression=None, max_size=None) as ws:
-        assert protocol.unpackb(ws.recv()) == {"action_horizon": 4, "action_dim": 8}
+        assert protocol.unpackb(ws.recv()) == {"action_horizon": 4, "action_dim": 8,
+                                               "limits": {"max_message_bytes": 32 * 2**20}}  # the default
         obs = libero_obs()
         reply = ask(ws, obs)
         assert reply["actions"].shape == (4, 8) and reply["actions"].dtype == np.float32

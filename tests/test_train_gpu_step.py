@@ -8,35 +8,50 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from pisft import device as devices
 from pisft.bench import gpu_step
 
 
-def _args(tmp_path, *extra):
-    return gpu_step.parse(["--device", "cpu", "--preset", "tiny", "--micro", "2", "--max-micro", "2",
+def _args(tmp_path, *extra, device="cpu"):
+    return gpu_step.parse(["--device", device, "--preset", "tiny", "--micro", "2", "--max-micro", "2",
                            "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "g.json"), *extra])
 
 
+NO_GPU = ("no CUDA GPU here (torch.cuda.is_available() is False): the bf16 step is checked on the CPU "
+          "only; on a host with a GPU this test runs it there")
+
+
 @pytest.mark.integration  # ~15-55 s each: whole training steps of the tiny model
-def test_bf16_step_with_and_without_activation_checkpointing(tmp_path, capsys):
-    result = gpu_step.run(_args(tmp_path))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason=NO_GPU))])
+def test_bf16_step_with_and_without_activation_checkpointing(tmp_path, capsys, device):
+    result = gpu_step.run(_args(tmp_path, device=device))
+    assert result["kind"] == device
     runs = result["runs"]
     assert [r["activation_checkpointing"] for r in runs] == [False, True]
     for r in runs:
         assert r["micro_batch_size"] == 2 and not r.get("oom")
         assert all(math.isfinite(x) for x in r["losses"])
         assert r["step_time_s"] > 0 and r["flops_per_sample"] > 0
-        assert r["mfu"] is None  # no peak figure for CPU
         assert r["optimizer"] == "adamw"
-        assert r["peak_reserved_bytes"] == r["peak_memory_bytes"]  # CPU: both the peak RSS
+        if device == "cpu":
+            assert r["mfu"] is None  # no peak figure for CPU
+            assert r["peak_reserved_bytes"] == r["peak_memory_bytes"]  # CPU: both the peak RSS
+        else:  # the caching allocator's figures, from this device
+            assert r["peak_reserved_bytes"] >= r["peak_memory_bytes"] > 0
+            assert (r["mfu"] is None) == (result["peak_flops"] is None)
     # same weights, same batch: checkpointing changes memory, not the numbers
     assert runs[0]["losses"][0] == runs[1]["losses"][0]
     assert result["largest_micro_batch"] == {"False": 2, "True": 2}
-    # no fixed capacity: today's behaviour (AdamW), and the output says so
     assert result["optimizer"] == {"False": "adamw", "True": "adamw"}
     out = capsys.readouterr().out
-    assert "measuring AdamW (the training's optimizer step); no fixed device capacity" in out
+    if device == "cpu":  # no fixed capacity: today's behaviour (AdamW), and the output says so
+        assert "measuring AdamW (the training's optimizer step); no fixed device capacity" in out
+    else:  # the GPU's capacity holds the tiny step with AdamW
+        assert result["device"] == torch.cuda.get_device_name(0) and result["capacity_bytes"] > 0
+        assert all(plan["reason"].endswith("it fits") for plan in result["optimizer_plan"].values())
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -28,6 +29,13 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
 
 
 def _wait(predicate, timeout=20.0):
@@ -108,11 +116,43 @@ def test_killing_the_launchers_process_group_kills_workers_in_their_own_session(
             os.kill(worker_pid, signal.SIGKILL)
 
 
-def test_a_worker_whose_launcher_is_already_gone_exits_at_once(tmp_path):
-    env = {**os.environ, LAUNCHER_PID_ENV: "1"}  # its agent's parent is not that launcher
-    proc = subprocess.run([sys.executable, "-c", _WORKER], env=env, capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 1 and "orphaned worker exits" in proc.stderr
+# An agent that outlives its launcher (it has no guard of its own here), then starts a worker.
+_ORPHAN_AGENT = """
+import json, subprocess, sys
+sys.stdin.readline()  # the test says when the launcher is gone
+w = subprocess.run([sys.executable, "-c", {worker!r}], capture_output=True, text=True, timeout=60)
+print(json.dumps({{"returncode": w.returncode, "stderr": w.stderr}}), flush=True)
+"""
+_LAUNCHER_OF_ORPHAN = """
+import os, subprocess, sys, time
+os.environ["{env}"] = str(os.getpid())
+agent = subprocess.Popen([sys.executable, "-c", {agent!r}])  # shares this process's stdin/stdout
+print(agent.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_worker_whose_launcher_is_already_gone_exits_at_once():
+    """launcher -> agent; the launcher is killed (kill -9), the agent, reparented, then starts a
+    worker: the worker finds that its agent's parent is no longer the launcher and exits."""
+    agent_code = _ORPHAN_AGENT.format(worker=_WORKER)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER_OF_ORPHAN.format(env=LAUNCHER_PID_ENV, agent=agent_code)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    agent_pid = int(launcher.stdout.readline())
+    try:
+        assert _parent(agent_pid) == launcher.pid
+        launcher.kill()
+        launcher.wait()
+        assert _wait(lambda: _parent(agent_pid) != launcher.pid), "the agent was not reparented"
+        launcher.stdin.write("go\n")
+        launcher.stdin.flush()
+        result = json.loads(launcher.stdout.readline())
+        assert result["returncode"] == 1, result
+        assert f"the launcher (pid {launcher.pid}) is gone; this orphaned worker exits" in result["stderr"]
+    finally:
+        if _alive(agent_pid):
+            os.kill(agent_pid, signal.SIGKILL)
 
 
 def test_metrics_are_cut_back_to_unique_increasing_steps_on_resume(tmp_path):

@@ -161,6 +161,18 @@ def rendering_problem(backend: str) -> str | None:
             f"(`make setup` does this when it runs as root)")
 
 
+def import_failure_hint(backend: str) -> str:
+    """What to check when an installed LIBERO fails to import: the rendering back end chosen."""
+    if backend == "egl":
+        return (f"The rendering back end MUJOCO_GL=egl needs EGL (a GPU driver, or Mesa's libegl1 and "
+                f"libegl-mesa0); MUJOCO_GL=osmesa renders on the CPU instead (libosmesa6): {APT_LINE}.")
+    if backend == "osmesa":
+        return (f"The rendering back end MUJOCO_GL=osmesa needs OSMesa (libosmesa6); MUJOCO_GL=egl "
+                f"renders with a GPU driver or Mesa's EGL instead: {APT_LINE}.")
+    return (f"The rendering back end MUJOCO_GL={backend} is not one pisft checks; MUJOCO_GL=egl (pisft's "
+            f"default) and MUJOCO_GL=osmesa (CPU) render without a display: {APT_LINE}.")
+
+
 def _is_hf_libero(bench_root: Path) -> bool:
     try:
         dist = importlib.metadata.distribution("hf-libero")
@@ -245,10 +257,10 @@ class LiberoSimulator:
             raise SimulatorUnavailable(f"{INSTALL_HELP}\n(import failed: {exc})") from None
         except Exception as exc:  # noqa: BLE001 - a rendering back end or LIBERO's set-up failing at import
             raise SimulatorUnavailable(
-                f"LIBERO is installed but failed to import ({type(exc).__name__}: {exc}). Check the "
-                f"rendering back end: MUJOCO_GL={os.environ.get('MUJOCO_GL')} needs EGL (a GPU driver "
-                f"or Mesa's libegl-mesa0), or use MUJOCO_GL=osmesa (libosmesa6): {APT_LINE}; and "
-                f"LIBERO's paths file ({libero_config_file()}).\n\n{INSTALL_HELP}"
+                f"LIBERO is installed ({bench_root.parent}) but failed to import ({type(exc).__name__}: "
+                f"{exc}). {import_failure_hint(os.environ['MUJOCO_GL'])} Check also LIBERO's paths file "
+                f"({libero_config_file()}); `make setup` reinstalls the simulator (README.md, \"The LIBERO "
+                f"simulator\")."
             ) from None
         self._benchmark = benchmark
         self._get_libero_path = get_libero_path

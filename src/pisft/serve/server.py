@@ -181,6 +181,14 @@ class PolicyServer:
             return (f"internal error on the server ({type(exc).__name__}, error id {error_id}); "
                     f"the server's log has the details under this id. The connection stays open.")
 
+    @property
+    def metadata(self) -> dict:
+        """What a client gets on connecting: the policy's metadata, with this server's message
+        limit (--max-message-mib) beside the policy's own limits in `limits`."""
+        meta = dict(self._policy.metadata)
+        meta["limits"] = {**meta.get("limits", {}), "max_message_bytes": self.max_message_bytes}
+        return meta
+
     def _policy_seed(self) -> int | None:
         return getattr(self._policy, "seed", None)
 
@@ -191,7 +199,7 @@ class PolicyServer:
         log.info("connection from %s", peer)
         session = _Session(noise=self._policy.new_noise(None))
         try:
-            await websocket.send(protocol.packb(self._policy.metadata))
+            await websocket.send(protocol.packb(self.metadata))
             while True:
                 start = self._clock()  # as openpi: the cycle starts when we wait for the request
                 message = await websocket.recv()
