@@ -205,3 +205,45 @@ def test_summarize_refuses_results_that_did_not_run_to_their_end():
     r = closed_loop.EpisodeResult("libero_spatial", 0, "t", 0, False, 3, 1, 0.1, error="WorkerDied: killed")
     with pytest.raises(PisftError, match=r"1 episode\(s\) ended in an error .* WorkerDied: killed"):
         closed_loop.summarize([r])
+
+
+class MujocoEnv(StandInEnv):
+    """Steps a real MuJoCo model with the action (scaled past MuJoCo's bound of 1e10) as its
+    control, so MuJoCo itself warns and writes MUJOCO_LOG.TXT into the working folder."""
+
+    def step(self, action):
+        import mujoco
+
+        if not hasattr(self, "_mj"):
+            m = mujoco.MjModel.from_xml_string(
+                '<mujoco><worldbody><body><joint name="j" type="slide"/><geom size=".1"/></body>'
+                '</worldbody><actuator><motor joint="j"/></actuator></mujoco>')
+            self._mj = (m, mujoco.MjData(m))
+        m, d = self._mj
+        d.ctrl[:] = 1e11 * (1.0 + abs(action[0]))
+        mujoco.mj_step(m, d)
+        return super().step(action)
+
+
+class MujocoSimulator(StandInSimulator):
+    def make_env(self, task, *, resolution, seed):
+        env = MujocoEnv(task.goal, seed)
+        self.envs.append(env)
+        return env
+
+
+@pytest.mark.integration  # a spawned worker process: ~5-15 s on 2 cores
+def test_mujocos_log_goes_to_the_stages_log_folder_not_the_project_root(tmp_path, monkeypatch, capfd):
+    from pisft.logs import tee_output
+
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    cfg = make_cfg(tmp_path, libero_suites=["libero_spatial"], num_envs=1, trials_per_task=1)
+    with tee_output(tmp_path / "results/logs/closed_loop.log"):
+        closed_loop.run(cfg, simulator=functools.partial(MujocoSimulator, TASKS[:1]), policy=GoalSeekingPolicy())
+    assert list(project.iterdir()) == []  # nothing in the working folder of the stage
+    log = tmp_path / "results/logs/closed_loop.mujoco/MUJOCO_LOG.TXT"
+    assert "Nan, Inf or huge value in CTRL" in log.read_text()
+    assert f"MuJoCo logged warnings (an unstable simulation) to {log}" in capfd.readouterr().out
+    assert (tmp_path / "results/closed_loop/videos/libero_spatial_task00.mp4").is_file()  # absolute paths

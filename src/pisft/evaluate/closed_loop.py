@@ -60,6 +60,7 @@ import numpy as np
 
 from pisft import config as config_mod
 from pisft import device as device_mod
+from pisft import logs as logs_mod
 from pisft.errors import PisftError
 from pisft.evaluate import libero_sim
 from pisft.evaluate import video as video_mod
@@ -183,6 +184,9 @@ def plan_episodes(simulator: libero_sim.Simulator, settings: Settings, out_dir: 
     `record_dir`: every episode records its executed steps in `record_dir/episode_<index>/`."""
     specs: list[EpisodeSpec] = []
     languages: dict[tuple[str, int], str] = {}
+    # absolute: a worker process runs in the stage's log folder (MuJoCo's log, rollout_workers)
+    out_dir = None if out_dir is None else Path(out_dir).absolute()
+    record_dir = None if record_dir is None else Path(record_dir).absolute()
     for suite_name in settings.suites:
         if suite_name not in libero_sim.SUITE_MAX_STEPS:
             raise PisftError(f"eval.libero_suites: unknown suite '{suite_name}'; one of "
@@ -414,6 +418,13 @@ def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settin
     return [results[s.index] for s in specs]
 
 
+def mujoco_note(log_dir: Path, stage: str) -> None:
+    """Say where MuJoCo's warnings went, when it wrote any (an unstable simulation)."""
+    log_file = Path(log_dir) / "MUJOCO_LOG.TXT"
+    if log_file.is_file():
+        print(f"{stage}: note: MuJoCo logged warnings (an unstable simulation) to {log_file}", flush=True)
+
+
 def env_count(settings: Settings, specs: list[EpisodeSpec], *, stage: str) -> int:
     """Environment processes for `specs`: `settings.num_envs`, at most one per episode; a note
     when they outnumber the cores."""
@@ -429,15 +440,17 @@ def roll_out(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settings, 
              factory: Callable[[], libero_sim.Simulator], simulator: libero_sim.Simulator, num_envs: int,
              inline: bool, languages: dict[tuple[str, int], str],
              on_episode: Callable[[EpisodeResult], None] | None = None,
-             name: str = "closed_loop") -> tuple[list[EpisodeResult], float]:
+             name: str = "closed_loop", log_dir: Path | None = None) -> tuple[list[EpisodeResult], float]:
     """Run `specs` in `num_envs` workers (spawned processes built by `factory`, or, `inline`, in
     this process, the first on `simulator`); (results in the order of `specs`, wall seconds).
     Workers are closed whatever happens; one whose episode ended in an error is replaced by a
     fresh one (inline: a fresh simulator in this process) and the episode run again
-    (`run_episodes`)."""
+    (`run_episodes`). Worker processes run in `log_dir` (MuJoCo writes its log into the working
+    folder)."""
+    workdir = None if log_dir is None else str(log_dir)
 
     def spawn(i: int):
-        w = ProcessWorker(factory, name=f"{name}-env{i}")
+        w = ProcessWorker(factory, name=f"{name}-env{i}", workdir=workdir)
         w.wait_ready()
         return w
 
@@ -452,7 +465,7 @@ def roll_out(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settings, 
                        for i in range(num_envs)]
         else:
             for i in range(num_envs):  # started together, then waited for (imports take seconds)
-                workers.append(ProcessWorker(factory, name=f"{name}-env{i}"))
+                workers.append(ProcessWorker(factory, name=f"{name}-env{i}", workdir=workdir))
             for w in workers:
                 w.wait_ready()
         results = run_episodes(specs, policy, settings, workers=workers,
@@ -729,8 +742,11 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
                 print(f"closed_loop: {len(done)}/{len(specs)} episodes, "
                       f"{sum(x.success for x in done)} successes", flush=True)
 
+        mujoco_logs = logs_mod.mujoco_log_dir("closed_loop", cfg.results("logs"))
         results, wall = roll_out(specs, policy, settings, factory=factory, simulator=sim, num_envs=num_envs,
-                                 inline=inline, languages=languages, on_episode=record, name="closed_loop")
+                                 inline=inline, languages=languages, on_episode=record, name="closed_loop",
+                                 log_dir=mujoco_logs)
+        mujoco_note(mujoco_logs, "closed_loop")
         for r in results:
             if r.video:  # a page per video for `snakemake --report`, which plays no bare MP4
                 write_text_atomic(out / Path(r.video).with_suffix(".html"), video_mod.html_page(

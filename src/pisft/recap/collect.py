@@ -49,6 +49,7 @@ import numpy as np
 
 from pisft import config as config_mod
 from pisft import device as device_mod
+from pisft import logs as logs_mod
 from pisft.data.libero import FPS
 from pisft.data.recap_layout import RecapEpisode, write_recap_dataset
 from pisft.errors import PisftError
@@ -205,12 +206,16 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
                 print(f"collect_rollouts: {len(done)}/{len(specs)} episodes, "
                       f"{sum(x.success for x in done)} successes", flush=True)
 
+        mujoco_logs = logs_mod.mujoco_log_dir("collect_rollouts", cfg.results("logs"))
         try:
             results, wall = closed_loop.roll_out(specs, policy, settings, factory=factory, simulator=sim,
                                                  num_envs=num_envs, inline=inline, languages=languages,
-                                                 on_episode=record, name="collect_rollouts")
+                                                 on_episode=record, name="collect_rollouts",
+                                                 log_dir=mujoco_logs)
         except closed_loop.EpisodeErrors as exc:
             raise CollectionError(_crash_message(exc, final)) from None
+        finally:
+            closed_loop.mujoco_note(mujoco_logs, "collect_rollouts")
         tasks = list(dict.fromkeys(r.task for r in results))  # LeRobot's task_index: order of first appearance
         write_recap_dataset(out, _dataset_episodes(specs, results, {t: i for i, t in enumerate(tasks)}), tasks,
                             version=DATASET_VERSION, naming="recap", fps=FPS, robot_type=ROBOT_TYPE,

@@ -12,6 +12,8 @@ Hostile or broken clients (README.md, "Serving"):
   large or too elongated, a prompt over `--max-prompt-chars`) is answered with a text frame
   holding the error, which openpi's client raises as `RuntimeError`; the connection stays open.
   Sizes are checked before any pixel is converted (`observations.to_batch`).
+- A model whose actions are not finite (NaN, inf) is never served: the client gets a text
+  frame "model error: ... non-finite actions ...", and the server's log says so.
 - An unexpected error is logged here with its traceback under a short error id; the client gets
   the id and the exception's type, never the traceback, and the connection stays open.
 - Decoding and checking run in worker threads and the model in one thread of its own, so the
@@ -106,6 +108,21 @@ def _reset_request(obs: Any) -> _Reset | None:
     return _Reset(seed)
 
 
+def _non_finite(actions: Any) -> str | None:
+    """What is not finite in a reply's actions (a description), or None when all are finite."""
+    try:
+        a = np.asarray(actions)
+    except Exception:  # noqa: BLE001 - not an array at all
+        return f"not an array of numbers: {type(actions).__name__}"
+    if not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):
+        return f"not an array of numbers: dtype {a.dtype}"
+    finite = np.isfinite(a)
+    if finite.all():
+        return None
+    nan = int(np.isnan(a).sum()) if np.issubdtype(a.dtype, np.inexact) else 0
+    return f"{nan} NaN and {int(a.size - finite.sum()) - nan} infinite of {a.size} values"
+
+
 class PolicyServer:
     """One policy, many connections; inferences run one at a time in a thread of their own."""
 
@@ -123,6 +140,7 @@ class PolicyServer:
         self.requests = 0
         self.errors = 0
         self.oversized = 0
+        self.non_finite = 0  # replies refused because the model's actions were NaN or infinite
         self._submitted = 0
         self._started = 0
 
@@ -165,6 +183,14 @@ class PolicyServer:
             result, begin, end = await loop.run_in_executor(
                 self._model_thread, self._predict, prepared, session.noise)
             result = dict(result)
+            bad = _non_finite(result.get("actions"))
+            if bad:
+                self.errors += 1
+                self.non_finite += 1
+                log.error("the model returned non-finite actions (%s); answered with an error", bad)
+                return (f"model error: the model returned non-finite actions ({bad}); they were not "
+                        "served. The model diverged or its normalization statistics are broken: check "
+                        "its training log and norm stats. The connection stays open.")
             timing = {"infer_ms": (end - begin) * 1000.0, "queue_ms": (begin - submitted) * 1000.0}
             if session.prev_total_ms is not None:
                 timing["prev_total_ms"] = session.prev_total_ms
