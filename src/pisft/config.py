@@ -493,6 +493,13 @@ def _eval_problems(e: EvalConfig) -> list[str]:
     for suite in e.libero_suites:
         if suite not in LIBERO_SUITES:
             problems.append(f"eval.libero_suites: unknown suite '{suite}'; one of {', '.join(LIBERO_SUITES)}")
+    if not e.libero_suites:
+        problems.append("eval.libero_suites: an empty list names no suite to roll out; give one or more of "
+                        f"{', '.join(LIBERO_SUITES)} (eval.closed_loop: false turns the rollouts off)")
+    repeated = sorted({s for s in e.libero_suites if list(e.libero_suites).count(s) > 1})
+    if repeated:
+        problems.append(f"eval.libero_suites: {repeated} listed more than once; each suite once (a repeat "
+                        "would run the same episodes twice, narrow the interval and write one video twice)")
     for key in ("max_steps", "num_envs"):
         if getattr(e, key) < 0:
             problems.append(f"eval.{key}: must be 0 (the default: "

@@ -187,6 +187,9 @@ def plan_episodes(simulator: libero_sim.Simulator, settings: Settings, out_dir: 
     # absolute: a worker process runs in the stage's log folder (MuJoCo's log, rollout_workers)
     out_dir = None if out_dir is None else Path(out_dir).absolute()
     record_dir = None if record_dir is None else Path(record_dir).absolute()
+    if not settings.suites or len(set(settings.suites)) != len(settings.suites):
+        raise PisftError(f"eval.libero_suites: {list(settings.suites)}: give one or more distinct suites "
+                         "(a repeat runs the same episodes twice)")
     for suite_name in settings.suites:
         if suite_name not in libero_sim.SUITE_MAX_STEPS:
             raise PisftError(f"eval.libero_suites: unknown suite '{suite_name}'; one of "
