@@ -36,7 +36,8 @@ def test_a_value_the_two_drivers_read_differently_is_refused_naming_the_key(tmp_
     old = {"steps": "  steps: 150", "lr": "  lr: 0.001"}[key]
     path = config_with(tmp_path, old, line)
     # what the two readers really make of it
-    assert yaml.safe_load(path.read_text())["train"][key] != YAML(typ="safe", pure=True).load(path.read_text())["train"][key]
+    text = path.read_text()
+    assert yaml.safe_load(text)["train"][key] != YAML(typ="safe", pure=True).load(text)["train"][key]
     with pytest.raises(C.ConfigError) as exc:
         C.load(path)
     msg = str(exc.value)

@@ -118,6 +118,21 @@ def _summary(cfg: config_mod.PisftConfig) -> int:
     return 0
 
 
+def _running_trainer(args: argparse.Namespace) -> str | None:
+    """Why `launch` must stop at once: its run folder is held by a running trainer; else None."""
+    from pisft.train import guard, launch, run_folders
+
+    if args.stage not in launch.RESUMABLE:
+        return None
+    try:
+        cfg = config_mod.load(args.config, args.overrides).at_iteration(args.iteration)
+        folder = run_folders.stage_checkpoint_root(args.stage, cfg)
+    except Exception:  # noqa: BLE001 - the stage itself reports a bad config or missing inputs
+        return None
+    holder = guard.lock_holder(folder, args.stage)
+    return None if holder is None else guard.held_message(args.stage, folder, holder)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":  # the server has its own options (python -m pisft serve -h)
@@ -133,6 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         except PisftError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    if args.command == "launch":
+        # A second trainer on a running run folder is refused before it opens any output (the
+        # running trainer's stage log, the downstream invalidation): the trainer's own lock
+        # (pisft.train.guard) would refuse it too, but only after those.
+        refused = _running_trainer(args)
+        if refused:
+            print(f"error: {refused}", file=sys.stderr)
+            return 1
     try:
         with tee_output(log):
             try:

@@ -681,13 +681,13 @@ def _readings_differ(one: Any, two: Any, path: str = "") -> list[tuple[str, Any,
         for key in list(dict.fromkeys([*one, *two])):
             where = f"{path}.{key}" if path else str(key)
             if key not in one or key not in two:
-                out.append((where, "(a different key)" if key not in one else one[key],
-                            "(a different key)" if key not in two else two[key]))
+                out.append((where, one.get(key, "(a different key)"), two.get(key, "(a different key)")))
             else:
                 out.extend(_readings_differ(one[key], two[key], where))
         return out
     if isinstance(one, list) and isinstance(two, list) and len(one) == len(two):
-        return [d for i, (x, y) in enumerate(zip(one, two, strict=True)) for d in _readings_differ(x, y, f"{path}[{i}]")]
+        return [d for i, (x, y) in enumerate(zip(one, two, strict=True))
+                for d in _readings_differ(x, y, f"{path}[{i}]")]
     return [] if _same(one, two) else [(path, one, two)]
 
 
@@ -703,7 +703,7 @@ def yaml_text(text: str, source: str, *, both_readings: bool = True) -> Any:
     import yaml
 
     try:
-        one = yaml.load(text, Loader=_pyyaml_loader())  # noqa: S506 - a SafeLoader subclass
+        one = yaml.load(text, Loader=_pyyaml_loader())  # a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     if not both_readings:
