@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import signal
 import sys
 
 from pisft import config as config_mod
-from pisft.errors import PisftError
+from pisft.errors import PisftError, Terminated, stop_on_termination
 from pisft.logs import tee_output
 from pisft.workflow.drivers import pin_threads
 from pisft.workflow.invalidate import invalidate_downstream
@@ -140,6 +141,20 @@ def main(argv: list[str] | None = None) -> int:
 
         return server.main(argv[1:])
     args = build_parser().parse_args(argv)
+    # SIGTERM/SIGHUP (a driver stopping the job, a scheduler's time limit) unwind the stage as
+    # Ctrl-C does, so its temporary output folder is removed (`pisft.io.atomic_dir`).
+    stop_on_termination()
+    try:
+        return _main(args)
+    except (KeyboardInterrupt, Terminated) as exc:
+        name = "SIGINT" if isinstance(exc, KeyboardInterrupt) else signal.Signals(exc.signum).name
+        print(f"error: {getattr(args, 'command', 'pisft')} stopped by {name}; its temporary output was "
+              "removed and finished outputs were left as they were. Rerun the same command to redo it",
+              file=sys.stderr, flush=True)
+        return 128 + (signal.SIGINT if isinstance(exc, KeyboardInterrupt) else exc.signum)
+
+
+def _main(args: argparse.Namespace) -> int:
     log = getattr(args, "log", None)
     if log and getattr(args, "config", None) is not None:
         # A bad config is refused before the stage log is opened: the previous run's log stays.

@@ -18,3 +18,29 @@ class ModelLoadError(PisftError):
 
 class DeviceError(PisftError):
     """A requested device or backend is not available here."""
+
+
+class Terminated(BaseException):
+    """SIGTERM (or SIGHUP) reached the stage: raised in the main thread like KeyboardInterrupt for
+    SIGINT, so every `finally` and `atomic_dir` cleans up (no temporary output left behind)."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+def stop_on_termination() -> None:
+    """Turn SIGTERM and SIGHUP into `Terminated` in this process (main thread only)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, _frame):
+        raise Terminated(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
