@@ -104,24 +104,54 @@ class Settings:
     first_init_state: int = 0
 
     @classmethod
-    def from_config(cls, cfg: config_mod.PisftConfig) -> Settings:
+    def from_config(cls, cfg: config_mod.PisftConfig, stage: str | None = None) -> Settings:
         e = cfg.eval
         return cls(suites=tuple(e.libero_suites), trials_per_task=e.trials_per_task,
                    replan_steps=e.replan_steps, num_wait_steps=e.num_wait_steps,
                    seed=e.closed_loop_seed, resize_size=e.resize_size, max_steps=e.max_steps,
-                   task_ids=tuple(e.task_ids), num_envs=resolve_num_envs(e.num_envs),
+                   task_ids=tuple(e.task_ids), num_envs=resolve_num_envs(e.num_envs, stage=stage),
                    videos=e.videos)
 
     def steps_for(self, suite: str) -> int:
         return self.max_steps or libero_sim.SUITE_MAX_STEPS[suite]
 
 
-def resolve_num_envs(num_envs: int) -> int:
-    """`eval.num_envs`: 0 means one environment per core available to this process."""
+# Memory one LIBERO environment process may take: one peaked at 3.2 GB (issue 22; MuJoCo, both
+# cameras' render buffers, robosuite's imports), with a margin.
+ENV_MEMORY_BYTES = int(3.5 * (1 << 30))
+
+
+def auto_num_envs(cores: int | None = None, available: int | None = None) -> tuple[int, str]:
+    """`eval.num_envs: 0`: one environment per available core, as many as the memory available
+    now holds at `ENV_MEMORY_BYTES` each (at least one); (the number, a sentence saying why)."""
+    cores = device_mod.usable_cores() if cores is None else cores
+    available = device_mod.available_memory() if available is None else available
+    gib = 1 << 30
+    if available is None:
+        return cores, f"{cores} (one per available core; the available memory is unknown)"
+    fit = max(1, available // ENV_MEMORY_BYTES)
+    n = min(cores, fit)
+    why = (f"{n} ({cores} available cores, {available / gib:.1f} GiB of memory available, about "
+           f"{ENV_MEMORY_BYTES / gib:.1f} GiB per LIBERO environment process")
+    if fit < cores:
+        why += f"; the memory holds {fit}"
+    if available < ENV_MEMORY_BYTES:
+        why += ", less than one environment needs: it may run out of memory"
+    return n, why + "; set eval.num_envs to choose)"
+
+
+def resolve_num_envs(num_envs: int, *, stage: str | None = None) -> int:
+    """`eval.num_envs`: a positive number as given; 0 picks `auto_num_envs` and, with `stage`,
+    says what it picked and why."""
     if num_envs < 0:
-        raise PisftError(f"eval.num_envs: must be 0 (one per available core) or a positive number "
-                         f"of environment processes, got {num_envs}")
-    return num_envs or device_mod.usable_cores()
+        raise PisftError(f"eval.num_envs: must be 0 (one per available core that memory allows) or a "
+                         f"positive number of environment processes, got {num_envs}")
+    if num_envs:
+        return num_envs
+    n, why = auto_num_envs()
+    if stage:
+        print(f"{stage}: eval.num_envs 0 -> {why}", flush=True)
+    return n
 
 
 def policy_threads() -> int:
@@ -710,7 +740,7 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
     """
     if not cfg.eval.closed_loop:
         return write_not_run(cfg)
-    settings = Settings.from_config(cfg)
+    settings = Settings.from_config(cfg, stage="closed_loop")
     model_dir = cfg.results("train", "model")
     factory = simulator if simulator is not None else libero_sim.LiberoSimulator
     sim = factory()  # SimulatorUnavailable with the install line when LIBERO is not installed

@@ -69,14 +69,15 @@ class CollectionError(PisftError):
     """An episode crashed: the collection is not a result."""
 
 
-def settings_for(cfg: config_mod.PisftConfig) -> closed_loop.Settings:
+def settings_for(cfg: config_mod.PisftConfig, stage: str | None = None) -> closed_loop.Settings:
     """The closed-loop settings of the collection: recap.* for what is rolled out, eval.* for
     how (openpi's loop), the initial states after the evaluation's."""
     r, e = cfg.recap, cfg.eval
     return closed_loop.Settings(
         suites=(r.suite,), trials_per_task=r.episodes_per_task, replan_steps=e.replan_steps,
         num_wait_steps=e.num_wait_steps, seed=r.collect_seed, resize_size=e.resize_size,
-        max_steps=r.max_steps, task_ids=tuple(r.task_ids), num_envs=closed_loop.resolve_num_envs(e.num_envs),
+        max_steps=r.max_steps, task_ids=tuple(r.task_ids),
+        num_envs=closed_loop.resolve_num_envs(e.num_envs, stage=stage),
         videos=False, first_init_state=e.trials_per_task)
 
 
@@ -172,7 +173,7 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
     if k < 1:
         raise PisftError(f"collect_rollouts runs at a RECAP iteration k >= 1 (it rolls out policy k-1); "
                          f"got iteration {k}: pass --iteration K")
-    settings = settings_for(cfg)
+    settings = settings_for(cfg, stage="collect_rollouts")
     model_dir = cfg.policy_of(k - 1)
     if policy is None and not (model_dir / "config.json").is_file():
         raise PisftError(f"{model_dir}: policy {k - 1} (the model iteration {k - 1} exported) is missing; "
