@@ -138,7 +138,7 @@ def _episode_task(cols: dict[str, np.ndarray]) -> int:
 def advantages_path(src: RecapSource, tag: str) -> Path:
     """meta/advantages_<tag>.parquet; `advantages.parquet` names RLinf's untagged file."""
     name = tag if tag.endswith(".parquet") else f"advantages_{tag}.parquet"
-    return src.root / "meta" / name
+    return src.inside(f"meta/{name}", "data.advantage_tag's side file", src.info_path)
 
 
 def _match_frames(where: str, ep: np.ndarray, fr: np.ndarray, lowdim: dict[int, dict[str, np.ndarray]]
