@@ -35,8 +35,8 @@ def test_a_data_path_template_that_climbs_out_is_refused_though_the_files_exist_
     # the same files, outside the dataset folder: the old reader read them and converted "fine"
     shutil.copytree(src / "data", tmp_path / "in" / "elsewhere" / "data")
     set_info(src, data_path="../elsewhere/" + template)
-    fails(src, tmp_path / "out", "meta/info.json", "data_path (meta/info.json's template, filled) '../elsewhere/", "leaves the dataset folder",
-          "through ..")
+    fails(src, tmp_path / "out", "meta/info.json", "data_path (meta/info.json's template, filled) '../elsewhere/",
+          "leaves the dataset folder", "through ..")
     set_info(src, data_path=str(tmp_path / "in" / "elsewhere" / template))
     fails(src, tmp_path / "out", "data_path (meta/info.json's template, filled) '/", "an absolute path")
 
@@ -45,7 +45,8 @@ def test_a_video_path_that_leaves_the_folder_is_refused(tmp_path):
     src = make_recap(tmp_path / "in", n_tasks=1, per_task=2, length=6, size=16, video=True)
     info = json.loads((src / "meta/info.json").read_text())
     set_info(src, video_path="videos/../../" + info["video_path"])
-    fails(src, tmp_path / "out", "video_path (meta/info.json's template, filled) 'videos/../../", "leaves the dataset folder")
+    fails(src, tmp_path / "out", "video_path (meta/info.json's template, filled) 'videos/../../",
+          "leaves the dataset folder")
 
 
 def test_an_advantage_side_file_outside_the_folder_is_refused(tmp_path):
