@@ -77,3 +77,28 @@ def test_the_next_run_clears_stale_temporary_folders_of_dead_processes_only(tmp_
     assert live.exists() and remote.exists() and other.exists()
     assert (final / "metrics.json").is_file()
     assert sorted(p.name for p in tmp_path.glob(".closed_loop.tmp-*")) == sorted([live.name, remote.name])
+
+
+@pytest.mark.integration  # the DVC wrapper and its stage, both real processes: ~10-20 s on 2 cores
+def test_sigterm_to_dvcs_stage_wrapper_reaches_the_stage_which_cleans_up(tmp_path):
+    cfg = big_demo_config(tmp_path)
+    results = tmp_path / "results"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "pisft.workflow.drivers", "dvc", "demo_recap", "--",
+                             sys.executable, "-m", "pisft", "demo_recap", "--config", str(cfg)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(any(d.iterdir()) for d in tmp_folders(results)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the stage never started writing"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # to the wrapper alone, as a job runner stops it
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM; its temporary output was removed" in err
+    assert tmp_folders(results) == []
