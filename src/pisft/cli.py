@@ -20,7 +20,7 @@ import signal
 import sys
 
 from pisft import config as config_mod
-from pisft.errors import PisftError, Terminated, stop_on_termination
+from pisft.errors import PisftError, Terminated, restore_handlers, stop_on_termination
 from pisft.logs import tee_output
 from pisft.workflow.drivers import pin_threads
 from pisft.workflow.invalidate import invalidate_downstream
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # SIGTERM/SIGHUP (a driver stopping the job, a scheduler's time limit) unwind the stage as
     # Ctrl-C does, so its temporary output folder is removed (`pisft.io.atomic_dir`).
-    stop_on_termination()
+    previous = stop_on_termination()
     try:
         return _main(args)
     except (KeyboardInterrupt, Terminated) as exc:
@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
               "removed and finished outputs were left as they were. Rerun the same command to redo it",
               file=sys.stderr, flush=True)
         return 128 + (signal.SIGINT if isinstance(exc, KeyboardInterrupt) else exc.signum)
+    finally:
+        restore_handlers(previous)
 
 
 def _main(args: argparse.Namespace) -> int:

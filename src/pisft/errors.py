@@ -31,16 +31,23 @@ class Terminated(BaseException):
         super().__init__(f"stopped by {signal.Signals(signum).name}")
 
 
-def stop_on_termination() -> None:
-    """Turn SIGTERM and SIGHUP into `Terminated` in this process (main thread only)."""
+def stop_on_termination() -> dict:
+    """Turn SIGTERM and SIGHUP into `Terminated` in this process (main thread only); returns the
+    handlers it replaced (`restore_handlers` puts them back, for a caller such as a test run)."""
     import signal
     import threading
 
     if threading.current_thread() is not threading.main_thread():
-        return
+        return {}
 
     def handler(signum, _frame):
         raise Terminated(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+
+def restore_handlers(previous: dict) -> None:
+    import signal
+
+    for sig, handler in previous.items():
         signal.signal(sig, handler)
