@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import signal
 import sys
 
 from pisft import config as config_mod
-from pisft.errors import PisftError
+from pisft.errors import PisftError, Terminated, restore_handlers, stop_on_termination
 from pisft.logs import tee_output
 from pisft.workflow.drivers import pin_threads
 from pisft.workflow.invalidate import invalidate_downstream
@@ -118,6 +119,21 @@ def _summary(cfg: config_mod.PisftConfig) -> int:
     return 0
 
 
+def _running_trainer(args: argparse.Namespace) -> str | None:
+    """Why `launch` must stop at once: its run folder is held by a running trainer; else None."""
+    from pisft.train import guard, launch, run_folders
+
+    if args.stage not in launch.RESUMABLE:
+        return None
+    try:
+        cfg = config_mod.load(args.config, args.overrides).at_iteration(args.iteration)
+        folder = run_folders.stage_checkpoint_root(args.stage, cfg)
+    except Exception:  # noqa: BLE001 - the stage itself reports a bad config or missing inputs
+        return None
+    holder = guard.lock_holder(folder, args.stage)
+    return None if holder is None else guard.held_message(args.stage, folder, holder)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":  # the server has its own options (python -m pisft serve -h)
@@ -125,6 +141,22 @@ def main(argv: list[str] | None = None) -> int:
 
         return server.main(argv[1:])
     args = build_parser().parse_args(argv)
+    # SIGTERM/SIGHUP (a driver stopping the job, a scheduler's time limit) unwind the stage as
+    # Ctrl-C does, so its temporary output folder is removed (`pisft.io.atomic_dir`).
+    previous = stop_on_termination()
+    try:
+        return _main(args)
+    except (KeyboardInterrupt, Terminated) as exc:
+        name = "SIGINT" if isinstance(exc, KeyboardInterrupt) else signal.Signals(exc.signum).name
+        print(f"error: {getattr(args, 'command', 'pisft')} stopped by {name}; its temporary output was "
+              "removed and finished outputs were left as they were. Rerun the same command to redo it",
+              file=sys.stderr, flush=True)
+        return 128 + (signal.SIGINT if isinstance(exc, KeyboardInterrupt) else exc.signum)
+    finally:
+        restore_handlers(previous)
+
+
+def _main(args: argparse.Namespace) -> int:
     log = getattr(args, "log", None)
     if log and getattr(args, "config", None) is not None:
         # A bad config is refused before the stage log is opened: the previous run's log stays.
@@ -133,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         except PisftError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    if args.command == "launch":
+        # A second trainer on a running run folder is refused before it opens any output (the
+        # running trainer's stage log, the downstream invalidation): the trainer's own lock
+        # (pisft.train.guard) would refuse it too, but only after those.
+        refused = _running_trainer(args)
+        if refused:
+            print(f"error: {refused}", file=sys.stderr)
+            return 1
     try:
         with tee_output(log):
             try:

@@ -499,6 +499,13 @@ def _eval_problems(e: EvalConfig) -> list[str]:
     for suite in e.libero_suites:
         if suite not in LIBERO_SUITES:
             problems.append(f"eval.libero_suites: unknown suite '{suite}'; one of {', '.join(LIBERO_SUITES)}")
+    if not e.libero_suites:
+        problems.append("eval.libero_suites: an empty list names no suite to roll out; give one or more of "
+                        f"{', '.join(LIBERO_SUITES)} (eval.closed_loop: false turns the rollouts off)")
+    repeated = sorted({s for s in e.libero_suites if list(e.libero_suites).count(s) > 1})
+    if repeated:
+        problems.append(f"eval.libero_suites: {repeated} listed more than once; each suite once (a repeat "
+                        "would run the same episodes twice, narrow the interval and write one video twice)")
     for key in ("max_steps", "num_envs"):
         if getattr(e, key) < 0:
             problems.append(f"eval.{key}: must be 0 (the default: "
@@ -644,18 +651,97 @@ def from_dict(raw: dict | None, source: str = "<config>") -> PisftConfig:
     return cfg
 
 
-def read_yaml(path: str | Path, *, missing: str) -> Any:
-    """The YAML document in `path` (safe loader). ConfigError naming the file when it is absent
-    (`missing` says what to do) or is not valid YAML (with the line and column)."""
+def _pyyaml_loader():
+    """PyYAML's safe loader (YAML 1.1, as Snakemake reads configs) that refuses a repeated key
+    instead of keeping the last one silently."""
     import yaml
 
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"found the key {key!r} twice (first on line {seen[key] + 1}); a repeated key "
+                        "silently replaces the first: keep one", key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep)
+
+    return Loader
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def _readings_differ(one: Any, two: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, YAML 1.1 reading, YAML 1.2 reading) of every value read differently."""
+    if isinstance(one, dict) and isinstance(two, dict):
+        out = []
+        for key in list(dict.fromkeys([*one, *two])):
+            where = f"{path}.{key}" if path else str(key)
+            if key not in one or key not in two:
+                out.append((where, one.get(key, "(a different key)"), two.get(key, "(a different key)")))
+            else:
+                out.extend(_readings_differ(one[key], two[key], where))
+        return out
+    if isinstance(one, list) and isinstance(two, list) and len(one) == len(two):
+        return [d for i, (x, y) in enumerate(zip(one, two, strict=True))
+                for d in _readings_differ(x, y, f"{path}[{i}]")]
+    return [] if _same(one, two) else [(path, one, two)]
+
+
+def _reading(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})" if value != "(a different key)" else str(value)
+
+
+def yaml_text(text: str, source: str, *, both_readings: bool = True) -> Any:
+    """The YAML document in `text` as PyYAML reads it (YAML 1.1: Snakemake), refusing a repeated
+    key; with `both_readings`, also refusing any value that ruamel (YAML 1.2: DVC) reads
+    differently (`010`, `0o10`, `yes`/`no`/`on`/`off`, `12:30`, `1e3`, ...), naming the key and
+    how to write it so both drivers plan the same run."""
+    import yaml
+
+    try:
+        one = yaml.load(text, Loader=_pyyaml_loader())  # a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    if not both_readings:
+        return one
+    from ruamel.yaml import YAML
+    from ruamel.yaml.error import YAMLError as RuamelError
+
+    try:
+        two = YAML(typ="safe", pure=True).load(text)  # DVC's reader: YAML 1.2, refuses repeated keys
+    except RuamelError as exc:
+        raise ConfigError(f"{source}: YAML 1.2 (DVC's reader) refuses it: {exc}") from None
+    differ = _readings_differ(one, two)
+    if differ:
+        lines = [f"{key}: Snakemake (YAML 1.1) reads {_reading(a)}, DVC (YAML 1.2) reads {_reading(b)}"
+                 for key, a, b in differ]
+        raise ConfigError(
+            f"{source}: {len(differ)} value(s) mean different things to the two drivers:\n  - "
+            + "\n  - ".join(lines)
+            + "\nQuote a value meant as text (e.g. \"yes\", \"12:30\", \"010\"); write a number so both "
+              "read it alike: a float with a dot and a signed exponent (5.0e-5, 1.0e+3), an integer in "
+              "plain decimal (8, not 010 or 0o10); true/false for a flag")
+    return one
+
+
+def read_yaml(path: str | Path, *, missing: str, both_readings: bool = True) -> Any:
+    """The YAML document in `path` (safe loader). ConfigError naming the file when it is absent
+    (`missing` says what to do), is not valid YAML (with the line and column), repeats a key, or
+    (`both_readings`) holds a value YAML 1.1 and 1.2 read differently (`yaml_text`)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: {missing}")
-    try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return yaml_text(path.read_text(), str(path), both_readings=both_readings)
 
 
 def load(path: str | Path = DEFAULT_CONFIG, overrides: list[str] | None = None) -> PisftConfig:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from pathlib import Path
 import resource
 import sys
 from collections.abc import Mapping, MutableMapping
@@ -221,6 +222,37 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" (no limit) and the like: None
+
+
+def available_memory(meminfo: str | Path = "/proc/meminfo", cgroup: str | Path = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process can still take: the host's MemAvailable, capped by what is left under
+    its cgroup's memory limit (v2 `memory.max` - `memory.current`, v1 `memory.limit_in_bytes` -
+    `memory.usage_in_bytes`: a container's or a Slurm job's limit). None when unknown."""
+    available = None
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        available = None
+    cgroup = Path(cgroup)
+    for limit_name, usage_name in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        limit, usage = _read_int(cgroup / limit_name), _read_int(cgroup / usage_name)
+        if limit is not None and usage is not None and limit < (1 << 60):  # v1 "no limit" is ~2^63
+            left = max(0, limit - usage)
+            available = left if available is None else min(available, left)
+            break
+    return available
 
 
 def threads_per_process(nproc_per_node: int, base: Mapping[str, str] | None = None) -> int:

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,16 +25,57 @@ def follow_umask(path: str | Path) -> None:
     os.chmod(path, 0o666 & ~_umask())
 
 
+def _tmp_prefix(final: Path) -> str:
+    return f".{final.name}.tmp-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clear_stale_tmp(final: str | Path) -> list[Path]:
+    """Remove the temporary folders of `final` (`.<name>.tmp-<pid>@<host>-*`) left by a process
+    of this host that no longer runs (a kill -9, a power cut); those of running processes and
+    of other hosts (a shared filesystem) are kept. Returns what was removed."""
+    final = Path(final)
+    host = socket.gethostname()
+    removed = []
+    if not final.parent.is_dir():
+        return removed
+    for path in final.parent.glob(_tmp_prefix(final) + "*"):
+        owner = path.name[len(_tmp_prefix(final)):].rsplit("-", 1)[0]  # mkdtemp's suffix has no '-'
+        pid, _, where = owner.partition("@")
+        if not pid.isdigit() or where != host or _pid_alive(int(pid)):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces `final` in one rename.
 
-    On any exception the temporary directory is removed and `final` is left untouched
-    (an older complete output stays; no half-written one appears).
+    On any exception — KeyboardInterrupt (SIGINT) and `pisft.errors.Terminated` (SIGTERM, when
+    the process called `stop_on_termination`, as every stage does) included — the temporary
+    directory is removed and `final` is left untouched (an older complete output stays; no
+    half-written one appears). The folder is named `.<name>.tmp-<pid>@<host>-*`, so the next
+    run removes one whose process died without cleaning up (`clear_stale_tmp`).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    clear_stale_tmp(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_tmp_prefix(final)}{os.getpid()}@{socket.gethostname()}-",
+                                dir=final.parent))
     tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; outputs follow the user's umask
     try:
         yield tmp

@@ -16,6 +16,20 @@ from pathlib import Path
 
 
 DRAIN_IDLE_S = 0.2
+# Set by `tee_output` while it runs (an absolute path): the stage's log file, for the stage and
+# its child processes (the closed-loop workers put MuJoCo's log beside it, `mujoco_log_dir`).
+STAGE_LOG_ENV = "PISFT_STAGE_LOG"
+
+
+def mujoco_log_dir(stage: str, default_logs: str | Path) -> Path:
+    """Where the simulator workers of `stage` run, so that MuJoCo's own log (`MUJOCO_LOG.TXT`,
+    written into the working folder on every simulator warning) lands with the stage's log:
+    `<log folder>/<log name>.mujoco/`, `default_logs/<stage>.mujoco/` without a `--log`."""
+    log = os.environ.get(STAGE_LOG_ENV)
+    if log:
+        p = Path(log)
+        return p.parent / f"{p.stem}.mujoco"
+    return Path(default_logs).absolute() / f"{stage}.mujoco"
 
 
 @contextlib.contextmanager
@@ -64,9 +78,15 @@ def tee_output(log_path: str | Path | None) -> Iterator[None]:
     os.dup2(write_fd, 1)
     os.dup2(write_fd, 2)
     os.close(write_fd)
+    previous = os.environ.get(STAGE_LOG_ENV)
+    os.environ[STAGE_LOG_ENV] = str(log_path.absolute())
     try:
         yield
     finally:
+        if previous is None:
+            os.environ.pop(STAGE_LOG_ENV, None)
+        else:
+            os.environ[STAGE_LOG_ENV] = previous
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(saved_out, 1)

@@ -96,6 +96,7 @@ class _Kept:
     prompts: list[str]
     src: RecapSource | None = None  # the source it comes from (set by convert_recap)
     source: int = 0  # its position in the pool
+    labels: np.ndarray | None = None  # the advantage label per frame (data.advantage_tag), else None
 
 
 RETURNS_FILE = "returns.parquet"  # beside the converted dataset: one row per frame
@@ -137,7 +138,7 @@ def _episode_task(cols: dict[str, np.ndarray]) -> int:
 def advantages_path(src: RecapSource, tag: str) -> Path:
     """meta/advantages_<tag>.parquet; `advantages.parquet` names RLinf's untagged file."""
     name = tag if tag.endswith(".parquet") else f"advantages_{tag}.parquet"
-    return src.root / "meta" / name
+    return src.inside(f"meta/{name}", "data.advantage_tag's side file", src.info_path)
 
 
 def _match_frames(where: str, ep: np.ndarray, fr: np.ndarray, lowdim: dict[int, dict[str, np.ndarray]]
@@ -185,7 +186,40 @@ def _index_columns(src: RecapSource, path: Path, extra: tuple[str, ...]) -> pa.T
     for col in ("episode_index", "frame_index"):
         if table.column(col).null_count:
             raise DataError(f"{where}: column '{col}' has {table.column(col).null_count} null value(s)")
+        _require_integers(where, col, table.column(col))
     return table
+
+
+def _require_integers(where: str, col: str, column: pa.ChunkedArray) -> None:
+    """An index column holds integers: an integer type, or floats that are all whole numbers
+    (a cast would silently move a frame 1.5 to frame 1)."""
+    typ = column.type
+    if pa.types.is_integer(typ):
+        return
+    if not pa.types.is_floating(typ):
+        raise DataError(f"{where}: column '{col}' is {typ}, not integers; episode and frame indices are "
+                        "integers (RLinf writes int64)")
+    values = column.to_numpy(zero_copy_only=False).astype(np.float64)
+    bad = ~np.isfinite(values) | (values != np.round(values))
+    if bad.any():
+        raise DataError(f"{where}: column '{col}' has {int(bad.sum())} non-integer value(s) of {len(values)} "
+                        f"(e.g. {values[bad][0]!r}); episode and frame indices are integers (RLinf writes "
+                        "int64): fix the file that wrote it")
+
+
+def _require_finite(where: str, table: pa.Table, columns: tuple[str, ...]) -> None:
+    """Returns and advantages are finite numbers: NaN or inf would label or weight frames at random."""
+    for col in columns:
+        if col not in table.column_names:
+            continue
+        column = table.column(col)
+        if not (pa.types.is_floating(column.type) or pa.types.is_integer(column.type)):
+            continue
+        values = column.to_numpy(zero_copy_only=False).astype(np.float64)
+        bad = ~np.isfinite(values)
+        if bad.any():
+            raise DataError(f"{where}: column '{col}' has {int(bad.sum())} non-finite value(s) (NaN or inf) of "
+                            f"{len(values)}; the returns/advantages that wrote it diverged: recompute them")
 
 
 def _check_returns_files(src: RecapSource, lowdim: dict[int, dict[str, np.ndarray]]) -> None:
@@ -193,6 +227,8 @@ def _check_returns_files(src: RecapSource, lowdim: dict[int, dict[str, np.ndarra
     compute_returns output) must hold one row per frame of this dataset."""
     for path in sorted(set(src.side_features.values())):
         table = _index_columns(src, path, ())
+        numeric = tuple(c for c in ("return", "reward") if c in pq.read_schema(path).names)
+        _require_finite(src.where(path), pq.read_table(path, columns=list(numeric)), numeric)
         _match_frames(src.where(path), table.column("episode_index").to_numpy(zero_copy_only=False).astype(np.int64),
                       table.column("frame_index").to_numpy(zero_copy_only=False).astype(np.int64), lowdim)
 
@@ -217,6 +253,8 @@ def _load_advantages(src: RecapSource, tag: str, lowdim: dict[int, dict[str, np.
     if not pa.types.is_boolean(adv_col.type):
         raise DataError(f"{where}: column 'advantage' is {adv_col.type}, expected bool (RLinf's "
                         "compute_advantages writes the label as bool next to 'advantage_continuous')")
+    numeric = tuple(c for c in ("advantage_continuous", "return") if c in pq.read_schema(path).names)
+    _require_finite(where, pq.read_table(path, columns=list(numeric)), numeric)
     adv = adv_col.to_numpy(zero_copy_only=False).astype(bool)
     order, spans = _match_frames(where, ep, fr, lowdim)
     adv = adv[order]
@@ -255,7 +293,8 @@ def _select(src: RecapSource, lowdim: dict[int, dict[str, np.ndarray]], opts: Op
                                                                   strict=True)]
         else:
             prompts = frame_tasks
-        kept.append(_Kept(ref, cols, task, prompts))
+        kept.append(_Kept(ref, cols, task, prompts,
+                          labels=None if advantages is None else advantages[ref.episode_index]))
     return kept, dropped
 
 
@@ -447,6 +486,38 @@ def _open_source(source: DataSource, opts: Options
     return src, lowdim, kept, dropped
 
 
+def label_counts(kept: list[_Kept]) -> dict:
+    """Positive and negative frames of the converted episodes, overall and per task."""
+    per_task: dict[str, dict[str, int]] = {}
+    for k in kept:
+        if k.labels is None:
+            continue
+        entry = per_task.setdefault(k.src.tasks[k.task_index], {"positive": 0, "negative": 0})  # type: ignore[union-attr]
+        p = int(np.sum(k.labels))
+        entry["positive"] += p
+        entry["negative"] += len(k.labels) - p
+    return {"positive": sum(e["positive"] for e in per_task.values()),
+            "negative": sum(e["negative"] for e in per_task.values()),
+            "per_task": dict(sorted(per_task.items()))}
+
+
+def _refuse_untrainable_labels(opened, kept: list[_Kept], opts: Options) -> None:
+    """An advantage-conditioned policy learns from positive frames (and, when every frame
+    carries its label, `data.positive_only_conditional: false`, from negative ones too)."""
+    counts = label_counts(kept)
+    files = ", ".join(str(advantages_path(src, opts.advantage_tag)) for _, src, *_ in opened)
+    frames = counts["positive"] + counts["negative"]
+    need_negative = not opts.positive_only_conditional
+    if counts["positive"] == 0 or (need_negative and counts["negative"] == 0):
+        missing = "positive" if counts["positive"] == 0 else "negative"
+        raise DataError(
+            f"{files}: the {frames} converted frames have {counts['positive']} positive and {counts['negative']} "
+            f"negative advantage labels: no {missing} frame, so the advantage-conditioned prompt "
+            + ("(positive_only_conditional: false labels every frame) " if need_negative else "")
+            + "cannot be learned. Relabel (recap.positive_quantile, the advantages stage), check "
+              "data.advantage_tag and the data.tasks / data.success_only filters, or unset data.advantage_tag")
+
+
 def _as_sources(sources: str | Path | DataSource | list) -> list[DataSource]:
     items = sources if isinstance(sources, list | tuple) else [sources]
     return [s if isinstance(s, DataSource) else DataSource(str(s)) for s in items]
@@ -479,6 +550,8 @@ def convert_recap(sources: str | Path | DataSource | list, out_dir: Path, opts: 
         where = first.root if len(opened) == 1 else f"the {len(opened)} sources of data.recap_dir"
         raise DataError(f"{where}: nothing left to convert after filtering; all {len(dropped)} episodes "
                         f"were dropped: {'; '.join(parts)}. Relax data.success_only / data.tasks")
+    if opts.advantage_tag:
+        _refuse_untrainable_labels(opened, kept, opts)
     out_shape, fps = _pool_shape_and_fps(opened, opts)
     split = stratified_split({i: k.src.tasks[k.task_index] for i, k in enumerate(kept)},  # type: ignore[union-attr]
                              opts.eval_fraction, opts.split_seed)
@@ -613,6 +686,8 @@ def _report(opened, opts, kept, dropped, split, frames_in, tasks_out, out_shape)
                 "eval_episodes": len(split["eval"])},
         "dropped": dropped,
         "dropped_by_reason": dict(sorted(Counter(d["reason"] for d in dropped).items())),
+        # positive and negative frames, overall and per task (data.advantage_tag; None without labels)
+        "advantage_labels": label_counts(kept) if opts.advantage_tag else None,
         "episodes": episodes,
     }
 

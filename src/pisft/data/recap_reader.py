@@ -9,6 +9,7 @@ camera frames. Every problem is a `DataError` naming the file, the episode and t
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,6 +255,27 @@ class RecapSource:
                                 "each episode must be listed once; remove or renumber the duplicate")
             seen.add(idx)
 
+    def inside(self, rel: str, what: str, where: Path | None = None) -> Path:
+        """`root/rel` when `rel` stays inside the dataset folder; a DataError naming the offending
+        path when it is absolute or climbs out with '..' (the drivers track this folder: a file
+        read from elsewhere would change the result without either noticing). Checked on the
+        text, so a symbolic link inside the folder (a DVC checkout) is followed as usual."""
+        norm = os.path.normpath(rel)
+        if os.path.isabs(rel) or norm == os.pardir or norm.startswith(os.pardir + os.sep):
+            raise DataError(f"{self.where(where or self.info_path)}: {what} '{rel}' leaves the dataset folder "
+                            f"{self.root} ({'an absolute path' if os.path.isabs(rel) else 'through ..'}); every "
+                            "file of a dataset is read from inside its folder, which the pipeline tracks: make "
+                            "the path relative to the dataset root, inside it")
+        return self.root / norm
+
+    def _format(self, template: str, key: str, where: Path | None = None, **values) -> Path:
+        try:
+            rel = template.format(**values)
+        except (KeyError, ValueError, IndexError, AttributeError, TypeError) as exc:
+            raise DataError(f"{self.where(where or self.info_path)}: '{key}' template {template!r} cannot be "
+                            f"filled with {values} ({type(exc).__name__}: {exc})") from None
+        return self.inside(rel, f"{key} (meta/info.json's template, filled)", self.info_path)
+
     def _load_v2_meta(self) -> None:
         meta = self.root / "meta"
         task_rows = self._read_jsonl(meta / "tasks.jsonl")
@@ -280,11 +302,11 @@ class RecapSource:
             idx = int(row["episode_index"])
             chunk = idx // self.chunks_size
             ref = EpisodeRef(idx, int(row["length"]) if "length" in row else None,
-                             self.root / data_path.format(episode_chunk=chunk, episode_index=idx))
+                             self._format(data_path, "data_path", episode_chunk=chunk, episode_index=idx))
             for cam in CAMERAS:
                 if self.video[cam]:
-                    ref.videos[cam] = (self.root / video_path.format(episode_chunk=chunk, episode_index=idx,
-                                                                     video_key=self.names[cam]), 0.0)
+                    ref.videos[cam] = (self._format(video_path, "video_path", episode_chunk=chunk, episode_index=idx,
+                                                    video_key=self.names[cam]), 0.0)
             self.episodes.append(ref)
 
     def _load_v3_meta(self) -> None:
@@ -317,15 +339,15 @@ class RecapSource:
         self.episodes = []
         for row in sorted(rows, key=lambda r: int(r["episode_index"])):
             ref = EpisodeRef(int(row["episode_index"]), int(row["length"]) if row.get("length") is not None else None,
-                             self.root / data_path.format(chunk_index=row["data/chunk_index"],
-                                                          file_index=row["data/file_index"]))
+                             self._format(data_path, "data_path", ep_files[0], chunk_index=row["data/chunk_index"],
+                                          file_index=row["data/file_index"]))
             for cam in CAMERAS:
                 if self.video[cam]:
                     key = self.names[cam]
                     try:
-                        vfile = self.root / video_path.format(video_key=key,
-                                                              chunk_index=row[f"videos/{key}/chunk_index"],
-                                                              file_index=row[f"videos/{key}/file_index"])
+                        vfile = self._format(video_path, "video_path", ep_files[0], video_key=key,
+                                             chunk_index=row[f"videos/{key}/chunk_index"],
+                                             file_index=row[f"videos/{key}/file_index"])
                         ref.videos[cam] = (vfile, float(row[f"videos/{key}/from_timestamp"]))
                     except (KeyError, AttributeError):
                         raise DataError(f"{self.where(ep_files[0])}: episode {ref.episode_index} lacks the "

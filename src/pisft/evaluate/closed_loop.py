@@ -5,9 +5,12 @@ suite, `trials_per_task` episodes, episode i starting from the task's fixed init
 number i; `num_wait_steps` dummy actions while objects settle; then the policy is asked for an
 action chunk, the first `replan_steps` actions are executed, and it is asked again; an episode
 succeeds when the environment reports `done` within the step limit (openpi's per suite, or
-`eval.max_steps`). An exception in an episode ends it as a failure — and, unlike openpi, is
-recorded in `episodes.jsonl` and counted per task (`errors`), so a crash does not pass as a
-policy failure unnoticed.
+`eval.max_steps`). An episode that ends in an error (an exception in the simulator, a worker
+process that died, a policy that failed or answered with non-finite actions) is not a failed
+trial: it is run again from its start on a fresh worker, up to `EPISODE_ATTEMPTS` in all (its
+seeds fixed, so any attempt that runs to its end gives the same result), and one that errs on
+every attempt fails the stage naming the episodes and their errors; a success rate counts only
+episodes that ran to their end (`retried` counts those that needed another attempt).
 
 **Where what runs.** Environments run in `eval.num_envs` worker processes
 (`pisft.evaluate.rollout_workers`; default: the cores available), each keeping the environment
@@ -48,7 +51,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait as wait_for_replies
 from pathlib import Path
 from typing import Any, Protocol
@@ -57,6 +60,7 @@ import numpy as np
 
 from pisft import config as config_mod
 from pisft import device as device_mod
+from pisft import logs as logs_mod
 from pisft.errors import PisftError
 from pisft.evaluate import libero_sim
 from pisft.evaluate import video as video_mod
@@ -100,24 +104,54 @@ class Settings:
     first_init_state: int = 0
 
     @classmethod
-    def from_config(cls, cfg: config_mod.PisftConfig) -> Settings:
+    def from_config(cls, cfg: config_mod.PisftConfig, stage: str | None = None) -> Settings:
         e = cfg.eval
         return cls(suites=tuple(e.libero_suites), trials_per_task=e.trials_per_task,
                    replan_steps=e.replan_steps, num_wait_steps=e.num_wait_steps,
                    seed=e.closed_loop_seed, resize_size=e.resize_size, max_steps=e.max_steps,
-                   task_ids=tuple(e.task_ids), num_envs=resolve_num_envs(e.num_envs),
+                   task_ids=tuple(e.task_ids), num_envs=resolve_num_envs(e.num_envs, stage=stage),
                    videos=e.videos)
 
     def steps_for(self, suite: str) -> int:
         return self.max_steps or libero_sim.SUITE_MAX_STEPS[suite]
 
 
-def resolve_num_envs(num_envs: int) -> int:
-    """`eval.num_envs`: 0 means one environment per core available to this process."""
+# Memory one LIBERO environment process may take: one peaked at 3.2 GB (issue 22; MuJoCo, both
+# cameras' render buffers, robosuite's imports), with a margin.
+ENV_MEMORY_BYTES = int(3.5 * (1 << 30))
+
+
+def auto_num_envs(cores: int | None = None, available: int | None = None) -> tuple[int, str]:
+    """`eval.num_envs: 0`: one environment per available core, as many as the memory available
+    now holds at `ENV_MEMORY_BYTES` each (at least one); (the number, a sentence saying why)."""
+    cores = device_mod.usable_cores() if cores is None else cores
+    available = device_mod.available_memory() if available is None else available
+    gib = 1 << 30
+    if available is None:
+        return cores, f"{cores} (one per available core; the available memory is unknown)"
+    fit = max(1, available // ENV_MEMORY_BYTES)
+    n = min(cores, fit)
+    why = (f"{n} ({cores} available cores, {available / gib:.1f} GiB of memory available, about "
+           f"{ENV_MEMORY_BYTES / gib:.1f} GiB per LIBERO environment process")
+    if fit < cores:
+        why += f"; the memory holds {fit}"
+    if available < ENV_MEMORY_BYTES:
+        why += ", less than one environment needs: it may run out of memory"
+    return n, why + "; set eval.num_envs to choose)"
+
+
+def resolve_num_envs(num_envs: int, *, stage: str | None = None) -> int:
+    """`eval.num_envs`: a positive number as given; 0 picks `auto_num_envs` and, with `stage`,
+    says what it picked and why."""
     if num_envs < 0:
-        raise PisftError(f"eval.num_envs: must be 0 (one per available core) or a positive number "
-                         f"of environment processes, got {num_envs}")
-    return num_envs or device_mod.usable_cores()
+        raise PisftError(f"eval.num_envs: must be 0 (one per available core that memory allows) or a "
+                         f"positive number of environment processes, got {num_envs}")
+    if num_envs:
+        return num_envs
+    n, why = auto_num_envs()
+    if stage:
+        print(f"{stage}: eval.num_envs 0 -> {why}", flush=True)
+    return n
 
 
 def policy_threads() -> int:
@@ -153,6 +187,9 @@ class EpisodeResult:
     policy_ms: float = 0.0  # total policy time of the episode
     video: str | None = None  # relative to the stage's output folder
     video_frames: int = 0
+    # errors of earlier attempts of this episode (each ended in an error and was run again on a
+    # fresh worker); this result is of the attempt that ran to its end
+    retried_errors: list[str] = field(default_factory=list)
 
 
 def episode_seed(seed: int, suite: str, task_id: int, init_state: int) -> int:
@@ -177,6 +214,12 @@ def plan_episodes(simulator: libero_sim.Simulator, settings: Settings, out_dir: 
     `record_dir`: every episode records its executed steps in `record_dir/episode_<index>/`."""
     specs: list[EpisodeSpec] = []
     languages: dict[tuple[str, int], str] = {}
+    # absolute: a worker process runs in the stage's log folder (MuJoCo's log, rollout_workers)
+    out_dir = None if out_dir is None else Path(out_dir).absolute()
+    record_dir = None if record_dir is None else Path(record_dir).absolute()
+    if not settings.suites or len(set(settings.suites)) != len(settings.suites):
+        raise PisftError(f"eval.libero_suites: {list(settings.suites)}: give one or more distinct suites "
+                         "(a repeat runs the same episodes twice)")
     for suite_name in settings.suites:
         if suite_name not in libero_sim.SUITE_MAX_STEPS:
             raise PisftError(f"eval.libero_suites: unknown suite '{suite_name}'; one of "
@@ -222,6 +265,52 @@ class _InFlight:
     calls: int = 0
     policy_s: float = 0.0
     error: str | None = None
+    attempt: int = 1
+    earlier_errors: tuple[str, ...] = ()  # the errors of this episode's earlier attempts
+
+
+# An episode that ends in an error (the simulator raised, its worker process died, the policy
+# failed or answered with non-finite actions) runs again from its start, on a fresh worker, up
+# to this many attempts in all; one that errs on every attempt fails the stage. Its seeds are
+# fixed by the episode, so an attempt that runs to its end gives the result of any other.
+EPISODE_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class CrashedEpisode:
+    spec: EpisodeSpec
+    task: str
+    steps: int  # policy steps of the last attempt
+    errors: tuple[str, ...]  # one per attempt
+
+    def describe(self) -> str:
+        s = self.spec
+        return (f"episode {s.index} ({s.suite} task {s.task_id} \"{self.task}\", initial state "
+                f"{s.initial_state}, environment seed {s.env_seed}) crashed after {self.steps} steps: "
+                f"{self.errors[-1]}")
+
+
+class EpisodeErrors(PisftError):
+    """Episodes ended in an error on every attempt: the run has no result (a crash is not a
+    failed trial). `crashed`: those episodes; `not_run`: episodes not started after the first."""
+
+    def __init__(self, crashed: list[CrashedEpisode], not_run: int, stage: str, attempts: int) -> None:
+        self.crashed, self.not_run, self.attempts = crashed, not_run, attempts
+        super().__init__(
+            f"{stage}: {self.describe()}. A crash is not a failed trial, so no success rate was "
+            f"computed and no output written. {self.attempts_note()} Fix the cause (the simulator "
+            "install: `make setup`; the model; the host's memory) and rerun the stage")
+
+    def describe(self) -> str:
+        return "; ".join(c.describe() for c in self.crashed)
+
+    def attempts_note(self) -> str:
+        who = "The episode" if len(self.crashed) == 1 else f"Each of these {len(self.crashed)} episodes"
+        text = (f"{who} ran {self.attempts} times, on a fresh environment worker each time, and ended in "
+                "an error every time")
+        if self.not_run:
+            text += f"; the {self.not_run} episodes not yet started then were not run"
+        return text + "."
 
 
 def _chunk(policy: ChunkPolicy, request: dict, ep: _InFlight, settings: Settings) -> np.ndarray:
@@ -234,41 +323,88 @@ def _chunk(policy: ChunkPolicy, request: dict, ep: _InFlight, settings: Settings
         raise PisftError(
             f"the policy returned actions of shape {chunk.shape}; LIBERO needs (chunk, 7) with at "
             f"least eval.replan_steps={settings.replan_steps} actions (lower eval.replan_steps)")
-    return chunk[: settings.replan_steps]
+    chunk = chunk[: settings.replan_steps]
+    if not np.issubdtype(chunk.dtype, np.number) or not np.isfinite(chunk).all():
+        bad = int(chunk.size - np.isfinite(chunk).sum()) if np.issubdtype(chunk.dtype, np.number) else chunk.size
+        raise PisftError(
+            f"the policy returned non-finite actions ({bad} of the {chunk.size} values to execute are "
+            f"NaN or infinite, dtype {chunk.dtype}); they were not sent to the simulator. The model "
+            "diverged or its normalization statistics are broken: check the training log and the "
+            "model's norm stats")
+    return chunk
 
 
 def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settings, *,
                  workers: list, respawn: Callable[[int], Any] | None = None,
                  languages: dict[tuple[str, int], str],
-                 on_episode: Callable[[EpisodeResult], None] | None = None) -> list[EpisodeResult]:
+                 on_episode: Callable[[EpisodeResult], None] | None = None,
+                 attempts: int = EPISODE_ATTEMPTS, stage: str = "closed_loop") -> list[EpisodeResult]:
     """Drive the workers through `specs`; results in the order of `specs`.
 
     A free worker takes the next pending episode of the task whose environment it holds, else
     the first pending episode of a task no other worker holds, else the first pending episode
     (building an environment costs seconds; which worker runs an episode changes no result).
-    A worker that dies (a crash in native simulator code) fails its episode with the reason and
-    is replaced by `respawn(i)`.
+    An episode that ends in an error (the simulator raised, the
+    worker died, the policy failed) is run again from its start, up to `attempts` in all, on a
+    fresh worker (`respawn(i)` replaces worker i; without `respawn`, the same worker, whose
+    environment was closed); one that errs on every attempt stops the run: no new episode is
+    started, those in flight end, and `EpisodeErrors` names the episodes and their errors. So
+    every result returned ran to its end (`error` is None); `retried_errors` keeps what failed
+    on the way.
     """
     pending = list(specs)
     results: dict[int, EpisodeResult] = {}
     busy: dict[int, _InFlight] = {}  # worker index -> its episode
     last_task: dict[int, tuple[str, int]] = {}
+    crashed: list[CrashedEpisode] = []
 
-    def finish(i: int, outcome: EpisodeOutcome) -> None:
+    def start(i: int, spec: EpisodeSpec, attempt: int = 1, earlier: tuple[str, ...] = ()) -> None:
+        busy[i] = _InFlight(spec=spec, seed=episode_seed(settings.seed, spec.suite, spec.task_id,
+                                                         spec.initial_state), start=time.monotonic(),
+                            attempt=attempt, earlier_errors=earlier)
+        last_task[i] = (spec.suite, spec.task_id)
+        workers[i].send("start", spec)
+
+    def replace(i: int) -> None:
+        if respawn is None:
+            return
+        try:
+            workers[i].close()
+        except Exception:  # noqa: BLE001 - a broken worker is replaced either way
+            pass
+        workers[i] = respawn(i)
+        last_task.pop(i, None)
+
+    def finish(i: int, outcome: EpisodeOutcome, *, died: bool = False) -> None:
         ep = busy.pop(i)
         s = ep.spec
         error = ep.error or outcome.error
+        task = languages[(s.suite, s.task_id)]
+        if error:
+            if s.video:  # the video of an attempt that erred is not the episode's
+                Path(s.video).unlink(missing_ok=True)
+            errors = (*ep.earlier_errors, error)
+            if not died:
+                replace(i)
+            if ep.attempt < attempts:
+                log.warning("%s: %s task %d trial %d: attempt %d of %d ended in an error (%s); running it "
+                            "again on a fresh worker", stage, s.suite, s.task_id, s.trial, ep.attempt,
+                            attempts, error)
+                start(i, s, ep.attempt + 1, errors)
+            else:
+                log.error("%s: %s task %d trial %d ended in an error on all %d attempts: %s", stage,
+                          s.suite, s.task_id, s.trial, attempts, error)
+                crashed.append(CrashedEpisode(spec=s, task=task, steps=outcome.steps, errors=errors))
+            return
         r = EpisodeResult(
-            suite=s.suite, task_id=s.task_id, task=languages[(s.suite, s.task_id)], trial=s.trial,
-            success=bool(outcome.success) and error is None, steps=outcome.steps,
-            policy_calls=ep.calls, wall_time_s=time.monotonic() - ep.start, error=error,
+            suite=s.suite, task_id=s.task_id, task=task, trial=s.trial,
+            success=bool(outcome.success), steps=outcome.steps,
+            policy_calls=ep.calls, wall_time_s=time.monotonic() - ep.start, error=None,
             sim_steps=outcome.sim_steps, sim_step_time_s=outcome.step_time_s,
             env_create_s=outcome.env_create_s, reset_s=outcome.reset_s,
             policy_ms=1000.0 * ep.policy_s,
             video=(video_name(s.suite, s.task_id) if s.video and outcome.video_frames else None),
-            video_frames=outcome.video_frames)
-        if error:
-            log.error("%s task %d trial %d failed with %s", s.suite, s.task_id, s.trial, error)
+            video_frames=outcome.video_frames, retried_errors=list(ep.earlier_errors))
         results[s.index] = r
         if on_episode is not None:
             on_episode(r)
@@ -279,24 +415,17 @@ def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settin
         if pick is None:  # a task no other worker holds: each task's environment built once, not per worker
             held = {t for j, t in last_task.items() if j != i}
             pick = next((k for k, s in enumerate(pending) if (s.suite, s.task_id) not in held), 0)
-        spec = pending.pop(pick)
-        busy[i] = _InFlight(spec=spec, seed=episode_seed(settings.seed, spec.suite, spec.task_id,
-                                                         spec.initial_state), start=time.monotonic())
-        last_task[i] = (spec.suite, spec.task_id)
-        workers[i].send("start", spec)
+        start(i, pending.pop(pick))
 
     def handle(i: int) -> None:
         try:
             kind, payload = workers[i].recv()
         except WorkerDied as exc:
-            spec = busy[i].spec
-            if spec.video:  # the dead worker's video was never finished: not a playable file
-                Path(spec.video).unlink(missing_ok=True)
-            finish(i, EpisodeOutcome(False, 0, 0, 0.0, 0.0, 0.0, error=str(exc)))
             if respawn is None:
                 raise
             workers[i] = respawn(i)
             last_task.pop(i, None)
+            finish(i, EpisodeOutcome(False, 0, 0, 0.0, 0.0, 0.0, error=str(exc)), died=True)
             return
         if kind in ("done", "error"):
             finish(i, payload)
@@ -304,15 +433,15 @@ def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settin
         ep = busy[i]
         try:
             actions = _chunk(policy, payload, ep, settings)
-        except Exception as exc:  # noqa: BLE001 - the policy failing is this episode's failure
+        except Exception as exc:  # noqa: BLE001 - the policy failing is this episode's error
             ep.error = f"{type(exc).__name__}: {exc}"
             workers[i].send("abort", ep.error)
             return
         workers[i].send("act", actions)
 
-    while pending or busy:
+    while (pending and not crashed) or busy:
         for i in range(len(workers)):
-            if i not in busy and pending:
+            if i not in busy and pending and not crashed:
                 assign(i)
         inline = [i for i in busy if workers[i].has_reply()]
         if inline:
@@ -322,7 +451,16 @@ def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settin
             ready = [conns[c] for c in wait_for_replies(list(conns))]
         for i in sorted(ready):
             handle(i)
+    if crashed:
+        raise EpisodeErrors(sorted(crashed, key=lambda c: c.spec.index), len(pending), stage, attempts)
     return [results[s.index] for s in specs]
+
+
+def mujoco_note(log_dir: Path, stage: str) -> None:
+    """Say where MuJoCo's warnings went, when it wrote any (an unstable simulation)."""
+    log_file = Path(log_dir) / "MUJOCO_LOG.TXT"
+    if log_file.is_file():
+        print(f"{stage}: note: MuJoCo logged warnings (an unstable simulation) to {log_file}", flush=True)
 
 
 def env_count(settings: Settings, specs: list[EpisodeSpec], *, stage: str) -> int:
@@ -340,15 +478,22 @@ def roll_out(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settings, 
              factory: Callable[[], libero_sim.Simulator], simulator: libero_sim.Simulator, num_envs: int,
              inline: bool, languages: dict[tuple[str, int], str],
              on_episode: Callable[[EpisodeResult], None] | None = None,
-             name: str = "closed_loop") -> tuple[list[EpisodeResult], float]:
+             name: str = "closed_loop", log_dir: Path | None = None) -> tuple[list[EpisodeResult], float]:
     """Run `specs` in `num_envs` workers (spawned processes built by `factory`, or, `inline`, in
     this process, the first on `simulator`); (results in the order of `specs`, wall seconds).
-    Workers are closed whatever happens; one that dies is replaced (not inline)."""
+    Workers are closed whatever happens; one whose episode ended in an error is replaced by a
+    fresh one (inline: a fresh simulator in this process) and the episode run again
+    (`run_episodes`). Worker processes run in `log_dir` (MuJoCo writes its log into the working
+    folder)."""
+    workdir = None if log_dir is None else str(log_dir)
 
     def spawn(i: int):
-        w = ProcessWorker(factory, name=f"{name}-env{i}")
+        w = ProcessWorker(factory, name=f"{name}-env{i}", workdir=workdir)
         w.wait_ready()
         return w
+
+    def respawn_inline(i: int):  # a fresh simulator in this process
+        return InlineWorker(factory(), name=f"inline{i}")
 
     start = time.monotonic()
     workers: list = []
@@ -358,12 +503,12 @@ def roll_out(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settings, 
                        for i in range(num_envs)]
         else:
             for i in range(num_envs):  # started together, then waited for (imports take seconds)
-                workers.append(ProcessWorker(factory, name=f"{name}-env{i}"))
+                workers.append(ProcessWorker(factory, name=f"{name}-env{i}", workdir=workdir))
             for w in workers:
                 w.wait_ready()
         results = run_episodes(specs, policy, settings, workers=workers,
-                               respawn=None if inline else spawn, languages=languages,
-                               on_episode=on_episode)
+                               respawn=respawn_inline if inline else spawn, languages=languages,
+                               on_episode=on_episode, stage=name)
     finally:
         for w in workers:
             w.close()
@@ -389,18 +534,29 @@ def _rate(entry: dict) -> None:
 
 def summarize(results: list[EpisodeResult]) -> dict:
     """Success per task, per suite and overall (suites in the order they were run), 95% Wilson
-    intervals, episode lengths. Deterministic: timings are kept apart (`timing`)."""
+    intervals, episode lengths. Deterministic: timings are kept apart (`timing`).
+
+    Only over episodes that ran to their end: a result with an error is refused (a crash is not
+    a failed trial; `run_episodes` retries it or stops the run). `errors` stays in the output
+    (0: none counted), `retried` counts episodes that needed another attempt."""
+    crashed = [r for r in results if r.error is not None]
+    if crashed:
+        r = crashed[0]
+        raise PisftError(f"{len(crashed)} episode(s) ended in an error (e.g. {r.suite} task {r.task_id} "
+                         f"trial {r.trial}: {r.error}); a success rate counts only episodes that ran "
+                         "to their end")
     suites: dict[str, dict] = {}
     for r in results:
         s = suites.setdefault(r.suite, {"per_task": {}, "successes": 0, "trials": 0, "errors": 0,
-                                        "_steps": []})
+                                        "retried": 0, "_steps": []})
         # keyed by task id: LIBERO-90 repeats instructions across scenes
         t = s["per_task"].setdefault(str(r.task_id), {"task_id": r.task_id, "task": r.task, "successes": 0,
-                                                      "trials": 0, "errors": 0, "_steps": [], "video": None})
+                                                      "trials": 0, "errors": 0, "retried": 0, "_steps": [],
+                                                      "video": None})
         for entry in (s, t):
             entry["successes"] += int(r.success)
             entry["trials"] += 1
-            entry["errors"] += int(r.error is not None)
+            entry["retried"] += int(bool(r.retried_errors))
             entry["_steps"].append(r.steps)
         if r.video and t["video"] is None:
             t["video"] = r.video
@@ -417,7 +573,8 @@ def summarize(results: list[EpisodeResult]) -> dict:
         "mean_suite_success_rate": (float(np.mean([s["success_rate"] for s in suites.values()]))
                                     if suites else None),
         "episodes": total,
-        "errors": sum(s["errors"] for s in suites.values()),
+        "errors": 0,  # episodes that ended in an error are never counted (see above)
+        "retried": sum(s["retried"] for s in suites.values()),
         "episode_steps": _stats([r.steps for r in results]),
         "successful_episode_steps": _stats([r.steps for r in results if r.success]),
         "confidence_interval": "success_rate_ci_low/_high: 95% Wilson score interval over the episodes",
@@ -525,13 +682,14 @@ def report_markdown(metrics: dict, settings: Settings, model_dir: str, *, video_
         lines.append(f"Guidance: {metrics['guidance']['describe']}.")
     lines += ["", f"Success rate {_num(metrics['success_rate'], '.3f')} "
               f"(95% Wilson {_fmt_ci(metrics)}) over {metrics['episodes']} "
-              f"episodes; {metrics['errors']} crashed.", ""]
-    lines += ["| suite | success rate | 95% CI | successes / trials | mean steps | episodes that crashed |",
+              f"episodes, every one run to its end; {metrics.get('retried', 0)} of them ended in an "
+              f"error first and were run again on a fresh worker (episodes.jsonl: `retried_errors`).", ""]
+    lines += ["| suite | success rate | 95% CI | successes / trials | mean steps | episodes run again after an error |",
               "|---|---|---|---|---|---|"]
     for name, s in metrics["suites"].items():
         lines.append(f"| {name} | {s['success_rate']:.3f} | {_fmt_ci(s)} | "
                      f"{s['successes']} / {s['trials']} | {_num(s['episode_steps']['mean'], '.1f')} | "
-                     f"{s['errors']} |")
+                     f"{s.get('retried', 0)} |")
     lines += ["", "| suite | task | success rate | 95% CI | successes / trials | mean steps | video |",
               "|---|---|---|---|---|---|---|"]
     for name, s in metrics["suites"].items():
@@ -587,7 +745,7 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
     """
     if not cfg.eval.closed_loop:
         return write_not_run(cfg)
-    settings = Settings.from_config(cfg)
+    settings = Settings.from_config(cfg, stage="closed_loop")
     model_dir = cfg.results("train", "model")
     factory = simulator if simulator is not None else libero_sim.LiberoSimulator
     sim = factory()  # SimulatorUnavailable with the install line when LIBERO is not installed
@@ -622,14 +780,17 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
                 print(f"closed_loop: {len(done)}/{len(specs)} episodes, "
                       f"{sum(x.success for x in done)} successes", flush=True)
 
+        mujoco_logs = logs_mod.mujoco_log_dir("closed_loop", cfg.results("logs"))
         results, wall = roll_out(specs, policy, settings, factory=factory, simulator=sim, num_envs=num_envs,
-                                 inline=inline, languages=languages, on_episode=record, name="closed_loop")
+                                 inline=inline, languages=languages, on_episode=record, name="closed_loop",
+                                 log_dir=mujoco_logs)
+        mujoco_note(mujoco_logs, "closed_loop")
         for r in results:
             if r.video:  # a page per video for `snakemake --report`, which plays no bare MP4
                 write_text_atomic(out / Path(r.video).with_suffix(".html"), video_mod.html_page(
                     out / r.video, f"{r.suite} task {r.task_id}: {r.task}",
                     f"Trial {r.trial}: {'success' if r.success else 'failure'} after {r.steps} steps"
-                    f"{' (crashed: ' + r.error + ')' if r.error else ''}. Agent view (left) and wrist "
+                    f". Agent view (left) and wrist "
                     f"camera (right), as the policy sees them; {video_mod.FPS} frames per second; "
                     f"simulator {sim_info.get('package')} {sim_info.get('version') or ''}."))
         (out / VIDEO_DIR).mkdir(exist_ok=True)  # a declared output, also when videos are off

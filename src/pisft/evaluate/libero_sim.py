@@ -17,6 +17,7 @@ import and names what is missing and the command that provides it.
 from __future__ import annotations
 
 import ctypes.util
+import hashlib
 import importlib.metadata
 import importlib.util
 import math
@@ -30,6 +31,7 @@ import yaml
 from PIL import Image
 
 from pisft.errors import PisftError
+from pisft.io import sha256_file
 
 # Step limits per suite (openpi: longest training demonstration plus a margin).
 SUITE_MAX_STEPS = {
@@ -44,6 +46,11 @@ RENDER_RESOLUTION = 256  # resolution LIBERO's training data was rendered at
 # `make setup` keeps a copy of the asset checksum manifest beside the assets under this name
 # (scripts/libero_sim_setup.py writes it, `assets_problem` reads it).
 INSTALLED_MANIFEST = ".pisft-manifest.sha256"
+# `assets_problem` compares every listed asset's sha256 (about 400 MB read) and then records in
+# this environment variable what it checked (the assets folder, the manifest, each file's size
+# and modification time), so the environment workers it spawns, which inherit it, skip the
+# reading unless a file has changed since.
+ASSETS_VERIFIED_ENV = "PISFT_LIBERO_ASSETS_VERIFIED"
 
 # Debian packages LIBERO's cameras need (MuJoCo's EGL or OSMesa back end); `make setup` installs
 # them when it runs as root (scripts/libero_sim_setup.py, README.md "The LIBERO simulator").
@@ -181,13 +188,23 @@ def _is_hf_libero(bench_root: Path) -> bool:
     return Path(dist.locate_file("libero/libero")).resolve() == bench_root.resolve()
 
 
+def _assets_signature(assets: Path, manifest: Path, listed: list[str]) -> str:
+    h = hashlib.sha256(manifest.read_bytes())
+    for rel in listed:
+        st = (assets / rel).stat()
+        h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return f"{assets.resolve()}:{h.hexdigest()}"
+
+
 def assets_problem(bench_root: Path) -> str | None:
-    """Why hf-libero's scene assets cannot be used offline, naming what is missing; else None.
+    """Why hf-libero's scene assets cannot be used, naming what is missing or damaged; else None.
 
     hf-libero downloads the assets from the Hugging Face hub when `libero/libero/assets` is
     absent (a hang or a crash offline); `make setup` installs them there and keeps a copy of the
-    checksum manifest beside them, against which each listed file is checked for presence here
-    (the checksums themselves: `python scripts/libero_sim_setup.py verify`).
+    checksum manifest beside them, against which each listed file is checked here: present, and
+    its content (sha256) the manifest's. A damaged scene file otherwise fails every episode of
+    its tasks inside MuJoCo's parser. The content check runs once per process tree
+    (`ASSETS_VERIFIED_ENV`).
     """
     if not _is_hf_libero(bench_root):
         return None  # a LIBERO checkout carries its assets in the repository
@@ -199,13 +216,24 @@ def assets_problem(bench_root: Path) -> str | None:
     manifest = assets / INSTALLED_MANIFEST
     if not manifest.is_file():
         return None  # installed some other way: taken as it is
-    listed = [line.split("  ", 1)[1] for line in manifest.read_text().splitlines()
-              if line.strip() and not line.startswith("#")]
+    entries = [line.split("  ", 1) for line in manifest.read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    listed = [rel for _, rel in entries]
     missing = [rel for rel in listed if not (assets / rel).is_file()]
-    if not missing:
+    repair = "Repair: `.venv/bin/python scripts/libero_sim_setup.py assets`"
+    if missing:
+        return (f"{len(missing)} of LIBERO's {len(listed)} scene asset files are missing from {assets}, "
+                f"e.g. {missing[0]}. {repair}")
+    signature = _assets_signature(assets, manifest, listed)
+    if os.environ.get(ASSETS_VERIFIED_ENV) == signature:
         return None
-    return (f"{len(missing)} of LIBERO's {len(listed)} scene asset files are missing from {assets}, "
-            f"e.g. {missing[0]}. Repair: `.venv/bin/python scripts/libero_sim_setup.py assets`")
+    damaged = [rel for digest, rel in entries if sha256_file(assets / rel) != digest.strip().lower()]
+    if damaged:
+        return (f"{len(damaged)} of LIBERO's {len(listed)} scene asset files in {assets} are damaged (their "
+                f"sha256 differs from {manifest}), e.g. {damaged[0]}; every episode of a task that loads "
+                f"one would fail. {repair}")
+    os.environ[ASSETS_VERIFIED_ENV] = signature
+    return None
 
 
 def config_problem(config_file: Path) -> str | None:

@@ -225,13 +225,19 @@ class EpisodeRunner:
         self._close_env()
 
 
-def _worker_main(conn, simulator_factory: Callable[[], Any]) -> None:
+def _worker_main(conn, simulator_factory: Callable[[], Any], workdir: str | None = None) -> None:
     # The simulator is single-threaded per environment; one thread per library keeps N workers
     # from oversubscribing the cores the parent's policy also needs.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
         os.environ[var] = "1"
     try:
         runner = EpisodeRunner(simulator_factory())
+        if workdir is not None:
+            # MuJoCo writes its log (MUJOCO_LOG.TXT) into the working folder on every simulator
+            # warning: the stage's log folder, not the project root. Paths in the messages are
+            # absolute (closed_loop.plan_episodes).
+            os.makedirs(workdir, exist_ok=True)
+            os.chdir(workdir)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which stops the stage
         conn.send(("fatal", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         conn.close()
@@ -258,10 +264,10 @@ class WorkerDied(PisftError):
 class ProcessWorker:
     """An `EpisodeRunner` in its own (spawned) process."""
 
-    def __init__(self, simulator_factory: Callable[[], Any], name: str) -> None:
+    def __init__(self, simulator_factory: Callable[[], Any], name: str, workdir: str | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child, simulator_factory), name=name,
+        self.process = ctx.Process(target=_worker_main, args=(child, simulator_factory, workdir), name=name,
                                    daemon=True)
         self.process.start()
         child.close()

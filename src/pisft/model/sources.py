@@ -65,10 +65,32 @@ def parse_source(text: str) -> Source:
         if repo_id.count("/") != 1 or not all(repo_id.split("/")):
             raise ModelLoadError(f"model.source '{text}': expected hf://<owner>/<name>[@revision], "
                                  f"e.g. hf://lerobot/pi05_base")
+        problem = repo_id_problem(repo_id)
+        if problem:
+            raise ModelLoadError(f"'{text}': '{repo_id}' is not a valid Hugging Face repository id ({problem}); "
+                                 "an id is <owner>/<name> of letters, digits, '-', '_' and '.', not starting or "
+                                 "ending with '-' or '.', without '--' or '..', at most 96 characters, e.g. "
+                                 "hf://lerobot/pi05_base. Correct model.source (or model.tokenizer)")
+        if spec.endswith("@"):
+            raise ModelLoadError(f"'{text}': an empty revision after '@'; give a branch, tag or commit "
+                                 f"(hf://{repo_id}@main) or leave out the '@'")
         return Source(kind="hf", text=text, repo_id=repo_id, revision=revision or None)
     if not text:
         raise ModelLoadError("model.source is empty; use 'tiny', a local directory or hf://<repo_id>")
     return Source(kind="local", text=text, path=Path(text).expanduser())
+
+
+def repo_id_problem(repo_id: str) -> str | None:
+    """Why the hub would refuse `repo_id` as an id (huggingface_hub's own check), else None: said
+    as such, not later as a cache miss or an unreachable hub."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        return str(exc).rstrip(".")
+    return None
 
 
 def _hub_error(what: str, exc: Exception) -> ModelLoadError:

@@ -27,8 +27,10 @@ v2.1 with PNG images in parquet, written by `pisft.data.recap_layout` (the demo'
 `convert_recap` reads it as it reads RLinf's own collection.
 
 An episode that crashes (the simulator, a worker process, the policy) is not a failed trial:
-the stage stops at the first one, naming it and its error, and writes nothing (the closed-loop
-code retries nothing either: a crashed episode is recorded there, and fails the stage here).
+as in the evaluation (`closed_loop.run_episodes`) it runs again from its start on a fresh
+worker, up to `closed_loop.EPISODE_ATTEMPTS` in all (the recording of an attempt that erred is
+discarded, and a retry records from scratch), and one that errs on every attempt stops the
+stage, naming it and its errors, with nothing written.
 
 Output `results/recap/iter_<k>/rollouts/` (atomic): the dataset, `collection.json` (suite,
 tasks, every episode's task, initial state, seeds, frames, outcome; the policy; the settings;
@@ -47,6 +49,7 @@ import numpy as np
 
 from pisft import config as config_mod
 from pisft import device as device_mod
+from pisft import logs as logs_mod
 from pisft.data.libero import FPS
 from pisft.data.recap_layout import RecapEpisode, write_recap_dataset
 from pisft.errors import PisftError
@@ -66,14 +69,15 @@ class CollectionError(PisftError):
     """An episode crashed: the collection is not a result."""
 
 
-def settings_for(cfg: config_mod.PisftConfig) -> closed_loop.Settings:
+def settings_for(cfg: config_mod.PisftConfig, stage: str | None = None) -> closed_loop.Settings:
     """The closed-loop settings of the collection: recap.* for what is rolled out, eval.* for
     how (openpi's loop), the initial states after the evaluation's."""
     r, e = cfg.recap, cfg.eval
     return closed_loop.Settings(
         suites=(r.suite,), trials_per_task=r.episodes_per_task, replan_steps=e.replan_steps,
         num_wait_steps=e.num_wait_steps, seed=r.collect_seed, resize_size=e.resize_size,
-        max_steps=r.max_steps, task_ids=tuple(r.task_ids), num_envs=closed_loop.resolve_num_envs(e.num_envs),
+        max_steps=r.max_steps, task_ids=tuple(r.task_ids),
+        num_envs=closed_loop.resolve_num_envs(e.num_envs, stage=stage),
         videos=False, first_init_state=e.trials_per_task)
 
 
@@ -90,11 +94,9 @@ def _load_policy(cfg: config_mod.PisftConfig, model_dir: Path, trained_on: Path,
                                        cfg_scale=check_scale(cfg.eval.cfg_scale, "eval.cfg_scale"))
 
 
-def _crash_message(spec: EpisodeSpec, r: closed_loop.EpisodeResult, out: Path) -> str:
-    return (f"collect_rollouts: episode {spec.index} ({spec.suite} task {spec.task_id} \"{r.task}\", initial "
-            f"state {spec.initial_state}, environment seed {spec.env_seed}) crashed after {r.steps} steps: "
-            f"{r.error}. A crash is not a failed trial, so nothing was written to {out}; fix the cause (the "
-            "simulator install, the policy) and rerun the stage")
+def _crash_message(exc: closed_loop.EpisodeErrors, out: Path) -> str:
+    return (f"collect_rollouts: {exc.describe()}. A crash is not a failed trial, so nothing was written to "
+            f"{out}. {exc.attempts_note()} Fix the cause (the simulator install, the policy) and rerun the stage")
 
 
 def _dataset_episodes(specs: list[EpisodeSpec], results: list[closed_loop.EpisodeResult],
@@ -128,7 +130,7 @@ def collection_record(cfg: config_mod.PisftConfig, settings: closed_loop.Setting
             "episode_index": spec.index, "task_id": spec.task_id, "task": r.task,
             "task_index": tasks.index(r.task), "initial_state": spec.initial_state, "env_seed": spec.env_seed,
             "policy_seed": policy_seed, "policy_calls": r.policy_calls, "frames": r.steps,
-            "success": r.success, "error": r.error})
+            "success": r.success, "error": r.error, "retried_errors": r.retried_errors})
         entry = by_task.setdefault(spec.task_id, {"task_id": spec.task_id, "task": r.task,
                                                   "task_index": tasks.index(r.task), "episodes": 0,
                                                   "successes": 0})
@@ -171,7 +173,7 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
     if k < 1:
         raise PisftError(f"collect_rollouts runs at a RECAP iteration k >= 1 (it rolls out policy k-1); "
                          f"got iteration {k}: pass --iteration K")
-    settings = settings_for(cfg)
+    settings = settings_for(cfg, stage="collect_rollouts")
     model_dir = cfg.policy_of(k - 1)
     if policy is None and not (model_dir / "config.json").is_file():
         raise PisftError(f"{model_dir}: policy {k - 1} (the model iteration {k - 1} exported) is missing; "
@@ -198,8 +200,6 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
 
         def record(r: closed_loop.EpisodeResult) -> None:
             spec = spec_of[(r.suite, r.task_id, r.trial)]
-            if r.error is not None:
-                raise CollectionError(_crash_message(spec, r, final))
             done.append(r)
             log.info("%s task %d initial state %d: %s (%d steps)", r.suite, r.task_id, spec.initial_state,
                      "success" if r.success else "failure", r.steps)
@@ -207,9 +207,16 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
                 print(f"collect_rollouts: {len(done)}/{len(specs)} episodes, "
                       f"{sum(x.success for x in done)} successes", flush=True)
 
-        results, wall = closed_loop.roll_out(specs, policy, settings, factory=factory, simulator=sim,
-                                             num_envs=num_envs, inline=inline, languages=languages,
-                                             on_episode=record, name="collect_rollouts")
+        mujoco_logs = logs_mod.mujoco_log_dir("collect_rollouts", cfg.results("logs"))
+        try:
+            results, wall = closed_loop.roll_out(specs, policy, settings, factory=factory, simulator=sim,
+                                                 num_envs=num_envs, inline=inline, languages=languages,
+                                                 on_episode=record, name="collect_rollouts",
+                                                 log_dir=mujoco_logs)
+        except closed_loop.EpisodeErrors as exc:
+            raise CollectionError(_crash_message(exc, final)) from None
+        finally:
+            closed_loop.mujoco_note(mujoco_logs, "collect_rollouts")
         tasks = list(dict.fromkeys(r.task for r in results))  # LeRobot's task_index: order of first appearance
         write_recap_dataset(out, _dataset_episodes(specs, results, {t: i for i, t in enumerate(tasks)}), tasks,
                             version=DATASET_VERSION, naming="recap", fps=FPS, robot_type=ROBOT_TYPE,

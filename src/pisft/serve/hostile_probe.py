@@ -5,7 +5,9 @@ README.md ("Serving") says are refused, and measures, with a second well-behaved
 sending ordinary LIBERO requests meanwhile, how long that client waited:
 - one image of 8192×8192×3 uint8 (192 MiB), over the default message limit;
 - an 8 MB prompt;
-- degenerate images of shape (1, 10000, 3) and (3, 224, 3).
+- degenerate images of shape (1, 10000, 3) and (3, 224, 3);
+- 20 million one-byte integers (20 MB, under the size limit) and a 1,000,000-level nesting;
+- 200 idle connections held open at once.
 Prints one JSON object: per probe, how the hostile request was answered (reply text head,
 or the close code), its wall time, and the good client's slowest and median round trip while
 it ran, next to the good client's round trip alone (`baseline_ms`). Wall-clock figures on a
@@ -105,18 +107,49 @@ def _run(args: argparse.Namespace, good) -> dict:
     good_frame = protocol.packb(libero_request())
     baseline = [_round_trip(good, good_frame, args.timeout)[0] * 1000.0 for _ in range(3)]
     out: dict = {"url": args.url, "baseline_ms": round(statistics.median(baseline), 1)}
-    base = libero_request(1)
-    probes = {
-        "image_192MiB": {**base, "observation/image": np.zeros((8192, 8192, 3), np.uint8)},
-        "prompt_8MB": {**base, "prompt": "pick " * 1_600_000},
-        "image_1x10000": {**base, "observation/image": np.zeros((1, 10000, 3), np.uint8)},
-        "image_3x224": {**base, "observation/image": np.zeros((3, 224, 3), np.uint8)},
-    }
-    for name, request in probes.items():
-        frame = protocol.packb(request)
+    for name, make in hostile_frames().items():
+        frame = make()
         out[name] = {"bytes": len(frame), **probe(args.url, frame, good, good_frame, args.timeout)}
         del frame
+    out["connections_200"] = connection_flood(args.url, 200, good, good_frame, args.timeout)
     return out
+
+
+def hostile_frames() -> dict:
+    """name -> a function building the hostile frame (built one at a time: some are large)."""
+    base = libero_request(1)
+    return {
+        "image_192MiB": lambda: protocol.packb({**base, "observation/image": np.zeros((8192, 8192, 3), np.uint8)}),
+        "prompt_8MB": lambda: protocol.packb({**base, "prompt": "pick " * 1_600_000}),
+        "image_1x10000": lambda: protocol.packb({**base, "observation/image": np.zeros((1, 10000, 3), np.uint8)}),
+        "image_3x224": lambda: protocol.packb({**base, "observation/image": np.zeros((3, 224, 3), np.uint8)}),
+        # under the size limit, tens of millions of objects once decoded
+        "objects_20M": lambda: protocol.packb({**base, "observation/state": [0] * 20_000_000}),
+        "nesting_1M": lambda: b"\x91" * 1_000_000 + b"\x00",
+    }
+
+
+def connection_flood(url: str, n: int, good, good_frame: bytes, timeout: float) -> dict:
+    """Open `n` idle connections at once (and hold them) while `good` keeps sending requests:
+    how many were accepted, how many refused, and the good client's round trips meanwhile."""
+    from websockets.exceptions import ConnectionClosed, InvalidHandshake
+    from websockets.sync.client import connect
+
+    held, refused, failed = [], 0, 0
+    for _ in range(n):
+        try:
+            ws = connect(url, compression=None, max_size=None, open_timeout=60)
+            ws.recv(timeout=timeout)  # the metadata, or the close of a refused connection
+            held.append(ws)
+        except ConnectionClosed:
+            refused += 1
+        except (OSError, InvalidHandshake, TimeoutError):
+            failed += 1
+    waits = [_round_trip(good, good_frame, timeout)[0] * 1000.0 for _ in range(5)]
+    for ws in held:
+        ws.close()
+    return {"accepted": len(held), "refused": refused, "failed": failed,
+            "good_client_max_ms": round(max(waits), 1), "good_client_median_ms": round(statistics.median(waits), 1)}
 
 
 if __name__ == "__main__":

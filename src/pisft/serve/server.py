@@ -12,6 +12,16 @@ Hostile or broken clients (README.md, "Serving"):
   large or too elongated, a prompt over `--max-prompt-chars`) is answered with a text frame
   holding the error, which openpi's client raises as `RuntimeError`; the connection stays open.
   Sizes are checked before any pixel is converted (`observations.to_batch`).
+- A message that would decode into more than `protocol.MAX_OBJECTS` objects or nest deeper than
+  `protocol.MAX_DEPTH` (a list of millions of small integers fits in a few MiB) is refused as a
+  bad request from its msgpack headers, before anything is built: checking a message costs at
+  most MAX_OBJECTS steps, decoding it at most its bytes. At most `--max-decodes` messages are
+  decoded at once (others wait their turn) and at most `--max-connections` connections are
+  open (one more is closed at once with code 1013, "try again later"). So an ordinary client
+  waits at most for `--max-decodes` bounded decodes and the inference in progress; a reset
+  with a seed outside 0..2**63-1 is a bad request.
+- A model whose actions are not finite (NaN, inf) is never served: the client gets a text
+  frame "model error: ... non-finite actions ...", and the server's log says so.
 - An unexpected error is logged here with its traceback under a short error id; the client gets
   the id and the exception's type, never the traceback, and the connection stays open.
 - Decoding and checking run in worker threads and the model in one thread of its own, so the
@@ -62,6 +72,10 @@ DEFAULT_PORT = 8000
 MIB = 1 << 20
 DEFAULT_MAX_MESSAGE_MIB = 32  # two 2048×2048 uint8 images fit; openpi's LIBERO client sends ~0.3 MiB
 CLOSE_MESSAGE_TOO_BIG = 1009
+CLOSE_TRY_AGAIN_LATER = 1013
+MAX_SEED = 1 << 63
+DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_MAX_DECODES = 2  # messages decoded and checked at once (each is bounded: protocol.MAX_OBJECTS)
 
 
 class ServedPolicy(Protocol):
@@ -103,7 +117,24 @@ def _reset_request(obs: Any) -> _Reset | None:
         if isinstance(seed, bool) or not hasattr(seed, "__index__"):
             raise ObservationError(f"'seed' of a reset request must be an integer, got {seed!r}")
         seed = int(seed)
+        if not 0 <= seed < MAX_SEED:
+            raise ObservationError(f"'seed' of a reset request must be in 0..2**63-1, got {seed}")
     return _Reset(seed)
+
+
+def _non_finite(actions: Any) -> str | None:
+    """What is not finite in a reply's actions (a description), or None when all are finite."""
+    try:
+        a = np.asarray(actions)
+    except Exception:  # noqa: BLE001 - not an array at all
+        return f"not an array of numbers: {type(actions).__name__}"
+    if not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):
+        return f"not an array of numbers: dtype {a.dtype}"
+    finite = np.isfinite(a)
+    if finite.all():
+        return None
+    nan = int(np.isnan(a).sum()) if np.issubdtype(a.dtype, np.inexact) else 0
+    return f"{nan} NaN and {int(a.size - finite.sum()) - nan} infinite of {a.size} values"
 
 
 class PolicyServer:
@@ -112,7 +143,9 @@ class PolicyServer:
     def __init__(self, policy: ServedPolicy, *, host: str = DEFAULT_HOST,
                  port: int = DEFAULT_PORT, sock: socket.socket | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_MIB * MIB,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 max_decodes: int = DEFAULT_MAX_DECODES) -> None:
         self._policy = policy
         self._host = host
         self._port = port
@@ -123,6 +156,13 @@ class PolicyServer:
         self.requests = 0
         self.errors = 0
         self.oversized = 0
+        self.non_finite = 0  # replies refused because the model's actions were NaN or infinite
+        self.max_connections = max_connections
+        self.max_decodes = max_decodes
+        self.connections = 0  # open now
+        self.refused_connections = 0  # closed at once with 1013: max_connections were open
+        self.decodes_waiting = 0  # messages waiting for a decode slot
+        self._decode_slots: asyncio.Semaphore | None = None
         self._submitted = 0
         self._started = 0
 
@@ -154,7 +194,16 @@ class PolicyServer:
         try:
             if isinstance(message, str):
                 raise protocol.ProtocolError("expected a binary msgpack frame, got a text frame")
-            prepared = await asyncio.to_thread(self._decode, message)
+            assert self._decode_slots is not None
+            self.decodes_waiting += 1
+            try:
+                await self._decode_slots.acquire()
+            finally:
+                self.decodes_waiting -= 1
+            try:
+                prepared = await asyncio.to_thread(self._decode, message)
+            finally:
+                self._decode_slots.release()
             if isinstance(prepared, _Reset):
                 seed = self._policy_seed() if prepared.seed is None else prepared.seed
                 session.noise = self._policy.new_noise(seed)
@@ -165,6 +214,14 @@ class PolicyServer:
             result, begin, end = await loop.run_in_executor(
                 self._model_thread, self._predict, prepared, session.noise)
             result = dict(result)
+            bad = _non_finite(result.get("actions"))
+            if bad:
+                self.errors += 1
+                self.non_finite += 1
+                log.error("the model returned non-finite actions (%s); answered with an error", bad)
+                return (f"model error: the model returned non-finite actions ({bad}); they were not "
+                        "served. The model diverged or its normalization statistics are broken: check "
+                        "its training log and norm stats. The connection stays open.")
             timing = {"infer_ms": (end - begin) * 1000.0, "queue_ms": (begin - submitted) * 1000.0}
             if session.prev_total_ms is not None:
                 timing["prev_total_ms"] = session.prev_total_ms
@@ -193,9 +250,24 @@ class PolicyServer:
         return getattr(self._policy, "seed", None)
 
     async def _handler(self, websocket) -> None:
-        import websockets
 
         peer = websocket.remote_address
+        if self.connections >= self.max_connections:
+            self.refused_connections += 1
+            log.warning("connection from %s refused: %d connections open (--max-connections)", peer,
+                        self.connections)
+            await websocket.close(CLOSE_TRY_AGAIN_LATER, f"server busy: {self.connections} connections open "
+                                                         "(--max-connections); try again later")
+            return
+        self.connections += 1
+        try:
+            await self._serve_connection(websocket, peer)
+        finally:
+            self.connections -= 1
+
+    async def _serve_connection(self, websocket, peer) -> None:
+        import websockets
+
         log.info("connection from %s", peer)
         session = _Session(noise=self._policy.new_noise(None))
         try:
@@ -224,6 +296,7 @@ class PolicyServer:
 
         where = {"sock": self._sock} if self._sock is not None else {"host": self._host, "port": self._port}
         self._model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pisft-model")
+        self._decode_slots = asyncio.Semaphore(self.max_decodes)
         try:
             # max_queue: at most 2 received frames buffered per connection (a client that
             # pipelines requests cannot make the server hold many large messages).
@@ -304,6 +377,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-mib", type=_positive(float), default=DEFAULT_MAX_MESSAGE_MIB,
                    help=f"largest request in MiB; a larger one closes its connection with code "
                         f"1009 (default {DEFAULT_MAX_MESSAGE_MIB})")
+    p.add_argument("--max-connections", type=_positive(int), default=DEFAULT_MAX_CONNECTIONS,
+                   help=f"open connections at most; one more is closed at once with code 1013, try again "
+                        f"later (default {DEFAULT_MAX_CONNECTIONS})")
+    p.add_argument("--max-decodes", type=_positive(int), default=DEFAULT_MAX_DECODES,
+                   help=f"requests decoded and checked at once; others wait their turn (default "
+                        f"{DEFAULT_MAX_DECODES})")
     p.add_argument("--max-image-side", type=_positive(int), default=defaults.max_image_side,
                    help=f"largest image side in pixels (default {defaults.max_image_side})")
     p.add_argument("--max-prompt-chars", type=_positive(int), default=defaults.max_prompt_chars,
@@ -337,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     server = PolicyServer(policy, host=args.host, sock=sock,
-                          max_message_bytes=int(args.max_message_mib * MIB))
+                          max_message_bytes=int(args.max_message_mib * MIB),
+                          max_connections=args.max_connections, max_decodes=args.max_decodes)
 
     def ready(host: str, port: int) -> None:
         cond = getattr(policy, "conditioning", None)

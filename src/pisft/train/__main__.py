@@ -17,7 +17,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from pisft import config as config_mod
-from pisft.errors import PisftError
+from pisft.errors import PisftError, stop_on_termination
 from pisft.workflow.stages import STAGES, TRAINING_STAGES
 
 
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from pisft.train.guard import worker_dies_with_agent
 
     worker_dies_with_agent()  # an orphan of a killed launcher must not train (see guard.py)
+    stop_on_termination()  # torchrun stops workers with SIGTERM: unwind, so temporary outputs go
     args = _parse(argv)
     rank = os.environ.get("RANK", "0")
     try:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import fcntl
 import functools
 import json
@@ -112,17 +113,14 @@ class RunLock:
 
     def acquire(self, stage: str = "train_8card") -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock_file(self.path, stage, create=True)
+        assert fd is not None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            raise RunLockHeld(
-                f"{stage}: the run folder {self.folder} is in use by another trainer ({holder}). "
-                "Two trainers on one run would interleave checkpoints and metrics; wait for it "
-                "to finish, or stop it (kill that pid) and rerun."
-            ) from None
+            raise RunLockHeld(held_message(stage, self.folder, holder)) from None
         info = {"pid": os.getpid(), "host": socket.gethostname(),
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "command": " ".join(sys.argv)[:500]}
@@ -145,6 +143,47 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def held_message(stage: str, folder: Path, holder: str) -> str:
+    return (f"{stage}: the run folder {folder} is in use by another trainer ({holder}). "
+            "Two trainers on one run would interleave checkpoints and metrics; wait for it "
+            "to finish, or stop it (kill that pid) and rerun.")
+
+
+def _open_lock_file(path: Path, stage: str, *, create: bool) -> int | None:
+    """The lock file's descriptor, never through a symbolic link (the holder's record is written
+    into it: a link would have the trainer truncate whatever file it points at); None when it
+    does not exist and `create` is false."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
+    try:
+        return os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        if create:
+            raise
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PisftError(f"{stage}: the trainer lock {path} is a symbolic link (to {os.readlink(path)}); "
+                             "the lock is never followed. Remove the link and rerun") from None
+        raise
+
+
+def lock_holder(folder: Path, stage: str = "train_8card") -> str | None:
+    """Who holds `<folder>/.trainer.lock` now (a description, as `RunLockHeld` words it), or None
+    when nobody does. Only looks: creates nothing and leaves the lock free."""
+    fd = _open_lock_file(Path(folder) / LOCK_NAME, stage, create=False)
+    if fd is None:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read_holder(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def _read_holder(fd: int) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pisft import device as devices
 from pisft.config import PisftConfig, flatten, resolved
-from pisft.errors import PisftError
+from pisft.errors import PisftError, Terminated
 from pisft.train import guard
 
 # Settings of the smoke run that must match the training run for its report to be meaningful.
@@ -210,6 +210,10 @@ def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path) -> tuple[int, 
                               "output continues on the console", file=sys.stderr, flush=True)
         except KeyboardInterrupt:
             proc.send_signal(signal.SIGINT)
+            proc.wait()
+            raise
+        except Terminated as exc:  # SIGTERM to the launcher: torchrun stops its workers, then we go
+            proc.send_signal(exc.signum)
             proc.wait()
             raise
         finally:

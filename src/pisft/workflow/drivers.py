@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -107,6 +108,23 @@ def _config_of(cmd: list[str]) -> PisftConfig | None:
         return None  # the stage itself refuses the config, with its message
 
 
+def _run_forwarding_termination(cmd: list[str]) -> int:
+    """Run the stage; a SIGTERM or SIGHUP to this wrapper is passed on to it (which then removes
+    its temporary output and exits), instead of ending the wrapper and leaving the stage running
+    unwatched. SIGINT is not passed on: Ctrl-C reaches the whole process group already."""
+    proc = subprocess.Popen(cmd)
+
+    def forward(signum, _frame):
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_dvc_stage(stage: str, cmd: list[str]) -> int:
     """Run one stage for DVC: shape check, the command, then the benchmark and Snakemake's record."""
     cfg = _config_of(cmd)
@@ -117,7 +135,7 @@ def run_dvc_stage(stage: str, cmd: list[str]) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     started = time.time()
-    code = subprocess.run(cmd).returncode
+    code = _run_forwarding_termination(cmd)
     if code != 0 or cfg is None:
         return code
     write_benchmark(cfg.results("benchmarks", f"{stage}.tsv"), started)

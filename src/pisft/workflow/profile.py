@@ -30,21 +30,75 @@ def _merge(target, overlay: dict) -> None:
             target[key] = value
 
 
+def _read_profile(profile: Path) -> dict:
+    """A profile's keys as YAML 1.2 reads them (`lr: 1e-4` is the number 1e-4), refusing a
+    repeated key; a string that YAML 1.1 (Snakemake) would read as something else (`yes`, `12:30`)
+    is kept as a string, quoted when written."""
+    from ruamel.yaml import YAML
+    from ruamel.yaml.error import YAMLError as RuamelError
+    from ruamel.yaml.scalarstring import DoubleQuotedScalarString
+
+    if not profile.is_file():
+        raise PisftError(f"{profile}: no such profile; the profiles are in config/profiles/")
+    text = profile.read_text()
+    pisft_config.yaml_text(text, str(profile), both_readings=False)  # repeated keys, as PyYAML sees them
+    try:
+        overlay = YAML(typ="safe", pure=True).load(text)
+    except RuamelError as exc:
+        raise PisftError(f"{profile}: not valid YAML: {exc}") from None
+
+    def quote(value):
+        if isinstance(value, dict):
+            return {k: quote(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [quote(v) for v in value]
+        if isinstance(value, str) and yaml.safe_load(f"k: {value}") != {"k": value}:
+            return DoubleQuotedScalarString(value)
+        return value
+
+    if not isinstance(overlay, dict) or not overlay:
+        raise PisftError(f"{profile}: a profile is a mapping of config keys (see config/profiles/)")
+    return quote(overlay)
+
+
+def _represent_float(representer, value: float):
+    """A profile's float as both drivers read it: a dot and a signed exponent (1.0e-10, not
+    1e-10, which YAML 1.1 reads as a string)."""
+    if value != value or value in (float("inf"), float("-inf")):
+        return representer.represent_float(value)
+    text = repr(value)
+    if "e" in text:
+        mantissa, exponent = text.split("e")
+        if "." not in mantissa:
+            mantissa += ".0"
+        if exponent[0] not in "+-":
+            exponent = "+" + exponent
+        text = f"{mantissa}e{exponent}"
+    elif "." not in text:
+        text += ".0"
+    return representer.represent_scalar("tag:yaml.org,2002:float", text)
+
+
 def switch(profile: str | Path, config: str | Path = pisft_config.DEFAULT_CONFIG,
            dvc_file: str | Path = "dvc.yaml") -> int:
     from ruamel.yaml import YAML  # round-trip YAML (comments kept); installed with DVC
+    from ruamel.yaml.error import YAMLError as RuamelError
 
     profile, config = Path(profile), Path(config)
-    overlay = pisft_config.read_yaml(profile, missing="no such profile; the profiles are in config/profiles/")
-    if not isinstance(overlay, dict) or not overlay:
-        raise PisftError(f"{profile}: a profile is a mapping of config keys (see config/profiles/)")
+    overlay = _read_profile(profile)
     rt = YAML()
     rt.preserve_quotes = True
-    doc = rt.load(config.read_text())
+    rt.representer.add_representer(float, _represent_float)
+    try:
+        doc = rt.load(config.read_text())
+    except RuamelError as exc:
+        raise PisftError(f"{config}: not valid YAML: {exc}") from None
     _merge(doc, overlay)
     buffer = io.StringIO()
     rt.dump(doc, buffer)
-    pisft_config.from_dict(yaml.safe_load(buffer.getvalue()), f"{config} with {profile}")  # before any write
+    # before any write: what both drivers will read, alike (numbers as numbers), and valid
+    source = f"{config} with {profile}"
+    pisft_config.from_dict(pisft_config.yaml_text(buffer.getvalue(), source), source)
     write_text_atomic(config, buffer.getvalue())
     from pisft.workflow import dvc_yaml
 
