@@ -284,7 +284,7 @@ def _checkpointed(model: nn.Module) -> bool:
     inside its backward, before FSDP2's pre-backward hook has marked the unit, so the unit's
     pre-forward hook runs in full and would gather the NEXT pair, whose backward is already
     done, and hold that buffer to the end of the backward (4.5 GiB per device for pi0.5 on
-    8 cards; pisft.train.estimate). Backward prefetch (FSDP2's default) still overlaps.
+    8 cards; pisft.inspect.estimate). Backward prefetch (FSDP2's default) still overlaps.
     """
     core = _pi05_core(model)
     if core is None:
