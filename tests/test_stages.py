@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 
 # Lowest first: a module may import modules of its own layer or of a lower one. Entry points
-# (what a user or torchrun starts) sit on top (README.md, "Layout").
+# (what a user or torchrun starts) sit on top (docs/development.md, "Layout").
 LAYERS = (
     ("pisft", "pisft.errors", "pisft.io", "pisft.logs", "pisft.device", "pisft.config"),
     ("pisft.data", "pisft.model"),
