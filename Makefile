@@ -13,7 +13,7 @@ STAMP := $(VENV)/.pisft-setup
 LOCK_cpu := workflow/envs/cpu-cuda.lock.txt
 LOCK_cuda := $(LOCK_cpu)
 LOCK_npu := workflow/envs/ascend-aarch64.lock.txt
-# The LIBERO simulator (closed-loop evaluation; README.md, "The LIBERO simulator"), for every lock:
+# The LIBERO simulator (closed-loop evaluation; docs/libero.md, "The LIBERO simulator"), for every lock:
 # hf-libero, robosuite and bddl installed --no-deps from their own pinned file (their declared
 # dependencies would replace opencv-python-headless and pull wandb, robomimic...; what they import is
 # pinned in the lock), then scripts/libero_sim_setup.py: OpenGL libraries (apt-get, as root), scene

@@ -1,7 +1,7 @@
 """The Ascend install: `make setup DEVICE=npu` builds .venv from workflow/envs/ascend-aarch64.lock.txt.
 
 Fast tests check the lock against the CPU/CUDA lock, the Ascend environment defaults and the
-README, and the Makefile's choice of lock (in a scratch copy with a stand-in Python, so nothing is
+docs/ascend.md, and the Makefile's choice of lock (in a scratch copy with a stand-in Python, so nothing is
 installed). The integration tests resolve the
 lock for Linux aarch64 / CPython 3.12 with pip's dry run: metadata only, nothing is installed and
 torch_npu is never imported.
@@ -107,7 +107,7 @@ def test_npu_lock_pins_every_project_dependency():
     assert names <= set(pins(NPU_LOCK)), sorted(names - set(pins(NPU_LOCK)))
 
 
-# ---------------------------------------------------------------- environment and README (fast)
+# ------------------------------------------------------- environment and docs/ascend.md (fast)
 
 def test_huawei_pi05_recipe_defaults_are_set_and_the_user_wins():
     from pisft import device
@@ -139,16 +139,17 @@ def test_deterministic_env_per_device_kind():
         torch.use_deterministic_algorithms(before)
 
 
-def test_readme_states_cann_the_lock_and_every_environment_default():
+def test_the_ascend_page_states_cann_the_lock_and_every_environment_default():
     from pisft import device
 
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Running on an Ascend 910B node"):text.index("## What has run where")]
+    text = (ROOT / "README.md").read_text() + (ROOT / "docs/ascend.md").read_text()
+    section = (ROOT / "docs/ascend.md").read_text()
+    assert section.startswith("# Running on an Ascend 910B node")
     assert "CANN 9.1.0" in section and "make setup DEVICE=npu" in section
     assert "built for CANN 8.5.0" not in text
     assert "ascend-aarch64.lock.txt" in section
     for key, value in device.ASCEND_ENV_DEFAULTS.items():
-        assert f"| `{key}` | `{value}` |" in section, f"README's Ascend section misses {key}={value}"
+        assert f"| `{key}` | `{value}` |" in section, f"docs/ascend.md misses {key}={value}"
     for key, value in device.DETERMINISTIC_ENV["npu"].items():
         assert f"{key}={value}" in section
     assert "8.x" not in section
@@ -157,7 +158,7 @@ def test_readme_states_cann_the_lock_and_every_environment_default():
     from pisft.doctor import CHECK_NAMES
 
     for name in CHECK_NAMES:
-        assert f"| `{name}` |" in section, f"README's preflight table misses {name}"
+        assert f"| `{name}` |" in section, f"docs/ascend.md's preflight table misses {name}"
 
 
 # ---------------------------------------------------------------- the Makefile (fast)

@@ -7,7 +7,7 @@ checked against what openpi's `examples/libero/main.py` does with the same obser
 its quaternion as robosuite computes it, gripper joints), dummy-action wait steps, the policy's
 actions executed as sent and moving the arm, and the rollout video decoding to those frames.
 
-`make setup` installs the simulator (README.md, "The LIBERO simulator"); the test is skipped only
+`make setup` installs the simulator (docs/libero.md, "The LIBERO simulator"); the test is skipped only
 when the `libero` package is absent. A missing OpenGL library or scene asset fails it, naming the fix.
 Costs here (2 cores, software rendering): environment ~7-40 s, reset ~5-20 s, a step ~0.4 s.
 """
@@ -29,7 +29,7 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(importlib.util.find_spec("libero") is None,
                        reason="the LIBERO simulator (hf-libero) is not installed in this environment; "
-                              "`make setup` installs it (README.md, 'The LIBERO simulator')"),
+                              "`make setup` installs it (docs/libero.md, 'The LIBERO simulator')"),
 ]
 
 SUITE, TASK_ID, STEPS, WAIT, REPLAN = "libero_10", 0, 20, 10, 5
@@ -200,7 +200,7 @@ def test_the_scene_is_at_rest_when_the_policy_first_looks(rollout):
     """LIBERO's stored initial states settle during openpi's wait steps only with the MuJoCo the
     lock pins (3.3.2): from MuJoCo 3.4 on, box contacts changed and in this task the first step
     throws the ketchup, milk and juice to z ~1.07 m, still falling after the 10 wait steps
-    (README.md, "The LIBERO simulator"; huggingface/lerobot issue 4390)."""
+    (docs/libero.md, "The LIBERO simulator"; huggingface/lerobot issue 4390)."""
     _, log, _ = rollout
     obs = [e[1] for e in log if e[0] == "obs"][1:]  # the initial state, then one per step
     objects = [k for k in obs[0] if k.endswith("_pos") and "_to_" not in k and not k.startswith("robot")]

@@ -86,7 +86,7 @@ def test_shipped_manifest_lists_libero_upstream_assets():
     mod = _load_script()
     entries = mod.read_manifest(MANIFEST)
     assert entries == _manifest_lines()
-    assert len(entries) == 585  # LIBERO's assets/ tree, without LIBERO-PRO's additions (README.md)
+    assert len(entries) == 585  # LIBERO's assets/ tree, without LIBERO-PRO's additions (docs/libero.md)
     assert any(e.startswith("stable_hope_objects/alphabet_soup/") for e in entries)  # LIBERO-10 task 0
 
 

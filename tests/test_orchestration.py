@@ -140,7 +140,7 @@ def test_killed_snakemake_is_recovered_with_unlock_and_rerun_incomplete(default_
                            and w.status() != psutil.STATUS_ZOMBIE], 60, "orphaned workers to die")
     assert (work / ".snakemake/incomplete").is_dir() and any((work / ".snakemake/incomplete").iterdir())
     assert not (work / "results/train/model").exists(), "outputs are atomic: nothing half-written"
-    # The documented recovery, as typed in the README.
+    # The documented recovery, as typed in docs/troubleshooting.md.
     run(["snakemake", "--unlock"], work)
     run(["snakemake", "--cores", "2", "--rerun-incomplete", "train_8card"], work)
     log = (work / "results/logs/train_8card.log").read_text()

@@ -319,7 +319,7 @@ def test_the_dataset_does_not_depend_on_the_number_of_environment_processes(tmp_
 @pytest.mark.integration  # ~60-150 s here: LIBERO's environment creation, two resets, 32 rendered steps
 @pytest.mark.skipif(importlib.util.find_spec("libero") is None,
                     reason="the LIBERO simulator (hf-libero) is not installed in this environment; "
-                           "`make setup` installs it (README.md, 'The LIBERO simulator')")
+                           "`make setup` installs it (docs/libero.md, 'The LIBERO simulator')")
 def test_collection_in_the_real_simulator(tmp_path):
     """Policy 0 (the tiny pi0.5, exported) rolled out in hf-libero: each recorded frame is the raw
     observation each executed step was taken from (cameras rotated 180°, openpi's state) and

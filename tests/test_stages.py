@@ -16,11 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 
 # Lowest first: a module may import modules of its own layer or of a lower one. Entry points
-# (what a user or torchrun starts) sit on top (README.md, "Layout").
+# (what a user or torchrun starts) sit on top (docs/development.md, "Layout").
 LAYERS = (
     ("pisft", "pisft.errors", "pisft.io", "pisft.logs", "pisft.device", "pisft.config"),
     ("pisft.data", "pisft.model"),
     ("pisft.train", "pisft.evaluate", "pisft.serve"),
+    # Tools that study the training step (memory estimate, its measurement, the collective audit,
+    # their synthetic inputs), built on it; the smoke stage sits here too: its report carries the estimate.
+    ("pisft.inspect", "pisft.train.smoke"),
     ("pisft.recap",),  # the RECAP loop's stages: built on training, evaluation and the simulator
     ("pisft.workflow",),
     ("pisft.bench", "pisft.cli", "pisft.__main__", "pisft.train.__main__", "pisft.doctor"),

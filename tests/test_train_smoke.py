@@ -107,7 +107,7 @@ def test_stateless_steps_project_what_fsdp_leaves_on_each_of_n_devices(ctx, monk
     """pi0.5 on a 64 GB card: the whole model with AdamW state does not fit one device, so the
     smoke run takes AdamW's first step without its state. The N-device projection must equal the
     measured peak with the model state replaced by what FSDP really keeps on one of N devices:
-    pisft.train.estimate shards the same model on N (fake) ranks and steps the fused AdamW."""
+    pisft.inspect.estimate shards the same model on N (fake) ranks and steps the fused AdamW."""
     n = ctx.cfg.world_size
     assert n > 1
     estimate = smoke._estimate(ctx.cfg)  # the real estimate, computed once for this test

@@ -241,7 +241,7 @@ def _run(args: argparse.Namespace) -> int:
             invalidate_downstream(rule_name(args.stage, cfg.iteration), cfg.results_dir)
             return launch.main(args.stage, cfg, args.config, args.overrides)
         if args.command == "estimate":
-            from pisft.train import estimate
+            from pisft.inspect import estimate
             return estimate.main(cfg, as_json=args.json)
         if args.command == "doctor":
             from pisft import doctor

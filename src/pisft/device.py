@@ -1,6 +1,6 @@
 """The device layer: `auto | npu | cuda | cpu` -> backend, local device, process environment.
 
-Rules (README.md, "Running on an Ascend 910B node (8 cards)"):
+Rules (docs/ascend.md, "Running on an Ascend 910B node (8 cards)"):
 - `npu` uses `torch_npu` and `torch.npu` explicitly. `torch_npu.contrib.transfer_to_npu` is never
   imported: it rewrites `torch.cuda` globally and code then believes it runs on CUDA.
 - torch-npu is only imported when it is installed (it is never installed off Ascend: without
@@ -118,7 +118,7 @@ def _import_torch_npu() -> ModuleType:
         raise DeviceError(
             "device 'npu' requested but torch_npu cannot be imported "
             f"({type(exc).__name__}: {exc}). On an Ascend host: install torch-npu matching "
-            "torch 2.11 and CANN (see README, Ascend guide) and `source "
+            "torch 2.11 and CANN (see docs/ascend.md) and `source "
             "/usr/local/Ascend/ascend-toolkit/set_env.sh`; elsewhere set `device: cpu` or `cuda`."
         ) from None
     npu = getattr(torch, "npu", None)

@@ -1,6 +1,6 @@
 # The synthetic demo is always a stage (a few seconds, a few MB), read only when data.recap_dir
 # is its folder: the DAG then has one shape whatever data.recap_dir names, so dvc.yaml follows a
-# changed data path through its templates alone (README, "Profiles").
+# changed data path through its templates alone (docs/workflow.md, "Profiles").
 
 
 rule demo_recap:

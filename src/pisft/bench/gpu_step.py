@@ -18,7 +18,7 @@ allocated and peak reserved memory per run.
 What fits one device. One device holds the whole model state here: fp32 parameters, fp32
 gradients and AdamW's two fp32 moments, 16 bytes per trained parameter (about 48 GiB for
 pi0.5), plus FSDP's bf16 compute copies and the activations. Before measuring, the step's peak
-is estimated for this device (`pisft.train.estimate.simulate_step`, fake tensors, world size 1)
+is estimated for this device (`pisft.inspect.estimate.simulate_step`, fake tensors, world size 1)
 and compared with the device's capacity less --headroom:
 - it fits: the step uses AdamW (fused where available), as in training;
 - it does not (pi0.5 with AdamW is about 51 GiB of tensors at micro batch 4 on one device,
@@ -55,7 +55,7 @@ from pisft.train import fsdp, optim
 from pisft.train.flops import pi05_training_flops_per_sample
 from pisft.train.metrics import mfu, peak_flops_for
 from pisft.train.policy_task import PolicyTask
-from pisft.train.synthetic import build_random_policy, synthetic_batch
+from pisft.inspect.synthetic import build_random_policy, synthetic_batch
 
 GIB = 2**30
 ADAMW = "adamw"
@@ -99,8 +99,8 @@ def measure(policy, optimizer, kind: str, device: torch.device, micro: int, *, s
 
 def estimate_one_device(preset: str, micro: int, precision: str, checkpointing: bool) -> dict[str, int]:
     """Estimated peak bytes of this benchmark's step on one device: with AdamW, and without
-    AdamW's state (pisft.train.estimate.simulate_step at world size 1; no process group here)."""
-    from pisft.train.estimate import simulate_step
+    AdamW's state (pisft.inspect.estimate.simulate_step at world size 1; no process group here)."""
+    from pisft.inspect.estimate import simulate_step
     from pisft.model.policy import build_policy
 
     est = simulate_step(lambda: build_policy(preset, seed=0, device="meta"), world_size=1,

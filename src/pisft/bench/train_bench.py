@@ -18,7 +18,7 @@ CPU's merged units, train.fsdp_min_unit_params -1; `ours_layer_units`: the layer
 LeRobot's step under its own `accelerate launch --cpu --num_processes 2` (DDP), each process
 with the same micro-batches.
 
-Honest measurement (README.md, "make bench"): every variant gets the same warm-up and timed
+Honest measurement (docs/benchmarks.md): every variant gets the same warm-up and timed
 steps; rounds interleave the variants (the order rotates each round) and each figure is the
 median over rounds; wall time AND the CPU time of the variant's processes (the training
 processes and their data-loader workers, from /proc) are recorded, so `cores_used` shows

@@ -349,7 +349,7 @@ def worker(spec_path: str, out_dir: str) -> int:
 
     from pisft import config as config_mod
     from pisft import device as devices
-    from pisft.train import collective_audit as ca
+    from pisft.inspect import collective_audit as ca
     from pisft.train import loop
     from pisft.train.batches import make_loader
     from pisft.train.run import loop_settings, lr_scheduler

@@ -40,7 +40,7 @@ Stage output, `results/closed_loop/` (atomic): `metrics.json` (success overall, 
 per task with 95% Wilson intervals, episode lengths, simulator steps/s, policy ms per chunk,
 the simulator package and version), `episodes.jsonl` (one line per episode), `videos/`
 (agent view | wrist camera MP4 of the first episode of each task), `report.md`,
-`pisft_config.json`. See README.md, "Serving and closed-loop LIBERO".
+`pisft_config.json`. See docs/libero.md.
 """
 
 from __future__ import annotations

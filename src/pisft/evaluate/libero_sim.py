@@ -10,7 +10,7 @@ axis-angle orientation (3) + gripper joint positions (2), 10 wait steps with a d
 while objects settle, a fixed environment seed (7), and per-suite step limits.
 
 `make setup` installs the simulator, its scene assets, the OpenGL libraries and LIBERO's config
-file (README.md, "The LIBERO simulator"); `LiberoSimulator` checks each of these before the slow
+file (docs/libero.md, "The LIBERO simulator"); `LiberoSimulator` checks each of these before the slow
 import and names what is missing and the command that provides it.
 """
 
@@ -53,12 +53,12 @@ INSTALLED_MANIFEST = ".pisft-manifest.sha256"
 ASSETS_VERIFIED_ENV = "PISFT_LIBERO_ASSETS_VERIFIED"
 
 # Debian packages LIBERO's cameras need (MuJoCo's EGL or OSMesa back end); `make setup` installs
-# them when it runs as root (scripts/libero_sim_setup.py, README.md "The LIBERO simulator").
+# them when it runs as root (scripts/libero_sim_setup.py, docs/libero.md "The LIBERO simulator").
 GL_PACKAGES = ("libosmesa6", "libegl1", "libegl-mesa0", "libgl1")
 APT_LINE = "apt-get install -y " + " ".join(GL_PACKAGES)
 INSTALL_HELP = f"""\
 The LIBERO simulator is not installed in this environment. `make setup` installs it into .venv
-(README.md, "The LIBERO simulator"): hf-libero 0.1.4, robosuite 1.4.0 and bddl 1.0.1 from
+(docs/libero.md, "The LIBERO simulator"): hf-libero 0.1.4, robosuite 1.4.0 and bddl 1.0.1 from
 workflow/envs/libero-sim.nodeps.txt (--no-deps), MuJoCo and the rest from the lock, LIBERO's
 scene assets checked against workflow/envs/libero-assets.sha256, LIBERO's config file, and, as
 root, the OpenGL libraries ({APT_LINE}).
@@ -287,7 +287,7 @@ class LiberoSimulator:
             raise SimulatorUnavailable(
                 f"LIBERO is installed ({bench_root.parent}) but failed to import ({type(exc).__name__}: "
                 f"{exc}). {import_failure_hint(os.environ['MUJOCO_GL'])} Check also LIBERO's paths file "
-                f"({libero_config_file()}); `make setup` reinstalls the simulator (README.md, \"The LIBERO "
+                f"({libero_config_file()}); `make setup` reinstalls the simulator (docs/libero.md, \"The LIBERO "
                 f"simulator\")."
             ) from None
         self._benchmark = benchmark

@@ -79,7 +79,7 @@ def html_page(mp4: str | Path, title: str, caption: str = "") -> str:
     """A self-contained page showing the video (embedded as a data URI).
 
     `snakemake --report` shows HTML results inline but offers an MP4 only as a download, so the
-    closed_loop stage writes one such page beside each video for the report (README.md)."""
+    closed_loop stage writes one such page beside each video for the report (docs/libero.md)."""
     import base64
     import html
 

@@ -1,7 +1,7 @@
 """`python -m pisft.serve.hostile_probe --url ws://HOST:PORT`: what hostile requests cost a server.
 
 Sends to a running `pisft serve` (or any openpi websocket policy server) the requests that
-README.md ("Serving") says are refused, and measures, with a second well-behaved client
+docs/serving.md says are refused, and measures, with a second well-behaved client
 sending ordinary LIBERO requests meanwhile, how long that client waited:
 - one image of 8192×8192×3 uint8 (192 MiB), over the default message limit;
 - an 8 MB prompt;

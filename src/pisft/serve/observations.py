@@ -12,7 +12,7 @@ of any size within `Limits` (the model resizes with padding to its own resolutio
 
 Checks come in two passes so that a hostile request costs next to nothing: `check` looks only
 at keys, shapes, dtypes, sizes and the prompt's length (no pixel is touched); `to_batch` runs
-it first and only then converts pixels. Refused (README.md, "Serving"): an image with a side
+it first and only then converts pixels. Refused (docs/serving.md): an image with a side
 under `MIN_IMAGE_SIDE` or over `Limits.max_image_side`, an image so elongated that the model's
 resize-with-pad would shrink one side to nothing (LeRobot's `resize_with_pad_torch` then
 fails), and a prompt over `Limits.max_prompt_chars` characters.

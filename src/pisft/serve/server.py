@@ -5,7 +5,7 @@ its LIBERO example) connect unchanged: on connect the server sends its metadata;
 is one observation (see `pisft.serve.observations`), answered with
 `{"actions": float32 (chunk_size, action_dim) in raw action units, "server_timing": {...}}`.
 
-Hostile or broken clients (README.md, "Serving"):
+Hostile or broken clients (docs/serving.md):
 - A message over `--max-message-mib` is refused by the websocket layer from its frame header
   (close code 1009, "message too big"), before it is read; the client must reconnect.
 - A malformed request (not msgpack, a missing key, a wrong shape, an image too small, too

@@ -34,7 +34,7 @@ collective costs milliseconds of host time whatever its size, and the units abov
 their arithmetic at small sizes. Measured on 2 processes, 1 thread each, tiny pi0.5 (2.2M
 parameters), per optimizer step: the 7 layer units + root 185-205 ms, one unit per group 163-174
 ms, the root alone 121-147 ms, LeRobot's DDP 107-115 ms, no synchronisation at all 68 ms
-(README.md, "make bench"). Accelerators keep the layer units (HCCL/NCCL collectives cost tens of
+(docs/benchmarks.md). Accelerators keep the layer units (HCCL/NCCL collectives cost tens of
 microseconds; what the units save there is memory).
 """
 
@@ -259,7 +259,7 @@ def distribute(model: nn.Module, mesh: DeviceMesh, precision: str, device: torch
     (as FSDP's fp32 reduce_dtype); ops autocast keeps in fp32 (norms, embeddings) then read the
     fp32 weights instead of their bf16 copies. Checkpoints (DCP) and the export are
     layout-independent: a 1-process run resumes an N-process checkpoint and the reverse
-    (README.md, "Checkpoints belong to a run").
+    (docs/workflow.md, "Checkpoints belong to a run").
 
     `min_params` (train.fsdp_min_unit_params; -1: by device, `min_unit_params`): smaller units
     are merged (`merge_small_units`); on the CPU by default up to `CPU_MIN_UNIT_PARAMS`.
@@ -284,7 +284,7 @@ def _checkpointed(model: nn.Module) -> bool:
     inside its backward, before FSDP2's pre-backward hook has marked the unit, so the unit's
     pre-forward hook runs in full and would gather the NEXT pair, whose backward is already
     done, and hold that buffer to the end of the backward (4.5 GiB per device for pi0.5 on
-    8 cards; pisft.train.estimate). Backward prefetch (FSDP2's default) still overlaps.
+    8 cards; pisft.inspect.estimate). Backward prefetch (FSDP2's default) still overlaps.
     """
     core = _pi05_core(model)
     if core is None:

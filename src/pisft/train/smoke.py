@@ -70,9 +70,9 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 def _estimate(cfg: Any) -> Any:
-    """pisft.train.estimate's analytic per-device memory for 1 and for N devices (informative)."""
+    """pisft.inspect.estimate's analytic per-device memory for 1 and for N devices (informative)."""
     try:
-        from pisft.train.estimate import estimate_memory
+        from pisft.inspect.estimate import estimate_memory
     except ImportError:
         return None
     out: dict[str, Any] = {}

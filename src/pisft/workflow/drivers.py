@@ -1,5 +1,5 @@
-"""What a stage does for the driver that started it, so Snakemake and DVC agree (README,
-"Both drivers").
+"""What a stage does for the driver that started it, so Snakemake and DVC agree
+(docs/workflow.md, "Both drivers agree").
 
 dvc.yaml runs each stage's command through this module (`python -m pisft.workflow.drivers dvc
 <stage> -- <the rule's command>`), which

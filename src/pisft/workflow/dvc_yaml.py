@@ -4,10 +4,10 @@ Each rule becomes a stage with the same command, its inputs as deps, the config 
 tracks as params, and its outputs as outs. Paths that follow the config are DVC templates
 read from `config/config.yaml` (`vars:`): `${results_dir}/...`, `${data.recap_dir}`, a local
 `${model.source}` and `${model.tokenizer}`. So changing those paths needs no new dvc.yaml;
-only the config's *shape* does (README, "Profiles"): whether the model and tokenizer come from
+only the config's *shape* does (docs/workflow.md, "Profiles"): whether the model and tokenizer come from
 a local folder, the closed-loop stage, the device's dependency lock. The shape is written in
 the header. DVC runs each command through `pisft.workflow.drivers`, which checks the shape and
-keeps Snakemake's records in step (README, "Both drivers").
+keeps Snakemake's records in step (docs/workflow.md, "Both drivers agree").
 
 Everything DVC-only lives here, not in the Snakemake rules (where a changed value would rerun
 the rule):

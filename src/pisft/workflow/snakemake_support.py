@@ -107,8 +107,8 @@ def _dvc_say(message: str) -> None:
 def record_in_dvc(workflow, config_file: str) -> list[str]:
     """After a Snakemake run: `dvc commit` the stages Snakemake ran or found up to date.
 
-    Then `dvc status` agrees with Snakemake and `dvc push` carries every output (README,
-    "Both drivers"). Only the stages in this run's DAG are recorded (a stage outside it may be
+    Then `dvc status` agrees with Snakemake and `dvc push` carries every output (docs/workflow.md,
+    "Both drivers agree"). Only the stages in this run's DAG are recorded (a stage outside it may be
     out of date); nothing is recorded after `--touch` (an assertion, not a run), inside a DVC
     stage, when the stages read another config than dvc.yaml's (`--configfile`), or when
     dvc.yaml does not describe these rules.
@@ -118,7 +118,7 @@ def record_in_dvc(workflow, config_file: str) -> list[str]:
     if config_file != DEFAULT_FILE:
         _dvc_say(f"not updated: this run's stages read {config_file} (--configfile/--config), "
                  f"DVC's read {DEFAULT_FILE}; to run a profile under both tools use "
-                 "`python -m pisft profile FILE` (README, Profiles)")
+                 "`python -m pisft profile FILE` (docs/workflow.md, Profiles)")
         return []
     from pisft.workflow import dvc_yaml
     from pisft.workflow.snakemake_rules import specs_of

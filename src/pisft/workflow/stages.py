@@ -190,7 +190,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           ("dataset",), "convert the RECAP dataset (at iteration k, the pool) into the training dataset",
           iterations="all"),
     Stage("smoke_1card", "pisft.train.smoke:run_smoke", ("device", "smoke", *TRAIN_STEP_KEYS),
-          TRAIN_CODE, ("smoke/report.json",),
+          (*TRAIN_CODE, "src/pisft/inspect"), ("smoke/report.json",),  # its report carries the estimate
           "a few optimizer steps on one device: the go/no-go report", training=True, one_process=True),
     Stage("smoke_value", "pisft.recap.value_training:run_value_smoke", ("device", "smoke", *VALUE_KEYS),
           (*RECAP_CODE, *TRAIN_CODE), ("value_smoke/report.json",),

@@ -8,7 +8,7 @@ and `import torch_npu` does what the real package does on import, as far as pisf
 - provides `npu_fusion_attention` (a CPU reference; calls recorded in `fusion_attention_calls`),
   which transformers imports as soon as it sees torch_npu;
 - registers the "hccl" process-group backend. Here it is gloo on the CPU, wrapped by
-  `pisft.train.collective_audit.AuditedProcessGroup` with HCCL's per-operation dtype table
+  `pisft.inspect.collective_audit.AuditedProcessGroup` with HCCL's per-operation dtype table
   enforced (torch_npu v2.11.0-26.1.0, see `collective_audit.HCCL_TABLE`): a collective that
   HCCL refuses on a 910B (e.g. an all_reduce of float64) raises here too.
 """
@@ -116,7 +116,7 @@ STAND_IN = True
 
 
 def _register_hccl() -> None:
-    from pisft.train import collective_audit
+    from pisft.inspect import collective_audit
 
     collective_audit.register("hccl", table=collective_audit.HCCL_TABLE, enforce=True)
 

@@ -38,7 +38,7 @@ says what each adds and how npu-smi's figure relates to this one. The simulated 
 tensors, so ops run CPU's kernel choices (attention: the CPU flash kernel; on CUDA/NPU the fused
 kernels save the same output + log-sum-exp) and CPU autocast's op lists; the differences are
 listed in docs/memory.md. Checked against a measured CPU step within 15% at two sizes
-(tests/test_train_estimate.py, `python -m pisft.train.measure`).
+(tests/test_train_estimate.py, `python -m pisft.inspect.measure`).
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batc
 
     `make_policy()` returns a PI05Policy on the meta device. Returns the per-category bytes at
     the peak (`bytes`), the peak above the pre-step memory (`step_peak_bytes`, comparable to
-    `pisft.train.measure`), the model state, the FSDP plan and where the peak happened.
+    `pisft.inspect.measure`), the model state, the FSDP plan and where the peak happened.
     `min_unit_params`: the FSDP units' floor (`pisft.train.fsdp.merge_small_units`; 0: layer units).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -288,7 +288,7 @@ def _tracked_step(policy, mesh, micro_batch: int, precision: str,
     from pisft.train import fsdp, optim
     from pisft.train.attention import fused_joint_attention
     from pisft.train.policy_task import PolicyTask
-    from pisft.train.synthetic import synthetic_batch
+    from pisft.inspect.synthetic import synthetic_batch
 
     cpu = torch.device("cpu")
     fsdp.shard(policy, mesh, precision, min_params=min_unit_params)
@@ -389,7 +389,7 @@ def _simulate_elsewhere(cfg: PisftConfig, world: int) -> dict[str, Any]:
     raw = json.dumps(config_mod.to_dict(cfg), sort_keys=True)
     if (raw, world) not in _ELSEWHERE:
         worlds = sorted({world, 1, cfg.world_size})
-        cmd = [sys.executable, "-m", "pisft.train.estimate", "--config-json", "-",
+        cmd = [sys.executable, "-m", "pisft.inspect.estimate", "--config-json", "-",
                "--world-sizes", ",".join(map(str, worlds))]
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -501,7 +501,7 @@ def _subprocess_main(argv: list[str]) -> int:
 
     from pisft import config as config_mod
 
-    parser = argparse.ArgumentParser(prog="python -m pisft.train.estimate",
+    parser = argparse.ArgumentParser(prog="python -m pisft.inspect.estimate",
                                      description="estimate_memory for a config given as JSON (internal)")
     parser.add_argument("--config-json", required=True, help="'-': the config as JSON on stdin")
     parser.add_argument("--world-sizes", required=True, help="comma-separated")
