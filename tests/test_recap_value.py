@@ -21,7 +21,7 @@ import pytest
 import torch
 from recap_fixtures import overrides, results_with_inputs, value_inputs
 from safetensors.torch import load_file
-from train_fixtures import CONFIG, ROOT, launch_env, read_jsonl
+from train_fixtures import CONFIG, ROOT, launch_env, read_jsonl, training_worker
 
 from pisft import config as config_mod
 from pisft.data.rlinf_recap import value_target
@@ -284,34 +284,6 @@ def test_train_value_writes_the_model_metrics_and_plot(value_run):
     assert not (value_run / "checkpoints" / "train").exists()
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _worker(pid: int, local_rank: int) -> int:
-    for child in _descendants(pid):
-        try:
-            cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"pisft.train" in cmd and b"torch.distributed.run" not in cmd \
-                and f"LOCAL_RANK={local_rank}".encode() in env:
-            return child
-    raise AssertionError("worker process not found")
 
 
 @pytest.mark.integration
@@ -325,7 +297,7 @@ def test_sigkill_then_rerun_resumes_the_value_run_exactly(tmp_path_factory, valu
         assert proc.poll() is None, proc.communicate()[1][-4000:]
         assert time.time() < deadline
         time.sleep(0.05)
-    os.kill(_worker(proc.pid, local_rank=1), signal.SIGKILL)
+    os.kill(training_worker(proc.pid, local_rank=1), signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert "rank 1 (local rank 1) killed by SIGKILL" in err

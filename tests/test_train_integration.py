@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_fixtures import ROOT, launch, launch_cmd, launch_env, read_jsonl, results_dir
+from train_fixtures import ROOT, launch, launch_cmd, launch_env, read_jsonl, results_dir, training_worker
 
 pytestmark = pytest.mark.integration
 
@@ -124,34 +124,6 @@ def test_each_rank_holds_half_and_units_cover_the_model(two_nodes):
         assert torch.equal(out.get_tensor(EXPERT_HEAD), base.get_tensor(EXPERT_HEAD))
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _worker(pid: int, local_rank: int) -> int:
-    for child in _descendants(pid):
-        try:
-            cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"pisft.train" in cmd and b"torch.distributed.run" not in cmd \
-                and f"LOCAL_RANK={local_rank}".encode() in env:
-            return child
-    raise AssertionError("worker process not found")
 
 
 def test_sigkill_then_rerun_resumes_bit_identically(tmp_path_factory, smoke, two_nodes):
@@ -164,7 +136,7 @@ def test_sigkill_then_rerun_resumes_bit_identically(tmp_path_factory, smoke, two
         assert proc.poll() is None, proc.communicate()[1][-4000:]
         assert time.time() < deadline
         time.sleep(0.05)
-    os.kill(_worker(proc.pid, local_rank=1), signal.SIGKILL)
+    os.kill(training_worker(proc.pid, local_rank=1), signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert "rank 1 (local rank 1) killed by SIGKILL" in err

@@ -66,3 +66,35 @@ def launch(stage: str, results: Path, *extra: str, timeout: float = 300) -> subp
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def training_worker(pid: int, local_rank: int) -> int:
+    """The torchrun worker of `local_rank` among the descendants of the launcher `pid`."""
+    for child in descendants(pid):
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"pisft.train" in cmd and b"torch.distributed.run" not in cmd \
+                and f"LOCAL_RANK={local_rank}".encode() in env:
+            return child
+    raise AssertionError("worker process not found")
