@@ -5,15 +5,13 @@ a converted dataset (demo + convert_recap) whose conversion report gives each ep
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from train_fixtures import CONFIG
+from train_fixtures import linked_results, shared_inputs
 
 from pisft.data.dataset import episode_success
 from pisft.data.rlinf_recap import episode_returns
@@ -50,30 +48,17 @@ def add_pool_fields(dataset_dir: Path, *, sft_episodes: frozenset[int] = frozens
 
 def value_inputs(tmp_path_factory) -> Path:
     """results/{base_model,demo_recap,dataset} (tiny model, demo pool with returns), once per session."""
-    root = tmp_path_factory.getbasetemp() / "value_inputs"
-    root.mkdir(exist_ok=True)
-    with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / "dataset" / "returns.parquet").is_file():
-            from pisft import config as config_mod
-            from pisft.data import convert, demo
-            from pisft.model import fetch
+    return shared_inputs(tmp_path_factory, "value_inputs", DATA_OVERRIDES, ".pool_marked", then=_mark_pool)
 
-            cfg = config_mod.load(CONFIG, overrides(root))
-            fetch.run(cfg)
-            demo.run(cfg)
-            convert.run(cfg)
-            add_pool_fields(root / "dataset", sft_episodes=frozenset({0, 5}))
-    return root
+
+def _mark_pool(root: Path) -> None:
+    add_pool_fields(root / "dataset", sft_episodes=frozenset({0, 5}))
+    (root / ".pool_marked").write_text("episodes 0 and 5 typed sft\n")
 
 
 def results_with_inputs(tmp_path_factory, name: str) -> Path:
     """A fresh results dir linking the shared inputs."""
-    src = value_inputs(tmp_path_factory)
-    out = tmp_path_factory.mktemp(name)
-    for sub in ("base_model", "dataset", "demo_recap"):
-        os.symlink(src / sub, out / sub)
-    return out
+    return linked_results(value_inputs(tmp_path_factory), tmp_path_factory, name)
 
 
 def overrides(results: Path, *extra: str) -> list[str]:

@@ -15,32 +15,46 @@ CONFIG = ROOT / "config" / "config.yaml"
 DATA_OVERRIDES = ["data.demo_episodes_per_task=2", "data.demo_episode_length=24"]
 
 
-def inputs_dir(tmp_path_factory) -> Path:
-    """results/{base_model,dataset} for the tiny model and small demo data, built once per session."""
-    root = tmp_path_factory.getbasetemp() / "train_inputs"
+def shared_inputs(tmp_path_factory, name: str, data_overrides: list[str], ready: str,
+                  then=None) -> Path:
+    """results/{base_model,demo_recap,dataset} (fetch_base, demo_recap, convert_recap on the tiny
+    model) in the session's `name` folder, built once (under a lock: xdist workers share it);
+    `then(root)` finishes it; `ready` (relative) exists when it is complete."""
+    root = tmp_path_factory.getbasetemp() / name
     root.mkdir(exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (root / "dataset" / "split.json").is_file():
+        if not (root / ready).is_file():
             from pisft import config as config_mod
             from pisft.data import convert, demo
             from pisft.model import fetch
 
             cfg = config_mod.load(CONFIG, [f"results_dir={root}", f"data.recap_dir={root}/demo_recap",
-                                           *DATA_OVERRIDES])
+                                           *data_overrides])
             fetch.run(cfg)
             demo.run(cfg)
             convert.run(cfg)
+            if then is not None:
+                then(root)
     return root
 
 
-def results_dir(tmp_path_factory, name: str) -> Path:
-    """A fresh results dir that links the shared inputs."""
-    src = inputs_dir(tmp_path_factory)
+def linked_results(src: Path, tmp_path_factory, name: str) -> Path:
+    """A fresh results dir that links the shared inputs of `src`."""
     out = tmp_path_factory.mktemp(name)
     for sub in ("base_model", "dataset", "demo_recap"):
         os.symlink(src / sub, out / sub)
     return out
+
+
+def inputs_dir(tmp_path_factory) -> Path:
+    """results/{base_model,dataset} for the tiny model and small demo data, built once per session."""
+    return shared_inputs(tmp_path_factory, "train_inputs", DATA_OVERRIDES, "dataset/split.json")
+
+
+def results_dir(tmp_path_factory, name: str) -> Path:
+    """A fresh results dir that links the shared inputs."""
+    return linked_results(inputs_dir(tmp_path_factory), tmp_path_factory, name)
 
 
 def overrides(results: Path, *extra: str) -> list[str]:
