@@ -44,14 +44,21 @@ def planned_jobs(work: Path, *targets: str) -> set[str]:
     return set(JOB.findall(out)) - {"all"}
 
 
+# The embedded default's RECAP iteration: it starts from policy 0 and ends in the summary, so
+# whatever reruns policy 0 (or the collection's settings) reruns all of it.
+LOOP = {"collect_rollouts_1", "convert_recap_1", "smoke_value_1", "train_value_1", "advantages_1",
+        "train_8card_1", "closed_loop_1", "recap_summary"}
+
+
 @pytest.mark.parametrize(
     "key, value, expected",
     [
-        ("train.steps", 12, {"train_8card", "closed_loop", "evaluate"}),
+        ("train.steps", 12, {"train_8card", "closed_loop", "evaluate"} | LOOP),
         ("eval.batch_size", 4, {"evaluate"}),
-        ("eval.trials_per_task", 2, {"closed_loop", "evaluate"}),
-        ("data.success_only", True, {"convert_recap", "smoke_1card", "train_8card", "closed_loop", "evaluate"}),
-        ("model.init_seed", 1, {"fetch_base", "smoke_1card", "train_8card", "closed_loop", "evaluate"}),
+        ("eval.trials_per_task", 2, {"closed_loop", "evaluate"} | LOOP),
+        ("data.success_only", True, {"convert_recap", "smoke_1card", "train_8card", "closed_loop", "evaluate"} | LOOP),
+        ("model.init_seed", 1, {"fetch_base", "smoke_1card", "train_8card", "closed_loop", "evaluate"} | LOOP),
+        ("recap.positive_quantile", 0.4, {"advantages_1", "train_8card_1", "closed_loop_1", "recap_summary"}),
     ],
 )
 def test_snakemake_reruns_exactly_what_reads_a_changed_key(default_pipeline, tmp_path, key, value, expected):
@@ -94,6 +101,7 @@ def test_failed_training_reruns_alone_and_resumes(default_pipeline, tmp_path):
     work = clone_run(default_pipeline, tmp_path / "w")
     shutil.rmtree(work / "results/checkpoints/train")
     set_key(work, "eval.closed_loop", False)  # the simulator's minutes add nothing here
+    set_key(work, "recap.iterations", 0)  # (the RECAP loop runs in the simulator)
     set_key(work, "train.steps", 60)  # retrain: only train_8card and evaluate are due
     set_key(work, "train.save_every", 20)
     upstream = {p: p.stat().st_mtime for p in (work / "results/dataset").rglob("*") if p.is_file()}
@@ -151,10 +159,12 @@ def test_killed_snakemake_is_recovered_with_unlock_and_rerun_incomplete(default_
 @pytest.mark.parametrize(
     "edited, expected",
     [
-        ("src/pisft/evaluate/report.py", {"closed_loop", "evaluate"}),
-        ("src/pisft/train/loop.py", {"smoke_1card", "train_8card", "closed_loop", "evaluate"}),
+        # the collection and the RECAP summary run evaluate/ too: the loop reruns from its start
+        ("src/pisft/evaluate/report.py", {"closed_loop", "evaluate"} | LOOP),
+        ("src/pisft/train/loop.py", {"smoke_1card", "train_8card", "closed_loop", "evaluate"} | LOOP),
         ("src/pisft/config.py", {"fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card",
-                                 "closed_loop", "evaluate"}),
+                                 "closed_loop", "evaluate"} | LOOP),
+        ("src/pisft/recap/advantages.py", LOOP),  # every RECAP stage runs pisft/recap; the SFT run none
         # DVC-only settings (plot axes, caching) live in dvc_yaml.py, which no stage runs
         ("src/pisft/workflow/dvc_yaml.py", set()),
     ],
@@ -173,4 +183,4 @@ def test_a_missing_intermediate_is_rebuilt_with_what_follows(default_pipeline, t
     work = clone_run(default_pipeline, tmp_path / "w")
     shutil.rmtree(work / "results/train/model")
     assert (work / "results/eval/metrics.json").is_file()
-    assert planned_jobs(work) == {"train_8card", "closed_loop", "evaluate"}
+    assert planned_jobs(work) == {"train_8card", "closed_loop", "evaluate"} | LOOP
