@@ -238,11 +238,20 @@ RUN = ["recap.value_steps=10", "train.save_every=5", "train.warmup_steps=2", "re
        "recap.value_global_batch_size=16", "train.micro_batch_size=4", "train.nproc_per_node=2"]
 
 
-def _launch_cmd(results: Path, *extra: str) -> list[str]:
-    cmd = [sys.executable, "-m", "pisft", "launch", "train_value", "--config", str(CONFIG)]
+def _launch_cmd(results: Path, *extra: str, stage: str = "train_value") -> list[str]:
+    cmd = [sys.executable, "-m", "pisft", "launch", stage, "--config", str(CONFIG)]
     for item in overrides(results, *RUN, *extra):
         cmd += ["--set", item]
     return cmd
+
+
+def _gated(results: Path) -> Path:
+    """results with smoke_value passed (train_value refuses to start without it), run for real."""
+    _ok(subprocess.run(_launch_cmd(results, stage="smoke_value"), cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=launch_env()))
+    report = json.loads((results / "value_smoke" / "report.json").read_text())
+    assert report["passed"] and len(report["losses"]) >= 2, report
+    return results
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -251,7 +260,7 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
 
 @pytest.fixture(scope="module")
 def value_run(tmp_path_factory) -> Path:
-    res = results_with_inputs(tmp_path_factory, "value_run")
+    res = _gated(results_with_inputs(tmp_path_factory, "value_run"))
     _ok(subprocess.run(_launch_cmd(res), cwd=ROOT, capture_output=True, text=True, timeout=600, env=launch_env()))
     return res
 
@@ -288,7 +297,7 @@ def test_train_value_writes_the_model_metrics_and_plot(value_run):
 
 @pytest.mark.integration
 def test_sigkill_then_rerun_resumes_the_value_run_exactly(tmp_path_factory, value_run):
-    res = results_with_inputs(tmp_path_factory, "value_killed")
+    res = _gated(results_with_inputs(tmp_path_factory, "value_killed"))
     cmd = _launch_cmd(res)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=launch_env())
@@ -342,3 +351,21 @@ def test_advantages_label_the_pool_with_the_trained_value_model(value_run):
     # V of the last frame's successor is 0: the last frame of every episode has value_next 0
     last = labels.groupby("episode_index").tail(1)
     assert (last["value_next"] == 0).all()
+
+
+def test_train_value_needs_its_smoke_gate_passed(tmp_path):
+    """The launcher refuses train_value before starting torchrun when smoke_value has not run or
+    did not pass, as it refuses train_8card without smoke_1card."""
+    from pisft.errors import PisftError
+    from pisft.train import launch
+
+    cfg = config_mod.load(CONFIG, [f"results_dir={tmp_path}", "recap.iterations=1"]).at_iteration(1)
+    with pytest.raises(PisftError, match="run smoke_value first"):
+        launch.check_gate_report(cfg, "train_value")
+    report = cfg.results("value_smoke", "report.json")
+    report.parent.mkdir(parents=True)
+    report.write_text(json.dumps({"passed": False, "messages": ["loss_falling: first 5.6, last 5.9"]}))
+    with pytest.raises(PisftError, match="did not pass:\n  - loss_falling"):
+        launch.check_gate_report(cfg, "train_value")
+    report.write_text(json.dumps({"passed": True}))
+    assert launch.check_gate_report(cfg, "train_value")["passed"]
