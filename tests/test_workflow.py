@@ -202,9 +202,12 @@ def test_closed_loop_stage_joins_the_dag_only_when_enabled(tmp_path):
     out = snakemake("-n", "--cores", "1", cwd=work).stdout
     assert "rule closed_loop:" in out and "results/closed_loop/metrics.json" in out
     off = work / "off.yaml"
-    off.write_text("eval:\n  closed_loop: false\n")
+    off.write_text("eval:\n  closed_loop: false\n")  # the RECAP loop still on: refused, it needs the simulator
+    refused = snakemake("-n", "--cores", "1", "--configfile", "config/config.yaml", str(off), cwd=work, check=False)
+    assert refused.returncode != 0 and "needs eval.closed_loop: true" in refused.stdout + refused.stderr
+    off.write_text("eval:\n  closed_loop: false\nrecap:\n  iterations: 0\n")
     out = snakemake("-n", "--cores", "1", "--configfile", "config/config.yaml", str(off), cwd=work).stdout
-    assert "rule closed_loop:" not in out
+    assert "rule closed_loop:" not in out and "collect_rollouts" not in out
 
 
 def test_workflow_files_are_snakefmt_formatted():
