@@ -37,5 +37,24 @@ def convert(src: Path, out: Path, **opts) -> dict:
     return convert_recap(src, out, Options(**opts))
 
 
+def convert_fails(src: Path, tmp_path: Path, *patterns: str, **opts) -> str:
+    """The conversion of `src` refuses it with a DataError naming every pattern, and leaves
+    nothing behind (no output, no temporary folder). Returns the message."""
+    import pytest
+
+    from pisft.errors import DataError
+
+    out = tmp_path / "results" / "dataset"
+    with pytest.raises(DataError) as err:
+        convert(src, out, **opts)
+    msg = str(err.value)
+    for p in patterns:
+        assert p in msg, f"{p!r} not in: {msg}"
+    assert not out.exists()
+    leftovers = list(out.parent.iterdir()) if out.parent.exists() else []
+    assert leftovers == [], leftovers
+    return msg
+
+
 def read_json(path: Path):
     return json.loads(Path(path).read_text())

@@ -14,10 +14,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from data_fixtures import convert, make_recap
+from data_fixtures import convert_fails as _fails
+from data_fixtures import make_recap
 
 from pisft.data.images import encode_png
-from pisft.errors import DataError
 
 EP = "data/chunk-000/episode_000002.parquet"  # episode 2 of the v2.1 fixture
 
@@ -27,17 +27,6 @@ def src(tmp_path) -> Path:
     return make_recap(tmp_path / "in", n_tasks=2, per_task=2, length=8, size=16)
 
 
-def _fails(src: Path, tmp_path: Path, *patterns: str, **opts) -> str:
-    out = tmp_path / "results" / "dataset"
-    with pytest.raises(DataError) as err:
-        convert(src, out, **opts)
-    msg = str(err.value)
-    for p in patterns:
-        assert p in msg, f"{p!r} not in: {msg}"
-    assert not out.exists()
-    leftovers = list(out.parent.iterdir()) if out.parent.exists() else []
-    assert leftovers == [], leftovers
-    return msg
 
 
 def _edit(path: Path, fn) -> None:

@@ -8,9 +8,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from data_fixtures import convert_fails as fails
 from data_fixtures import convert, make_recap
 
-from pisft.errors import DataError
 
 ADV = "meta/advantages_demo.parquet"
 
@@ -28,15 +28,6 @@ def edit(path: Path, column: str, fn) -> None:
     pq.write_table(table, path)
 
 
-def fails(src: Path, tmp_path: Path, *patterns: str, **opts) -> str:
-    out = tmp_path / "results/dataset"
-    with pytest.raises(DataError) as err:
-        convert(src, out, **opts)
-    msg = str(err.value)
-    for p in patterns:
-        assert p in msg, f"{p!r} not in: {msg}"
-    assert not out.exists()
-    return msg
 
 
 def test_labels_without_a_positive_frame_are_refused(src, tmp_path):
