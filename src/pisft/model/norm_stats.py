@@ -14,12 +14,12 @@ it with openpi's `load_norm_stats(checkpoint_dir, asset_id)`). `find_norm_stats`
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
 
 from pisft.errors import ModelLoadError
+from pisft.model.weights import read_json
 
 STATS_FILE = "normalization_stats.safetensors"
 # pi0.5 normalises state and action by quantiles: these two stats are required for each.
@@ -79,12 +79,7 @@ def import_openpi_norm_stats(path: str | Path, *, state_dim: int = 8, action_dim
     `action_dim` are dropped only when they are padding (q01 == q99), else it is an error.
     """
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelLoadError(f"{path}: openpi norm_stats.json not found") from None
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+    raw = read_json(path, missing="openpi norm_stats.json not found")
     body = raw.get("norm_stats", raw) if isinstance(raw, dict) else None
     if not isinstance(body, dict):
         raise ModelLoadError(f"{path}: expected an object with 'norm_stats' (openpi format)")

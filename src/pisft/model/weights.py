@@ -25,6 +25,7 @@ import json
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,6 +36,17 @@ LIST_LIMIT = 12  # names shown per list in an error message
 # The index `save_pretrained` / huggingface_hub write beside sharded safetensors.
 INDEX_FILE = "model.safetensors.index.json"
 
+
+
+def read_json(path: Path, *, missing: str, hint: str = "") -> Any:
+    """The JSON document of a checkpoint's file, or a ModelLoadError naming the file: `missing`
+    when it is absent, the parser's message (and `hint`) when it is not valid JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: {missing}") from None
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})" + (f"; {hint}" if hint else "")) from None
 
 def lerobot_name(name: str) -> str:
     """A file's tensor name as the policy's state dict names it.
@@ -162,12 +174,8 @@ def tensor_locations(path: str | Path) -> tuple[dict[str, tuple[int, ...]], dict
     if not path.name.endswith(".index.json"):
         shapes = _single_file_shapes(path)
         return shapes, {name: path for name in shapes}
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelLoadError(f"{path}: safetensors index not found") from None
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{path}: not valid JSON ({exc}); re-download or re-export the checkpoint") from None
+    raw = read_json(path, missing="safetensors index not found",
+                    hint="re-download or re-export the checkpoint")
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not weight_map or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
