@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +18,7 @@ import pytest
 import torch
 from recap_fixtures import overrides, results_with_inputs, value_inputs
 from safetensors.torch import load_file
-from train_fixtures import CONFIG, ROOT, launch_env, read_jsonl, training_worker
+from train_fixtures import CONFIG, ROOT, launch_env, read_jsonl, kill_rank1_after_checkpoint
 
 from pisft import config as config_mod
 from pisft.data.rlinf_recap import value_target
@@ -299,18 +296,7 @@ def test_train_value_writes_the_model_metrics_and_plot(value_run):
 def test_sigkill_then_rerun_resumes_the_value_run_exactly(tmp_path_factory, value_run):
     res = _gated(results_with_inputs(tmp_path_factory, "value_killed"))
     cmd = _launch_cmd(res)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=launch_env())
-    deadline = time.time() + 400
-    while not list((res / "checkpoints" / "value").glob("run-*/step_000005/COMPLETE.json")):
-        assert proc.poll() is None, proc.communicate()[1][-4000:]
-        assert time.time() < deadline
-        time.sleep(0.05)
-    os.kill(training_worker(proc.pid, local_rank=1), signal.SIGKILL)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0
-    assert "rank 1 (local rank 1) killed by SIGKILL" in err
-    assert "step_000005 (step 5); a rerun resumes from it" in err
+    err = kill_rank1_after_checkpoint(cmd, res / "checkpoints" / "value", 5, timeout=400)
     assert "launch train_value" in err
     assert not (res / "value").exists()  # nothing that looks finished
     _ok(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=launch_env()))

@@ -4,18 +4,15 @@ SIGKILL + automatic exact resume, resume on another number of processes."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_fixtures import ROOT, launch, launch_cmd, launch_env, read_jsonl, results_dir, training_worker
+from train_fixtures import ROOT, launch, launch_cmd, launch_env, read_jsonl, results_dir, kill_rank1_after_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -129,18 +126,7 @@ def test_each_rank_holds_half_and_units_cover_the_model(two_nodes):
 def test_sigkill_then_rerun_resumes_bit_identically(tmp_path_factory, smoke, two_nodes):
     res = _with_smoke(tmp_path_factory, "killed", smoke)
     cmd = launch_cmd("train_8card", res, *RUN, "train.nproc_per_node=2", LAYER_UNITS)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=launch_env())
-    deadline = time.time() + 240
-    while not list((res / "checkpoints" / "train").glob("run-*/step_000005/COMPLETE.json")):
-        assert proc.poll() is None, proc.communicate()[1][-4000:]
-        assert time.time() < deadline
-        time.sleep(0.05)
-    os.kill(training_worker(proc.pid, local_rank=1), signal.SIGKILL)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0
-    assert "rank 1 (local rank 1) killed by SIGKILL" in err
-    assert "step_000005 (step 5); a rerun resumes from it" in err
+    kill_rank1_after_checkpoint(cmd, res / "checkpoints" / "train", 5, timeout=240)
     assert not (res / "train").exists()  # nothing that looks finished
 
     _ok(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=launch_env()))

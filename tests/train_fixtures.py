@@ -112,3 +112,25 @@ def training_worker(pid: int, local_rank: int) -> int:
                 and f"LOCAL_RANK={local_rank}".encode() in env:
             return child
     raise AssertionError("worker process not found")
+
+
+def kill_rank1_after_checkpoint(cmd: list[str], checkpoints: Path, step: int, timeout: float) -> str:
+    """Start the launcher `cmd`, wait for the complete checkpoint of `step` under `checkpoints`
+    (run-*/step_<step>), SIGKILL the worker of local rank 1 and wait for the launcher to fail.
+    Returns its stderr (the launcher's failure report)."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=launch_env())
+    deadline = time.time() + timeout
+    while not list(checkpoints.glob(f"run-*/step_{step:06d}/COMPLETE.json")):
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    os.kill(training_worker(proc.pid, local_rank=1), signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "rank 1 (local rank 1) killed by SIGKILL" in err
+    assert f"step_{step:06d} (step {step}); a rerun resumes from it" in err
+    return err
