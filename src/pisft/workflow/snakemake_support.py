@@ -12,7 +12,7 @@ import yaml
 
 from pisft import config as pisft_config
 from pisft.io import write_text_atomic
-from pisft.workflow.stages import STAGE_KEYS, STAGES, code_deps
+from pisft.workflow.stages import STAGES, code_deps
 
 DEFAULT_FILE = pisft_config.DEFAULT_CONFIG.as_posix()
 
@@ -86,7 +86,7 @@ def tracked_params(config: dict, stage: str, k: int = 0) -> dict:
     """The values of the config keys `stage` reads (at iteration k), from the validated config as
     a mapping (`pisft_config.to_dict`, defaults filled in), so the config is validated once per parse."""
     values = {}
-    for key in STAGES[stage].keys_at(k) if k else STAGE_KEYS[stage]:
+    for key in STAGES[stage].keys_at(k):
         node = config
         for part in key.split("."):
             node = node[part]
