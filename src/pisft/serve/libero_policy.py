@@ -143,16 +143,42 @@ class LiberoPolicy:
 
     def predict(self, batch: dict, noise: torch.Generator) -> dict:
         """The action chunk of a prepared request, drawing its noise from `noise`."""
+        return self.predict_many([batch], [noise])[0]
+
+    def predict_many(self, batches: list[dict], noises: list[torch.Generator]) -> list[dict]:
+        """The action chunks of several prepared requests in one forward, each drawing its noise
+        from its own generator, so a request's chunk does not depend on what it is batched with
+        (measured: identical bits on this CPU, `pisft.bench.closed_loop_bench`'s
+        `actions_match`; an accelerator's kernels may differ by rounding with the batch size)."""
+        if len(batches) != len(noises) or not batches:
+            raise ValueError(f"predict_many: {len(batches)} requests and {len(noises)} noise generators")
         p = self.predictor
-        batch = dict(batch)
-        plain = batch.pop(UNCONDITIONED_KEY, None)
+        merged = _concat([dict(b) for b in batches])
+        plain = merged.pop(UNCONDITIONED_KEY, None)
         guided = {} if plain is None else {"cfg_scale": self.cfg_scale, "unconditioned_tasks": plain}
-        draw = torch.randn((1, p.chunk_size, p.max_action_dim), generator=noise)
-        actions = p.predict(batch, draw, **guided)[0].numpy().astype(np.float32)
-        return {"actions": actions}
+        draw = torch.cat([torch.randn((len(b["task"]), p.chunk_size, p.max_action_dim), generator=g)
+                          for b, g in zip(batches, noises, strict=True)])
+        actions = p.predict(merged, draw, **guided).numpy().astype(np.float32)
+        return [{"actions": a} for a in actions]
 
     def infer(self, obs: dict) -> dict:
         return self.predict(self.prepare(obs), self._generator)
+
+    def infer_batch(self, requests: list[dict], seeds: list[int]) -> list[dict]:
+        """`infer` of each request after `reset(seed)`, in one forward (closed-loop batching)."""
+        return self.predict_many([self.prepare(r) for r in requests], [self.new_noise(s) for s in seeds])
+
+
+def _concat(batches: list[dict]) -> dict:
+    """Prepared requests (batches of one, the same keys) as one batch."""
+    keys = set(batches[0])
+    if any(set(b) != keys for b in batches):
+        raise ValueError("predict_many: the prepared requests do not have the same keys")
+    merged: dict = {}
+    for key in batches[0]:
+        values = [b[key] for b in batches]
+        merged[key] = torch.cat(values) if isinstance(values[0], torch.Tensor) else [x for v in values for x in v]
+    return merged
 
 
 def _dataset_stats(dataset_dir: Path):
