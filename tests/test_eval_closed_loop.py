@@ -357,15 +357,15 @@ def requests_by_chunk(policy) -> dict[int, tuple]:
 
 @pytest.mark.integration  # ~15 s: rollouts in worker processes
 def test_results_do_not_depend_on_the_number_of_environment_processes(tmp_path):
-    """Worker processes (spawned), 1 and 2: same episodes, same order, same metrics, same videos,
-    the same states and images behind every chunk. The stand-in environments carry state across
-    resets as LIBERO's do (`StandInEnv`): with 2 workers a task's episodes run in environments
-    that have seen other resets than with 1."""
+    """Worker processes (spawned), 1 asking one request at a time and 2 batching their requests:
+    same episodes, same order, same metrics, same videos, the same states and images behind every
+    chunk. The stand-in environments carry state across resets as LIBERO's do (`StandInEnv`):
+    with 2 workers a task's episodes run in environments that have seen other resets than with 1."""
     tasks = [StandInTask(f"reach {g} 0 0", [g, 0, 0]) for g in (0.3, 0.45, 0.2)]
     runs, requests = {}, {}
-    for n in (1, 2):
+    for n, batch in ((1, 1), (2, 0)):  # one at a time; every waiting environment in one forward
         cfg = make_cfg(tmp_path / f"n{n}", libero_suites=["libero_spatial"], num_envs=n, max_steps=30,
-                       trials_per_task=3)
+                       trials_per_task=3, policy_batch=batch)
         policy = GoalSeekingPolicy(noise=0.9)
         metrics = closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, tasks, placement_noise=0.02),
                                   policy=policy)

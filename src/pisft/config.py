@@ -154,6 +154,11 @@ class EvalConfig:
     task_ids: list[int] = field(default_factory=list)
     # Environment worker processes; 0: one per core available to the stage.
     num_envs: int = 0
+    # Requests of the environments waiting at one moment that share one policy forward, at most
+    # (0: all of them; 1: one at a time). Results do not depend on it (each request has its own noise).
+    policy_batch: int = 0
+    # Policy replicas, one per accelerator (0: every visible device of `device`'s kind; the CPU: one).
+    policy_devices: int = 0
     # An MP4 (agent view | wrist camera) of the first episode of each task.
     videos: bool = True
     # Classifier-free guidance of an advantage-conditioned policy (RLinf's cfgrl_guidance_scale):
@@ -506,11 +511,12 @@ def _eval_problems(e: EvalConfig) -> list[str]:
     if repeated:
         problems.append(f"eval.libero_suites: {repeated} listed more than once; each suite once (a repeat "
                         "would run the same episodes twice, narrow the interval and write one video twice)")
-    for key in ("max_steps", "num_envs"):
+    zero_means = {"max_steps": "openpi's limit per suite", "num_envs": "one per available core",
+                  "policy_batch": "every environment waiting", "policy_devices": "every visible device"}
+    for key, meaning in zero_means.items():
         if getattr(e, key) < 0:
-            problems.append(f"eval.{key}: must be 0 (the default: "
-                            + ("openpi's limit per suite" if key == "max_steps" else "one per available core")
-                            + f") or a positive number, got {getattr(e, key)}")
+            problems.append(f"eval.{key}: must be 0 (the default: {meaning}) or a positive number, "
+                            f"got {getattr(e, key)}")
     n_tasks = min((LIBERO_SUITES.get(s, 90) for s in e.libero_suites), default=90)
     bad_ids = [t for t in e.task_ids if not 0 <= t < n_tasks]
     if bad_ids or len(set(e.task_ids)) != len(e.task_ids):

@@ -45,6 +45,7 @@ the simulator package and version), `episodes.jsonl` (one line per episode), `vi
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import logging
@@ -65,6 +66,9 @@ from pisft.errors import PisftError
 from pisft.evaluate import libero_sim
 from pisft.evaluate import video as video_mod
 from pisft.evaluate.intervals import wilson_interval
+from pisft.evaluate.policy_pool import Answer as PolicyAnswer
+from pisft.evaluate.policy_pool import PolicyPool
+from pisft.evaluate.policy_pool import Request as PolicyRequest
 from pisft.evaluate.rollout_workers import (
     EpisodeOutcome,
     EpisodeSpec,
@@ -102,6 +106,9 @@ class Settings:
     # Initial state of each task's first trial (trial i starts from state first_init_state + i):
     # 0 for the evaluation; the RECAP rollout collection starts after the evaluation's states.
     first_init_state: int = 0
+    # At most this many requests per policy forward (0: every environment waiting at that moment);
+    # results do not depend on it (each request's noise is its own; policy_pool).
+    policy_batch: int = 0
 
     @classmethod
     def from_config(cls, cfg: config_mod.PisftConfig, stage: str | None = None) -> Settings:
@@ -110,7 +117,7 @@ class Settings:
                    replan_steps=e.replan_steps, num_wait_steps=e.num_wait_steps,
                    seed=e.closed_loop_seed, resize_size=e.resize_size, max_steps=e.max_steps,
                    task_ids=tuple(e.task_ids), num_envs=resolve_num_envs(e.num_envs, stage=stage),
-                   videos=e.videos)
+                   videos=e.videos, policy_batch=e.policy_batch)
 
     def steps_for(self, suite: str) -> int:
         return self.max_steps or libero_sim.SUITE_MAX_STEPS[suite]
@@ -167,6 +174,53 @@ def policy_threads() -> int:
     if os.environ.get(device_mod.THREADS_ENV, "").strip():
         return device_mod.threads_per_process(1)
     return 1
+
+
+def policy_devices(cfg: config_mod.PisftConfig) -> list[str]:
+    """Devices of the closed-loop policy replicas, one replica each: every visible accelerator of
+    `device`'s kind (`eval.policy_devices` > 0: that many of them); on the CPU, one."""
+    kind = device_mod.resolve_kind(cfg.device)
+    wanted = cfg.eval.policy_devices
+    if kind == "cpu":
+        if wanted > 1:
+            raise PisftError(f"eval.policy_devices: {wanted} policy replicas asked for, but the policy runs on "
+                             "the CPU, where it is one (the environments take the cores); set "
+                             "eval.policy_devices: 0, or run on accelerators (device: cuda or npu)")
+        return ["cpu"]
+    count = device_mod.device_count(kind)
+    if wanted > count:
+        raise PisftError(f"eval.policy_devices: {wanted} policy replicas asked for, but {count} {kind} "
+                         f"device(s) are visible; set at most {count} (0: every visible device)")
+    return [f"{kind}:{i}" for i in range(wanted or count)]
+
+
+def load_policy_pool(cfg: config_mod.PisftConfig, model_dir: Path, *, trained_on: Path, seed: int,
+                     settings: Settings, stage: str) -> PolicyPool:
+    """The model in `model_dir` as `LiberoPolicy` replicas (the code `serve` runs), one per device
+    of `policy_devices`, with `eval.cfg_scale`; `policy_threads` CPU threads."""
+    import torch
+
+    from pisft.model.guidance import check_scale
+    from pisft.serve.libero_policy import LiberoPolicy
+
+    torch.set_num_threads(policy_threads())
+    scale = check_scale(cfg.eval.cfg_scale, "eval.cfg_scale")
+    devices = policy_devices(cfg)
+    kind = device_mod.resolve_kind(cfg.device)
+    replicas = [LiberoPolicy.from_model_dir(model_dir, device=kind, device_index=i, seed=seed,
+                                            trained_on=trained_on, cfg_scale=scale)
+                for i in range(len(devices))]
+    if len(devices) > 1:
+        print(f"{stage}: {len(devices)} policy replicas, one per device ({', '.join(devices)})", flush=True)
+    select = None if kind == "cpu" else functools.partial(device_mod.local_device, kind)
+    return PolicyPool(replicas, max_batch=settings.policy_batch, devices=devices, select_device=select)
+
+
+def as_pool(policy: ChunkPolicy | PolicyPool, settings: Settings) -> PolicyPool:
+    """A given policy (tests, a caller's own) as a pool of one replica."""
+    if isinstance(policy, PolicyPool):
+        return policy
+    return PolicyPool([policy], max_batch=settings.policy_batch, devices=["given"])
 
 
 @dataclass
@@ -313,12 +367,10 @@ class EpisodeErrors(PisftError):
         return text + "."
 
 
-def _chunk(policy: ChunkPolicy, request: dict, ep: _InFlight, settings: Settings) -> np.ndarray:
-    policy.reset(chunk_seed(ep.seed, ep.calls))
-    t0 = time.perf_counter()
-    chunk = np.asarray(policy.infer(request)["actions"])
-    ep.policy_s += time.perf_counter() - t0
-    ep.calls += 1
+def check_chunk(chunk: np.ndarray, settings: Settings) -> np.ndarray:
+    """The first `replan_steps` actions of a policy's chunk, after checking its shape and that
+    every value is finite (non-finite actions never reach the simulator)."""
+    chunk = np.asarray(chunk)
     if chunk.ndim != 2 or len(chunk) < settings.replan_steps or chunk.shape[1] != 7:
         raise PisftError(
             f"the policy returned actions of shape {chunk.shape}; LIBERO needs (chunk, 7) with at "
@@ -334,7 +386,7 @@ def _chunk(policy: ChunkPolicy, request: dict, ep: _InFlight, settings: Settings
     return chunk
 
 
-def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settings, *,
+def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy | PolicyPool, settings: Settings, *,
                  workers: list, respawn: Callable[[int], Any] | None = None,
                  languages: dict[tuple[str, int], str],
                  on_episode: Callable[[EpisodeResult], None] | None = None,
@@ -344,6 +396,10 @@ def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settin
     A free worker takes the next pending episode of the task whose environment it holds, else
     the first pending episode of a task no other worker holds, else the first pending episode
     (building an environment costs seconds; which worker runs an episode changes no result).
+    The requests of every worker waiting for the policy go to an idle replica of `policy` (a
+    `PolicyPool`, or one policy, then pooled here with `settings.policy_batch`), at most
+    `settings.policy_batch` per forward, oldest first, each with its chunk's seed: while a
+    forward runs, the others' requests queue up for the next (`policy_pool`).
     An episode that ends in an error (the simulator raised, the
     worker died, the policy failed) is run again from its start, up to `attempts` in all, on a
     fresh worker (`respawn(i)` replaces worker i; without `respawn`, the same worker, whose
@@ -352,11 +408,28 @@ def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settin
     every result returned ran to its end (`error` is None); `retried_errors` keeps what failed
     on the way.
     """
+    if isinstance(policy, PolicyPool):
+        return _run_episodes(specs, policy, settings, workers=workers, respawn=respawn, languages=languages,
+                             on_episode=on_episode, attempts=attempts, stage=stage)
+    pool = PolicyPool([policy], max_batch=settings.policy_batch)
+    try:
+        return _run_episodes(specs, pool, settings, workers=workers, respawn=respawn, languages=languages,
+                             on_episode=on_episode, attempts=attempts, stage=stage)
+    finally:
+        pool.close()
+
+
+def _run_episodes(specs: list[EpisodeSpec], pool: PolicyPool, settings: Settings, *, workers: list,
+                  respawn: Callable[[int], Any] | None, languages: dict[tuple[str, int], str],
+                  on_episode: Callable[[EpisodeResult], None] | None, attempts: int,
+                  stage: str) -> list[EpisodeResult]:
     pending = list(specs)
     results: dict[int, EpisodeResult] = {}
     busy: dict[int, _InFlight] = {}  # worker index -> its episode
     last_task: dict[int, tuple[str, int]] = {}
     crashed: list[CrashedEpisode] = []
+    waiting: dict[int, dict] = {}  # worker index -> its request for the policy, oldest first
+    asked: set[int] = set()  # workers whose request is in a forward
 
     def start(i: int, spec: EpisodeSpec, attempt: int = 1, earlier: tuple[str, ...] = ()) -> None:
         busy[i] = _InFlight(spec=spec, seed=episode_seed(settings.seed, spec.suite, spec.task_id,
@@ -418,6 +491,7 @@ def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settin
         start(i, pending.pop(pick))
 
     def handle(i: int) -> None:
+        """Worker i replied: its episode ended, or it waits for actions."""
         try:
             kind, payload = workers[i].recv()
         except WorkerDied as exc:
@@ -429,28 +503,57 @@ def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settin
             return
         if kind in ("done", "error"):
             finish(i, payload)
-            return
+        else:
+            waiting[i] = payload
+
+    def dispatch() -> None:
+        """The waiting requests, oldest first, to the idle replicas."""
+        while waiting and pool.has_idle_replica():
+            batch = []
+            for i in list(waiting)[: pool.batch_limit(len(waiting))]:
+                ep = busy[i]
+                batch.append(PolicyRequest(key=i, obs=waiting.pop(i), seed=chunk_seed(ep.seed, ep.calls)))
+                ep.calls += 1
+                asked.add(i)
+            pool.submit(batch)
+
+    def answered(a: PolicyAnswer) -> None:
+        i = a.key
+        asked.discard(i)
         ep = busy[i]
-        try:
-            actions = _chunk(policy, payload, ep, settings)
-        except Exception as exc:  # noqa: BLE001 - the policy failing is this episode's error
-            ep.error = f"{type(exc).__name__}: {exc}"
-            workers[i].send("abort", ep.error)
-            return
-        workers[i].send("act", actions)
+        ep.policy_s += a.policy_s
+        error = a.error
+        if error is None:
+            try:
+                workers[i].send("act", check_chunk(a.actions, settings))
+                return
+            except PisftError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        ep.error = error  # the policy failing is this episode's error
+        workers[i].send("abort", ep.error)
 
     while (pending and not crashed) or busy:
         for i in range(len(workers)):
             if i not in busy and pending and not crashed:
                 assign(i)
-        inline = [i for i in busy if workers[i].has_reply()]
+        dispatch()
+        simulating = [i for i in busy if i not in waiting and i not in asked]
+        inline = [i for i in simulating if workers[i].has_reply()]
         if inline:
-            ready = inline
-        else:
-            conns = {workers[i].conn: i for i in busy}
-            ready = [conns[c] for c in wait_for_replies(list(conns))]
-        for i in sorted(ready):
+            for i in inline:
+                handle(i)
+            continue
+        objs: dict[Any, int | None] = {workers[i].conn: i for i in simulating if hasattr(workers[i], "conn")}
+        if pool.in_flight:
+            objs[pool.notify] = None
+        if not objs:
+            raise RuntimeError(f"{stage}: nothing to wait for with {len(busy)} episodes in flight (a bug)")
+        ready = wait_for_replies(list(objs))
+        for i in sorted(objs[c] for c in ready if objs[c] is not None):
             handle(i)
+        if pool.notify in ready:
+            for a in pool.collect():
+                answered(a)
     if crashed:
         raise EpisodeErrors(sorted(crashed, key=lambda c: c.spec.index), len(pending), stage, attempts)
     return [results[s.index] for s in specs]
@@ -474,7 +577,7 @@ def env_count(settings: Settings, specs: list[EpisodeSpec], *, stage: str) -> in
     return num_envs
 
 
-def roll_out(specs: list[EpisodeSpec], policy: ChunkPolicy, settings: Settings, *,
+def roll_out(specs: list[EpisodeSpec], policy: ChunkPolicy | PolicyPool, settings: Settings, *,
              factory: Callable[[], libero_sim.Simulator], simulator: libero_sim.Simulator, num_envs: int,
              inline: bool, languages: dict[tuple[str, int], str],
              on_episode: Callable[[EpisodeResult], None] | None = None,
@@ -583,13 +686,13 @@ def summarize(results: list[EpisodeResult]) -> dict:
     return out
 
 
-def timing(results: list[EpisodeResult], wall_time_s: float, num_envs: int) -> dict:
+def timing(results: list[EpisodeResult], wall_time_s: float, num_envs: int, pool: PolicyPool | None = None) -> dict:
     """Throughput of the simulator and the policy (these vary run to run; results do not)."""
     sim_steps = sum(r.sim_steps for r in results)
     step_time = sum(r.sim_step_time_s for r in results)
     calls = sum(r.policy_calls for r in results)
     policy_ms = sum(r.policy_ms for r in results)
-    return {
+    out = {
         "num_envs": num_envs,
         "wall_time_s": wall_time_s,
         "simulator_steps": sim_steps,
@@ -598,10 +701,17 @@ def timing(results: list[EpisodeResult], wall_time_s: float, num_envs: int) -> d
         # all environments together over the rollout's wall time (what num_envs buys)
         "simulator_steps_per_s_all_envs": sim_steps / wall_time_s if wall_time_s > 0 else None,
         "policy_calls": calls,
+        # a request's share of its forward (a forward of B requests counts 1/B of its time to each)
         "policy_ms_per_chunk": policy_ms / calls if calls else None,
         "env_create_s": _stats([r.env_create_s for r in results if r.env_create_s > 0]),
         "reset_s": _stats([r.reset_s for r in results if r.sim_steps]),
     }
+    if pool is not None:  # the forwards of every attempt, also of episodes run again
+        out["policy_devices"] = list(pool.devices)
+        out["policy_replicas"] = len(pool.replicas)
+        out["policy_batch_limit"] = pool.max_batch
+        out.update(pool.stats.to_dict())
+    return out
 
 
 def simulator_info(simulator: Any) -> dict:
@@ -751,16 +861,21 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
     sim = factory()  # SimulatorUnavailable with the install line when LIBERO is not installed
     sim_info = simulator_info(sim)
     if policy is None:
-        import torch
+        pool = load_policy_pool(cfg, model_dir, trained_on=cfg.results("dataset"), seed=settings.seed,
+                                settings=settings, stage="closed_loop")
+    else:
+        pool = as_pool(policy, settings)
+    try:
+        return _evaluate(cfg, settings, pool, factory=factory, sim=sim, sim_info=sim_info, inline=inline,
+                         model_dir=model_dir)
+    finally:
+        pool.close()
 
-        from pisft.model.guidance import check_scale
-        from pisft.serve.libero_policy import LiberoPolicy
 
-        torch.set_num_threads(policy_threads())
-
-        policy = LiberoPolicy.from_model_dir(model_dir, device=cfg.device, seed=settings.seed,
-                                             trained_on=cfg.results("dataset"),
-                                             cfg_scale=check_scale(cfg.eval.cfg_scale, "eval.cfg_scale"))
+def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool, *,
+              factory: Callable[[], libero_sim.Simulator], sim: libero_sim.Simulator, sim_info: dict,
+              inline: bool, model_dir: Path) -> dict:
+    policy = pool.replicas[0]  # what the replicas share: guidance, prompt conditioning
     guided = getattr(policy, "guidance", None)  # LiberoPolicy: the classifier-free guidance in effect
     if guided is not None and (guided["note"] or guided["guided"]):  # said once, before the rollouts
         print(f"closed_loop: {'note: ' + guided['note'] if guided['note'] else guided['describe']}", flush=True)
@@ -781,7 +896,7 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
                       f"{sum(x.success for x in done)} successes", flush=True)
 
         mujoco_logs = logs_mod.mujoco_log_dir("closed_loop", cfg.results("logs"))
-        results, wall = roll_out(specs, policy, settings, factory=factory, simulator=sim, num_envs=num_envs,
+        results, wall = roll_out(specs, pool, settings, factory=factory, simulator=sim, num_envs=num_envs,
                                  inline=inline, languages=languages, on_episode=record, name="closed_loop",
                                  log_dir=mujoco_logs)
         mujoco_note(mujoco_logs, "closed_loop")
@@ -799,7 +914,7 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
                 fh.write(json.dumps(asdict(r)) + "\n")
         metrics = {"closed_loop": True, **summarize(results)}
         metrics["simulator"] = sim_info
-        metrics["timing"] = timing(results, wall, num_envs)
+        metrics["timing"] = timing(results, wall, num_envs, pool)
         metrics["settings"] = asdict(settings)
         metrics["model_dir"] = str(model_dir)
         metrics["expectation"] = expectation(cfg, settings)

@@ -54,6 +54,7 @@ from pisft.data.libero import FPS
 from pisft.data.recap_layout import RecapEpisode, write_recap_dataset
 from pisft.errors import PisftError
 from pisft.evaluate import closed_loop, episode_recording, libero_sim
+from pisft.evaluate.policy_pool import PolicyPool
 from pisft.evaluate.rollout_workers import EpisodeSpec
 from pisft.io import atomic_dir, write_json_atomic
 
@@ -78,20 +79,7 @@ def settings_for(cfg: config_mod.PisftConfig, stage: str | None = None) -> close
         num_wait_steps=e.num_wait_steps, seed=r.collect_seed, resize_size=e.resize_size,
         max_steps=r.max_steps, task_ids=tuple(r.task_ids),
         num_envs=closed_loop.resolve_num_envs(e.num_envs, stage=stage),
-        videos=False, first_init_state=e.trials_per_task)
-
-
-def _load_policy(cfg: config_mod.PisftConfig, model_dir: Path, trained_on: Path, seed: int):
-    """Policy k-1 as closed_loop.run loads a model: LiberoPolicy, one CPU thread (`policy_threads`),
-    eval.cfg_scale."""
-    import torch
-
-    from pisft.model.guidance import check_scale
-    from pisft.serve.libero_policy import LiberoPolicy
-
-    torch.set_num_threads(closed_loop.policy_threads())
-    return LiberoPolicy.from_model_dir(model_dir, device=cfg.device, seed=seed, trained_on=trained_on,
-                                       cfg_scale=check_scale(cfg.eval.cfg_scale, "eval.cfg_scale"))
+        videos=False, first_init_state=e.trials_per_task, policy_batch=e.policy_batch)
 
 
 def _crash_message(exc: closed_loop.EpisodeErrors, out: Path) -> str:
@@ -182,7 +170,20 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
     sim = factory()  # SimulatorUnavailable with the install line when LIBERO is not installed
     sim_info = closed_loop.simulator_info(sim)
     if policy is None:
-        policy = _load_policy(cfg, model_dir, cfg.at_iteration(k - 1).results("dataset"), settings.seed)
+        pool = closed_loop.load_policy_pool(cfg, model_dir, trained_on=cfg.at_iteration(k - 1).results("dataset"),
+                                            seed=settings.seed, settings=settings, stage="collect_rollouts")
+    else:
+        pool = closed_loop.as_pool(policy, settings)
+    try:
+        return _collect(cfg, k, settings, pool, factory=factory, sim=sim, sim_info=sim_info, inline=inline,
+                        model_dir=model_dir)
+    finally:
+        pool.close()
+
+
+def _collect(cfg: config_mod.PisftConfig, k: int, settings: closed_loop.Settings, pool: PolicyPool, *,
+             factory, sim, sim_info: dict, inline: bool, model_dir: Path) -> dict:
+    policy = pool.replicas[0]  # what the replicas share: guidance, prompt conditioning
     guided = getattr(policy, "guidance", None)  # LiberoPolicy: the classifier-free guidance in effect
     if guided is not None and (guided["note"] or guided["guided"]):  # said once, before the rollouts
         print(f"collect_rollouts: {'note: ' + guided['note'] if guided['note'] else guided['describe']}",
@@ -209,7 +210,7 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
 
         mujoco_logs = logs_mod.mujoco_log_dir("collect_rollouts", cfg.results("logs"))
         try:
-            results, wall = closed_loop.roll_out(specs, policy, settings, factory=factory, simulator=sim,
+            results, wall = closed_loop.roll_out(specs, pool, settings, factory=factory, simulator=sim,
                                                  num_envs=num_envs, inline=inline, languages=languages,
                                                  on_episode=record, name="collect_rollouts",
                                                  log_dir=mujoco_logs)
@@ -231,7 +232,7 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
             collection["cfg_scale"] = guided["cfg_scale"]  # the scale in effect (1 for a plain model)
             collection["guidance"] = guided
         collection["settings"] = asdict(settings)
-        collection["timing"] = closed_loop.timing(results, wall, num_envs)
+        collection["timing"] = closed_loop.timing(results, wall, num_envs, pool)
         write_json_atomic(out / "collection.json", collection)
         config_mod.write_resolved(cfg, out / "pisft_config.json")
     print(f"collect_rollouts: {len(results)} episodes, {collection['frames']} frames, "

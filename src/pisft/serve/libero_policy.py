@@ -105,18 +105,19 @@ class LiberoPolicy:
         }
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, *, device: str = "auto",
+    def from_model_dir(cls, model_dir: str | Path, *, device: str = "auto", device_index: int = 0,
                        dataset_dir: str | Path | None = None, seed: int = 0,
                        trained_on: str | Path | None = None,
                        limits: observations.Limits | None = None,
                        cfg_scale: float = 1.0) -> LiberoPolicy:
         """`trained_on`: the converted dataset the model was fine-tuned on, whose prompt
         conditioning applies when the model directory records none. `cfg_scale`: the
-        classifier-free guidance scale (module docstring)."""
+        classifier-free guidance scale (module docstring). `device_index`: which device of
+        `device`'s kind (closed_loop's replicas, one per device)."""
         requested = guidance.check_scale(cfg_scale, "cfg_scale")  # before the model loads
         stats = _dataset_stats(Path(dataset_dir)) if dataset_dir is not None else None
         kind = device_mod.resolve_kind(device)
-        dev = str(device_mod.local_device(kind, 0)) if kind != "cpu" else "cpu"
+        dev = str(device_mod.local_device(kind, device_index)) if kind != "cpu" else "cpu"
         return cls(ChunkPredictor.load(model_dir, device=dev, dataset_stats=stats), seed=seed,
                    conditioning=prompts.for_model(model_dir, trained_on=trained_on), limits=limits,
                    cfg_scale=requested)
