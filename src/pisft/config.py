@@ -157,6 +157,8 @@ class EvalConfig:
     # Requests of the environments waiting at one moment that share one policy forward, at most
     # (0: all of them; 1: one at a time). Results do not depend on it (each request has its own noise).
     policy_batch: int = 0
+    # A batch that could still grow (environments still simulating) waits at most this long for them.
+    policy_batch_wait_ms: float = 0.0
     # Policy replicas, one per accelerator (0: every visible device of `device`'s kind; the CPU: one).
     policy_devices: int = 0
     # An MP4 (agent view | wrist camera) of the first episode of each task.

@@ -30,6 +30,7 @@ from pisft.workflow.scratch import copy_project
 
 # name -> "module:function"; each takes (cfg, workdir) and returns a JSON-able dict.
 COMPONENT_BENCHES = {
+    "closed_loop": "pisft.bench.closed_loop_bench:run",
     "convert_recap": "pisft.bench.convert_bench:run",
     "train_loop": "pisft.bench.train_bench:run",
     "train_structure": "pisft.bench.train_structure:run",

@@ -109,6 +109,8 @@ class Settings:
     # At most this many requests per policy forward (0: every environment waiting at that moment);
     # results do not depend on it (each request's noise is its own; policy_pool).
     policy_batch: int = 0
+    # A batch that could still grow waits at most this long for the environments still simulating.
+    policy_batch_wait_ms: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: config_mod.PisftConfig, stage: str | None = None) -> Settings:
@@ -117,7 +119,8 @@ class Settings:
                    replan_steps=e.replan_steps, num_wait_steps=e.num_wait_steps,
                    seed=e.closed_loop_seed, resize_size=e.resize_size, max_steps=e.max_steps,
                    task_ids=tuple(e.task_ids), num_envs=resolve_num_envs(e.num_envs, stage=stage),
-                   videos=e.videos, policy_batch=e.policy_batch)
+                   videos=e.videos, policy_batch=e.policy_batch,
+                   policy_batch_wait_ms=e.policy_batch_wait_ms)
 
     def steps_for(self, suite: str) -> int:
         return self.max_steps or libero_sim.SUITE_MAX_STEPS[suite]
@@ -430,6 +433,8 @@ def _run_episodes(specs: list[EpisodeSpec], pool: PolicyPool, settings: Settings
     crashed: list[CrashedEpisode] = []
     waiting: dict[int, dict] = {}  # worker index -> its request for the policy, oldest first
     asked: set[int] = set()  # workers whose request is in a forward
+    waiting_since: dict[int, float] = {}
+    window_s = settings.policy_batch_wait_ms / 1000.0
 
     def start(i: int, spec: EpisodeSpec, attempt: int = 1, earlier: tuple[str, ...] = ()) -> None:
         busy[i] = _InFlight(spec=spec, seed=episode_seed(settings.seed, spec.suite, spec.task_id,
@@ -505,17 +510,29 @@ def _run_episodes(specs: list[EpisodeSpec], pool: PolicyPool, settings: Settings
             finish(i, payload)
         else:
             waiting[i] = payload
+            waiting_since[i] = time.monotonic()
 
-    def dispatch() -> None:
-        """The waiting requests, oldest first, to the idle replicas."""
+    def dispatch() -> float | None:
+        """The waiting requests, oldest first, to the idle replicas. A batch that could still
+        grow (environments still simulating, below the batch limit) is held back until its
+        oldest request has waited `settings.policy_batch_wait_ms`; returns the seconds left
+        until then (None: nothing held back)."""
         while waiting and pool.has_idle_replica():
+            could_join = len(busy) - len(asked)  # waiting or simulating
+            if pool.max_batch:
+                could_join = min(could_join, pool.max_batch)
+            waited = time.monotonic() - waiting_since[next(iter(waiting))]
+            if len(waiting) < could_join and waited < window_s:
+                return window_s - waited
             batch = []
             for i in list(waiting)[: pool.batch_limit(len(waiting))]:
                 ep = busy[i]
                 batch.append(PolicyRequest(key=i, obs=waiting.pop(i), seed=chunk_seed(ep.seed, ep.calls)))
+                waiting_since.pop(i)
                 ep.calls += 1
                 asked.add(i)
             pool.submit(batch)
+        return None
 
     def answered(a: PolicyAnswer) -> None:
         i = a.key
@@ -536,7 +553,7 @@ def _run_episodes(specs: list[EpisodeSpec], pool: PolicyPool, settings: Settings
         for i in range(len(workers)):
             if i not in busy and pending and not crashed:
                 assign(i)
-        dispatch()
+        hold = dispatch()
         simulating = [i for i in busy if i not in waiting and i not in asked]
         inline = [i for i in simulating if workers[i].has_reply()]
         if inline:
@@ -548,7 +565,7 @@ def _run_episodes(specs: list[EpisodeSpec], pool: PolicyPool, settings: Settings
             objs[pool.notify] = None
         if not objs:
             raise RuntimeError(f"{stage}: nothing to wait for with {len(busy)} episodes in flight (a bug)")
-        ready = wait_for_replies(list(objs))
+        ready = wait_for_replies(list(objs), timeout=hold)
         for i in sorted(objs[c] for c in ready if objs[c] is not None):
             handle(i)
         if pool.notify in ready:

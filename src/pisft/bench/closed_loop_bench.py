@@ -1,0 +1,137 @@
+"""Benchmark of closed_loop's policy side: one request at a time against batched requests.
+
+The tiny pi0.5-architecture model (random init, saved with stats, loaded through `LiberoPolicy`
+as the stage loads it, one CPU thread: `closed_loop.policy_threads`) answers 8 environment
+processes of a fast stand-in simulator (`stand_in_simulator`: LIBERO's interface and image
+sizes, no physics, no rendering), so the figure is the policy, the requests' trip through the
+pipes and the dispatch, not the simulator. The same episodes run twice on the same workers, side
+by side: `eval.policy_batch: 1` (one request per forward, as before this benchmark existed) and
+`eval.policy_batch: 0` (every environment waiting shares a forward).
+
+Reported: requests/s of each (requests over the rollouts' wall time, worker start-up excluded),
+`batched_vs_sequential_requests_per_s`, `mean_policy_batch` of the batched run, policy ms per
+forward and per request, and `actions_match`: every chunk (keyed by its noise seed, fixed by the
+episode and the chunk) of the batched run equals the sequential run's within `ACTIONS_ATOL`
+(`actions_max_abs_diff` says by how much; 0.0 is bit-identical).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pisft.bench.stand_in_simulator import StandInSimulator
+from pisft.evaluate import closed_loop
+from pisft.evaluate.policy_pool import PolicyPool
+from pisft.evaluate.rollout_workers import ProcessWorker
+
+WAIT_MS = 50.0  # eval.policy_batch_wait_ms of the third run
+ACTIONS_ATOL = 1e-6  # fp32 rounding; the test of batching states the same tolerance
+NUM_ENVS = 8
+
+
+class _Recording:
+    """The policy, keeping every chunk's actions by its noise seed."""
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+        self.chunks: dict[int, np.ndarray] = {}
+
+    def infer_batch(self, requests: list[dict], seeds: list[int]) -> list[dict]:
+        replies = self.policy.infer_batch(requests, seeds)
+        for seed, reply in zip(seeds, replies, strict=True):
+            self.chunks[seed] = reply["actions"]
+        return replies
+
+
+def _tiny_model(out: Path) -> Path:
+    from pisft.model.policy import build_policy, save_model
+    from pisft.model.tokenizer import save_tiny_tokenizer
+
+    out.mkdir(parents=True)
+    save_tiny_tokenizer(out / "tokenizer")
+    stats = {
+        "observation.state": {"q01": np.full(8, -2.0, np.float32), "q99": np.full(8, 2.0, np.float32),
+                              "mean": np.zeros(8, np.float32), "std": np.ones(8, np.float32)},
+        "action": {"q01": np.full(7, -1.0, np.float32), "q99": np.full(7, 1.0, np.float32),
+                   "mean": np.zeros(7, np.float32), "std": np.ones(7, np.float32)},
+    }
+    save_model(build_policy("tiny", seed=0), out, tokenizer_dir=out / "tokenizer", dataset_stats=stats)
+    return out
+
+
+def _pass(policy, workers: list, *, policy_batch: int, episodes_per_env: int, max_steps: int,
+          wait_ms: float = 0.0) -> tuple[dict, dict]:
+    settings = closed_loop.Settings(suites=("libero_10",), trials_per_task=episodes_per_env, replan_steps=5,
+                                    num_wait_steps=10, seed=7, resize_size=224, max_steps=max_steps,
+                                    task_ids=tuple(range(len(workers))), num_envs=len(workers), videos=False,
+                                    policy_batch=policy_batch, policy_batch_wait_ms=wait_ms)
+    specs, languages = closed_loop.plan_episodes(StandInSimulator(len(workers)), settings, None)
+    recording = _Recording(policy)
+    pool = PolicyPool([recording], max_batch=policy_batch, devices=["cpu"])
+    try:
+        t0 = time.perf_counter()
+        results = closed_loop.run_episodes(specs, pool, settings, workers=workers, languages=languages,
+                                           stage="bench")
+        wall = time.perf_counter() - t0
+    finally:
+        pool.close()
+    stats = pool.stats.to_dict()
+    return {
+        "policy_batch_limit": policy_batch,
+        "episodes": len(results),
+        "requests": stats["policy_requests"],
+        "wall_s": wall,
+        "requests_per_s": stats["policy_requests"] / wall,
+        "mean_policy_batch": stats["mean_policy_batch"],
+        "max_policy_batch": stats["max_policy_batch"],
+        "policy_ms_per_forward": stats["policy_ms_per_forward"],
+        "policy_ms_per_request": stats["policy_ms_per_request"],
+    }, recording.chunks
+
+
+def run(work: Path, *, num_envs: int = NUM_ENVS, episodes_per_env: int = 2, max_steps: int = 40) -> dict:
+    import torch
+
+    from pisft.serve.libero_policy import LiberoPolicy
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(closed_loop.policy_threads())
+    policy = LiberoPolicy.from_model_dir(_tiny_model(Path(work) / "tiny_model"), device="cpu")
+    factory = functools.partial(StandInSimulator, num_envs)
+    workers = [ProcessWorker(factory, name=f"bench-env{i}") for i in range(num_envs)]
+    try:
+        for w in workers:
+            w.wait_ready()
+        kw = {"episodes_per_env": episodes_per_env, "max_steps": max_steps}
+        _pass(policy, workers, policy_batch=0, episodes_per_env=1, max_steps=10)  # warm-up (not reported)
+        sequential, seq_chunks = _pass(policy, workers, policy_batch=1, **kw)
+        batched, batch_chunks = _pass(policy, workers, policy_batch=0, **kw)
+        waiting, wait_chunks = _pass(policy, workers, policy_batch=0, wait_ms=WAIT_MS, **kw)
+    finally:
+        for w in workers:
+            w.close()
+        torch.set_num_threads(threads)
+    same_keys = seq_chunks.keys() == batch_chunks.keys() == wait_chunks.keys()
+    diff = max((float(np.abs(chunks[k] - seq_chunks[k]).max()) for chunks in (batch_chunks, wait_chunks)
+                for k in seq_chunks if k in chunks), default=float("nan"))
+    return {
+        "model": "tiny pi0.5-architecture (random init), LiberoPolicy on the CPU, "
+                 f"{closed_loop.policy_threads()} thread",
+        "simulator": StandInSimulator().describe()["package"],
+        "num_envs": num_envs,
+        "episode_steps": max_steps,
+        "sequential": sequential,
+        "batched": batched,
+        "batched_waiting": waiting,
+        "batched_vs_sequential_requests_per_s": batched["requests_per_s"] / sequential["requests_per_s"],
+        "mean_policy_batch": batched["mean_policy_batch"],
+        "batched_waiting_vs_sequential_requests_per_s": waiting["requests_per_s"] / sequential["requests_per_s"],
+        "actions_match": bool(same_keys and diff <= ACTIONS_ATOL),
+        "actions_atol": ACTIONS_ATOL,
+        "actions_max_abs_diff": diff,
+        "targets": {"batched_vs_sequential_requests_per_s": 3.0, "mean_policy_batch": 4.0},
+    }
