@@ -248,8 +248,7 @@ def run(cfg: config_mod.PisftConfig, work: Path, *, episodes_per_task: int = 1, 
         split = split_parts(ld, warmup_batches + rounds * timed_batches, split_batches)
         decode = decode_cost(dataset, decode_images)
         resize = host_resize_cost(timed["last_batch"], tuple(ld.config.image_resolution), repeats=5)
-        est = consumption(ld, ld.task.collate([ld.dataset()[r] for r in ld.sampler.micro_batch(0, 0, 0)]),
-                          cfg)
+        est = consumption(ld, timed["last_batch"], cfg)  # at the tokens the loader produced
     finally:
         torch.set_num_threads(threads)
     rs = timed["rounds"]
