@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks, written to results/bench/bench.json")
     _add_config(p)
     p.add_argument("--only", action="append", metavar="NAME",
-                   help="run only this part (pipeline, convert_recap, train_loop, train_structure; "
-                        "repeatable) and update its section of bench.json")
+                   help="run only this part (pipeline, convert_recap, train_loop, train_structure, "
+                        "data_loader; repeatable) and update its section of bench.json")
     return parser
 
 

@@ -34,6 +34,7 @@ COMPONENT_BENCHES = {
     "convert_recap": "pisft.bench.convert_bench:run",
     "train_loop": "pisft.bench.train_bench:run",
     "train_structure": "pisft.bench.train_structure:run",
+    "data_loader": "pisft.bench.data_loader_bench:run",
 }
 PIPELINE = "pipeline"
 
