@@ -142,7 +142,8 @@ def test_profiles_are_valid():
         base = yaml.safe_load((ROOT / "config/config.yaml").read_text())
         over = yaml.safe_load(profile.read_text())
         merged = C.to_dict(C.from_dict(_merge(base, over), str(profile)))
-        assert merged["train"]["nproc_per_node"] == 8
+        if "device" in over:  # a node's profile; libero-full-eval.yaml sets the evaluation alone
+            assert merged["train"]["nproc_per_node"] == 8
 
 
 def _merge(a, b):

@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from train_fixtures import inputs_dir
 
 from pisft.train import fsdp
-from pisft.train.flops import pi05_forward_flops
+from pisft.train.flops import pi05_forward_flops, pi05_inference_flops
 from pisft.train.policy_task import PolicyTask
 
 
@@ -111,6 +111,31 @@ def test_analytic_flops_match_a_flop_counter(tiny):
     measured = counter.get_total_flops() / 2  # per sample
     analytic = pi05_forward_flops(policy, lang_tokens=batch["observation.language.tokens"].shape[1])
     assert analytic == pytest.approx(measured, rel=0.15)
+
+
+def test_analytic_inference_flops_match_a_flop_counter(tiny):
+    """One action chunk: the prefix once, then num_inference_steps expert passes over its cache."""
+    policy, batch = tiny
+    lang = batch["observation.language.tokens"].shape[1]
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        policy.predict_action_chunk(batch)
+    measured = counter.get_total_flops() / 2  # per sample
+    analytic = pi05_inference_flops(policy, lang_tokens=lang)
+    assert analytic == pytest.approx(measured, rel=0.15)
+    # one step less is one expert pass less; with one step it is the training forward without the
+    # prefix's attention to the suffix (4 · layers · heads_dim · T_prefix · T_suffix)
+    steps = policy.config.num_inference_steps
+    per_step = analytic - pi05_inference_flops(policy, lang_tokens=lang, num_steps=steps - 1)
+    assert per_step > 0 and per_step == pytest.approx(
+        pi05_inference_flops(policy, lang_tokens=lang, num_steps=steps - 1)
+        - pi05_inference_flops(policy, lang_tokens=lang, num_steps=steps - 2))
+    paligemma = policy.model.paligemma_with_expert.paligemma.model
+    vlm, vision = paligemma.language_model.layers, paligemma.vision_tower.config
+    t_prefix = len(policy.config.image_features) * (vision.image_size // vision.patch_size) ** 2 + lang
+    cross = 4 * len(vlm) * vlm[0].self_attn.q_proj.out_features * t_prefix * policy.config.chunk_size
+    one = pi05_inference_flops(policy, lang_tokens=lang, num_steps=1)
+    assert pi05_forward_flops(policy, lang_tokens=lang) - one == pytest.approx(cross)
 
 
 @pytest.mark.integration  # ~17 s

@@ -8,6 +8,12 @@ Forward FLOPs per sample (a multiply-add = 2 FLOPs):
   action/time projections: × T_suffix (time MLP: × 1)
 Training = 3 × forward (backward ≈ 2 × forward). Activation recomputation is not counted (MFU
 counts model FLOPs, not hardware FLOPs). Element-wise work (norms, activations) is ignored.
+
+Inference (one action chunk, `pi05_inference_flops`): the prefix once (vision + VLM layers ×
+T_prefix, prefix attention 4 · T_prefix² · (heads · head_dim) per layer, its keys and values
+cached), then each of the `num_inference_steps` denoising steps: expert layers × T_suffix, the
+suffix attending to the cached prefix and itself, 4 · T_suffix · T · (heads · head_dim) per layer,
+and the action/time projections.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ def _linear_macs(module: nn.Module) -> int:
     return sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
 
 
-def pi05_forward_flops(policy: nn.Module, *, lang_tokens: int) -> float:
+def _pi05_parts(policy: nn.Module, *, lang_tokens: int) -> dict:
+    """The pieces both counts are made of: FLOPs of the vision tower, multiply-adds of the
+    decoder layers and projections, and the token counts."""
     config = policy.config
     core = policy.model
     pwe = core.paligemma_with_expert
@@ -55,15 +63,37 @@ def pi05_forward_flops(policy: nn.Module, *, lang_tokens: int) -> float:
                 macs += dense.in_features * dense.out_features  # conditioning: one vector
         return macs
 
-    dec_macs = sum(layer_macs(layer, t_prefix) for layer in vlm_layers)
-    dec_macs += sum(layer_macs(layer, t_suffix) for layer in exp_layers)
-    t_all = t_prefix + t_suffix
-    attn0 = vlm_layers[0].self_attn
-    heads_dim = attn0.q_proj.out_features  # num_heads × head_dim
-    attn_macs = len(vlm_layers) * 2 * t_all * t_all * heads_dim
     act_macs = (_linear_macs(core.action_in_proj) + _linear_macs(core.action_out_proj)) * t_suffix
     act_macs += _linear_macs(core.time_mlp_in) + _linear_macs(core.time_mlp_out)
-    return float(vision_flops + 2 * (dec_macs + attn_macs + act_macs))
+    return {
+        "vision_flops": vision_flops,
+        "prefix_macs": sum(layer_macs(layer, t_prefix) for layer in vlm_layers),
+        "suffix_macs": sum(layer_macs(layer, t_suffix) for layer in exp_layers),
+        "action_macs": act_macs,
+        "layers": len(vlm_layers),
+        "heads_dim": vlm_layers[0].self_attn.q_proj.out_features,  # num_heads × head_dim
+        "t_prefix": t_prefix,
+        "t_suffix": t_suffix,
+    }
+
+
+def pi05_forward_flops(policy: nn.Module, *, lang_tokens: int) -> float:
+    """One training forward of one sample: prefix and suffix together, one denoising step."""
+    p = _pi05_parts(policy, lang_tokens=lang_tokens)
+    t_all = p["t_prefix"] + p["t_suffix"]
+    attn_macs = p["layers"] * 2 * t_all * t_all * p["heads_dim"]
+    return float(p["vision_flops"] + 2 * (p["prefix_macs"] + p["suffix_macs"] + attn_macs + p["action_macs"]))
+
+
+def pi05_inference_flops(policy: nn.Module, *, lang_tokens: int, num_steps: int | None = None) -> float:
+    """One action chunk for one request: the prefix once, then `num_steps` denoising steps of the
+    expert over the cached prefix (default: the model's `num_inference_steps`)."""
+    p = _pi05_parts(policy, lang_tokens=lang_tokens)
+    steps = policy.config.num_inference_steps if num_steps is None else num_steps
+    t_all = p["t_prefix"] + p["t_suffix"]
+    prefix = p["prefix_macs"] + p["layers"] * 2 * p["t_prefix"] * p["t_prefix"] * p["heads_dim"]
+    step = p["suffix_macs"] + p["layers"] * 2 * p["t_suffix"] * t_all * p["heads_dim"] + p["action_macs"]
+    return float(p["vision_flops"] + 2 * (prefix + steps * step))
 
 
 def pi05_training_flops_per_sample(policy: nn.Module, *, lang_tokens: int) -> float:
