@@ -28,6 +28,21 @@ Hostile or broken clients (docs/serving.md):
   event loop keeps serving every connection: a client with a large or slow request delays the
   others by at most the inference in progress.
 
+Batching (`--batch-window-ms MS`, off by default; `--max-batch N`): with the window off the model
+answers one request at a time. With it on, when the model is free the first request waiting for
+it opens a window of at most MS milliseconds, counted from when that request was queued (one
+queued behind a forward for longer than MS waits no more); requests of other connections queued
+by then join it, up to N, and all of them go through one forward (`predict_many`), each drawing
+its noise from its own connection's generator. So a client's actions do not depend on what it was
+batched with, to float32 rounding: on CPU identical bits with one thread, about one ulp apart
+with several (their split of the work depends on the batch size); an accelerator's kernels may
+round differently with the batch size too. A connection has at most one request in a batch. Each
+reply is checked on its own: non-finite actions in one row answer that request with the model
+error and the others with their actions; a forward that raises answers every request in it with
+the error (one error id, logged once with its traceback). The policy must have `predict_many`
+(`LiberoPolicy` does). The cost is up to MS ms of latency for a request that finds the model
+free; the gain, one forward instead of several when many clients share one accelerator.
+
 Noise: each connection draws its flow-matching noise from a generator of its own, started
 from `--seed` when it connects, so a client's rollout is reproducible whatever other clients
 do. A request `{"reset": true}` (optionally with `"seed": <int>`) restarts it, e.g. at the
@@ -37,7 +52,9 @@ start of an episode, and is answered `{"reset": true, "seed": <seed>}`.
 time in the model's inference for this request alone (not the time queued behind other
 clients, reported separately as `queue_ms`), and from a connection's second request on,
 `prev_total_ms` is the previous request's whole cycle, from waiting for it to having sent the
-reply. `GET /healthz` answers 200 for load balancers and probes.
+reply. With batching on, `infer_ms` is the shared forward's time (the same for every request of
+the batch), `queue_ms` includes the batching window, and `batch_size` says how many requests
+shared the forward. `GET /healthz` answers 200 for load balancers and probes.
 
 The port is bound before the model loads, so "port in use" is reported at once.
 """
@@ -49,11 +66,13 @@ import asyncio
 import concurrent.futures
 import http
 import logging
+import math
 import signal
 import socket
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +95,8 @@ CLOSE_TRY_AGAIN_LATER = 1013
 MAX_SEED = 1 << 63
 DEFAULT_MAX_CONNECTIONS = 64
 DEFAULT_MAX_DECODES = 2  # messages decoded and checked at once (each is bounded: protocol.MAX_OBJECTS)
+DEFAULT_MAX_BATCH = 8  # requests in one forward when batching is on (--batch-window-ms)
+MAX_BATCH_WINDOW_MS = 1000.0  # a longer window would delay a lone client's every request by over a second
 
 
 class ServedPolicy(Protocol):
@@ -89,6 +110,9 @@ class ServedPolicy(Protocol):
 
     def predict(self, prepared: Any, noise: Any) -> dict: ...  # the model; one at a time
 
+    # With batching on (--batch-window-ms) the server calls instead, in one forward:
+    #   predict_many(prepared: list, noises: list) -> list[dict], one reply per request, in order.
+
 
 @dataclass
 class _Reset:
@@ -101,6 +125,25 @@ class _Session:
 
     noise: Any
     prev_total_ms: float | None = None
+
+
+@dataclass(eq=False)
+class _Job:
+    """A checked request waiting for a batched forward (batching on)."""
+
+    prepared: Any
+    session: _Session
+    submitted: float  # the server's clock, for queue_ms
+    queued: float  # the event loop's clock, for the window
+    reply: asyncio.Future  # -> (result, begin, end, batch size), or _ForwardFailed
+
+
+class _ForwardFailed(Exception):
+    """A batched forward raised: every request in it is answered with `error` (logged once)."""
+
+    def __init__(self, error: BaseException, error_id: str, size: int) -> None:
+        super().__init__(f"the forward of a batch of {size} failed (error id {error_id})")
+        self.error, self.error_id, self.size = error, error_id, size
 
 
 def _reset_request(obs: Any) -> _Reset | None:
@@ -145,8 +188,27 @@ class PolicyServer:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_MIB * MIB,
                  clock: Callable[[], float] = time.monotonic,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 max_decodes: int = DEFAULT_MAX_DECODES) -> None:
+                 max_decodes: int = DEFAULT_MAX_DECODES,
+                 batch_window_s: float = 0.0, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+        """`batch_window_s`: the batching window in seconds (0: off, one request a forward; the
+        module docstring); `max_batch`: requests in one forward at most when it is on."""
+        if not (isinstance(batch_window_s, (int, float)) and math.isfinite(batch_window_s)
+                and batch_window_s >= 0):
+            raise ValueError(f"batch_window_s must be a finite number of seconds >= 0 (0: no batching), "
+                             f"got {batch_window_s!r}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if batch_window_s > 0 and not callable(getattr(policy, "predict_many", None)):
+            raise PisftError(f"batching (--batch-window-ms) needs a policy that answers several requests "
+                             f"in one forward (predict_many); {type(policy).__name__} has none: serve it "
+                             f"without a batching window (--batch-window-ms 0)")
         self._policy = policy
+        self.batch_window_s = float(batch_window_s)
+        self.max_batch = max_batch
+        self.forwards = 0  # batched forwards run (batching on)
+        self.batched_requests = 0  # requests answered through them
+        self._pending: deque[_Job] = deque()
+        self._queued: asyncio.Event | None = None
         self._host = host
         self._port = port
         self._sock = sock
@@ -189,6 +251,92 @@ class PolicyServer:
         result = self._policy.predict(prepared, noise)
         return result, begin, self._clock()
 
+    def _predict_many(self, prepared: list, noises: list) -> tuple[list[dict], float, float]:
+        """Model thread: one forward for several requests, with when it started and ended."""
+        self._started += len(prepared)
+        begin = self._clock()
+        results = list(self._policy.predict_many(prepared, noises))
+        end = self._clock()
+        if len(results) != len(prepared):
+            raise RuntimeError(f"the policy's predict_many answered {len(results)} replies for "
+                               f"{len(prepared)} requests")
+        return results, begin, end
+
+    async def _through_batch(self, prepared: Any, session: _Session,
+                             submitted: float) -> tuple[dict, float, float, int]:
+        """Queue a checked request for the batcher and wait for its share of a forward."""
+        assert self._queued is not None
+        loop = asyncio.get_running_loop()
+        job = _Job(prepared, session, submitted, loop.time(), loop.create_future())
+        self._pending.append(job)
+        self._queued.set()
+        return await job.reply
+
+    def _take(self, batch: list[_Job]) -> None:
+        """Move queued requests into `batch`, in order, up to max_batch: one per connection (a
+        second request of a connection already in it waits for the next forward) and none whose
+        client went away."""
+        sessions = {id(job.session) for job in batch}
+        later: list[_Job] = []
+        while self._pending and len(batch) < self.max_batch:
+            job = self._pending.popleft()
+            if job.reply.done():  # cancelled: its connection closed while it waited
+                continue
+            if id(job.session) in sessions:
+                later.append(job)
+                continue
+            batch.append(job)
+            sessions.add(id(job.session))
+        self._pending.extendleft(reversed(later))
+
+    async def _collect(self) -> list[_Job]:
+        """The next batch: wait for a request, then for others until max_batch have joined or
+        the window, counted from when the first was queued, has closed."""
+        assert self._queued is not None
+        loop = asyncio.get_running_loop()
+        batch: list[_Job] = []
+        while True:
+            self._take(batch)
+            if len(batch) >= self.max_batch:
+                return batch
+            timeout = None
+            if batch:
+                timeout = batch[0].queued + self.batch_window_s - loop.time()
+                if timeout <= 0:
+                    return batch
+            self._queued.clear()
+            try:
+                await asyncio.wait_for(self._queued.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    async def _batcher(self) -> None:
+        """Batching on: collect a batch, run its forward in the model thread, hand out the replies."""
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [job for job in await self._collect() if not job.reply.done()]
+            if not batch:
+                continue
+            try:
+                results, begin, end = await loop.run_in_executor(
+                    self._model_thread, self._predict_many, [job.prepared for job in batch],
+                    [job.session.noise for job in batch])
+            except Exception as exc:  # every request of the batch is answered with it
+                error_id = uuid.uuid4().hex[:12]
+                if not isinstance(exc, (protocol.ProtocolError, PisftError)):
+                    log.error("the forward of a batch of %d requests failed (error id %s)", len(batch),
+                              error_id, exc_info=exc)
+                failed = _ForwardFailed(exc, error_id, len(batch))
+                for job in batch:
+                    if not job.reply.done():
+                        job.reply.set_exception(failed)
+                continue
+            self.forwards += 1
+            self.batched_requests += len(batch)
+            for job, result in zip(batch, results, strict=True):
+                if not job.reply.done():
+                    job.reply.set_result((result, begin, end, len(batch)))
+
     async def _reply(self, message: Any, session: _Session) -> bytes | str:
         self.requests += 1
         try:
@@ -210,9 +358,19 @@ class PolicyServer:
                 return protocol.packb({"reset": True, "seed": seed})
             submitted = self._clock()
             self._submitted += 1
-            loop = asyncio.get_running_loop()
-            result, begin, end = await loop.run_in_executor(
-                self._model_thread, self._predict, prepared, session.noise)
+            batch_size = None
+            if self.batch_window_s > 0:
+                try:
+                    result, begin, end, batch_size = await self._through_batch(prepared, session, submitted)
+                except _ForwardFailed as failed:
+                    if isinstance(failed.error, (protocol.ProtocolError, PisftError)):
+                        raise failed.error from None  # a bad request, answered as one below
+                    self.errors += 1
+                    return _internal_error(type(failed.error).__name__, failed.error_id)
+            else:
+                loop = asyncio.get_running_loop()
+                result, begin, end = await loop.run_in_executor(
+                    self._model_thread, self._predict, prepared, session.noise)
             result = dict(result)
             bad = _non_finite(result.get("actions"))
             if bad:
@@ -223,6 +381,8 @@ class PolicyServer:
                         "served. The model diverged or its normalization statistics are broken: check "
                         "its training log and norm stats. The connection stays open.")
             timing = {"infer_ms": (end - begin) * 1000.0, "queue_ms": (begin - submitted) * 1000.0}
+            if batch_size is not None:
+                timing["batch_size"] = batch_size
             if session.prev_total_ms is not None:
                 timing["prev_total_ms"] = session.prev_total_ms
             result["server_timing"] = timing
@@ -235,8 +395,7 @@ class PolicyServer:
             self.errors += 1
             error_id = uuid.uuid4().hex[:12]
             log.error("request failed (error id %s)", error_id, exc_info=True)
-            return (f"internal error on the server ({type(exc).__name__}, error id {error_id}); "
-                    f"the server's log has the details under this id. The connection stays open.")
+            return _internal_error(type(exc).__name__, error_id)
 
     @property
     def metadata(self) -> dict:
@@ -297,6 +456,8 @@ class PolicyServer:
         where = {"sock": self._sock} if self._sock is not None else {"host": self._host, "port": self._port}
         self._model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pisft-model")
         self._decode_slots = asyncio.Semaphore(self.max_decodes)
+        self._queued = asyncio.Event()
+        batcher = asyncio.create_task(self._batcher()) if self.batch_window_s > 0 else None
         try:
             # max_queue: at most 2 received frames buffered per connection (a client that
             # pipelines requests cannot make the server hold many large messages).
@@ -311,7 +472,21 @@ class PolicyServer:
                 else:
                     await stop
         finally:
+            if batcher is not None:  # after the connections closed: their requests were answered
+                batcher.cancel()
+                try:
+                    await batcher
+                except asyncio.CancelledError:
+                    pass
+                while self._pending:
+                    self._pending.popleft().reply.cancel()
             self._model_thread.shutdown(wait=True, cancel_futures=True)
+
+
+def _internal_error(kind: str, error_id: str) -> str:
+    """What a client learns of an unexpected error: its type and the id it is logged under."""
+    return (f"internal error on the server ({kind}, error id {error_id}); "
+            f"the server's log has the details under this id. The connection stays open.")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -339,6 +514,29 @@ def _positive(kind: type) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
         return value
     return parse
+
+
+def _batch_window_ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value <= MAX_BATCH_WINDOW_MS):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of milliseconds from 0 (no batching, the default) to "
+            f"{MAX_BATCH_WINDOW_MS:g}, got {text!r}; a few ms suit a model whose forward takes tens of ms")
+    return value
+
+
+def _max_batch(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of requests, at least 1, got {text!r}; "
+                                         f"turn batching off with --batch-window-ms 0 instead")
+    return value
 
 
 def _cfg_scale(text: str) -> float:
@@ -383,6 +581,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-decodes", type=_positive(int), default=DEFAULT_MAX_DECODES,
                    help=f"requests decoded and checked at once; others wait their turn (default "
                         f"{DEFAULT_MAX_DECODES})")
+    p.add_argument("--batch-window-ms", type=_batch_window_ms, default=0.0, metavar="MS",
+                   help="batch concurrent clients: when the model is free, the first waiting request "
+                        "waits at most MS ms for other connections' requests, and all go through one "
+                        "forward, each with its own connection's noise (same actions as one at a time). "
+                        "For many clients on one accelerator; costs up to MS ms of latency. Default 0: "
+                        f"off, one request a forward; at most {MAX_BATCH_WINDOW_MS:g}")
+    p.add_argument("--max-batch", type=_max_batch, default=DEFAULT_MAX_BATCH, metavar="N",
+                   help=f"requests in one forward at most when --batch-window-ms is on; the window closes "
+                        f"early once N have joined (default {DEFAULT_MAX_BATCH})")
     p.add_argument("--max-image-side", type=_positive(int), default=defaults.max_image_side,
                    help=f"largest image side in pixels (default {defaults.max_image_side})")
     p.add_argument("--max-prompt-chars", type=_positive(int), default=defaults.max_prompt_chars,
@@ -415,9 +622,15 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    server = PolicyServer(policy, host=args.host, sock=sock,
-                          max_message_bytes=int(args.max_message_mib * MIB),
-                          max_connections=args.max_connections, max_decodes=args.max_decodes)
+    try:
+        server = PolicyServer(policy, host=args.host, sock=sock,
+                              max_message_bytes=int(args.max_message_mib * MIB),
+                              max_connections=args.max_connections, max_decodes=args.max_decodes,
+                              batch_window_s=args.batch_window_ms / 1000.0, max_batch=args.max_batch)
+    except PisftError as exc:
+        sock.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
     def ready(host: str, port: int) -> None:
         cond = getattr(policy, "conditioning", None)
@@ -425,10 +638,12 @@ def main(argv: list[str] | None = None) -> int:
         guided = getattr(policy, "guidance", None)
         if guided is not None:
             prompt += f"; {guided['describe']}"
+        batching = (f"; batching: a window of {args.batch_window_ms:g} ms, up to {args.max_batch} "
+                    f"requests a forward" if args.batch_window_ms > 0 else "")
         print(f"pisft serve: serving {args.model} on ws://{host}:{port} "
               f"(openpi websocket policy protocol; GET /healthz){prompt}; limits: "
               f"{args.max_message_mib:g} MiB a message, {limits.max_image_side} px an image side, "
-              f"{limits.max_prompt_chars} prompt characters", flush=True)
+              f"{limits.max_prompt_chars} prompt characters{batching}", flush=True)
 
     async def serve_until_signalled() -> None:
         loop = asyncio.get_running_loop()
@@ -438,8 +653,10 @@ def main(argv: list[str] | None = None) -> int:
         await server.run(on_ready=ready, stop=stop)
 
     asyncio.run(serve_until_signalled())
-    refused = f"; {server.oversized} oversized messages refused" if server.oversized else ""
-    print(f"pisft serve: stopped after {server.requests} requests ({server.errors} errors){refused}",
+    summary = f"; {server.oversized} oversized messages refused" if server.oversized else ""
+    if server.forwards:
+        summary += f"; {server.batched_requests} requests answered in {server.forwards} batched forwards"
+    print(f"pisft serve: stopped after {server.requests} requests ({server.errors} errors){summary}",
           flush=True)
     return 0
 
