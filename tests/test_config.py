@@ -144,6 +144,8 @@ def test_profiles_are_valid():
         merged = C.to_dict(C.from_dict(_merge(base, over), str(profile)))
         if "device" in over:  # a node's profile; libero-full-eval.yaml sets the evaluation alone
             assert merged["train"]["nproc_per_node"] == 8
+            # real LIBERO data keeps its resolution: config.yaml's 64 px is the embedded demo's
+            assert merged["data"]["image_size"] == 0 and merged["data"]["recap_dir"] != base["data"]["recap_dir"]
 
 
 def _merge(a, b):

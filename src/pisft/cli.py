@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.add_argument("--only", action="append", metavar="NAME",
                    help="run only this part (pipeline, convert_recap, train_loop, train_structure, "
-                        "data_loader; repeatable) and update its section of bench.json")
+                        "data_loader, closed_loop; repeatable) and update its section of bench.json")
     return parser
 
 

@@ -14,22 +14,26 @@ episodes that ran to their end (`retried` counts those that needed another attem
 
 **Where what runs.** Environments run in `eval.num_envs` worker processes
 (`pisft.evaluate.rollout_workers`; default: the cores available), each keeping the environment
-of its current task and building the policy's requests itself. The policy runs once, in this
-(the parent) process, one request at a time as workers ask: while it computes one worker's
-chunk, the other workers simulate. One model in memory whatever the number of environments
-(pi0.5 is 3B parameters; on a GPU host it sits on the one device), and the parent is busy only
-between chunks: on this 2-core CPU a chunk is 5 simulator steps of about 0.2 CPU-s each (both
-256×256 cameras rendered in software), the tiny policy about 0.1 CPU-s per chunk on one thread
-(`policy_threads`), so N workers keep N cores simulating. Requests
-are not batched across environments: a batch's composition would depend on timing, and
-results would then depend on `eval.num_envs`.
+of its current task and building the policy's requests itself. The policy runs in this (the
+parent) process, as one replica per accelerator (`eval.policy_devices`; on the CPU one), each in
+a thread of its own (`pisft.evaluate.policy_pool`): the requests of every environment waiting
+at that moment go to a free replica as one forward (at most `eval.policy_batch`), and while it
+computes, the other environments simulate and their requests queue up for the next forward; a
+batch that could still grow may wait `eval.policy_batch_wait_ms` for the environments still
+simulating. On this 2-core CPU a chunk is 5 simulator steps of about 0.2 CPU-s each (both
+256×256 cameras rendered in software) and the tiny policy about 0.05 CPU-s per request on one
+thread (`policy_threads`), so N workers keep N cores simulating; on an accelerator node a
+batched pi0.5 forward serves many environments at once (docs/libero.md, "The full protocol").
 
-**Same results for any `eval.num_envs`.** Episodes are listed in a fixed order (suite, task,
-trial); each gets its environment seed (`eval.closed_loop_seed`, set before every reset, so an
-episode does not depend on what its worker ran before) and, for the k-th chunk of the episode,
-a policy noise seed derived from (run seed, suite, task, initial state = trial, k)
-(`chunk_seed`). Which worker runs an episode and in which order replies arrive change nothing;
-results are written in episode order.
+**Same results for any `eval.num_envs`, `eval.policy_batch` and number of replicas.** Episodes
+are listed in a fixed order (suite, task, trial); each gets its environment seed
+(`eval.closed_loop_seed`, set before every reset, so an episode does not depend on what its
+worker ran before) and, for the k-th chunk of the episode, a policy noise seed derived from
+(run seed, suite, task, initial state = trial, k) (`chunk_seed`), from which its request draws
+its noise whatever it is batched with. Which worker runs an episode, which requests share a
+forward, which replica computes it and in which order replies arrive change nothing (on this
+CPU, one policy thread, the batched actions are bit-identical; an accelerator's kernels may
+round differently with the batch size); results are written in episode order.
 
 The policy is anything with `infer(request) -> {"actions": (horizon, 7)}` and
 `reset(seed)`: by default `pisft.serve.libero_policy.LiberoPolicy` (the same code that

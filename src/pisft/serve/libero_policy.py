@@ -148,9 +148,11 @@ class LiberoPolicy:
 
     def predict_many(self, batches: list[dict], noises: list[torch.Generator]) -> list[dict]:
         """The action chunks of several prepared requests in one forward, each drawing its noise
-        from its own generator, so a request's chunk does not depend on what it is batched with
-        (measured: identical bits on this CPU, `pisft.bench.closed_loop_bench`'s
-        `actions_match`; an accelerator's kernels may differ by rounding with the batch size)."""
+        from its own generator, so a request's chunk does not depend on what it is batched with.
+        Measured on this CPU: identical bits with one thread (closed_loop's `policy_threads`;
+        `pisft.bench.closed_loop_bench`'s `actions_match`), within one float32 step with two
+        (the threads split the work differently per batch size); an accelerator's kernels may
+        likewise round differently with the batch size."""
         if len(batches) != len(noises) or not batches:
             raise ValueError(f"predict_many: {len(batches)} requests and {len(noises)} noise generators")
         p = self.predictor
