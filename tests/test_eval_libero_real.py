@@ -81,7 +81,15 @@ class RecordingPolicy:
         self._policy, self._log = policy, log
 
     def infer(self, obs):
-        reply = self._policy.infer(obs)
+        return self._logged(obs, self._policy.infer(obs))
+
+    def infer_batch(self, requests, seeds):  # what the stage calls (closed_loop's policy_pool)
+        replies = self._policy.infer_batch(requests, seeds)
+        for obs, reply in zip(requests, replies, strict=True):
+            self._logged(obs, reply)
+        return replies
+
+    def _logged(self, obs, reply):
         self._log.append(("infer", copy.deepcopy(obs), np.array(reply["actions"], dtype=np.float64)))
         return reply
 
