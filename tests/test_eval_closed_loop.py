@@ -300,8 +300,12 @@ def test_stage_writes_success_per_task_and_suite(tmp_path):
     assert t["num_envs"] == 1 and t["simulator_steps"] == sum(e["sim_steps"] for e in episodes)
     assert t["policy_calls"] == sum(e["policy_calls"] for e in episodes)
     assert t["simulator_steps_per_s"] > 0 and t["policy_ms_per_chunk"] > 0
+    # the policy side: one environment, so one request per forward, on the one replica given
+    assert t["policy_requests"] == t["policy_forwards"] == t["policy_calls"]
+    assert (t["mean_policy_batch"], t["max_policy_batch"], t["policy_devices"]) == (1.0, 1, ["given"])
     report = (out / "report.md").read_text()
     assert "| libero_10 | 0.500 | [0.15, 0.85] | 2 / 4 | 265.0 | 0 |" in report
+    assert "1.0 per forward on average over 1 replica(s): given" in report
     assert "stand-in" in report
     assert json.loads((out / "pisft_config.json").read_text())["eval"]["closed_loop"] is True
 

@@ -834,7 +834,11 @@ def report_markdown(metrics: dict, settings: Settings, model_dir: str, *, video_
                   f"environment (physics and both 256×256 renders), "
                   f"{_num(t.get('simulator_steps_per_s_all_envs'), '.2f')} steps/s over all environments; "
                   f"policy {_num(t.get('policy_ms_per_chunk'), '.1f')} ms per chunk "
-                  f"({t.get('policy_calls')} chunks); rollouts took {_num(t.get('wall_time_s'), '.1f')} s."]
+                  f"({t.get('policy_calls')} chunks"
+                  + (f", {_num(t.get('mean_policy_batch'), '.1f')} per forward on average over "
+                     f"{t.get('policy_replicas')} replica(s): {', '.join(t.get('policy_devices') or [])}"
+                     if t.get("policy_forwards") else "")
+                  + f"); rollouts took {_num(t.get('wall_time_s'), '.1f')} s."]
     videos = [(name, e) for name, s in metrics["suites"].items() for e in s["per_task"].values()
               if e.get("video")]
     if videos:
