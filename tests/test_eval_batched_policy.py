@@ -68,6 +68,24 @@ def test_one_forward_gives_the_actions_of_one_request_at_a_time(tiny_policy):
     assert not np.allclose(tiny_policy.infer_batch(requests[:1], [12])[0]["actions"], batched[0]["actions"])
 
 
+def test_a_guided_batch_gives_the_actions_of_one_guided_request_at_a_time(tmp_path, tmp_path_factory):
+    """Classifier-free guidance (eval.cfg_scale > 1) batches both branches: each request's
+    conditioned and plain prompts stay its own."""
+    from pisft.data import prompts
+
+    model = tiny_model_dir(tmp_path_factory, tmp_path / "model")
+    prompts.PromptConditioning("demo").write(model / prompts.CONDITIONING_FILE)
+    guided = LiberoPolicy.from_model_dir(model, device="cpu", cfg_scale=2.0)
+    assert guided.guidance["guided"]
+    rng = np.random.default_rng(1)
+    requests = [_request(rng, p) for p in ("open the top drawer", "pick up the book", "turn on the stove")]
+    seeds = [3, 4, 5]
+    batched = guided.infer_batch(requests, seeds)
+    for request, seed, reply in zip(requests, seeds, batched, strict=True):
+        guided.reset(seed)
+        np.testing.assert_allclose(reply["actions"], guided.infer(request)["actions"], rtol=0, atol=ATOL)
+
+
 TASKS = [StandInTask("reach 0.3 0 0", [0.3, 0, 0]), StandInTask("reach 0.2 0 0", [0.2, 0, 0])]
 
 
