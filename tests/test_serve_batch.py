@@ -10,14 +10,13 @@ import asyncio
 import concurrent.futures
 import logging
 import re
-import signal
 import time
 
 import numpy as np
 import pytest
 import torch
 from serve_fixtures import start_in_thread
-from test_serve_openpi_client import _start_server, libero_request, tiny_model, tiny_policy  # noqa: F401
+from test_serve_openpi_client import _start_server, libero_request, stop_server, tiny_model, tiny_policy  # noqa: F401
 from test_serve_protocol import FakeClock, StandInPolicy, ask, client, libero_obs, serve  # noqa: F401
 
 from pisft.errors import PisftError
@@ -299,12 +298,7 @@ def test_serve_batch_window_flags_reach_the_server(tiny_model):  # noqa: F811
         sizes = sorted(r[0]["server_timing"]["batch_size"] for r in got)
         assert sizes in ([1, 1], [2, 2])
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-    log = []
-    while not lines.empty():
-        log.append(lines.get())
-    log = "".join(log)
+        log = stop_server(proc, lines)
     assert proc.returncode == 0, log
     forwards = 1 if sizes == [2, 2] else 2
     assert f"stopped after 4 requests (0 errors); 2 requests answered in {forwards} batched forwards" in log

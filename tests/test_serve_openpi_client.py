@@ -320,6 +320,16 @@ print("RESULT " + json.dumps(out))
 """
 
 
+def stop_server(proc, lines: queue.Queue) -> str:
+    """Stop a `_start_server` process as a user would (SIGTERM); its output after start-up."""
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    log = []
+    while not lines.empty():
+        log.append(lines.get())
+    return "".join(log)
+
+
 def _start_server(model: Path, *options: str) -> tuple[subprocess.Popen, int, queue.Queue, str]:
     """`pisft serve` in a process of its own: (process, port, its further output lines, its
     output up to the line naming the URL)."""
@@ -376,13 +386,9 @@ def test_openpi_client_gets_the_in_process_chunk_and_errors_keep_the_server_up(t
         np.testing.assert_array_equal(got["again"], policy.infer(request)["actions"])
         np.testing.assert_array_equal(got["second_client"], got["first"])
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=30)
-    log = []
-    while not lines.empty():
-        log.append(lines.get())
-    assert server.returncode == 0, "".join(log)
-    assert "stopped after 6 requests (3 errors)" in "".join(log)
+        log = stop_server(server, lines)
+    assert server.returncode == 0, log
+    assert "stopped after 6 requests (3 errors)" in log
 
 
 @pytest.mark.integration  # ~15-25 s here: the server process imports torch and LeRobot, loads the model
@@ -424,12 +430,7 @@ def test_serve_with_small_limits_refuses_accordingly_and_reports_them(tiny_model
                 ws.recv(timeout=60)
             assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=30)
-    log = []
-    while not lines.empty():
-        log.append(lines.get())
-    log = "".join(log)
+        log = stop_server(server, lines)
     assert server.returncode == 0, log
     assert "stopped after 4 requests (2 errors); 1 oversized messages refused" in log
 
