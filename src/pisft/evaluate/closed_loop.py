@@ -49,13 +49,14 @@ the simulator package and version), `episodes.jsonl` (one line per episode), `vi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait as wait_for_replies
 from pathlib import Path
@@ -201,33 +202,72 @@ def policy_devices(cfg: config_mod.PisftConfig) -> list[str]:
     return [f"{kind}:{i}" for i in range(wanted or count)]
 
 
-def load_policy_pool(cfg: config_mod.PisftConfig, model_dir: Path, *, trained_on: Path, seed: int,
-                     settings: Settings, stage: str) -> PolicyPool:
-    """The model in `model_dir` as `LiberoPolicy` replicas (the code `serve` runs), one per device
-    of `policy_devices`, with `eval.cfg_scale`; `policy_threads` CPU threads."""
-    import torch
+@contextlib.contextmanager
+def open_policy_pool(cfg: config_mod.PisftConfig, given: ChunkPolicy | None, *, model_dir: Path, trained_on: Path,
+                     seed: int, settings: Settings, stage: str) -> Iterator[PolicyPool]:
+    """The stage's policy, closed on exit: `given` (tests, a caller's own) as one replica, else the
+    model in `model_dir` as `LiberoPolicy` replicas (the code `serve` runs), one per device of
+    `policy_devices`, with `eval.cfg_scale` and `policy_threads` CPU threads. Says once, before the
+    rollouts, which classifier-free guidance is in effect (`LiberoPolicy.guidance`)."""
+    if given is not None:
+        pool = PolicyPool([given], max_batch=settings.policy_batch, devices=["given"])
+    else:
+        import torch
 
-    from pisft.model.guidance import check_scale
-    from pisft.serve.libero_policy import LiberoPolicy
+        from pisft.model.guidance import check_scale
+        from pisft.serve.libero_policy import LiberoPolicy
 
-    torch.set_num_threads(policy_threads())
-    scale = check_scale(cfg.eval.cfg_scale, "eval.cfg_scale")
-    devices = policy_devices(cfg)
-    kind = device_mod.resolve_kind(cfg.device)
-    replicas = [LiberoPolicy.from_model_dir(model_dir, device=kind, device_index=i, seed=seed,
-                                            trained_on=trained_on, cfg_scale=scale)
-                for i in range(len(devices))]
-    if len(devices) > 1:
-        print(f"{stage}: {len(devices)} policy replicas, one per device ({', '.join(devices)})", flush=True)
-    select = None if kind == "cpu" else functools.partial(device_mod.local_device, kind)
-    return PolicyPool(replicas, max_batch=settings.policy_batch, devices=devices, select_device=select)
+        torch.set_num_threads(policy_threads())
+        scale = check_scale(cfg.eval.cfg_scale, "eval.cfg_scale")
+        devices = policy_devices(cfg)
+        kind = device_mod.resolve_kind(cfg.device)
+        replicas = [LiberoPolicy.from_model_dir(model_dir, device=kind, device_index=i, seed=seed,
+                                                trained_on=trained_on, cfg_scale=scale)
+                    for i in range(len(devices))]
+        if len(devices) > 1:
+            print(f"{stage}: {len(devices)} policy replicas, one per device ({', '.join(devices)})", flush=True)
+        select = None if kind == "cpu" else functools.partial(device_mod.local_device, kind)
+        pool = PolicyPool(replicas, max_batch=settings.policy_batch, devices=devices, select_device=select)
+    with pool:
+        guided = guidance_of(pool)
+        if guided is not None and (guided["note"] or guided["guided"]):
+            print(f"{stage}: {'note: ' + guided['note'] if guided['note'] else guided['describe']}", flush=True)
+        yield pool
 
 
-def as_pool(policy: ChunkPolicy | PolicyPool, settings: Settings) -> PolicyPool:
-    """A given policy (tests, a caller's own) as a pool of one replica."""
-    if isinstance(policy, PolicyPool):
-        return policy
-    return PolicyPool([policy], max_batch=settings.policy_batch, devices=["given"])
+def guidance_of(pool: PolicyPool) -> dict | None:
+    """The classifier-free guidance in effect (`LiberoPolicy.guidance`; replicas share it), if any."""
+    return getattr(pool.replicas[0], "guidance", None)
+
+
+def policy_record(pool: PolicyPool) -> dict:
+    """What a stage's output records of its policy (a `LiberoPolicy`'s; none for a stand-in): how
+    the task becomes the prompt (`prompt`), the guidance scale in effect (`cfg_scale`, 1 for a
+    plain model) and the guidance (`guidance`)."""
+    out: dict = {}
+    cond = getattr(pool.replicas[0], "conditioning", None)
+    if cond is not None:
+        out["prompt"] = {**cond.to_dict(), "describe": cond.describe()}
+    guided = guidance_of(pool)
+    if guided is not None:
+        out["cfg_scale"] = guided["cfg_scale"]
+        out["guidance"] = guided
+    return out
+
+
+def progress(stage: str, total: int, label: Callable[[EpisodeResult], str],
+             logger: logging.Logger = log) -> Callable[[EpisodeResult], None]:
+    """A callback for `roll_out`'s `on_episode`: each episode logged as `label(result)` says, the
+    count printed every 10 episodes and at the end."""
+    done: list[EpisodeResult] = []
+
+    def record(r: EpisodeResult) -> None:
+        done.append(r)
+        logger.info("%s: %s (%d steps)", label(r), "success" if r.success else "failure", r.steps)
+        if len(done) % 10 == 0 or len(done) == total:
+            print(f"{stage}: {len(done)}/{total} episodes, {sum(x.success for x in done)} successes", flush=True)
+
+    return record
 
 
 @dataclass
@@ -415,15 +455,10 @@ def run_episodes(specs: list[EpisodeSpec], policy: ChunkPolicy | PolicyPool, set
     every result returned ran to its end (`error` is None); `retried_errors` keeps what failed
     on the way.
     """
-    if isinstance(policy, PolicyPool):
-        return _run_episodes(specs, policy, settings, workers=workers, respawn=respawn, languages=languages,
-                             on_episode=on_episode, attempts=attempts, stage=stage)
-    pool = PolicyPool([policy], max_batch=settings.policy_batch)
-    try:
+    ours = not isinstance(policy, PolicyPool)  # a pool we make for one policy, we close; a given pool, its owner
+    with PolicyPool([policy], max_batch=settings.policy_batch) if ours else contextlib.nullcontext(policy) as pool:
         return _run_episodes(specs, pool, settings, workers=workers, respawn=respawn, languages=languages,
                              on_episode=on_episode, attempts=attempts, stage=stage)
-    finally:
-        pool.close()
 
 
 def _run_episodes(specs: list[EpisodeSpec], pool: PolicyPool, settings: Settings, *, workers: list,
@@ -885,40 +920,22 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
     factory = simulator if simulator is not None else libero_sim.LiberoSimulator
     sim = factory()  # SimulatorUnavailable with the install line when LIBERO is not installed
     sim_info = simulator_info(sim)
-    if policy is None:
-        pool = load_policy_pool(cfg, model_dir, trained_on=cfg.results("dataset"), seed=settings.seed,
-                                settings=settings, stage="closed_loop")
-    else:
-        pool = as_pool(policy, settings)
-    try:
+    with open_policy_pool(cfg, policy, model_dir=model_dir, trained_on=cfg.results("dataset"), seed=settings.seed,
+                          settings=settings, stage="closed_loop") as pool:
         return _evaluate(cfg, settings, pool, factory=factory, sim=sim, sim_info=sim_info, inline=inline,
                          model_dir=model_dir)
-    finally:
-        pool.close()
 
 
 def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool, *,
               factory: Callable[[], libero_sim.Simulator], sim: libero_sim.Simulator, sim_info: dict,
               inline: bool, model_dir: Path) -> dict:
-    policy = pool.replicas[0]  # what the replicas share: guidance, prompt conditioning
-    guided = getattr(policy, "guidance", None)  # LiberoPolicy: the classifier-free guidance in effect
-    if guided is not None and (guided["note"] or guided["guided"]):  # said once, before the rollouts
-        print(f"closed_loop: {'note: ' + guided['note'] if guided['note'] else guided['describe']}", flush=True)
     with atomic_dir(cfg.results(OUTPUT_DIR)) as out:
         specs, languages = plan_episodes(sim, settings, out)
         num_envs = env_count(settings, specs, stage="closed_loop")
         print(f"closed_loop: {len(specs)} episodes in {sim_info.get('package')} "
               f"{sim_info.get('version') or ''}, {num_envs} environment "
               f"{'(inline)' if inline else 'processes'}", flush=True)
-        done: list[EpisodeResult] = []
-
-        def record(r: EpisodeResult) -> None:
-            done.append(r)
-            log.info("%s task %d trial %d: %s (%d steps)", r.suite, r.task_id, r.trial,
-                     "success" if r.success else "failure", r.steps)
-            if len(done) % 10 == 0 or len(done) == len(specs):
-                print(f"closed_loop: {len(done)}/{len(specs)} episodes, "
-                      f"{sum(x.success for x in done)} successes", flush=True)
+        record = progress("closed_loop", len(specs), lambda r: f"{r.suite} task {r.task_id} trial {r.trial}")
 
         mujoco_logs = logs_mod.mujoco_log_dir("closed_loop", cfg.results("logs"))
         results, wall = roll_out(specs, pool, settings, factory=factory, simulator=sim, num_envs=num_envs,
@@ -943,12 +960,7 @@ def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool,
         metrics["settings"] = asdict(settings)
         metrics["model_dir"] = str(model_dir)
         metrics["expectation"] = expectation(cfg, settings)
-        cond = getattr(policy, "conditioning", None)  # LiberoPolicy: how the task is turned into the prompt
-        if cond is not None:
-            metrics["prompt"] = {**cond.to_dict(), "describe": cond.describe()}
-        if guided is not None:
-            metrics["cfg_scale"] = guided["cfg_scale"]  # the scale in effect (1 for a plain model)
-            metrics["guidance"] = guided
+        metrics.update(policy_record(pool))
         metrics["wall_time_s"] = wall
         write_json_atomic(out / "metrics.json", metrics)
         write_text_atomic(out / "report.md", report_markdown(metrics, settings, str(model_dir)))

@@ -181,6 +181,12 @@ class PolicyPool:
             out.extend(answers)
         return out
 
+    def __enter__(self) -> PolicyPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         for jobs in self._jobs:
             jobs.put(None)

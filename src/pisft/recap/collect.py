@@ -169,25 +169,15 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
     factory = simulator if simulator is not None else libero_sim.LiberoSimulator
     sim = factory()  # SimulatorUnavailable with the install line when LIBERO is not installed
     sim_info = closed_loop.simulator_info(sim)
-    if policy is None:
-        pool = closed_loop.load_policy_pool(cfg, model_dir, trained_on=cfg.at_iteration(k - 1).results("dataset"),
-                                            seed=settings.seed, settings=settings, stage="collect_rollouts")
-    else:
-        pool = closed_loop.as_pool(policy, settings)
-    try:
+    with closed_loop.open_policy_pool(cfg, policy, model_dir=model_dir,
+                                      trained_on=cfg.at_iteration(k - 1).results("dataset"), seed=settings.seed,
+                                      settings=settings, stage="collect_rollouts") as pool:
         return _collect(cfg, k, settings, pool, factory=factory, sim=sim, sim_info=sim_info, inline=inline,
                         model_dir=model_dir)
-    finally:
-        pool.close()
 
 
 def _collect(cfg: config_mod.PisftConfig, k: int, settings: closed_loop.Settings, pool: PolicyPool, *,
              factory, sim, sim_info: dict, inline: bool, model_dir: Path) -> dict:
-    policy = pool.replicas[0]  # what the replicas share: guidance, prompt conditioning
-    guided = getattr(policy, "guidance", None)  # LiberoPolicy: the classifier-free guidance in effect
-    if guided is not None and (guided["note"] or guided["guided"]):  # said once, before the rollouts
-        print(f"collect_rollouts: {'note: ' + guided['note'] if guided['note'] else guided['describe']}",
-              flush=True)
     final = cfg.results(OUTPUT_DIR)
     with atomic_dir(final) as out:
         specs, languages = closed_loop.plan_episodes(sim, settings, None, record_dir=out / RECORDINGS)
@@ -195,18 +185,9 @@ def _collect(cfg: config_mod.PisftConfig, k: int, settings: closed_loop.Settings
         print(f"collect_rollouts: iteration {k}, policy {model_dir}: {len(specs)} episodes in "
               f"{sim_info.get('package')} {sim_info.get('version') or ''}, {num_envs} environment "
               f"{'(inline)' if inline else 'processes'}", flush=True)
-        done: list[closed_loop.EpisodeResult] = []
-
-        spec_of = {(s.suite, s.task_id, s.trial): s for s in specs}
-
-        def record(r: closed_loop.EpisodeResult) -> None:
-            spec = spec_of[(r.suite, r.task_id, r.trial)]
-            done.append(r)
-            log.info("%s task %d initial state %d: %s (%d steps)", r.suite, r.task_id, spec.initial_state,
-                     "success" if r.success else "failure", r.steps)
-            if len(done) % 10 == 0 or len(done) == len(specs):
-                print(f"collect_rollouts: {len(done)}/{len(specs)} episodes, "
-                      f"{sum(x.success for x in done)} successes", flush=True)
+        record = closed_loop.progress(  # plan_episodes: episode i of a task starts from first_init_state + i
+            "collect_rollouts", len(specs),
+            lambda r: f"{r.suite} task {r.task_id} initial state {settings.first_init_state + r.trial}", logger=log)
 
         mujoco_logs = logs_mod.mujoco_log_dir("collect_rollouts", cfg.results("logs"))
         try:
@@ -225,12 +206,7 @@ def _collect(cfg: config_mod.PisftConfig, k: int, settings: closed_loop.Settings
         shutil.rmtree(out / RECORDINGS)
         collection = collection_record(cfg, settings, specs, results, tasks, model_dir)
         collection["simulator"] = sim_info
-        cond = getattr(policy, "conditioning", None)
-        if cond is not None:
-            collection["prompt"] = {**cond.to_dict(), "describe": cond.describe()}
-        if guided is not None:
-            collection["cfg_scale"] = guided["cfg_scale"]  # the scale in effect (1 for a plain model)
-            collection["guidance"] = guided
+        collection.update(closed_loop.policy_record(pool))
         collection["settings"] = asdict(settings)
         collection["timing"] = closed_loop.timing(results, wall, num_envs, pool)
         write_json_atomic(out / "collection.json", collection)
