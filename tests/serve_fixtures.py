@@ -6,6 +6,9 @@ import asyncio
 import threading
 from collections.abc import Callable
 
+import pytest
+from websockets.exceptions import ConnectionClosed
+
 
 def start_in_thread(server, *, timeout: float) -> tuple[dict[str, str], Callable[[], None]]:
     """Run `server` until the returned stop() is called; the dict holds its "url" (ws://) and "http"."""
@@ -30,3 +33,15 @@ def start_in_thread(server, *, timeout: float) -> tuple[dict[str, str], Callable
         loop.close()
 
     return where, stop
+
+
+def assert_refused_unread(ws, message: bytes) -> None:
+    """Send a message over the server's size limit: the server closes the connection with 1009
+    ("message too big") from the frame header, without reading it."""
+    try:
+        ws.send(message)
+    except (ConnectionClosed, OSError):
+        pass  # the server may close before the whole frame is written
+    with pytest.raises(ConnectionClosed) as closed:
+        ws.recv(timeout=60)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
