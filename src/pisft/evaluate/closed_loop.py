@@ -470,9 +470,8 @@ def _run_episodes(specs: list[EpisodeSpec], pool: PolicyPool, settings: Settings
     busy: dict[int, _InFlight] = {}  # worker index -> its episode
     last_task: dict[int, tuple[str, int]] = {}
     crashed: list[CrashedEpisode] = []
-    waiting: dict[int, dict] = {}  # worker index -> its request for the policy, oldest first
+    waiting: dict[int, tuple[dict, float]] = {}  # worker index -> (its request, when it came), oldest first
     asked: set[int] = set()  # workers whose request is in a forward
-    waiting_since: dict[int, float] = {}
     window_s = settings.policy_batch_wait_ms / 1000.0
 
     def start(i: int, spec: EpisodeSpec, attempt: int = 1, earlier: tuple[str, ...] = ()) -> None:
@@ -548,8 +547,7 @@ def _run_episodes(specs: list[EpisodeSpec], pool: PolicyPool, settings: Settings
         if kind in ("done", "error"):
             finish(i, payload)
         else:
-            waiting[i] = payload
-            waiting_since[i] = time.monotonic()
+            waiting[i] = (payload, time.monotonic())
 
     def dispatch() -> float | None:
         """The waiting requests, oldest first, to the idle replicas. A batch that could still
@@ -560,14 +558,13 @@ def _run_episodes(specs: list[EpisodeSpec], pool: PolicyPool, settings: Settings
             could_join = len(busy) - len(asked)  # waiting or simulating
             if pool.max_batch:
                 could_join = min(could_join, pool.max_batch)
-            waited = time.monotonic() - waiting_since[next(iter(waiting))]
+            waited = time.monotonic() - next(iter(waiting.values()))[1]
             if len(waiting) < could_join and waited < window_s:
                 return window_s - waited
             batch = []
             for i in list(waiting)[: pool.batch_limit(len(waiting))]:
                 ep = busy[i]
-                batch.append(PolicyRequest(key=i, obs=waiting.pop(i), seed=chunk_seed(ep.seed, ep.calls)))
-                waiting_since.pop(i)
+                batch.append(PolicyRequest(key=i, obs=waiting.pop(i)[0], seed=chunk_seed(ep.seed, ep.calls)))
                 ep.calls += 1
                 asked.add(i)
             pool.submit(batch)
