@@ -9,16 +9,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pisft.bench import closed_loop_bench
+
 CAMERAS = ("observation.images.base_0_rgb", "observation.images.left_wrist_0_rgb")
 
 
 def fake_stats() -> dict[str, dict[str, np.ndarray]]:
-    return {
-        "observation.state": {"q01": np.full(8, -2.0, np.float32), "q99": np.full(8, 2.0, np.float32),
-                              "mean": np.zeros(8, np.float32), "std": np.ones(8, np.float32)},
-        "action": {"q01": np.full(7, -1.0, np.float32), "q99": np.full(7, 1.0, np.float32),
-                   "mean": np.zeros(7, np.float32), "std": np.ones(7, np.float32)},
-    }
+    return closed_loop_bench.tiny_stats()
 
 
 def fake_batch(batch_size: int = 4, chunk: int = 10, seed: int = 0) -> dict:
@@ -38,14 +35,7 @@ def fake_batch(batch_size: int = 4, chunk: int = 10, seed: int = 0) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _tiny_model_dir_cached(root: str) -> str:
-    from pisft.model.policy import build_policy, save_model
-    from pisft.model.tokenizer import save_tiny_tokenizer
-
-    out = Path(root, "tiny_model")
-    out.mkdir(parents=True)
-    save_tiny_tokenizer(out / "tokenizer")
-    save_model(build_policy("tiny", seed=0), out, tokenizer_dir=out / "tokenizer", dataset_stats=fake_stats())
-    return str(out)
+    return str(closed_loop_bench.write_tiny_model(Path(root, "tiny_model")))
 
 
 def tiny_model_dir(tmp_path_factory, dest: Path | None = None) -> Path:

@@ -47,19 +47,25 @@ class _Recording:
         return replies
 
 
-def _tiny_model(out: Path) -> Path:
-    from pisft.model.policy import build_policy, save_model
-    from pisft.model.tokenizer import save_tiny_tokenizer
-
-    out.mkdir(parents=True)
-    save_tiny_tokenizer(out / "tokenizer")
-    stats = {
+def tiny_stats() -> dict[str, dict[str, np.ndarray]]:
+    """Normalisation stats for the tiny model: state in [-2, 2], actions in [-1, 1] (q01/q99)."""
+    return {
         "observation.state": {"q01": np.full(8, -2.0, np.float32), "q99": np.full(8, 2.0, np.float32),
                               "mean": np.zeros(8, np.float32), "std": np.ones(8, np.float32)},
         "action": {"q01": np.full(7, -1.0, np.float32), "q99": np.full(7, 1.0, np.float32),
                    "mean": np.zeros(7, np.float32), "std": np.ones(7, np.float32)},
     }
-    save_model(build_policy("tiny", seed=0), out, tokenizer_dir=out / "tokenizer", dataset_stats=stats)
+
+
+def write_tiny_model(out: Path) -> Path:
+    """The tiny model (seed 0) saved with `tiny_stats` into the new folder `out` (also the tests'
+    tiny model, tests/model_fixtures.py)."""
+    from pisft.model.policy import build_policy, save_model
+    from pisft.model.tokenizer import save_tiny_tokenizer
+
+    out.mkdir(parents=True)
+    save_tiny_tokenizer(out / "tokenizer")
+    save_model(build_policy("tiny", seed=0), out, tokenizer_dir=out / "tokenizer", dataset_stats=tiny_stats())
     return out
 
 
@@ -100,7 +106,7 @@ def run(work: Path, *, num_envs: int = NUM_ENVS, episodes_per_env: int = 2, max_
 
     threads = torch.get_num_threads()
     torch.set_num_threads(closed_loop.policy_threads())
-    policy = LiberoPolicy.from_model_dir(_tiny_model(Path(work) / "tiny_model"), device="cpu")
+    policy = LiberoPolicy.from_model_dir(write_tiny_model(Path(work) / "tiny_model"), device="cpu")
     factory = functools.partial(StandInSimulator, num_envs)
     workers = [ProcessWorker(factory, name=f"bench-env{i}") for i in range(num_envs)]
     try:
