@@ -294,3 +294,77 @@ def test_a_checkpoint_of_another_base_is_refused_naming_both(tmp_path_factory, t
     saved = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
     model_keys = {k.removeprefix("model.") for k in saved if k.startswith("model.")}
     assert model_keys == _trained(policy)
+
+
+# ------------------------------------------------------------------ FSDP2 with frozen parameters
+@pytest.mark.integration  # ~15 s: two sharded optimizer steps per mode
+@pytest.mark.usefixtures("one_process_group")
+@pytest.mark.parametrize("mode", ["expert", "lora"])
+def test_fsdp2_bf16_steps_leave_frozen_bf16_parameters_untouched_and_stateless(tmp_path_factory, mode):
+    """Frozen parameters held in bf16 next to fp32 trained ones in one FSDP2 unit (MixedPrecisionPolicy
+    param_dtype bf16): they get no gradient and no AdamW state, and keep their values."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.utils.data import default_collate
+    from train_fixtures import inputs_dir
+
+    from pisft.data.dataset import load_split, load_stats
+    from pisft.model.policy import make_processors
+    from pisft.train import fsdp, optim
+    from pisft.train.policy_task import PolicyTask
+
+    root = inputs_dir(tmp_path_factory)
+    policy = load_policy(root / "base_model", dtype="float32")
+    pre, _ = make_processors(policy, root / "base_model", load_stats(root / "dataset"))
+    ds = load_split(root / "dataset", "train", chunk_size=policy.config.chunk_size)
+    internals.prepare_for_training(policy, checkpointing=True)
+    tr.apply_mode(policy, mode, tr.lora_spec("openpi") if mode == "lora" else None, seed=0)
+    assert tr.hold_frozen_in(policy, "bf16") > 0
+    fsdp.shard(policy, init_device_mesh("cpu", (1,)), "bf16")
+    frozen = {n: p.to_local().clone() for n, p in policy.named_parameters() if not p.requires_grad}
+    assert {p.dtype for n, p in policy.named_parameters() if n in frozen} >= {torch.bfloat16}
+    opt = optim.build_optimizer(policy.parameters(), lr=1e-3, weight_decay=0.0, fused=False)
+    task = PolicyTask(policy, pre, torch.device("cpu"), "bf16")
+    g = torch.Generator().manual_seed(0)
+    b, d = policy.config.chunk_size, policy.config.max_action_dim
+    policy.train()
+    for step in range(2):
+        batch = task.prepare(default_collate([ds[i] for i in range(4 * step, 4 * step + 4)]))
+        rand = {"noise": torch.randn(4, b, d, generator=g), "time": torch.rand(4, generator=g) * 0.9 + 0.05}
+        loss = task.loss(policy, batch, rand)
+        assert torch.isfinite(loss)
+        loss.backward()
+        assert all(p.grad is None for n, p in policy.named_parameters() if n in frozen)
+        assert any(p.grad is not None for p in policy.parameters() if p.requires_grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    stateful = {id(p) for p in opt.state}
+    for name, p in policy.named_parameters():
+        assert isinstance(p, DTensor)
+        if name in frozen:
+            assert id(p) not in stateful and torch.equal(p.to_local(), frozen[name]), name
+
+
+def test_a_lora_value_model_exports_merged_and_loads_strictly(tmp_path_factory, tmp_path):
+    from pisft.io import sha256_file
+    from pisft.recap import value_model as vm
+
+    base = tiny_model_dir(tmp_path_factory)
+    model = vm.from_base(base, bins=11, preset="tiny", seed=0)
+    spec = tr.lora_spec("openpi", value_model=True)
+    tr.apply_mode(model, "lora", spec, seed=0, value_model=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.01 * torch.randn_like(p))
+    config = vm.ValueModelConfig(base_model=str(base), preset="tiny", bins=11, return_min=-1.0, return_max=0.0,
+                                 base_config_sha256=sha256_file(base / "config.json"))
+    vm.save(model, tmp_path, config, write_weights=lambda path: write_policy_weights(
+        model, base / WEIGHTS_FILE, path, is_main=True, prefix="policy."))
+    loaded, _ = vm.load(tmp_path)  # strict: the plain value model's names, no adapter left
+    module = next(n for n, m in model.named_modules() if hasattr(m, "lora_A"))
+    lora = dict(model.get_submodule(module).named_parameters())
+    want = merged_weight(lora["base_layer.weight"], lora["lora_A.default.weight"], lora["lora_B.default.weight"],
+                         spec.scaling(module))
+    torch.testing.assert_close(loaded.get_submodule(module).weight, want, rtol=0, atol=0)
+    torch.testing.assert_close(loaded.head.weight, model.head.weight, rtol=0, atol=0)
