@@ -25,6 +25,10 @@ DEFAULT_CONFIG = Path("config/config.yaml")
 DEVICES = ("auto", "npu", "cuda", "cpu")
 PRESETS = ("tiny", "small", "pi05")
 PRECISIONS = ("fp32", "bf16")
+# train.trainable, recap.value_trainable, train.lora_targets (pisft.train.trainable applies them).
+TRAINABLE_MODES = ("all", "expert", "no_vision", "lora")
+VALUE_TRAINABLE_MODES = ("all", "no_vision", "head", "lora")
+LORA_TARGETS = ("lerobot", "openpi", "rlinf")
 
 
 class ConfigError(PisftError):
@@ -470,8 +474,7 @@ def _choice_problems(cfg: PisftConfig) -> list[str]:
 
 def _trainable_problems(cfg: PisftConfig) -> list[str]:
     """train.trainable, recap.value_trainable and the LoRA keys (pisft.train.trainable)."""
-    from pisft.train.trainable import LORA_TARGETS, MODES, VALUE_MODES
-
+    MODES, VALUE_MODES = TRAINABLE_MODES, VALUE_TRAINABLE_MODES  # noqa: N806
     t, r = cfg.train, cfg.recap
     problems: list[str] = []
     if t.trainable not in MODES:

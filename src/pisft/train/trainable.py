@@ -53,12 +53,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # torch stays out of `pisft.config`'s imports (it reads MODES from here)
-    from torch import nn
+from pisft.config import LORA_TARGETS
+from pisft.config import TRAINABLE_MODES as MODES
+from pisft.config import VALUE_TRAINABLE_MODES as VALUE_MODES
 
-MODES = ("all", "expert", "no_vision", "lora")
-VALUE_MODES = ("all", "no_vision", "head", "lora")
-LORA_TARGETS = ("lerobot", "openpi", "rlinf")
+__all__ = ["LORA_TARGETS", "MODES", "VALUE_MODES"]
+
+if TYPE_CHECKING:  # torch is imported where it is used (this module's rules stay cheap to import)
+    from torch import nn
 
 # Name fragments (dotted module paths inside a LeRobot PI05Policy, or the value model's `policy.`).
 _VLM = ".paligemma_with_expert.paligemma."  # LeRobot: `self.paligemma.parameters()` (train_expert_only)
