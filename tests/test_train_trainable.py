@@ -165,6 +165,7 @@ def test_frozen_parameters_are_held_in_bf16_except_what_lerobot_keeps_in_fp32(tm
     assert tr.hold_frozen_in(_tiny(tmp_path_factory), "fp32") == 0
 
 
+@pytest.mark.integration  # ~10 s: six pi0.5 builds on the meta device
 def test_pi05_trainable_counts_on_the_meta_device():
     from pisft.model.policy import build_policy
 
