@@ -125,6 +125,18 @@ class TrainConfig:
     # Deterministic training: torch.use_deterministic_algorithms(True), HCCL_DETERMINISTIC=true on
     # Ascend, CUBLAS_WORKSPACE_CONFIG=:4096:8 on CUDA. Slower; config/README.md has the costs.
     deterministic: bool = False
+    # What trains (pisft.train.trainable): all | expert (LeRobot's train_expert_only: the PaliGemma
+    # VLM frozen, the action expert and the action/time projections train) | no_vision (LeRobot's
+    # freeze_vision_encoder) | lora (LoRA adapters through peft on train.lora_targets' modules).
+    trainable: str = "all"
+    # train.trainable: lora (or recap.value_trainable: lora): the target preset, lerobot (LeRobot's
+    # pi0.5 defaults) | openpi (gemma_2b_lora + gemma_300m_lora) | rlinf (RLinf's is_lora list).
+    lora_targets: str = "openpi"
+    # The adapters' rank and alpha (scaling alpha / rank); 0: the preset's own (lerobot 16 / 8;
+    # openpi 16 / 16 on the VLM, 32 / 32 on the expert; rlinf 32 / 32). A rank given replaces all
+    # of the preset's ranks; alpha 0 then is LeRobot's 8 (lerobot) or the rank (openpi, rlinf).
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
 
 
 @dataclass
@@ -205,6 +217,10 @@ class RecapConfig:
     init: str = "previous"
     # Optimizer steps of the retraining at iteration k >= 1; 0: train.steps (the SFT run's).
     policy_steps: int = 0
+    # What of the value model trains: all | no_vision (SigLIP frozen) | head (the VLM prefix frozen,
+    # the read-out token and bin head train: RLinf's value-model freeze_vlm) | lora (adapters on the
+    # VLM part of train.lora_targets, the read-out token and head in full).
+    value_trainable: str = "all"
 
 
 @dataclass
@@ -449,6 +465,39 @@ def _choice_problems(cfg: PisftConfig) -> list[str]:
         problems.append(f"model.preset: '{cfg.model.preset}' is not one of {', '.join(PRESETS)}")
     if cfg.train.precision not in PRECISIONS:
         problems.append(f"train.precision: '{cfg.train.precision}' is not one of {', '.join(PRECISIONS)}")
+    return problems + _trainable_problems(cfg)
+
+
+def _trainable_problems(cfg: PisftConfig) -> list[str]:
+    """train.trainable, recap.value_trainable and the LoRA keys (pisft.train.trainable)."""
+    from pisft.train.trainable import LORA_TARGETS, MODES, VALUE_MODES
+
+    t, r = cfg.train, cfg.recap
+    problems: list[str] = []
+    if t.trainable not in MODES:
+        problems.append(f"train.trainable: '{t.trainable}' is not one of {', '.join(MODES)}")
+    if r.value_trainable not in VALUE_MODES:
+        hint = " (the value model has no action expert: `head` trains the read-out and head alone)" \
+            if r.value_trainable == "expert" else ""
+        problems.append(f"recap.value_trainable: '{r.value_trainable}' is not one of "
+                        f"{', '.join(VALUE_MODES)}{hint}")
+    if t.lora_targets not in LORA_TARGETS:
+        problems.append(f"train.lora_targets: '{t.lora_targets}' is not one of {', '.join(LORA_TARGETS)}")
+    if t.lora_rank < 0:
+        problems.append(f"train.lora_rank: must be 0 (the preset's own) or a positive rank, got {t.lora_rank}")
+    if t.lora_alpha < 0:
+        problems.append(f"train.lora_alpha: must be 0 (the preset's own) or a positive alpha, got {t.lora_alpha}")
+    uses_lora = "lora" in (t.trainable, r.value_trainable)
+    set_keys = [k for k, v, default in (("train.lora_rank", t.lora_rank, 0), ("train.lora_alpha", t.lora_alpha, 0.0),
+                                         ("train.lora_targets", t.lora_targets, "openpi")) if v != default]
+    if set_keys and not uses_lora:
+        problems.append(f"{', '.join(set_keys)}: only meaningful with train.trainable: lora (or "
+                        f"recap.value_trainable: lora); train.trainable is '{t.trainable}' and "
+                        f"recap.value_trainable '{r.value_trainable}': remove them or set a lora mode")
+    if r.value_trainable == "lora" and t.lora_targets == "lerobot":
+        problems.append("recap.value_trainable: lora with train.lora_targets: lerobot adapts only the action "
+                        "expert and the action projections, which the value model does not have; set "
+                        "train.lora_targets: openpi or rlinf")
     return problems
 
 

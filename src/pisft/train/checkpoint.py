@@ -406,6 +406,7 @@ FINGERPRINT_EXCLUDED = ("data.recap_dir", "data.demo_")
 FINGERPRINT_KEYS = (
     "train.global_batch_size", "train.steps", "train.seed", "train.lr", "train.warmup_steps",
     "train.decay_lr", "train.weight_decay", "train.grad_clip", "train.precision",
+    "train.trainable", "train.lora_targets", "train.lora_rank", "train.lora_alpha",
 )
 
 

@@ -25,6 +25,7 @@ FINGERPRINT_KEYS = (
     "recap.value_bins", "recap.value_steps", "recap.value_lr", "recap.value_head_lr",
     "train.seed", "train.warmup_steps", "train.lr", "train.decay_lr",
     "train.weight_decay", "train.grad_clip", "train.precision",
+    "recap.value_trainable", "train.lora_targets", "train.lora_rank", "train.lora_alpha",
 )
 
 

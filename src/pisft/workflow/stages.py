@@ -54,6 +54,10 @@ TRAIN_STEP_KEYS = (
     "train.fsdp_min_unit_params",  # the FSDP layout the smoke run measures
     "train.log_every",  # host syncs per step: the smoke run's step time and projection
     "train.deterministic",  # numerics and speed of every step (train_8card reads all of `train`)
+    "train.trainable",  # what trains: the step's gradients, optimizer state and memory
+    "train.lora_targets",
+    "train.lora_rank",
+    "train.lora_alpha",
 )
 
 EVAL_KEYS = (
@@ -99,6 +103,7 @@ VALUE_KEYS = (
     "recap.value_lr",
     "recap.value_head_lr",
     "recap.value_global_batch_size",
+    "recap.value_trainable",
 )
 ADVANTAGE_KEYS = (
     "recap.gamma",
