@@ -51,27 +51,17 @@ def _dir_bytes(path: Path) -> int:
 
 
 def build_policy_for_mode(preset: str, mode: str, *, precision: str, checkpointing: bool, seed: int,
-                          lora_targets: str = "lerobot"):
+                          lora_targets: str = "openpi"):
     """The training layout of `mode` with random weights: built in the training precision (bf16:
     LeRobot's `to_bfloat16_for_selected_params` keeps the vision path and norms in fp32), drawn
     from normal(0, 0.02), the mode applied, trainable parameters in fp32."""
     import torch
 
     from pisft.model import lerobot_internals as internals
-    from pisft.model.policy import get_preset, make_config, policy_from_config
+    from pisft.model.policy import build_random_weights
     from pisft.train import trainable as trainable_mod
 
-    spec = get_preset(preset)
-    info = {"preset": preset, "arch": spec.arch.to_dict() if spec.arch is not None else None}
-    dtype = "bfloat16" if precision == "bf16" else "float32"
-    policy = policy_from_config(make_config(preset, dtype=dtype), info, device="cpu", dtype=dtype, init=False)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in policy.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.02, generator=gen)
-            else:
-                p.zero_()
+    policy = build_random_weights(preset, seed=seed, dtype="bfloat16" if precision == "bf16" else "float32")
     policy.config.device = "cpu"
     internals.prepare_for_training(policy, checkpointing=checkpointing)
     lora = trainable_mod.lora_spec(lora_targets) if mode == "lora" else None
@@ -84,7 +74,7 @@ def build_policy_for_mode(preset: str, mode: str, *, precision: str, checkpointi
 
 def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str = "bf16",
                  checkpointing: bool = True, seed: int = 0, work: Path, timed_steps: int = TIMED_STEPS,
-                 lora_targets: str = "lerobot") -> dict[str, Any]:
+                 lora_targets: str = "openpi") -> dict[str, Any]:
     """One mode in this process (which must have no process group): see the module docstring."""
     import torch
     import torch.distributed as dist
@@ -132,16 +122,23 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
                                "precision": precision, "activation_checkpointing": checkpointing,
                                "params_total": applied.total, "params_trainable": applied.trainable,
                                "build_s": round(build_s, 2)}
+        def note(what: str) -> None:
+            print(f"real_size {mode}: {what} at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+        note("built")
         with fused_joint_attention():
             step()  # warm-up: FSDP initialised, optimizer state allocated
             gc.collect()
+            note("warm-up step done")
             timed = [step() for _ in range(timed_steps)]
+            note(f"timed steps {[tuple(round(x, 2) for x in t[:2]) for t in timed]}")
             out["forward_s"] = round(sum(t[0] for t in timed) / len(timed), 3)
             out["step_s"] = round(sum(t[1] for t in timed) / len(timed), 3)
             out["step_over_forward"] = round(out["step_s"] / out["forward_s"], 3)
             out["loss"] = timed[-1][2]
             if mode == "expert":
                 joint = [step(frozen_prefix=False) for _ in range(timed_steps)]
+                note(f"joint-path steps {[tuple(round(x, 2) for x in t[:2]) for t in joint]}")
                 out["joint_forward_s"] = round(sum(t[0] for t in joint) / len(joint), 3)
                 out["joint_step_s"] = round(sum(t[1] for t in joint) / len(joint), 3)
                 out["joint_step_over_forward"] = round(out["joint_step_s"] / out["joint_forward_s"], 3)
@@ -155,14 +152,16 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
         out["optimizer_bytes"] = local_bytes(optimizer_state_tensors(optimizer))
         out["measured_step_peak_bytes"] = step_peak
         out["measured_bytes"] = out["params_bytes"] + out["optimizer_bytes"] + step_peak
+        note("tracked step done")
         gc.collect()
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
         ckpt = CheckpointManager(work / "checkpoints", keep_last=1, rank=0, world_size=1,
                                  fingerprint={"bench": "real_size"}, config={}, log=lambda *_: None)
         path = ckpt.save(1, policy, optimizer, scheduler)
         out["checkpoint_bytes"] = _dir_bytes(path)
+        note("checkpoint written")
         shutil.rmtree(path.parent, ignore_errors=True)
-        del optimizer, scheduler, ckpt
+        optimizer.state.clear()  # the export needs the memory, not the moments
         gc.collect()
         start = time.perf_counter()
         full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -172,6 +171,7 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
         save_model(policy, export, tokenizer_dir=work / "tokenizer", state_dict=full)
         out["export_s"] = round(time.perf_counter() - start, 2)
         out["export_bytes"] = _dir_bytes(export)
+        out["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)  # other processes share the cores
         del full
         shutil.rmtree(export, ignore_errors=True)
         return out
@@ -180,7 +180,7 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
 
 
 def estimate_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str = "bf16",
-                  checkpointing: bool = True, lora_targets: str = "lerobot") -> dict[str, Any]:
+                  checkpointing: bool = True, lora_targets: str = "openpi") -> dict[str, Any]:
     """The memory estimate of the same step (world size 1, layer units): fake tensors, seconds."""
     from pisft.inspect.estimate import simulate_step
     from pisft.model.policy import build_policy
@@ -204,9 +204,9 @@ def estimate_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: st
 def _in_subprocess(args: list[str]) -> dict[str, Any]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     cmd = [sys.executable, "-m", "pisft.bench.real_size", *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)  # stderr: progress
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}); its stderr is above")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -236,7 +236,7 @@ def bench_modes(preset: str = "pi05", modes: tuple[str, ...] = MODES, *, micro_b
     return out
 
 
-def run(cfg, work: Path) -> dict[str, Any]:
+def run(work: Path) -> dict[str, Any]:
     """The `bench --only real_size` part: pi0.5 (preset pi05) in every mode that fits here."""
     return bench_modes("pi05", work=work)
 

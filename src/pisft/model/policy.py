@@ -228,6 +228,24 @@ def read_model_info(model_dir: str | Path) -> dict[str, Any]:
     return info
 
 
+def build_random_weights(preset: str, *, seed: int, dtype: torch.dtype | str | None = None):
+    """A PI05Policy of `preset` without LeRobot's (slow, fp32) init: built uninitialised in `dtype`,
+    then every matrix drawn from normal(0, 0.02) and every vector set to 0 with a generator seeded
+    by `seed` (identical for the same seed; model.source 'random'). At pi0.5's size in bf16 this
+    never holds the fp32 model."""
+    spec = get_preset(preset)
+    info = {"preset": preset, "arch": spec.arch.to_dict() if spec.arch is not None else None}
+    policy = policy_from_config(make_config(preset, dtype=dtype), info, device="cpu", dtype=dtype, init=False)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.zero_()
+    return policy
+
+
 def policy_from_config(config, info: dict[str, Any], *, device: str = "cpu",
                        dtype: torch.dtype | str | None = None, init: bool = False):
     """An (uninitialised unless `init`) policy of the given config and sizes."""
