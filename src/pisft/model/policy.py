@@ -4,7 +4,9 @@ A model directory (LeRobot layout) holds:
   config.json                        PI05Config (LeRobot's draccus encoding, "type": "pi05")
   model.safetensors                  weights; tied tensors stored once (see weights.py)
   tokenizer/                         a transformers tokenizer (AutoTokenizer.from_pretrained)
-  pisft_model.json                   preset name and, for sizes LeRobot does not know, the sizes
+  pisft_model.json                   preset name and, for sizes LeRobot does not know, the sizes;
+                                     for a fine-tune, what it trained (`trainable`: train.trainable's
+                                     mode, parameter counts, the LoRA preset; merged into the weights)
   normalization_stats.safetensors    (optional) the stats the model was trained with
 A directory without pisft_model.json (e.g. `lerobot/pi05_base`) has LeRobot's own sizes.
 """
@@ -139,18 +141,24 @@ def model_info(policy) -> dict[str, Any]:
 
 def save_model(policy, out_dir: str | Path, *, tokenizer_dir: str | Path,
                dataset_stats: Stats | None = None,
-               state_dict: dict[str, torch.Tensor] | None = None) -> None:
+               state_dict: dict[str, torch.Tensor] | None = None,
+               write_weights: Any = None) -> None:
     """Write `policy` in LeRobot layout into the existing directory `out_dir`.
 
     `state_dict`: a full (unsharded) state dict to save instead of `policy.state_dict()`, e.g.
-    gathered from an FSDP-sharded policy. The caller makes the directory atomic.
+    gathered from an FSDP-sharded policy. `write_weights`: a callable that writes
+    model.safetensors itself (its path given), e.g. streamed tensor by tensor
+    (`pisft.train.export_weights`). The caller makes the directory atomic.
     """
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise FileNotFoundError(f"{out_dir}: output directory must exist (the caller creates it atomically)")
     info = model_info(policy)
     write_config(policy.config, out_dir / CONFIG_FILE)
-    weights_mod.save_weights(policy, out_dir / WEIGHTS_FILE, state_dict=state_dict)
+    if write_weights is not None:
+        write_weights(out_dir / WEIGHTS_FILE)
+    else:
+        weights_mod.save_weights(policy, out_dir / WEIGHTS_FILE, state_dict=state_dict)
     (out_dir / MODEL_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     tokenizer_src = Path(tokenizer_dir)
     tokenizer_dst = out_dir / TOKENIZER_DIR

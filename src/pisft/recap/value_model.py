@@ -189,13 +189,17 @@ def from_base(base_dir: Path, *, bins: int, preset: str | None, seed: int) -> Va
 
 
 def save(model: ValueModel, out_dir: Path, config: ValueModelConfig,
-         state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """Write `model` (or a full `state_dict` of it, e.g. gathered from FSDP) into the existing
-    directory `out_dir` (the caller makes it atomic)."""
+         state_dict: dict[str, torch.Tensor] | None = None, write_weights: Any = None) -> None:
+    """Write `model` (or a full `state_dict` of it, e.g. gathered from FSDP; or through
+    `write_weights(path)`, e.g. streamed with LoRA adapters merged) into the existing directory
+    `out_dir` (the caller makes it atomic)."""
     from pisft.io import write_manifest
     from pisft.model.weights import save_weights
 
-    save_weights(model, out_dir / WEIGHTS_FILE, state_dict=state_dict)
+    if write_weights is not None:
+        write_weights(out_dir / WEIGHTS_FILE)
+    else:
+        save_weights(model, out_dir / WEIGHTS_FILE, state_dict=state_dict)
     (out_dir / CONFIG_FILE).write_text(config.to_json())
     write_manifest(out_dir)
 

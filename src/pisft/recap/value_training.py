@@ -55,7 +55,7 @@ from pisft.recap.value_task import ValueTask
 from pisft.train import fsdp, optim
 from pisft.train.checkpoint import run_folder
 from pisft.train.run import RunPlan, run_plan
-from pisft.train.stage import Built, Context, require_inputs
+from pisft.train.stage import Built, Context, apply_trainable, require_inputs
 
 def require_value_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
     base, data = require_inputs(cfg, stage)
@@ -125,13 +125,14 @@ def build_value(ctx: Context) -> ValueBuilt:
     if cfg.train.activation_checkpointing:
         ctx.log("note: train.activation_checkpointing is not applied to the value model (its VLM layers "
                 "run without recomputation)")
+    applied = apply_trainable(ctx, p.model, value_model=True)  # before sharding
     mesh = init_device_mesh(ctx.info.device.type, (ctx.world_size,))
     units = fsdp.distribute(p.model, mesh, cfg.train.precision, ctx.info.device,
                             min_params=cfg.train.fsdp_min_unit_params)
     optimizer = _optimizer(cfg, p.model, ctx.info.kind)  # after sharding: the sharded parameters
     task = ValueTask(p.collate, ctx.info.device, cfg.train.precision)
     return ValueBuilt(p.model, task, p.train_set, {}, units, optimizer, p.base, p.data,
-                      returns=p.returns, scale=p.scale)
+                      trainable=applied, returns=p.returns, scale=p.scale)
 
 
 def value_plan(ctx: Context) -> RunPlan:
@@ -161,15 +162,21 @@ def _losses(metrics_path: Path) -> list[float]:
 def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dict, resolved: dict) -> None:
     """Held-out metrics (every process predicts a share), then the model gathered to rank 0,
     which writes results/value/ atomically. Collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from pisft.model.policy import WEIGHTS_FILE
+    from pisft.train.export_weights import write_policy_weights
 
     cfg = ctx.cfg
     t0 = time.perf_counter()
     heldout = ValueFrames(built.dataset_dir, "eval", built.returns, built.scale, built.train_set.image_keys)
     pred = value_metrics.predict(built.policy, heldout, built.task, batch_size=cfg.eval.batch_size,
                                  rank=ctx.rank, world_size=ctx.world_size)
-    full = get_model_state_dict(built.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # One tensor at a time, LoRA adapters merged, frozen tensors from the base file (collective).
+    def write_weights(path: Path | None) -> None:
+        write_policy_weights(built.policy, built.base_dir / WEIGHTS_FILE, path, is_main=ctx.is_main,
+                             prefix="policy.")
+
     if not ctx.is_main:
+        write_weights(None)
         return
     losses = _losses(metrics_log.path)
     metrics = {
@@ -191,7 +198,7 @@ def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dic
     rho = metrics["spearman_heldout"]
     with atomic_dir(cfg.results("value")) as tmp:
         (tmp / "model").mkdir()
-        value_model.save(built.policy, tmp / "model", config, state_dict=full)
+        value_model.save(built.policy, tmp / "model", config, write_weights=write_weights)
         write_json_atomic(tmp / "metrics.json", metrics)
         value_metrics.calibration_plot(
             heldout.target, pred["value"], tmp / "calibration.png",
@@ -219,6 +226,7 @@ def smoke_value_steps(ctx: Context, steps: int | None = None) -> dict[str, Any]:
     cfg, t = ctx.cfg, ctx.cfg.train
     steps = steps or cfg.smoke.steps
     p = _pieces(cfg, ctx.stage, ctx.info.device)
+    apply_trainable(ctx, p.model, value_model=True)
     p.model.to(ctx.info.device)
     optimizer = _optimizer(cfg, p.model, ctx.info.kind)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)

@@ -2,8 +2,12 @@
 run folder they live in (`checkpoint_root`: one folder per `run_fingerprint`).
 
 Layout of one checkpoint, `<root>/step_XXXXXX/`:
-  dcp/                     model + optimizer state (DCP, sharded; loads on any world size)
-  trainer_state.json       step, scheduler state, world size, fingerprint of the run
+  dcp/                     what training changes: the trained parameters (and the buffers) with
+                           their optimizer state (DCP, sharded; loads on any world size). Frozen
+                           parameters (train.trainable other than `all`) are not in it: they are
+                           the base model's, which trainer_state.json names (`base`)
+  trainer_state.json       step, scheduler state, world size, fingerprint of the run, the base
+                           model the checkpoint applies to (its directory and MANIFEST.json sha256)
   rng/rank_XXXXX.json      each rank's torch / numpy / python RNG state
   pisft_config.json        the resolved config that wrote it
   COMPLETE.json            written last: step, the size and the sha256 of every file above
@@ -63,6 +67,43 @@ TMP_RE = re.compile(r"^\.step_\d{6,}\.tmp$")
 
 class CheckpointMismatch(PisftError):
     """The checkpoint to resume from was written by a different run configuration."""
+
+
+class OtherBase(CheckpointMismatch):
+    """The checkpoint's trained weights apply to another base model than this run's."""
+
+
+def base_record(base_dir: Path) -> dict[str, Any]:
+    """The frozen base a checkpoint applies to: its directory and the sha256 of its MANIFEST.json
+    (which holds the sha256 of every file of it: weights, config, tokenizer), or of its
+    config.json and model.safetensors when it has no manifest."""
+    base_dir = Path(base_dir)
+    manifest = base_dir / "MANIFEST.json"
+    if manifest.is_file():
+        return {"dir": str(base_dir), "manifest_sha256": sha256_file(manifest)}
+    files = [base_dir / n for n in ("config.json", "model.safetensors") if (base_dir / n).is_file()]
+    return {"dir": str(base_dir), "files_sha256": {f.name: sha256_file(f) for f in files}}
+
+
+def _same_base(stored: dict[str, Any], current: dict[str, Any]) -> bool:
+    return {k: v for k, v in stored.items() if k != "dir"} == {k: v for k, v in current.items() if k != "dir"}
+
+
+# What a checkpoint holds of the model: the trained parameters (requires_grad) and the buffers.
+TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+
+
+def frozen_names(model: torch.nn.Module) -> set[str]:
+    """State-dict names of frozen parameters, tied aliases included (torch's ignore_frozen_params
+    drops only the first name of a tied parameter: pi0.5's frozen 257k-row token embedding would
+    stay in every checkpoint under its second name)."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def _trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED_ONLY)
+    frozen = frozen_names(model)
+    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
 
 
 @dataclass(frozen=True)
@@ -270,7 +311,8 @@ def _saved_optimizer_state(optim_sd: dict[str, Any], saved: set[str]) -> dict[st
 
 class CheckpointManager:
     def __init__(self, root: Path, *, keep_last: int, rank: int, world_size: int,
-                 fingerprint: dict[str, Any], config: dict[str, Any], log=print) -> None:
+                 fingerprint: dict[str, Any], config: dict[str, Any], log=print,
+                 base: dict[str, Any] | None = None) -> None:
         self.root = Path(root)
         self.keep_last = keep_last
         self.rank = rank
@@ -278,6 +320,7 @@ class CheckpointManager:
         self.fingerprint = fingerprint
         self.config = config
         self.log = log
+        self.base = base  # base_record of the model training started from (None: not checked)
 
     # ---------------- save ----------------
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -290,7 +333,7 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             (tmp / "rng").mkdir(parents=True)
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = _trained_state(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
         _write_json_synced(tmp / "rng" / f"rank_{self.rank:05d}.json", _rng_state())
         dist.barrier()
@@ -302,6 +345,7 @@ class CheckpointManager:
                 "world_size": self.world_size,
                 "scheduler": scheduler.state_dict(),
                 "fingerprint": self.fingerprint,
+                "base": self.base,
                 **(extra or {}),
             }
             _write_json_synced(tmp / "trainer_state.json", state)
@@ -343,6 +387,7 @@ class CheckpointManager:
     def load(self, found: Found, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: Any) -> dict[str, Any]:
         state = json.loads((found.path / "trainer_state.json").read_text())
+        self.check_base(found, state)
         problems = fingerprint_mismatches(state.get("fingerprint", {}), self.fingerprint)
         if problems:
             raise CheckpointMismatch(
@@ -351,11 +396,18 @@ class CheckpointManager:
                 + f"\nRestore the previous settings to resume it, or delete {self.root} to start "
                 "this configuration from step 0."
             )
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = _trained_state(model, optimizer)
         saved = set(dcp.FileSystemReader(str(found.path / "dcp")).read_metadata().state_dict_metadata)
         target = {"model": model_sd, "optim": _saved_optimizer_state(optim_sd, saved)}
-        dcp.load(target, checkpoint_id=str(found.path / "dcp"))
-        set_model_state_dict(model, target["model"])  # strict: every tensor of the model
+        dcp.load(target, checkpoint_id=str(found.path / "dcp"))  # raises on any trained tensor missing
+        # Strict for what the checkpoint holds (every trained parameter and buffer); the frozen
+        # parameters are the base model's, loaded with it.
+        result = set_model_state_dict(model, target["model"], options=StateDictOptions(strict=False))
+        missing = sorted(set(result.missing_keys) - frozen_names(model))
+        if missing or result.unexpected_keys:
+            raise CheckpointMismatch(f"{found.path}: the model does not match the checkpoint: missing "
+                                     f"{missing[:5]}, unexpected {list(result.unexpected_keys)[:5]}; delete "
+                                     f"{self.root} to start this configuration from step 0")
         # Optimizer: parameters that never had a gradient have no saved state (see above).
         set_optimizer_state_dict(model, optimizer, target["optim"],
                                  options=StateDictOptions(strict=False))
@@ -364,6 +416,23 @@ class CheckpointManager:
         if state.get("world_size") == self.world_size and rng_file.is_file():
             _set_rng_state(json.loads(rng_file.read_text()))
         return state
+
+    def check_base(self, found: Found, state: dict[str, Any]) -> None:
+        """Refuse a checkpoint whose trained weights apply to another base model than this run's."""
+        stored = state.get("base")
+        if self.base is None or stored is None or _same_base(stored, self.base):
+            return
+        raise OtherBase(
+            f"{found.path} holds weights trained on the base model {stored.get('dir')} "
+            f"({_base_id(stored)}), but this run starts from {self.base.get('dir')} ({_base_id(self.base)}): "
+            "the frozen weights it needs are another model's, so it cannot be resumed. Point the "
+            f"run at its base model again, or delete {self.root} to start this configuration from step 0.")
+
+
+def _base_id(record: dict[str, Any]) -> str:
+    if "manifest_sha256" in record:
+        return f"MANIFEST.json sha256 {record['manifest_sha256'][:16]}…"
+    return "sha256 " + ", ".join(f"{k} {v[:16]}…" for k, v in sorted(record.get("files_sha256", {}).items()))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,9 +1,16 @@
-"""Export the trained model: gather the full state dict, write `results/train/` atomically.
+"""Export the trained model: stream its tensors to rank 0, write `results/train/` atomically.
 
 `results/train/` (the Snakemake output of train_8card) appears in one rename on rank 0 after
 everything in it is written:
   model/              LeRobot layout (config.json, model.safetensors, tokenizer/, normalisation
-                      stats, MANIFEST.json) — loadable with pisft.model.policy.load_policy
+                      stats, MANIFEST.json) — loadable with pisft.model.policy.load_policy and
+                      LeRobot's PI05Policy.from_pretrained: a plain pi0.5, LoRA adapters merged
+                      (W + (alpha / r) B A), frozen tensors the base model's bytes
+                      (`pisft.train.export_weights`, one tensor in memory at a time);
+                      pisft_model.json records `trainable` (the mode)
+  adapter/            (train.trainable: lora) the adapter alone in PEFT's layout
+                      (adapter_config.json, adapter_model.safetensors, config.json with
+                      use_peft), loadable onto the base model with peft's PeftModel.from_pretrained
   metrics.jsonl       one JSON object per optimizer step of the whole run (resumes included)
   train_summary.json  world size, device, resume point, wall time, sharding figures
   pisft_config.json   the resolved config
@@ -15,34 +22,40 @@ import json
 import shutil
 from typing import Any
 
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
 from pisft.data.prompts import CONDITIONING_FILE
 from pisft.io import atomic_dir, write_json_atomic, write_manifest
-from pisft.model import lerobot_internals as internals
 from pisft.model.policy import WEIGHTS_FILE
-from pisft.model.weights import lerobot_name, read_tensor
+from pisft.train import export_weights
+
+ADAPTER_DIR = "adapter"
 
 
 def export_model(ctx: Any, built: Any, metrics_log: Any, summary: dict, resolved: dict) -> None:
-    from pisft.model.policy import save_model
+    """Collective: every rank joins each tensor's gather (in the same order); rank 0 writes.
 
-    # Collective: every rank takes part in gathering; only rank 0 receives the full tensors.
-    full = get_model_state_dict(built.policy,
-                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    The action expert's lm_head was detached for training (never used, never trained): the export
+    carries the base model's tensor when it had one, so LeRobot's strict loader accepts it."""
+    from pisft.model.policy import model_info, save_model
+
+    applied = getattr(built, "trainable", None)
+    spec = applied.spec if applied is not None else None
     if not ctx.is_main:
+        export_weights.write_policy_weights(built.policy, built.base_dir / WEIGHTS_FILE, None, is_main=False)
+        if spec is not None:
+            export_weights.write_adapter(built.policy, spec, built.base_dir, None, is_main=False)
         return
-    # The action expert's lm_head was detached for training (never used, never trained): the
-    # export carries the base model's tensor when it had one, so LeRobot's strict loader accepts it.
-    head = read_tensor(built.base_dir / WEIGHTS_FILE, internals.EXPERT_HEAD, rename=lerobot_name)
-    if head is not None:
-        internals.attach_expert_head(built.policy, head)
-        full[internals.EXPERT_HEAD] = head
+    if applied is not None:
+        model_info(built.policy)["trainable"] = applied.record()
     with atomic_dir(ctx.cfg.results("train")) as tmp:
         model_dir = tmp / "model"
         model_dir.mkdir()
         save_model(built.policy, model_dir, tokenizer_dir=built.base_dir / "tokenizer",
-                   dataset_stats=built.stats, state_dict=full)
+                   dataset_stats=built.stats,
+                   write_weights=lambda path: export_weights.write_policy_weights(
+                       built.policy, built.base_dir / WEIGHTS_FILE, path, is_main=True))
+        if spec is not None:
+            export_weights.write_adapter(built.policy, spec, built.base_dir, tmp / ADAPTER_DIR, is_main=True,
+                                         policy_config=built.policy.config)
         # how prompts were conditioned: the dataset's record, or the RECAP iteration's labels
         if ctx.cfg.iteration and built.conditioning is not None:
             built.conditioning.write(model_dir / CONDITIONING_FILE)

@@ -31,6 +31,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter] | Iterable[dict], *, lr
     items = list(params)
     if items and isinstance(items[0], dict):
         groups: list = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in items]
+        groups = [g for g in groups if g["params"]]  # a group frozen whole (train.trainable) drops out
     else:
         groups = [p for p in items if p.requires_grad]
     kwargs = {"fused": True} if fused else {"foreach": True}

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from pisft import config as config_mod
 from pisft.errors import PisftError
 from pisft.train import loop, optim
-from pisft.train.checkpoint import CheckpointManager, checkpoint_root, other_runs, run_fingerprint
+from pisft.train.checkpoint import CheckpointManager, base_record, checkpoint_root, other_runs, run_fingerprint
 from pisft.train.batches import make_loader, resolve_workers
 from pisft.train.export import export_model
 from pisft.train.fsdp import sharding_report
@@ -99,7 +99,7 @@ def run_plan(ctx: Context, plan: RunPlan) -> int:
         resolved = config_mod.resolved(cfg)
         ckpt = CheckpointManager(plan.ckpt_root, keep_last=cfg.train.keep_last, rank=ctx.rank,
                                  world_size=ctx.world_size, fingerprint=plan.fingerprint,
-                                 config=resolved, log=ctx.log)
+                                 config=resolved, log=ctx.log, base=base_record(built.base_dir))
         return _train(ctx, plan, built, scheduler, resolved, ckpt, t_start)
     finally:
         lock.release()

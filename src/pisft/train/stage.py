@@ -68,6 +68,7 @@ class Built:
     dataset_dir: Path
     prompt: Any = None  # the training prompt of a sample (advantage conditioning), or None
     conditioning: Any = None  # how the prompts are conditioned (data.prompts.PromptConditioning)
+    trainable: Any = None  # pisft.train.trainable.Applied: the mode applied (None: built before modes)
 
 
 def require_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
@@ -102,6 +103,7 @@ def build(ctx: Context) -> Built:
         raise PisftError(f"{data}: the train split has no frames; check split.json and data.eval_fraction")
     # One checkpointing level (per decoder layer); the unused expert lm_head detached.
     internals.prepare_for_training(policy, checkpointing=cfg.train.activation_checkpointing)
+    applied = apply_trainable(ctx, policy)
     mesh = init_device_mesh(ctx.info.device.type, (ctx.world_size,))
     # FSDP2 on N processes; one process trains unsharded, except the smoke (it measures the
     # sharded layout's memory). Moves the parameters and buffers to the device.
@@ -118,7 +120,25 @@ def build(ctx: Context) -> Built:
     conditioning = conditioning_of(cfg, data)
     prompt = LabelledPrompts(labels, conditioning) if labels is not None else training_prompt_fn(data)
     return Built(policy, task, train_set, stats, units, optimizer, base, data,
-                 prompt=prompt, conditioning=conditioning)
+                 prompt=prompt, conditioning=conditioning, trainable=applied)
+
+
+def apply_trainable(ctx: Context, model: nn.Module, *, value_model: bool = False):
+    """train.trainable (or recap.value_trainable) applied before sharding: LoRA adapters injected
+    (the same on every rank), frozen parameters `requires_grad=False` (FSDP2 then gives them no
+    gradient, the optimizer no state) and, under bf16, held in bf16 (`trainable.hold_frozen_in`)."""
+    from pisft.train import trainable
+
+    cfg = ctx.cfg
+    mode = cfg.recap.value_trainable if value_model else cfg.train.trainable
+    applied = trainable.apply_mode(model, mode, trainable.spec_for(cfg, value_model=value_model),
+                                   seed=cfg.train.seed, value_model=value_model)
+    cast = trainable.hold_frozen_in(model, cfg.train.precision)
+    if mode != "all":
+        ctx.log(f"{'recap.value_trainable' if value_model else 'train.trainable'}: {mode}: "
+                f"{applied.trainable:,} of {applied.total:,} parameters train"
+                + (f"; {cast:,} frozen ones held in bf16" if cast else ""))
+    return applied
 
 
 def setup_process(cfg: PisftConfig, stage: str, expected_world_size: int) -> Context:

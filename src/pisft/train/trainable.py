@@ -80,7 +80,7 @@ KEEP_FP32 = ("vision_tower", "multi_modal_projector", "input_layernorm", "post_a
 _GEMMA_LINEARS = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 _VLM_LAYERS = r"paligemma_with_expert\.paligemma\.model\.language_model\.layers\.\d+\."
 _EXPERT_LAYERS = r"paligemma_with_expert\.gemma_expert\.model\.layers\.\d+\."
-_PROJECTIONS = r"model\.(action_in_proj|action_out_proj|time_mlp_in|time_mlp_out)\."
+_PROJECTION_MODULES = ("model.action_in_proj", "model.action_out_proj", "model.time_mlp_in", "model.time_mlp_out")
 # RLinf's target list (`rlinf/models/__init__.py`): proj, qkv, fc1, fc2, q, kv, fc3, out_proj,
 # q_proj ... down_proj, lm_head, applied to `paligemma_with_expert.paligemma` only. Of these,
 # PaliGemma (transformers 5.5.4) has q/k/v/o_proj and gate/up/down_proj (Gemma), q/k/v/out_proj and
@@ -100,7 +100,13 @@ class LoraSpec:
     rank_pattern: dict[str, int] = field(default_factory=dict)  # peft: regex -> rank
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     init: str = "peft"  # peft (A kaiming-uniform, B zero) | gaussian (peft's) | openpi (A, B ~ N(0, 0.01))
-    train_full: tuple[str, ...] = ()  # regexes (re.search on parameter names) trained in full
+    # Modules trained in full beside the adapters: dotted suffixes of module names (PEFT's
+    # `modules_to_save` matching, `key.endswith(name)`; the adapter export lists them so).
+    full_modules: tuple[str, ...] = ()
+
+    def trains_in_full(self, name: str) -> bool:
+        dotted = "." + name
+        return any(f".{m}." in dotted for m in self.full_modules)
 
     def peft_config(self):
         from peft import LoraConfig
@@ -169,17 +175,16 @@ def lora_spec(targets: str, rank: int = 0, alpha: float = 0.0, *, value_model: b
         rank_pattern = {} if value_model or rank else {r".*gemma_expert\..*": expert_rank}
         alpha_pattern = ({} if value_model or alpha or rank
                          else {r".*gemma_expert\..*": float(expert_rank)})
-        full = [r"(^|\.)paligemma\.model\.(vision_tower|multi_modal_projector)\."]
-        if not value_model:
-            full.append(rf"(^|\.){_PROJECTIONS}")
+        full = ("paligemma.model.vision_tower", "paligemma.model.multi_modal_projector",
+                *(() if value_model else _PROJECTION_MODULES))
         return LoraSpec("openpi", f"{lead}{layers}{_GEMMA_LINEARS}", vlm_rank, alpha or float(vlm_rank),
-                        rank_pattern, alpha_pattern, init="openpi", train_full=tuple(full))
+                        rank_pattern, alpha_pattern, init="openpi", full_modules=full)
     # rlinf: get_peft_model on paligemma only (r = alpha = lora_rank, gaussian init, no dropout);
     # the action expert and the projections keep requires_grad and train in full.
     r = rank or RLINF_RANK
-    full = () if value_model else (r"(^|\.)paligemma_with_expert\.gemma_expert\.", rf"(^|\.){_PROJECTIONS}")
+    full = () if value_model else ("paligemma_with_expert.gemma_expert", *_PROJECTION_MODULES)
     return LoraSpec("rlinf", rf"{lead}paligemma_with_expert\.paligemma\..*\.{_RLINF_SUFFIXES}", r,
-                    alpha or float(r), init="gaussian", train_full=full)
+                    alpha or float(r), init="gaussian", full_modules=full)
 
 
 # ---------------------------------------------------------------------------- the pure rule
@@ -200,7 +205,7 @@ def is_trainable(name: str, mode: str, spec: LoraSpec | None = None, *, value_mo
     if mode == "lora":
         if spec is None:
             raise ValueError("mode lora needs its LoraSpec")
-        return bool(_LORA_PARAM.search(dotted)) or any(re.search(p, name) for p in spec.train_full)
+        return bool(_LORA_PARAM.search(dotted)) or spec.trains_in_full(name)
     raise ValueError(f"unknown trainable mode {mode!r} for the {'value model' if value_model else 'policy'}; "
                      f"one of {', '.join(VALUE_MODES if value_model else MODES)}")
 
@@ -226,7 +231,7 @@ class Applied:
                            "rank_pattern": dict(self.spec.rank_pattern),
                            "alpha_pattern": dict(self.spec.alpha_pattern),
                            "target_modules": self.spec.target_modules,
-                           "train_full": list(self.spec.train_full)}
+                           "full_modules": list(self.spec.full_modules)}
         return out
 
 
