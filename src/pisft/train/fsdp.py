@@ -16,6 +16,11 @@ its modules to run, the post-hook after the last, `_fsdp_state._register_group_f
   runs once per camera, so these units are NOT resharded after forward (gathered once per
   forward, kept until their backward, which then needs no second gather);
 - the action/time projections (one unit) and the token embedding when it is not tied.
+With the whole VLM frozen (`train.trainable: expert`) the forward runs the prefix first and
+without grad, then the expert (`lerobot_internals` 8.): the units are then one per VLM layer and
+one per expert layer in that order (a pair unit would stay gathered from its VLM half to its
+expert half, every pair at once), and the vision units are freed after their forward (they have
+no backward).
 Forward prefetch is explicit (each unit starts the next unit's all-gather) when the layers are
 not checkpointed (see `_checkpointed`); backward prefetch is FSDP2's default. Everything else
 (small final norms, the tied VLM `lm_head`/`embed_tokens` pair) lives in the root unit.
