@@ -30,13 +30,14 @@ CORES ?= all
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run test test-fast bench dvc-yaml lock clean help
+.PHONY: setup run run-pi05-cpu test test-fast bench dvc-yaml lock clean help
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make run    - install what is missing, run the whole pipeline on the embedded default"
 	@echo "make test   - install what is missing, run the whole test suite"
 	@echo "make bench  - benchmarks into results/bench/bench.json"
+	@echo "make run-pi05-cpu - the whole DAG with pi0.5 at its real size on this CPU (about 45 min; switches config/config.yaml)"
 	@echo "make setup  - only create/refresh .venv (idempotent)"
 	@echo "DEVICE=cpu|cuda|npu picks the pinned environment (npu: Ascend, CANN 9.1.0); now: $(DEVICE) -> $(LOCK)"
 
@@ -80,6 +81,14 @@ run: setup
 	@$(PY) -m pisft summary || true
 	@echo "Report: $(CURDIR)/results/eval/report.md"
 	@if [ -f results/recap/report.md ]; then echo "RECAP loop: $(CURDIR)/results/recap/report.md"; fi
+
+# pi0.5 at its real size (random weights, the VLM frozen) through the whole DAG on the CPU
+# (config/profiles/pi05-cpu.yaml; docs/what-has-run-where.md). `git checkout config/config.yaml
+# dvc.yaml` goes back to the embedded default.
+run-pi05-cpu: setup
+	$(PY) -m pisft profile config/profiles/pi05-cpu.yaml
+	snakemake --cores $(CORES)
+	@$(PY) -m pisft summary || true
 
 test: setup
 	$(PY) -m pytest -q

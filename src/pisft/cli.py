@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("estimate", help="parameter count and per-device memory estimate")
     _add_config(p)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--fits", action=argparse.BooleanOptionalAction, default=None,
+                   help="the largest micro batch of each train.trainable mode for pi0.5 on a 910B and an "
+                        "80 GB GPU (default: when model.preset is pi05; minutes)")
+    p.add_argument("--world-size", type=int, default=None, help="devices to shard over (default: the config's)")
 
     p = sub.add_parser("doctor", help="preflight: can this node run the configured training? "
                                       "(versions, devices, collectives, kernels, checkpoint; ~1 min)")
@@ -242,7 +246,7 @@ def _run(args: argparse.Namespace) -> int:
             return launch.main(args.stage, cfg, args.config, args.overrides)
         if args.command == "estimate":
             from pisft.inspect import estimate
-            return estimate.main(cfg, as_json=args.json)
+            return estimate.main(cfg, as_json=args.json, fits=args.fits, world_size=args.world_size)
         if args.command == "doctor":
             from pisft import doctor
             return doctor.main(cfg, as_json=args.json)

@@ -35,6 +35,7 @@ COMPONENT_BENCHES = {
     "train_loop": "pisft.bench.train_bench:run",
     "train_structure": "pisft.bench.train_structure:run",
     "data_loader": "pisft.bench.data_loader_bench:run",
+    "real_size": "pisft.bench.real_size:run",
 }
 PIPELINE = "pipeline"
 

@@ -30,6 +30,15 @@ Per device, at the moment of the step's peak (bytes; their sum is the peak):
                inputs, the vision tower's activations), one layer's recompute, autocast's casts
                and fp32 intermediates, backward temporaries and the unsharded bf16 gradients
                waiting for their reduce-scatter, the input batch
+  ema          with train.ema_decay set: the fp32 moving average of the trained parameters' shards
+
+The trainable mode (`train.trainable`, pisft.train.trainable) is applied to the simulated policy
+as the training applies it (`apply_mode`, then `hold_frozen_in`: frozen parameters in bf16 under
+train.precision=bf16): frozen parameters have no gradient, no optimizer state and no EMA copy,
+and with the whole VLM frozen (`expert`) the prefix runs without grad, its activations freed
+layer by layer (lerobot_internals 8.). `largest_micro_batches` (printed by `pisft estimate` for
+pi0.5) finds, per mode and checkpointing on/off, the largest micro batch whose estimate fits a
+device's memory less the smoke gate's headroom.
 `state_bytes` gives the whole model state (params, all gradient shards, optimizer).
 
 What the estimate is not: a device's reserved memory (the caching allocator holds more than the
@@ -60,7 +69,7 @@ from pisft.config import PisftConfig
 from pisft.model import policy as policy_mod
 
 GIB = 1 << 30
-CATEGORIES = ("params", "optimizer", "grads", "gathered", "activations")
+CATEGORIES = ("params", "optimizer", "grads", "gathered", "activations", "ema")
 # A storage created from inside these torch files is an FSDP collective buffer (all-gather
 # input/output, reduce-scatter input/output): torch/distributed/fsdp/_fully_shard/.
 _FSDP_FILES = ("_fsdp_collectives.py",)
@@ -237,13 +246,16 @@ def _fake_world(world_size: int) -> Iterator[Any]:
 
 
 def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batch: int,
-                  precision: str, checkpointing: bool, min_unit_params: int = 0) -> dict[str, Any]:
+                  precision: str, checkpointing: bool, min_unit_params: int = 0,
+                  ema: bool = False) -> dict[str, Any]:
     """One steady-state training step of rank 0 of `world_size`, on fake tensors: peak bytes.
 
     `make_policy()` returns a PI05Policy on the meta device. Returns the per-category bytes at
     the peak (`bytes`), the peak above the pre-step memory (`step_peak_bytes`, comparable to
     `pisft.inspect.measure`), the model state, the FSDP plan and where the peak happened.
     `min_unit_params`: the FSDP units' floor (`pisft.train.fsdp.merge_small_units`; 0: layer units).
+    `ema`: an exponential moving average of the trained parameters is kept (train.ema_decay): one
+    fp32 copy of each trained parameter's shard, held throughout (category `ema`).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -261,13 +273,14 @@ def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batc
     tracker = step.pop("tracker")
     step_peak, live, phase = tracker.peak(held=step["opt_ids"])
     at_peak = _at_peak(tracker, live, step)
+    at_peak["ema"] = step["ema_bytes"] if ema else 0
     return {
         "params_total": params_total,
         "params_trained": step["params_trained"],
         "bytes": at_peak | {"total": sum(at_peak.values())},
         "step_peak_bytes": step_peak,
         "state_bytes": {"params": step["params_bytes"], "grads": step["grads_bytes"],
-                        "optimizer": step["opt_bytes"]},
+                        "optimizer": step["opt_bytes"], "ema": at_peak["ema"]},
         "peak_phase": phase,
         "fsdp": plan,
         "sequence": sequence,
@@ -298,7 +311,8 @@ def _tracked_step(policy, mesh, micro_batch: int, precision: str,
     batch, rand = synthetic_batch(policy, micro_batch, cpu, seed=0)
     policy.train()
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    out: dict[str, Any] = {"params_bytes": _nbytes(policy.parameters())}
+    out: dict[str, Any] = {"params_bytes": _nbytes(policy.parameters()),
+                           "ema_bytes": sum(_local(p).numel() * 4 for p in trainable)}
     tracker = StepMemory()
     out["param_ids"] = tracker.register_existing(policy.parameters())
     with fused_joint_attention(), tracker:
@@ -377,6 +391,25 @@ def _estimate_policy(cfg: PisftConfig) -> tuple[Callable[[], Any], str]:
             f"preset {cfg.model.preset}")
 
 
+def with_mode(make: Callable[[], Any], mode: str, spec: Any, precision: str, seed: int = 0) -> Callable[[], Any]:
+    """`make` with the trainable mode applied as the training applies it (pisft.train.trainable:
+    `apply_mode`, then `hold_frozen_in` the training precision)."""
+    from pisft.train import trainable
+
+    def build():
+        policy = make()
+        trainable.apply_mode(policy, mode, spec, seed=seed)
+        trainable.hold_frozen_in(policy, precision)
+        return policy
+    return build
+
+
+def ema_enabled(cfg: PisftConfig) -> bool:
+    """Whether the training keeps an EMA of the trained parameters (train.ema_decay, when the
+    config has that key and sets it)."""
+    return bool(getattr(cfg.train, "ema_decay", None))
+
+
 _ELSEWHERE: dict[tuple[str, int], dict[str, Any]] = {}
 
 
@@ -415,15 +448,21 @@ def estimate_memory(cfg: PisftConfig, *, world_size: int | None = None) -> dict[
     from pisft import device as devices
     from pisft.train.fsdp import min_unit_params
 
+    from pisft.train import trainable
+
     make, model_from = _estimate_policy(cfg)
     t = cfg.train
+    make = with_mode(make, t.trainable, trainable.spec_for(cfg), t.precision, seed=t.seed)
     kind = devices.resolve_kind("auto") if cfg.device == "auto" else cfg.device
     smallest = min_unit_params(kind, t.fsdp_min_unit_params)
     sim = simulate_step(make, world_size=world, micro_batch=t.micro_batch_size, precision=t.precision,
-                        checkpointing=t.activation_checkpointing, min_unit_params=smallest)
+                        checkpointing=t.activation_checkpointing, min_unit_params=smallest,
+                        ema=ema_enabled(cfg))
     return {
         "model": model_from,
         "preset": cfg.model.preset,
+        "trainable": t.trainable,
+        "ema": ema_enabled(cfg),
         "params_total": sim["params_total"],
         "params_trained": sim["params_trained"],
         "params_untrained": sim["params_total"] - sim["params_trained"],
@@ -472,8 +511,8 @@ def format_report(est: dict[str, Any]) -> str:
     lines = [
         f"model            {est['model']}",
         f"parameters       {est['params_total'] / 1e6:,.1f} M in the training model, "
-        f"{est['params_trained'] / 1e6:,.1f} M receive gradients "
-        f"({est['params_untrained'] / 1e6:,.1f} M never do in pi0.5's loss)",
+        f"{est['params_trained'] / 1e6:,.1f} M receive gradients (train.trainable: {est.get('trainable', 'all')}; "
+        f"{est['params_untrained'] / 1e6:,.1f} M are frozen or never reached by pi0.5's loss)",
         f"step             world size {est['world_size']} (FSDP2 full sharding, {est['fsdp_units']} units), "
         f"micro batch {est['micro_batch_size']}, {est['precision']}, activation checkpointing "
         f"{'per decoder layer' if est['activation_checkpointing'] else 'off'}; sequence "
@@ -482,7 +521,8 @@ def format_report(est: dict[str, Any]) -> str:
     ]
     labels = {"params": "parameter shards (fp32)", "optimizer": "AdamW moment shards (fp32)",
               "grads": "gradient shards (fp32)", "gathered": "FSDP unsharded copies + buffers",
-              "activations": "activations + temporaries", "total": "total (peak allocated)"}
+              "activations": "activations + temporaries", "ema": "EMA of trained params (fp32)",
+              "total": "total (peak allocated)"}
     for key, label in labels.items():
         lines.append(f"  {label:<32} {est['gib'][key]:>10.3f}")
     lines.append("A device shows more: caching-allocator reserve, HCCL/NCCL buffers, workspaces, "
@@ -490,9 +530,153 @@ def format_report(est: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(cfg: PisftConfig, as_json: bool = False) -> int:
-    est = estimate_memory(cfg)
-    print(json.dumps(est, indent=2, sort_keys=True) if as_json else format_report(est))
+# ------------------------------------------------------------------------------------------------
+# The largest micro batch per mode (printed by `pisft estimate` for pi0.5)
+
+MIB = 1 << 20
+# Nominal device memory: Ascend 910B (64 GB HBM; npu-smi reports 65536 MB) and an 80 GB GPU
+# (A100/H100 80GB). The smoke gate's headroom (smoke.min_memory_headroom) and, on the NPU, HCCL's
+# buffers are taken off before a micro batch counts as fitting (as `one_card_gate` does).
+FIT_DEVICES = {"910B 64GB": ("npu", 65536 * MIB), "GPU 80GB": ("cuda", 81920 * MIB)}
+FIT_PRESET = "pi05"
+MAX_FIT_MICRO_BATCH = 1024  # no search above this (reported as ">= 1024")
+
+
+def _fit_total(raw: str, preset: str, mode: str, checkpointing: bool, micro_batch: int, world: int) -> int:
+    """The estimated per-device total of `preset` in `mode` (a worker of `largest_micro_batches`)."""
+    from pisft import config as config_mod
+    from pisft.train import trainable
+
+    cfg = config_mod.from_dict(json.loads(raw))
+    cfg.train.trainable = mode
+    t = cfg.train
+    make = with_mode(lambda: policy_mod.build_policy(preset, seed=0, device="meta", dtype="float32"),
+                     mode, trainable.spec_for(cfg), t.precision, seed=t.seed)
+    sim = simulate_step(make, world_size=world, micro_batch=micro_batch, precision=t.precision,
+                        checkpointing=checkpointing, ema=ema_enabled(cfg))
+    return int(sim["bytes"]["total"])
+
+
+def config_mod_dict(cfg: PisftConfig) -> dict[str, Any]:
+    from pisft import config as config_mod
+
+    return config_mod.to_dict(cfg)
+
+
+def _limit(kind: str, capacity: int, headroom: float) -> int:
+    from pisft.train.smoke import hccl_buffer_bytes
+
+    return int(capacity * (1 - headroom)) - hccl_buffer_bytes(kind, env={})
+
+
+def _search(total_at: Callable[[int], int], known: dict[int, int], limit: int, tries: int = 4) -> tuple[int, bool]:
+    """(largest micro batch whose total is <= limit, whether a neighbour above it was seen over the limit).
+
+    The total is affine in the micro batch within one peak phase and convex over all of them (a
+    maximum of affine terms): extrapolating the last two points overshoots, interpolating
+    between a fitting and a failing point undershoots, so a few simulated steps bracket it."""
+    for _ in range(tries):
+        fit = [b for b, v in known.items() if v <= limit]
+        over = [b for b, v in known.items() if v > limit]
+        lo = max(fit, default=0)
+        hi = min((b for b in over if b > lo), default=None)
+        if lo == 0 or (hi is not None and hi == lo + 1) or lo >= MAX_FIT_MICRO_BATCH:
+            break
+        if hi is None:
+            a, b = sorted(known)[-2:]
+            slope = max((known[b] - known[a]) / (b - a), 1.0)
+            guess = lo + int((limit - known[lo]) // slope)
+            guess = max(guess, lo + 1)
+        else:
+            slope = (known[hi] - known[lo]) / (hi - lo)
+            guess = lo + int((limit - known[lo]) // slope)
+            guess = min(max(guess, lo + 1), hi - 1)
+        guess = min(guess, MAX_FIT_MICRO_BATCH)
+        if guess in known:
+            break
+        known[guess] = total_at(guess)
+    fit = [b for b, v in known.items() if v <= limit]
+    lo = max(fit, default=0)
+    exact = lo == 0 or (lo + 1) in known or lo >= MAX_FIT_MICRO_BATCH
+    return lo, exact
+
+
+def largest_micro_batches(cfg: PisftConfig, *, world_size: int | None = None,
+                          modes: tuple[str, ...] | None = None, preset: str = FIT_PRESET,
+                          devices: dict[str, tuple[str, int]] | None = None) -> dict[str, Any]:
+    """For `preset` (pi0.5) at `world_size` (default: the configured one): per mode and
+    checkpointing on/off, the largest micro batch whose estimated per-device peak fits each of
+    `devices` (`FIT_DEVICES`: name -> (kind, bytes)) less the smoke gate's headroom. Two worker
+    processes simulate the steps."""
+    import concurrent.futures
+    import multiprocessing
+
+    from pisft.train.trainable import MODES
+
+    world = world_size or cfg.world_size
+    raw = json.dumps(config_mod_dict(cfg), sort_keys=True)
+    headroom = cfg.smoke.min_memory_headroom
+    devices = devices or FIT_DEVICES
+    out: dict[str, Any] = {"preset": preset, "world_size": world, "precision": cfg.train.precision,
+                           "headroom": headroom, "ema": ema_enabled(cfg),
+                           "devices": {n: c for n, (_, c) in devices.items()},
+                           "device_kinds": {n: k for n, (k, _) in devices.items()}, "modes": {}}
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
+        def totals(jobs):
+            futures = {key: pool.submit(_fit_total, raw, preset, key[0], key[1], key[2], world) for key in jobs}
+            return {key: f.result() for key, f in futures.items()}
+
+        cases = [(m, ck) for m in (modes or MODES) for ck in (True, False)]
+        known = {case: {} for case in cases}
+        for (m, ck, b), v in totals([(m, ck, b) for m, ck in cases for b in (1, 8)]).items():
+            known[(m, ck)][b] = v
+        for case in cases:
+            row = {}
+            for name, (kind, capacity) in devices.items():
+                limit = _limit(kind, capacity, headroom)
+                best, exact = _search(lambda b, c=case: totals([(c[0], c[1], b)])[(c[0], c[1], b)],
+                                      known[case], limit)
+                row[name] = {"micro_batch": best, "exact": exact, "limit_bytes": limit,
+                             "total_gib_at_1": round(known[case][1] / GIB, 2),
+                             "total_gib_at_best": round(known[case][best] / GIB, 2) if best else None}
+            out["modes"].setdefault(case[0], {})["checkpointing" if case[1] else "no_checkpointing"] = row
+    return out
+
+
+def format_fits(fits: dict[str, Any]) -> str:
+    names = list(fits["devices"])
+    lines = [f"largest micro batch per device, {fits['preset']} at world size {fits['world_size']} "
+             f"({fits['precision']}; fits = estimate <= capacity less {fits['headroom']:.0%} headroom"
+             f"{' and HCCL buffers on the NPU' if 'npu' in fits['device_kinds'].values() else ''}"
+             f"{'; EMA counted' if fits['ema'] else ''}):",
+             f"  {'train.trainable':<16}{'checkpointing':<15}" + "".join(f"{n:>14}" for n in names)]
+    for mode, rows in fits["modes"].items():
+        for key, label in (("checkpointing", "on"), ("no_checkpointing", "off")):
+            cells = []
+            for n in names:
+                cell = rows[key][n]
+                b = cell["micro_batch"]
+                text = "none" if b == 0 else (f">={b}" if b >= MAX_FIT_MICRO_BATCH else str(b))
+                cells.append(f"{text + ('' if cell['exact'] else '?'):>14}")
+            lines.append(f"  {mode:<16}{label:<15}" + "".join(cells))
+    lines.append("  (?: the search stopped before bracketing it; none: micro batch 1 does not fit)")
+    return "\n".join(lines)
+
+
+def main(cfg: PisftConfig, as_json: bool = False, fits: bool | None = None,
+         world_size: int | None = None) -> int:
+    """`pisft estimate`: the configured step; and for pi0.5 (by default when model.preset is pi05,
+    or with --fits) the largest micro batch of each mode on a 910B and an 80 GB GPU."""
+    est = estimate_memory(cfg, world_size=world_size)
+    show_fits = cfg.model.preset == FIT_PRESET if fits is None else fits
+    table = largest_micro_batches(cfg, world_size=world_size) if show_fits else None
+    if as_json:
+        print(json.dumps(est | ({"largest_micro_batches": table} if table else {}), indent=2, sort_keys=True))
+    else:
+        print(format_report(est))
+        if table:
+            print(format_fits(table))
     return 0
 
 

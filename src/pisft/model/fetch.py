@@ -78,6 +78,21 @@ def _fetch_tiny(cfg: PisftConfig, out: Path) -> dict[str, Any]:
             "files": {policy_mod.WEIGHTS_FILE: {"how": "written"}}}
 
 
+def _fetch_random(cfg: PisftConfig, out: Path) -> dict[str, Any]:
+    """model.source 'random': model.preset's sizes, random weights from model.init_seed, in bf16
+    (LeRobot's `to_bfloat16_for_selected_params` keeps the vision path and norms in fp32), written
+    in LeRobot layout like any fetched model (sources.py)."""
+    if cfg.model.tokenizer:
+        raise ModelLoadError("model.tokenizer: must be empty with model.source 'random' (the random model "
+                             "uses pisft's small tokenizer, whose ids fit any embedding)")
+    policy = policy_mod.build_random_weights(cfg.model.preset, seed=cfg.model.init_seed, dtype="bfloat16")
+    save_tiny_tokenizer(out / policy_mod.TOKENIZER_DIR)
+    policy_mod.save_model(policy, out, tokenizer_dir=out / policy_mod.TOKENIZER_DIR)
+    return {"source": "random", "kind": "random", "init_seed": cfg.model.init_seed,
+            "init": "normal(0, 0.02) matrices, zero vectors", "dtype": "bfloat16",
+            "files": {policy_mod.WEIGHTS_FILE: {"how": "written"}}}
+
+
 def _tokenizer_source(cfg: PisftConfig, directory: Path) -> tuple[Path, str, str | None]:
     """(path, where it came from, a note or None): model.tokenizer, else the source's own."""
     spec = cfg.model.tokenizer
@@ -339,6 +354,8 @@ def run(cfg: PisftConfig) -> Path:
     with atomic_dir(final) as out:
         if source.kind == "tiny":
             record = _fetch_tiny(cfg, out)
+        elif source.kind == "random":
+            record = _fetch_random(cfg, out)
         else:
             record = _fetch_directory(cfg, source, out)
         size = (out / policy_mod.WEIGHTS_FILE).stat().st_size

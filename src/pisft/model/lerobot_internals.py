@@ -76,6 +76,24 @@ changes underneath. Nothing else in pisft patches or inspects LeRobot's private 
    `PI05Pytorch.sample_actions` runs the prefix, with the VLM's attention set to "eager" as it does.
    The action expert (`gemma_expert`) and the action/time projections are removed: the value model
    never calls them, so they are neither sharded, trained nor saved.
+8. The frozen prefix (`frozen_prefix_forward`, `prefix_frozen`). When every parameter of the
+   PaliGemma VLM (vision tower, projector, token embedding, decoder layers) is frozen
+   (`requires_grad` False: `train.trainable: expert`, LeRobot's `train_expert_only`), the prefix
+   (images + prompt) is a constant of the micro-step. pi0.5's attention mask lets the prefix
+   attend only to itself: `embed_prefix` gives every prefix token the autoregressive mask 0 and
+   `embed_suffix` opens the action block with a 1, so `make_att_2d_masks` (token i attends to j
+   iff cumsum(att)[j] <= cumsum(att)[i]) never lets a prefix row see a suffix column. Each VLM
+   layer's prefix output, and hence its keys/values, is therefore the same whether the suffix
+   runs beside it (`compute_layer_complete`'s joint layer) or after it, which is how LeRobot's
+   inference runs (`sample_actions`: the prefix with a KV cache, then `denoise_step` for the
+   suffix). `frozen_prefix_forward` is `PI05Pytorch.forward` split that way: the prefix once
+   under `torch.no_grad()` (each VLM layer's post-rotary K/V kept, a few MB per sample), then the
+   action expert's layers over the suffix, each attending to [prefix K/V, its own K/V], with
+   per-layer checkpointing of the expert layers only. Nothing of the prefix is saved for
+   backward or recomputed in it. The layer steps are `compute_layer_complete`'s, stream by
+   stream (`_LAYER_STEPS` checks its source); tests/test_frozen_prefix.py checks the same loss
+   and the same gradients of every trainable parameter as the joint forward (tiny preset, fp32).
+   A prefix with any trainable parameter (`all`, `no_vision`, `lora`) keeps the joint path.
 """
 
 from __future__ import annotations
@@ -400,19 +418,33 @@ def _embed_suffix(self, noisy_actions, timestep):
 
 
 @contextlib.contextmanager
-def sync_free_forward(policy) -> Iterator[None]:
+def sync_free_forward(policy, *, frozen_prefix: bool | None = None) -> Iterator[None]:
     """Within the block, `policy(batch)` returns the training loss tensor: no host sync, no
-    tensor copied from a Python list, no float64 (see 5. above)."""
+    tensor copied from a Python list, no float64 (see 5. above).
+
+    `frozen_prefix`: run the prefix once without grad (`frozen_prefix_forward`, 8. above); None:
+    exactly when every VLM parameter is frozen (`prefix_frozen`). True with a trainable VLM
+    parameter is refused (its gradient would silently be zero)."""
     core = policy.model
+    frozen = prefix_frozen(policy)
+    if frozen_prefix and not frozen:
+        raise ValueError("frozen_prefix=True but the PaliGemma VLM has trainable parameters: the frozen-prefix "
+                         "forward would give them no gradient; freeze the VLM (train.trainable: expert) or "
+                         "leave frozen_prefix to None")
+    use_frozen = frozen if frozen_prefix is None else frozen_prefix
     policy.forward = _loss_forward.__get__(policy)
     core.embed_prefix = _embed_prefix.__get__(core)
     core.embed_suffix = _embed_suffix.__get__(core)
+    if use_frozen:
+        core.forward = frozen_prefix_forward.__get__(core)
     try:
         yield
     finally:
         del policy.forward
         del core.embed_prefix
         del core.embed_suffix
+        if use_frozen:
+            del core.forward
 
 
 @contextlib.contextmanager
@@ -558,6 +590,7 @@ def structure_problems() -> list[str]:
         problems.append(f"PI05Pytorch.denoise_step takes {step_params[1:]}, not (prefix_pad_masks, "
                         "past_key_values, x_t, timestep): revisit velocity_hook")
     problems += _prefix_problems(m)
+    problems += _frozen_prefix_problems(m)
     if not hasattr(processor_pi05, "TokenizerProcessorStep"):
         problems.append("processor_pi05.TokenizerProcessorStep no longer exists")
     elif "TokenizerProcessorStep(" not in inspect.getsource(processor_pi05.make_pi05_pre_post_processors):
@@ -580,4 +613,149 @@ def _prefix_problems(m) -> list[str]:
     for needle in ("inputs_embeds=[prefix_embs, None]", '_attn_implementation = "eager"'):
         if needle not in sample:
             problems.append(f"PI05Pytorch.sample_actions no longer contains {needle!r}: revisit vlm_prefix_readout")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------
+# 8. The frozen prefix: prefix once without grad, then the expert's layers over the suffix.
+
+# What compute_layer_complete must still do for `_prefix_layer` / `_suffix_layer` to be its steps.
+_LAYER_STEPS = ("layernorm_forward(layer.input_layernorm, hidden_states, adarms_cond[i])",
+                "layer.self_attn.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+                "torch.cat(key_states, dim=2)", "cos, sin = rotary_emb(dummy_tensor, position_ids)",
+                "modeling_gemma.apply_rotary_pos_emb(", "modeling_gemma.eager_attention_forward(",
+                "att_output.reshape(batch_size, -1, 1 * 8 * head_dim)",
+                "_gated_residual(hidden_states, out_emb, gates[i])", "after_first_residual = out_emb.clone()",
+                "layernorm_forward(layer.post_attention_layernorm, out_emb, adarms_cond[i])",
+                "if layer.mlp.up_proj.weight.dtype == torch.bfloat16:",
+                "_gated_residual(after_first_residual, out_emb, gate)")
+# What PI05Pytorch.forward must still do for `frozen_prefix_forward` to be the same computation.
+_CORE_FORWARD_STEPS = ("x_t = time_expanded * noise + (1 - time_expanded) * actions", "u_t = noise - actions",
+                       "self.embed_prefix(images, img_masks, tokens, masks)", "self.embed_suffix(x_t, time)",
+                       "suffix_embs = suffix_embs.to(dtype=torch.bfloat16)",
+                       "torch.cat([prefix_pad_masks, suffix_pad_masks], dim=1)",
+                       "make_att_2d_masks(pad_masks, att_masks)", "torch.cumsum(pad_masks, dim=1) - 1",
+                       "prepare_attention_masks_4d(att_2d_masks)", "adarms_cond=[None, adarms_cond]",
+                       "suffix_out[:, -self.config.chunk_size :]", "suffix_out.to(dtype=torch.float32)",
+                       "self.action_out_proj(suffix_out)", 'F.mse_loss(u_t, v_t, reduction="none")')
+
+
+def prefix_frozen(policy) -> bool:
+    """Whether no parameter of the PaliGemma VLM (the whole prefix) is trainable (8. above)."""
+    paligemma = policy.model.paligemma_with_expert.paligemma
+    return not any(p.requires_grad for p in paligemma.parameters())
+
+
+def _rotary(rotary_emb, like: torch.Tensor, position_ids: torch.Tensor):
+    dummy = torch.zeros(like.shape[0], like.shape[2], like.shape[-1], device=like.device, dtype=like.dtype)
+    return rotary_emb(dummy, position_ids)
+
+
+def _qkv(layer, hidden, cond):
+    m = _modeling()
+    hidden, gate = m.layernorm_forward(layer.input_layernorm, hidden, cond)
+    shape = (*hidden.shape[:-1], -1, layer.self_attn.head_dim)
+    q = layer.self_attn.q_proj(hidden).view(shape).transpose(1, 2)
+    k = layer.self_attn.k_proj(hidden).view(shape).transpose(1, 2)
+    v = layer.self_attn.v_proj(hidden).view(shape).transpose(1, 2)
+    return q, k, v, gate
+
+
+def _layer_out(layer, hidden, att_output, gate, cond):
+    """compute_layer_complete's second half for one stream: o_proj, residuals, MLP."""
+    m = _modeling()
+    if att_output.dtype != layer.self_attn.o_proj.weight.dtype:
+        att_output = att_output.to(layer.self_attn.o_proj.weight.dtype)
+    out = m._gated_residual(hidden, layer.self_attn.o_proj(att_output), gate)  # noqa: SLF001
+    after_first_residual = out.clone()
+    out, gate = m.layernorm_forward(layer.post_attention_layernorm, out, cond)
+    if layer.mlp.up_proj.weight.dtype == torch.bfloat16:
+        out = out.to(dtype=torch.bfloat16)
+    return m._gated_residual(after_first_residual, layer.mlp(out), gate)  # noqa: SLF001
+
+
+def _attend(layer, q, k, v, mask):
+    m = _modeling()
+    out, _ = m.modeling_gemma.eager_attention_forward(layer.self_attn, q, k, v, mask, layer.self_attn.scaling)
+    return out.reshape(q.shape[0], -1, 1 * 8 * layer.self_attn.head_dim)
+
+
+def _prefix_layer(layer, hidden, mask, position_ids, rotary_emb):
+    """One VLM layer over the prefix alone: (its output, its post-rotary keys, its values)."""
+    m = _modeling()
+    q, k, v, gate = _qkv(layer, hidden, None)
+    cos, sin = _rotary(rotary_emb, q, position_ids)
+    q, k = m.modeling_gemma.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    return _layer_out(layer, hidden, _attend(layer, q, k, v, mask), gate, None), k, v
+
+
+def _suffix_layer(hidden, prefix_k, prefix_v, mask, position_ids, cond, *, layer, rotary_emb):
+    """One action-expert layer over the suffix, attending to [prefix K/V, its own K/V]."""
+    m = _modeling()
+    q, k, v, gate = _qkv(layer, hidden, cond)
+    cos, sin = _rotary(rotary_emb, q, position_ids)
+    q, k = m.modeling_gemma.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    k = torch.cat([prefix_k, k], dim=2)
+    v = torch.cat([prefix_v, v], dim=2)
+    return _layer_out(layer, hidden, _attend(layer, q, k, v, mask), gate, cond)
+
+
+def frozen_prefix_forward(self, images, img_masks, tokens, masks, actions, noise, time):
+    """PI05Pytorch.forward for a frozen VLM (8. above): same inputs, same per-element losses."""
+    import torch.nn.functional as F
+    from lerobot.policies.common.vla_utils import make_att_2d_masks, prepare_attention_masks_4d
+
+    time_expanded = time[:, None, None]
+    x_t = time_expanded * noise + (1 - time_expanded) * actions
+    u_t = noise - actions
+    pwe = self.paligemma_with_expert
+    vlm = pwe.paligemma.model.language_model
+    expert = pwe.gemma_expert.model
+    with torch.no_grad():
+        prefix_embs, prefix_pad_masks, prefix_att_masks = self.embed_prefix(images, img_masks, tokens, masks)
+    suffix_embs, suffix_pad_masks, suffix_att_masks, adarms_cond = self.embed_suffix(x_t, time)
+    if vlm.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16:
+        suffix_embs = suffix_embs.to(dtype=torch.bfloat16)
+        prefix_embs = prefix_embs.to(dtype=torch.bfloat16)
+    pad_masks = torch.cat([prefix_pad_masks, suffix_pad_masks], dim=1)
+    att_masks = torch.cat([prefix_att_masks, suffix_att_masks], dim=1)
+    position_ids = torch.cumsum(pad_masks, dim=1) - 1
+    mask_4d = prepare_attention_masks_4d(make_att_2d_masks(pad_masks, att_masks))
+    n = prefix_embs.shape[1]
+    kv = []
+    with torch.no_grad():
+        hidden = prefix_embs
+        for layer in vlm.layers:  # every part of every layer runs (FSDP2 reshards a unit after its last)
+            hidden, k, v = _prefix_layer(layer, hidden, mask_4d[:, :, :n, :n], position_ids[:, :n],
+                                         vlm.rotary_emb)
+            kv.append((k, v))
+        del hidden
+    checkpointing = bool(getattr(expert, "gradient_checkpointing", False)) and self.training
+    hidden = suffix_embs
+    suffix_mask, suffix_pos = mask_4d[:, :, n:, :], position_ids[:, n:]
+    for layer, (k, v) in zip(expert.layers, kv, strict=True):
+        if checkpointing:
+            hidden = torch.utils.checkpoint.checkpoint(
+                _suffix_layer, hidden, k, v, suffix_mask, suffix_pos, adarms_cond, use_reentrant=False,
+                preserve_rng_state=False, layer=layer, rotary_emb=vlm.rotary_emb)
+        else:
+            hidden = _suffix_layer(hidden, k, v, suffix_mask, suffix_pos, adarms_cond, layer=layer,
+                                   rotary_emb=vlm.rotary_emb)
+    suffix_out, _ = _modeling().layernorm_forward(expert.norm, hidden, adarms_cond)
+    suffix_out = suffix_out[:, -self.config.chunk_size:].to(dtype=torch.float32)
+    v_t = self.action_out_proj(suffix_out)
+    return F.mse_loss(u_t, v_t, reduction="none")
+
+
+def _frozen_prefix_problems(m) -> list[str]:
+    problems = [f"compute_layer_complete no longer contains {s!r}: revisit _prefix_layer/_suffix_layer"
+                for s in _LAYER_STEPS if s not in inspect.getsource(m.compute_layer_complete)]
+    src = inspect.getsource(m.PI05Pytorch.forward)
+    problems += [f"PI05Pytorch.forward no longer contains {s!r}: revisit frozen_prefix_forward"
+                 for s in _CORE_FORWARD_STEPS if s not in src]
+    fwd = inspect.getsource(m.PaliGemmaWithExpertModel.forward)
+    for needle in ("self.paligemma.model.language_model.rotary_emb", "self.gemma_expert.model.norm"):
+        if needle not in fwd:
+            problems.append(f"PaliGemmaWithExpertModel.forward no longer uses {needle}: revisit "
+                            "frozen_prefix_forward")
     return problems

@@ -13,6 +13,8 @@ A directory without pisft_model.json (e.g. `lerobot/pi05_base`) has LeRobot's ow
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import copy
 import dataclasses
 import json
@@ -236,6 +238,24 @@ def read_model_info(model_dir: str | Path) -> dict[str, Any]:
     return info
 
 
+def build_random_weights(preset: str, *, seed: int, dtype: torch.dtype | str | None = None):
+    """A PI05Policy of `preset` without LeRobot's (slow, fp32) init: built uninitialised in `dtype`,
+    then every matrix drawn from normal(0, 0.02) and every vector set to 0 with a generator seeded
+    by `seed` (identical for the same seed; model.source 'random'). At pi0.5's size in bf16 this
+    never holds the fp32 model."""
+    spec = get_preset(preset)
+    info = {"preset": preset, "arch": spec.arch.to_dict() if spec.arch is not None else None}
+    policy = policy_from_config(make_config(preset, dtype=dtype), info, device="cpu", dtype=dtype, init=False)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.zero_()
+    return policy
+
+
 def policy_from_config(config, info: dict[str, Any], *, device: str = "cpu",
                        dtype: torch.dtype | str | None = None, init: bool = False):
     """An (uninitialised unless `init`) policy of the given config and sizes."""
@@ -248,10 +268,15 @@ def policy_from_config(config, info: dict[str, Any], *, device: str = "cpu",
 
 
 def load_policy(model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype | str | None = None,
-                preset: str | None = None):
+                preset: str | None = None, hold_bf16: Callable[[str], bool] | None = None):
     """Load a model directory STRICTLY: any missing, unexpected or mis-shaped tensor raises.
 
     `preset`: if given, the directory must hold that preset (e.g. "pi05" refuses a tiny model).
+    `hold_bf16(name)`: parameters held in bf16 from the start (the frozen ones of a bf16 run,
+    `pisft.train.stage.frozen_in_bf16`). Their storage in `dtype` is replaced by an empty bf16
+    one before anything is written to it, and the file's values are copied (rounded) into that:
+    the same tensors as loading in `dtype` and casting after (`trainable.hold_frozen_in`), without
+    the whole model in fp32 ever being resident (pi0.5: 13.4 GB per process otherwise).
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -262,6 +287,10 @@ def load_policy(model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtyp
         raise ModelLoadError(f"{model_dir}: holds a '{info['preset']}' model but model.preset is "
                              f"'{preset}'; set model.preset: {info['preset']} or fetch the right model")
     policy = policy_from_config(config, info, device="cpu", dtype=dtype, init=False)
+    if hold_bf16 is not None:
+        for name, p in policy.named_parameters():  # tied parameters once
+            if p.dtype == torch.float32 and hold_bf16(name):
+                p.data = torch.empty_like(p, dtype=torch.bfloat16)
     # The action expert's lm_head is never used (lerobot_internals 5.): a file may lack it.
     weights_mod.load_strict(policy, model_dir / WEIGHTS_FILE, rename=weights_mod.lerobot_name,
                             optional=frozenset({internals.EXPERT_HEAD}))

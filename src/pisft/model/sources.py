@@ -2,6 +2,10 @@
 
 `model.source`:
   tiny                        built locally (random init from model.init_seed, own tokenizer)
+  random                      built locally at model.preset's size (any preset, pi05 too): every
+                              matrix drawn from normal(0, 0.02) with model.init_seed, vectors 0,
+                              pisft's small tokenizer (its ids fit any embedding); for running the
+                              real-size pipeline where real weights cannot be fetched
   /path/to/dir                a local directory: LeRobot layout (config.json with "type": "pi05"
                               + model.safetensors, as `lerobot/pi05_base`), an openpi checkpoint
                               converted to PyTorch (config.json with `paligemma_variant` and
@@ -48,7 +52,7 @@ RLINF_WEIGHTS = ("actor/model_state_dict/full_weights.pt", "model_state_dict/ful
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    kind: str  # "tiny" | "local" | "hf"
+    kind: str  # "tiny" | "random" | "local" | "hf"
     text: str  # as written in the config
     path: Path | None = None
     repo_id: str | None = None
@@ -57,8 +61,8 @@ class Source:
 
 def parse_source(text: str) -> Source:
     text = text.strip()
-    if text == "tiny":
-        return Source(kind="tiny", text=text)
+    if text in ("tiny", "random"):
+        return Source(kind=text, text=text)
     if text.startswith(HF_PREFIX):
         spec = text[len(HF_PREFIX):]
         repo_id, _, revision = spec.partition("@")
@@ -76,7 +80,7 @@ def parse_source(text: str) -> Source:
                                  f"(hf://{repo_id}@main) or leave out the '@'")
         return Source(kind="hf", text=text, repo_id=repo_id, revision=revision or None)
     if not text:
-        raise ModelLoadError("model.source is empty; use 'tiny', a local directory or hf://<repo_id>")
+        raise ModelLoadError("model.source is empty; use 'tiny', 'random', a local directory or hf://<repo_id>")
     return Source(kind="local", text=text, path=Path(text).expanduser())
 
 

@@ -177,12 +177,13 @@ class ValueModelConfig:
         return config
 
 
-def from_base(base_dir: Path, *, bins: int, preset: str | None, seed: int) -> ValueModel:
+def from_base(base_dir: Path, *, bins: int, preset: str | None, seed: int, hold_bf16=None) -> ValueModel:
     """A value model whose backbone is the base model's (loaded strictly), read-out token and
-    head freshly initialised from `seed` (identical on every process)."""
+    head freshly initialised from `seed` (identical on every process). `hold_bf16`: as
+    `load_policy`'s (the frozen parameters of a bf16 run loaded straight into bf16)."""
     from pisft.model.policy import load_policy
 
-    policy = load_policy(base_dir, device="cpu", dtype="float32", preset=preset)
+    policy = load_policy(base_dir, device="cpu", dtype="float32", preset=preset, hold_bf16=hold_bf16)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return ValueModel(policy, bins)

@@ -55,7 +55,7 @@ from pisft.recap.value_task import ValueTask
 from pisft.train import fsdp, optim
 from pisft.train.checkpoint import run_folder
 from pisft.train.run import RunPlan, run_plan
-from pisft.train.stage import Built, Context, apply_trainable, require_inputs
+from pisft.train.stage import Built, Context, apply_trainable, frozen_in_bf16, require_inputs
 
 def require_value_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
     base, data = require_inputs(cfg, stage)
@@ -100,7 +100,8 @@ def _pieces(cfg: PisftConfig, stage: str, device: torch.device) -> _Pieces:
     returns = read_returns(data)
     scale = ReturnRange.of(returns)
     model = value_model.from_base(base, bins=cfg.recap.value_bins, preset=cfg.model.preset,
-                                  seed=cfg.train.seed)
+                                  seed=cfg.train.seed,
+                                  hold_bf16=frozen_in_bf16(cfg, value_model=True, prefix="policy."))
     model.policy.config.device = str(device)
     image_keys = tuple(model.policy.config.image_features)
     train_set = ValueFrames(data, "train", returns, scale, image_keys)

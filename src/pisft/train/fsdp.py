@@ -16,6 +16,11 @@ its modules to run, the post-hook after the last, `_fsdp_state._register_group_f
   runs once per camera, so these units are NOT resharded after forward (gathered once per
   forward, kept until their backward, which then needs no second gather);
 - the action/time projections (one unit) and the token embedding when it is not tied.
+With the whole VLM frozen (`train.trainable: expert`) the forward runs the prefix first and
+without grad, then the expert (`lerobot_internals` 8.): the units are then one per VLM layer and
+one per expert layer in that order (a pair unit would stay gathered from its VLM half to its
+expert half, every pair at once), and the vision units are freed after their forward (they have
+no backward).
 Forward prefetch is explicit (each unit starts the next unit's all-gather) when the layers are
 not checkpointed (see `_checkpointed`); backward prefetch is FSDP2's default. Everything else
 (small final norms, the tied VLM `lm_head`/`embed_tokens` pair) lives in the root unit.
@@ -48,6 +53,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
+from pisft.model.lerobot_internals import prefix_frozen
 
 # Modules whose parameters stay in the root unit: they are never called (unused LM heads).
 _UNCALLED = ("lm_head",)
@@ -106,32 +113,47 @@ def pi05_units(policy: nn.Module) -> list[Unit]:
         raise TypeError(f"{type(policy).__name__} is not a LeRobot PI05Policy")
     pwe = core.paligemma_with_expert
     prefix = "model.paligemma_with_expert.paligemma.model"
-    units = prefix_units(policy, pwe.paligemma.model, prefix)
+    frozen = prefix_frozen(policy)
+    units = prefix_units(policy, pwe.paligemma.model, prefix, frozen=frozen)
     lm = pwe.paligemma.model.language_model
     # Called before the decoder (embed_suffix) and after it (action_out_proj): one small unit.
-    action = tuple(getattr(core, n) for n in ("action_in_proj", "time_mlp_in", "time_mlp_out",
-                                               "action_out_proj"))
-    units.append(Unit("model.action_time_projections", "action", action))
+    action = Unit("model.action_time_projections", "action",
+                  tuple(getattr(core, n) for n in ("action_in_proj", "time_mlp_in", "time_mlp_out",
+                                                   "action_out_proj")))
     expert_layers = pwe.gemma_expert.model.layers
+    if frozen:
+        # The frozen-prefix forward (lerobot_internals 8.) runs every VLM layer over the prefix
+        # first, without grad, then the expert's layers over the suffix: one unit per layer, in
+        # that order, each gathered once and freed after its forward (the VLM's have no backward).
+        units += [Unit(f"{prefix}.language_model.layers.{i}", "vlm_decoder", _layer_parts(layer))
+                  for i, layer in enumerate(lm.layers)]
+        units.append(action)
+        units += [Unit(f"model.paligemma_with_expert.gemma_expert.model.layers.{i}", "decoder",
+                       _layer_parts(layer)) for i, layer in enumerate(expert_layers)]
+        return units
+    units.append(action)
     for i, (vlm_layer, expert_layer) in enumerate(zip(lm.layers, expert_layers, strict=True)):
         units.append(Unit(f"decoder_pair.{i}", "decoder",
                           _layer_parts(vlm_layer) + _layer_parts(expert_layer)))
     return units
 
 
-def prefix_units(model: nn.Module, pg: nn.Module, prefix: str) -> list[Unit]:
+def prefix_units(model: nn.Module, pg: nn.Module, prefix: str, *, frozen: bool = False) -> list[Unit]:
     """The units of PaliGemma's vision-language prefix (`pg`: the PaliGemma model, named `prefix`
     in `model`): the SigLIP embeddings, each encoder layer and the post-layernorm + projector
     (gathered once per forward, see the module docstring), and the token embedding when it is not
-    tied (pisft ties it to the unused lm_head: then it stays in the root)."""
+    tied (pisft ties it to the unused lm_head: then it stays in the root). `frozen`: the prefix
+    runs without grad (lerobot_internals 8.), so the vision units have no backward and are freed
+    after their forward."""
     vision = pg.vision_tower.vision_model
     vp = f"{prefix}.vision_tower.vision_model"
-    units = [Unit(f"{vp}.embeddings", "vision", (vision.embeddings,), reshard_after_forward=False)]
-    units += [Unit(f"{vp}.encoder.layers.{i}", "vision", (layer,), reshard_after_forward=False)
+    free = frozen  # reshard after forward: only when there is no backward to keep it for
+    units = [Unit(f"{vp}.embeddings", "vision", (vision.embeddings,), reshard_after_forward=free)]
+    units += [Unit(f"{vp}.encoder.layers.{i}", "vision", (layer,), reshard_after_forward=free)
               for i, layer in enumerate(vision.encoder.layers)]
     head = tuple(m for m in (getattr(vision, "post_layernorm", None), pg.multi_modal_projector)
                  if m is not None)
-    units.append(Unit(f"{prefix}.multi_modal_projector", "vision", head, reshard_after_forward=False))
+    units.append(Unit(f"{prefix}.multi_modal_projector", "vision", head, reshard_after_forward=free))
     lm = pg.language_model
     if not _is_tied(model, lm.embed_tokens):
         units.append(Unit(f"{prefix}.language_model.embed_tokens", "embed", (lm.embed_tokens,)))

@@ -91,6 +91,9 @@ class PolicyTask:
         self._collate: HostCollate | None = None
         self._device_step: Any = None  # the preprocessor's last step alone (LeRobot's device copies)
         self.image_keys = frozenset(cfg.image_features)
+        # The frozen-prefix forward (lerobot_internals 8.): None = whenever the whole VLM is frozen;
+        # False forces the joint forward (the benchmark's before/after comparison).
+        self.frozen_prefix: bool | None = None
         set_non_blocking_transfers(preprocessor)
 
     def draw(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -134,7 +137,7 @@ class PolicyTask:
 
     def loss(self, model: nn.Module, batch: dict[str, Any], rand: dict[str, torch.Tensor]) -> torch.Tensor:
         with injected_flow_samples(self.core, rand["noise"], rand["time"]), \
-                sync_free_forward(self.policy), \
+                sync_free_forward(self.policy, frozen_prefix=self.frozen_prefix), \
                 torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             loss = model(batch)  # through __call__: FSDP hooks run; no .item() inside
         return loss.float()

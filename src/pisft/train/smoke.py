@@ -227,6 +227,7 @@ def _report_head(ctx: Context) -> dict[str, Any]:
         "micro_batch_size": t.micro_batch_size,
         "precision": t.precision,
         "activation_checkpointing": t.activation_checkpointing,
+        "trainable": t.trainable,
         "smoke_steps": cfg.smoke.steps,
         "target_world_size": cfg.world_size,
         "environment": env_summary(),
@@ -361,9 +362,32 @@ def _memory_projection(ctx: Context, run: SmokeRun, report: dict[str, Any]) -> d
         fields["adamw_state_bytes_analytic"] = int(adam)
     state = model_state_bytes(policy, optimizer)
     fields["model_state_bytes"] = state
+    fields["tensors_vs_estimate"] = tensors_vs_estimate(policy, optimizer, report.get("estimate"))
     fields["projected_peak_memory_bytes_per_device"] = project_memory(
         report["peak_memory_bytes"], state, ctx.cfg.world_size, adam)
     return fields
+
+
+def tensors_vs_estimate(policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        estimate: Any) -> dict[str, Any]:
+    """The model state this 1-device smoke run holds, tensor by tensor (parameters in their
+    training dtypes, the optimizer's moments), beside the estimate's for 1 device
+    (`pisft.inspect.estimate`, the same train.trainable mode applied): what the mode froze
+    shows in both."""
+    from pisft.train.trainable import count_parameters
+
+    params = sum(_local_bytes(p) for p in policy.parameters())
+    moments = sum(_local_bytes(v) for st in optimizer.state.values() for v in st.values()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0)
+    out: dict[str, Any] = {"measured_params_bytes": params, "measured_optimizer_bytes": moments,
+                           "params": count_parameters(policy)}
+    one = (estimate or {}).get("1", {}).get("state_bytes") if isinstance(estimate, dict) else None
+    if one:
+        out["estimated_params_bytes"] = one["params"]
+        out["estimated_optimizer_bytes"] = one["optimizer"]
+        out["params_ratio"] = round(one["params"] / params, 4) if params else None
+        out["optimizer_ratio"] = round(one["optimizer"] / moments, 4) if moments else None
+    return out
 
 
 def wall_time_projection(cfg: Any, step_time: float | None) -> dict[str, Any]:

@@ -94,7 +94,8 @@ def build(ctx: Context) -> Built:
     cfg = ctx.cfg
     base, data = require_inputs(cfg, ctx.stage)
     torch.manual_seed(cfg.train.seed)
-    policy = load_policy(base, device="cpu", dtype="float32", preset=cfg.model.preset)
+    policy = load_policy(base, device="cpu", dtype="float32", preset=cfg.model.preset,
+                         hold_bf16=frozen_in_bf16(cfg))
     stats = load_stats(data)
     policy.config.device = str(ctx.info.device)
     pre, _ = make_processors(policy, base, stats)
@@ -121,6 +122,23 @@ def build(ctx: Context) -> Built:
     prompt = LabelledPrompts(labels, conditioning) if labels is not None else training_prompt_fn(data)
     return Built(policy, task, train_set, stats, units, optimizer, base, data,
                  prompt=prompt, conditioning=conditioning, trainable=applied)
+
+
+def frozen_in_bf16(cfg: PisftConfig, *, value_model: bool = False, prefix: str = ""):
+    """The parameters (policy names; `prefix` + name is the trained model's) that `apply_trainable`
+    will freeze and `hold_frozen_in` cast to bf16, as a predicate for `load_policy(hold_bf16=)`:
+    they are loaded straight into bf16. None when nothing is held in bf16 (fp32, or mode all)."""
+    from pisft.train import trainable
+
+    mode = cfg.recap.value_trainable if value_model else cfg.train.trainable
+    if cfg.train.precision != "bf16" or mode == "all":
+        return None
+    spec = trainable.spec_for(cfg, value_model=value_model)
+
+    def hold(name: str) -> bool:
+        return (not any(k in name for k in trainable.KEEP_FP32)
+                and not trainable.is_trainable(prefix + name, mode, spec, value_model=value_model))
+    return hold
 
 
 def apply_trainable(ctx: Context, model: nn.Module, *, value_model: bool = False):

@@ -1,0 +1,27 @@
+"""config/profiles/pi05-cpu.yaml (the real-size DAG on this CPU) switches in and validates; the
+run itself (about 45 minutes) is `make run-pi05-cpu`, not a test."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from pisft import config as C
+from pisft.model import sources
+from pisft.workflow import profile as profile_mod
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = ROOT / "config/profiles/pi05-cpu.yaml"
+
+
+def test_the_real_size_profile_applies_and_validates(tmp_path):
+    shutil.copy(ROOT / "config/config.yaml", tmp_path / "config.yaml")
+    profile_mod.switch(PROFILE, tmp_path / "config.yaml", tmp_path / "dvc.yaml")
+    cfg = C.load(tmp_path / "config.yaml")
+    assert cfg.model.preset == "pi05" and sources.parse_source(cfg.model.source).kind == "random"
+    assert cfg.device == "cpu" and cfg.train.precision == "bf16"
+    assert cfg.train.trainable == "expert" and cfg.recap.value_trainable == "head"
+    assert (cfg.world_size, cfg.train.micro_batch_size) == (2, 1)
+    assert cfg.train.activation_checkpointing and cfg.recap.iterations == 1
+    assert cfg.train.steps <= 5 and cfg.recap.policy_steps <= 5 and cfg.recap.value_steps <= 5
+    assert (tmp_path / "dvc.yaml").is_file()
