@@ -216,6 +216,14 @@ def _storage_error_line(exc: OSError) -> str:
     return f"error: {where}: {_STORAGE_ERRNOS[exc.errno]}; {todo}"
 
 
+def _writing_as(stage: str, k: int, *, launch: bool = False):
+    """The manifests this stage writes name its rule and command (`pisft.integrity`)."""
+    from pisft.integrity import writing_as
+
+    command = f"python -m pisft {'launch ' if launch else ''}{stage}" + (f" --iteration {k}" if k else "")
+    return writing_as(rule_name(stage, k), command)
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "validate":
@@ -233,13 +241,15 @@ def _run(args: argparse.Namespace) -> int:
         if args.command in IN_PROCESS:
             invalidate_downstream(rule_name(args.command, cfg.iteration), cfg.results_dir)
             pin_threads()  # the same CPU threads under Snakemake and DVC
-            resolve(IN_PROCESS[args.command].run)(cfg)
+            with _writing_as(args.command, cfg.iteration):
+                resolve(IN_PROCESS[args.command].run)(cfg)
             return 0
         if args.command == "launch":
             from pisft.train import launch
 
             invalidate_downstream(rule_name(args.stage, cfg.iteration), cfg.results_dir)
-            return launch.main(args.stage, cfg, args.config, args.overrides)
+            with _writing_as(args.stage, cfg.iteration, launch=True):
+                return launch.main(args.stage, cfg, args.config, args.overrides)
         if args.command == "estimate":
             from pisft.inspect import estimate
             return estimate.main(cfg, as_json=args.json)

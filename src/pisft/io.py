@@ -143,8 +143,16 @@ def build_manifest(root: str | Path, exclude: tuple[str, ...] = ("MANIFEST.json"
 
 
 def write_manifest(root: str | Path) -> dict[str, dict]:
+    """Write root/MANIFEST.json: every file's sha256 and size, and the rule and command writing it
+    (`written_by`, when a stage runs: `pisft.integrity`, which checks it where it is read)."""
+    from pisft.integrity import current_writer
+
     files = build_manifest(root)
-    write_json_atomic(Path(root, "MANIFEST.json"), {"files": files})
+    manifest: dict[str, Any] = {"files": files}
+    writer = current_writer()
+    if writer is not None:
+        manifest["written_by"] = writer
+    write_json_atomic(Path(root, "MANIFEST.json"), manifest)
     return files
 
 

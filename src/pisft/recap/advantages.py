@@ -49,7 +49,7 @@ from pisft.config import PisftConfig
 from pisft.data import rlinf_recap
 from pisft.data.dataset import episode_tasks
 from pisft.errors import PisftError
-from pisft.io import atomic_dir, write_json_atomic
+from pisft.io import atomic_dir, write_json_atomic, write_manifest
 from pisft.recap import value_metrics, value_model
 from pisft.recap.value_data import (
     PromptCollate,
@@ -257,6 +257,7 @@ def run(cfg: PisftConfig) -> Path:
         result.labels.to_parquet(tmp / LABELS_FILE, index=False)
         write_json_atomic(tmp / SUMMARY_FILE, result.summary)
         config_mod.write_resolved(cfg, tmp / "pisft_config.json")
+        write_manifest(tmp)  # train_8card checks the labels against it (pisft.integrity)
     s = result.summary
     print(f"advantages: {s['positive']}/{s['frames']} frames positive ({s['positive_fraction']:.1%}; "
           f"{s['scope']} threshold(s), {s['sft_forced_positive']} sft frames forced), "
