@@ -102,6 +102,9 @@ def label(frames: pd.DataFrame, *, scale: ReturnRange, lookahead: int, gamma: fl
           positive_quantile: float, scope: str, tasks: dict[int, str] | None = None) -> Labelling:
     """Label `frames` (columns episode_index, frame_index, return, reward, value, task_index,
     source_type; one row per frame of every episode, whole episodes) as the module docstring says."""
+    if lookahead < 1:  # config validation refuses it too: N = 0 makes every advantage 0
+        raise LabellingError(f"advantages: recap.lookahead must be at least 1, got {lookahead} (with 0 every "
+                             "frame's advantage is V - V = 0)")
     frames = frames.sort_values(["episode_index", "frame_index"], kind="stable").reset_index(drop=True)
     if len(frames) == 0:
         raise LabellingError("advantages: the pool has no frames (0 positive of 0); check data.recap_dir")
