@@ -171,6 +171,7 @@ def test_save_and_load_give_the_same_logits(pieces, inputs, tmp_path):
 
 def _write_returns(dataset: Path, table: pd.DataFrame) -> None:
     pq.write_table(pa.Table.from_pandas(table, preserve_index=False), dataset / "returns.parquet")
+    write_manifest(dataset)  # as the conversion would have written it (a damaged copy is another test's)
 
 
 def test_a_returns_file_that_does_not_match_the_dataset_is_refused(inputs, tmp_path):

@@ -182,8 +182,14 @@ def _main(args: argparse.Namespace) -> int:
                     raise
                 print(_storage_error_line(exc), file=sys.stderr)
                 return 1
-            except Exception:  # noqa: BLE001 - a bug, not a user error: the traceback goes to the log too
+            except Exception as exc:  # noqa: BLE001 - a bug, not a user error: the traceback goes to the log too
                 import traceback
+
+                from pisft import disk_space
+
+                if disk_space.is_full_disk(exc):  # a library's own error around a full disk (pyarrow, av, torch)
+                    print(_full_disk_line(exc), file=sys.stderr)
+                    return 1
 
                 traceback.print_exc()
                 return 1
@@ -205,9 +211,21 @@ def _is_storage_error(exc: OSError) -> bool:
     return exc.errno in _STORAGE_ERRNOS
 
 
+def _full_disk_line(exc: BaseException) -> str:
+    """A stage's write ran out of space: where, how much is free, what was kept, how to resume."""
+    from pisft import disk_space
+
+    where = disk_space._filename(exc) or "results_dir"  # noqa: SLF001
+    return "error: " + disk_space.full_disk_line(
+        where, what="the stage's write", needed=None,
+        kept="the previous complete output, if any (the temporary one was removed), and every finished stage")
+
+
 def _storage_error_line(exc: OSError) -> str:
     """One line for disk full / read-only / not permitted: the path and what to do."""
     where = exc.filename or "a file under results_dir"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT) and exc.filename:
+        return _full_disk_line(exc)
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         todo = ("free space there (or set results_dir to a larger disk) and rerun the same command; "
                 "finished stages and complete checkpoints are kept")

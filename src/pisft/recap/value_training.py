@@ -45,6 +45,7 @@ import pandas as pd
 import torch
 
 from pisft import device as devices
+from pisft import disk_space
 from pisft.config import PisftConfig
 from pisft.errors import PisftError
 from pisft.io import atomic_dir, sha256_file, write_json_atomic
@@ -189,7 +190,8 @@ def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dic
         return_min=built.scale.min, return_max=built.scale.max,
         base_config_sha256=sha256_file(built.base_dir / "config.json"))
     rho = metrics["spearman_heldout"]
-    with atomic_dir(cfg.results("value")) as tmp:
+    with disk_space.export_room(cfg.results("value"), full, what="export of the value model", cfg=cfg,
+                                stage=ctx.stage), atomic_dir(cfg.results("value")) as tmp:
         (tmp / "model").mkdir()
         value_model.save(built.policy, tmp / "model", config, state_dict=full)
         write_json_atomic(tmp / "metrics.json", metrics)

@@ -17,8 +17,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from pisft import disk_space
 from pisft.data.prompts import CONDITIONING_FILE
-from pisft.io import atomic_dir, write_json_atomic, write_manifest
+from pisft.io import atomic_dir, dir_bytes, write_json_atomic, write_manifest
 from pisft.model import lerobot_internals as internals
 from pisft.model.policy import WEIGHTS_FILE
 from pisft.model.weights import lerobot_name, read_tensor
@@ -38,7 +39,9 @@ def export_model(ctx: Any, built: Any, metrics_log: Any, summary: dict, resolved
     if head is not None:
         internals.attach_expert_head(built.policy, head)
         full[internals.EXPERT_HEAD] = head
-    with atomic_dir(ctx.cfg.results("train")) as tmp:
+    with disk_space.export_room(ctx.cfg.results("train"), full, what="export of the trained model", cfg=ctx.cfg,
+                                stage=ctx.stage, extra_bytes=dir_bytes(built.base_dir / "tokenizer")), \
+            atomic_dir(ctx.cfg.results("train")) as tmp:
         model_dir = tmp / "model"
         model_dir.mkdir()
         save_model(built.policy, model_dir, tokenizer_dir=built.base_dir / "tokenizer",
