@@ -131,11 +131,39 @@ def _listed_files(root: Path) -> set[str]:
             if not p.is_dir() and p.name not in WORKFLOW_MARKERS and p.relative_to(root).as_posix() != MANIFEST_FILE}
 
 
+def writer_of(root: Path) -> tuple[str, str] | None:
+    """(rule, command) of the stage whose output `root` is, from where it lies under results_dir
+    (`recap/iter_K/value/model` -> train_value_K): for a manifest that is missing or does not say."""
+    from pisft.workflow.stages import STAGES, rule_name
+
+    parts = Path(root).parts
+    best: tuple[int, str, int] | None = None
+    for name, spec in STAGES.items():
+        for out in spec.outputs:
+            out_parts = Path(out).parts
+            for n in range(len(out_parts), len(parts) + 1):
+                tail = parts[len(parts) - n:]
+                if tail[:len(out_parts)] != out_parts:
+                    continue
+                head = parts[:len(parts) - n]
+                k = int(head[-1][5:]) if len(head) >= 2 and head[-2] == "recap" and head[-1].startswith("iter_") \
+                    and head[-1][5:].isdigit() else 0
+                if spec.runs_at(k) and (best is None or len(out_parts) > best[0]):
+                    best = (len(out_parts), name, k)
+                break
+    if best is None:
+        return None
+    _, name, k = best
+    verb = f"launch {name}" if STAGES[name].training else name
+    return rule_name(name, k), f"python -m pisft {verb}" + (f" --iteration {k}" if k else "")
+
+
 def _writer_text(manifest: dict[str, Any], root: Path, stage: str | None) -> tuple[str, str]:
     """(who wrote root, how to rebuild it)."""
     written = manifest.get("written_by") if isinstance(manifest.get("written_by"), dict) else None
-    rule = (written or {}).get("stage") or stage
-    command = (written or {}).get("command")
+    inferred = writer_of(root) if not written else None
+    rule = (written or {}).get("stage") or (inferred[0] if inferred else stage)
+    command = (written or {}).get("command") or (inferred[1] if inferred else None)
     if not rule:
         return (f"the stage that wrote {root}",
                 "rerun that stage (snakemake --cores all --forcerun <its rule>)")
