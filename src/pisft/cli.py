@@ -211,20 +211,26 @@ def _is_storage_error(exc: OSError) -> bool:
     return exc.errno in _STORAGE_ERRNOS
 
 
+# The running stage's results_dir (where a nameless write went) and its command (to resume).
+_RESULTS_DIR: list[str | None] = [None, None]
+
+
 def _full_disk_line(exc: BaseException) -> str:
     """A stage's write ran out of space: where, how much is free, what was kept, how to resume."""
     from pisft import disk_space
 
-    where = disk_space._filename(exc) or "results_dir"  # noqa: SLF001
+    where = disk_space._filename(exc) or _RESULTS_DIR[0] or "results_dir"  # noqa: SLF001
     return "error: " + disk_space.full_disk_line(
         where, what="the stage's write", needed=None,
-        kept="the previous complete output, if any (the temporary one was removed), and every finished stage")
+        kept="the previous complete output, if any (the temporary one was removed), and every finished stage",
+        resume=f"{_RESULTS_DIR[1]} --config FILE (or the same snakemake / dvc repro command)" if _RESULTS_DIR[1]
+        else None)
 
 
 def _storage_error_line(exc: OSError) -> str:
     """One line for disk full / read-only / not permitted: the path and what to do."""
     where = exc.filename or "a file under results_dir"
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT) and exc.filename:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT) and (exc.filename or _RESULTS_DIR[0]):
         return _full_disk_line(exc)
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         todo = ("free space there (or set results_dir to a larger disk) and rerun the same command; "
@@ -239,6 +245,7 @@ def _writing_as(stage: str, k: int, *, launch: bool = False):
     from pisft.integrity import writing_as
 
     command = f"python -m pisft {'launch ' if launch else ''}{stage}" + (f" --iteration {k}" if k else "")
+    _RESULTS_DIR[1] = command
     return writing_as(rule_name(stage, k), command)
 
 
@@ -256,6 +263,7 @@ def _run(args: argparse.Namespace) -> int:
             from pisft.workflow import profile
             return profile.switch(args.file)
         cfg = config_mod.load(args.config, args.overrides).at_iteration(args.iteration)
+        _RESULTS_DIR[0] = str(cfg.results_dir)
         if args.command in IN_PROCESS:
             invalidate_downstream(rule_name(args.command, cfg.iteration), cfg.results_dir)
             pin_threads()  # the same CPU threads under Snakemake and DVC

@@ -87,9 +87,11 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         yield e
         todo += [e.__cause__, e.__context__]  # type: ignore[list-item]
         failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> exception
-        if isinstance(failures, dict):
-            todo += [f for f in failures.values() if isinstance(f, BaseException)]
-            todo += [f.exc for f in failures.values() if isinstance(getattr(f, "exc", None), BaseException)]
+        if isinstance(failures, dict):  # values: an exception, or (exception, traceback)
+            for f in failures.values():
+                first = f[0] if isinstance(f, tuple) and f else f
+                if isinstance(first, BaseException):
+                    todo.append(first)
 
 
 def is_full_disk(exc: BaseException, *, short_write_counts: bool = False) -> bool:
@@ -125,13 +127,14 @@ def resume_command() -> str:
 
 
 def full_disk_line(path: str | Path, *, what: str, needed: int | None, kept: str,
-                   before: bool = False) -> str:
-    """One line: what, where, free now, needed, what was kept, how to resume."""
+                   before: bool = False, resume: str | None = None) -> str:
+    """One line: what, where, free now, needed, what was kept, how to resume (`resume`: the
+    command; default the one running, `resume_command`)."""
     free = free_bytes(path)
     when = "will not fit" if before else "failed"
     return (f"{what} {when}: {path}: {MARK} ({human(free)} free, the write needs {human(needed)}); "
             f"kept: {kept}; free space there (or set results_dir to a larger disk) and resume with "
-            f"{resume_command()}")
+            f"{resume or resume_command()}")
 
 
 def _kept_text(kept: str | Callable[[], str]) -> str:
@@ -160,7 +163,9 @@ def named_full_disk(path: str | Path, *, what: str, needed: int | None = None,
         yield
     except DiskFull:
         raise
-    except Exception as exc:
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
+            raise  # Ctrl-C, SIGTERM (pisft.errors.Terminated), exit
         short = needed is not None and free_bytes(path) < needed
         if not is_full_disk(exc, short_write_counts=short):
             raise
