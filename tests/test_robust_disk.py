@@ -129,11 +129,13 @@ def test_an_export_that_cannot_fit_is_refused_before_writing(tmp_path):
     assert disk_space.tensor_bytes(state) == 3 * MIB
     with small_fs(tmp_path / "fs", 8) as fs:
         from pisft import config as config_mod
+        from pisft.train.run_folders import latest_checkpoint_text
 
         cfg = config_mod.load(ROOT / "config/config.yaml", [f"results_dir={fs}"])
         fill(fs, 2 * MIB)
         with pytest.raises(DiskFull) as err, disk_space.export_room(
-                fs / "train", state, what="export of the trained model", cfg=cfg, stage="train_8card"):
+                fs / "train", state, what="export of the trained model",
+                checkpoints=lambda: latest_checkpoint_text(cfg, "train_8card")):
             raise AssertionError("the export must not start")
         msg = str(err.value)
         assert msg.startswith(f"export of the trained model will not fit: {fs}: no space left on the device")

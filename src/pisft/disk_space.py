@@ -188,26 +188,15 @@ def checkpoint_room(root: Path, state: Any, *, rank: int, world_size: int) -> tu
     return local + (1 << 20), free  # + DCP's metadata and the small files
 
 
-def latest_checkpoint_text(cfg: Any, stage: str) -> str:
-    """The latest complete checkpoint of a training stage's run folder, in words."""
-    from pisft.train.checkpoint import latest_complete
-    from pisft.train.run_folders import stage_checkpoint_root
-
-    root = stage_checkpoint_root(stage, cfg)
-    found = latest_complete(root, log=lambda _msg: None, content=False)
-    if found is None:
-        return f"no complete checkpoint in {root} (a rerun starts from step 0)"
-    return f"the latest complete checkpoint {found.path} (step {found.step}; a rerun resumes from it)"
-
-
 @contextlib.contextmanager
-def export_room(out: Path, state: Any, *, what: str, cfg: Any, stage: str, extra_bytes: int = 0) -> Iterator[None]:
+def export_room(out: Path, state: Any, *, what: str, checkpoints: Callable[[], str],
+                extra_bytes: int = 0) -> Iterator[None]:
     """Around an export of `state` into `out`: refused before writing when it cannot fit, and a
-    full disk while writing named in one line (what was kept: the training's checkpoints)."""
+    full disk while writing named in one line (what was kept: `checkpoints()`, the training's)."""
     needed = tensor_bytes(state) + extra_bytes + (1 << 20)
 
     def kept() -> str:
-        return latest_checkpoint_text(cfg, stage) + f"; the previous {Path(out).name}/, if any, is unchanged"
+        return checkpoints() + f"; the previous {Path(out).name}/, if any, is unchanged"
 
     require_room(Path(out).parent, needed, what=what, kept=kept)
     with named_full_disk(Path(out).parent, what=what, needed=needed, kept=kept):

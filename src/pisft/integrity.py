@@ -44,10 +44,7 @@ from pisft.errors import PisftError
 
 MANIFEST_FILE = "MANIFEST.json"
 CACHE_ENV = "PISFT_VERIFY_CACHE"  # a folder, or "off"
-# The rule whose command runs in this process (set by `python -m pisft`, inherited by torchrun's
-# workers) and the command itself: recorded in every manifest written, named when one fails.
-STAGE_ENV = "PISFT_STAGE"
-COMMAND_ENV = "PISFT_STAGE_COMMAND"
+from pisft.io import COMMAND_ENV, STAGE_ENV  # noqa: E402 - the names the manifests' writer is read from
 
 
 class IntegrityError(PisftError):
@@ -131,31 +128,27 @@ def _listed_files(root: Path) -> set[str]:
             if not p.is_dir() and p.name not in WORKFLOW_MARKERS and p.relative_to(root).as_posix() != MANIFEST_FILE}
 
 
+# Which stage writes the directories that are read (their place under results_dir; the stage
+# table's outputs, pisft.workflow.stages, a layer above this module): (stage, run by torchrun).
+_WRITERS = {("base_model",): ("fetch_base", False), ("demo_recap",): ("demo_recap", False),
+            ("dataset",): ("convert_recap", False), ("rollouts",): ("collect_rollouts", False),
+            ("advantages",): ("advantages", False), ("value", "model"): ("train_value", True),
+            ("train", "model"): ("train_8card", True)}
+
+
 def writer_of(root: Path) -> tuple[str, str] | None:
     """(rule, command) of the stage whose output `root` is, from where it lies under results_dir
     (`recap/iter_K/value/model` -> train_value_K): for a manifest that is missing or does not say."""
-    from pisft.workflow.stages import STAGES, rule_name
-
     parts = Path(root).parts
-    best: tuple[int, str, int] | None = None
-    for name, spec in STAGES.items():
-        for out in spec.outputs:
-            out_parts = Path(out).parts
-            for n in range(len(out_parts), len(parts) + 1):
-                tail = parts[len(parts) - n:]
-                if tail[:len(out_parts)] != out_parts:
-                    continue
-                head = parts[:len(parts) - n]
-                k = int(head[-1][5:]) if len(head) >= 2 and head[-2] == "recap" and head[-1].startswith("iter_") \
-                    and head[-1][5:].isdigit() else 0
-                if spec.runs_at(k) and (best is None or len(out_parts) > best[0]):
-                    best = (len(out_parts), name, k)
-                break
-    if best is None:
-        return None
-    _, name, k = best
-    verb = f"launch {name}" if STAGES[name].training else name
-    return rule_name(name, k), f"python -m pisft {verb}" + (f" --iteration {k}" if k else "")
+    for tail, (name, training) in _WRITERS.items():
+        if parts[len(parts) - len(tail):] != tail:
+            continue
+        head = parts[:len(parts) - len(tail)]
+        k = int(head[-1][5:]) if len(head) >= 2 and head[-2] == "recap" and head[-1].startswith("iter_") \
+            and head[-1][5:].isdigit() else 0
+        verb = f"launch {name}" if training else name
+        return (f"{name}_{k}" if k else name), f"python -m pisft {verb}" + (f" --iteration {k}" if k else "")
+    return None
 
 
 def _writer_text(manifest: dict[str, Any], root: Path, stage: str | None) -> tuple[str, str]:

@@ -148,16 +148,19 @@ def build_manifest(root: str | Path, exclude: tuple[str, ...] = ("MANIFEST.json"
     return files
 
 
+# The rule whose command runs in this process and the command (set by `python -m pisft` through
+# `pisft.integrity.writing_as`, inherited by torchrun's workers): recorded in every manifest.
+STAGE_ENV = "PISFT_STAGE"
+COMMAND_ENV = "PISFT_STAGE_COMMAND"
+
+
 def write_manifest(root: str | Path) -> dict[str, dict]:
     """Write root/MANIFEST.json: every file's sha256 and size, and the rule and command writing it
     (`written_by`, when a stage runs: `pisft.integrity`, which checks it where it is read)."""
-    from pisft.integrity import current_writer
-
     files = build_manifest(root)
     manifest: dict[str, Any] = {"files": files}
-    writer = current_writer()
-    if writer is not None:
-        manifest["written_by"] = writer
+    if os.environ.get(STAGE_ENV):
+        manifest["written_by"] = {"stage": os.environ[STAGE_ENV], "command": os.environ.get(COMMAND_ENV, "")}
     write_json_atomic(Path(root, "MANIFEST.json"), manifest)
     return files
 

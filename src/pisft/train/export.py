@@ -23,6 +23,7 @@ from pisft.io import atomic_dir, dir_bytes, write_json_atomic, write_manifest
 from pisft.model import lerobot_internals as internals
 from pisft.model.policy import WEIGHTS_FILE
 from pisft.model.weights import lerobot_name, read_tensor
+from pisft.train.run_folders import latest_checkpoint_text
 
 
 def export_model(ctx: Any, built: Any, metrics_log: Any, summary: dict, resolved: dict) -> None:
@@ -39,8 +40,9 @@ def export_model(ctx: Any, built: Any, metrics_log: Any, summary: dict, resolved
     if head is not None:
         internals.attach_expert_head(built.policy, head)
         full[internals.EXPERT_HEAD] = head
-    with disk_space.export_room(ctx.cfg.results("train"), full, what="export of the trained model", cfg=ctx.cfg,
-                                stage=ctx.stage, extra_bytes=dir_bytes(built.base_dir / "tokenizer")), \
+    with disk_space.export_room(ctx.cfg.results("train"), full, what="export of the trained model",
+                                checkpoints=lambda: latest_checkpoint_text(ctx.cfg, ctx.stage),
+                                extra_bytes=dir_bytes(built.base_dir / "tokenizer")), \
             atomic_dir(ctx.cfg.results("train")) as tmp:
         model_dir = tmp / "model"
         model_dir.mkdir()
