@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,9 @@ from pisft.workflow import scratch
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# The verdicts of pisft.integrity go to a folder of this session, not the user's cache (the tests'
+# stages and their subprocesses inherit it).
+os.environ.setdefault("PISFT_VERIFY_CACHE", str(Path(tempfile.gettempdir()) / f"pisft-verify-cache-{os.getpid()}"))
 def tool_env() -> dict:
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])

@@ -15,6 +15,7 @@ from train_fixtures import linked_results, shared_inputs
 
 from pisft.data.dataset import episode_success
 from pisft.data.rlinf_recap import episode_returns
+from pisft.io import write_manifest
 
 # 10 tasks x 5 episodes x 24 frames; demo_failure_fraction 0.2: one failed episode per task.
 DATA_OVERRIDES = ["data.demo_episodes_per_task=5", "data.demo_episode_length=24"]
@@ -43,6 +44,7 @@ def add_pool_fields(dataset_dir: Path, *, sft_episodes: frozenset[int] = frozens
         ret[sel], rew[sel] = episode_returns(len(sel), ok, gamma, failure_reward)
     pq.write_table(pa.table({"episode_index": ep, "frame_index": fr, "return": ret, "reward": rew}),
                    dataset_dir / "returns.parquet")
+    write_manifest(dataset_dir)  # the pool's conversion writes its manifest last
     return dataset_dir
 
 

@@ -24,6 +24,8 @@ from pisft import config as config_mod
 from pisft.data.rlinf_recap import value_target
 from pisft.errors import DataError, ModelLoadError
 from pisft.recap import value_model
+from pisft.integrity import IntegrityError
+from pisft.io import write_manifest
 from pisft.recap.value_data import PromptCollate, ReturnRange, ValueFrames, read_returns
 from pisft.recap.value_metrics import bin_accuracy, spearman
 from pisft.recap.value_model import categorical_loss, expected_value, nearest_bin, two_hot
@@ -160,12 +162,16 @@ def test_save_and_load_give_the_same_logits(pieces, inputs, tmp_path):
     model.train()
     stale = value_model.ValueModelConfig(**{**config.__dict__, "base_config_sha256": "0" * 64})
     (out / value_model.CONFIG_FILE).write_text(stale.to_json())
+    with pytest.raises(IntegrityError, match=r"value_model.json: \d+ bytes, MANIFEST.json lists"):
+        value_model.load(out)  # changed after it was written: its manifest says so
+    write_manifest(out)  # as train_value writes it, from a base model whose config.json has since changed
     with pytest.raises(ModelLoadError, match="changed since the value model"):
         value_model.load(out)
 
 
 def _write_returns(dataset: Path, table: pd.DataFrame) -> None:
     pq.write_table(pa.Table.from_pandas(table, preserve_index=False), dataset / "returns.parquet")
+    write_manifest(dataset)  # as the conversion would have written it (a damaged copy is another test's)
 
 
 def test_a_returns_file_that_does_not_match_the_dataset_is_refused(inputs, tmp_path):

@@ -18,7 +18,8 @@ SRC = ROOT / "src"
 # Lowest first: a module may import modules of its own layer or of a lower one. Entry points
 # (what a user or torchrun starts) sit on top (docs/development.md, "Layout").
 LAYERS = (
-    ("pisft", "pisft.errors", "pisft.io", "pisft.logs", "pisft.device", "pisft.config"),
+    ("pisft", "pisft.errors", "pisft.io", "pisft.integrity", "pisft.disk_space", "pisft.logs", "pisft.device",
+     "pisft.config"),
     ("pisft.data", "pisft.model"),
     ("pisft.train", "pisft.evaluate", "pisft.serve"),
     # Tools that study the training step (memory estimate, its measurement, the collective audit,

@@ -186,8 +186,14 @@ def _main(args: argparse.Namespace) -> int:
                     raise
                 print(_storage_error_line(exc), file=sys.stderr)
                 return 1
-            except Exception:  # noqa: BLE001 - a bug, not a user error: the traceback goes to the log too
+            except Exception as exc:  # noqa: BLE001 - a bug, not a user error: the traceback goes to the log too
                 import traceback
+
+                from pisft import disk_space
+
+                if disk_space.is_full_disk(exc):  # a library's own error around a full disk (pyarrow, av, torch)
+                    print(_full_disk_line(exc), file=sys.stderr)
+                    return 1
 
                 traceback.print_exc()
                 return 1
@@ -209,15 +215,42 @@ def _is_storage_error(exc: OSError) -> bool:
     return exc.errno in _STORAGE_ERRNOS
 
 
+# The running stage's results_dir (where a nameless write went) and its command (to resume).
+_RESULTS_DIR: list[str | None] = [None, None]
+
+
+def _full_disk_line(exc: BaseException) -> str:
+    """A stage's write ran out of space: where, how much is free, what was kept, how to resume."""
+    from pisft import disk_space
+
+    where = disk_space._filename(exc) or _RESULTS_DIR[0] or "results_dir"  # noqa: SLF001
+    return "error: " + disk_space.full_disk_line(
+        where, what="the stage's write", needed=None,
+        kept="the previous complete output, if any (the temporary one was removed), and every finished stage",
+        resume=f"{_RESULTS_DIR[1]} --config FILE (or the same snakemake / dvc repro command)" if _RESULTS_DIR[1]
+        else None)
+
+
 def _storage_error_line(exc: OSError) -> str:
     """One line for disk full / read-only / not permitted: the path and what to do."""
     where = exc.filename or "a file under results_dir"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT) and (exc.filename or _RESULTS_DIR[0]):
+        return _full_disk_line(exc)
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         todo = ("free space there (or set results_dir to a larger disk) and rerun the same command; "
                 "finished stages and complete checkpoints are kept")
     else:
         todo = "make that folder writable (or set results_dir to a writable folder) and rerun"
     return f"error: {where}: {_STORAGE_ERRNOS[exc.errno]}; {todo}"
+
+
+def _writing_as(stage: str, k: int, *, launch: bool = False):
+    """The manifests this stage writes name its rule and command (`pisft.integrity`)."""
+    from pisft.integrity import writing_as
+
+    command = f"python -m pisft {'launch ' if launch else ''}{stage}" + (f" --iteration {k}" if k else "")
+    _RESULTS_DIR[1] = command
+    return writing_as(rule_name(stage, k), command)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -234,16 +267,19 @@ def _run(args: argparse.Namespace) -> int:
             from pisft.workflow import profile
             return profile.switch(args.file)
         cfg = config_mod.load(args.config, args.overrides).at_iteration(args.iteration)
+        _RESULTS_DIR[0] = str(cfg.results_dir)
         if args.command in IN_PROCESS:
             invalidate_downstream(rule_name(args.command, cfg.iteration), cfg.results_dir)
             pin_threads()  # the same CPU threads under Snakemake and DVC
-            resolve(IN_PROCESS[args.command].run)(cfg)
+            with _writing_as(args.command, cfg.iteration):
+                resolve(IN_PROCESS[args.command].run)(cfg)
             return 0
         if args.command == "launch":
             from pisft.train import launch
 
             invalidate_downstream(rule_name(args.stage, cfg.iteration), cfg.results_dir)
-            return launch.main(args.stage, cfg, args.config, args.overrides)
+            with _writing_as(args.stage, cfg.iteration, launch=True):
+                return launch.main(args.stage, cfg, args.config, args.overrides)
         if args.command == "estimate":
             from pisft.inspect import estimate
             return estimate.main(cfg, as_json=args.json, fits=args.fits, world_size=args.world_size)

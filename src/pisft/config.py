@@ -616,9 +616,16 @@ def _source_problems(d: DataConfig) -> list[str]:
 def _recap_problems(cfg: PisftConfig) -> list[str]:
     r, e = cfg.recap, cfg.eval
     problems: list[str] = []
-    for key in ("iterations", "max_steps", "lookahead", "policy_steps"):
+    for key in ("iterations", "max_steps", "policy_steps"):
         if getattr(r, key) < 0:
             problems.append(f"recap.{key}: must be at least 0, got {getattr(r, key)}")
+    if r.lookahead < 1:  # N = 0: A_t = V(o_t) - V(o_t) = 0 for every frame, one label for all
+        problems.append(f"recap.lookahead: the N of the N-step advantage must be at least 1, got {r.lookahead} "
+                        "(with 0 every frame's advantage is 0: no labelling can tell frames apart)")
+    if cfg.data.unconditional_prob >= 1 and (r.iterations or cfg.data.advantage_tag):
+        problems.append(f"data.unconditional_prob: {cfg.data.unconditional_prob} drops every advantage label "
+                        "during training (every prompt is the plain task, the labels are never seen); "
+                        "use a value below 1 (RLinf: 0.1)")
     for key in ("episodes_per_task", "value_steps", "value_bins"):
         if getattr(r, key) < 1:
             problems.append(f"recap.{key}: must be at least 1, got {getattr(r, key)}")

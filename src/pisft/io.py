@@ -116,6 +116,12 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def dir_bytes(root: str | Path) -> int:
+    """Bytes of the files under root (links followed); 0 when it does not exist."""
+    root = Path(root)
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -142,9 +148,20 @@ def build_manifest(root: str | Path, exclude: tuple[str, ...] = ("MANIFEST.json"
     return files
 
 
+# The rule whose command runs in this process and the command (set by `python -m pisft` through
+# `pisft.integrity.writing_as`, inherited by torchrun's workers): recorded in every manifest.
+STAGE_ENV = "PISFT_STAGE"
+COMMAND_ENV = "PISFT_STAGE_COMMAND"
+
+
 def write_manifest(root: str | Path) -> dict[str, dict]:
+    """Write root/MANIFEST.json: every file's sha256 and size, and the rule and command writing it
+    (`written_by`, when a stage runs: `pisft.integrity`, which checks it where it is read)."""
     files = build_manifest(root)
-    write_json_atomic(Path(root, "MANIFEST.json"), {"files": files})
+    manifest: dict[str, Any] = {"files": files}
+    if os.environ.get(STAGE_ENV):
+        manifest["written_by"] = {"stage": os.environ[STAGE_ENV], "command": os.environ.get(COMMAND_ENV, "")}
+    write_json_atomic(Path(root, "MANIFEST.json"), manifest)
     return files
 
 

@@ -49,7 +49,7 @@ from pisft.data.split import stratified_split
 from pisft.data.v30_writer import V30Writer
 from pisft.data.validate import check_episode
 from pisft.errors import DataError
-from pisft.io import atomic_dir, write_json_atomic
+from pisft.io import atomic_dir, write_json_atomic, write_manifest
 
 STATE_NAMES = ["eef_x", "eef_y", "eef_z", "eef_ax", "eef_ay", "eef_az", "gripper_left", "gripper_right"]
 ACTION_NAMES = ["dx", "dy", "dz", "dax", "day", "daz", "gripper"]
@@ -461,6 +461,11 @@ def _check_output_shape(src: RecapSource, opts: Options) -> tuple[int, int, int]
 def _open_source(source: DataSource, opts: Options
                  ) -> tuple[RecapSource, dict[int, dict[str, np.ndarray]], list[_Kept], list[dict]]:
     """Pass 1 over one source: layout, every episode checked, the filters applied."""
+    from pisft.integrity import verify_read
+
+    # A source pisft wrote (demo_recap, collect_rollouts) is checked against its MANIFEST.json;
+    # the user's own data (no pisft_config.json) as it is.
+    verify_read(source.path, what=f"convert_recap's source {source.path}")
     src = RecapSource.open(source.path, opts.columns)
     lowdim: dict[int, dict[str, np.ndarray]] = {}
     for ref in src.episodes:
@@ -580,6 +585,7 @@ def convert_recap(sources: str | Path | DataSource | list, out_dir: Path, opts: 
         (opts.conditioning if opts.advantage_tag else PromptConditioning()).write(tmp / "meta" / CONDITIONING_FILE)
         if cfg is not None:
             write_resolved(cfg, tmp / "pisft_config.json")
+        write_manifest(tmp)  # every reader checks the dataset against it (pisft.integrity)
     frames_out = report["out"]["frames"]
     total = time.perf_counter() - t0
     report["_timing"] = {"total_s": total, "metadata_s": t_meta - t0, "frames_s": t_write - t_meta,
@@ -704,8 +710,20 @@ def pool(cfg: PisftConfig) -> list[DataSource]:
     return data_sources(cfg) + rollouts
 
 
+def _require_rollouts(cfg: PisftConfig) -> None:
+    """The rollouts of iterations 1..k are all there (one deleted between iterations: named)."""
+    for j in range(1, cfg.iteration + 1):
+        path = cfg.at_iteration(j).results("rollouts")
+        if not path.is_dir():
+            raise DataError(f"convert_recap --iteration {cfg.iteration}: {path} (iteration {j}'s collected rollouts, "
+                            f"part of the pool) is missing; collect them again: snakemake --cores all "
+                            f"collect_rollouts_{j} (or python -m pisft collect_rollouts --iteration {j} "
+                            "--config FILE), then rerun")
+
+
 def run(cfg: PisftConfig) -> Path:
     out = output_dir(cfg)
+    _require_rollouts(cfg)
     report = convert_recap(pool(cfg), out, Options.from_config(cfg), cfg,
                            Returns(cfg.recap.gamma, cfg.recap.failure_reward))
     t = report["_timing"]

@@ -40,10 +40,19 @@ def _require(dataset_dir: Path, rel: str) -> Path:
     return path
 
 
+def verify_dataset(dataset_dir: str | Path) -> None:
+    """The converted dataset is the one convert_recap wrote (its MANIFEST.json; `pisft.integrity`)."""
+    from pisft.integrity import verify_read
+
+    _require(Path(dataset_dir), "meta/info.json")  # not a dataset at all: that message first
+    verify_read(dataset_dir, what=f"reading the dataset {dataset_dir}", required=True, stage="convert_recap")
+
+
 def load_stats(dataset_dir: str | Path) -> dict[str, dict[str, np.ndarray]]:
     from lerobot.datasets.io_utils import load_stats as lerobot_load_stats
 
     _require(Path(dataset_dir), "meta/stats.json")
+    verify_dataset(dataset_dir)
     stats = lerobot_load_stats(Path(dataset_dir))
     assert stats is not None
     return stats
@@ -84,6 +93,7 @@ def load_split(dataset_dir: str | Path, split: str, *, chunk_size: int):
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     root = Path(dataset_dir)
+    verify_dataset(root)
     for rel in ("meta/info.json", "meta/tasks.parquet", "meta/episodes", "data"):
         _require(root, rel)
     episodes = split_episodes(root)[split]

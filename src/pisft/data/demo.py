@@ -42,7 +42,7 @@ from pisft.config import PisftConfig, write_resolved
 from pisft.data.libero import ACTION_DIM, FPS, LIBERO_10_TASKS, STATE_DIM
 from pisft.data import rlinf_recap
 from pisft.data.recap_layout import RecapEpisode, write_recap_dataset
-from pisft.io import atomic_dir
+from pisft.io import atomic_dir, write_manifest
 
 SIDE_TAG = "demo"
 FAILURE_REWARD = -300.0  # RLinf's recap_compute_returns.yaml
@@ -214,6 +214,7 @@ def run(cfg: PisftConfig) -> Path:
         build(tmp, episodes_per_task=d.demo_episodes_per_task, length=d.demo_episode_length,
               image_size=d.demo_image_size, failure_fraction=d.demo_failure_fraction, seed=d.demo_seed)
         write_resolved(cfg, tmp / "pisft_config.json")
+        write_manifest(tmp)  # convert_recap checks the demo data against it (pisft.integrity)
     n = d.demo_episodes_per_task * len(LIBERO_10_TASKS)
     print(f"demo_recap: {n} episodes x {d.demo_episode_length} frames "
           f"({d.demo_image_size}px, 2 cameras), unlabelled as RLinf's collection -> {out}")

@@ -188,6 +188,9 @@ class LabelledPrompts:
         path = Path(labels_path)
         if not path.is_file():
             raise DataError(f"{path}: missing; the advantages stage writes it (run it first)")
+        from pisft.integrity import verify_read
+
+        verify_read(path.parent, what=f"reading the advantage labels {path}", stage="advantages")
         table = pq.read_table(path, columns=["episode_index", "frame_index", "advantage"])
         ep = table.column("episode_index").to_numpy().astype(np.int64)
         fr = table.column("frame_index").to_numpy().astype(np.int64)

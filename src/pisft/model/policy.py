@@ -28,6 +28,7 @@ from pisft.errors import ModelLoadError
 from pisft.model import lerobot_internals as internals
 from pisft.model import weights as weights_mod
 from pisft.model.presets import get_preset
+from pisft.integrity import verify_read
 from pisft.model.norm_stats import STATS_FILE, Stats, check_stats, load_stats, save_stats
 from pisft.model.tokenizer import load_tokenizer
 
@@ -281,6 +282,7 @@ def load_policy(model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtyp
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: model directory not found")
+    verify_read(model_dir, what=f"loading the model {model_dir}")  # its MANIFEST.json, before any byte is used
     config, _ = read_config(model_dir / CONFIG_FILE)
     info = read_model_info(model_dir)
     if preset is not None and info["preset"] != preset:

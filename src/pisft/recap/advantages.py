@@ -49,7 +49,7 @@ from pisft.config import PisftConfig
 from pisft.data import rlinf_recap
 from pisft.data.dataset import episode_tasks
 from pisft.errors import PisftError
-from pisft.io import atomic_dir, write_json_atomic
+from pisft.io import atomic_dir, write_json_atomic, write_manifest
 from pisft.recap import value_metrics, value_model
 from pisft.recap.value_data import (
     PromptCollate,
@@ -102,6 +102,9 @@ def label(frames: pd.DataFrame, *, scale: ReturnRange, lookahead: int, gamma: fl
           positive_quantile: float, scope: str, tasks: dict[int, str] | None = None) -> Labelling:
     """Label `frames` (columns episode_index, frame_index, return, reward, value, task_index,
     source_type; one row per frame of every episode, whole episodes) as the module docstring says."""
+    if lookahead < 1:  # config validation refuses it too: N = 0 makes every advantage 0
+        raise LabellingError(f"advantages: recap.lookahead must be at least 1, got {lookahead} (with 0 every "
+                             "frame's advantage is V - V = 0)")
     frames = frames.sort_values(["episode_index", "frame_index"], kind="stable").reset_index(drop=True)
     if len(frames) == 0:
         raise LabellingError("advantages: the pool has no frames (0 positive of 0); check data.recap_dir")
@@ -257,6 +260,7 @@ def run(cfg: PisftConfig) -> Path:
         result.labels.to_parquet(tmp / LABELS_FILE, index=False)
         write_json_atomic(tmp / SUMMARY_FILE, result.summary)
         config_mod.write_resolved(cfg, tmp / "pisft_config.json")
+        write_manifest(tmp)  # train_8card checks the labels against it (pisft.integrity)
     s = result.summary
     print(f"advantages: {s['positive']}/{s['frames']} frames positive ({s['positive_fraction']:.1%}; "
           f"{s['scope']} threshold(s), {s['sft_forced_positive']} sft frames forced), "

@@ -56,7 +56,7 @@ from pisft.errors import PisftError
 from pisft.evaluate import closed_loop, episode_recording, libero_sim
 from pisft.evaluate.policy_pool import PolicyPool
 from pisft.evaluate.rollout_workers import EpisodeSpec
-from pisft.io import atomic_dir, write_json_atomic
+from pisft.io import atomic_dir, write_json_atomic, write_manifest
 
 log = logging.getLogger("pisft.collect_rollouts")
 
@@ -211,6 +211,7 @@ def _collect(cfg: config_mod.PisftConfig, k: int, settings: closed_loop.Settings
         collection["timing"] = closed_loop.timing(results, wall, num_envs, pool)
         write_json_atomic(out / "collection.json", collection)
         config_mod.write_resolved(cfg, out / "pisft_config.json")
+        write_manifest(out)  # convert_recap checks the rollouts against it (pisft.integrity)
     print(f"collect_rollouts: {len(results)} episodes, {collection['frames']} frames, "
           f"{collection['successes']} successes in {wall:.1f} s -> {final}", flush=True)
     return collection

@@ -61,7 +61,10 @@ def _dataset_frames(dataset_dir: Path) -> pd.DataFrame:
 
 def read_returns(dataset_dir: str | Path) -> pd.DataFrame:
     """returns.parquet, sorted by (episode_index, frame_index), checked against the dataset."""
+    from pisft.data.dataset import verify_dataset
+
     dataset_dir = Path(dataset_dir)
+    verify_dataset(dataset_dir)
     path = dataset_dir / RETURNS_FILE
     redo = "(the RECAP loop's returns step writes it with the converted pool; run the stages before train_value)"
     if not path.is_file():

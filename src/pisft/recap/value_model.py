@@ -212,7 +212,10 @@ def load(model_dir: Path, *, device: str | torch.device = "cpu") -> tuple[ValueM
     from pisft.model.policy import policy_from_config, read_config, read_model_info
     from pisft.model.weights import load_strict
 
+    from pisft.integrity import verify_read
+
     model_dir = Path(model_dir)
+    verify_read(model_dir, what=f"loading the value model {model_dir}", required=True, stage="train_value")
     config = ValueModelConfig.read(model_dir / CONFIG_FILE)
     base = Path(config.base_model)
     if not (base / POLICY_CONFIG).is_file():

@@ -45,11 +45,12 @@ import pandas as pd
 import torch
 
 from pisft import device as devices
+from pisft import disk_space
 from pisft.config import PisftConfig
 from pisft.errors import PisftError
 from pisft.io import atomic_dir, sha256_file, write_json_atomic
 from pisft.recap import value_metrics, value_model
-from pisft.train.run_folders import CHECKPOINT_SUBDIR, RETURNS_FILE, value_fingerprint
+from pisft.train.run_folders import CHECKPOINT_SUBDIR, RETURNS_FILE, latest_checkpoint_text, value_fingerprint
 from pisft.recap.value_data import PromptCollate, ReturnRange, ValueFrames, read_returns
 from pisft.recap.value_task import ValueTask
 from pisft.train import fsdp, optim
@@ -197,7 +198,10 @@ def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dic
         return_min=built.scale.min, return_max=built.scale.max,
         base_config_sha256=sha256_file(built.base_dir / "config.json"))
     rho = metrics["spearman_heldout"]
-    with atomic_dir(cfg.results("value")) as tmp:
+    with disk_space.export_room(cfg.results("value"), None, what="export of the value model",
+                                checkpoints=lambda: latest_checkpoint_text(cfg, ctx.stage),
+                                extra_bytes=disk_space.model_bytes(built.policy)), \
+            atomic_dir(cfg.results("value")) as tmp:
         (tmp / "model").mkdir()
         value_model.save(built.policy, tmp / "model", config, write_weights=write_weights)
         write_json_atomic(tmp / "metrics.json", metrics)

@@ -62,6 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     except PisftError as exc:
         print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         return 2
+    except Exception as exc:
+        from pisft import disk_space
+
+        if not disk_space.is_full_disk(exc):
+            raise
+        # a write not wrapped by name (a log, a small file): the full disk still in one line
+        where = disk_space._filename(exc) or "results_dir"  # noqa: SLF001
+        print(f"error (rank {rank}): " + disk_space.full_disk_line(where, what=args.stage, needed=None,
+              kept="complete checkpoints and finished outputs"), file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

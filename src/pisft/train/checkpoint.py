@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from pisft import disk_space
 from pisft.config import PisftConfig, lookup, to_dict
 from pisft.errors import PisftError
 from pisft.io import sha256_file
@@ -334,7 +335,13 @@ class CheckpointManager:
             (tmp / "rng").mkdir(parents=True)
         dist.barrier()
         model_sd, optim_sd = _trained_state(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        # A checkpoint that cannot fit is refused before writing; a full disk while writing is one line.
+        room = disk_space.checkpoint_room(self.root, {"model": model_sd, "optim": optim_sd},
+                                          rank=self.rank, world_size=self.world_size)
+        named = {"what": f"checkpoint of step {step}", "needed": room[0], "kept": self.kept_text}
+        disk_space.require_room(self.root, room[0], free=room[1], what=named["what"], kept=self.kept_text)
+        with disk_space.named_full_disk(self.root, **named):
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
         _write_json_synced(tmp / "rng" / f"rank_{self.rank:05d}.json", _rng_state())
         dist.barrier()
         # Every rank hashes a share of what the ranks wrote (rank 0 adds its own files below).
@@ -362,6 +369,12 @@ class CheckpointManager:
             self.prune()
         dist.barrier()
         return final
+
+    def kept_text(self) -> str:
+        """What a failed save leaves: the latest complete checkpoint (sizes checked)."""
+        found = latest_complete(self.root, log=lambda _msg: None, content=False)
+        return (f"the latest complete checkpoint {found.path} (step {found.step})" if found
+                else f"no complete checkpoint in {self.root} yet (a rerun starts from step 0)")
 
     def prune(self) -> None:
         """Keep the newest `keep_last` complete checkpoints; drop stale temporaries."""

@@ -22,10 +22,12 @@ import json
 import shutil
 from typing import Any
 
+from pisft import disk_space
 from pisft.data.prompts import CONDITIONING_FILE
-from pisft.io import atomic_dir, write_json_atomic, write_manifest
+from pisft.io import atomic_dir, dir_bytes, write_json_atomic, write_manifest
 from pisft.model.policy import WEIGHTS_FILE
 from pisft.train import export_weights
+from pisft.train.run_folders import latest_checkpoint_text
 
 ADAPTER_DIR = "adapter"
 
@@ -46,7 +48,11 @@ def export_model(ctx: Any, built: Any, metrics_log: Any, summary: dict, resolved
         return
     if applied is not None:
         model_info(built.policy)["trainable"] = applied.record()
-    with atomic_dir(ctx.cfg.results("train")) as tmp:
+    with disk_space.export_room(ctx.cfg.results("train"), None, what="export of the trained model",
+                                checkpoints=lambda: latest_checkpoint_text(ctx.cfg, ctx.stage),
+                                extra_bytes=disk_space.model_bytes(built.policy)
+                                + dir_bytes(built.base_dir / "tokenizer")), \
+            atomic_dir(ctx.cfg.results("train")) as tmp:
         model_dir = tmp / "model"
         model_dir.mkdir()
         save_model(built.policy, model_dir, tokenizer_dir=built.base_dir / "tokenizer",

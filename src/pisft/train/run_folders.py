@@ -45,3 +45,12 @@ def value_checkpoint_root(cfg: PisftConfig) -> Path:
 def stage_checkpoint_root(stage: str, cfg: PisftConfig) -> Path:
     """The run folder of `stage` (train_8card or train_value) for this config."""
     return value_checkpoint_root(cfg) if stage == "train_value" else checkpoint.checkpoint_root(cfg)
+
+
+def latest_checkpoint_text(cfg: PisftConfig, stage: str) -> str:
+    """The latest complete checkpoint of a training stage's run folder, in words (for a message)."""
+    root = stage_checkpoint_root(stage, cfg)
+    found = checkpoint.latest_complete(root, log=lambda _msg: None, content=False)
+    if found is None:
+        return f"no complete checkpoint in {root} (a rerun starts from step 0)"
+    return f"the latest complete checkpoint {found.path} (step {found.step}; a rerun resumes from it)"

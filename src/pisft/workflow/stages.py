@@ -125,7 +125,9 @@ SHARED_CODE = (
     "src/pisft/cli.py",
     "src/pisft/config.py",
     "src/pisft/device.py",
+    "src/pisft/disk_space.py",  # every stage's writes name a full disk through it
     "src/pisft/errors.py",
+    "src/pisft/integrity.py",  # every reader checks its inputs through it
     "src/pisft/io.py",
     "src/pisft/logs.py",
     "src/pisft/workflow/drivers.py",  # the wrapper DVC runs every stage through
