@@ -404,3 +404,20 @@ def fused_adamw_supported(kind: str) -> bool:
     except ImportError:  # pragma: no cover - torch internals moved
         return kind == "cuda"
     return kind in _get_fused_kernels_supported_devices()
+
+
+# HCCL's buffers outside the caching allocator: 2 x HCCL_BUFFSIZE per communicator, 200 MB by
+# default (CANN documentation, HCCL_BUFFSIZE; docs/memory.md, "What a device adds").
+HCCL_BUFFSIZE_DEFAULT_MB = 200
+
+
+def hccl_buffer_bytes(kind: str, env: dict[str, str] | None = None) -> int:
+    """The send and receive buffers of the training's one HCCL communicator (0 off the NPU)."""
+    if kind != "npu":
+        return 0
+    raw = (os.environ if env is None else env).get("HCCL_BUFFSIZE", "")
+    try:
+        mb = int(raw) if raw.strip() else HCCL_BUFFSIZE_DEFAULT_MB
+    except ValueError:
+        mb = HCCL_BUFFSIZE_DEFAULT_MB
+    return 2 * mb * 2**20

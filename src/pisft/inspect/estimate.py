@@ -564,7 +564,7 @@ def config_mod_dict(cfg: PisftConfig) -> dict[str, Any]:
 
 
 def _limit(kind: str, capacity: int, headroom: float) -> int:
-    from pisft.train.smoke import hccl_buffer_bytes
+    from pisft.device import hccl_buffer_bytes
 
     return int(capacity * (1 - headroom)) - hccl_buffer_bytes(kind, env={})
 

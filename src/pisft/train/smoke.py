@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from pisft import config as config_mod
 from pisft import device as devices
+from pisft.device import hccl_buffer_bytes
 from pisft.io import atomic_dir, write_json_atomic
 from pisft.train import loop
 from pisft.train.batches import StepDataset
@@ -107,23 +107,6 @@ class SignDescent(torch.optim.Optimizer):
                 if group["weight_decay"]:
                     p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(torch.sign(p.grad), alpha=-group["lr"])
-
-
-# HCCL's buffers outside the caching allocator: 2 x HCCL_BUFFSIZE per communicator, 200 MB by
-# default (CANN documentation, HCCL_BUFFSIZE; docs/memory.md, "What a device adds").
-HCCL_BUFFSIZE_DEFAULT_MB = 200
-
-
-def hccl_buffer_bytes(kind: str, env: dict[str, str] | None = None) -> int:
-    """The send and receive buffers of the training's one HCCL communicator (0 off the NPU)."""
-    if kind != "npu":
-        return 0
-    raw = (os.environ if env is None else env).get("HCCL_BUFFSIZE", "")
-    try:
-        mb = int(raw) if raw.strip() else HCCL_BUFFSIZE_DEFAULT_MB
-    except ValueError:
-        mb = HCCL_BUFFSIZE_DEFAULT_MB
-    return 2 * mb * 2**20
 
 
 def one_card_gate(estimate_bytes: int, free: int | None, capacity: int | None,
