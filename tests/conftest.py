@@ -14,6 +14,7 @@ from pisft.workflow import scratch
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+TERMINAL = ".snakemake/pisft-terminal.txt"  # the default pipeline's stdout, then its stderr
 def tool_env() -> dict:
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
@@ -47,7 +48,8 @@ def run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 1800) ->
 def default_pipeline(tmp_path_factory) -> Path:
     """The whole pipeline on the embedded default, run once through Snakemake."""
     work = copy_project(tmp_path_factory.mktemp("default_pipeline"), git=True)  # a DVC project too
-    run(["snakemake", "--cores", "2"], work)
+    out = run(["snakemake", "--cores", "2"], work)
+    (work / TERMINAL).write_text(out.stdout + out.stderr)  # what a terminal showed (tests/test_terminal.py)
     return work
 
 
