@@ -57,7 +57,7 @@ def test_the_default_run_shows_one_line_at_each_stage_start_and_end(default_pipe
     assert re.search(rf"^\[train_value\] step {cfg['recap']['value_steps']}/", text, re.M)
     assert re.search(r"^\[smoke_1card\] smoke step 1/", text, re.M)
     assert re.search(r"^\[smoke_value\] smoke step 1/", text, re.M)
-    assert re.search(r"^closed_loop: 1/2 episodes", text, re.M)
+    assert re.search(r"^closed_loop: 2/2 episodes", text, re.M)
     # what the simulator libraries printed is in the stage's log, not lost
     assert "[info] using task orders" in (default_pipeline / "results/logs/closed_loop.log").read_text()
 
