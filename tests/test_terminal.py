@@ -22,7 +22,8 @@ pytestmark = pytest.mark.integration
 
 RULE_DUMP = re.compile(r"^(?:local)?rule \w+:$|^\s+(?:input|output|log|jobid|benchmark|reason|resources): |"
                        r"^Shell command: |^Job stats:|^Finished jobid: |^SNAKEMAKE$", re.M)
-PROGRESS = re.compile(r"^\[\w+\] step \d+/\d+ \(|^\[\w+\] smoke step \d+/\d+: |^\w+: \d+/\d+ episodes", re.M)
+PROGRESS = re.compile(r"^\[\w+\] step \d+/\d+ \(|^\[\w+\] smoke step \d+/\d+: |^\w+: \d+/\d+ (?:episodes|frames)",
+                      re.M)
 
 
 def _snakemake_logs(work: Path) -> list[Path]:

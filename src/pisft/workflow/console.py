@@ -141,7 +141,8 @@ class ConsoleView(logging.Filter):
         done, total = getattr(record, "done", 0), getattr(record, "total", 0)
         pct = f"{100 * done / total:.0f}%" if total else "?"
         finished, self.finished = self.finished, []
-        names = ", ".join(f"{rule}: finished in {_duration(dt)}" for rule, dt in finished) or "progress"
+        names = ", ".join("every target built" if rule == "all" else f"{rule}: finished in {_duration(dt)}"
+                          for rule, dt in finished) or "progress"
         return self._line(record, f"[{_now()}] {names} ({done} of {total} steps, {pct})")
 
     def _on_job_error(self, record: logging.LogRecord) -> logging.LogRecord:
