@@ -17,7 +17,7 @@ LOCK_npu := workflow/envs/ascend-aarch64.lock.txt
 # hf-libero, robosuite and bddl installed --no-deps from their own pinned file (their declared
 # dependencies would replace opencv-python-headless and pull wandb, robomimic...; what they import is
 # pinned in the lock), then scripts/libero_sim_setup.py: OpenGL libraries (apt-get, as root), scene
-# assets checked against a manifest, LIBERO's config file.
+# assets checked against a manifest, LIBERO's config file, robosuite's private macro file.
 SIM_NODEPS := workflow/envs/libero-sim.nodeps.txt
 SIM_INPUTS := $(wildcard $(SIM_NODEPS) workflow/envs/libero-assets.txt workflow/envs/libero-assets.sha256 scripts/libero_sim_setup.py)
 STAMP_LOCK := $(word 2,$(shell cat $(STAMP) 2>/dev/null))

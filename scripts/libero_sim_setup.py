@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Set up the LIBERO simulator after `pip install` (called by `make setup`; README.md, "The LIBERO simulator").
 
-    python scripts/libero_sim_setup.py [all]   GL libraries, scene assets, LIBERO's config file
+    python scripts/libero_sim_setup.py [all]   GL libraries, scene assets, LIBERO's config file,
+                                               robosuite's private macro file
     python scripts/libero_sim_setup.py gl      only the Debian OpenGL libraries
     python scripts/libero_sim_setup.py assets  only the scene assets (install or repair, then verify)
     python scripts/libero_sim_setup.py verify  only check the installed assets against the manifest
+    python scripts/libero_sim_setup.py macros  only robosuite's private macro file
     python scripts/libero_sim_setup.py probe [SUITE [TASK]]   after set-up: build one task's
                                                environment, step it, time each part (not run by setup)
 
@@ -223,6 +225,38 @@ def ensure_config() -> None:
         say(f"LIBERO's config file {libero_config_file()} exists and its paths exist; kept")
 
 
+# ---------------------------------------------------------------- robosuite's private macro file
+
+def robosuite_dir() -> Path:
+    """The folder of the robosuite package this interpreter imports (robosuite is not imported)."""
+    spec = importlib.util.find_spec("robosuite")
+    if spec is None or not spec.submodule_search_locations:
+        raise SetupError("the 'robosuite' package is not installed in this environment; "
+                         "'make setup' installs it from workflow/envs/libero-sim.nodeps.txt")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def ensure_robosuite_macros(package: Path | None = None) -> Path:
+    """robosuite/macros_private.py, a copy of robosuite/macros.py: what robosuite's own
+    `scripts/setup_macros.py` writes (robosuite 1.4.0). Without it, every process that imports
+    robosuite logs "No private macro file found!" and two lines more (robosuite/__init__.py).
+    The copy holds robosuite's defaults, so nothing changes but the warning; a file already there
+    (the user's settings) is kept."""
+    package = package or robosuite_dir()
+    private, macros = package / "macros_private.py", package / "macros.py"
+    if private.is_file():
+        say(f"robosuite's private macro file {private} exists; kept")
+        return private
+    if not macros.is_file():
+        raise SetupError(f"{macros} not found: not robosuite 1.4.0's layout; reinstall: pip install "
+                         "--no-deps --force-reinstall -r workflow/envs/libero-sim.nodeps.txt")
+    header = ("# Written by pisft's scripts/libero_sim_setup.py: a copy of macros.py, as robosuite's\n"
+              "# scripts/setup_macros.py makes it (robosuite then no longer warns at import).\n")
+    private.write_text(header + macros.read_text())
+    say(f"wrote robosuite's private macro file {private} (a copy of its macros.py)")
+    return private
+
+
 # ---------------------------------------------------------------- a smoke test of the installed simulator
 
 def probe(suite_name: str = "libero_10", task_id: int = 0, steps: int = 30) -> int:
@@ -281,8 +315,11 @@ def main(argv: list[str]) -> int:
             ensure_assets()
         if what in ("all", "config"):
             ensure_config()
-        if what not in ("all", "gl", "assets", "config"):
-            print(f"unknown command {what!r}; one of: all, gl, assets, config, verify, probe", file=sys.stderr)
+        if what in ("all", "macros"):
+            ensure_robosuite_macros()
+        if what not in ("all", "gl", "assets", "config", "macros"):
+            print(f"unknown command {what!r}; one of: all, gl, assets, config, macros, verify, probe",
+                  file=sys.stderr)
             return 2
     except SetupError as exc:
         print(f"setup: LIBERO simulator: {exc}", file=sys.stderr)

@@ -18,6 +18,7 @@ BIN = Path(sys.executable).parent
 # The verdicts of pisft.integrity go to a folder of this session, not the user's cache (the tests'
 # stages and their subprocesses inherit it).
 os.environ.setdefault("PISFT_VERIFY_CACHE", str(Path(tempfile.gettempdir()) / f"pisft-verify-cache-{os.getpid()}"))
+TERMINAL = ".snakemake/pisft-terminal.txt"  # the default pipeline's stdout, then its stderr
 def tool_env() -> dict:
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
@@ -51,7 +52,8 @@ def run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 1800) ->
 def default_pipeline(tmp_path_factory) -> Path:
     """The whole pipeline on the embedded default, run once through Snakemake."""
     work = copy_project(tmp_path_factory.mktemp("default_pipeline"), git=True)  # a DVC project too
-    run(["snakemake", "--cores", "2"], work)
+    out = run(["snakemake", "--cores", "2"], work)
+    (work / TERMINAL).write_text(out.stdout + out.stderr)  # what a terminal showed (tests/test_terminal.py)
     return work
 
 

@@ -259,3 +259,33 @@ def test_the_config_file_is_written_whole_and_then_kept(tmp_path):
     assert [p.name for p in (tmp_path / "cfg").iterdir()] == ["config.yaml"]  # no temporary left
     assert libero_sim.config_problem(written) is None
     assert libero_sim.ensure_libero_config(env) is None
+
+
+def test_robosuites_private_macro_file_is_a_copy_of_its_macros_and_kept_once_there(tmp_path, capsys):
+    """What robosuite's scripts/setup_macros.py does (robosuite 1.4.0): macros_private.py, a copy
+    of macros.py; a file the user already has is left as it is."""
+    setup = _load_script()
+    package = tmp_path / "robosuite"
+    package.mkdir()
+    (package / "macros.py").write_text("SIMULATION_TIMESTEP = 0.002\nCONSOLE_LOGGING_LEVEL = 'WARN'\n")
+    private = setup.ensure_robosuite_macros(package)
+    assert private == package / "macros_private.py"
+    text = private.read_text()
+    assert text.startswith("# Written by pisft") and text.endswith((package / "macros.py").read_text())
+    ns: dict = {}
+    exec(compile(text, str(private), "exec"), ns)  # the module robosuite imports
+    assert ns["SIMULATION_TIMESTEP"] == 0.002 and ns["CONSOLE_LOGGING_LEVEL"] == "WARN"
+    private.write_text("ENABLE_NUMBA = False\n")
+    setup.ensure_robosuite_macros(package)
+    assert private.read_text() == "ENABLE_NUMBA = False\n"
+    assert "exists; kept" in capsys.readouterr().out
+    (package / "macros.py").unlink()
+    private.unlink()
+    with pytest.raises(setup.SetupError, match="macros.py not found"):
+        setup.ensure_robosuite_macros(package)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("robosuite") is None, reason="the simulator is not installed")
+def test_the_installed_robosuite_is_where_the_macro_file_goes():
+    setup = _load_script()
+    assert (setup.robosuite_dir() / "macros.py").is_file()

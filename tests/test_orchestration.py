@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from conftest import BIN, run, tool_env
+from pisft.workflow.console import started_stages
 
 pytestmark = pytest.mark.integration
 
@@ -112,6 +113,9 @@ def test_failed_training_reruns_alone_and_resumes(default_pipeline, tmp_path):
     workers[-1].send_signal(signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
+    # the terminal: the launcher's word on the killed rank, then the stage's failure and its log's tail
+    assert "train_8card failed (torchrun exit code" in out, out[-3000:]
+    assert re.search(r"^\[[\d:]+\] train_8card: FAILED after ", out, re.M), out[-3000:]
     assert not (work / "results/train/model").exists(), "a failed stage must leave no finished-looking output"
     assert not (work / "results/eval/metrics.json").exists(), "the stale evaluation must be gone"
     assert _complete_checkpoints(work), "checkpoints survive the failure"
@@ -121,7 +125,7 @@ def test_failed_training_reruns_alone_and_resumes(default_pipeline, tmp_path):
     rerun = run(["snakemake", "--cores", "2", "train_8card"], work)
     log = (work / "results/logs/train_8card.log").read_text()
     assert re.search(r"resum\w* from .*step", log, re.I), log[-2000:]
-    assert "convert_recap" not in set(JOB.findall(rerun.stdout))
+    assert "convert_recap" not in started_stages(rerun.stdout + rerun.stderr)
     assert upstream == {p: p.stat().st_mtime for p in upstream}, "upstream outputs untouched"
     assert metric_steps(work) == list(range(1, 61))
     run(["snakemake", "--cores", "2"], work)

@@ -164,3 +164,51 @@ def test_thread_counts_come_from_one_place_under_either_driver(monkeypatch):
     assert by_hand["OMP_NUM_THREADS"] == by_hand["MKL_NUM_THREADS"] == "3"
     # inside a worker (apply_process_env) the launcher's choice is kept
     assert devices.process_env("cpu", a)["OMP_NUM_THREADS"] == a["OMP_NUM_THREADS"]
+
+
+def test_rank0_lines_reach_the_console_while_torchrun_runs(tmp_path, monkeypatch):
+    """torchrun's agent writes the workers' lines to its stdout without flushing (TailLog): under
+    a driver that does not export PYTHONUNBUFFERED (dvc repro), they would sit in its buffer
+    until it exits. Here a child writes as the agent does and then waits until the console has
+    shown the line: it only ends because the line got through while it ran. Rank 0's line loses
+    torchrun's prefix on the console, rank 1's keeps it; the log keeps both as written."""
+    import os
+    import sys
+    import threading
+
+    shown = tmp_path / "shown"
+    script = ("import sys, time, pathlib\n"
+              "sys.stdout.write('[default0]:[train_8card] step 10/150 (7%) loss 0.5\\n')\n"
+              "sys.stdout.write('[default1]:a line of rank 1\\n')\n"
+              f"p = pathlib.Path({str(shown)!r})\n"
+              "for _ in range(1200):\n"
+              "    if p.exists(): sys.exit(0)\n"
+              "    time.sleep(0.05)\n"
+              "sys.exit(7)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+
+    class Console:
+        def __init__(self):
+            self.lines: list[str] = []
+
+        def write(self, text):
+            self.lines.append(text)
+            if "a line of rank 1" in text:
+                shown.touch()
+
+        def flush(self):
+            pass
+
+    console = Console()
+    monkeypatch.setattr(sys, "stdout", console)
+    done = {}
+    t = threading.Thread(target=lambda: done.update(
+        out=launch._run_tee([sys.executable, "-c", script], env, tmp_path / "launcher.log")))
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive()
+    rc, output = done["out"]
+    assert rc == 0, "the child never saw its lines on the console: they waited in its buffer"
+    assert console.lines == ["[train_8card] step 10/150 (7%) loss 0.5\n", "[default1]:a line of rank 1\n"]
+    assert (tmp_path / "launcher.log").read_text().splitlines() == [
+        "[default0]:[train_8card] step 10/150 (7%) loss 0.5", "[default1]:a line of rank 1"]

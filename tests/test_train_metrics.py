@@ -78,3 +78,18 @@ def test_progress_lines_with_eta():
     Progress(total=4, start=0, enabled=False, stream=quiet).update(
         {"step": 1, "loss": 0.5, "grad_norm": 1.0, "lr": 1e-3, "samples_per_s": 3.0})
     assert quiet.getvalue() == ""
+
+
+def test_progress_line_every_log_every_steps_and_at_the_end():
+    """The trainers pass train.log_every: one line per fetch of the step values (a resumed run
+    from step 7 too), each with step/total, loss, lr, samples/s and an ETA; and the last step."""
+    out = io.StringIO()
+    p = Progress(total=45, start=7, enabled=True, stream=out, desc="train_8card", every=10)
+    for step in range(8, 46):
+        p.update({"step": step, "loss": 0.25, "grad_norm": 1.0, "lr": 2e-4, "samples_per_s": 40.0,
+                  "mfu": 0.31})
+    lines = out.getvalue().splitlines()
+    assert [int(line.split()[2].split("/")[0]) for line in lines] == [10, 20, 30, 40, 45]
+    assert lines[0].startswith("[train_8card] step 10/45 (22%) loss 0.2500 grad_norm 1.000 lr 2.00e-04 "
+                               "40.0 samples/s mfu 31.0% ETA ")
+    assert lines[-1].endswith("ETA 0:00:00")

@@ -2,6 +2,12 @@
 
 Snakemake and DVC call the same command with `--log results/logs/<stage>.log`, so both tools
 leave the same log, and the console still shows the output.
+
+Third-party start-up chatter (robosuite's and LIBERO's lines at import, MuJoCo's warnings in
+a simulator process) goes to the stage's log only: `output_to_stage_log` sends a process's
+file descriptors 1 and 2 there for good (the simulator's worker processes), `only_in_stage_log`
+for a block of code (LIBERO's import in the stage's own process). Without a stage log (a stage
+run by hand without `--log`) both leave the output where it was.
 """
 
 from __future__ import annotations
@@ -44,7 +50,10 @@ def tee_output(log_path: str | Path | None) -> Iterator[None]:
     sys.stderr.flush()
     saved_out, saved_err = os.dup(1), os.dup(2)
     read_fd, write_fd = os.pipe()
-    log = open(log_path, "wb")  # noqa: SIM115 - closed by the pump thread's owner below
+    # O_APPEND: the simulator's worker processes append their own output to the same file
+    # (`output_to_stage_log`); without it this process's writes would land over theirs.
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    log = os.fdopen(fd, "wb")  # closed by the pump thread's owner below
 
     failed: list[OSError] = []
     stop = threading.Event()
@@ -104,3 +113,54 @@ def tee_output(log_path: str | Path | None) -> Iterator[None]:
                      .encode())
         os.close(saved_out)
         os.close(saved_err)
+
+
+def _open_stage_log() -> int | None:
+    log = os.environ.get(STAGE_LOG_ENV)
+    if not log:
+        return None
+    try:
+        return os.open(log, os.O_WRONLY | os.O_APPEND)
+    except OSError:
+        return None  # the log is gone or not writable: the output stays where it was
+
+
+def output_to_stage_log() -> bool:
+    """This process's stdout and stderr (descriptors 1 and 2) appended to the stage's log, for
+    the rest of its life; False (nothing changed) without one. For helper processes whose output
+    is third-party detail (the simulator workers: what they have to say reaches the stage
+    through their pipe)."""
+    fd = _open_stage_log()
+    if fd is None:
+        return False
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return True
+
+
+@contextlib.contextmanager
+def only_in_stage_log() -> Iterator[bool]:
+    """Inside the block, what this process (and a child it starts) writes to descriptors 1 and 2
+    goes to the stage's log only, not the console; yields False (nothing changed) without one."""
+    fd = _open_stage_log()
+    if fd is None:
+        yield False
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        yield True
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])

@@ -485,9 +485,9 @@ def _open_source(source: DataSource, opts: Options
     failed = [k.ref.episode_index for k in kept if "is_success" in src.names and not k.cols["is_success"].any()]
     if source.type == "sft" and failed:
         print(f"convert_recap: note: {src.root} is a source of type sft (demonstrations): its {len(failed)} "
-              f"episode(s) whose '{src.names['is_success']}' is never true ({_short(failed)}) count as "
-              "successes for their returns and are positive frames, as RLinf's type sft; give the source "
-              "type rollout to use their outcome", flush=True)
+              f"episode(s) whose '{src.names['is_success']}' is never true ({_short(failed)})\n"
+              "convert_recap: note: they count as successes for their returns and are positive frames, as "
+              "RLinf's type sft; give the source type rollout to use their outcome", flush=True)
     return src, lowdim, kept, dropped
 
 

@@ -12,6 +12,12 @@ while objects settle, a fixed environment seed (7), and per-suite step limits.
 `make setup` installs the simulator, its scene assets, the OpenGL libraries and LIBERO's config
 file (docs/libero.md, "The LIBERO simulator"); `LiberoSimulator` checks each of these before the slow
 import and names what is missing and the command that provides it.
+
+What LIBERO and robosuite print as they load (robosuite's "No private macro file found!" when
+set-up has not written `robosuite/macros_private.py`, LIBERO's "[info] using task orders" per
+suite) goes to the stage's log only (`pisft.logs.only_in_stage_log`), as does everything a
+simulator worker process prints (`rollout_workers`); what matters of it reaches the console as a
+pisft line (MuJoCo's warnings: `closed_loop.mujoco_note`; a worker's crash: `WorkerDied`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import numpy as np
 import yaml
 from PIL import Image
 
+from pisft import logs
 from pisft.errors import PisftError
 from pisft.io import sha256_file
 
@@ -279,8 +286,9 @@ class LiberoSimulator:
         elif problem := config_problem(libero_config_file()):  # a file from elsewhere, e.g. an old install
             raise SimulatorUnavailable(problem)
         try:
-            from libero.libero import benchmark, get_libero_path
-            from libero.libero.envs import OffScreenRenderEnv
+            with logs.only_in_stage_log():  # robosuite's and LIBERO's import lines (module docstring)
+                from libero.libero import benchmark, get_libero_path
+                from libero.libero.envs import OffScreenRenderEnv
         except ModuleNotFoundError as exc:
             raise SimulatorUnavailable(f"{INSTALL_HELP}\n(import failed: {exc})") from None
         except Exception as exc:  # noqa: BLE001 - a rendering back end or LIBERO's set-up failing at import
@@ -299,7 +307,8 @@ class LiberoSimulator:
         if name not in suites:
             raise PisftError(f"eval.libero_suites: LIBERO has no suite '{name}'; "
                              f"known: {', '.join(sorted(suites))}")
-        return suites[name]()
+        with logs.only_in_stage_log():  # LIBERO prints "[info] using task orders ..." for each suite
+            return suites[name]()
 
     def make_env(self, task: Any, *, resolution: int, seed: int) -> Env:
         """openpi's `_get_libero_env`: the task's BDDL file, both cameras at `resolution`, seeded."""

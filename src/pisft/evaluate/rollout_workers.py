@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from pisft import logs
 from pisft.errors import PisftError
 from pisft.evaluate import libero_sim
 from pisft.evaluate.episode_recording import EpisodeRecorder
@@ -226,6 +227,10 @@ class EpisodeRunner:
 
 
 def _worker_main(conn, simulator_factory: Callable[[], Any], workdir: str | None = None) -> None:
+    # What the simulator libraries print (robosuite's and LIBERO's import lines, MuJoCo's
+    # warnings, a native crash) goes to the stage's log, not the console: what the stage has
+    # to say of an episode comes through the pipe.
+    logs.output_to_stage_log()
     # The simulator is single-threaded per environment; one thread per library keeps N workers
     # from oversubscribing the cores the parent's policy also needs.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
@@ -291,7 +296,9 @@ class ProcessWorker:
             return self.conn.recv()
         except (EOFError, OSError):
             self.process.join(timeout=5)
-            raise WorkerDied(f"worker {self.process.name} died (exit code {self.process.exitcode})") from None
+            log = os.environ.get(logs.STAGE_LOG_ENV)
+            where = f"; what it printed is in {log}" if log else ""
+            raise WorkerDied(f"worker {self.process.name} died (exit code {self.process.exitcode}){where}") from None
 
     def has_reply(self) -> bool:
         return False  # use multiprocessing.connection.wait on self.conn

@@ -241,8 +241,13 @@ def smoke_value_steps(ctx: Context, steps: int | None = None) -> dict[str, Any]:
     settings = loop.LoopSettings(steps=steps, accum=1, global_batch=t.micro_batch_size, grad_clip=t.grad_clip,
                                  kind=ctx.info.kind, device=ctx.info.device, world_size=1, rank=0,
                                  stop_on_nonfinite=False, log_every=steps)
+
+    def on_step(record: dict) -> None:  # smoke_1card's step line
+        ctx.log(f"smoke step {record['step']}/{steps}: loss {record['loss']:.5f} "
+                f"grad_norm {record['grad_norm']:.4f} {record['step_time_s']:.3f} s")
+
     records = loop.run(p.model, optimizer, scheduler, task, (dict(fixed) for _ in itertools.count()),
-                       settings, start_step=0)
+                       settings, start_step=0, on_step=on_step)
     losses = [r["loss"] for r in records]
     grad_norms = [r["grad_norm"] for r in records]
     checks = training_checks(losses, grad_norms)

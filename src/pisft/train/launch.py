@@ -3,8 +3,13 @@
 The command is an argument list (no shell), the environment comes from the device layer
 (Ascend defaults, JAX_PLATFORMS=cpu). Every worker's stdout/stderr goes to the console and to
 `results/logs/<stage>/<launch>/…/<local_rank>/{stdout,stderr}.log`; torchrun's own output to
-`launcher.log` beside them. On failure the launcher says which rank failed and how, where its
-log is, and that rerunning the same command resumes from the latest complete checkpoint.
+`launcher.log` beside them. The console gets each line as it is written (rank 0's step lines
+while training runs): torchrun's agent copies the workers' lines to its stdout without
+flushing, so it runs with PYTHONUNBUFFERED=1, which `dvc repro` (unlike the Makefile and the
+Snakefile) does not export. Local rank 0's lines lose torchrun's `[default0]:` prefix on the
+console (the other ranks keep theirs); the log files keep every line as torchrun wrote it.
+On failure the launcher says which rank failed and how, where its log is, and that rerunning
+the same command resumes from the latest complete checkpoint.
 
 Single node: `torchrun --standalone` (a free port is picked). Several nodes: run the same
 command on every node with `train.nnodes`, `train.node_rank` and `train.rdzv_endpoint`
@@ -178,6 +183,15 @@ def _open_log(path: Path):
         return _NoLog()
 
 
+# torchrun's prefix of local rank 0's lines under --tee (torch.distributed.elastic's TailLog).
+RANK0_PREFIX = "[default0]:"
+
+
+def console_line(line: str) -> str:
+    """A line of torchrun's output as the console shows it: local rank 0's without its prefix."""
+    return line[len(RANK0_PREFIX):] if line.startswith(RANK0_PREFIX) else line
+
+
 def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path) -> tuple[int, str]:
     """Run torchrun, copying its output to the console and `log_file`.
 
@@ -189,7 +203,7 @@ def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path) -> tuple[int, 
     me = os.getpid()
     log = _open_log(log_file)
     guard._prctl()  # noqa: SLF001 - loaded here, not in the forked child
-    env = {**env, guard.LAUNCHER_PID_ENV: str(me)}
+    env = {**env, guard.LAUNCHER_PID_ENV: str(me), "PYTHONUNBUFFERED": "1"}
     with subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             bufsize=1, preexec_fn=lambda: guard.die_with_parent(signal.SIGTERM, me)) as proc:
@@ -197,7 +211,7 @@ def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path) -> tuple[int, 
         log_ok = True
         try:
             for line in proc.stdout:
-                sys.stdout.write(line)
+                sys.stdout.write(console_line(line))
                 sys.stdout.flush()
                 lines.append(line)
                 if log_ok:  # a full disk loses the log file, never the console or the summary

@@ -102,10 +102,13 @@ def _fmt_duration(seconds: float) -> str:
 
 
 class Progress:
-    """Rank-0 progress: a tqdm bar on a terminal, otherwise a line every ~5% of the run."""
+    """Rank-0 progress: a line every `every` optimizer steps (the trainers pass `train.log_every`,
+    the steps whose values the loop fetches together) and at the last one, with step/total,
+    loss, gradient norm, learning rate, samples/s, MFU where known and an ETA; without `every`
+    a line every ~5% of the run and at its first step. On a terminal, a tqdm bar instead."""
 
     def __init__(self, total: int, start: int, enabled: bool, stream: TextIO | None = None,
-                 desc: str = "train") -> None:
+                 desc: str = "train", every: int | None = None) -> None:
         self.total = total
         self.done = start
         self.start = start
@@ -113,7 +116,8 @@ class Progress:
         self.stream = stream or sys.stderr
         self.desc = desc
         self.t0 = time.perf_counter()
-        self.every = max(1, total // 20)
+        self.every = max(1, every) if every else max(1, total // 20)
+        self.first_line = not every
         self._bar = None
         if enabled and self.stream.isatty():
             from tqdm import tqdm
@@ -136,7 +140,8 @@ class Progress:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
             return
-        if self.done % self.every == 0 or self.done == self.total or self.done == self.start + 1:
+        if (self.done % self.every == 0 or self.done == self.total
+                or (self.first_line and self.done == self.start + 1)):
             pct = 100.0 * self.done / self.total
             mfu_txt = f" mfu {record['mfu']:.1%}" if record.get("mfu") is not None else ""
             print(f"[{self.desc}] step {self.done}/{self.total} ({pct:.0f}%) "

@@ -156,10 +156,11 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
     ctx.log(f"{ctx.world_size} process(es) on {ctx.info.kind} ({ctx.info.name}), "
             f"micro batch {t.micro_batch_size} × accumulation {accum} × "
             f"{ctx.world_size} = global batch {plan.global_batch}; steps {start_step}..{plan.steps}; "
-            f"train set {len(built.train_set)} frames; precision {t.precision}; "
-            f"{'FSDP2' if ctx.world_size > 1 else 'unsharded (one process)'}; data-loader workers "
-            f"{workers} per process (train.num_workers {t.num_workers}); peak FLOP/s: {peak_source}")
-    progress = Progress(plan.steps, start_step, enabled=ctx.is_main, desc=plan.stage)
+            f"train set {len(built.train_set)} frames")
+    ctx.log(f"precision {t.precision}; {'FSDP2' if ctx.world_size > 1 else 'unsharded (one process)'}; "
+            f"data-loader workers {workers} per process (train.num_workers {t.num_workers}); "
+            f"peak FLOP/s: {peak_source}")
+    progress = Progress(plan.steps, start_step, enabled=ctx.is_main, desc=plan.stage, every=t.log_every)
     tb = TensorBoardSink(ckpt_root / "tensorboard") if (t.tensorboard and ctx.is_main) else None
 
     def on_step(record: dict) -> None:

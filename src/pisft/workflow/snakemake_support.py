@@ -142,7 +142,8 @@ def record_in_dvc(workflow, config_file: str) -> list[str]:
         why = (proc.stderr.strip().splitlines() or ["no message"])[-1]
         _dvc_say(f"not updated ({why}); run `dvc commit {' '.join(done)}` to record these outputs")
         return []
-    _dvc_say(f"recorded {', '.join(done)}")
+    names = ", ".join(done)
+    _dvc_say(f"recorded {names}" if len(names) <= 120 else f"recorded the {len(done)} stages this run finished")
     return done
 
 
