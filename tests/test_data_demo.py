@@ -36,8 +36,15 @@ def _cfg(tmp_path: Path, **data) -> config.PisftConfig:
 
 
 def _hashes(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "pisft_config.json"}
+    """Every file's sha256 but the resolved config's (it names the results folder); the manifest
+    by its entries less that file's."""
+    out = {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+           for p in sorted(root.rglob("*"))
+           if p.is_file() and p.name not in ("pisft_config.json", "MANIFEST.json")}
+    listed = json.loads((root / "MANIFEST.json").read_text())["files"]
+    out["MANIFEST.json"] = json.dumps({k: v for k, v in listed.items() if k != "pisft_config.json"},
+                                      sort_keys=True)
+    return out
 
 
 def test_run_writes_rlinfs_unlabelled_collection(tmp_path):
