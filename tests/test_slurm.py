@@ -46,14 +46,12 @@ SACCT_FIELDS = ("JobID", "JobName", "Comment", "State", "AllocCPUS", "ReqMem", "
                 "ExitCode")
 
 
-def fit_profile(work: Path, cluster: Cluster, **train: int) -> dict:
+def fit_profile(work: Path, cluster: Cluster) -> dict:
     """profiles/slurm/config.yaml of `work`, set to the test's partition and the node's size."""
     path = work / "profiles/slurm/config.yaml"
     profile = yaml.safe_load(path.read_text())
     profile["default-resources"] = {"slurm_partition": cluster.partition, **DEFAULT}
-    requests = {rule: dict(values) for rule, values in REQUESTS.items()}
-    requests["train_8card"].update(train)
-    profile["set-resources"] = requests
+    profile["set-resources"] = {rule: dict(values) for rule, values in REQUESTS.items()}
     path.write_text(yaml.safe_dump(profile, sort_keys=False))
     return profile
 
@@ -226,14 +224,16 @@ def test_slurm_ending_train_8card_then_the_next_run_resumes(slurm_cluster, slurm
     shutil.copytree(reference, work, symlinks=True)
     shutil.rmtree(work / "results/checkpoints/train")
     save_every = SMALL[("train", "save_every")]
-    # 1. a one-minute limit, stopped after the first checkpoint: Slurm ends the job (SIGTERM, then
-    #    SIGKILL after KillWait)
-    fit_profile(work, slurm_cluster, runtime=1)
+    # 1. over its time limit after the first checkpoint: the limit (one minute) is set then, as
+    #    the job's start-up alone may take that long on a loaded machine; Slurm ends the job
+    #    (SIGTERM, then SIGKILL after KillWait) at the minute or, past it already, at its next check
     start = time.monotonic()
     proc = _start(work, slurm_cluster, "--forcerun", "train_8card")
     _wait_for(lambda: _checkpoints(work), 900, "a first checkpoint", proc)
     job = _train_job(slurm_cluster)
+    assert job, "train_8card is not running"
     _freeze_training(work)
+    slurm_cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=1")
     text = _finish(proc, 300)
     assert proc.returncode != 0, text[-3000:]
     row = sacct(slurm_cluster, job)[job]
@@ -243,13 +243,13 @@ def test_slurm_ending_train_8card_then_the_next_run_resumes(slurm_cluster, slurm
     assert not (work / "results/train/model").exists()
 
     # 2. the next run resumes; `scancel` while it trains
-    fit_profile(work, slurm_cluster)
     start = time.monotonic()
     proc = _start(work, slurm_cluster)
     log = work / "results/logs/train_8card.log"
     resumed = re.compile(rf"resum\w* from .*step_{save_every:06d}")
     _wait_for(lambda: log.is_file() and resumed.search(log.read_text()), 900, "the resume", proc)
     job = _train_job(slurm_cluster)
+    assert job, "train_8card is not running"
     _freeze_training(work)
     slurm_cluster.run("scancel", job)
     text = _finish(proc, 300)
@@ -286,6 +286,6 @@ def test_an_accelerator_request_the_node_lacks_is_refused_at_submission(slurm_cl
     print(f"\nrefused gres request: {took:.0f} s")
     assert out.returncode != 0
     assert "SLURM sbatch failed" in text and "--gres=gpu:1" in text, text[-4000:]
-    call = next(line for line in text.splitlines() if line.strip().startswith("sbatch "))
+    call = re.search(r"^\s*(sbatch --parsable .*)$", text, re.M).group(1)
     assert "--ntasks-per-gpu" not in call and "--cpus-per-task=2" in call, call  # one task: the launcher
     assert "Requested node configuration is not available" in text, text[-4000:]
