@@ -64,3 +64,8 @@ def one_process_group(tmp_path_factory):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+# Session fixtures shared by several modules (imported last: they import this module's helpers).
+from dvc_fixtures import dvc_run  # noqa: E402, F401
+from slurm_fixtures import slurm_cluster  # noqa: E402, F401

@@ -16,23 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, copy_project, run, tool_env
+from conftest import BIN, run, tool_env
+from dvc_fixtures import RAN, STAGES  # dvc_run: the session's DVC run (tests/dvc_fixtures.py)
 
 from pisft.train.guard import LOCK_NAME
 
 pytestmark = pytest.mark.integration
 
-RAN = re.compile(r"Running stage '(\w+)'")
-SMALL = {
-    ("data", "demo_episodes_per_task"): 2,
-    ("smoke", "steps"): 2,
-    ("train", "steps"): 6,
-    ("train", "save_every"): 3,
-    ("eval", "bootstrap_samples"): 50,
-    ("eval", "closed_loop"): False,  # the simulator costs minutes; tests/test_eval_closed_loop.py runs it
-    ("recap", "iterations"): 0,  # the loop runs in the simulator: tests/test_integration_pipeline.py drives it
-}
-STAGES = {"fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card", "evaluate"}
 NOTHING = "Nothing to be done"
 
 
@@ -42,23 +32,6 @@ def set_keys(work: Path, values: dict) -> None:
     for (section, key), value in values.items():
         cfg[section][key] = value
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-
-
-@pytest.fixture(scope="module")
-def dvc_run(tmp_path_factory) -> Path:
-    work = copy_project(tmp_path_factory.mktemp("dvc") / "w", git=True)
-    # The documented switch: the settings go into config/config.yaml, dvc.yaml follows its shape
-    small = work.parent / "small.yaml"
-    small.write_text(yaml.safe_dump({s: {k: v for (s2, k), v in SMALL.items() if s2 == s}
-                                     for s in {s for s, _ in SMALL}}))
-    run([str(BIN / "python"), "-m", "pisft", "profile", str(small)], work)
-    assert set(yaml.safe_load((work / "dvc.yaml").read_text())["stages"]) == STAGES
-    run(["git", "commit", "-qam", "small config"], work)
-    first = run(["dvc", "repro"], work)
-    assert set(RAN.findall(first.stdout)) == STAGES
-    run(["git", "add", "dvc.lock"], work)
-    run(["git", "commit", "-qm", "lock"], work)
-    return work
 
 
 def clone_run(src: Path, dest: Path) -> Path:

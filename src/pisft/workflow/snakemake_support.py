@@ -147,6 +147,12 @@ def record_in_dvc(workflow, config_file: str) -> list[str]:
     return done
 
 
+# The gres name a Slurm site declares for each device kind (gres.conf, `--gres=<name>:<count>`):
+# `gpu` is Slurm's own for NVIDIA GPUs; for Ascend NPUs `npu` is the name most sites declare. A
+# site with another name overrides `gres` per rule in its profile (profiles/slurm/config.yaml).
+SLURM_GRES = {"npu": "npu", "cuda": "gpu"}
+
+
 def accelerator_resources(cfg: pisft_config.PisftConfig, nproc: int) -> dict:
     """Resources a training rule asks for: a whole node's accelerators for the run.
 
@@ -155,10 +161,15 @@ def accelerator_resources(cfg: pisft_config.PisftConfig, nproc: int) -> dict:
     also checks that the node really shows `nproc` devices, so a smaller allocation fails
     loudly instead of shrinking the run.
     """
-    kind = {"npu": "npu", "cuda": "gpu"}.get(cfg.device)
+    kind = SLURM_GRES.get(cfg.device)
     if kind is None:
         return {"accelerators": 0}
-    return {"accelerators": nproc, "gres": f"{kind}:{nproc}"}
+    resources = {"accelerators": nproc, "gres": f"{kind}:{nproc}"}
+    if kind == "gpu":
+        # The plugin adds --ntasks-per-gpu=1 to a gpu gres request unless told 0: 8 tasks of
+        # cpus_per_task each, where the launcher is one task that starts torchrun's 8 workers.
+        resources["tasks_per_gpu"] = 0
+    return resources
 
 
 def model_source_inputs(cfg: pisft_config.PisftConfig) -> list[str]:

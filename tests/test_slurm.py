@@ -1,0 +1,291 @@
+"""profiles/slurm against a real Slurm: the one-node cluster of scripts/slurm-local.sh (this host).
+
+One DAG run through Slurm (the SFT stages on the small settings of tests/test_dvc.py) against the
+same run on this machine; Slurm ending train_8card (over its time limit, then `scancel`) and the
+rerun resuming; an accelerator request the node cannot satisfy, refused at submission."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import BIN, copy_project, run
+from slurm_fixtures import Cluster
+from dvc_fixtures import SMALL, STAGES
+
+pytestmark = pytest.mark.integration
+
+NOTHING = "Nothing to be done"
+# What the tests' profile asks for: the shipped profile with the test's partition (no account) and
+# requests this 2-core node can hold (the shipped ones are a cluster node's: 96 cores, 900 GB).
+DEFAULT = {"runtime": 10, "mem_mb": 1500, "cpus_per_task": 1}
+REQUESTS = {
+    "smoke_1card": {"runtime": 10, "cpus_per_task": 2, "mem_mb": 3000},
+    "train_8card": {"nodes": 1, "runtime": 15, "cpus_per_task": 2, "mem_mb": 6000},
+    "evaluate": {"runtime": 10, "cpus_per_task": 1, "mem_mb": 3000},
+}
+# The plugin waits 40 s before its first status query and between queries when nothing changed;
+# a few seconds here (the same queries: sacct through slurmdbd).
+FAST = ["--slurm-init-seconds-before-status-checks", "2", "--seconds-between-status-checks", "3"]
+# Outputs that record wall times or throughput (they differ between any two runs)
+TIMED = {"results/smoke/report.json", "results/train/metrics.jsonl", "results/eval/eval_info.json",
+         "results/eval/report.md", "results/eval/throughput.png"}
+SACCT_FIELDS = ("JobID", "JobName", "Comment", "State", "AllocCPUS", "ReqMem", "Timelimit", "NNodes",
+                "ExitCode")
+
+
+def fit_profile(work: Path, cluster: Cluster) -> dict:
+    """profiles/slurm/config.yaml of `work`, set to the test's partition and the node's size."""
+    path = work / "profiles/slurm/config.yaml"
+    profile = yaml.safe_load(path.read_text())
+    profile["default-resources"] = {"slurm_partition": cluster.partition, **DEFAULT}
+    profile["set-resources"] = {rule: dict(values) for rule, values in REQUESTS.items()}
+    path.write_text(yaml.safe_dump(profile, sort_keys=False))
+    return profile
+
+
+def slurm_snakemake(work: Path, cluster: Cluster, *args: str, timeout: float = 1800,
+                    check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [str(BIN / "snakemake"), "--profile", "profiles/slurm", *FAST, *args]
+    proc = subprocess.run(cmd, cwd=work, env=cluster.env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode})\n{proc.stdout[-6000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    return proc
+
+
+def small_project(dest: Path) -> Path:
+    """A project copy on the small settings, the way a user switches (`pisft profile`)."""
+    work = copy_project(dest, git=True)
+    small = dest.parent / f"{dest.name}-small.yaml"
+    small.write_text(yaml.safe_dump({s: {k: v for (s2, k), v in SMALL.items() if s2 == s}
+                                     for s in {s for s, _ in SMALL}}))
+    run([str(BIN / "python"), "-m", "pisft", "profile", str(small)], work)
+    run(["git", "commit", "-qam", "small config"], work)
+    return work
+
+
+def sacct(cluster: Cluster, *job_ids: str) -> dict[str, dict[str, str]]:
+    """sacct's allocation line of each job (by id), as Slurm's accounting recorded it."""
+    out = cluster.run("sacct", "-X", "-n", "-P", "-j", ",".join(job_ids),
+                      "-o", ",".join(SACCT_FIELDS)).stdout
+    rows = [dict(zip(SACCT_FIELDS, line.split("|"), strict=True)) for line in out.splitlines() if line]
+    return {r["JobID"]: r for r in rows}
+
+
+def submitted(out: str) -> dict[str, str]:
+    """rule -> Slurm job id, from the plugin's 'has been submitted with SLURM jobid M (log:
+    .../rule_<name>/M.log)' lines (one job per rule here)."""
+    return {rule: job for job, rule in re.findall(r"submitted with SLURM jobid (\d+) \(log: \S*/rule_(\w+)/", out)}
+
+
+def minutes(limit: int) -> str:
+    return f"{limit // 60:02d}:{limit % 60:02d}:00"
+
+
+def weights(work: Path) -> dict[str, torch.Tensor]:
+    return load_file(work / "results/train/model/model.safetensors")
+
+
+def losses(work: Path) -> list[tuple[int, float]]:
+    lines = (work / "results/train/metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines)]
+
+
+def outs_hashes(work: Path) -> dict[str, str]:
+    """Every stage output's hash as `dvc commit` recorded it in dvc.lock (path -> md5)."""
+    lock = yaml.safe_load((work / "dvc.lock").read_text())
+    return {out["path"]: out["md5"] for stage in lock["stages"].values() for out in stage.get("outs", [])}
+
+
+@pytest.fixture(scope="module")
+def slurm_run(slurm_cluster, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, float]:
+    """The same DAG, every rule a Slurm job: `snakemake --profile profiles/slurm`."""
+    work = small_project(tmp_path_factory.mktemp("slurm_dag") / "w")
+    fit_profile(work, slurm_cluster)
+    run(["git", "commit", "-qam", "the test cluster's partition and sizes"], work)
+    start = time.monotonic()
+    proc = slurm_snakemake(work, slurm_cluster)
+    return work, proc, time.monotonic() - start
+
+
+def test_every_rule_is_a_slurm_job_with_the_profiles_requests(slurm_cluster, slurm_run):
+    work, proc, took = slurm_run
+    out = proc.stdout + proc.stderr
+    jobs = submitted(out)
+    assert set(jobs) == STAGES, out[-4000:]
+    acct = sacct(slurm_cluster, *jobs.values())
+    print(f"\nDAG through Slurm: {took:.0f} s; cluster start {slurm_cluster.start_s:.1f} s")
+    for rule, job_id in jobs.items():
+        row = acct[job_id]
+        print("  " + " ".join(f"{k}={v}" for k, v in row.items()))
+        asked = {**DEFAULT, **REQUESTS.get(rule, {})}
+        assert row["Comment"] == f"rule_{rule}" and row["State"] == "COMPLETED", row
+        assert row["AllocCPUS"] == str(asked["cpus_per_task"]), row
+        assert row["ReqMem"] == f"{asked['mem_mb']}M", row
+        assert row["Timelimit"] == minutes(asked["runtime"]), row
+        assert row["NNodes"] == "1" and row["ExitCode"] == "0:0", row
+        # The rule's log where the rule writes it; Slurm's log of the job beside it
+        assert (work / f"results/logs/{rule}.log").stat().st_size > 0, rule
+        slurm_log = work / f"results/logs/slurm/rule_{rule}/{job_id}.log"
+        assert slurm_log.is_file(), f"{rule}: no Slurm log at {slurm_log}"
+        assert f"rule {rule}:" in slurm_log.read_text(), slurm_log.read_text()[-2000:]
+
+
+def test_slurm_run_equals_the_local_run_and_both_drivers_agree(slurm_run, dvc_run):
+    """The same DAG on this machine (`dvc repro`, tests/dvc_fixtures.py) made the same outputs."""
+    local_run = dvc_run
+    work, _, _ = slurm_run
+    # The same bytes out of every stage (dvc.lock: what DVC and, after the Slurm run, `dvc commit`
+    # recorded), but the files that carry wall times; of those the losses are compared.
+    got, ref = outs_hashes(work), outs_hashes(local_run)
+    assert set(got) == set(ref)
+    differ = {p for p in ref if got[p] != ref[p]}
+    assert differ <= TIMED, sorted(differ - TIMED)
+    assert "results/train/model" not in differ and "results/eval/metrics.json" not in differ
+    assert losses(work) == losses(local_run)
+    # After the Slurm run both drivers have nothing to do
+    dry = run(["snakemake", "-n", "--cores", "2"], work)
+    assert NOTHING in dry.stdout + dry.stderr, dry.stdout[-3000:]
+    assert "up to date" in run(["dvc", "status"], work).stdout.lower()
+
+
+def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise AssertionError(f"snakemake ended ({proc.returncode}) before {what}:\n{proc.communicate()[0][-4000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _checkpoints(work: Path) -> list[int]:
+    return sorted(int(p.parent.name.removeprefix("step_"))
+                  for p in (work / "results/checkpoints/train").glob("run-*/step_*/COMPLETE.json"))
+
+
+def _train_job(cluster: Cluster) -> str | None:
+    """The running train_8card job (the plugin's comment names the rule)."""
+    out = cluster.run("squeue", "-h", "-t", "RUNNING", "-o", "%i %k").stdout.split()
+    return next((job for job, comment in zip(out[::2], out[1::2], strict=True) if comment == "rule_train_8card"),
+                None)
+
+
+def _freeze_training(work: Path) -> list[psutil.Process]:
+    """SIGSTOP the training workers of `work` (in the Slurm job, on this node): the job is then
+    in the middle of train_8card for as long as Slurm lets it run, whatever this machine's speed."""
+    workers = [p for p in psutil.process_iter(["cmdline", "cwd"])
+               if p.info["cwd"] == str(work) and "pisft.train" in " ".join(p.info["cmdline"] or [])
+               and "torch.distributed.run" not in (p.info["cmdline"] or [])]
+    assert workers, "no training workers of this run"
+    for w in workers:
+        w.send_signal(signal.SIGSTOP)
+    return workers
+
+
+def _start(work: Path, cluster: Cluster, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([str(BIN / "snakemake"), "--profile", "profiles/slurm", *FAST, *args], cwd=work,
+                            env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> str:
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.communicate(timeout=120)
+    return text
+
+
+def test_slurm_ending_train_8card_then_the_next_run_resumes(slurm_cluster, slurm_run, tmp_path):
+    """Over its time limit (TIMEOUT), then `scancel` (CANCELLED): each time the next
+    `snakemake --profile profiles/slurm` resumes from the latest complete checkpoint, and the
+    weights in the end are the uninterrupted run's. The workers are stopped (SIGSTOP) once the
+    job is where Slurm should end it, so that training cannot finish first on a fast machine."""
+    reference, _, _ = slurm_run
+    work = tmp_path / "w"
+    shutil.copytree(reference, work, symlinks=True)
+    shutil.rmtree(work / "results/checkpoints/train")
+    save_every = SMALL[("train", "save_every")]
+    # 1. over its time limit after the first checkpoint: the limit (one minute) is set then, as
+    #    the job's start-up alone may take that long on a loaded machine; Slurm ends the job
+    #    (SIGTERM, then SIGKILL after KillWait) at the minute or, past it already, at its next check
+    start = time.monotonic()
+    proc = _start(work, slurm_cluster, "--forcerun", "train_8card")
+    _wait_for(lambda: _checkpoints(work), 900, "a first checkpoint", proc)
+    job = _train_job(slurm_cluster)
+    assert job, "train_8card is not running"
+    _freeze_training(work)
+    slurm_cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=1")
+    text = _finish(proc, 300)
+    assert proc.returncode != 0, text[-3000:]
+    row = sacct(slurm_cluster, job)[job]
+    print(f"\ntime limit ({time.monotonic() - start:.0f} s): {row}; checkpoints {_checkpoints(work)}")
+    assert row["State"] == "TIMEOUT" and row["Timelimit"] == "00:01:00", row
+    assert _checkpoints(work) == [save_every]
+    assert not (work / "results/train/model").exists()
+
+    # 2. the next run resumes; `scancel` while it trains
+    start = time.monotonic()
+    proc = _start(work, slurm_cluster)
+    log = work / "results/logs/train_8card.log"
+    resumed = re.compile(rf"resum\w* from .*step_{save_every:06d}")
+    _wait_for(lambda: log.is_file() and resumed.search(log.read_text()), 900, "the resume", proc)
+    job = _train_job(slurm_cluster)
+    assert job, "train_8card is not running"
+    _freeze_training(work)
+    slurm_cluster.run("scancel", job)
+    text = _finish(proc, 300)
+    assert proc.returncode != 0, text[-3000:]
+    row = sacct(slurm_cluster, job)[job]
+    print(f"scancel ({time.monotonic() - start:.0f} s): {row}; checkpoints {_checkpoints(work)}")
+    assert row["State"].startswith("CANCELLED"), row
+    assert not (work / "results/train/model").exists()
+
+    # 3. the next run resumes from the latest complete checkpoint and ends as the uninterrupted run
+    start = time.monotonic()
+    slurm_snakemake(work, slurm_cluster)
+    print(f"resumed to the end: {time.monotonic() - start:.0f} s")
+    assert resumed.search(log.read_text()), log.read_text()[-3000:]
+    a, b = weights(work), weights(reference)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    steps = [json.loads(line)["step"] for line in (work / "results/train/metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, SMALL[("train", "steps")] + 1))
+
+
+def test_an_accelerator_request_the_node_lacks_is_refused_at_submission(slurm_cluster, slurm_run, tmp_path):
+    """device: cuda asks for `--gres=gpu:N`; the node declares the gpu gres type but has none:
+    sbatch refuses, the workflow stops with Slurm's message instead of waiting."""
+    reference, _, _ = slurm_run
+    work = tmp_path / "w"
+    shutil.copytree(reference, work, symlinks=True)
+    cfg = yaml.safe_load((work / "config/config.yaml").read_text())
+    cfg["device"] = "cuda"
+    (work / "config/config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    start = time.monotonic()
+    out = slurm_snakemake(work, slurm_cluster, "smoke_1card", "--forcerun", "smoke_1card", timeout=600, check=False)
+    took = time.monotonic() - start
+    text = out.stdout + out.stderr
+    print(f"\nrefused gres request: {took:.0f} s")
+    assert out.returncode != 0
+    assert "SLURM sbatch failed" in text and "--gres=gpu:1" in text, text[-4000:]
+    call = re.search(r"^\s*(sbatch --parsable .*)$", text, re.M).group(1)
+    assert "--ntasks-per-gpu" not in call and "--cpus-per-task=2" in call, call  # one task: the launcher
+    assert "Requested node configuration is not available" in text, text[-4000:]
