@@ -103,6 +103,9 @@ class TrainConfig:
     decay_lr: float = 1e-4
     weight_decay: float = 1e-2
     grad_clip: float = 1.0
+    # EMA of the trained weights (pisft.train.ema; openpi's ema_decay): 0 or null is off; on, the
+    # exported model is the average, and every checkpoint carries it.
+    ema_decay: float | None = 0.0
     activation_checkpointing: bool = False
     # Peak dense bf16 FLOP/s of one device for MFU; 0 looks the device up in a table.
     peak_flops: float = 0.0
@@ -418,6 +421,9 @@ def _value_problems(cfg: PisftConfig) -> list[str]:
         problems.append(f"train.grad_clip: the gradient-norm limit must be > 0, got {t.grad_clip}")
     if t.weight_decay < 0:
         problems.append(f"train.weight_decay: must be >= 0, got {t.weight_decay}")
+    if t.ema_decay is not None and not 0 <= t.ema_decay < 1:
+        problems.append(f"train.ema_decay: the EMA's decay must be in [0, 1) (0 or null: no EMA; "
+                        f"openpi's pi05_libero: 0.999), got {t.ema_decay}")
     if t.num_workers < -1:
         problems.append(f"train.num_workers: data-loader processes per training process must be "
                         f">= 0, or -1 to choose from the cores; got {t.num_workers}")

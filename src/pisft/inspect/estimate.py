@@ -268,6 +268,7 @@ def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batc
         "step_peak_bytes": step_peak,
         "state_bytes": {"params": step["params_bytes"], "grads": step["grads_bytes"],
                         "optimizer": step["opt_bytes"]},
+        "ema_bytes": step["ema_bytes"],
         "peak_phase": phase,
         "fsdp": plan,
         "sequence": sequence,
@@ -299,6 +300,8 @@ def _tracked_step(policy, mesh, micro_batch: int, precision: str,
     policy.train()
     trainable = [p for p in policy.parameters() if p.requires_grad]
     out: dict[str, Any] = {"params_bytes": _nbytes(policy.parameters())}
+    # train.ema_decay: an fp32 copy of the local shard of every trained parameter (pisft.train.ema)
+    out["ema_bytes"] = sum(_local(p).numel() * 4 for p in trainable)
     tracker = StepMemory()
     out["param_ids"] = tracker.register_existing(policy.parameters())
     with fused_joint_attention(), tracker:
@@ -421,6 +424,10 @@ def estimate_memory(cfg: PisftConfig, *, world_size: int | None = None) -> dict[
     smallest = min_unit_params(kind, t.fsdp_min_unit_params)
     sim = simulate_step(make, world_size=world, micro_batch=t.micro_batch_size, precision=t.precision,
                         checkpointing=t.activation_checkpointing, min_unit_params=smallest)
+    if t.ema_decay:  # held for the whole step: it adds to the peak as it is
+        sim["bytes"]["ema"] = sim["ema_bytes"]
+        sim["bytes"]["total"] += sim["ema_bytes"]
+        sim["state_bytes"]["ema"] = sim["ema_bytes"]
     return {
         "model": model_from,
         "preset": cfg.model.preset,
@@ -482,8 +489,11 @@ def format_report(est: dict[str, Any]) -> str:
     ]
     labels = {"params": "parameter shards (fp32)", "optimizer": "AdamW moment shards (fp32)",
               "grads": "gradient shards (fp32)", "gathered": "FSDP unsharded copies + buffers",
-              "activations": "activations + temporaries", "total": "total (peak allocated)"}
+              "activations": "activations + temporaries", "ema": "EMA of trained weights (fp32)",
+              "total": "total (peak allocated)"}
     for key, label in labels.items():
+        if key not in est["gib"]:  # ema: only with train.ema_decay
+            continue
         lines.append(f"  {label:<32} {est['gib'][key]:>10.3f}")
     lines.append("A device shows more: caching-allocator reserve, HCCL/NCCL buffers, workspaces, "
                  "runtime context (docs/memory.md).")

@@ -281,7 +281,7 @@ class CheckpointManager:
 
     # ---------------- save ----------------
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler: Any, extra: dict[str, Any] | None = None) -> Path:
+             scheduler: Any, extra: dict[str, Any] | None = None, ema: Any = None) -> Path:
         final = self.root / step_dir_name(step)
         tmp = self.root / f".{step_dir_name(step)}.tmp"
         if self.rank == 0:
@@ -291,7 +291,10 @@ class CheckpointManager:
             (tmp / "rng").mkdir(parents=True)
         dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        pieces = {"model": model_sd, "optim": optim_sd}
+        if ema is not None:  # the weights' EMA (pisft.train.ema), sharded like the parameters
+            pieces["ema"] = ema.state_dict()
+        dcp.save(pieces, checkpoint_id=str(tmp / "dcp"))
         _write_json_synced(tmp / "rng" / f"rank_{self.rank:05d}.json", _rng_state())
         dist.barrier()
         # Every rank hashes a share of what the ranks wrote (rank 0 adds its own files below).
@@ -341,7 +344,7 @@ class CheckpointManager:
                                world_size=self.world_size, candidates=candidates)
 
     def load(self, found: Found, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler: Any) -> dict[str, Any]:
+             scheduler: Any, ema: Any = None) -> dict[str, Any]:
         state = json.loads((found.path / "trainer_state.json").read_text())
         problems = fingerprint_mismatches(state.get("fingerprint", {}), self.fingerprint)
         if problems:
@@ -354,6 +357,8 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         saved = set(dcp.FileSystemReader(str(found.path / "dcp")).read_metadata().state_dict_metadata)
         target = {"model": model_sd, "optim": _saved_optimizer_state(optim_sd, saved)}
+        if ema is not None:  # loaded in place into the EMA's (sharded) tensors
+            target["ema"] = ema.state_dict()
         dcp.load(target, checkpoint_id=str(found.path / "dcp"))
         set_model_state_dict(model, target["model"])  # strict: every tensor of the model
         # Optimizer: parameters that never had a gradient have no saved state (see above).
@@ -406,6 +411,7 @@ FINGERPRINT_EXCLUDED = ("data.recap_dir", "data.demo_")
 FINGERPRINT_KEYS = (
     "train.global_batch_size", "train.steps", "train.seed", "train.lr", "train.warmup_steps",
     "train.decay_lr", "train.weight_decay", "train.grad_clip", "train.precision",
+    "train.ema_decay",
 )
 
 
