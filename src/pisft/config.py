@@ -49,6 +49,10 @@ class ModelConfig:
     asset_id: str = ""
     # Keep a source's chunk size when it differs from model.preset's (else that is an error).
     follow_source_chunk_size: bool = False
+    # The discretised state in the prompt (LeRobot's pi0.5 always; openpi's pi05_libero:
+    # discrete_state_input=False). The exported model records it and every consumer follows the
+    # record; a starting model that records it (a source's discrete_state_input) is followed.
+    state_in_prompt: bool = True
 
 
 @dataclass

@@ -202,7 +202,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("advantages", "pisft.recap.advantages:run", ("device", *ADVANTAGE_KEYS), (*RECAP_CODE, *TRAIN_CODE),
           ("advantages",), "RECAP: every frame's value and N-step advantage, the positive labels",
           iterations="recap"),
-    Stage("train_8card", "pisft.train.run:run_training", ("device", "train"), TRAIN_CODE,
+    Stage("train_8card", "pisft.train.run:run_training", ("device", "train", "model.state_in_prompt"), TRAIN_CODE,
           ("train/model", "train/metrics.jsonl"),
           "train on train.nproc_per_node x train.nnodes devices; resumes, exports", training=True,
           iterations="all", recap_keys=RETRAIN_KEYS),
