@@ -208,6 +208,11 @@ class RecapConfig:
     lookahead: int = 10
     positive_quantile: float = 0.3
     threshold_scope: str = "global"
+    # The fraction of the pool's episodes (per task) held out from the value model to measure it
+    # (held-out rho, bin accuracy), at iteration k >= 1; the retrained policy trains on every
+    # episode of the pool either way. 0: the value model trains on the whole pool too (RLinf) and
+    # its held-out figures are skipped.
+    holdout_fraction: float = 0.0
     # Retraining at iteration k starts from the base model or from policy k-1.
     init: str = "previous"
     # Optimizer steps of the retraining at iteration k >= 1; 0: train.steps (the SFT run's).
@@ -491,8 +496,12 @@ def _smoke_and_data_problems(cfg: PisftConfig) -> list[str]:
         problems.append("smoke.steps: must be at least 2 (the smoke run checks the loss falls)")
     if not 0 <= cfg.smoke.min_memory_headroom < 1:
         problems.append("smoke.min_memory_headroom: must be a fraction in [0, 1)")
-    if not 0 < cfg.data.eval_fraction < 1:
-        problems.append(f"data.eval_fraction: must be in (0, 1), got {cfg.data.eval_fraction}")
+    if not 0 <= cfg.data.eval_fraction < 1:
+        problems.append(f"data.eval_fraction: must be in [0, 1) (0: every episode trains and `evaluate` "
+                        f"writes a \"not run\" result), got {cfg.data.eval_fraction}")
+    if not 0 <= cfg.recap.holdout_fraction < 1:
+        problems.append(f"recap.holdout_fraction: must be in [0, 1) (0: the value model trains on the whole "
+                        f"pool and its held-out figures are skipped), got {cfg.recap.holdout_fraction}")
     if not 0 <= cfg.data.demo_failure_fraction < 1:
         problems.append("data.demo_failure_fraction: must be in [0, 1)")
     if cfg.data.image_size < 0:

@@ -117,7 +117,9 @@ def build(ctx: Context) -> Built:
     policy.config.device = str(ctx.info.device)
     _choose_prompt_form(ctx, policy, base)
     pre, _ = make_processors(policy, base, stats)  # follows the choice just recorded
-    train_set = load_split(data, "train", chunk_size=policy.config.chunk_size)
+    # A RECAP iteration's policy trains on the whole pool (its held-out episodes are the value
+    # model's: recap.holdout_fraction); the SFT run on the train split (data.eval_fraction).
+    train_set = load_split(data, "all" if cfg.iteration else "train", chunk_size=policy.config.chunk_size)
     if len(train_set) == 0:
         raise PisftError(f"{data}: the train split has no frames; check split.json and data.eval_fraction")
     # One checkpointing level (per decoder layer); the unused expert lm_head detached.

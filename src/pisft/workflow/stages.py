@@ -188,7 +188,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           iterations="recap"),
     Stage("convert_recap", "pisft.data.convert:run", CONVERT_KEYS, ("src/pisft/data",),
           ("dataset",), "convert the RECAP dataset (at iteration k, the pool) into the training dataset",
-          iterations="all"),
+          iterations="all", recap_keys=("recap.holdout_fraction",)),
     Stage("smoke_1card", "pisft.train.smoke:run_smoke", ("device", "smoke", *TRAIN_STEP_KEYS),
           (*TRAIN_CODE, "src/pisft/inspect"), ("smoke/report.json",),  # its report carries the estimate
           "a few optimizer steps on one device: the go/no-go report", training=True, one_process=True),
