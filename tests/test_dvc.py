@@ -88,6 +88,25 @@ def test_dvc_reruns_exactly_what_reads_a_changed_key(dvc_run, tmp_path, change, 
     assert planned - {"all"} == {"evaluate"}
 
 
+def test_every_episode_trains_with_eval_fraction_zero_under_both_drivers(dvc_run, tmp_path):
+    """data.eval_fraction 0: DVC reruns the dataset and what follows, `evaluate` writes its "not
+    run" result with every declared output; Snakemake accepts those outputs and runs the stage
+    itself."""
+    work = clone_run(dvc_run, tmp_path / "w")
+    set_keys(work, {("data", "eval_fraction"): 0.0})
+    out = run(["dvc", "repro"], work)
+    assert set(RAN.findall(out.stdout)) == {"convert_recap", "smoke_1card", "train_8card", "evaluate"}
+    split = json.loads((work / "results/dataset/split.json").read_text())
+    assert split["eval"] == [] and len(split["train"]) > 0
+    metrics = json.loads((work / "results/eval/metrics.json").read_text())
+    assert metrics["evaluated"] is False and "data.eval_fraction is 0" in metrics["note"]
+    dry = run(["snakemake", "-n", "--cores", "2"], work)
+    assert NOTHING in dry.stdout + dry.stderr, dry.stdout[-3000:]
+    again = run(["snakemake", "--cores", "2", "--forcerun", "evaluate"], work)
+    assert "evaluate: not run" in (work / "results/logs/evaluate.log").read_text() + again.stderr
+    assert json.loads((work / "results/eval/metrics.json").read_text())["evaluated"] is False
+
+
 def test_fresh_clone_and_dvc_pull_does_not_make_snakemake_retrain(dvc_run, tmp_path):
     clone = push_and_clone(clone_run(dvc_run, tmp_path / "origin"), tmp_path)
     # The pulled clone is up to date for DVC itself (no checkpoints there: they are no output)

@@ -115,13 +115,18 @@ def test_cli_json(tmp_path, capsys):
     from pisft import cli
 
     config = tmp_path / "c.yaml"
-    config.write_text(f"results_dir: {tmp_path / 'results'}\n")
+    config.write_text(f"results_dir: {tmp_path / 'results'}\ntrain:\n  ema_decay: 0.999\n")
     assert cli.main(["estimate", "--config", str(config), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["params_total"] > 1_000_000 and out["gib"]["total"] > 0
+    # train.ema_decay: an fp32 copy of each trained parameter's shard (all of them train here, so
+    # as many bytes as the fp32 parameter shards), held through the step: part of the peak
+    assert out["bytes"]["ema"] == out["state_bytes"]["ema"] == out["state_bytes"]["params"]
+    assert out["bytes"]["total"] == sum(v for k, v in out["bytes"].items() if k != "total")
     assert cli.main(["estimate", "--config", str(config)]) == 0
     text = capsys.readouterr().out
     assert "activations + temporaries" in text and "docs/memory.md" in text
+    assert "EMA of trained weights" in text
 
 
 @pytest.mark.integration

@@ -1,5 +1,7 @@
 """torchrun end to end on the tiny model: world-size invariance, real sharding, multi-node,
-SIGKILL + automatic exact resume, resume on another number of processes."""
+SIGKILL + automatic exact resume, resume on another number of processes. The runs keep an EMA of
+the weights (train.ema_decay) and export it, so each of these holds for the EMA too: the same at
+any world size, resumed bit-identically after a kill, resharded on another number of processes."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from train_fixtures import ROOT, launch, launch_cmd, launch_env, read_jsonl, res
 pytestmark = pytest.mark.integration
 
 RUN = ["train.steps=10", "train.save_every=5", "train.warmup_steps=2", "train.global_batch_size=16",
-       "train.micro_batch_size=4"]
+       "train.micro_batch_size=4", "train.ema_decay=0.9"]
 # The layer units an accelerator trains with, not the CPU's merged units. Bit-identical results
 # need the same layout: another unit layout (other gathered buffers, other BLAS paths) agrees to
 # the tolerances of test_world_size_invariance, not to the bit.
@@ -101,6 +103,9 @@ def test_world_size_invariance(one_process, two_nodes):
     assert all(len(r["peak_memory_bytes_per_rank"]) == 2 for r in b)
     summary = json.loads((two_nodes / "train" / "train_summary.json").read_text())
     assert summary["world_size"] == 2
+    # the export is the EMA, and says so
+    info = json.loads((two_nodes / "train" / "model" / "pisft_model.json").read_text())
+    assert info["weights"] == summary["weights"] == {"kind": "ema", "ema_decay": 0.9}
 
 
 def test_each_rank_holds_half_and_units_cover_the_model(two_nodes):
@@ -132,7 +137,11 @@ def test_sigkill_then_rerun_resumes_bit_identically(tmp_path_factory, smoke, two
     _ok(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=launch_env()))
     summary = json.loads((res / "train" / "train_summary.json").read_text())
     assert summary["resumed_from"]["step"] == 5
-    ref, got = _weights(two_nodes), _weights(res)
+    import torch.distributed.checkpoint as dcp
+    (step5,) = (res / "checkpoints" / "train").glob("run-*/step_000005")
+    saved = dcp.FileSystemReader(str(step5 / "dcp")).read_metadata().state_dict_metadata
+    assert any(k.startswith("ema.") for k in saved)  # the average is in the checkpoint
+    ref, got = _weights(two_nodes), _weights(res)  # the exported EMA: resumed exactly
     for key in ref:
         assert torch.equal(got[key], ref[key]), key
     metrics = read_jsonl(res / "train" / "metrics.jsonl")

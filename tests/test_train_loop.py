@@ -56,7 +56,7 @@ def toy_model(seed=0):
 
 
 def train(micro, steps, *, start=0, model=None, opt=None, sched=None, save=None, lr=1e-2,
-          log_every=1, fused=False, on_step=None):
+          log_every=1, fused=False, on_step=None, ema=None):
     data = toy_data()
     if model is None:
         model, _ = toy_model()
@@ -70,7 +70,7 @@ def train(micro, steps, *, start=0, model=None, opt=None, sched=None, save=None,
                           device=torch.device("cpu"), world_size=1, rank=0, peak_flops=1e9,
                           save_every=3, log_every=log_every)
     records = loop.run(model, opt, sched, ToyTask(), iter(loader), s, start_step=start, save=save,
-                       on_step=on_step)
+                       on_step=on_step, ema=ema)
     return model, opt, sched, records
 
 

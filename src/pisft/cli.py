@@ -111,10 +111,13 @@ def _summary(cfg: config_mod.PisftConfig) -> int:
         print(f"no evaluation yet ({path} missing): run `snakemake --cores all` first")
         return 1
     metrics = json.loads(path.read_text())
-    base = metrics.get("base", {}).get("action_mse")
-    tuned = metrics.get("finetuned", {}).get("action_mse")
-    print(f"held-out action MSE: base {base:.4g} -> fine-tuned {tuned:.4g}"
-          + (f" ({base / tuned:.1f}x lower)" if base and tuned else ""))
+    if metrics.get("evaluated") is False:  # data.eval_fraction 0: no episode held out
+        print(f"held-out action MSE: not measured ({metrics.get('note')})")
+    else:
+        base = metrics.get("base", {}).get("action_mse")
+        tuned = metrics.get("finetuned", {}).get("action_mse")
+        print(f"held-out action MSE: base {base:.4g} -> fine-tuned {tuned:.4g}"
+              + (f" ({base / tuned:.1f}x lower)" if base and tuned else ""))
     recap = cfg.results("recap", "metrics.json")
     if cfg.recap.iterations and recap.is_file():
         rates = [(it["k"], it["closed_loop"]) for it in json.loads(recap.read_text())["iterations"]]

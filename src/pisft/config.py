@@ -53,6 +53,10 @@ class ModelConfig:
     asset_id: str = ""
     # Keep a source's chunk size when it differs from model.preset's (else that is an error).
     follow_source_chunk_size: bool = False
+    # The discretised state in the prompt (LeRobot's pi0.5 always; openpi's pi05_libero:
+    # discrete_state_input=False). The exported model records it and every consumer follows the
+    # record; a starting model that records it (a source's discrete_state_input) is followed.
+    state_in_prompt: bool = True
 
 
 @dataclass
@@ -107,6 +111,9 @@ class TrainConfig:
     decay_lr: float = 1e-4
     weight_decay: float = 1e-2
     grad_clip: float = 1.0
+    # EMA of the trained weights (pisft.train.ema; openpi's ema_decay): 0 or null is off; on, the
+    # exported model is the average, and every checkpoint carries it.
+    ema_decay: float | None = 0.0
     activation_checkpointing: bool = False
     # Peak dense bf16 FLOP/s of one device for MFU; 0 looks the device up in a table.
     peak_flops: float = 0.0
@@ -217,6 +224,11 @@ class RecapConfig:
     lookahead: int = 10
     positive_quantile: float = 0.3
     threshold_scope: str = "global"
+    # The fraction of the pool's episodes (per task) held out from the value model to measure it
+    # (held-out rho, bin accuracy), at iteration k >= 1; the retrained policy trains on every
+    # episode of the pool either way. 0: the value model trains on the whole pool too (RLinf) and
+    # its held-out figures are skipped.
+    holdout_fraction: float = 0.0
     # Retraining at iteration k starts from the base model or from policy k-1.
     init: str = "previous"
     # Optimizer steps of the retraining at iteration k >= 1; 0: train.steps (the SFT run's).
@@ -438,6 +450,9 @@ def _value_problems(cfg: PisftConfig) -> list[str]:
         problems.append(f"train.grad_clip: the gradient-norm limit must be > 0, got {t.grad_clip}")
     if t.weight_decay < 0:
         problems.append(f"train.weight_decay: must be >= 0, got {t.weight_decay}")
+    if t.ema_decay is not None and not 0 <= t.ema_decay < 1:
+        problems.append(f"train.ema_decay: the EMA's decay must be in [0, 1) (0 or null: no EMA; "
+                        f"openpi's pi05_libero: 0.999), got {t.ema_decay}")
     if t.num_workers < -1:
         problems.append(f"train.num_workers: data-loader processes per training process must be "
                         f">= 0, or -1 to choose from the cores; got {t.num_workers}")
@@ -533,8 +548,12 @@ def _smoke_and_data_problems(cfg: PisftConfig) -> list[str]:
         problems.append("smoke.steps: must be at least 2 (the smoke run checks the loss falls)")
     if not 0 <= cfg.smoke.min_memory_headroom < 1:
         problems.append("smoke.min_memory_headroom: must be a fraction in [0, 1)")
-    if not 0 < cfg.data.eval_fraction < 1:
-        problems.append(f"data.eval_fraction: must be in (0, 1), got {cfg.data.eval_fraction}")
+    if not 0 <= cfg.data.eval_fraction < 1:
+        problems.append(f"data.eval_fraction: must be in [0, 1) (0: every episode trains and `evaluate` "
+                        f"writes a \"not run\" result), got {cfg.data.eval_fraction}")
+    if not 0 <= cfg.recap.holdout_fraction < 1:
+        problems.append(f"recap.holdout_fraction: must be in [0, 1) (0: the value model trains on the whole "
+                        f"pool and its held-out figures are skipped), got {cfg.recap.holdout_fraction}")
     if not 0 <= cfg.data.demo_failure_fraction < 1:
         problems.append("data.demo_failure_fraction: must be in [0, 1)")
     if cfg.data.image_size < 0:

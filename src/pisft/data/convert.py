@@ -74,7 +74,10 @@ class Options:
         return cls(success_only=d.success_only, tasks=[str(t) for t in d.tasks], advantage_tag=d.advantage_tag,
                    positive_only_conditional=d.positive_only_conditional,
                    unconditional_prob=d.unconditional_prob, columns=dict(d.columns),
-                   image_size=d.image_size, eval_fraction=d.eval_fraction, split_seed=d.split_seed)
+                   image_size=d.image_size, split_seed=d.split_seed,
+                   # at a RECAP iteration the pool's held-out episodes are the value model's only
+                   # (recap.holdout_fraction): the policy trains on every episode of the pool
+                   eval_fraction=cfg.recap.holdout_fraction if cfg.iteration else d.eval_fraction)
 
     @property
     def conditioning(self) -> PromptConditioning:

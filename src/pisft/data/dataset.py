@@ -86,17 +86,20 @@ def fps(dataset_dir: str | Path) -> int:
     return int(json.loads(_require(Path(dataset_dir), "meta/info.json").read_text())["fps"])
 
 
+ALL = "all"  # every episode of the dataset (train and eval)
+
+
 def load_split(dataset_dir: str | Path, split: str, *, chunk_size: int):
-    """A LeRobotDataset over the episodes of `split` ("train" or "eval")."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    """A LeRobotDataset over the episodes of `split` ("train", "eval", or "all": both)."""
+    if split not in (*SPLITS, ALL):
+        raise ValueError(f"split must be one of {(*SPLITS, ALL)}, got {split!r}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     root = Path(dataset_dir)
     verify_dataset(root)
     for rel in ("meta/info.json", "meta/tasks.parquet", "meta/episodes", "data"):
         _require(root, rel)
-    episodes = split_episodes(root)[split]
+    episodes = sorted(sum(split_episodes(root).values(), [])) if split == ALL else split_episodes(root)[split]
     if not episodes:
         raise DataError(f"{root / 'split.json'}: split '{split}' has no episodes; lower/raise data.eval_fraction "
                         "or add episodes")

@@ -205,8 +205,55 @@ def closed_loop_results(cfg: config_mod.PisftConfig) -> dict | None:
     return results
 
 
+NO_HELD_OUT = ("data.eval_fraction is 0: every episode trains, so no episode is held out and the offline "
+               "evaluation was not run; the closed loop (eval.closed_loop) is the measure. Set "
+               "data.eval_fraction > 0 to hold episodes out.")
+
+
+def write_not_run(cfg: config_mod.PisftConfig) -> dict:
+    """The stage when the dataset holds no episode out (data.eval_fraction 0): an explicit "not
+    run" output with every file the workflow declares (the CSVs with their header only, plots
+    that say why), never numbers; the training curves and a closed-loop result still appear."""
+    from pisft.evaluate.action_error import METRICS
+
+    records = train_log.read_metrics(cfg.results("train", "metrics.jsonl"))
+    closed = closed_loop_results(cfg)
+    metrics = {"evaluated": False, "note": NO_HELD_OUT}
+    cols = [f"{name}_{m}" for name in ("base", "finetuned") for m in METRICS]
+    with atomic_dir(cfg.results("eval")) as out:
+        write_json_atomic(out / "metrics.json", metrics)
+        for name, first in (("per_step.csv", ["step"]), ("per_dim.csv", ["dim"]),
+                            ("per_task.csv", ["task", "episodes", "frames"])):
+            write_text_atomic(out / name, ",".join(first + cols) + "\n")
+        for name, title in (("loss", "training loss"), ("throughput", "throughput and memory"),
+                            ("per_task", "held-out error per task"), ("per_step", "held-out error per chunk step")):
+            made = {"loss": plots.loss_and_lr, "throughput": plots.throughput_and_memory}.get(name)
+            if made is None or made(records, out / f"{name}.png") is None:
+                why = NO_HELD_OUT if name.startswith("per_") else "no training log"
+                plots.note_figure(title, why, out / f"{name}.png")
+        write_json_atomic(out / "eval_info.json", {"evaluated": False, "note": NO_HELD_OUT})
+        lines = ["# pisft evaluation report", "", f"Offline evaluation not run: {NO_HELD_OUT}", ""]
+        if closed is not None:
+            lines += report.closed_loop_section(closed)
+        write_text_atomic(out / "report.md", "\n".join(lines) + "\n")
+        config_mod.write_resolved(cfg, out / "pisft_config.json")
+    print(f"evaluate: not run ({NO_HELD_OUT})", flush=True)
+    return metrics
+
+
+def _holds_episodes_out(cfg: config_mod.PisftConfig) -> bool:
+    from pisft.data import dataset as data
+
+    dataset_dir = cfg.results("dataset")
+    if not dataset_dir.is_dir():
+        return True  # evaluate_models says what is missing
+    return bool(data.split_episodes(dataset_dir)["eval"]) or cfg.data.eval_fraction > 0
+
+
 def run(cfg: config_mod.PisftConfig) -> dict:
     stage_start = time.monotonic()
+    if not _holds_episodes_out(cfg):
+        return write_not_run(cfg)
     metrics, accs, info = evaluate_models(cfg)
     results_dir = Path(cfg.results_dir)
     records = train_log.read_metrics(cfg.results("train", "metrics.jsonl"))

@@ -29,6 +29,16 @@ def save_figure(fig, path: Path) -> Path:
     return path
 
 
+def note_figure(title: str, note: str, path: Path) -> Path:
+    """A figure that only says why there is nothing to plot (an output the workflow declares)."""
+    fig, ax = plt.subplots(figsize=(7, 2.5))
+    ax.axis("off")
+    ax.set_title(title)
+    ax.text(0.5, 0.5, "\n".join(textwrap.wrap(note, 80)), ha="center", va="center", transform=ax.transAxes,
+            fontsize=9)
+    return save_figure(fig, path)
+
+
 def loss_and_lr(records: list[dict], path: Path) -> Path | None:
     """Training loss (log scale when it spans a decade) and learning rate per optimizer step."""
     steps, loss = train_log.series(records, "loss")

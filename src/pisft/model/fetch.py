@@ -162,6 +162,9 @@ def _source_config(cfg: PisftConfig, ckpt: sources.Checkpoint, what: str):
             settings[name]["from"] = "openpi config.json action_horizon"
         settings["max_action_dim"]["from"] = "openpi config.json action_dim"
         settings["max_state_dim"]["from"] = "openpi config.json action_dim (openpi pads the state to it)"
+        if "discrete_state_input" in raw:  # openpi's Pi0Config: the state in the prompt (pi05: True)
+            settings["state_in_prompt"] = {"value": bool(raw["discrete_state_input"]),
+                                           "from": "openpi config.json discrete_state_input"}
         if "precision" in raw:
             settings["dtype"]["from"] = (f"model.preset '{preset}' (openpi config.json precision "
                                          f"'{raw['precision']}' is how the weights are stored)")
@@ -263,6 +266,8 @@ def _fetch_directory(cfg: PisftConfig, source: sources.Source, out: Path) -> dic
     if info["preset"] != cfg.model.preset:
         raise _preset_mismatch(cfg, info["preset"], what)
     config, settings, ignored = _source_config(cfg, ckpt, what)
+    if "state_in_prompt" in settings:  # recorded: training and every consumer follow it
+        info[policy_mod.STATE_IN_PROMPT_KEY] = settings["state_in_prompt"]["value"]
     original_features = {
         "input": {k: list(v.shape) for k, v in config.input_features.items()},
         "output": {k: list(v.shape) for k, v in config.output_features.items()},

@@ -36,6 +36,8 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_DIR = "tokenizer"
 MODEL_INFO_FILE = "pisft_model.json"
+# pisft_model.json: whether the prompt carries the discretised state (model.state_in_prompt)
+STATE_IN_PROMPT_KEY = "state_in_prompt"
 MODEL_INFO_VERSION = 1
 
 IMAGE_KEYS = ("observation.images.base_0_rgb", "observation.images.left_wrist_0_rgb")
@@ -111,12 +113,21 @@ def _construct(config, arch: internals.Arch | None, device: str, *, init: bool):
     return policy
 
 
-def _attach_info(policy, preset: str, arch: internals.Arch | None) -> None:
+def _attach_info(policy, preset: str, arch: internals.Arch | None,
+                 state_in_prompt: bool | None = None) -> None:
     policy.pisft_model_info = {
         "format_version": MODEL_INFO_VERSION,
         "preset": preset,
         "arch": arch.to_dict() if arch is not None else None,
     }
+    if state_in_prompt is not None:  # recorded by training or by the source (else LeRobot's: true)
+        policy.pisft_model_info[STATE_IN_PROMPT_KEY] = bool(state_in_prompt)
+
+
+def state_in_prompt_of(policy) -> bool:
+    """Whether the policy's prompts carry the discretised state (its pisft_model.json
+    `state_in_prompt`; absent: true, as LeRobot's pi0.5 always prompts)."""
+    return bool(getattr(policy, "pisft_model_info", {}).get(STATE_IN_PROMPT_KEY, True))
 
 
 def build_policy(preset: str, *, seed: int, device: str = "cpu",
@@ -264,7 +275,7 @@ def policy_from_config(config, info: dict[str, Any], *, device: str = "cpu",
     config.dtype = _dtype_name(dtype, config.dtype)
     # Build on CPU, load, then move: the weights never exist twice on the device.
     policy = _construct(config, arch, "cpu" if device != "meta" else "meta", init=init)
-    _attach_info(policy, info["preset"], arch)
+    _attach_info(policy, info["preset"], arch, info.get(STATE_IN_PROMPT_KEY))
     return policy
 
 
@@ -302,14 +313,16 @@ def load_policy(model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtyp
     return policy
 
 
-def make_processors(policy, model_dir: str | Path, dataset_stats: Stats | None = None):
+def make_processors(policy, model_dir: str | Path, dataset_stats: Stats | None = None, *,
+                    state_in_prompt: bool | None = None):
     """(preprocessor, postprocessor): LeRobot's pi0.5 pipelines with the model's own tokenizer.
 
     `preprocessor(batch)` takes a collated batch (image keys float (B,3,H,W) in [0,1], state
     (B,8), `action` (B,chunk,7), `task` list[str]) and returns what `policy.forward` and
     `policy.predict_action_chunk` take: quantile-normalised state/action, prompt tokens with
     the discretised state. `postprocessor(actions)` unnormalises predicted actions (on CPU).
-    `dataset_stats` None: the stats stored in the model directory.
+    `dataset_stats` None: the stats stored in the model directory. `state_in_prompt` None: the
+    policy's record (`state_in_prompt_of`), so every consumer prompts as the model was trained.
     """
     model_dir = Path(model_dir)
     tokenizer = load_tokenizer(model_dir / TOKENIZER_DIR)
@@ -320,4 +333,7 @@ def make_processors(policy, model_dir: str | Path, dataset_stats: Stats | None =
     if dataset_stats is None:
         dataset_stats = load_stats(model_dir / STATS_FILE)
     check_stats(dataset_stats, "normalisation stats")
-    return internals.pi05_processors(policy.config, dataset_stats, tokenizer)
+    if state_in_prompt is None:
+        state_in_prompt = state_in_prompt_of(policy)
+    return internals.pi05_processors(policy.config, dataset_stats, tokenizer,
+                                     state_in_prompt=state_in_prompt)

@@ -159,8 +159,10 @@ def render_report(summary: dict) -> str:
                   f"N = {adv.get('lookahead')}); per task: "
                   + ", ".join(f"{t} {_pct(v)}" for t, v in per_task.items())
                   + "; per source: " + ", ".join(f"{s} {_pct(v)}" for s, v in per_source.items())]
-        lines += [f"- details: `recap/iter_{it['k']}/value/metrics.json` (calibration plot "
-                  f"`recap/iter_{it['k']}/value/calibration.png`), `recap/iter_{it['k']}/advantages/summary.json`"]
+        plot = (f" (calibration plot `recap/iter_{it['k']}/value/calibration.png`)"
+                if it["value"].get("frames_heldout") else " (no held-out episodes: recap.holdout_fraction 0)")
+        lines += [f"- details: `recap/iter_{it['k']}/value/metrics.json`{plot}, "
+                  f"`recap/iter_{it['k']}/advantages/summary.json`"]
     lines += ["", "## Reading these figures", "",
               "A success rate over a handful of episodes has a wide interval: compare iterations by their "
               "intervals, not their point values. The embedded default (the tiny model, a few rollouts, a "

@@ -161,17 +161,29 @@ def _losses(metrics_path: Path) -> list[float]:
     return [float(json.loads(line)["loss"]) for line in lines if line.strip()]
 
 
+HELDOUT_SKIPPED = ("held-out figures skipped: the pool holds no episode out (recap.holdout_fraction 0: the "
+                   "value model trains on the whole pool, as RLinf's); set recap.holdout_fraction > 0 to "
+                   "measure it on episodes it does not train on")
+
+
 def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dict, resolved: dict) -> None:
     """Held-out metrics (every process predicts a share), then the model gathered to rank 0,
     which writes results/value/ atomically. Collective."""
     from pisft.model.policy import WEIGHTS_FILE
     from pisft.train.export_weights import write_policy_weights
 
+    from pisft.data.dataset import split_episodes
+
     cfg = ctx.cfg
     t0 = time.perf_counter()
-    heldout = ValueFrames(built.dataset_dir, "eval", built.returns, built.scale, built.train_set.image_keys)
-    pred = value_metrics.predict(built.policy, heldout, built.task, batch_size=cfg.eval.batch_size,
-                                 rank=ctx.rank, world_size=ctx.world_size)
+    # The pool's held-out episodes are the value model's only (recap.holdout_fraction); with none
+    # (0: it trains on the whole pool, as RLinf) its held-out figures are skipped.
+    heldout = None
+    if split_episodes(built.dataset_dir)["eval"]:
+        heldout = ValueFrames(built.dataset_dir, "eval", built.returns, built.scale, built.train_set.image_keys)
+        pred = value_metrics.predict(built.policy, heldout, built.task, batch_size=cfg.eval.batch_size,
+                                     rank=ctx.rank, world_size=ctx.world_size)
+
     # One tensor at a time, LoRA adapters merged, frozen tensors from the base file (collective).
     def write_weights(path: Path | None) -> None:
         write_policy_weights(built.policy, built.base_dir / WEIGHTS_FILE, path, is_main=ctx.is_main,
@@ -181,9 +193,11 @@ def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dic
         write_weights(None)
         return
     losses = _losses(metrics_log.path)
+    skipped = {"spearman_heldout": None, "bin_accuracy_heldout": None, "mae_heldout": None,
+               "frames_heldout": 0, "heldout_note": HELDOUT_SKIPPED}
     metrics = {
-        **value_metrics.heldout_metrics(pred["value"], pred["bin"], heldout.target.astype(np.float64),
-                                        cfg.recap.value_bins),
+        **(value_metrics.heldout_metrics(pred["value"], pred["bin"], heldout.target.astype(np.float64),
+                                         cfg.recap.value_bins) if heldout is not None else skipped),
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
         "steps": cfg.recap.value_steps,
@@ -205,15 +219,16 @@ def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dic
         (tmp / "model").mkdir()
         value_model.save(built.policy, tmp / "model", config, write_weights=write_weights)
         write_json_atomic(tmp / "metrics.json", metrics)
-        value_metrics.calibration_plot(
-            heldout.target, pred["value"], tmp / "calibration.png",
-            title=(f"value model, {metrics['frames_heldout']} held-out frames, Spearman rho "
-                   + (f"{rho:.3f}" if rho is not None else "undefined")))
+        if heldout is not None:
+            value_metrics.calibration_plot(
+                heldout.target, pred["value"], tmp / "calibration.png",
+                title=(f"value model, {metrics['frames_heldout']} held-out frames, Spearman rho "
+                       + (f"{rho:.3f}" if rho is not None else "undefined")))
         shutil.copy2(metrics_log.path, tmp / "metrics.jsonl")
         write_json_atomic(tmp / "train_summary.json", {**summary, "stage": ctx.stage})
         write_json_atomic(tmp / "pisft_config.json", resolved)
     ctx.log(f"held-out: Spearman rho {rho}, bin accuracy {metrics['bin_accuracy_heldout']}, "
-            f"{metrics['frames_heldout']} frames")
+            f"{metrics['frames_heldout']} frames" if heldout is not None else HELDOUT_SKIPPED)
 
 
 # ------------------------------------------------------------------------------------ smoke steps

@@ -325,7 +325,7 @@ class CheckpointManager:
 
     # ---------------- save ----------------
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler: Any, extra: dict[str, Any] | None = None) -> Path:
+             scheduler: Any, extra: dict[str, Any] | None = None, ema: Any = None) -> Path:
         final = self.root / step_dir_name(step)
         tmp = self.root / f".{step_dir_name(step)}.tmp"
         if self.rank == 0:
@@ -335,13 +335,15 @@ class CheckpointManager:
             (tmp / "rng").mkdir(parents=True)
         dist.barrier()
         model_sd, optim_sd = _trained_state(model, optimizer)
+        pieces = {"model": model_sd, "optim": optim_sd}
+        if ema is not None:  # the weights' EMA (pisft.train.ema), sharded like the parameters
+            pieces["ema"] = ema.state_dict()
         # A checkpoint that cannot fit is refused before writing; a full disk while writing is one line.
-        room = disk_space.checkpoint_room(self.root, {"model": model_sd, "optim": optim_sd},
-                                          rank=self.rank, world_size=self.world_size)
+        room = disk_space.checkpoint_room(self.root, pieces, rank=self.rank, world_size=self.world_size)
         named = {"what": f"checkpoint of step {step}", "needed": room[0], "kept": self.kept_text}
         disk_space.require_room(self.root, room[0], free=room[1], what=named["what"], kept=self.kept_text)
         with disk_space.named_full_disk(self.root, **named):
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+            dcp.save(pieces, checkpoint_id=str(tmp / "dcp"))
         _write_json_synced(tmp / "rng" / f"rank_{self.rank:05d}.json", _rng_state())
         dist.barrier()
         # Every rank hashes a share of what the ranks wrote (rank 0 adds its own files below).
@@ -398,7 +400,7 @@ class CheckpointManager:
                                world_size=self.world_size, candidates=candidates)
 
     def load(self, found: Found, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler: Any) -> dict[str, Any]:
+             scheduler: Any, ema: Any = None) -> dict[str, Any]:
         state = json.loads((found.path / "trainer_state.json").read_text())
         self.check_base(found, state)
         problems = fingerprint_mismatches(state.get("fingerprint", {}), self.fingerprint)
@@ -412,6 +414,8 @@ class CheckpointManager:
         model_sd, optim_sd = _trained_state(model, optimizer)
         saved = set(dcp.FileSystemReader(str(found.path / "dcp")).read_metadata().state_dict_metadata)
         target = {"model": model_sd, "optim": _saved_optimizer_state(optim_sd, saved)}
+        if ema is not None:  # loaded in place into the EMA's (sharded) tensors
+            target["ema"] = ema.state_dict()
         dcp.load(target, checkpoint_id=str(found.path / "dcp"))  # raises on any trained tensor missing
         # Strict for what the checkpoint holds (every trained parameter and buffer); the frozen
         # parameters are the base model's, loaded with it.
@@ -489,6 +493,7 @@ FINGERPRINT_KEYS = (
     "train.global_batch_size", "train.steps", "train.seed", "train.lr", "train.warmup_steps",
     "train.decay_lr", "train.weight_decay", "train.grad_clip", "train.precision",
     "train.trainable", "train.lora_targets", "train.lora_rank", "train.lora_alpha",
+    "train.ema_decay",
 )
 
 

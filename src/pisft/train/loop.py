@@ -172,8 +172,9 @@ def _fetch(p: _Pending, s: LoopSettings, flops_per_sample: float | None) -> list
 def run(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, task: Task,
         batches: Iterator[dict[str, Any]], s: LoopSettings, *, start_step: int,
         on_step: Callable[[dict[str, Any]], None] | None = None,
-        save: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
-    """Run optimizer steps start_step..s.steps-1; returns one record per step."""
+        save: Callable[[int], None] | None = None, ema: Any = None) -> list[dict[str, Any]]:
+    """Run optimizer steps start_step..s.steps-1; returns one record per step. `ema`
+    (pisft.train.ema.WeightsEMA) is updated after every applied optimizer step."""
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     records: list[dict[str, Any]] = []
@@ -198,7 +199,10 @@ def run(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, task
             loss_sum += loss.detach().float()
         grad_norm = _on_device(torch.nn.utils.clip_grad_norm_(params, s.grad_clip,
                                                               error_if_nonfinite=False))
-        skip_if_nonfinite_step(optimizer, torch.isfinite(grad_norm), s.kind, params)
+        finite = torch.isfinite(grad_norm)
+        skip_if_nonfinite_step(optimizer, finite, s.kind, params)
+        if ema is not None:
+            ema.update(finite)
         optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # a skipped (non-finite) step still advances the schedule
             warnings.simplefilter("ignore", UserWarning)

@@ -20,6 +20,7 @@ from pisft.errors import PisftError
 from pisft.train import loop, optim
 from pisft.train.checkpoint import CheckpointManager, base_record, checkpoint_root, other_runs, run_fingerprint
 from pisft.train.batches import make_loader, resolve_workers
+from pisft.train.ema import ema_record, make_ema
 from pisft.train.export import export_model
 from pisft.train.fsdp import sharding_report
 from pisft.train.guard import RunLock, RunLockHeld
@@ -49,6 +50,7 @@ class RunPlan:
     scheduler: Callable[[Any], Any]  # optimizer -> learning-rate scheduler
     export: Callable[[Context, Built, MetricsLog, dict, dict], None]  # collective; rank 0 writes
     nonfinite_advice: str  # what to change when a loss or gradient is not finite
+    ema_decay: float = 0.0  # train.ema_decay for the policy (pisft.train.ema); 0: no EMA
 
 
 def lr_scheduler(cfg, optimizer):
@@ -79,7 +81,8 @@ def policy_plan(ctx: Context) -> RunPlan:
         stage=ctx.stage, steps=t.steps, global_batch=t.global_batch_size,
         ckpt_root=checkpoint_root(cfg), fingerprint=run_fingerprint(cfg), output=cfg.results("train"),
         build=build, scheduler=lambda optimizer: lr_scheduler(cfg, optimizer), export=export_model,
-        nonfinite_advice=f"Lower train.lr (now {t.lr}) or raise train.warmup_steps")
+        nonfinite_advice=f"Lower train.lr (now {t.lr}) or raise train.warmup_steps",
+        ema_decay=t.ema_decay or 0.0)
 
 
 def run_training(ctx: Context) -> int:
@@ -128,9 +131,10 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
     accum = plan.global_batch // (t.micro_batch_size * ctx.world_size)
     start_step = 0
     resumed_from = None
+    ema = make_ema(built.policy, plan.ema_decay)  # the loaded weights, before any step (openpi)
     found = ckpt.find_resume()
     if found is not None:
-        state = ckpt.load(found, built.policy, built.optimizer, scheduler)
+        state = ckpt.load(found, built.policy, built.optimizer, scheduler, ema=ema)
         start_step = int(state["step"])
         resumed_from = {"path": str(found.path), "step": start_step,
                         "world_size": state.get("world_size")}
@@ -159,7 +163,8 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
             f"train set {len(built.train_set)} frames")
     ctx.log(f"precision {t.precision}; {'FSDP2' if ctx.world_size > 1 else 'unsharded (one process)'}; "
             f"data-loader workers {workers} per process (train.num_workers {t.num_workers}); "
-            f"peak FLOP/s: {peak_source}")
+            f"peak FLOP/s: {peak_source}"
+            + (f"; EMA of the trained weights, decay {ema.decay}" if ema is not None else ""))
     progress = Progress(plan.steps, start_step, enabled=ctx.is_main, desc=plan.stage, every=t.log_every)
     tb = TensorBoardSink(ckpt_root / "tensorboard") if (t.tensorboard and ctx.is_main) else None
 
@@ -172,13 +177,13 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
                 tb.write(record)
 
     def save(step: int) -> None:
-        path = ckpt.save(step, built.policy, built.optimizer, scheduler)
+        path = ckpt.save(step, built.policy, built.optimizer, scheduler, ema=ema)
         ctx.log(f"checkpoint {path}")
 
     settings = loop_settings(ctx, peak, steps=plan.steps, global_batch=plan.global_batch)
     try:
         loop.run(built.policy, built.optimizer, scheduler, built.task, iter(loader), settings,
-                 start_step=start_step, on_step=on_step, save=save)
+                 start_step=start_step, on_step=on_step, save=save, ema=ema)
     except loop.NonFiniteError as exc:
         raise PisftError(
             f"{plan.stage}: {exc}. {plan.nonfinite_advice}; with "
@@ -204,6 +209,11 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
         "sharding_rank0": report,
         "environment": env_summary(),
     }
+    if ema is not None:  # the exported model is the average (openpi's checkpoints hand it out)
+        ema.copy_to(built.policy)
+    summary["weights"] = ema_record(ema)
+    if hasattr(built.policy, "pisft_model_info"):  # the policy's pisft_model.json says which
+        built.policy.pisft_model_info["weights"] = ema_record(ema)
     plan.export(ctx, built, metrics_log, summary, resolved)
     dist.barrier()
     ctx.log(f"done: {plan.output}")

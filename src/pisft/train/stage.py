@@ -85,6 +85,25 @@ def require_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
     return base, data
 
 
+def _choose_prompt_form(ctx: Context, policy, base: Path) -> bool:
+    """Whether the prompts carry the state: the starting model's record when it has one (a
+    source that says, e.g. openpi's `discrete_state_input`, or policy k-1), else
+    model.state_in_prompt. Recorded in the policy's info: the export's pisft_model.json carries
+    it, and every consumer prompts as it says."""
+    from pisft.model.policy import STATE_IN_PROMPT_KEY
+
+    info = policy.pisft_model_info
+    wanted = bool(ctx.cfg.model.state_in_prompt)
+    recorded = info.get(STATE_IN_PROMPT_KEY)
+    chosen = wanted if recorded is None else bool(recorded)
+    if recorded is not None and chosen != wanted:
+        ctx.log(f"note: {base} records state_in_prompt: {str(chosen).lower()} (how it was trained); "
+                f"followed, model.state_in_prompt ({str(wanted).lower()}) is not")
+    info[STATE_IN_PROMPT_KEY] = chosen
+    ctx.log(f"prompts {'with' if chosen else 'without'} the discretised state")
+    return chosen
+
+
 def build(ctx: Context) -> Built:
     """Load model, processors and data; shard; make the optimizer. Same on every rank."""
     from pisft.data.dataset import load_split, load_stats
@@ -98,8 +117,11 @@ def build(ctx: Context) -> Built:
                          hold_bf16=frozen_in_bf16(cfg))
     stats = load_stats(data)
     policy.config.device = str(ctx.info.device)
-    pre, _ = make_processors(policy, base, stats)
-    train_set = load_split(data, "train", chunk_size=policy.config.chunk_size)
+    _choose_prompt_form(ctx, policy, base)
+    pre, _ = make_processors(policy, base, stats)  # follows the choice just recorded
+    # A RECAP iteration's policy trains on the whole pool (its held-out episodes are the value
+    # model's: recap.holdout_fraction); the SFT run on the train split (data.eval_fraction).
+    train_set = load_split(data, "all" if cfg.iteration else "train", chunk_size=policy.config.chunk_size)
     if len(train_set) == 0:
         raise PisftError(f"{data}: the train split has no frames; check split.json and data.eval_fraction")
     # One checkpointing level (per decoder layer); the unused expert lm_head detached.

@@ -195,7 +195,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           iterations="recap"),
     Stage("convert_recap", "pisft.data.convert:run", CONVERT_KEYS, ("src/pisft/data",),
           ("dataset",), "convert the RECAP dataset (at iteration k, the pool) into the training dataset",
-          iterations="all"),
+          iterations="all", recap_keys=("recap.holdout_fraction",)),
     Stage("smoke_1card", "pisft.train.smoke:run_smoke", ("device", "smoke", *TRAIN_STEP_KEYS),
           (*TRAIN_CODE, "src/pisft/inspect"), ("smoke/report.json",),  # its report carries the estimate
           "a few optimizer steps on one device: the go/no-go report", training=True, one_process=True),
@@ -209,7 +209,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("advantages", "pisft.recap.advantages:run", ("device", *ADVANTAGE_KEYS), (*RECAP_CODE, *TRAIN_CODE),
           ("advantages",), "RECAP: every frame's value and N-step advantage, the positive labels",
           iterations="recap"),
-    Stage("train_8card", "pisft.train.run:run_training", ("device", "train"), TRAIN_CODE,
+    Stage("train_8card", "pisft.train.run:run_training", ("device", "train", "model.state_in_prompt"), TRAIN_CODE,
           ("train/model", "train/metrics.jsonl"),
           "train on train.nproc_per_node x train.nnodes devices; resumes, exports", training=True,
           iterations="all", recap_keys=RETRAIN_KEYS),
