@@ -178,9 +178,12 @@ def generate_all(*args, **kwargs) -> list[RecapEpisode]:
 
 
 def label(out_dir: Path, tag: str | None = SIDE_TAG, *, length: int, dataset_name: str | None = None) -> None:
-    """RLinf's returns and advantages steps on the written dataset (see `rlinf_recap`)."""
+    """RLinf's returns and advantages steps on the written dataset (see `rlinf_recap`). A folder
+    `run` wrote keeps a manifest that lists the side files too (its readers check it)."""
     rlinf_recap.compute_returns(out_dir, tag, failure_reward=FAILURE_REWARD)
     rlinf_recap.compute_advantages(out_dir, tag, lookahead=length, dataset_name=dataset_name, decimals=9)
+    if (Path(out_dir) / "MANIFEST.json").is_file():
+        write_manifest(out_dir)
 
 
 def build(out_dir: Path, *, episodes_per_task: int, length: int, image_size: int, failure_fraction: float,
