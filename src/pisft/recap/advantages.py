@@ -196,7 +196,7 @@ def _frame_table(dataset_dir: Path) -> pd.DataFrame:
 
 def predict_values(cfg: PisftConfig, model: value_model.ValueModel, base: Path, dataset_dir: Path,
                    returns: pd.DataFrame, scale: ReturnRange, device: Any) -> pd.DataFrame:
-    """V of every frame of both splits: episode_index, frame_index, value."""
+    """V of every frame of the pool (both splits): episode_index, frame_index, value."""
     from pisft.model.policy import TOKENIZER_DIR
     from pisft.model.tokenizer import load_tokenizer
     from pisft.train.batches import resolve_workers
@@ -204,8 +204,11 @@ def predict_values(cfg: PisftConfig, model: value_model.ValueModel, base: Path, 
     collate = PromptCollate(load_tokenizer(base / TOKENIZER_DIR), int(model.policy.config.tokenizer_max_length))
     kind = devices.resolve_kind(cfg.device)
     task = ValueTask(collate, device, cfg.train.precision)
+    from pisft.data.dataset import split_episodes
+
     parts = []
-    for split in ("train", "eval"):
+    # Both splits; a split without episodes (recap.holdout_fraction 0: no held-out part) has no frames.
+    for split in (name for name, episodes in split_episodes(dataset_dir).items() if episodes):
         frames = ValueFrames(dataset_dir, split, returns, scale, tuple(model.policy.config.image_features))
         pred = value_metrics.predict(model, frames, task, batch_size=cfg.eval.batch_size,
                                      num_workers=resolve_workers(cfg.train.num_workers, kind, 1))
