@@ -161,9 +161,8 @@ def _losses(metrics_path: Path) -> list[float]:
     return [float(json.loads(line)["loss"]) for line in lines if line.strip()]
 
 
-HELDOUT_SKIPPED = ("held-out figures skipped: the pool holds no episode out (recap.holdout_fraction 0: the "
-                   "value model trains on the whole pool, as RLinf's); set recap.holdout_fraction > 0 to "
-                   "measure it on episodes it does not train on")
+HELDOUT_SKIPPED = ("held-out figures skipped: recap.holdout_fraction 0 (the value model trains on the whole "
+                   "pool, as RLinf's); set it > 0 to measure it on episodes it does not train on")
 
 
 def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dict, resolved: dict) -> None:
