@@ -17,19 +17,13 @@ CAMERAS = ("observation.images.base_0_rgb", "observation.images.left_wrist_0_rgb
 def build_random_policy(preset: str, device: torch.device, *, checkpointing: bool, seed: int = 0):
     """Full-size policy without the (slow, CPU) random init: allocated on CPU with correct
     buffers, moved to the device, then its matrices drawn from normal(0, 0.02) there."""
-    from pisft.model.policy import get_preset, make_config, policy_from_config
+    from pisft.model.policy import fill_random, get_preset, make_config, policy_from_config
 
     spec = get_preset(preset)
     info = {"preset": preset, "arch": spec.arch.to_dict() if spec.arch is not None else None}
     policy = policy_from_config(make_config(preset), info, device="cpu", dtype="float32", init=False)
     policy.to(device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for p in policy.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.02, generator=gen)
-            else:
-                p.zero_()
+    fill_random(policy, torch.Generator(device=device).manual_seed(seed))
     policy.config.device = str(device)
     from pisft.model import lerobot_internals as internals
 

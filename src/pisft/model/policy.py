@@ -258,14 +258,18 @@ def build_random_weights(preset: str, *, seed: int, dtype: torch.dtype | str | N
     spec = get_preset(preset)
     info = {"preset": preset, "arch": spec.arch.to_dict() if spec.arch is not None else None}
     policy = policy_from_config(make_config(preset, dtype=dtype), info, device="cpu", dtype=dtype, init=False)
-    gen = torch.Generator().manual_seed(seed)
+    fill_random(policy, torch.Generator().manual_seed(seed))
+    return policy
+
+
+def fill_random(module: torch.nn.Module, gen: torch.Generator) -> None:
+    """Every matrix of `module` drawn from normal(0, 0.02) with `gen`, every vector set to 0."""
     with torch.no_grad():
-        for p in policy.parameters():
+        for p in module.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.02, generator=gen)
             else:
                 p.zero_()
-    return policy
 
 
 def policy_from_config(config, info: dict[str, Any], *, device: str = "cpu",
