@@ -8,9 +8,10 @@ resources and shell command. On the terminal pisft shows instead, per stage,
     ...what the stage prints (its progress, its summary line)...
     [21:16:35] smoke_1card: finished in 31 s (4 of 16 steps, 25%)
 
-and on a failure a line naming the stage and the last `TAIL_LINES` lines of its log (what it
-printed is also above, as it ran; Snakemake's own line before it gives the command and its exit
-status). Snakemake's banner,
+and on a failure a line naming the stage, the executor's reason when it gives one (the Slurm
+plugin's sbatch error), and the last `TAIL_LINES` lines of its log, unless the log is older than
+this run (a job that never started: its log is an earlier run's). What the stage printed is also
+above, as it ran; Snakemake's own line before it gives the command and its exit status. Snakemake's banner,
 job table and scheduler chatter ("Select jobs to execute...") are left out of the terminal.
 
 The full job details stay where Snakemake writes them: `.snakemake/log/<time>.snakemake.log`
@@ -87,6 +88,7 @@ class ConsoleView(logging.Filter):
         self.started: dict[Any, tuple[str, float]] = {}  # job id -> (rule, start time)
         self.finished: list[tuple[str, float]] = []  # since the last progress record
         self.cores: int | None = None
+        self.since = time.time()  # a log older than this is a previous run's
 
     def _line(self, record: logging.LogRecord, text: str) -> logging.LogRecord:
         copy = logging.makeLogRecord(record.__dict__)
@@ -151,13 +153,27 @@ class ConsoleView(logging.Filter):
         after = f" after {_duration(time.monotonic() - t0)}" if t0 is not None else ""
         logs = list(getattr(record, "log", None) or [])
         lines = [f"[{_now()}] {rule}: FAILED{after}"]
+        # the executor's reason, when it gives one (e.g. the Slurm plugin's "SLURM sbatch failed.
+        # The error message was ..." with the sbatch call): often the only word on what went wrong
+        reason = getattr(record, "rule_msg", None)
+        if reason:
+            lines += [f"  {line}" for line in str(reason).strip().splitlines()]
         for log in logs:
+            if self._older_than_this_run(log):
+                lines.append(f"  its log {log} is from an earlier run: this run did not write to it")
+                continue
             tail = log_tail(log)
             lines.append(f"  its log {log}, last {len(tail)} lines:")
             lines += [f"  | {line}" for line in tail]
         if self.logfile:
             lines.append(f"  Snakemake's record of the job: {self._relative(self.logfile)}")
         return self._line(record, "\n".join(lines))
+
+    def _older_than_this_run(self, log: str) -> bool:
+        try:
+            return Path(log).stat().st_mtime < self.since
+        except OSError:
+            return False  # log_tail says why it cannot be read
 
     @staticmethod
     def _relative(path: str | None) -> str:
