@@ -390,3 +390,30 @@ def test_a_pool_refuses_sources_that_cannot_share_one_dataset(tmp_path):
         convert_recap([DataSource(str(a)), DataSource(str(b), "rollout")], tmp_path / "out", Options())
     assert not (tmp_path / "out").exists()
     convert_recap([DataSource(str(a)), DataSource(str(b), "rollout")], tmp_path / "out", Options(image_size=16))
+
+
+STATS_ORDER = """
+import json, sys
+import numpy as np
+from pisft.data import dataset_stats as st
+rng = np.random.default_rng(0)
+cams = ["observation.images.base_0_rgb", "observation.images.left_wrist_0_rgb", "observation.images.right_wrist_0_rgb"]
+eps = [st.episode_stats({}, {c: [rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)] for c in cams}) for _ in range(2)]
+numeric = {"observation.state": rng.normal(size=(4, 8)), "action": rng.normal(size=(4, 7))}
+sys.stdout.write(json.dumps(st.to_jsonable(st.dataset_stats(numeric, eps))))
+"""
+
+
+@pytest.mark.integration
+def test_dataset_stats_bytes_do_not_depend_on_the_processes_hash_seed():
+    """meta/stats.json is a DVC-hashed output: two conversions of the same data (any two processes,
+    each with its own string hash seed) write the same bytes. Under hash seeds 0 and 2 LeRobot's
+    aggregate_stats orders these cameras differently, neither in sorted order."""
+    import os
+    import subprocess
+    import sys
+
+    outs = [subprocess.run([sys.executable, "-c", STATS_ORDER], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (0, 2)]
+    assert len(set(outs)) == 1, [list(json.loads(o))[:3] for o in outs]
+    assert list(json.loads(outs[0]))[:3] == sorted(list(json.loads(outs[0]))[:3])

@@ -99,7 +99,10 @@ def dataset_stats(all_numeric: dict[str, np.ndarray], per_episode: list[dict]) -
     image_keys = sorted({k for ep in per_episode for k in ep if k not in all_numeric})
     out: dict = {}
     if image_keys:
-        out.update(aggregate_stats([{k: ep[k] for k in image_keys if k in ep} for ep in per_episode]))
+        # LeRobot's aggregate_stats gathers the keys in a set: its order changes with the string hash
+        # seed of each process, and stats.json (a DVC-hashed output) would change with it
+        merged = aggregate_stats([{k: ep[k] for k in image_keys if k in ep} for ep in per_episode])
+        out.update({k: merged[k] for k in image_keys})
     for key, values in all_numeric.items():
         out[key] = numeric_stats(values)
     return out
