@@ -126,7 +126,7 @@ def test_cli_json(tmp_path, capsys):
     assert cli.main(["estimate", "--config", str(config)]) == 0
     text = capsys.readouterr().out
     assert "activations + temporaries" in text and "docs/memory.md" in text
-    assert "EMA of trained weights" in text
+    assert "EMA of trained params (fp32)" in text
 
 
 @pytest.mark.integration
