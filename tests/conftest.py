@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,18 @@ def tool_env() -> dict:
 def copy_project(dest: Path, *, git: bool = False) -> Path:
     """A working copy of the workflow files (the library comes from the installed package)."""
     return scratch.copy_project(ROOT, dest, git=git)
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
+    """`predicate()`'s first truthy value; a bound on waiting (an AssertionError naming `what`),
+    never a verdict on speed."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 1800) -> subprocess.CompletedProcess:

@@ -8,14 +8,13 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
 
-from conftest import BIN, run, tool_env
+from conftest import BIN, run, tool_env, wait_for
 from pisft.workflow.console import started_stages
 
 pytestmark = pytest.mark.integration
@@ -69,16 +68,6 @@ def test_snakemake_reruns_exactly_what_reads_a_changed_key(default_pipeline, tmp
     assert planned_jobs(work) == expected
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _complete_checkpoints(work: Path) -> list[Path]:
     root = work / "results/checkpoints/train"
     return sorted(p for p in root.glob("run-*/step_*") if p.is_dir())
@@ -108,8 +97,8 @@ def test_failed_training_reruns_alone_and_resumes(default_pipeline, tmp_path):
     upstream = {p: p.stat().st_mtime for p in (work / "results/dataset").rglob("*") if p.is_file()}
     proc = subprocess.Popen([str(BIN / "snakemake"), "--cores", "2", "train_8card"], cwd=work,
                             env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _wait_for(lambda: _complete_checkpoints(work), 600, "a first checkpoint")
-    workers = _wait_for(lambda: _training_workers(proc.pid), 60, "training workers")
+    wait_for(lambda: _complete_checkpoints(work), 600, "a first checkpoint")
+    workers = wait_for(lambda: _training_workers(proc.pid), 60, "training workers")
     workers[-1].send_signal(signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
@@ -140,15 +129,15 @@ def test_killed_snakemake_is_recovered_with_unlock_and_rerun_incomplete(default_
     proc = subprocess.Popen([str(BIN / "snakemake"), "--cores", "2", "train_8card"], cwd=work,
                             env=tool_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    _wait_for(lambda: _complete_checkpoints(work), 600, "a first checkpoint")
-    workers = _wait_for(lambda: [w for w in _training_workers(proc.pid)
+    wait_for(lambda: _complete_checkpoints(work), 600, "a first checkpoint")
+    workers = wait_for(lambda: [w for w in _training_workers(proc.pid)
                                  if "torch.distributed.run" not in w.cmdline()], 60, "training workers")
     # A power cut of the driver: SIGKILL to Snakemake's whole process group, no clean-up at all.
     # torchrun's workers are in sessions of their own, outside that group: they must die anyway.
     assert all(os.getpgid(w.pid) != proc.pid for w in workers)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
-    _wait_for(lambda: not [w for w in workers if w.is_running()
+    wait_for(lambda: not [w for w in workers if w.is_running()
                            and w.status() != psutil.STATUS_ZOMBIE], 60, "orphaned workers to die")
     assert (work / ".snakemake/incomplete").is_dir() and any((work / ".snakemake/incomplete").iterdir())
     assert not (work / "results/train/model").exists(), "outputs are atomic: nothing half-written"
