@@ -1,0 +1,139 @@
+"""The two recipe profiles (config/profiles/openpi-pi05-libero.yaml, rlinf-recap-libero10.yaml) are
+the published recipes key by key: each value is held against the source's, written here with its
+file and config name, after a device profile (the recipes set nothing of the machine)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pisft import config as C
+from pisft.workflow import profile as profile_mod
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES = ROOT / "config/profiles"
+DEVICES = ("ascend-8card.yaml", "cuda-8gpu.yaml")
+
+# Physical-Intelligence/openpi @ 15a9616, src/openpi/training/config.py, TrainConfig "pi05_libero":
+#   Pi0Config(pi05=True, action_horizon=10, discrete_state_input=False), batch_size=256,
+#   CosineDecaySchedule(warmup_steps=10_000, peak_lr=5e-5, decay_steps=1_000_000, decay_lr=5e-5),
+#   AdamW(clip_gradient_norm=1.0) (src/openpi/training/optimizer.py: weight_decay=1e-10,
+#   b1 0.9, b2 0.95, eps 1e-8), ema_decay=0.999, num_train_steps=30_000; training-time
+#   augmentation in src/openpi/models/model.py preprocess_observation(train=True); the whole
+#   dataset trains; Pi0Config.dtype "bfloat16".
+OPENPI = {
+    ("model", "state_in_prompt"): False,
+    ("data", "augment"): "openpi",
+    ("data", "eval_fraction"): 0.0,
+    ("train", "trainable"): "all",
+    ("train", "precision"): "bf16",
+    ("train", "global_batch_size"): 256,
+    ("train", "steps"): 30_000,
+    ("train", "lr"): 5e-5,
+    ("train", "warmup_steps"): 10_000,
+    ("train", "decay_lr"): 5e-5,
+    ("train", "weight_decay"): 1e-10,
+    ("train", "grad_clip"): 1.0,
+    ("train", "ema_decay"): 0.999,
+    ("recap", "iterations"): 0,
+}
+OPENPI_ADAMW = {"b1": 0.9, "b2": 0.95, "eps": 1e-8}
+
+# RLinf/RLinf @ a3816b5, examples/offline_rl/config/: recap_value_model_sft.yaml (201 atoms on
+# [-1, 0], lr 5e-5, head lr 1e-4, batch 256, 8k steps), recap_compute_returns.yaml (gamma 1,
+# failure -300), recap_compute_advantages.yaml (N 10, positive_quantile 0.3; one threshold over all
+# frames: rlinf/algorithms/offline/process/advantage.py), cfg_rl_openpi.yaml (openpi.config_name
+# pi05_libero, lr 1e-5, batch 512, 30k steps, positive_only_conditional true, unconditional_prob
+# 0.1, cfgrl_guidance_scale 1.0, from pi0.5 base); rlinf/envs/libero/libero_env.py (15 wait
+# steps); examples/embodiment/config/env/libero_10.yaml (512 steps); the guide
+# (docs/source-en/rst_source/examples/embodied/recap.rst): one iteration, LIBERO-10 task 0.
+RLINF = {
+    ("model", "state_in_prompt"): False,
+    ("data", "augment"): "openpi",
+    ("data", "eval_fraction"): 0.0,
+    ("data", "positive_only_conditional"): True,
+    ("data", "unconditional_prob"): 0.1,
+    ("train", "lr"): 1e-5,
+    ("train", "global_batch_size"): 512,
+    ("train", "steps"): 30_000,
+    ("eval", "cfg_scale"): 1.0,
+    ("eval", "libero_suites"): ["libero_10"],
+    ("eval", "task_ids"): [0],
+    ("eval", "max_steps"): 512,
+    ("eval", "num_wait_steps"): 15,
+    ("recap", "iterations"): 1,
+    ("recap", "suite"): "libero_10",
+    ("recap", "task_ids"): [0],
+    ("recap", "max_steps"): 512,
+    ("recap", "gamma"): 1.0,
+    ("recap", "failure_reward"): -300.0,
+    ("recap", "value_bins"): 201,
+    ("recap", "value_steps"): 8000,
+    ("recap", "value_lr"): 5e-5,
+    ("recap", "value_head_lr"): 1e-4,
+    ("recap", "value_global_batch_size"): 256,
+    ("recap", "lookahead"): 10,
+    ("recap", "positive_quantile"): 0.3,
+    ("recap", "threshold_scope"): "global",
+    ("recap", "holdout_fraction"): 0.0,
+    ("recap", "init"): "base",
+}
+RECIPES = {"openpi-pi05-libero.yaml": OPENPI, "rlinf-recap-libero10.yaml": RLINF}
+
+
+def _applied(tmp_path: Path, *profiles: str) -> C.PisftConfig:
+    shutil.copy(ROOT / "config/config.yaml", tmp_path / "config.yaml")
+    for name in profiles:
+        profile_mod.switch(PROFILES / name, tmp_path / "config.yaml", tmp_path / "dvc.yaml")
+    return C.load(tmp_path / "config.yaml")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_each_recipe_value_is_the_sources_over_a_device_profile(tmp_path, recipe, device):
+    cfg = _applied(tmp_path, device, recipe)
+    got = {(section, key): getattr(getattr(cfg, section), key) for section, key in RECIPES[recipe]}
+    assert got == RECIPES[recipe]
+    # the recipe sets nothing of the machine: the device profile's keys stay
+    machine = yaml.safe_load((PROFILES / device).read_text())
+    assert cfg.device == machine["device"] and cfg.model.source == machine["model"]["source"]
+    assert cfg.train.nproc_per_node == machine["train"]["nproc_per_node"]
+    assert cfg.train.micro_batch_size == machine["train"]["micro_batch_size"]
+    # and the recipe's batch divides into the device's processes and micro batch (accumulation)
+    assert cfg.train.global_batch_size % (cfg.train.micro_batch_size * cfg.world_size) == 0
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_a_recipe_sets_only_recipe_keys_each_with_its_source(recipe):
+    """Every key the profile writes is one the test holds against the source (no uncited value),
+    and no key of the machine (device, paths, processes, micro batch)."""
+    text = (PROFILES / recipe).read_text()
+    profile = yaml.safe_load(text)
+    written = {(s, k) for s, keys in profile.items() for k in keys}
+    assert written - set(RECIPES[recipe]) <= {("recap", "suite"), ("recap", "episodes_per_task"),
+                                              ("recap", "policy_steps"), ("eval", "closed_loop"),
+                                              ("eval", "trials_per_task")}
+    assert not written & {("model", "source"), ("model", "tokenizer"), ("data", "recap_dir"),
+                          ("train", "nproc_per_node"), ("train", "micro_batch_size")}
+    for line in text.splitlines():  # each value's line names its source
+        if line.startswith("  ") and ":" in line and not line.strip().startswith("#"):
+            assert "#" in line, line
+
+
+def test_pisfts_adamw_is_openpis():
+    from pisft.train import optim
+
+    assert optim.ADAM_BETAS == (OPENPI_ADAMW["b1"], OPENPI_ADAMW["b2"]) and optim.ADAM_EPS == OPENPI_ADAMW["eps"]
+
+
+def test_pisfts_warmup_starts_where_optax_does():
+    """openpi's CosineDecaySchedule: optax.warmup_cosine_decay_schedule(init_value=peak_lr /
+    (warmup_steps + 1), ...); with decay_lr = peak_lr the rate is constant after the warmup."""
+    from pisft.train.optim import lr_at
+
+    peak, warm = OPENPI[("train", "lr")], OPENPI[("train", "warmup_steps")]
+    assert lr_at(0, lr=peak, warmup_steps=warm, decay_lr=peak, steps=30_000) == pytest.approx(peak / (warm + 1))
+    assert lr_at(20_000, lr=peak, warmup_steps=warm, decay_lr=peak, steps=30_000) == pytest.approx(peak)
