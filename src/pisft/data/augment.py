@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-AUGMENTS = ("none", "openpi")
+from pisft.config import AUGMENTS  # the choices of data.augment (validated in pisft.config)
 CROP_FRACTION = 0.95  # openpi: augmax.RandomCrop(int(width * 0.95), int(height * 0.95))
 MAX_ROTATION_DEG = 5.0  # openpi: augmax.Rotate((-5, 5))
 BRIGHTNESS, CONTRAST, SATURATION = 0.3, 0.4, 0.5  # openpi: augmax.ColorJitter(0.3, 0.4, 0.5)
@@ -94,7 +94,8 @@ class ImageAugment:
 
     def __init__(self, kind: str, image_keys: tuple[str, ...]) -> None:
         if kind not in AUGMENTS or kind == "none":
-            raise ValueError(f"data.augment: {kind!r} has no augmentation; one of {AUGMENTS[1:]}")
+            raise ValueError(f"data.augment: '{kind}' has no augmentation to apply; one of "
+                             f"{', '.join(AUGMENTS[1:])} (or none: no ImageAugment)")
         self.kind = kind
         self.image_keys = tuple(sorted(image_keys))  # the draw order: by camera key
 
@@ -111,3 +112,13 @@ class ImageAugment:
 def make_augment(kind: str, image_keys) -> ImageAugment | None:
     """The training loader's augmentation for `data.augment`, or None (`none`)."""
     return None if kind == "none" else ImageAugment(kind, tuple(image_keys))
+
+
+def augment_record(augment: ImageAugment | None) -> dict[str, Any]:
+    """What the train summary and `pisft_model.json` say of the training images (`augment`)."""
+    if augment is None:
+        return {"kind": "none"}
+    return {"kind": augment.kind, "image_keys": list(augment.image_keys),
+            "cropped_and_rotated": [k for k in augment.image_keys if geometric(k)],
+            "crop_fraction": CROP_FRACTION, "max_rotation_deg": MAX_ROTATION_DEG,
+            "brightness": BRIGHTNESS, "contrast": CONTRAST, "saturation": SATURATION}
