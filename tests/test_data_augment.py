@@ -82,3 +82,53 @@ def test_draws_follow_seed_step_and_position_and_leave_the_objectives_draws_alon
         assert not torch.equal(augmented[other][BASE], a[BASE])
     assert not torch.equal(StepDataset(Base(), 1, draw, augment=augmented.augment)[ref][BASE], a[BASE])
     assert aug.make_augment("none", (BASE,)) is None
+
+
+
+class _Frames:
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return {**_item(size=24, seed=i), "i": torch.tensor(i)}
+
+
+def _loader_images(world: int, workers: int, *, kind="openpi", start=0, end=3):
+    """Each sample's camera images from the training loaders of `world` ranks, by (step, position)."""
+    from pisft.train.batches import make_loader
+    from pisft.train.sampler import StepLayout, StepSampler
+
+    data = _Frames()
+    sampler = StepSampler(len(data), 5, StepLayout(8, 2, world))
+    out = {}
+    for rank in range(world):
+        loader = make_loader(data, sampler, rank=rank, start_step=start, end_step=end, seed=5, draw=None,
+                             num_workers=workers, augment=aug.make_augment(kind, (BASE, WRIST)))
+        for refs, batch in zip(sampler.rank_batches(rank, start, end), loader, strict=True):
+            for j, ref in enumerate(refs):
+                assert int(batch["i"][j]) == ref.index
+                out[(ref.step, ref.position)] = (ref.index, batch[BASE][j], batch[WRIST][j])
+    return out
+
+
+def test_the_training_loader_augments_each_sample_alike_at_any_world_size_workers_and_resume():
+    one = _loader_images(1, 0)
+    assert len(one) == 3 * 8  # 3 steps of the global batch 8
+    for got in (_loader_images(2, 0), _loader_images(4, 2), {**_loader_images(1, 0, end=1),
+                                                             **_loader_images(1, 0, start=1)}):
+        assert got.keys() == one.keys()
+        for key, (index, base, wrist) in one.items():
+            assert got[key][0] == index and torch.equal(got[key][1], base) and torch.equal(got[key][2], wrist)
+    plain = _Frames()
+    changed = [not torch.equal(base, plain[index][BASE]) for index, base, _ in one.values()]
+    assert all(changed)  # the loader did augment every sample
+
+
+def test_the_record_says_which_augmentation_trained_and_none_has_nothing_to_apply():
+    assert aug.augment_record(None) == {"kind": "none"}
+    rec = aug.augment_record(aug.make_augment("openpi", (WRIST, BASE)))
+    assert rec["kind"] == "openpi" and rec["image_keys"] == [BASE, WRIST] and rec["cropped_and_rotated"] == [BASE]
+    assert (rec["crop_fraction"], rec["max_rotation_deg"]) == (0.95, 5.0)
+    assert (rec["brightness"], rec["contrast"], rec["saturation"]) == (0.3, 0.4, 0.5)
+    with pytest.raises(ValueError, match="data.augment: 'none' has no augmentation to apply; one of openpi"):
+        aug.ImageAugment("none", (BASE,))
