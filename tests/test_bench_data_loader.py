@@ -25,7 +25,7 @@ def test_data_loader_bench_figures_are_consistent(tmp_path):
     # tiny model config (64 px input) on 96 px images: the host resize has work to do
     out = data_loader_bench.run(cfg, tmp_path, episodes_per_task=1, length=6, image_size=96,
                                 preset="tiny", micro_batch=2, warmup_batches=1, timed_batches=3,
-                                rounds=2, split_batches=2, decode_images=6)
+                                rounds=2, split_batches=2, decode_images=6, augment_batches=2)
     assert out["image_size"] == 96 and out["cameras"] == 2
     assert out["dataset"]["frames"] == 60 and out["dataset"]["image_size"] == 96
     assert (tmp_path / "dataset" / "meta" / "info.json").is_file()  # a real converted dataset
@@ -58,6 +58,12 @@ def test_data_loader_bench_figures_are_consistent(tmp_path):
         est["peak_flops"] * est["mfu_assumed"] / est["training_flops_per_sample"], rel=0.01)
     assert all(isinstance(a, str) for a in est["assumptions"]) and est["assumptions"]
     assert out["cores_per_card_at_goal"] == pytest.approx(13 / out["samples_per_core_s"], abs=0.01)
+    aug = out["augment"]  # data.augment: openpi beside the plain loader, the same samples
+    assert aug["kind"] == "openpi" and aug["samples"] == 2 * 2 * 2  # rounds x augment_batches x micro
+    assert aug["ms_per_sample_with"] > 0 and aug["ms_per_sample_without"] > 0
+    assert aug["cost_ms_per_sample"] == pytest.approx(aug["ms_per_sample_with"] - aug["ms_per_sample_without"],
+                                                      abs=2e-3)
+    assert aug["cameras_cropped_and_rotated"] == 1
 
 
 def test_data_loader_bench_refuses_empty_timing(tmp_path):

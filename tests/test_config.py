@@ -95,6 +95,7 @@ def test_global_batch_must_divide_by_micro_times_world(tmp_path):
         ({"data": {"eval_fraction": 1.5}}, "data.eval_fraction"),
         ({"smoke": {"steps": 1}}, "smoke.steps"),
         ({"train": {"log_every": 0}}, "train.log_every: must be at least 1, got 0"),
+        ({"data": {"augment": "randaugment"}}, "data.augment: 'randaugment' is not one of none, openpi"),
     ],
 )
 def test_cross_checks(tmp_path, patch, fragment):
@@ -122,6 +123,23 @@ def test_training_stages_track_log_every_and_deterministic():
         assert "train" in STAGE_KEYS["train_8card"]  # the whole section, these keys included
     dvc = (ROOT / "dvc.yaml").read_text()
     assert "- train.log_every" in dvc and "- train.deterministic" in dvc
+
+
+def test_data_augment_is_a_training_key_of_every_stage_that_trains():
+    from pisft.train.checkpoint import run_fingerprint
+    from pisft.train.run_folders import value_fingerprint
+    from pisft.workflow.stages import STAGE_KEYS, TRAINING_STAGES
+
+    assert C.load(ROOT / "config/config.yaml").data.augment == "none"
+    for stage in TRAINING_STAGES:  # smoke_1card, train_8card, smoke_value, train_value
+        assert "data.augment" in STAGE_KEYS[stage], stage
+    for stage in ("fetch_base", "convert_recap", "evaluate", "closed_loop", "advantages", "collect_rollouts"):
+        assert "data.augment" not in STAGE_KEYS[stage], stage  # read by the training loaders only
+    assert (ROOT / "dvc.yaml").read_text().count("- data.augment") >= 4
+    on = C.from_dict({"data": {"augment": "openpi"}})
+    off = C.from_dict({})
+    assert run_fingerprint(on)["data.augment"] == "openpi" and run_fingerprint(off)["data.augment"] == "none"
+    assert value_fingerprint(on)["data.augment"] == "openpi"
 
 
 def test_overrides_apply_and_are_validated(tmp_path):

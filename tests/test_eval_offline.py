@@ -18,12 +18,13 @@ TASK_COUNT = 10
 EPISODE_LENGTH = 12
 
 
-def make_cfg(results: Path, **eval_keys) -> C.PisftConfig:
+def make_cfg(results: Path, data_keys: dict | None = None, **eval_keys) -> C.PisftConfig:
     return C.from_dict({
         "device": "cpu",
         "results_dir": str(results),
         "data": {"recap_dir": str(results / "demo_recap"), "demo_episodes_per_task": 2,
-                 "demo_episode_length": EPISODE_LENGTH, "demo_image_size": 16, "eval_fraction": 0.5},
+                 "demo_episode_length": EPISODE_LENGTH, "demo_image_size": 16, "eval_fraction": 0.5,
+                 **(data_keys or {})},
         "eval": {"batch_size": 8, "frame_stride": 4, "bootstrap_samples": 200, **eval_keys},
     })
 
@@ -158,6 +159,24 @@ def test_figures_do_not_depend_on_batching_and_the_same_model_twice_gives_ratio_
     shutil.copytree(results / "base_model", twin / "train" / "model")
     same, _, _ = offline.evaluate_models(make_cfg(twin, max_episodes=2, bootstrap_samples=0), progress=False)
     assert same["comparison"]["action_mse"]["ratio"] == 1.0
+
+
+@pytest.mark.integration  # ~4 min on 2 cores for the module: demo, conversion, two tiny models, the evaluation
+def test_evaluation_never_augments_the_images(results, evaluated, monkeypatch):
+    """data.augment is the training loaders' only: the evaluation under `openpi` reads the images as
+    recorded (the same figures), and no augmentation is drawn or applied on its path."""
+    from pisft.data import augment
+
+    calls = []
+    real = augment.apply_openpi
+    monkeypatch.setattr(augment, "apply_openpi", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = make_cfg(results, {"augment": "openpi"}, max_episodes=3, bootstrap_samples=0)
+    assert cfg.data.augment == "openpi"
+    got, _, _ = offline.evaluate_models(cfg, progress=False)
+    assert calls == []
+    for name in ("base", "finetuned"):
+        for task, entry in got[name]["per_task"].items():
+            assert entry["action_mse"] == pytest.approx(evaluated[name]["per_task"][task]["action_mse"], rel=1e-6)
 
 
 @pytest.mark.integration  # ~4 min on 2 cores for the module: demo, conversion, two tiny models, the evaluation

@@ -216,15 +216,21 @@ def test_the_value_run_folder_follows_the_iteration_and_the_returns(inputs, tmp_
                                                     "recap.value_global_batch_size=16"])) == checkpoint_root(cfg)
 
 
-def test_smoke_steps_train_the_value_model_on_one_device(inputs, tmp_path):
-    """The value model's first optimizer steps (for smoke_1card): loss finite and falling."""
+def test_smoke_steps_train_the_value_model_on_one_device(inputs, tmp_path, monkeypatch):
+    """The value model's first optimizer steps (for smoke_1card): loss finite and falling, on the
+    run's first micro-batch as its loader gives it (data.augment: openpi, the base camera cropped)."""
     import torch.distributed as dist
 
+    from pisft.data import augment
     from pisft.device import DeviceInfo
     from pisft.recap.value_training import smoke_value_steps
     from pisft.train.stage import Context
 
-    cfg = config_mod.load(CONFIG, [*overrides(inputs), "recap.value_lr=0.001", "recap.value_head_lr=0.001"])
+    applied = []
+    real = augment.apply_openpi
+    monkeypatch.setattr(augment, "apply_openpi", lambda img, p: applied.append("crop" in p) or real(img, p))
+    cfg = config_mod.load(CONFIG, [*overrides(inputs), "recap.value_lr=0.001", "recap.value_head_lr=0.001",
+                                   "data.augment=openpi"])
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         ctx = Context(cfg, "smoke_1card", DeviceInfo("cpu", "gloo", torch.device("cpu"), "cpu"), 0, 1)
@@ -234,11 +240,15 @@ def test_smoke_steps_train_the_value_model_on_one_device(inputs, tmp_path):
     assert len(report["losses"]) == 4 and all(math.isfinite(x) for x in report["losses"])
     assert report["passed"], report
     assert report["losses"][-1] < report["losses"][0]
+    assert sorted(set(applied)) == [False, True] and len(applied) == 2 * cfg.train.micro_batch_size
 
 
 # ------------------------------------------------------------------ train_value under torchrun
+# data.augment: the value model trains with the policy's switch (openpi's augmentation), so the
+# run, its resume after a kill and the advantages hold with it on.
 RUN = ["recap.value_steps=10", "train.save_every=5", "train.warmup_steps=2", "recap.value_bins=51",
-       "recap.value_global_batch_size=16", "train.micro_batch_size=4", "train.nproc_per_node=2"]
+       "recap.value_global_batch_size=16", "train.micro_batch_size=4", "train.nproc_per_node=2",
+       "data.augment=openpi"]
 
 
 def _launch_cmd(results: Path, *extra: str, stage: str = "train_value") -> list[str]:
@@ -285,6 +295,7 @@ def test_train_value_writes_the_model_metrics_and_plot(value_run):
     assert records[0]["lr"] < records[2]["lr"]  # warmup, then cosine
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["stage"] == "train_value"
+    assert summary["augment"]["kind"] == "openpi"  # trained on augmented images, and says so
     assert json.loads((out / "pisft_config.json").read_text())["recap"]["value_steps"] == 10
     config = json.loads((out / "model" / value_model.CONFIG_FILE).read_text())
     assert config["bins"] == 51 and config["preset"] == "tiny" and config["return_min"] == -323.0

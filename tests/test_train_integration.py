@@ -1,7 +1,9 @@
 """torchrun end to end on the tiny model: world-size invariance, real sharding, multi-node,
 SIGKILL + automatic exact resume, resume on another number of processes. The runs keep an EMA of
-the weights (train.ema_decay) and export it, so each of these holds for the EMA too: the same at
-any world size, resumed bit-identically after a kill, resharded on another number of processes."""
+the weights (train.ema_decay) and export it, and augment the images (data.augment: openpi, drawn
+per sample from (seed, step, position)), so each of these holds for the EMA and the augmentation
+too: the same at any world size, resumed bit-identically after a kill, resharded on another
+number of processes."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from train_fixtures import ROOT, launch, launch_cmd, launch_env, read_jsonl, res
 pytestmark = pytest.mark.integration
 
 RUN = ["train.steps=10", "train.save_every=5", "train.warmup_steps=2", "train.global_batch_size=16",
-       "train.micro_batch_size=4", "train.ema_decay=0.9"]
+       "train.micro_batch_size=4", "train.ema_decay=0.9", "data.augment=openpi"]
 # The layer units an accelerator trains with, not the CPU's merged units. Bit-identical results
 # need the same layout: another unit layout (other gathered buffers, other BLAS paths) agrees to
 # the tolerances of test_world_size_invariance, not to the bit.
@@ -106,6 +108,9 @@ def test_world_size_invariance(one_process, two_nodes):
     # the export is the EMA, and says so
     info = json.loads((two_nodes / "train" / "model" / "pisft_model.json").read_text())
     assert info["weights"] == summary["weights"] == {"kind": "ema", "ema_decay": 0.9}
+    # trained on augmented images, and says so
+    assert info["augment"] == summary["augment"] and summary["augment"]["kind"] == "openpi"
+    assert summary["augment"]["cropped_and_rotated"] == ["observation.images.base_0_rgb"]
 
 
 def test_each_rank_holds_half_and_units_cover_the_model(two_nodes):

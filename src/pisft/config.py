@@ -29,6 +29,8 @@ PRECISIONS = ("fp32", "bf16")
 TRAINABLE_MODES = ("all", "expert", "no_vision", "lora")
 VALUE_TRAINABLE_MODES = ("all", "no_vision", "head", "lora")
 LORA_TARGETS = ("lerobot", "openpi", "rlinf")
+# data.augment: the training loaders' image augmentation (pisft.data.augment applies it).
+AUGMENTS = ("none", "openpi")
 
 
 class ConfigError(PisftError):
@@ -84,6 +86,9 @@ class DataConfig:
     image_size: int = 0  # 0 keeps the input resolution
     eval_fraction: float = 0.2
     split_seed: int = 0
+    # Training-time image augmentation (pisft.data.augment), read by the training stages only:
+    # `none`, or `openpi` (openpi's crop, rotation and colour jitter, drawn per sample).
+    augment: str = "none"
 
 
 @dataclass
@@ -558,6 +563,9 @@ def _smoke_and_data_problems(cfg: PisftConfig) -> list[str]:
         problems.append("data.demo_failure_fraction: must be in [0, 1)")
     if cfg.data.image_size < 0:
         problems.append("data.image_size: must be 0 (keep) or a positive size in pixels")
+    if cfg.data.augment not in AUGMENTS:
+        problems.append(f"data.augment: '{cfg.data.augment}' is not one of {', '.join(AUGMENTS)} (none: the "
+                        f"images as they are; openpi: openpi's training-time crop, rotation and colour jitter)")
     return problems + _data_problems(cfg.data)
 
 

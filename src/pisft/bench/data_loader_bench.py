@@ -12,6 +12,8 @@ work runs here rather than in a worker process), i.e. per micro-batch:
 - preprocess: `default_collate`, then LeRobot's pi0.5 preprocessor up to its device step
   (quantile normalisation of state and action, the prompt with the discretised state,
   tokenization padded to `tokenizer_max_length`).
+- augment (`augment`): with `data.augment: openpi` the same micro-batches cost this much more,
+  timed side by side with the plain loader (`augment_cost`).
 
 The resize to the model's input (256 -> 224, with padding) is not the loader's: LeRobot's
 `PI05Policy._preprocess_images` does it inside the forward, on the device. Its host cost is
@@ -92,12 +94,14 @@ class _Loader:
         self.sampler = StepSampler(len(self.train_set), seed, StepLayout(micro, micro, 1))
         self.config = config
 
-    def loader(self, start: int, end: int):
+    def loader(self, start: int, end: int, augment: str = "none"):
+        from pisft.data.augment import make_augment
         from pisft.train.batches import make_loader
 
         return make_loader(self.train_set, self.sampler, rank=0, start_step=start, end_step=end,
                            seed=self.seed, draw=self.task.draw, num_workers=0, prompt=self.prompt,
-                           collate=self.task.collate, pin_memory=False)
+                           collate=self.task.collate, pin_memory=False,
+                           augment=make_augment(augment, self.config.image_features))
 
     def dataset(self):
         from pisft.train.batches import StepDataset
@@ -124,6 +128,27 @@ def time_loader(ld: _Loader, warmup: int, batches: int, rounds: int) -> dict[str
         per_round.append({"samples": n, "wall_s": w1 - w0, "cpu_s": c1 - c0})
         start += batches
     return {"rounds": per_round, "last_batch": batch}
+
+
+def augment_cost(ld: _Loader, start: int, batches: int, rounds: int, kind: str = "openpi") -> dict[str, Any]:
+    """CPU ms per sample of the loader without and with `data.augment: kind`, side by side: each
+    round times the same micro-batches (the same samples and draws) plain, then augmented."""
+    cpu = {"none": 0.0, kind: 0.0}
+    n = 0
+    for r in range(rounds):
+        lo = start + r * batches
+        for k in cpu:
+            c0 = time.process_time()
+            m = sum(int(b[TOKENS_KEY].shape[0]) for b in ld.loader(lo, lo + batches, augment=k))
+            cpu[k] += time.process_time() - c0
+        n += m
+    without, with_ = 1e3 * cpu["none"] / n, 1e3 * cpu[kind] / n
+    return {"kind": kind, "samples": n, "rounds": rounds,
+            "ms_per_sample_without": round(without, 3), "ms_per_sample_with": round(with_, 3),
+            "cost_ms_per_sample": round(with_ - without, 3),
+            "cameras_cropped_and_rotated": sum("wrist" not in k for k in ld.config.image_features),
+            "how": "the same micro-batches through the training loader, plain then augmented, "
+                   "alternating per round; CPU time of this process (one torch thread)"}
 
 
 def split_parts(ld: _Loader, start: int, batches: int) -> dict[str, float]:
@@ -229,10 +254,10 @@ def consumption(ld: _Loader, batch: dict[str, Any], cfg: config_mod.PisftConfig)
 def run(cfg: config_mod.PisftConfig, work: Path, *, episodes_per_task: int = 1, length: int = 40,
         image_size: int = 256, preset: str = "pi05", micro_batch: int | None = None,
         warmup_batches: int = 8, timed_batches: int = 100, rounds: int = 3,
-        split_batches: int = 60, decode_images: int = 200) -> dict[str, Any]:
-    if min(warmup_batches, timed_batches, rounds, split_batches, decode_images) < 1:
-        raise ValueError("warmup_batches, timed_batches, rounds, split_batches and decode_images "
-                         "must be at least 1")
+        split_batches: int = 60, decode_images: int = 200, augment_batches: int = 30) -> dict[str, Any]:
+    if min(warmup_batches, timed_batches, rounds, split_batches, decode_images, augment_batches) < 1:
+        raise ValueError("warmup_batches, timed_batches, rounds, split_batches, decode_images and "
+                         "augment_batches must be at least 1")
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -246,6 +271,7 @@ def run(cfg: config_mod.PisftConfig, work: Path, *, episodes_per_task: int = 1, 
         ld = _Loader(dataset, preset, micro, cfg.train.seed)
         timed = time_loader(ld, warmup_batches, timed_batches, rounds)
         split = split_parts(ld, warmup_batches + rounds * timed_batches, split_batches)
+        augment = augment_cost(ld, warmup_batches, augment_batches, rounds)  # already-read steps
         decode = decode_cost(dataset, decode_images)
         resize = host_resize_cost(timed["last_batch"], tuple(ld.config.image_resolution), repeats=5)
         est = consumption(ld, timed["last_batch"], cfg)  # at the tokens the loader produced
@@ -292,6 +318,7 @@ def run(cfg: config_mod.PisftConfig, work: Path, *, episodes_per_task: int = 1, 
                    "(2 images per sample) and subtracted from the read",
         },
         "decode": {k: round(v, 3) if isinstance(v, float) else v for k, v in decode.items()},
+        "augment": augment,
         "host_resize": {"to": list(ld.config.image_resolution), "needed": resize["needed"],
                         "ms_per_sample": round(resize["ms_per_sample"], 3),
                         "samples_per_core_s_if_loader_resized": round(1e3 / (ms + resize["ms_per_sample"]), 1)},

@@ -47,6 +47,7 @@ import torch
 from pisft import device as devices
 from pisft import disk_space
 from pisft.config import PisftConfig
+from pisft.data.augment import make_augment
 from pisft.errors import PisftError
 from pisft.io import atomic_dir, sha256_file, write_json_atomic
 from pisft.recap import value_metrics, value_model
@@ -54,6 +55,7 @@ from pisft.train.run_folders import CHECKPOINT_SUBDIR, RETURNS_FILE, latest_chec
 from pisft.recap.value_data import PromptCollate, ReturnRange, ValueFrames, read_returns
 from pisft.recap.value_task import ValueTask
 from pisft.train import fsdp, optim
+from pisft.train.batches import StepDataset
 from pisft.train.checkpoint import run_folder
 from pisft.train.run import RunPlan, run_plan
 from pisft.train.stage import Built, Context, apply_trainable, frozen_in_bf16, require_inputs
@@ -134,7 +136,7 @@ def build_value(ctx: Context) -> ValueBuilt:
     optimizer = _optimizer(cfg, p.model, ctx.info.kind)  # after sharding: the sharded parameters
     task = ValueTask(p.collate, ctx.info.device, cfg.train.precision)
     return ValueBuilt(p.model, task, p.train_set, {}, units, optimizer, p.base, p.data,
-                      trainable=applied, returns=p.returns, scale=p.scale)
+                      trainable=applied, image_keys=p.train_set.image_keys, returns=p.returns, scale=p.scale)
 
 
 def value_plan(ctx: Context) -> RunPlan:
@@ -251,7 +253,9 @@ def smoke_value_steps(ctx: Context, steps: int | None = None) -> dict[str, Any]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     task = ValueTask(p.collate, ctx.info.device, t.precision)
     first = make_sampler(cfg, p.train_set, 1, cfg.value_global_batch_size).micro_batch(0, 0, 0)
-    fixed = p.collate([p.train_set[ref.index] for ref in first])
+    # the run's first micro-batch as its training loader gives it (data.augment included)
+    ds = StepDataset(p.train_set, t.seed, None, augment=make_augment(cfg.data.augment, p.train_set.image_keys))
+    fixed = p.collate([ds[ref] for ref in first])
     settings = loop.LoopSettings(steps=steps, accum=1, global_batch=t.micro_batch_size, grad_clip=t.grad_clip,
                                  kind=ctx.info.kind, device=ctx.info.device, world_size=1, rank=0,
                                  stop_on_nonfinite=False, log_every=steps)

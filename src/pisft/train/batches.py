@@ -21,17 +21,19 @@ from pisft.train.sampler import SampleRef, StepSampler, sample_rng
 RAND_KEY = "_pisft_rand"
 Draw = Callable[[np.random.Generator], dict[str, np.ndarray]]
 Prompt = Callable[[str, np.random.Generator], str]
+Augment = Callable[[dict[str, Any], np.random.Generator], dict[str, Any]]
 
 
 class StepDataset(Dataset):
     """Wraps the train set: item(ref) = train_set[ref.index] + its random draws."""
 
     def __init__(self, base: Dataset, seed: int, draw: Draw | None,
-                 prompt: Prompt | None = None) -> None:
+                 prompt: Prompt | None = None, augment: Augment | None = None) -> None:
         self.base = base
         self.seed = seed
         self.draw = draw
         self.prompt = prompt
+        self.augment = augment  # data.augment (pisft.data.augment), from a stream of its own
 
     def __len__(self) -> int:
         return len(self.base)  # type: ignore[arg-type]
@@ -46,6 +48,10 @@ class StepDataset(Dataset):
             if self.prompt is not None:  # after the objective's draws, which stay as they were
                 for_frame = getattr(self.prompt, "for_frame", None)  # labels by episode and frame
                 item["task"] = for_frame(item, rng) if for_frame else self.prompt(item["task"], rng)
+        if self.augment is not None:
+            from pisft.data.augment import augment_rng
+
+            item = self.augment(item, augment_rng(self.seed, ref.step, ref.position))
         return item
 
 
@@ -93,7 +99,8 @@ def make_loader(train_set: Dataset, sampler: StepSampler, *, rank: int, start_st
                 end_step: int, seed: int, draw: Draw | None, num_workers: int,
                 prompt: Prompt | None = None,
                 collate: Callable[[list[dict]], dict] | None = None,
-                pin_memory: bool = False, prefetch_factor: int = 4) -> DataLoader:
+                pin_memory: bool = False, prefetch_factor: int = 4,
+                augment: Augment | None = None) -> DataLoader:
     """The rank's micro-batches, in order, from start_step to end_step.
 
     With `num_workers` > 0 each worker reads, decodes, collates and (through `collate`, e.g.
@@ -102,7 +109,8 @@ def make_loader(train_set: Dataset, sampler: StepSampler, *, rank: int, start_st
     finished first, so the order (and every sample's random draws, from (seed, step,
     position)) does not depend on the number of workers. `pin_memory` (on an accelerator)
     puts the batches in page-locked memory, from which the non-blocking host->device copies
-    are asynchronous.
+    are asynchronous. `augment` (data.augment) changes each sample's images with parameters
+    drawn from (seed, step, position) too: training only.
     """
     if num_workers > 0:
         # The tokenizer runs in the workers (forked): its own thread pool off, no fork warning.
@@ -110,7 +118,7 @@ def make_loader(train_set: Dataset, sampler: StepSampler, *, rank: int, start_st
     if prefetch_factor < 1:
         raise ValueError(f"train.prefetch_factor must be >= 1, got {prefetch_factor}")
     return DataLoader(
-        StepDataset(train_set, seed, draw, prompt),
+        StepDataset(train_set, seed, draw, prompt, augment),
         batch_sampler=_RankBatches(sampler, rank, start_step, end_step),
         num_workers=num_workers,
         collate_fn=collate or default_collate,

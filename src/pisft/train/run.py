@@ -20,6 +20,7 @@ from pisft.errors import PisftError
 from pisft.train import loop, optim
 from pisft.train.checkpoint import CheckpointManager, base_record, checkpoint_root, other_runs, run_fingerprint
 from pisft.train.batches import make_loader, resolve_workers
+from pisft.data.augment import augment_record, make_augment
 from pisft.train.ema import ema_record, make_ema
 from pisft.train.export import export_model
 from pisft.train.fsdp import sharding_report
@@ -152,10 +153,13 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
 
     sampler = make_sampler(cfg, built.train_set, ctx.world_size, plan.global_batch)
     workers = resolve_workers(t.num_workers, ctx.info.kind, t.nproc_per_node)
+    # data.augment: the training loader only (evaluation, held-out figures and inference never)
+    augment = make_augment(cfg.data.augment, built.image_keys)
     loader = make_loader(built.train_set, sampler, rank=ctx.rank, start_step=start_step,
                          end_step=plan.steps, seed=t.seed, draw=built.task.draw,
                          num_workers=workers, prompt=built.prompt, collate=built.task.collate,
-                         pin_memory=ctx.info.kind != "cpu", prefetch_factor=t.prefetch_factor)
+                         pin_memory=ctx.info.kind != "cpu", prefetch_factor=t.prefetch_factor,
+                         augment=augment)
     peak, peak_source = peak_flops(ctx)
     ctx.log(f"{ctx.world_size} process(es) on {ctx.info.kind} ({ctx.info.name}), "
             f"micro batch {t.micro_batch_size} × accumulation {accum} × "
@@ -164,7 +168,9 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
     ctx.log(f"precision {t.precision}; {'FSDP2' if ctx.world_size > 1 else 'unsharded (one process)'}; "
             f"data-loader workers {workers} per process (train.num_workers {t.num_workers}); "
             f"peak FLOP/s: {peak_source}"
-            + (f"; EMA of the trained weights, decay {ema.decay}" if ema is not None else ""))
+            + (f"; EMA of the trained weights, decay {ema.decay}" if ema is not None else "")
+            + (f"; image augmentation {cfg.data.augment} on {', '.join(augment.image_keys)}"
+               if augment is not None else ""))
     progress = Progress(plan.steps, start_step, enabled=ctx.is_main, desc=plan.stage, every=t.log_every)
     tb = TensorBoardSink(ckpt_root / "tensorboard") if (t.tensorboard and ctx.is_main) else None
 
@@ -212,8 +218,10 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
     if ema is not None:  # the exported model is the average (openpi's checkpoints hand it out)
         ema.copy_to(built.policy)
     summary["weights"] = ema_record(ema)
+    summary["augment"] = augment_record(augment)
     if hasattr(built.policy, "pisft_model_info"):  # the policy's pisft_model.json says which
         built.policy.pisft_model_info["weights"] = ema_record(ema)
+        built.policy.pisft_model_info["augment"] = augment_record(augment)
     plan.export(ctx, built, metrics_log, summary, resolved)
     dist.barrier()
     ctx.log(f"done: {plan.output}")

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from pisft import config as config_mod
 from pisft import device as devices
+from pisft.data.augment import make_augment
 from pisft.device import hccl_buffer_bytes
 from pisft.io import atomic_dir, write_json_atomic
 from pisft.train import loop
@@ -249,7 +250,8 @@ def _steps(ctx: Context, built: Any, peak: float | None) -> list[dict[str, Any]]
 
     cfg, t = ctx.cfg, ctx.cfg.train
     first = make_sampler(cfg, built.train_set, 1).micro_batch(0, 0, 0)  # the real run's first
-    ds = StepDataset(built.train_set, t.seed, built.task.draw, built.prompt)
+    ds = StepDataset(built.train_set, t.seed, built.task.draw, built.prompt,  # as the training loader
+                     augment=make_augment(cfg.data.augment, built.image_keys))
     fixed = default_collate([ds[ref] for ref in first])
     batches = (dict(fixed) for _ in itertools.count())
     scheduler = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lambda _: 1.0)

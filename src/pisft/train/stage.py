@@ -69,6 +69,7 @@ class Built:
     prompt: Any = None  # the training prompt of a sample (advantage conditioning), or None
     conditioning: Any = None  # how the prompts are conditioned (data.prompts.PromptConditioning)
     trainable: Any = None  # pisft.train.trainable.Applied: the mode applied (None: built before modes)
+    image_keys: tuple[str, ...] = ()  # the camera keys of a training sample (data.augment changes them)
 
 
 def require_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
@@ -143,7 +144,8 @@ def build(ctx: Context) -> Built:
     conditioning = conditioning_of(cfg, data)
     prompt = LabelledPrompts(labels, conditioning) if labels is not None else training_prompt_fn(data)
     return Built(policy, task, train_set, stats, units, optimizer, base, data,
-                 prompt=prompt, conditioning=conditioning, trainable=applied)
+                 prompt=prompt, conditioning=conditioning, trainable=applied,
+                 image_keys=tuple(policy.config.image_features))
 
 
 def frozen_in_bf16(cfg: PisftConfig, *, value_model: bool = False, prefix: str = ""):

@@ -58,6 +58,7 @@ TRAIN_STEP_KEYS = (
     "train.lora_targets",
     "train.lora_rank",
     "train.lora_alpha",
+    "data.augment",  # the images every step trains on (read by the training loaders only)
 )
 
 EVAL_KEYS = (
@@ -104,6 +105,7 @@ VALUE_KEYS = (
     "recap.value_head_lr",
     "recap.value_global_batch_size",
     "recap.value_trainable",
+    "data.augment",  # the value model trains with the policy's switch
 )
 ADVANTAGE_KEYS = (
     "recap.gamma",
@@ -209,7 +211,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("advantages", "pisft.recap.advantages:run", ("device", *ADVANTAGE_KEYS), (*RECAP_CODE, *TRAIN_CODE),
           ("advantages",), "RECAP: every frame's value and N-step advantage, the positive labels",
           iterations="recap"),
-    Stage("train_8card", "pisft.train.run:run_training", ("device", "train", "model.state_in_prompt"), TRAIN_CODE,
+    Stage("train_8card", "pisft.train.run:run_training", ("device", "train", "model.state_in_prompt", "data.augment"),
+          TRAIN_CODE,
           ("train/model", "train/metrics.jsonl"),
           "train on train.nproc_per_node x train.nnodes devices; resumes, exports", training=True,
           iterations="all", recap_keys=RETRAIN_KEYS),
