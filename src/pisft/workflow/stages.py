@@ -104,6 +104,7 @@ VALUE_KEYS = (
     "recap.value_head_lr",
     "recap.value_global_batch_size",
     "recap.value_trainable",
+    "recap.value_init",  # the model it starts from: the base model or policy k-1
 )
 ADVANTAGE_KEYS = (
     "recap.gamma",
