@@ -247,6 +247,20 @@ def test_disk_full_and_read_only_end_in_one_line(tmp_path):
         assert words in line and str(tmp_path / "results" / "f") in line and "\n" not in line
 
 
+def test_the_value_model_starts_from_the_base_model_unless_recap_value_init_says_previous():
+    loop = {"results_dir": "r", "eval": {"closed_loop": True, "trials_per_task": 1}}
+    cfg = C.from_dict({**loop, "recap": {"iterations": 2}})
+    assert cfg.recap.value_init == "base"  # RLinf's value model starts from the pretrained backbone
+    assert [cfg.at_iteration(k).value_init_model() for k in (0, 1, 2)] == [Path("r/base_model")] * 3
+    assert cfg.at_iteration(2).init_model() == Path("r/recap/iter_1/train/model")  # recap.init: its own key
+    prev = C.from_dict({**loop, "recap": {"iterations": 2, "value_init": "previous", "init": "base"}})
+    assert [prev.at_iteration(k).value_init_model() for k in (1, 2)] == [
+        Path("r/train/model"), Path("r/recap/iter_1/train/model")]
+    assert prev.at_iteration(2).init_model() == Path("r/base_model")
+    with pytest.raises(C.ConfigError, match=r"recap.value_init: 'policy' is not one of base, previous"):
+        C.from_dict({**loop, "recap": {"iterations": 1, "value_init": "policy"}})
+
+
 def test_a_recap_iteration_sees_its_own_folders_and_retraining_length():
     cfg = C.from_dict({"results_dir": "r", "eval": {"closed_loop": True, "trials_per_task": 1},
                        "train": {"steps": 150}, "recap": {"iterations": 2, "policy_steps": 60}})

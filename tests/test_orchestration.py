@@ -59,6 +59,9 @@ LOOP = {"collect_rollouts_1", "convert_recap_1", "smoke_value_1", "train_value_1
         ("data.success_only", True, {"convert_recap", "smoke_1card", "train_8card", "closed_loop", "evaluate"} | LOOP),
         ("model.init_seed", 1, {"fetch_base", "smoke_1card", "train_8card", "closed_loop", "evaluate"} | LOOP),
         ("recap.positive_quantile", 0.4, {"advantages_1", "train_8card_1", "closed_loop_1", "recap_summary"}),
+        # the value model from policy 0 instead of the base model: the value stages and what follows
+        ("recap.value_init", "previous", {"smoke_value_1", "train_value_1", "advantages_1", "train_8card_1",
+                                          "closed_loop_1", "recap_summary"}),
     ],
 )
 def test_snakemake_reruns_exactly_what_reads_a_changed_key(default_pipeline, tmp_path, key, value, expected):

@@ -216,6 +216,58 @@ def test_the_value_run_folder_follows_the_iteration_and_the_returns(inputs, tmp_
                                                     "recap.value_global_batch_size=16"])) == checkpoint_root(cfg)
 
 
+def test_the_value_model_starts_from_the_model_recap_value_init_names(inputs, tmp_path):
+    """At iteration 1, `base` loads the base model's backbone and `previous` policy 0's (a copy of
+    the base model with other weights, as a trained export has); the run fingerprint hashes the
+    model that is loaded, so the two never share a run folder."""
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from pisft.errors import PisftError
+    from pisft.recap.value_training import _pieces
+    from pisft.train.checkpoint import inputs_fingerprint
+    from pisft.train.run_folders import value_checkpoint_root, value_fingerprint
+
+    os.symlink(inputs / "base_model", tmp_path / "base_model")
+    (tmp_path / "recap" / "iter_1").mkdir(parents=True)
+    os.symlink(inputs / "dataset", tmp_path / "recap" / "iter_1" / "dataset")
+    loop = ["recap.iterations=1", "eval.closed_loop=true", "eval.trials_per_task=1"]
+
+    def at_1(value_init: str):
+        return config_mod.load(CONFIG, [*overrides(tmp_path), *loop, f"recap.value_init={value_init}"]).at_iteration(1)
+
+    with pytest.raises(PisftError, match=r"train/model/config.json not found \(the value model's start, "
+                                          r"recap.value_init: previous\); run the `train_8card` stage first"):
+        _pieces(at_1("previous"), "train_value", torch.device("cpu"))
+    policy0 = tmp_path / "train" / "model"
+    shutil.copytree(inputs / "base_model", policy0)
+    base_weights = load_file(inputs / "base_model" / "model.safetensors")
+    save_file({k: v + 0.25 if v.is_floating_point() else v for k, v in base_weights.items()},
+              policy0 / "model.safetensors")
+    write_manifest(policy0)
+    policy0_weights = load_file(policy0 / "model.safetensors")
+
+    roots = {}
+    for value_init, start, weights in (("base", tmp_path / "base_model", base_weights),
+                                       ("previous", policy0, policy0_weights)):
+        cfg = at_1(value_init)
+        assert cfg.value_init_model() == start
+        loaded = _pieces(cfg, "train_value", torch.device("cpu"))
+        assert loaded.base == start
+        state = loaded.model.policy.state_dict()
+        compared = [k for k in weights if k in state]
+        assert any(".vision_tower." in k for k in compared) and any(".language_model.layers." in k for k in compared)
+        for k in compared:
+            assert torch.equal(state[k].float(), weights[k].float()), (value_init, k)
+        fingerprint = value_fingerprint(cfg)
+        assert fingerprint["recap.value_init"] == value_init
+        assert fingerprint["base_model"] == inputs_fingerprint(cfg, start)["base_model"]
+        roots[value_init] = value_checkpoint_root(cfg)
+    assert roots["base"] != roots["previous"]
+
+
 def test_smoke_steps_train_the_value_model_on_one_device(inputs, tmp_path, monkeypatch):
     """The value model's first optimizer steps (for smoke_1card): loss finite and falling, on the
     run's first micro-batch as its loader gives it (data.augment: openpi, the base camera cropped)."""

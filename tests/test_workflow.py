@@ -71,6 +71,39 @@ def test_dvc_stages_mirror_the_rules(monkeypatch):
     assert resolved["stages"]["convert_recap"]["deps"][0] == workflow.config["data"]["recap_dir"]
 
 
+def test_the_value_stages_declare_the_model_they_load(tmp_path, monkeypatch):
+    """For recap.value_init base and previous, two iterations: the model smoke_value_k and
+    train_value_k load (`PisftConfig.value_init_model`, what `require_value_inputs` hands to the
+    model loader) is the one model among the rule's inputs and the DVC stage's deps, and the key
+    is among the params that rerun them."""
+    from pisft.workflow.stages import rule_name
+
+    work = workflow_copy(tmp_path)
+    monkeypatch.chdir(work)
+    config_file = work / "config" / "config.yaml"
+    original = yaml.safe_load(config_file.read_text())
+    want = {"base": {1: "results/base_model", 2: "results/base_model"},
+            "previous": {1: "results/train/model", 2: "results/recap/iter_1/train/model"}}
+    for value_init, loads in want.items():
+        config = {**original, "recap": {**original["recap"], "iterations": 2, "value_init": value_init}}
+        config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+        workflow = load_workflow(work / "workflow" / "Snakefile", work)
+        cfg = pisft_config.from_dict(workflow.config)
+        rules = {r.name: r for r in workflow.rules}
+        dvc = yaml.safe_load(dvc_yaml.resolve(dvc_yaml.render(workflow.rules, workflow.config), workflow.config))
+        models = {"results/base_model", *(str(cfg.policy_of(j)) for j in range(3))}
+        for k in (1, 2):
+            assert str(cfg.at_iteration(k).value_init_model()) == loads[k]
+            for stage in ("smoke_value", "train_value"):
+                name = rule_name(stage, k)
+                assert [i for i in rules[name].inputs if i in models] == [loads[k]], (value_init, name)
+                stage_deps = dvc["stages"][name]["deps"]
+                assert [d for d in stage_deps if d in models] == [loads[k]], (value_init, name)
+                assert "recap.value_init" in rules[name].tracked_keys
+                assert "recap.value_init" in dvc["stages"][name]["params"][0]["config/config.yaml"]
+        assert f"recap.value_init={value_init}" in dvc_yaml.shape(cfg)
+
+
 def test_dvc_only_settings_are_no_snakemake_params(monkeypatch):
     """Plot axes, caching: read by dvc-yaml only, so editing them reruns nothing under Snakemake."""
     monkeypatch.chdir(ROOT)

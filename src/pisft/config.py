@@ -198,6 +198,7 @@ class EvalConfig:
 
 THRESHOLD_SCOPES = ("global", "task")
 RECAP_INITS = ("previous", "base")
+VALUE_INITS = ("base", "previous")  # recap.value_init: what the value model of iteration k starts from
 SOURCE_TYPES = ("sft", "rollout")
 
 
@@ -236,6 +237,9 @@ class RecapConfig:
     holdout_fraction: float = 0.0
     # Retraining at iteration k starts from the base model or from policy k-1.
     init: str = "previous"
+    # What the value model of iteration k starts from: the base model (RLinf's value model starts
+    # from its pretrained backbone) or policy k-1 (`PisftConfig.value_init_model`).
+    value_init: str = "base"
     # Optimizer steps of the retraining at iteration k >= 1; 0: train.steps (the SFT run's).
     policy_steps: int = 0
     # What of the value model trains: all | no_vision (SigLIP frozen) | head (the VLM prefix frozen,
@@ -304,6 +308,13 @@ class PisftConfig:
         """The weights training starts from: the base model, or at RECAP iteration k >= 1 with
         `recap.init: previous` the exported policy of iteration k - 1."""
         if self.iteration and self.recap.init == "previous":
+            return self.policy_of(self.iteration - 1)
+        return self.results("base_model")
+
+    def value_init_model(self) -> Path:
+        """The weights the value model (train_value, smoke_value) starts from: the base model, or at
+        RECAP iteration k >= 1 with `recap.value_init: previous` the exported policy of iteration k - 1."""
+        if self.iteration and self.recap.value_init == "previous":
             return self.policy_of(self.iteration - 1)
         return self.results("base_model")
 
@@ -672,6 +683,10 @@ def _recap_problems(cfg: PisftConfig) -> list[str]:
                         "(global: one threshold over all frames, as RLinf; task: one per task, as the paper)")
     if r.init not in RECAP_INITS:
         problems.append(f"recap.init: '{r.init}' is not one of {', '.join(RECAP_INITS)}")
+    if r.value_init not in VALUE_INITS:
+        problems.append(f"recap.value_init: '{r.value_init}' is not one of {', '.join(VALUE_INITS)} (base: the "
+                        "value model starts from the base model, as RLinf's from its pretrained backbone; "
+                        "previous: from the policy of iteration k - 1)")
     if not 0 < r.gamma <= 1:
         problems.append(f"recap.gamma: the discount must be in (0, 1], got {r.gamma}")
     if r.failure_reward > 0:

@@ -61,3 +61,9 @@ def tracked_at(stage, k):
 def at(k, *parts):
     """A path of iteration k (results/recap/iter_<k>/...; iteration 0: results/...)."""
     return str(CFG.at_iteration(k).results(*parts))
+
+
+def value_start(k):
+    """What iteration k's value model starts from (recap.value_init: the base model, or
+    policy k-1 with `previous`), as smoke_value and train_value load it."""
+    return str(CFG.at_iteration(k).value_init_model())

@@ -53,7 +53,7 @@ for k in ITERATIONS:
             rule_name("smoke_value", k)
         input:
             *code_files("smoke_value"),
-            f"{RESULTS}/base_model",
+            value_start(k),
             at(k, "dataset"),
         output:
             at(k, "value_smoke", "report.json"),
@@ -76,7 +76,7 @@ for k in ITERATIONS:
             rule_name("train_value", k)
         input:
             *code_files("train_value"),
-            f"{RESULTS}/base_model",
+            value_start(k),
             at(k, "dataset"),
             at(k, "value_smoke", "report.json"),
         output:

@@ -14,7 +14,8 @@ bins of the normalised return, trained with cross-entropy) and RLinf's critic
 - V = the expectation of the atoms under the softmax.
 
 Backbone: the policy's own vision-language prefix (PaliGemma: SigLIP image embeddings and the
-language tokens through the Gemma VLM), loaded from the base model, without the action expert
+language tokens through the Gemma VLM), loaded from the base model (or, with `recap.value_init:
+previous`, from policy k-1: `PisftConfig.value_init_model`), without the action expert
 (`lerobot_internals.strip_to_vlm_prefix`, `vlm_prefix_readout`): a learned read-out token
 (RLinf's `cls_embedding`, initialised N(0, 0.02)) is appended to the prefix, attends to all of
 it, and its final hidden state feeds a linear bin head. (RLinf routes its read-out token through
@@ -178,9 +179,10 @@ class ValueModelConfig:
 
 
 def from_base(base_dir: Path, *, bins: int, preset: str | None, seed: int, hold_bf16=None) -> ValueModel:
-    """A value model whose backbone is the base model's (loaded strictly), read-out token and
-    head freshly initialised from `seed` (identical on every process). `hold_bf16`: as
-    `load_policy`'s (the frozen parameters of a bf16 run loaded straight into bf16)."""
+    """A value model whose backbone is that of the model in `base_dir` (the base model or policy
+    k-1, loaded strictly), read-out token and head freshly initialised from `seed` (identical on
+    every process). `hold_bf16`: as `load_policy`'s (the frozen parameters of a bf16 run loaded
+    straight into bf16)."""
     from pisft.model.policy import load_policy
 
     policy = load_policy(base_dir, device="cpu", dtype="float32", preset=preset, hold_bf16=hold_bf16)

@@ -9,15 +9,17 @@ data loader with workers, the optimizer-step loop with accumulation, clipping an
 step skipping.
 
 What differs from the policy (`value_plan`):
-- the model: `value_model.ValueModel` from the base model (the policy's VLM prefix, a read-out
-  token and a bin head), trained on the train split with targets from `dataset/returns.parquet`;
+- the model: `value_model.ValueModel` from the base model, or from policy k-1 with
+  `recap.value_init: previous` (the policy's VLM prefix, a read-out token and a bin head),
+  trained on the train split with targets from `dataset/returns.parquet`;
 - recap.value_steps optimizer steps of cfg.value_global_batch_size samples (micro batch
   train.micro_batch_size, accumulation derived);
 - AdamW (train.weight_decay, openpi's betas) with two parameter groups: the backbone at
   recap.value_lr, the read-out token and the head at recap.value_head_lr (RLinf's
   `optim.lr` / `optim.value_lr`); the policy's warmup + cosine shape (train.warmup_steps, decaying
   to train.decay_lr / train.lr of each group's peak at the last step);
-- the fingerprint: the value settings, the base model, the dataset and the returns file.
+- the fingerprint: the value settings (recap.value_init among them), the model it starts from,
+  the dataset and the returns file.
 
 Output, `results/value/` (one atomic rename on rank 0):
   model/              `value_model.save`: model.safetensors, value_model.json, MANIFEST.json
@@ -58,10 +60,19 @@ from pisft.train import fsdp, optim
 from pisft.train.batches import StepDataset
 from pisft.train.checkpoint import run_folder
 from pisft.train.run import RunPlan, run_plan
-from pisft.train.stage import Built, Context, apply_trainable, frozen_in_bf16, require_inputs
+from pisft.train.stage import Built, Context, apply_trainable, frozen_in_bf16
 
 def require_value_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
-    base, data = require_inputs(cfg, stage)
+    """The model the value model starts from (`PisftConfig.value_init_model`: the base model, or
+    policy k-1 with `recap.value_init: previous`) and the pool, both present."""
+    base, data, k = cfg.value_init_model(), cfg.results("dataset"), cfg.iteration
+    policy = "train_8card" if k <= 1 else f"train_8card_{k - 1}"  # the rule that writes policy k-1
+    start = f"the value model's start, recap.value_init: {cfg.recap.value_init}"
+    for path, producer, what in ((base / "config.json", "fetch_base" if base == cfg.results("base_model") else policy,
+                                  f" ({start})"), (data / "split.json", "convert_recap", "")):
+        if not path.is_file():
+            raise PisftError(f"{stage}: {path} not found{what}; run the `{producer}` stage first "
+                             f"(snakemake --cores all {stage} runs what is missing)")
     if not (data / RETURNS_FILE).is_file():
         raise PisftError(f"{stage}: {data / RETURNS_FILE} not found; the RECAP loop's returns step writes it "
                          f"with the pool (snakemake --cores all {stage} runs what is missing)")
@@ -94,7 +105,8 @@ class _Pieces:
 
 
 def _pieces(cfg: PisftConfig, stage: str, device: torch.device) -> _Pieces:
-    """The value model from the base model, the train frames, the prompt collate (CPU)."""
+    """The value model from `require_value_inputs`' model (the base model or policy k-1, per
+    recap.value_init), the train frames, the prompt collate (CPU)."""
     from pisft.model.policy import TOKENIZER_DIR
     from pisft.model.tokenizer import load_tokenizer
 

@@ -26,14 +26,16 @@ FINGERPRINT_KEYS = (
     "train.seed", "train.warmup_steps", "train.lr", "train.decay_lr",
     "train.weight_decay", "train.grad_clip", "train.precision",
     "recap.value_trainable", "train.lora_targets", "train.lora_rank", "train.lora_alpha",
+    "recap.value_init",  # with the content of the model it names (value_fingerprint)
 )
 
 
 def value_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
     """What a value checkpoint must share with the current run to be resumed: the settings above,
-    the base model, the dataset and the returns file (sha256)."""
+    the model it starts from (`PisftConfig.value_init_model`: the base model or policy k-1), the
+    dataset and the returns file (sha256)."""
     returns = cfg.results("dataset", RETURNS_FILE)
-    return {**settings_fingerprint(cfg, FINGERPRINT_KEYS), **inputs_fingerprint(cfg),
+    return {**settings_fingerprint(cfg, FINGERPRINT_KEYS), **inputs_fingerprint(cfg, cfg.value_init_model()),
             "value_global_batch_size": cfg.value_global_batch_size,  # 0 in the config: train's
             "returns": sha256_file(returns) if returns.is_file() else None}
 

@@ -66,7 +66,7 @@ def shape(cfg: pisft_config.PisftConfig) -> str:
     return (f"model.source={'local' if _local(cfg.model.source) else cfg.model.source.split(':')[0]} "
             f"model.tokenizer={'local' if _local(cfg.model.tokenizer) else 'other'} "
             f"eval.closed_loop={str(cfg.eval.closed_loop).lower()} recap.iterations={cfg.recap.iterations} "
-            f"recap.init={cfg.recap.init} lock={lock}")
+            f"recap.init={cfg.recap.init} recap.value_init={cfg.recap.value_init} lock={lock}")
 
 
 def shape_of(text: str) -> str | None:

@@ -106,6 +106,7 @@ VALUE_KEYS = (
     "recap.value_global_batch_size",
     "recap.value_trainable",
     "data.augment",  # the value model trains with the policy's switch
+    "recap.value_init",  # the model it starts from: the base model or policy k-1
 )
 ADVANTAGE_KEYS = (
     "recap.gamma",
