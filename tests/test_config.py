@@ -276,3 +276,28 @@ def test_a_recap_iteration_sees_its_own_folders_and_retraining_length():
     overlapping = {"eval": {"closed_loop": True, "trials_per_task": 49}, "recap": {"iterations": 1}}
     with pytest.raises(C.ConfigError, match="initial states"):
         C.from_dict(overlapping)
+
+
+@pytest.mark.parametrize(("weight", "shown"), [
+    (0, "weight 0"), (-1.5, "weight -1.5"), ("heavy", "weight 'heavy'"), (True, "weight True"),
+    (None, "weight None"), (float("inf"), "weight inf"),
+])
+def test_a_source_weight_must_be_a_positive_number(tmp_path, weight, shown):
+    """Issue 32, item 6: a source's weight that is not a number > 0 is refused, naming the entry."""
+    sources = [{"path": "demos"}, {"path": "rollouts", "type": "rollout", "weight": weight}]
+    with pytest.raises(C.ConfigError) as err:
+        C.load(write(tmp_path, {"data": {"recap_dir": sources}}))
+    msg = str(err.value)
+    assert f"data.recap_dir[1]: {shown} is not a positive number" in msg
+    assert "give a number > 0" in msg and "leave the source out of data.recap_dir" in msg
+
+
+def test_source_weights_default_to_one_and_are_read(tmp_path):
+    sources = ["demos", {"path": "rollouts", "type": "rollout", "weight": 0.25}, {"path": "more", "weight": 3}]
+    cfg = C.load(write(tmp_path, {"data": {"recap_dir": sources, "balance_source_weights": False}}))
+    assert [(s.path, s.type, s.weight) for s in C.data_sources(cfg)] == [
+        ("demos", "sft", 1.0), ("rollouts", "rollout", 0.25), ("more", "sft", 3.0)]
+    assert cfg.data.balance_source_weights is False
+    assert C.DataConfig().balance_source_weights is True  # RLinf's balance_dataset_weights default
+    single = C.load(write(tmp_path, {"data": {"recap_dir": "demos"}}))
+    assert C.data_sources(single) == [C.DataSource("demos", "sft", 1.0)]

@@ -417,3 +417,62 @@ def test_dataset_stats_bytes_do_not_depend_on_the_processes_hash_seed():
                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (0, 2)]
     assert len(set(outs)) == 1, [list(json.loads(o))[:3] for o in outs]
     assert list(json.loads(outs[0]))[:3] == sorted(list(json.loads(outs[0]))[:3])
+
+
+@pytest.mark.parametrize(("balance", "by_hand"), [
+    (True, (32 / 62, 30 / 62)),  # weight x frames: 1 x 32 : 0.5 x 60
+    (False, (2 / 3, 1 / 3)),  # the weights alone: 1 : 0.5
+])
+def test_source_weights_set_each_sources_share_of_the_samples(tmp_path, balance, by_hand):
+    """Issue 32, item 6: the report shows each source's weight, frames and expected share (RLinf's
+    rule, by hand), the dataset records them, and the training stages' sampler draws by them."""
+    from pisft.config import DataSource
+    from pisft.data.dataset import load_split
+    from pisft.data.source_weights import SourceSampling
+    from pisft.train.stage import source_mixture
+
+    demos = make_recap(tmp_path / "demos", n_tasks=2, per_task=2, length=8, failure_fraction=0.0)  # 4 x 8 frames
+    rollouts = make_recap(tmp_path / "rollouts", n_tasks=2, per_task=3, length=10, failure_fraction=0.34, seed=3)
+    pool = [DataSource(str(demos), "sft"), DataSource(str(rollouts), "rollout", 0.5)]
+    out = tmp_path / "out"
+    rep = convert_recap(pool, out, Options(eval_fraction=0.0, balance_source_weights=balance))
+    assert [(s["weight"], s["frames_train"]) for s in rep["sources"]] == [(1.0, 32), (0.5, 60)]
+    assert [s["share_train"] for s in rep["sources"]] == pytest.approx(by_hand, rel=1e-12)
+    assert [s["share_all"] for s in rep["sources"]] == pytest.approx(by_hand, rel=1e-12)
+    assert rep["sampling"]["balance_source_weights"] is balance and "RLinf" in rep["sampling"]["rule"]
+    assert rep["sampling"]["draw"]["train"] == "weighted by source"
+    recorded = SourceSampling.read(out)
+    assert recorded == SourceSampling(balance, (1.0, 0.5), tuple(e["source"] for e in rep["episodes"]))
+    train_set = load_split(out, "train", chunk_size=1)
+    mixture = source_mixture(out, train_set)
+    assert mixture is not None and mixture.probs.tolist() == pytest.approx(by_hand, rel=1e-12)
+    source_of = {e["episode_index"]: e["source"] for e in rep["episodes"]}
+    for n, rows in enumerate(mixture.groups):  # every row of a group is a frame of that source
+        assert len(rows) == (32, 60)[n]
+        assert {source_of[int(train_set.episode_index[r])] for r in rows} == {n}
+
+
+def test_one_source_and_the_default_pool_keep_every_frame_equally_likely(tmp_path):
+    """A single source (whatever its weight) and a pool of equal weights balanced by frames
+    record a permutation draw: the sampler is today's, bit for bit; the held-out episodes
+    are not in the train split's frames."""
+    from pisft.config import DataSource
+    from pisft.data.dataset import load_split
+    from pisft.train.stage import source_mixture
+
+    demos = make_recap(tmp_path / "demos", n_tasks=2, per_task=3, length=8, failure_fraction=0.0)
+    rollouts = make_recap(tmp_path / "rollouts", n_tasks=2, per_task=3, length=10, failure_fraction=0.34, seed=3)
+    one = convert_recap([DataSource(str(demos), "sft", 4.0)], tmp_path / "one", Options())
+    assert one["sampling"]["draw"] == {"train": "permutation (every frame equally likely)",
+                                       "all": "permutation (every frame equally likely)"}
+    assert one["sources"][0]["share_train"] == 1.0
+    assert source_mixture(tmp_path / "one", load_split(tmp_path / "one", "train", chunk_size=1)) is None
+    both = convert_recap([DataSource(str(demos)), DataSource(str(rollouts), "rollout")], tmp_path / "both",
+                         Options(eval_fraction=0.34))
+    train = set(read_json(tmp_path / "both" / "split.json")["train"])
+    by_source = [sum(e["frames"] for e in both["episodes"] if e["source"] == n and e["episode_index"] in train)
+                 for n in (0, 1)]
+    assert [s["frames_train"] for s in both["sources"]] == by_source and sum(by_source) < 108
+    assert both["sampling"]["frames"]["all"] == [48, 60]
+    assert [s["share_train"] for s in both["sources"]] == pytest.approx([n / sum(by_source) for n in by_source])
+    assert source_mixture(tmp_path / "both", load_split(tmp_path / "both", "train", chunk_size=1)) is None

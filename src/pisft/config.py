@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -64,9 +65,13 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     # RECAP-format LIBERO dataset(s) (LeRobot layout): one directory (demonstrations, type `sft`),
-    # or a list of typed sources, each a directory or `{path: DIR, type: sft|rollout}`
-    # (`data_sources()`). The default is written by `demo_recap`.
+    # or a list of typed sources, each a directory or `{path: DIR, type: sft|rollout, weight: W}`
+    # (`data_sources()`; weight: the source's sampling weight, default 1.0). The default is
+    # written by `demo_recap`.
     recap_dir: Any = "results/demo_recap"
+    # RLinf's balance_dataset_weights (ReCapMixtureDataset): a source is drawn with probability
+    # proportional to weight x its training frames (true) or to its weight alone (false).
+    balance_source_weights: bool = True
     # Synthetic demo data (used only when recap_dir is the demo directory).
     demo_episodes_per_task: int = 6
     demo_episode_length: int = 40
@@ -336,10 +341,12 @@ ITERATION_FOLDERS = ("rollouts", "dataset", "value_smoke", "value", "advantages"
 @dataclass(frozen=True)
 class DataSource:
     """One RECAP dataset of `data.recap_dir`: its folder and type (`sft`: demonstrations, all
-    frames successful and positive; `rollout`: policy rollouts with `is_success`)."""
+    frames successful and positive; `rollout`: policy rollouts with `is_success`), and its
+    sampling weight in the pool (`pisft.data.source_weights`)."""
 
     path: str
     type: str = "sft"
+    weight: float = 1.0
 
 
 def data_sources(cfg: PisftConfig) -> list[DataSource]:
@@ -351,7 +358,7 @@ def data_sources(cfg: PisftConfig) -> list[DataSource]:
         if isinstance(item, str):
             out.append(DataSource(item))
         else:
-            out.append(DataSource(str(item["path"]), str(item.get("type", "sft"))))
+            out.append(DataSource(str(item["path"]), str(item.get("type", "sft")), float(item.get("weight", 1.0))))
     return out
 
 
@@ -628,10 +635,12 @@ def _source_problems(d: DataConfig) -> list[str]:
     for i, item in enumerate(items):
         where = "data.recap_dir" + (f"[{i}]" if isinstance(value, list | tuple) else "")
         if isinstance(item, dict):
-            unknown = sorted(set(item) - {"path", "type"})
+            unknown = sorted(set(item) - {"path", "type", "weight"})
             if unknown:
-                problems.append(f"{where}: unknown key(s) {unknown}; a source is {{path: DIR, type: sft|rollout}}")
+                problems.append(f"{where}: unknown key(s) {unknown}; a source is "
+                                "{path: DIR, type: sft|rollout, weight: W}")
             path, kind = item.get("path"), item.get("type", "sft")
+            problems += _weight_problems(where, item.get("weight", 1.0))
         else:
             path, kind = item, "sft"
         if not isinstance(path, str) or not path.strip():
@@ -649,6 +658,16 @@ def _source_problems(d: DataConfig) -> list[str]:
     if dup:
         problems.append(f"data.recap_dir: {dup} listed more than once; each dataset once")
     return problems
+
+
+def _weight_problems(where: str, weight: Any) -> list[str]:
+    """A source's sampling weight is a finite number > 0 (RLinf's `weight` of a train_data_paths entry)."""
+    number = isinstance(weight, int | float) and not isinstance(weight, bool)
+    if number and math.isfinite(weight) and weight > 0:
+        return []
+    return [f"{where}: weight {weight!r} is not a positive number; a source's weight is its relative share of "
+            "the samples (default 1.0; data.balance_source_weights multiplies it by the source's frames): "
+            "give a number > 0, e.g. weight: 0.5, or leave the source out of data.recap_dir"]
 
 
 def _recap_problems(cfg: PisftConfig) -> list[str]:

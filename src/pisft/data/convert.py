@@ -45,6 +45,7 @@ from pisft.data import dataset_stats as st
 from pisft.data.libero import ACTION_DIM, CAMERAS, OUTPUT_NAMES, STATE_DIM, SUCCESS_COLUMNS
 from pisft.data.prompts import CONDITIONING_FILE, PromptConditioning
 from pisft.data.recap_reader import EpisodeRef, RecapSource
+from pisft.data.source_weights import SourceSampling
 from pisft.data.split import stratified_split
 from pisft.data.v30_writer import V30Writer
 from pisft.data.validate import check_episode
@@ -66,6 +67,7 @@ class Options:
     image_size: int = 0
     eval_fraction: float = 0.2
     split_seed: int = 0
+    balance_source_weights: bool = True  # RLinf's balance_dataset_weights (pisft.data.source_weights)
     workers: int = 0  # 0: every core this process may use
 
     @classmethod
@@ -75,6 +77,7 @@ class Options:
                    positive_only_conditional=d.positive_only_conditional,
                    unconditional_prob=d.unconditional_prob, columns=dict(d.columns),
                    image_size=d.image_size, split_seed=d.split_seed,
+                   balance_source_weights=d.balance_source_weights,
                    # at a RECAP iteration the pool's held-out episodes are the value model's only
                    # (recap.holdout_fraction): the policy trains on every episode of the pool
                    eval_fraction=cfg.recap.holdout_fraction if cfg.iteration else d.eval_fraction)
@@ -580,7 +583,10 @@ def convert_recap(sources: str | Path | DataSource | list, out_dir: Path, opts: 
         stats = st.dataset_stats({k: np.concatenate(v) for k, v in numeric_all.items()}, per_episode_stats)
         writer.finish(tasks_out, stats)
         t_write = time.perf_counter()
-        report = _report(opened, opts, kept, dropped, split, frames_in, tasks_out, out_shape)
+        sampling = SourceSampling(opts.balance_source_weights, tuple(s.weight for s in pool),
+                                  tuple(k.source for k in kept))
+        sampling.write(tmp)  # each episode's source and each source's weight: the training stages' draw
+        report = _report(opened, opts, kept, dropped, split, frames_in, tasks_out, out_shape, sampling)
         write_json_atomic(tmp / "split.json", split)
         write_json_atomic(tmp / "conversion_report.json", report)
         _write_returns(tmp / RETURNS_FILE, kept, [s.type for s in pool], returns or Returns())
@@ -649,7 +655,22 @@ def _source_info(src: RecapSource) -> dict:
             "image_shape": list(src.image_shape("image"))}
 
 
-def _report(opened, opts, kept, dropped, split, frames_in, tasks_out, out_shape) -> dict:
+def _sampling_report(opened, kept: list[_Kept], split: dict, sampling: SourceSampling) -> dict:
+    """Each source's frames and expected share of the samples, in the train split (the SFT run,
+    the value model) and in every episode (the policy at a RECAP iteration)."""
+    from pisft.data import source_weights
+
+    n = len(opened)
+    frames = {name: [0] * n for name in ("train", "all")}
+    train = set(split["train"])
+    for i, k in enumerate(kept):
+        frames["all"][k.source] += len(k.cols["frame_index"])
+        if i in train:
+            frames["train"][k.source] += len(k.cols["frame_index"])
+    return source_weights.report(sampling, frames)
+
+
+def _report(opened, opts, kept, dropped, split, frames_in, tasks_out, out_shape, sampling) -> dict:
     in_split = {i: name for name, ids in split.items() for i in ids}
     types = [source.type for source, *_ in opened]
     episodes = []
@@ -670,17 +691,22 @@ def _report(opened, opts, kept, dropped, split, frames_in, tasks_out, out_shape)
                 "failures": sum(e["success"] is False for e in eps),
                 "unknown": sum(e["success"] is None for e in eps)}
 
+    sampled = _sampling_report(opened, kept, split, sampling)
     sources = []
     for n, (source, src, lowdim, _, _) in enumerate(opened):
         mine = [e for e in episodes if e["source"] == n]
         sources.append({**_source_info(src), "type": source.type, "episodes_in": len(lowdim),
                         "frames_in": int(sum(len(c["frame_index"]) for c in lowdim.values())),
                         "frames": int(sum(e["frames"] for e in mine)), **outcomes(mine),
-                        "dropped": sum(d["source"] == n for d in dropped)})
+                        "dropped": sum(d["source"] == n for d in dropped),
+                        # its weight, training frames and expected share of the samples (`sampling`)
+                        "weight": source.weight, "frames_train": sampled["frames"]["train"][n],
+                        "share_train": _share(sampled, "train", n), "share_all": _share(sampled, "all", n)})
     cond = opts.conditioning if opts.advantage_tag else PromptConditioning()
     return {
         "source": _source_info(opened[0][1]),  # the first source (the only one unless a pool)
         "sources": sources,
+        "sampling": sampled,
         "options": {k: v for k, v in asdict(opts).items() if k != "workers"},
         "prompts": cond.to_dict(),
         "stats_from": "train",
@@ -699,6 +725,11 @@ def _report(opened, opts, kept, dropped, split, frames_in, tasks_out, out_shape)
         "advantage_labels": label_counts(kept) if opts.advantage_tag else None,
         "episodes": episodes,
     }
+
+
+def _share(sampled: dict, split: str, n: int) -> float | None:
+    share = sampled["share"][split]
+    return None if share is None else share[n]
 
 
 def output_dir(cfg: PisftConfig) -> Path:
@@ -736,4 +767,12 @@ def run(cfg: PisftConfig) -> Path:
           f"({len(report['dropped'])} dropped; held out {held['episodes']}: {held['successes']} successes, "
           f"{held['failures']} failures) from {len(report['sources'])} source(s) in {t['total_s']:.1f} s "
           f"({t['frames_per_s']:.0f} frames/s, {t['workers']} workers) -> {out}")
+    if len(report["sources"]) > 1:  # the policy trains on every episode at a RECAP iteration
+        split = "all" if cfg.iteration else "train"
+        for n, s in enumerate(report["sources"]):
+            share = s[f"share_{split}"]
+            print(f"convert_recap: source {n} ({Path(s['path']).name}, {s['type']}, weight {s['weight']:g}): "
+                  f"{report['sampling']['frames'][split][n]} frames, "
+                  f"{'-' if share is None else f'{100 * share:.1f}%'} of the policy's samples "
+                  f"(data.balance_source_weights {str(report['sampling']['balance_source_weights']).lower()})")
     return out

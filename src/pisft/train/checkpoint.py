@@ -530,7 +530,8 @@ def inputs_fingerprint(cfg: PisftConfig, base: Path | None = None) -> dict[str, 
         "base_model": _sha256_of([base / "MANIFEST.json", base / "config.json"]),
         "dataset": _sha256_of([data / "split.json", data / "meta" / "info.json",
                                data / "meta" / "stats.json", data / "meta" / "prompt_conditioning.json",
-                               data / "meta" / "tasks.parquet"],
+                               data / "meta" / "tasks.parquet",
+                               data / "meta" / "source_sampling.json"],  # the sources' weights
                               listed=[data / "data", data / "meta" / "episodes", data / "videos"]),
     }
 

@@ -152,6 +152,9 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
         metrics_log.reset(keep_upto_step=start_step)
 
     sampler = make_sampler(cfg, built.train_set, ctx.world_size, plan.global_batch)
+    if sampler.mixture is not None:
+        ctx.log("the pool's sources drawn by weight (data.recap_dir, data.balance_source_weights; "
+                f"RLinf's rule): {sampler.mixture.describe()}")
     workers = resolve_workers(t.num_workers, ctx.info.kind, t.nproc_per_node)
     # data.augment: the training loader only (evaluation, held-out figures and inference never)
     augment = make_augment(cfg.data.augment, built.image_keys)

@@ -8,6 +8,13 @@ processes, the union over ranks and micro-steps of step k is the same G samples,
 and N processes train on the same data in the same order, and a run can resume at step k on a
 different number of processes.
 
+A pool of sources with weights (`data.recap_dir`, `pisft.data.source_weights`: RLinf's
+ReCapMixtureDataset rule) whose shares differ from the frames' own is drawn instead from a
+`SourceMixture`: every position of step k's global batch picks its source with the source's
+probability, then a frame uniformly within the source's frames, both from a generator seeded
+by (seed, step), so the global batch is again a function of (seed, step) alone. One source, or
+equal weights with balancing on (every frame equally likely), keeps the permutations.
+
 Each sample also carries its (step, position in the global batch): the per-sample random draws
 of the objective (flow-matching noise and time) are derived from (seed, step, position) too,
 never from a process's RNG, so they do not depend on the world size either.
@@ -49,16 +56,60 @@ class StepLayout:
         return micro_step * self.world_size + rank
 
 
+MIXTURE_TAG = 0x5A3F  # separates the mixture's draws from the permutations' and the samples'
+
+
+@dataclass(frozen=True)
+class SourceMixture:
+    """The train set's rows grouped by source, and each source's probability (RLinf's rule)."""
+
+    groups: tuple[np.ndarray, ...]  # per source, its rows of the train set (may be empty)
+    probs: np.ndarray  # per source, the probability a sample comes from it (sums to 1)
+
+    @classmethod
+    def of(cls, source_of_row: np.ndarray, weights: list[float], balance: bool) -> SourceMixture | None:
+        """The mixture of a train set whose row r comes from source `source_of_row[r]`; None when
+        every frame is equally likely (one source, or equal weights balanced by frames)."""
+        from pisft.data.source_weights import shares, uniform_over_frames
+
+        rows = np.asarray(source_of_row, dtype=np.int64)
+        groups = tuple(np.flatnonzero(rows == n) for n in range(len(weights)))
+        frames = [len(g) for g in groups]
+        if uniform_over_frames(list(weights), frames, balance):
+            return None
+        return cls(groups, np.asarray(shares(list(weights), frames, balance), dtype=np.float64))
+
+    def draw(self, seed: int, step: int, size: int) -> list[int]:
+        """The rows of one step's global batch: per position a source, then a frame in it."""
+        rng = np.random.default_rng([seed, MIXTURE_TAG, step])
+        source = rng.choice(len(self.probs), size=size, p=self.probs)
+        lengths = np.array([len(g) for g in self.groups], dtype=np.int64)
+        offset = rng.integers(0, np.maximum(lengths[source], 1))  # a chosen source has frames
+        flat = np.concatenate(self.groups)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        return [int(i) for i in flat[starts[source] + offset]]
+
+    def describe(self) -> str:
+        return "; ".join(f"source {n}: {100 * p:.1f}% of the samples from {len(g)} frames"
+                         for n, (g, p) in enumerate(zip(self.groups, self.probs, strict=True)))
+
+
 class StepSampler:
     """Deterministic sample stream over `num_samples` items, keyed by (seed, step)."""
 
-    def __init__(self, num_samples: int, seed: int, layout: StepLayout) -> None:
+    def __init__(self, num_samples: int, seed: int, layout: StepLayout,
+                 mixture: SourceMixture | None = None) -> None:
         if num_samples < 1:
             raise ValueError("the train set is empty")
+        if mixture is not None and sum(len(g) for g in mixture.groups) != num_samples:
+            raise ValueError(f"the source mixture covers {sum(len(g) for g in mixture.groups)} rows, "
+                             f"the train set has {num_samples}")
         self.num_samples = num_samples
         self.seed = seed
         self.layout = layout
+        self.mixture = mixture
         self._perms: dict[int, np.ndarray] = {}
+        self._drawn: tuple[int, list[int]] | None = None  # the last step the mixture drew
 
     def _perm(self, epoch: int) -> np.ndarray:
         perm = self._perms.get(epoch)
@@ -71,6 +122,10 @@ class StepSampler:
 
     def global_batch(self, step: int) -> list[int]:
         g = self.layout.global_batch
+        if self.mixture is not None:
+            if self._drawn is None or self._drawn[0] != step:
+                self._drawn = (step, self.mixture.draw(self.seed, step, g))
+            return list(self._drawn[1])
         out = []
         for pos in range(step * g, (step + 1) * g):
             epoch, offset = divmod(pos, self.num_samples)

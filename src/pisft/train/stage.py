@@ -25,7 +25,7 @@ from pisft.errors import PisftError
 from pisft.train import fsdp, optim
 from pisft.train.metrics import peak_flops_for
 from pisft.train.policy_task import PolicyTask
-from pisft.train.sampler import StepLayout, StepSampler
+from pisft.train.sampler import SourceMixture, StepLayout, StepSampler
 
 
 @dataclass
@@ -212,7 +212,23 @@ def layout_for(cfg: PisftConfig, world_size: int, global_batch: int | None = Non
 
 def make_sampler(cfg: PisftConfig, train_set: Any, world_size: int,
                  global_batch: int | None = None) -> StepSampler:
-    return StepSampler(len(train_set), cfg.train.seed, layout_for(cfg, world_size, global_batch))
+    """The step sampler over `train_set` (a split of cfg's dataset; its rows' `episode_index`),
+    drawing the pool's sources by their weights when convert_recap recorded weights that make
+    the frames unequally likely (`pisft.data.source_weights`)."""
+    return StepSampler(len(train_set), cfg.train.seed, layout_for(cfg, world_size, global_batch),
+                       source_mixture(cfg.results("dataset"), train_set))
+
+
+def source_mixture(dataset_dir: Path, train_set: Any) -> SourceMixture | None:
+    """The weighted draw of the pool's sources over `train_set`'s rows, or None (every frame
+    equally likely: one source, balanced equal weights, or a dataset without the record)."""
+    from pisft.data.source_weights import SourceSampling
+
+    sampling = SourceSampling.read(dataset_dir)
+    if sampling is None:
+        return None
+    rows = sampling.source_of_rows(train_set.episode_index)
+    return SourceMixture.of(rows, list(sampling.weights), sampling.balance)
 
 
 def env_summary() -> dict[str, str]:

@@ -26,6 +26,7 @@ DEMO_KEYS = (
 )
 CONVERT_KEYS = (
     "data.recap_dir",
+    "data.balance_source_weights",  # recorded in the dataset (meta/source_sampling.json), read by training
     "data.success_only",
     "data.tasks",
     "data.advantage_tag",
