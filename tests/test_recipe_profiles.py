@@ -47,7 +47,9 @@ OPENPI_ADAMW = {"b1": 0.9, "b2": 0.95, "eps": 1e-8}
 # failure -300), recap_compute_advantages.yaml (N 10, positive_quantile 0.3; one threshold over all
 # frames: rlinf/algorithms/offline/process/advantage.py), cfg_rl_openpi.yaml (openpi.config_name
 # pi05_libero, lr 1e-5, batch 512, 30k steps, positive_only_conditional true, unconditional_prob
-# 0.1, cfgrl_guidance_scale 1.0, from pi0.5 base); rlinf/envs/libero/libero_env.py (15 wait
+# 0.1, cfgrl_guidance_scale 1.0, balance_dataset_weights true, from pi0.5 base); the value model
+# from pretrained weights (rlinf/models/embodiment/value_model/recap/__init__.py, get_model);
+# rlinf/envs/libero/libero_env.py (15 wait
 # steps); examples/embodiment/config/env/libero_10.yaml (512 steps); the guide
 # (docs/source-en/rst_source/examples/embodied/recap.rst): one iteration, LIBERO-10 task 0.
 RLINF = {
@@ -56,6 +58,7 @@ RLINF = {
     ("data", "eval_fraction"): 0.0,
     ("data", "positive_only_conditional"): True,
     ("data", "unconditional_prob"): 0.1,
+    ("data", "balance_source_weights"): True,
     ("train", "lr"): 1e-5,
     ("train", "global_batch_size"): 512,
     ("train", "steps"): 30_000,
@@ -80,6 +83,7 @@ RLINF = {
     ("recap", "threshold_scope"): "global",
     ("recap", "holdout_fraction"): 0.0,
     ("recap", "init"): "base",
+    ("recap", "value_init"): "base",
 }
 RECIPES = {"openpi-pi05-libero.yaml": OPENPI, "rlinf-recap-libero10.yaml": RLINF}
 
