@@ -46,7 +46,8 @@ OPENPI_ADAMW = {"b1": 0.9, "b2": 0.95, "eps": 1e-8}
 # [-1, 0], lr 5e-5, head lr 1e-4, batch 256, 8k steps), recap_compute_returns.yaml (gamma 1,
 # failure -300), recap_compute_advantages.yaml (N 10, positive_quantile 0.3; one threshold over all
 # frames: rlinf/algorithms/offline/process/advantage.py), cfg_rl_openpi.yaml (openpi.config_name
-# pi05_libero, lr 1e-5, batch 512, 30k steps, positive_only_conditional true, unconditional_prob
+# pi05_libero, train_expert_only False, lr 1e-5 cosine with 5000 warmup steps to min_lr 0,
+# weight_decay 1e-10, clip_grad 1.0, batch 512, 30k steps, positive_only_conditional true, unconditional_prob
 # 0.1, cfgrl_guidance_scale 1.0, balance_dataset_weights true, from pi0.5 base); the value model
 # from pretrained weights (rlinf/models/embodiment/value_model/recap/__init__.py, get_model);
 # rlinf/envs/libero/libero_env.py (15 wait
@@ -59,9 +60,14 @@ RLINF = {
     ("data", "positive_only_conditional"): True,
     ("data", "unconditional_prob"): 0.1,
     ("data", "balance_source_weights"): True,
-    ("train", "lr"): 1e-5,
+    ("train", "trainable"): "all",
     ("train", "global_batch_size"): 512,
     ("train", "steps"): 30_000,
+    ("train", "lr"): 1e-5,
+    ("train", "warmup_steps"): 5000,
+    ("train", "decay_lr"): 0.0,
+    ("train", "weight_decay"): 1e-10,
+    ("train", "grad_clip"): 1.0,
     ("eval", "cfg_scale"): 1.0,
     ("eval", "libero_suites"): ["libero_10"],
     ("eval", "task_ids"): [0],
