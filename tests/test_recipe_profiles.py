@@ -136,7 +136,7 @@ def test_a_recipe_sets_only_recipe_keys_each_with_its_source(recipe):
 def test_pisfts_adamw_is_openpis():
     from pisft.train import optim
 
-    assert optim.ADAM_BETAS == (OPENPI_ADAMW["b1"], OPENPI_ADAMW["b2"]) and optim.ADAM_EPS == OPENPI_ADAMW["eps"]
+    assert (OPENPI_ADAMW["b1"], OPENPI_ADAMW["b2"]) == optim.ADAM_BETAS and OPENPI_ADAMW["eps"] == optim.ADAM_EPS
 
 
 def test_pisfts_warmup_starts_where_optax_does():
