@@ -127,6 +127,8 @@ def test_cli_json(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "activations + temporaries" in text and "docs/memory.md" in text
     assert "EMA of trained params (fp32)" in text
+    assert cli.main(["estimate", "--config", str(config), "--set", "train.ema_decay=0"]) == 0
+    assert "EMA of trained" not in capsys.readouterr().out  # off: no line for it
 
 
 @pytest.mark.integration

@@ -524,7 +524,7 @@ def format_report(est: dict[str, Any]) -> str:
               "activations": "activations + temporaries", "ema": "EMA of trained params (fp32)",
               "total": "total (peak allocated)"}
     for key, label in labels.items():
-        if key not in est["gib"]:  # ema: only with train.ema_decay
+        if key not in est["gib"] or (key == "ema" and not est.get("ema")):  # ema: only with train.ema_decay
             continue
         lines.append(f"  {label:<32} {est['gib'][key]:>10.3f}")
     lines.append("A device shows more: caching-allocator reserve, HCCL/NCCL buffers, workspaces, "
