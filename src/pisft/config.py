@@ -309,19 +309,19 @@ class PisftConfig:
         """The exported policy of iteration k (0: the SFT run's)."""
         return self.at_iteration(k).results("train", "model")
 
-    def init_model(self) -> Path:
-        """The weights training starts from: the base model, or at RECAP iteration k >= 1 with
-        `recap.init: previous` the exported policy of iteration k - 1."""
-        if self.iteration and self.recap.init == "previous":
+    def _start_model(self, choice: str) -> Path:
+        """`base`: the base model; `previous`: at RECAP iteration k >= 1 the exported policy of k - 1."""
+        if self.iteration and choice == "previous":
             return self.policy_of(self.iteration - 1)
         return self.results("base_model")
 
+    def init_model(self) -> Path:
+        """The weights training starts from (`recap.init`)."""
+        return self._start_model(self.recap.init)
+
     def value_init_model(self) -> Path:
-        """The weights the value model (train_value, smoke_value) starts from: the base model, or at
-        RECAP iteration k >= 1 with `recap.value_init: previous` the exported policy of iteration k - 1."""
-        if self.iteration and self.recap.value_init == "previous":
-            return self.policy_of(self.iteration - 1)
-        return self.results("base_model")
+        """The weights the value model (train_value, smoke_value) starts from (`recap.value_init`)."""
+        return self._start_model(self.recap.value_init)
 
     def advantage_labels(self) -> Path | None:
         """At RECAP iteration k >= 1 the frames' advantage labels (the advantages stage); else None."""
