@@ -392,6 +392,23 @@ def test_a_pool_refuses_sources_that_cannot_share_one_dataset(tmp_path):
     convert_recap([DataSource(str(a)), DataSource(str(b), "rollout")], tmp_path / "out", Options(image_size=16))
 
 
+def test_data_tasks_filter_the_pool_not_each_source(tmp_path):
+    """At a RECAP iteration the rollouts hold recap.task_ids alone: data.tasks [0, 1] keeps both
+    tasks of the demonstrations and the one task of the rollouts; an entry no source holds is refused."""
+    from pisft.config import DataSource
+    from pisft.errors import DataError
+
+    demos = make_recap(tmp_path / "demos", n_tasks=2, per_task=2, length=6, failure_fraction=0.0)
+    rollouts = make_recap(tmp_path / "rollouts", n_tasks=1, per_task=2, length=6, seed=3)
+    pool = [DataSource(str(demos), "sft"), DataSource(str(rollouts), "rollout")]
+    rep = convert_recap(pool, tmp_path / "out", Options(tasks=["0", "1"]))
+    assert [(s["episodes"], s["frames"]) for s in rep["sources"]] == [(4, 24), (2, 12)]
+    assert rep["dropped"] == []
+    with pytest.raises(DataError, match=r"'7' is neither .* any of the 2 sources.*demos.*rollouts"):
+        convert_recap(pool, tmp_path / "out7", Options(tasks=["0", "7"]))
+    assert not (tmp_path / "out7").exists()
+
+
 STATS_ORDER = """
 import json, sys
 import numpy as np

@@ -118,12 +118,15 @@ class Returns:
 
 # ------------------------------------------------------------------------- pass 1
 
-def _resolve_tasks(src: RecapSource, wanted: list[str]) -> set[int] | None:
-    """data.tasks entries (task index or instruction text) -> source task indices."""
+def _resolve_tasks(src: RecapSource, wanted: list[str]) -> tuple[set[int] | None, list[str]]:
+    """data.tasks entries (task index or instruction text) -> this source's task indices, and
+    the entries it does not hold. The filter is the pool's: an entry need only name a task of
+    one source (a RECAP iteration's rollouts hold recap.task_ids alone), see `_refuse_unknown_tasks`."""
     if not wanted:
-        return None
+        return None, []
     by_text = {t.strip().lower(): i for i, t in src.tasks.items()}
     chosen: set[int] = set()
+    unknown: list[str] = []
     for entry in wanted:
         text = str(entry).strip()
         if text.lstrip("-").isdigit() and int(text) in src.tasks:
@@ -131,10 +134,23 @@ def _resolve_tasks(src: RecapSource, wanted: list[str]) -> set[int] | None:
         elif text.lower() in by_text:
             chosen.add(by_text[text.lower()])
         else:
-            known = "; ".join(f"{i}: {t}" for i, t in sorted(src.tasks.items()))
-            raise DataError(f"data.tasks: '{entry}' is neither a task_index nor an instruction in "
-                            f"{src.where(src.tasks_path)}; known tasks: {known}")
-    return chosen
+            unknown.append(entry)
+    return chosen, unknown
+
+
+def _refuse_unknown_tasks(srcs: list[RecapSource], unknown: list[list[str]], wanted: list[str]) -> None:
+    """A data.tasks entry that names a task of no source of the pool is a typo, not a filter."""
+    nowhere = [e for e in wanted if all(e in u for u in unknown)]
+    if not nowhere:
+        return
+    def known(src: RecapSource) -> str:
+        return "; ".join(f"{i}: {t}" for i, t in sorted(src.tasks.items()))
+    if len(srcs) == 1:
+        raise DataError(f"data.tasks: '{nowhere[0]}' is neither a task_index nor an instruction in "
+                        f"{srcs[0].where(srcs[0].tasks_path)}; known tasks: {known(srcs[0])}")
+    per_source = " | ".join(f"{src.where(src.tasks_path)}: {known(src)}" for src in srcs)
+    raise DataError(f"data.tasks: '{nowhere[0]}' is neither a task_index nor an instruction in any of the "
+                    f"{len(srcs)} sources of the pool; known tasks per source: {per_source}")
 
 
 def _episode_task(cols: dict[str, np.ndarray]) -> int:
@@ -269,7 +285,7 @@ def _load_advantages(src: RecapSource, tag: str, lowdim: dict[int, dict[str, np.
 
 def _select(src: RecapSource, lowdim: dict[int, dict[str, np.ndarray]], opts: Options
             ) -> tuple[list[_Kept], list[dict]]:
-    wanted_tasks = _resolve_tasks(src, opts.tasks)
+    wanted_tasks, unknown = _resolve_tasks(src, opts.tasks)
     if opts.success_only and "is_success" not in src.names:
         names = " nor ".join(f"'{c}'" for c in SUCCESS_COLUMNS)
         raise DataError(f"{src.where(src.info_path)}: data.success_only is set but the dataset records no "
@@ -301,7 +317,7 @@ def _select(src: RecapSource, lowdim: dict[int, dict[str, np.ndarray]], opts: Op
             prompts = frame_tasks
         kept.append(_Kept(ref, cols, task, prompts,
                           labels=None if advantages is None else advantages[ref.episode_index]))
-    return kept, dropped
+    return kept, dropped, unknown
 
 
 _REASONS = {
@@ -485,7 +501,7 @@ def _open_source(source: DataSource, opts: Options
         raise DataError(f"{src.where(src.info_path)}: a source of type rollout needs each episode's outcome, but "
                         f"neither {names} is among its features; give it type sft if it holds demonstrations")
     _check_returns_files(src, lowdim)
-    kept, dropped = _select(src, lowdim, opts)
+    kept, dropped, unknown = _select(src, lowdim, opts)
     for k in kept:
         k.src = src
     failed = [k.ref.episode_index for k in kept if "is_success" in src.names and not k.cols["is_success"].any()]
@@ -494,7 +510,7 @@ def _open_source(source: DataSource, opts: Options
               f"episode(s) whose '{src.names['is_success']}' is never true ({_short(failed)})\n"
               "convert_recap: note: they count as successes for their returns and are positive frames, as "
               "RLinf's type sft; give the source type rollout to use their outcome", flush=True)
-    return src, lowdim, kept, dropped
+    return src, lowdim, kept, dropped, unknown
 
 
 def label_counts(kept: list[_Kept]) -> dict:
@@ -541,15 +557,18 @@ def convert_recap(sources: str | Path | DataSource | list, out_dir: Path, opts: 
     t0 = time.perf_counter()
     pool = _as_sources(sources)
     opened = []
+    unknown: list[list[str]] = []  # per source: the data.tasks entries it does not hold
     kept: list[_Kept] = []
     for i, source in enumerate(pool):
-        src, lowdim, kept_i, dropped_i = _open_source(source, opts)
+        src, lowdim, kept_i, dropped_i, unknown_i = _open_source(source, opts)
         for k in kept_i:
             k.source = i
         for d in dropped_i:
             d["source"] = i
         opened.append((source, src, lowdim, kept_i, dropped_i))
+        unknown.append(unknown_i)
         kept += kept_i
+    _refuse_unknown_tasks([src for _, src, *_ in opened], unknown, opts.tasks)
     dropped = [d for *_, ds in opened for d in ds]
     frames_in = sum(len(c["frame_index"]) for _, _, lowdim, _, _ in opened for c in lowdim.values())
     if not kept:
