@@ -136,7 +136,7 @@ SHARED_CODE = (
     "src/pisft/logs.py",
     "src/pisft/workflow/drivers.py",  # the wrapper DVC runs every stage through
     "src/pisft/workflow/invalidate.py",
-    "src/pisft/workflow/stages.py",
+    "src/pisft/stages.py",
 )
 TRAIN_CODE = ("src/pisft/train", "src/pisft/model", "src/pisft/data")
 EVAL_CODE = ("src/pisft/evaluate", "src/pisft/serve", "src/pisft/model", "src/pisft/data")
@@ -154,7 +154,7 @@ class Stage:
 
     name: str
     # "module:function". A stage run in-process gets the validated PisftConfig; a training stage
-    # runs it in every torchrun worker with the worker's pisft.train.stage.Context.
+    # runs it in every torchrun worker with the worker's pisft.train.job.Context.
     run: str
     keys: tuple[str, ...]  # the config keys it reads
     code: tuple[str, ...]  # the source it runs (besides SHARED_CODE and the dependency lock)
@@ -167,6 +167,12 @@ class Stage:
     iterations: str = "sft"
     recap_keys: tuple[str, ...] = ()  # keys it also reads at a RECAP iteration
     one_process: bool = False  # a training stage run as one process on one device (a smoke gate)
+    gate: str | None = None  # the smoke gate whose passing report it needs first (its first output)
+    resumable: bool = False  # checkpoints and resumes: a rerun after a failure goes on from there
+    all_cores: bool = False  # the workflow gives it every core (Snakemake's `threads`)
+    # The workflow's names of its outputs, in order ("" for none): dvc.yaml turns an output
+    # named `metrics` into a DVC metric, the `plots:` section draws evaluate's tables by name.
+    output_names: tuple[str, ...] = ()
 
     @property
     def command(self) -> str:
@@ -184,6 +190,16 @@ class Stage:
     def runs_at(self, k: int) -> bool:
         return {"sft": k == 0, "all": True, "recap": k >= 1, "after": False}[self.iterations]
 
+    def is_directory(self, output: str) -> bool:
+        """An output without a file suffix is a directory (`base_model`, `train/model`)."""
+        return "." not in output.rpartition("/")[2]
+
+    def named_outputs(self) -> list[tuple[str, str]]:
+        """(name, output) in order; the name is "" for an unnamed output."""
+        names = self.output_names or ("",) * len(self.outputs)
+        assert len(names) == len(self.outputs), self.name
+        return list(zip(names, self.outputs, strict=True))
+
 
 EVAL_OUTPUTS = tuple(f"eval/{name}" for name in (
     "metrics.json", "report.md", "loss.png", "throughput.png", "per_task.png", "per_step.png",
@@ -196,37 +212,43 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           ("demo_recap",), "write the synthetic demo dataset (when data.recap_dir is the demo folder)"),
     Stage("collect_rollouts", "pisft.recap.collect:run", ("device", *COLLECT_KEYS), (*RECAP_CODE, *EVAL_CODE),
           ("rollouts",), "RECAP: roll policy k-1 out in the LIBERO simulator, record every step",
-          iterations="recap"),
+          iterations="recap", all_cores=True),
     Stage("convert_recap", "pisft.data.convert:run", CONVERT_KEYS, ("src/pisft/data",),
           ("dataset",), "convert the RECAP dataset (at iteration k, the pool) into the training dataset",
           iterations="all", recap_keys=("recap.holdout_fraction",)),
-    Stage("smoke_1card", "pisft.train.smoke:run_smoke", ("device", "smoke", *TRAIN_STEP_KEYS),
+    Stage("smoke_1card", "pisft.gates.smoke:run_smoke", ("device", "smoke", *TRAIN_STEP_KEYS),
           (*TRAIN_CODE, "src/pisft/inspect"), ("smoke/report.json",),  # its report carries the estimate
-          "a few optimizer steps on one device: the go/no-go report", training=True, one_process=True),
-    Stage("smoke_value", "pisft.recap.value_training:run_value_smoke", ("device", "smoke", *VALUE_KEYS),
+          "a few optimizer steps on one device: the go/no-go report", training=True, one_process=True,
+          all_cores=True),
+    Stage("smoke_value", "pisft.gates.value_smoke:run_value_smoke", ("device", "smoke", *VALUE_KEYS),
           (*RECAP_CODE, *TRAIN_CODE), ("value_smoke/report.json",),
           "RECAP: the value model's first steps on one device: the go/no-go before train_value",
-          training=True, iterations="recap", one_process=True),
+          training=True, iterations="recap", one_process=True, all_cores=True),
     Stage("train_value", "pisft.recap.value_training:run_value_training", ("device", *VALUE_KEYS),
           (*RECAP_CODE, *TRAIN_CODE), ("value",),
-          "RECAP: train the distributional value model on the pool", training=True, iterations="recap"),
+          "RECAP: train the distributional value model on the pool", training=True, iterations="recap",
+          gate="smoke_value", resumable=True, all_cores=True),
     Stage("advantages", "pisft.recap.advantages:run", ("device", *ADVANTAGE_KEYS), (*RECAP_CODE, *TRAIN_CODE),
           ("advantages",), "RECAP: every frame's value and N-step advantage, the positive labels",
-          iterations="recap"),
+          iterations="recap", all_cores=True),
     Stage("train_8card", "pisft.train.run:run_training", ("device", "train", "model.state_in_prompt", "data.augment"),
           TRAIN_CODE,
           ("train/model", "train/metrics.jsonl"),
           "train on train.nproc_per_node x train.nnodes devices; resumes, exports", training=True,
-          iterations="all", recap_keys=RETRAIN_KEYS),
+          iterations="all", recap_keys=RETRAIN_KEYS, gate="smoke_1card", resumable=True, all_cores=True,
+          output_names=("model", "metrics")),
     Stage("closed_loop", "pisft.evaluate.closed_loop:run", ("device", *CLOSED_LOOP_KEYS), EVAL_CODE,
           ("closed_loop/metrics.json", "closed_loop/report.md", "closed_loop/videos"),
-          "closed-loop LIBERO success rates, rollout videos (LIBERO simulator)", iterations="all"),
+          "closed-loop LIBERO success rates, rollout videos (LIBERO simulator)", iterations="all",
+          all_cores=True, output_names=("metrics", "report", "videos")),
     Stage("evaluate", "pisft.evaluate.offline:run", ("device", *EVAL_KEYS), EVAL_CODE,
-          EVAL_OUTPUTS, "held-out action error of the base and the fine-tuned model, plots, report"),
+          EVAL_OUTPUTS, "held-out action error of the base and the fine-tuned model, plots, report",
+          output_names=("metrics", "report", "loss_plot", "throughput_plot", "per_task_plot", "per_step_plot",
+                        "per_step", "per_task", "per_dim", "info")),
     Stage("recap_summary", "pisft.recap.summary:run", ("recap.iterations",), (*RECAP_CODE, "src/pisft/evaluate"),
           ("recap/metrics.json", "recap/report.md", "recap/success.png"),
           "RECAP: success per iteration (Wilson intervals), value and advantage diagnostics",
-          iterations="after"),
+          iterations="after", output_names=("metrics", "report", "plot")),
 )}
 TRAINING_STAGES = tuple(name for name, s in STAGES.items() if s.training)
 STAGE_KEYS: dict[str, tuple[str, ...]] = {name: s.keys for name, s in STAGES.items()}
