@@ -5,7 +5,7 @@
 Snakemake rules (`command(...)`, `tracked(...)`, `code(...)` in workflow/rules/common.smk) and,
 through the rules, `dvc.yaml` and the invalidation of downstream outputs. A test checks that
 the rules write exactly the outputs listed here. Adding a stage: its row here, its function,
-and its rule (inputs, outputs).
+and its inputs in workflow/rules/stages.smk (every rule is made from its row there).
 
 Keys: a section (`model`) or a dotted key (`data.success_only`); Snakemake reruns a stage
 exactly when one of its keys changes, and `dvc.yaml` lists the same keys as params.
@@ -120,27 +120,13 @@ ADVANTAGE_KEYS = (
 # What retraining at iteration k reads besides `train`: where it starts, how labels become prompts.
 RETRAIN_KEYS = ("recap.init", "recap.policy_steps", "data.positive_only_conditional", "data.unconditional_prob")
 
-# The source each stage runs: a change reruns the stage (and what follows). Paths relative to
-# the project root; package folders as a whole (DVC hashes their content; Snakemake gets their
-# .py files as inputs). Every stage also depends on SHARED_CODE and the dependency lock.
-SHARED_CODE = (
-    "src/pisft/__init__.py",
-    "src/pisft/__main__.py",
-    "src/pisft/cli.py",
-    "src/pisft/config.py",
-    "src/pisft/device.py",
-    "src/pisft/disk_space.py",  # every stage's writes name a full disk through it
-    "src/pisft/errors.py",
-    "src/pisft/integrity.py",  # every reader checks its inputs through it
-    "src/pisft/io.py",
-    "src/pisft/logs.py",
-    "src/pisft/workflow/drivers.py",  # the wrapper DVC runs every stage through
-    "src/pisft/workflow/invalidate.py",
-    "src/pisft/stages.py",
-)
-TRAIN_CODE = ("src/pisft/train", "src/pisft/model", "src/pisft/data")
-EVAL_CODE = ("src/pisft/evaluate", "src/pisft/serve", "src/pisft/model", "src/pisft/data")
-RECAP_CODE = ("src/pisft/recap",)
+# The code a stage depends on (`code_deps`) is what it runs, read from the imports
+# (pisft.code_graph): its function's module and everything that imports, inside functions too;
+# what starts it (`python -m pisft`, the DVC wrapper: their module-level imports); for a
+# training stage the launcher and the torchrun worker; and the dependency lock. An edit reruns
+# exactly the stages whose code reaches the edited file, and the list follows the code when it moves.
+RUNNERS = ("pisft.__main__", "pisft.cli", "pisft.workflow.drivers")  # module level: they dispatch
+TRAINING_RUNNERS = ("pisft.train.launch", "pisft.train.__main__")  # what they run, whole
 # DVC runs each stage's command through this wrapper (pisft.workflow.drivers: the config-shape
 # check, the benchmark row, Snakemake's records): dvc.yaml's cmd is `<wrapper> <stage> -- <command>`.
 DVC_WRAPPER = "python -m pisft.workflow.drivers dvc"
@@ -157,7 +143,6 @@ class Stage:
     # runs it in every torchrun worker with the worker's pisft.train.job.Context.
     run: str
     keys: tuple[str, ...]  # the config keys it reads
-    code: tuple[str, ...]  # the source it runs (besides SHARED_CODE and the dependency lock)
     outputs: tuple[str, ...]  # what it writes, relative to results_dir
     help: str
     training: bool = False  # started under torchrun by `python -m pisft launch <name>`
@@ -206,46 +191,45 @@ EVAL_OUTPUTS = tuple(f"eval/{name}" for name in (
     "per_step.csv", "per_task.csv", "per_dim.csv", "eval_info.json"))
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
-    Stage("fetch_base", "pisft.model.fetch:run", ("model",), ("src/pisft/model",),
+    Stage("fetch_base", "pisft.model.fetch:run", ("model",),
           ("base_model",), "fetch (or build) the base model into results/base_model"),
-    Stage("demo_recap", "pisft.data.demo:run", DEMO_KEYS, ("src/pisft/data",),
+    Stage("demo_recap", "pisft.data.demo:run", DEMO_KEYS,
           ("demo_recap",), "write the synthetic demo dataset (when data.recap_dir is the demo folder)"),
-    Stage("collect_rollouts", "pisft.recap.collect:run", ("device", *COLLECT_KEYS), (*RECAP_CODE, *EVAL_CODE),
+    Stage("collect_rollouts", "pisft.recap.collect:run", ("device", *COLLECT_KEYS),
           ("rollouts",), "RECAP: roll policy k-1 out in the LIBERO simulator, record every step",
           iterations="recap", all_cores=True),
-    Stage("convert_recap", "pisft.data.convert:run", CONVERT_KEYS, ("src/pisft/data",),
+    Stage("convert_recap", "pisft.data.convert:run", CONVERT_KEYS,
           ("dataset",), "convert the RECAP dataset (at iteration k, the pool) into the training dataset",
           iterations="all", recap_keys=("recap.holdout_fraction",)),
     Stage("smoke_1card", "pisft.gates.smoke:run_smoke", ("device", "smoke", *TRAIN_STEP_KEYS),
-          (*TRAIN_CODE, "src/pisft/inspect"), ("smoke/report.json",),  # its report carries the estimate
+          ("smoke/report.json",),
           "a few optimizer steps on one device: the go/no-go report", training=True, one_process=True,
           all_cores=True),
     Stage("smoke_value", "pisft.gates.value_smoke:run_value_smoke", ("device", "smoke", *VALUE_KEYS),
-          (*RECAP_CODE, *TRAIN_CODE), ("value_smoke/report.json",),
+          ("value_smoke/report.json",),
           "RECAP: the value model's first steps on one device: the go/no-go before train_value",
           training=True, iterations="recap", one_process=True, all_cores=True),
     Stage("train_value", "pisft.recap.value_training:run_value_training", ("device", *VALUE_KEYS),
-          (*RECAP_CODE, *TRAIN_CODE), ("value",),
+          ("value",),
           "RECAP: train the distributional value model on the pool", training=True, iterations="recap",
           gate="smoke_value", resumable=True, all_cores=True),
-    Stage("advantages", "pisft.recap.advantages:run", ("device", *ADVANTAGE_KEYS), (*RECAP_CODE, *TRAIN_CODE),
+    Stage("advantages", "pisft.recap.advantages:run", ("device", *ADVANTAGE_KEYS),
           ("advantages",), "RECAP: every frame's value and N-step advantage, the positive labels",
           iterations="recap", all_cores=True),
     Stage("train_8card", "pisft.train.run:run_training", ("device", "train", "model.state_in_prompt", "data.augment"),
-          TRAIN_CODE,
           ("train/model", "train/metrics.jsonl"),
           "train on train.nproc_per_node x train.nnodes devices; resumes, exports", training=True,
           iterations="all", recap_keys=RETRAIN_KEYS, gate="smoke_1card", resumable=True, all_cores=True,
           output_names=("model", "metrics")),
-    Stage("closed_loop", "pisft.evaluate.closed_loop:run", ("device", *CLOSED_LOOP_KEYS), EVAL_CODE,
+    Stage("closed_loop", "pisft.evaluate.closed_loop:run", ("device", *CLOSED_LOOP_KEYS),
           ("closed_loop/metrics.json", "closed_loop/report.md", "closed_loop/videos"),
           "closed-loop LIBERO success rates, rollout videos (LIBERO simulator)", iterations="all",
           all_cores=True, output_names=("metrics", "report", "videos")),
-    Stage("evaluate", "pisft.evaluate.offline:run", ("device", *EVAL_KEYS), EVAL_CODE,
+    Stage("evaluate", "pisft.evaluate.offline:run", ("device", *EVAL_KEYS),
           EVAL_OUTPUTS, "held-out action error of the base and the fine-tuned model, plots, report",
           output_names=("metrics", "report", "loss_plot", "throughput_plot", "per_task_plot", "per_step_plot",
                         "per_step", "per_task", "per_dim", "info")),
-    Stage("recap_summary", "pisft.recap.summary:run", ("recap.iterations",), (*RECAP_CODE, "src/pisft/evaluate"),
+    Stage("recap_summary", "pisft.recap.summary:run", ("recap.iterations",),
           ("recap/metrics.json", "recap/report.md", "recap/success.png"),
           "RECAP: success per iteration (Wilson intervals), value and advantage diagnostics",
           iterations="after", output_names=("metrics", "report", "plot")),
@@ -274,6 +258,19 @@ def stage_of(rule: str) -> tuple[str, int]:
     return rule, 0
 
 
+def code_modules(stage: str) -> set[str]:
+    """The pisft modules `stage` runs (see RUNNERS above)."""
+    from pisft import code_graph
+
+    row = STAGES[stage]
+    modules = code_graph.reach((row.run.partition(":")[0],)) | code_graph.reach(RUNNERS, top_level=True)
+    if row.training:
+        modules |= code_graph.reach(TRAINING_RUNNERS)
+    return modules
+
+
 def code_deps(stage: str, device: str) -> list[str]:
-    """Package folders, shared modules and the dependency lock that `stage` depends on."""
-    return [*STAGES[stage].code, *SHARED_CODE, LOCKS.get(device, DEFAULT_LOCK)]
+    """The source files `stage` runs (sorted, relative to the project root) and the dependency lock."""
+    from pisft import code_graph
+
+    return [*code_graph.files_of(code_modules(stage)), LOCKS.get(device, DEFAULT_LOCK)]
