@@ -139,8 +139,9 @@ def test_weights_from_a_local_source_are_not_cached_a_second_time(tmp_path, monk
 def test_stale_check_fails_when_a_rule_changes(tmp_path):
     work = workflow_copy(tmp_path)
     shutil.copy(ROOT / "dvc.yaml", work / "dvc.yaml")
-    smk = work / "workflow/rules/evaluate.smk"
-    smk.write_text(smk.read_text().replace('f"{LOGS}/evaluate.log"', 'f"{LOGS}/evaluate_renamed.log"'))
+    smk = work / "workflow/rules/common.smk"  # the helper every rule is made by
+    assert 'f"{LOGS}/{rule_id}.log"' in smk.read_text()
+    smk.write_text(smk.read_text().replace('f"{LOGS}/{rule_id}.log"', 'f"{LOGS}/{rule_id}_renamed.log"'))
     run = subprocess.run([sys.executable, "-m", "pisft", "dvc-yaml", "--check"], cwd=work,
                          capture_output=True, text=True)
     assert run.returncode == 1 and "dvc.yaml is stale" in run.stderr

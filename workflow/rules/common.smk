@@ -25,7 +25,7 @@ SOURCES = [
 ]  # data.recap_dir: one folder or several
 ITERATIONS = range(
     1, CFG.recap.iterations + 1
-)  # the RECAP iterations after the SFT run (rules/recap.smk)
+)  # the RECAP iterations after the SFT run (rules/stages.smk)
 
 
 def command(stage):
@@ -39,7 +39,7 @@ def tracked(stage):
 
 
 def code(stage):
-    """The source `stage` runs and the dependency lock (DVC deps: folders)."""
+    """The source files `stage` runs (its imports) and the dependency lock (DVC deps)."""
     return support.stage_code(CFG, stage)
 
 
@@ -72,13 +72,20 @@ def value_start(k):
 # How Snakemake's report shows an output (Snakemake only: dvc.yaml has no report):
 # output -> report() options. Paths as in the stage table (relative to the iteration's folder).
 REPORT = {
-    "closed_loop/report.md": dict(caption="../report/closed_loop_report.rst", category="Closed-loop LIBERO"),
+    "closed_loop/report.md": dict(
+        caption="../report/closed_loop_report.rst", category="Closed-loop LIBERO"
+    ),
     # one HTML page per video (the report plays no bare MP4), the MP4s beside them
-    "closed_loop/videos": dict(patterns=["{name}.html"], caption="../report/closed_loop_video.rst",
-                               category="Closed-loop LIBERO"),
+    "closed_loop/videos": dict(
+        patterns=["{name}.html"],
+        caption="../report/closed_loop_video.rst",
+        category="Closed-loop LIBERO",
+    ),
     "eval/report.md": dict(caption="../report/eval_report.rst", category="Evaluation"),
     "eval/loss.png": dict(caption="../report/loss.rst", category="Training"),
-    "eval/throughput.png": dict(caption="../report/throughput.rst", category="Training"),
+    "eval/throughput.png": dict(
+        caption="../report/throughput.rst", category="Training"
+    ),
     "eval/per_task.png": dict(caption="../report/per_task.rst", category="Evaluation"),
     "eval/per_step.png": dict(caption="../report/per_step.rst", category="Evaluation"),
     "recap/report.md": dict(caption="../report/recap_report.rst", category="RECAP"),
@@ -107,7 +114,8 @@ def outputs_of(stage, k, rule_id):
 
 def stage_rule(rule_id, inputs):
     """Define the rule that runs `rule_id` (a stage at an iteration, `train_8card_1`): everything
-    but its inputs from the stage's row in pisft.stages (command, outputs, keys, code, cores)."""
+    but its inputs from the stage's row in pisft.stages (command, outputs, keys, code, cores).
+    """
     stage, k = stage_of(rule_id)
     row = STAGES[stage]
     unnamed, named = outputs_of(stage, k, rule_id)

@@ -39,17 +39,34 @@ def inputs(stage, k):
     if stage == "train_8card":
         if k == 0:
             return [R("base_model"), R("dataset"), R("smoke", "report.json")]
-        start = R("base_model") if CFG.recap.init == "base" else at(k - 1, "train", "model")
+        start = (
+            R("base_model") if CFG.recap.init == "base" else at(k - 1, "train", "model")
+        )
         # the same step shape: iteration 0's smoke gate
         return [start, at(k, "dataset"), at(k, "advantages"), R("smoke", "report.json")]
     if stage == "closed_loop":
         return [R("train", "model") if k == 0 else at(k, "train", "model")]
     if stage == "evaluate":
         closed = [R("closed_loop", "metrics.json")] if CFG.eval.closed_loop else []
-        return [R("base_model"), R("dataset"), R("train", "model"), R("train", "metrics.jsonl"), *closed]
+        return [
+            R("base_model"),
+            R("dataset"),
+            R("train", "model"),
+            R("train", "metrics.jsonl"),
+            *closed,
+        ]
     if stage == "recap_summary":
-        return [*[at(j, "closed_loop", "metrics.json") for j in range(0, CFG.recap.iterations + 1)],
-                *[at(j, part) for j in ITERATIONS for part in ("rollouts", "value", "advantages")]]
+        return [
+            *[
+                at(j, "closed_loop", "metrics.json")
+                for j in range(0, CFG.recap.iterations + 1)
+            ],
+            *[
+                at(j, part)
+                for j in ITERATIONS
+                for part in ("rollouts", "value", "advantages")
+            ],
+        ]
     raise ValueError(f"{stage}: no inputs written in workflow/rules/stages.smk")
 
 
