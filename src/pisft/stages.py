@@ -1,11 +1,17 @@
-"""The stages of the pipeline, written once: name, what runs, the config keys read, the outputs.
+"""The stages of the pipeline, written once: every fact of a stage is in its row.
 
-`STAGES` is the one table. It feeds the CLI (`python -m pisft <stage>`, `python -m pisft launch
-<training stage>`), the torchrun worker's dispatch (`python -m pisft.train --stage`), the
-Snakemake rules (`command(...)`, `tracked(...)`, `code(...)` in workflow/rules/common.smk) and,
-through the rules, `dvc.yaml` and the invalidation of downstream outputs. A test checks that
-the rules write exactly the outputs listed here. Adding a stage: its row here, its function,
-and its inputs in workflow/rules/stages.smk (every rule is made from its row there).
+`STAGES` is the one table: name, the function that runs, the config keys read, the outputs
+(and the workflow's names for them), when it runs (iteration 0, every RECAP iteration, after
+the loop), and how: under torchrun or not, as one process (a smoke gate), the gate it needs
+passed first, whether it resumes, whether it takes every core. It sits on the ground floor (it
+imports only `pisft.config`; `pisft.code_graph` for the code it runs), so everything can read
+it: the CLI (`python -m pisft <stage>`, `python -m pisft launch <training stage>`), the launcher
+(`pisft.train.launch`: processes, gate report, resume advice), the torchrun worker's dispatch
+(`python -m pisft.train --stage`), the Snakemake rules (every rule is made from its row by
+`stage_rule` in workflow/rules/common.smk) and, through the rules, `dvc.yaml` and the
+invalidation of downstream outputs. A test checks that the rules write exactly the outputs
+listed here. Adding a stage: its row here, its function, and what it reads in
+workflow/rules/stages.smk.
 
 Keys: a section (`model`) or a dotted key (`data.success_only`); Snakemake reruns a stage
 exactly when one of its keys changes, and `dvc.yaml` lists the same keys as params.
@@ -121,7 +127,7 @@ ADVANTAGE_KEYS = (
 RETRAIN_KEYS = ("recap.init", "recap.policy_steps", "data.positive_only_conditional", "data.unconditional_prob")
 
 # The code a stage depends on (`code_deps`) is what it runs, read from the imports
-# (pisft.code_graph): its function's module and everything that imports, inside functions too;
+# (pisft.code_graph): its function's module and everything that one imports, inside functions too;
 # what starts it (`python -m pisft`, the DVC wrapper: their module-level imports); for a
 # training stage the launcher and the torchrun worker; and the dependency lock. An edit reruns
 # exactly the stages whose code reaches the edited file, and the list follows the code when it moves.
