@@ -4,8 +4,8 @@ A stage's code dependencies are the files its entry point reaches through import
 (`pisft.stages.code_deps`), so an edit reruns the stages that run the edited file and no other,
 and the list follows the code as it moves. Every `import` counts, inside functions too (a
 function's import is code the stage may run); the package `__init__.py` files above a module run
-when it is imported, so they count as well. The graph is read with `ast` once per process
-(about 0.2 s for the whole package), deterministically: sorted, from the files alone.
+when it is imported, so they count as well. Each file is read with `ast` once per process, when
+first reached, deterministically: sorted, from the files alone.
 
 Imports through `importlib.import_module` are not followed: pisft uses them for the stage
 function of a row (named by the row itself), optional vendor packages (torch_npu) and the
@@ -49,26 +49,28 @@ def _imports(tree: ast.AST, name: str, is_package: bool, top_level: bool) -> set
 
 
 @cache
-def _trees(src: Path) -> dict[str, ast.Module]:
-    return {name: ast.parse(path.read_text(), str(path)) for name, path in _files(src).items()}
+def _tree(src: Path, name: str) -> ast.Module:
+    path = _files(src)[name]
+    return ast.parse(path.read_text(), str(path))
 
 
 @cache
-def graph(src: Path = SRC, top_level: bool = False) -> dict[str, frozenset[str]]:
-    """module -> the pisft modules it imports (with `top_level`, at module level only)."""
+def imports_of(name: str, src: Path = SRC, top_level: bool = False) -> frozenset[str]:
+    """The pisft modules `name` imports (with `top_level`, at module level only); parsed on demand."""
     files = _files(src)
-    trees = _trees(src)
 
     def known(target: str) -> str | None:
         while target and target not in files:
             target = target.rpartition(".")[0]
         return target or None
 
-    out: dict[str, frozenset[str]] = {}
-    for name, path in files.items():
-        targets = {known(t) for t in _imports(trees[name], name, path.name == "__init__.py", top_level)}
-        out[name] = frozenset(t for t in targets if t and t != name and t.startswith("pisft"))
-    return out
+    found = {known(t) for t in _imports(_tree(src, name), name, files[name].name == "__init__.py", top_level)}
+    return frozenset(t for t in found if t and t != name and t.startswith("pisft"))
+
+
+def graph(src: Path = SRC, top_level: bool = False) -> dict[str, frozenset[str]]:
+    """module -> the pisft modules it imports (with `top_level`, at module level only)."""
+    return {name: imports_of(name, src, top_level) for name in _files(src)}
 
 
 def _with_packages(modules: set[str]) -> set[str]:
@@ -82,15 +84,15 @@ def _with_packages(modules: set[str]) -> set[str]:
 
 def reach(starts: tuple[str, ...], src: Path = SRC, top_level: bool = False) -> set[str]:
     """The pisft modules `starts` run, themselves included."""
-    g = graph(src, top_level)
+    files = _files(src)
     seen: set[str] = set()
     todo = list(_with_packages(set(starts)))
     while todo:
         m = todo.pop()
-        if m in seen:
+        if m in seen or m not in files:
             continue
         seen.add(m)
-        todo.extend(_with_packages(set(g.get(m, ()))) - seen)
+        todo.extend(t for t in _with_packages(set(imports_of(m, src, top_level))) if t not in seen)
     return seen
 
 
