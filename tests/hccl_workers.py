@@ -89,7 +89,7 @@ def train(config: str, results_dir: str, ckpt_dir: str) -> dict:
     from pisft.train.checkpoint import CheckpointManager, run_fingerprint
     from pisft.train.batches import make_loader
     from pisft.train.run import loop_settings, lr_scheduler
-    from pisft.train.stage import Context, build, make_sampler
+    from pisft.train.job import Context, build, make_sampler
 
     overrides = [f"results_dir={results_dir}", f"data.recap_dir={results_dir}/demo_recap",
                  "device=cpu", "train.nproc_per_node=2", "train.micro_batch_size=2",
@@ -107,12 +107,12 @@ def train(config: str, results_dir: str, ckpt_dir: str) -> dict:
     loader = make_loader(built.train_set, sampler, rank=rank, start_step=0, end_step=t.steps,
                          seed=t.seed, draw=built.task.draw, num_workers=0)
     settings = loop_settings(ctx)
-    records = loop.run(built.policy, built.optimizer, scheduler, built.task, iter(loader), settings,
+    records = loop.run(built.model, built.optimizer, scheduler, built.task, iter(loader), settings,
                        start_step=0)
     manager = CheckpointManager(Path(ckpt_dir), keep_last=1, rank=rank, world_size=world,
                                 fingerprint=run_fingerprint(cfg), config=config_mod.resolved(cfg),
                                 log=lambda _msg: None)
-    saved = manager.save(t.steps, built.policy, built.optimizer, scheduler)
+    saved = manager.save(t.steps, built.model, built.optimizer, scheduler)
     out = {
         "backend": dist.get_backend(),
         "accum": cfg.grad_accum_steps,

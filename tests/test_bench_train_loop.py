@@ -42,7 +42,7 @@ def test_lerobot_runs_under_its_own_accelerate_launch_ours_under_torchrun(tmp_pa
 
 
 def test_each_side_steps_with_the_optimizer_its_trainer_builds():
-    """Ours: the fused AdamW train.stage builds on the CPU; LeRobot: its pi0.5 preset, as
+    """Ours: the fused AdamW train.job builds on the CPU; LeRobot: its pi0.5 preset, as
     lerobot-train builds it (torch's default AdamW implementation)."""
     import torch
 

@@ -116,7 +116,7 @@ def test_log_every_and_deterministic(tmp_path):
 
 
 def test_training_stages_track_log_every_and_deterministic():
-    from pisft.workflow.stages import STAGE_KEYS
+    from pisft.stages import STAGE_KEYS
 
     for key in ("train.log_every", "train.deterministic"):
         assert key in STAGE_KEYS["smoke_1card"]
@@ -128,7 +128,7 @@ def test_training_stages_track_log_every_and_deterministic():
 def test_data_augment_is_a_training_key_of_every_stage_that_trains():
     from pisft.train.checkpoint import run_fingerprint
     from pisft.train.run_folders import value_fingerprint
-    from pisft.workflow.stages import STAGE_KEYS, TRAINING_STAGES
+    from pisft.stages import STAGE_KEYS, TRAINING_STAGES
 
     assert C.load(ROOT / "config/config.yaml").data.augment == "none"
     for stage in TRAINING_STAGES:  # smoke_1card, train_8card, smoke_value, train_value

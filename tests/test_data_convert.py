@@ -446,7 +446,7 @@ def test_source_weights_set_each_sources_share_of_the_samples(tmp_path, balance,
     from pisft.config import DataSource
     from pisft.data.dataset import load_split
     from pisft.data.source_weights import SourceSampling
-    from pisft.train.stage import source_mixture
+    from pisft.train.job import source_mixture
 
     demos = make_recap(tmp_path / "demos", n_tasks=2, per_task=2, length=8, failure_fraction=0.0)  # 4 x 8 frames
     rollouts = make_recap(tmp_path / "rollouts", n_tasks=2, per_task=3, length=10, failure_fraction=0.34, seed=3)
@@ -475,7 +475,7 @@ def test_one_source_and_the_default_pool_keep_every_frame_equally_likely(tmp_pat
     are not in the train split's frames."""
     from pisft.config import DataSource
     from pisft.data.dataset import load_split
-    from pisft.train.stage import source_mixture
+    from pisft.train.job import source_mixture
 
     demos = make_recap(tmp_path / "demos", n_tasks=2, per_task=3, length=8, failure_fraction=0.0)
     rollouts = make_recap(tmp_path / "rollouts", n_tasks=2, per_task=3, length=10, failure_fraction=0.34, seed=3)

@@ -11,7 +11,7 @@ from pisft import config as config_mod
 from pisft.data.convert import Options
 from pisft.data.split import stratified_split
 from pisft.evaluate import offline
-from pisft.workflow.stages import EVAL_OUTPUTS, STAGES
+from pisft.stages import EVAL_OUTPUTS, STAGES
 
 
 def test_eval_fraction_zero_holds_nothing_out_and_is_valid():

@@ -198,7 +198,7 @@ def test_data_columns_must_be_a_mapping():
 
 
 def test_convert_stage_tracks_the_new_keys():
-    from pisft.workflow.stages import STAGE_KEYS
+    from pisft.stages import STAGE_KEYS
 
     for key in ("data.positive_only_conditional", "data.unconditional_prob", "data.columns"):
         assert key in STAGE_KEYS["convert_recap"]

@@ -320,7 +320,7 @@ def test_after_snakemake_dvc_is_up_to_date_and_a_pull_restores_every_output(defa
     status = run(["dvc", "status"], clone).stdout
     assert "up to date" in status.lower(), status
     lock = yaml.safe_load((clone / "dvc.lock").read_text())["stages"]
-    from pisft.workflow.stages import rule_names
+    from pisft.stages import rule_names
 
     assert set(lock) == set(rule_names(1))  # every stage Snakemake ran is recorded, the RECAP loop's too
     outs = [o["path"] for stage in lock.values() for o in stage.get("outs", [])]

@@ -10,7 +10,7 @@ from pisft.config import from_dict
 from pisft.model import fetch
 from pisft.model.policy import load_policy
 from pisft.train import trainable
-from pisft.train.stage import frozen_in_bf16
+from pisft.train.job import frozen_in_bf16
 
 
 def test_frozen_parameters_load_straight_into_bf16(tmp_path):

@@ -107,7 +107,7 @@ def test_config_key_and_an_openpi_source_that_says(tmp_path):
 
 @pytest.mark.parametrize("recorded", [None, True, False])
 def test_training_follows_a_starting_model_that_records_it(recorded, capsys):
-    from pisft.train.stage import Context, _choose_prompt_form
+    from pisft.train.job import Context, _choose_prompt_form
 
     policy = build_policy("tiny", seed=0)
     if recorded is not None:

@@ -275,8 +275,8 @@ def test_smoke_steps_train_the_value_model_on_one_device(inputs, tmp_path, monke
 
     from pisft.data import augment
     from pisft.device import DeviceInfo
-    from pisft.recap.value_training import smoke_value_steps
-    from pisft.train.stage import Context
+    from pisft.gates.value_smoke import smoke_value_steps
+    from pisft.train.job import Context
 
     applied = []
     real = augment.apply_openpi

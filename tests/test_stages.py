@@ -1,4 +1,4 @@
-"""The stage table (pisft.workflow.stages) feeds the CLI, the torchrun worker and the rules; the
+"""The stage table (pisft.stages) feeds the CLI, the torchrun worker and the rules; the
 package's imports flow one way (no module imports itself back through others)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from pisft import cli
 from pisft.train import __main__ as train_main
-from pisft.workflow.stages import STAGES, TRAINING_STAGES
+from pisft.stages import STAGES, TRAINING_STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -19,13 +19,15 @@ SRC = ROOT / "src"
 # (what a user or torchrun starts) sit on top (docs/development.md, "Layout").
 LAYERS = (
     ("pisft", "pisft.errors", "pisft.io", "pisft.integrity", "pisft.disk_space", "pisft.logs", "pisft.device",
-     "pisft.config"),
+     "pisft.config", "pisft.stages", "pisft.code_graph"),
     ("pisft.data", "pisft.model"),
     ("pisft.train", "pisft.evaluate", "pisft.serve"),
     # Tools that study the training step (memory estimate, its measurement, the collective audit,
-    # their synthetic inputs), built on it; the smoke stage sits here too: its report carries the estimate.
-    ("pisft.inspect", "pisft.train.smoke"),
+    # their synthetic inputs), built on it.
+    ("pisft.inspect",),
     ("pisft.recap",),  # the RECAP loop's stages: built on training, evaluation and the simulator
+    # The go/no-go gates (smoke_1card, smoke_value): above what they gate and the estimate they carry.
+    ("pisft.gates",),
     ("pisft.workflow",),
     ("pisft.bench", "pisft.cli", "pisft.__main__", "pisft.train.__main__", "pisft.doctor"),
 )
@@ -67,7 +69,7 @@ def test_the_rules_run_the_tables_commands_and_write_its_outputs(tmp_path):
     from pisft.config import from_dict
     from pisft.workflow.scratch import copy_project
     from pisft.workflow.snakemake_rules import load_rules
-    from pisft.workflow.stages import rule_name, rule_names, stage_of
+    from pisft.stages import rule_name, rule_names, stage_of
 
     project = copy_project(ROOT, tmp_path / "project")
     config_file = project / "config" / "config.yaml"
@@ -177,7 +179,7 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
 
 def test_pisft_modules_import_no_cycle_and_only_down_the_layers():
     graph = import_graph()
-    assert "pisft.train.stage" in graph["pisft.train.smoke"]  # the graph sees real imports
+    assert "pisft.train.job" in graph["pisft.gates.smoke"]  # the graph sees real imports
     assert all(layer_of(m) >= 0 for m in graph), [m for m in graph if layer_of(m) < 0]
     assert cycles(graph) == []
     assert upward_imports(graph) == []
@@ -199,14 +201,18 @@ def test_the_launcher_finds_checkpoints_without_the_training_code():
     graph = import_graph()
     reached = reachable(graph, "pisft.train.launch")
     assert "pisft.train.checkpoint" in reached
-    training = {"pisft.train.stage", "pisft.train.run", "pisft.train.loop", "pisft.train.fsdp",
-                "pisft.train.smoke"}
+    training = {"pisft.train.job", "pisft.train.run", "pisft.train.loop", "pisft.train.fsdp",
+                "pisft.gates.smoke"}
     assert not reached & training and not any(m.startswith("pisft.model") for m in reached), reached
 
 
-def test_the_launcher_runs_the_tables_one_process_stages_as_one_process():
-    from pisft.train import launch
-
-    assert set(launch.ONE_PROCESS) == {n for n, s in STAGES.items() if s.one_process}
-    assert set(launch.GATES) == {n for n, s in STAGES.items() if s.training and not s.one_process}
-    assert {gate for gate, _ in launch.GATES.values()} == set(launch.ONE_PROCESS)
+def test_every_gate_is_a_one_process_training_stage_that_writes_one_report():
+    """What the launcher reads from the rows: a gated stage's gate runs as one process and writes
+    the report it checks; only stages that checkpoint resume."""
+    gated = {n: s.gate for n, s in STAGES.items() if s.gate}
+    assert gated == {"train_8card": "smoke_1card", "train_value": "smoke_value"}
+    for gate in gated.values():
+        row = STAGES[gate]
+        assert row.training and row.one_process and row.outputs[0].endswith("report.json"), gate
+    assert {n for n, s in STAGES.items() if s.one_process} == set(gated.values())
+    assert {n for n, s in STAGES.items() if s.resumable} == set(gated)

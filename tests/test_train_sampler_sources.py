@@ -113,7 +113,7 @@ def test_training_draws_by_the_datasets_record_and_a_new_weight_is_a_new_run(tmp
     from pisft import config
     from pisft.data.source_weights import SourceSampling
     from pisft.train.checkpoint import checkpoint_root
-    from pisft.train.stage import make_sampler
+    from pisft.train.job import make_sampler
 
     cfg = config.from_dict({"results_dir": str(tmp_path), "train": {"micro_batch_size": 4, "global_batch_size": 8}})
     data = tmp_path / "dataset"

@@ -15,9 +15,9 @@ from train_fixtures import CONFIG, overrides, results_dir
 from pisft import config as config_mod
 from pisft import device as devices
 from pisft.errors import PisftError
-from pisft.train import smoke
+from pisft.gates import smoke
 from pisft.train.metrics import TensorBoardSink
-from pisft.train.stage import Context
+from pisft.train.job import Context
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ from pisft import config as pisft_config
 from pisft.workflow import dvc_yaml
 from pisft.workflow.drivers import WRAPPER
 from pisft.workflow.snakemake_rules import load_workflow
-from pisft.workflow import stages as stage_table
-from pisft.workflow.stages import code_deps
+from pisft import stages as stage_table
+from pisft.stages import code_deps
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = list(stage_table.STAGES)  # the one table of stages; the rules must follow it, in its order
@@ -76,7 +76,7 @@ def test_the_value_stages_declare_the_model_they_load(tmp_path, monkeypatch):
     train_value_k load (`PisftConfig.value_init_model`, what `require_value_inputs` hands to the
     model loader) is the one model among the rule's inputs and the DVC stage's deps, and the key
     is among the params that rerun them."""
-    from pisft.workflow.stages import rule_name
+    from pisft.stages import rule_name
 
     work = workflow_copy(tmp_path)
     monkeypatch.chdir(work)
@@ -139,8 +139,9 @@ def test_weights_from_a_local_source_are_not_cached_a_second_time(tmp_path, monk
 def test_stale_check_fails_when_a_rule_changes(tmp_path):
     work = workflow_copy(tmp_path)
     shutil.copy(ROOT / "dvc.yaml", work / "dvc.yaml")
-    smk = work / "workflow/rules/evaluate.smk"
-    smk.write_text(smk.read_text().replace('f"{LOGS}/evaluate.log"', 'f"{LOGS}/evaluate_renamed.log"'))
+    smk = work / "workflow/rules/common.smk"  # the helper every rule is made by
+    assert 'f"{LOGS}/{rule_id}.log"' in smk.read_text()
+    smk.write_text(smk.read_text().replace('f"{LOGS}/{rule_id}.log"', 'f"{LOGS}/{rule_id}_renamed.log"'))
     run = subprocess.run([sys.executable, "-m", "pisft", "dvc-yaml", "--check"], cwd=work,
                          capture_output=True, text=True)
     assert run.returncode == 1 and "dvc.yaml is stale" in run.stderr

@@ -8,7 +8,7 @@ Tools:
   validate [FILE], estimate, dvc-yaml, profile FILE, bench, summary, doctor
   serve --model DIR    serve a model over openpi's websocket policy protocol
 
-The stages are the table in pisft.workflow.stages.
+The stages are the table in pisft.stages.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pisft.errors import PisftError, Terminated, restore_handlers, stop_on_termi
 from pisft.logs import tee_output
 from pisft.workflow.drivers import pin_threads
 from pisft.workflow.invalidate import invalidate_downstream
-from pisft.workflow.stages import STAGES, TRAINING_STAGES, rule_name
+from pisft.stages import STAGES, TRAINING_STAGES, rule_name
 
 # The stages this process runs itself (the training stages run under torchrun).
 IN_PROCESS = {name: stage for name, stage in STAGES.items() if not stage.training}
@@ -128,9 +128,9 @@ def _summary(cfg: config_mod.PisftConfig) -> int:
 
 def _running_trainer(args: argparse.Namespace) -> str | None:
     """Why `launch` must stop at once: its run folder is held by a running trainer; else None."""
-    from pisft.train import guard, launch, run_folders
+    from pisft.train import guard, run_folders
 
-    if args.stage not in launch.RESUMABLE:
+    if not STAGES[args.stage].resumable:
         return None
     try:
         cfg = config_mod.load(args.config, args.overrides).at_iteration(args.iteration)

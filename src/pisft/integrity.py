@@ -129,7 +129,7 @@ def _listed_files(root: Path) -> set[str]:
 
 
 # Which stage writes the directories that are read (their place under results_dir; the stage
-# table's outputs, pisft.workflow.stages, a layer above this module): (stage, run by torchrun).
+# table's outputs, pisft.stages, a layer above this module): (stage, run by torchrun).
 _WRITERS = {("base_model",): ("fetch_base", False), ("demo_recap",): ("demo_recap", False),
             ("dataset",): ("convert_recap", False), ("rollouts",): ("collect_rollouts", False),
             ("advantages",): ("advantages", False), ("value", "model"): ("train_value", True),

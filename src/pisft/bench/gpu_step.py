@@ -23,7 +23,7 @@ and compared with the device's capacity less --headroom:
 - it fits: the step uses AdamW (fused where available), as in training;
 - it does not (pi0.5 with AdamW is about 51 GiB of tensors at micro batch 4 on one device,
   close to what a 64 GB Ascend 910B holds; more at a larger micro batch): the step is AdamW's
-  first step without AdamW's state (`pisft.train.smoke.SignDescent`,
+  first step without AdamW's state (`pisft.gates.smoke.SignDescent`,
   p <- p (1 - lr wd) - lr sign(g), AdamW's bias-corrected first update), the way the smoke
   stage measures pi0.5 on one card. Forward, backward, FSDP and clipping are the training's;
   the optimizer update is a cheap elementwise pass instead of fused AdamW, and the peak lacks
@@ -59,7 +59,7 @@ from pisft.inspect.synthetic import build_random_policy, synthetic_batch
 
 GIB = 2**30
 ADAMW = "adamw"
-SIGN_DESCENT = "sign_descent"  # AdamW's first step without its state (pisft.train.smoke)
+SIGN_DESCENT = "sign_descent"  # AdamW's first step without its state (pisft.gates.smoke)
 DESCRIPTIONS = {ADAMW: "AdamW (the training's optimizer step)",
                 SIGN_DESCENT: "AdamW's first step without AdamW's state (sign descent, as the smoke stage)"}
 
@@ -132,7 +132,7 @@ def plan_optimizer(args: argparse.Namespace, checkpointing: bool, capacity: int 
 
 def make_optimizer(kind: str, policy, name: str) -> torch.optim.Optimizer:
     if name == SIGN_DESCENT:
-        from pisft.train.smoke import SignDescent
+        from pisft.gates.smoke import SignDescent
 
         return SignDescent(policy.parameters(), lr=2.5e-5, weight_decay=1e-10)
     return optim.build_optimizer(policy.parameters(), lr=2.5e-5, weight_decay=1e-10,

@@ -162,7 +162,7 @@ class Setup:
 
 
 def ours_optimizer(policy, lr: float):
-    """The optimizer the training stages build on the CPU (`train.stage`): AdamW, fused where
+    """The optimizer the training stages build on the CPU (`train.job`): AdamW, fused where
     torch has the kernel."""
     opt = optim.build_optimizer(policy.parameters(), lr=lr, weight_decay=1e-2,
                                 fused=devices.fused_adamw_supported("cpu"))
@@ -179,7 +179,7 @@ def lerobot_optimizer(policy, lr: float):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
 
-OPTIMIZERS = {"ours": "AdamW, fused where torch has the kernel (what train.stage builds)",
+OPTIMIZERS = {"ours": "AdamW, fused where torch has the kernel (what train.job builds)",
               "lerobot": "LeRobot's pi0.5 preset: torch.optim.AdamW, torch's default implementation "
                          "(what lerobot-train builds)"}
 

@@ -353,7 +353,7 @@ def worker(spec_path: str, out_dir: str) -> int:
     from pisft.train import loop
     from pisft.train.batches import make_loader
     from pisft.train.run import loop_settings, lr_scheduler
-    from pisft.train.stage import Context, build, make_sampler
+    from pisft.train.job import Context, build, make_sampler
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = config_mod.from_dict(spec["config"], "train_structure")
@@ -371,7 +371,7 @@ def worker(spec_path: str, out_dir: str) -> int:
     attention_name, attention_ctx = _attention_context()
     with attention_ctx:
         built = build(ctx)
-        policy = built.policy
+        policy = built.model
         groups, root = fsdp_groups(policy)
         total_params = sum(p.numel() for p in policy.parameters())
         unit_sizes = sorted(group_numel(g) for g in groups if g is not root)

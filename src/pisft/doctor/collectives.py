@@ -60,7 +60,7 @@ def _ops(rank: int, world: int, device: torch.device) -> list[str]:
 
 def worker(rank: int, kind: str, world: int, port: int, out_dir: str, deterministic: bool = False) -> None:
     """One rank, in its own process (`python -m pisft.doctor.collectives RANK KIND WORLD PORT OUT
-    DETERMINISTIC`), set up as `pisft.train.stage.setup_process` sets up a training process."""
+    DETERMINISTIC`), set up as `pisft.train.job.setup_process` sets up a training process."""
     import torch.distributed as dist
 
     from pisft import device as devices

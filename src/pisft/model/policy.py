@@ -289,7 +289,7 @@ def load_policy(model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtyp
 
     `preset`: if given, the directory must hold that preset (e.g. "pi05" refuses a tiny model).
     `hold_bf16(name)`: parameters held in bf16 from the start (the frozen ones of a bf16 run,
-    `pisft.train.stage.frozen_in_bf16`). Their storage in `dtype` is replaced by an empty bf16
+    `pisft.train.job.frozen_in_bf16`). Their storage in `dtype` is replaced by an empty bf16
     one before anything is written to it, and the file's values are copied (rounded) into that:
     the same tensors as loading in `dtype` and casting after (`trainable.hold_frozen_in`), without
     the whole model in fp32 ever being resident (pi0.5: 13.4 GB per process otherwise).

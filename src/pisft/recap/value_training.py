@@ -30,7 +30,7 @@ Output, `results/value/` (one atomic rename on rank 0):
   train_summary.json  world size, device, resume point, wall time, sharding figures
   pisft_config.json   the resolved config
 
-`smoke_value_steps` runs the model's first optimizer steps on one device (for smoke_1card).
+The `smoke_value` gate before it: `pisft.gates.value_smoke`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ import torch
 from pisft import device as devices
 from pisft import disk_space
 from pisft.config import PisftConfig
-from pisft.data.augment import make_augment
 from pisft.errors import PisftError
 from pisft.io import atomic_dir, sha256_file, write_json_atomic
 from pisft.recap import value_metrics, value_model
@@ -57,10 +56,9 @@ from pisft.train.run_folders import CHECKPOINT_SUBDIR, RETURNS_FILE, latest_chec
 from pisft.recap.value_data import PromptCollate, ReturnRange, ValueFrames, read_returns
 from pisft.recap.value_task import ValueTask
 from pisft.train import fsdp, optim
-from pisft.train.batches import StepDataset
 from pisft.train.checkpoint import run_folder
 from pisft.train.run import RunPlan, run_plan
-from pisft.train.stage import Built, Context, apply_trainable, frozen_in_bf16
+from pisft.train.job import Built, Context, apply_trainable, frozen_in_bf16
 
 def require_value_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
     """The model the value model starts from (`PisftConfig.value_init_model`: the base model, or
@@ -194,12 +192,12 @@ def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dic
     heldout = None
     if split_episodes(built.dataset_dir)["eval"]:
         heldout = ValueFrames(built.dataset_dir, "eval", built.returns, built.scale, built.train_set.image_keys)
-        pred = value_metrics.predict(built.policy, heldout, built.task, batch_size=cfg.eval.batch_size,
+        pred = value_metrics.predict(built.model, heldout, built.task, batch_size=cfg.eval.batch_size,
                                      rank=ctx.rank, world_size=ctx.world_size)
 
     # One tensor at a time, LoRA adapters merged, frozen tensors from the base file (collective).
     def write_weights(path: Path | None) -> None:
-        write_policy_weights(built.policy, built.base_dir / WEIGHTS_FILE, path, is_main=ctx.is_main,
+        write_policy_weights(built.model, built.base_dir / WEIGHTS_FILE, path, is_main=ctx.is_main,
                              prefix="policy.")
 
     if not ctx.is_main:
@@ -227,10 +225,10 @@ def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dic
     rho = metrics["spearman_heldout"]
     with disk_space.export_room(cfg.results("value"), None, what="export of the value model",
                                 checkpoints=lambda: latest_checkpoint_text(cfg, ctx.stage),
-                                extra_bytes=disk_space.model_bytes(built.policy)), \
+                                extra_bytes=disk_space.model_bytes(built.model)), \
             atomic_dir(cfg.results("value")) as tmp:
         (tmp / "model").mkdir()
-        value_model.save(built.policy, tmp / "model", config, write_weights=write_weights)
+        value_model.save(built.model, tmp / "model", config, write_weights=write_weights)
         write_json_atomic(tmp / "metrics.json", metrics)
         if heldout is not None:
             value_metrics.calibration_plot(
@@ -242,68 +240,3 @@ def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dic
         write_json_atomic(tmp / "pisft_config.json", resolved)
     ctx.log(f"held-out: Spearman rho {rho}, bin accuracy {metrics['bin_accuracy_heldout']}, "
             f"{metrics['frames_heldout']} frames" if heldout is not None else HELDOUT_SKIPPED)
-
-
-# ------------------------------------------------------------------------------------ smoke steps
-def smoke_value_steps(ctx: Context, steps: int | None = None) -> dict[str, Any]:
-    """The value model's first `steps` (default smoke.steps) optimizer steps on this process's
-    device, unsharded, on the first micro-batch of the real run at the peak learning rates: the
-    losses and gradient norms, and the checks the policy's smoke run makes (loss finite,
-    gradients finite, loss falling). Needs the process group (smoke_1card's one process)."""
-    import itertools
-
-    from pisft.train import loop
-    from pisft.train.smoke import training_checks
-    from pisft.train.stage import make_sampler
-
-    cfg, t = ctx.cfg, ctx.cfg.train
-    steps = steps or cfg.smoke.steps
-    p = _pieces(cfg, ctx.stage, ctx.info.device)
-    apply_trainable(ctx, p.model, value_model=True)
-    p.model.to(ctx.info.device)
-    optimizer = _optimizer(cfg, p.model, ctx.info.kind)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    task = ValueTask(p.collate, ctx.info.device, t.precision)
-    first = make_sampler(cfg, p.train_set, 1, cfg.value_global_batch_size).micro_batch(0, 0, 0)
-    # the run's first micro-batch as its training loader gives it (data.augment included)
-    ds = StepDataset(p.train_set, t.seed, None, augment=make_augment(cfg.data.augment, p.train_set.image_keys))
-    fixed = p.collate([ds[ref] for ref in first])
-    settings = loop.LoopSettings(steps=steps, accum=1, global_batch=t.micro_batch_size, grad_clip=t.grad_clip,
-                                 kind=ctx.info.kind, device=ctx.info.device, world_size=1, rank=0,
-                                 stop_on_nonfinite=False, log_every=steps)
-
-    def on_step(record: dict) -> None:  # smoke_1card's step line
-        ctx.log(f"smoke step {record['step']}/{steps}: loss {record['loss']:.5f} "
-                f"grad_norm {record['grad_norm']:.4f} {record['step_time_s']:.3f} s")
-
-    records = loop.run(p.model, optimizer, scheduler, task, (dict(fixed) for _ in itertools.count()),
-                       settings, start_step=0, on_step=on_step)
-    losses = [r["loss"] for r in records]
-    grad_norms = [r["grad_norm"] for r in records]
-    checks = training_checks(losses, grad_norms)
-    return {"losses": losses, "grad_norms": grad_norms, "checks": checks,
-            "passed": all(c["passed"] for c in checks)}
-
-
-def run_value_smoke(ctx: Context) -> int:
-    """The `smoke_value` stage: the value model's first `smoke.steps` optimizer steps on one
-    device, before `train_value` takes every device (as smoke_1card gates train_8card). Writes
-    `value_smoke/report.json` (losses, gradient norms, the checks, `passed`); exit 3 when a check
-    fails, with what failed."""
-    cfg = ctx.cfg
-    t0 = time.perf_counter()
-    result = smoke_value_steps(ctx)
-    failed = [c for c in result["checks"] if not c["passed"]]
-    report = {**result, "stage": ctx.stage, "iteration": cfg.iteration, "device": str(ctx.info.device),
-              "micro_batch_size": cfg.train.micro_batch_size, "precision": cfg.train.precision,
-              "wall_time_s": round(time.perf_counter() - t0, 2),
-              "messages": [f"{c['name']}: {c.get('detail', 'failed')}" for c in failed]}
-    if ctx.is_main:
-        with atomic_dir(cfg.results("value_smoke")) as tmp:
-            write_json_atomic(tmp / "report.json", report)
-    if failed:
-        print("error: smoke_value failed:\n  - " + "\n  - ".join(report["messages"])
-              + "\n  (lower recap.value_lr / recap.value_head_lr, or check the dataset's returns)", flush=True)
-        return 3
-    ctx.log(f"passed: losses {', '.join(f'{x:.4g}' for x in result['losses'])}")
-    return 0

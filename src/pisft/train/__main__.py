@@ -2,7 +2,7 @@
 
 Started by torchrun (through `python -m pisft launch STAGE`), never by hand: torchrun sets
 RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous. The stage's function comes from the stage
-table (pisft.workflow.stages): it gets the process's Context inside the process group and the
+table (pisft.stages): it gets the process's Context inside the process group and the
 fused attention kernels. Exit status: 0 done, 2 a user-caused error (message printed), 3 the
 smoke report failed a check.
 """
@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from pisft import config as config_mod
 from pisft.errors import PisftError, stop_on_termination
-from pisft.workflow.stages import STAGES, TRAINING_STAGES
+from pisft.stages import STAGES, TRAINING_STAGES
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -36,7 +36,7 @@ def run_stage(stage: str, cfg: config_mod.PisftConfig) -> int:
 
     from pisft.train.attention import fused_joint_attention
     from pisft.train.launch import world_size_for
-    from pisft.train.stage import setup_process
+    from pisft.train.job import setup_process
 
     ctx = setup_process(cfg, stage, world_size_for(stage, cfg))
     try:

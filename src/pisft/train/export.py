@@ -42,26 +42,26 @@ def export_model(ctx: Any, built: Any, metrics_log: Any, summary: dict, resolved
     applied = getattr(built, "trainable", None)
     spec = applied.spec if applied is not None else None
     if not ctx.is_main:
-        export_weights.write_policy_weights(built.policy, built.base_dir / WEIGHTS_FILE, None, is_main=False)
+        export_weights.write_policy_weights(built.model, built.base_dir / WEIGHTS_FILE, None, is_main=False)
         if spec is not None:
-            export_weights.write_adapter(built.policy, spec, built.base_dir, None, is_main=False)
+            export_weights.write_adapter(built.model, spec, built.base_dir, None, is_main=False)
         return
     if applied is not None:
-        model_info(built.policy)["trainable"] = applied.record()
+        model_info(built.model)["trainable"] = applied.record()
     with disk_space.export_room(ctx.cfg.results("train"), None, what="export of the trained model",
                                 checkpoints=lambda: latest_checkpoint_text(ctx.cfg, ctx.stage),
-                                extra_bytes=disk_space.model_bytes(built.policy)
+                                extra_bytes=disk_space.model_bytes(built.model)
                                 + dir_bytes(built.base_dir / "tokenizer")), \
             atomic_dir(ctx.cfg.results("train")) as tmp:
         model_dir = tmp / "model"
         model_dir.mkdir()
-        save_model(built.policy, model_dir, tokenizer_dir=built.base_dir / "tokenizer",
+        save_model(built.model, model_dir, tokenizer_dir=built.base_dir / "tokenizer",
                    dataset_stats=built.stats,
                    write_weights=lambda path: export_weights.write_policy_weights(
-                       built.policy, built.base_dir / WEIGHTS_FILE, path, is_main=True))
+                       built.model, built.base_dir / WEIGHTS_FILE, path, is_main=True))
         if spec is not None:
-            export_weights.write_adapter(built.policy, spec, built.base_dir, tmp / ADAPTER_DIR, is_main=True,
-                                         policy_config=built.policy.config)
+            export_weights.write_adapter(built.model, spec, built.base_dir, tmp / ADAPTER_DIR, is_main=True,
+                                         policy_config=built.model.config)
         # how prompts were conditioned: the dataset's record, or the RECAP iteration's labels
         if ctx.cfg.iteration and built.conditioning is not None:
             built.conditioning.write(model_dir / CONDITIONING_FILE)

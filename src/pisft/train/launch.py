@@ -31,6 +31,7 @@ from pathlib import Path
 from pisft import device as devices
 from pisft.config import PisftConfig, flatten, resolved
 from pisft.errors import PisftError, Terminated
+from pisft.stages import STAGES
 from pisft.train import guard
 
 # Settings of the smoke run that must match the training run for its report to be meaningful.
@@ -54,26 +55,26 @@ def split_endpoint(endpoint: str) -> tuple[str, str]:
     return host, port
 
 
-# The smoke gates: one process on one device (the stage table's `one_process` rows; a test keeps
-# the two in step, since the launcher sits below the table's layer).
-ONE_PROCESS = ("smoke_1card", "smoke_value")
+def one_process(stage: str) -> bool:
+    """A smoke gate: one process on one device (the stage table's `one_process`)."""
+    return STAGES[stage].one_process
 
 
 def nproc_for(stage: str, cfg: PisftConfig) -> int:
     """Processes per node: a smoke gate runs one process on one node."""
-    return 1 if stage in ONE_PROCESS else cfg.train.nproc_per_node
+    return 1 if one_process(stage) else cfg.train.nproc_per_node
 
 
 def world_size_for(stage: str, cfg: PisftConfig) -> int:
     """Processes in all: what `python -m pisft.train` checks torchrun started."""
-    return 1 if stage in ONE_PROCESS else cfg.world_size
+    return 1 if one_process(stage) else cfg.world_size
 
 
 def torchrun_command(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str],
                      log_dir: Path) -> list[str]:
     t = cfg.train
     cmd = [sys.executable, "-m", "torch.distributed.run"]
-    if stage in ONE_PROCESS or t.nnodes == 1:
+    if one_process(stage) or t.nnodes == 1:
         cmd += ["--standalone", "--nnodes", "1"]
     else:
         host, port = split_endpoint(t.rdzv_endpoint)
@@ -89,15 +90,16 @@ def torchrun_command(stage: str, cfg: PisftConfig, config_path: str, overrides: 
     return cmd
 
 
-# The gate each training stage needs passed first: its smoke stage and report.
-GATES = {"train_8card": ("smoke_1card", ("smoke", "report.json")),
-         "train_value": ("smoke_value", ("value_smoke", "report.json"))}
+def gate_report(cfg: PisftConfig, gate: str) -> Path:
+    """The report a smoke gate writes: its stage's (only) output."""
+    return cfg.results(STAGES[gate].outputs[0])
 
 
 def check_gate_report(cfg: PisftConfig, stage: str) -> dict:
-    """A training stage needs its smoke gate's report, passed."""
-    gate, parts = GATES[stage]
-    path = cfg.results(*parts)
+    """A training stage needs its smoke gate's report (the stage table's `gate`), passed."""
+    gate = STAGES[stage].gate
+    assert gate is not None, stage
+    path = gate_report(cfg, gate)
     if not path.is_file():
         raise PisftError(f"{stage}: {path} not found; run {gate} first "
                          f"(`python -m pisft launch {gate}`, or let the workflow do it)")
@@ -142,10 +144,6 @@ def _describe_exit(code: str) -> str:
             return f"killed by signal {-n}"
     return {2: "stopped with a configuration/input error (exit code 2)",
             3: "smoke check failed (exit code 3)"}.get(n, f"exit code {n}")
-
-
-# Training stages that checkpoint and resume (the smoke run does neither).
-RESUMABLE = ("train_8card", "train_value")
 
 
 def _latest_checkpoint(cfg: PisftConfig, stage: str = "train_8card") -> str:
@@ -247,14 +245,14 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
                          f"{devices.device_count(kind)} are visible; lower train.nproc_per_node")
     if stage == "train_8card":
         check_smoke_report(cfg)
-    elif stage in GATES:
+    elif STAGES[stage].gate:
         check_gate_report(cfg, stage)
     stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     log_dir = cfg.results("logs", stage, stamp)
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = torchrun_command(stage, cfg, config_path, overrides, log_dir)
     env = devices.process_env(kind, nproc_per_node=nproc, force_threads=True)
-    print(f"[launch] {stage}: {nproc} process(es) × {1 if stage in ONE_PROCESS else cfg.train.nnodes} "
+    print(f"[launch] {stage}: {nproc} process(es) × {1 if one_process(stage) else cfg.train.nnodes} "
           f"node(s) on {kind}; logs in {log_dir}", file=sys.stderr, flush=True)
     rc, output = _run_tee(cmd, env, log_dir / "launcher.log")
     if rc == 0:
@@ -266,13 +264,13 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
         lines.append(f"rank {f.rank} (local rank {f.local_rank}) {_describe_exit(f.exitcode)}; {where}")
     if not failures:
         lines.append(f"torchrun output: {log_dir / 'launcher.log'}")
-    if stage in RESUMABLE:
+    if STAGES[stage].resumable:
         lines.append(_latest_checkpoint(cfg, stage))
         lines.append(f"Rerun the same command (`snakemake --cores all {stage}`, `dvc repro "
                      f"{stage}` or `python -m pisft launch {stage} ...`) to resume.")
     else:
         report = (cfg.results("logs", "smoke_1card", "report.json") if stage == "smoke_1card"
-                  else cfg.results(*next(parts for gate, parts in GATES.values() if gate == stage)))
+                  else gate_report(cfg, stage))
         lines.append(f"smoke report (if written): {report}")
     print("error: " + "\n  ".join(lines), file=sys.stderr, flush=True)
-    return 3 if stage in ONE_PROCESS and any(f.exitcode == "3" for f in failures) else 1
+    return 3 if one_process(stage) and any(f.exitcode == "3" for f in failures) else 1

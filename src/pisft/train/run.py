@@ -26,7 +26,7 @@ from pisft.train.export import export_model
 from pisft.train.fsdp import sharding_report
 from pisft.train.guard import RunLock, RunLockHeld
 from pisft.train.metrics import MetricsLog, Progress, TensorBoardSink
-from pisft.train.stage import (
+from pisft.train.job import (
     Built,
     Context,
     build,
@@ -132,10 +132,10 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
     accum = plan.global_batch // (t.micro_batch_size * ctx.world_size)
     start_step = 0
     resumed_from = None
-    ema = make_ema(built.policy, plan.ema_decay)  # the loaded weights, before any step (openpi)
+    ema = make_ema(built.model, plan.ema_decay)  # the loaded weights, before any step (openpi)
     found = ckpt.find_resume()
     if found is not None:
-        state = ckpt.load(found, built.policy, built.optimizer, scheduler, ema=ema)
+        state = ckpt.load(found, built.model, built.optimizer, scheduler, ema=ema)
         start_step = int(state["step"])
         resumed_from = {"path": str(found.path), "step": start_step,
                         "world_size": state.get("world_size")}
@@ -186,12 +186,12 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
                 tb.write(record)
 
     def save(step: int) -> None:
-        path = ckpt.save(step, built.policy, built.optimizer, scheduler, ema=ema)
+        path = ckpt.save(step, built.model, built.optimizer, scheduler, ema=ema)
         ctx.log(f"checkpoint {path}")
 
     settings = loop_settings(ctx, peak, steps=plan.steps, global_batch=plan.global_batch)
     try:
-        loop.run(built.policy, built.optimizer, scheduler, built.task, iter(loader), settings,
+        loop.run(built.model, built.optimizer, scheduler, built.task, iter(loader), settings,
                  start_step=start_step, on_step=on_step, save=save, ema=ema)
     except loop.NonFiniteError as exc:
         raise PisftError(
@@ -205,7 +205,7 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
         if tb is not None:
             tb.close()
 
-    report = sharding_report(built.policy, built.optimizer, built.units)
+    report = sharding_report(built.model, built.optimizer, built.units)
     summary = {
         "stage": plan.stage,
         "steps": plan.steps,
@@ -219,12 +219,12 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
         "environment": env_summary(),
     }
     if ema is not None:  # the exported model is the average (openpi's checkpoints hand it out)
-        ema.copy_to(built.policy)
+        ema.copy_to(built.model)
     summary["weights"] = ema_record(ema)
     summary["augment"] = augment_record(augment)
-    if hasattr(built.policy, "pisft_model_info"):  # the policy's pisft_model.json says which
-        built.policy.pisft_model_info["weights"] = ema_record(ema)
-        built.policy.pisft_model_info["augment"] = augment_record(augment)
+    if hasattr(built.model, "pisft_model_info"):  # the policy's pisft_model.json says which
+        built.model.pisft_model_info["weights"] = ema_record(ema)
+        built.model.pisft_model_info["augment"] = augment_record(augment)
     plan.export(ctx, built, metrics_log, summary, resolved)
     dist.barrier()
     ctx.log(f"done: {plan.output}")

@@ -31,9 +31,9 @@ from pathlib import Path
 
 from pisft.config import PisftConfig
 from pisft.errors import PisftError
-from pisft.workflow.stages import DVC_WRAPPER
+from pisft.stages import DVC_WRAPPER
 
-WRAPPER = DVC_WRAPPER  # the stage table's (pisft.workflow.stages)
+WRAPPER = DVC_WRAPPER  # the stage table's (pisft.stages)
 BENCHMARK_COLUMNS = ("s", "h:m:s", "max_rss", "max_vms", "max_uss", "max_pss", "io_in", "io_out",
                      "mean_load", "cpu_time")
 

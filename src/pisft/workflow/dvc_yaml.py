@@ -33,7 +33,7 @@ from pathlib import Path
 import yaml
 
 from pisft import config as pisft_config
-from pisft.workflow.stages import DVC_WRAPPER as WRAPPER
+from pisft.stages import DVC_WRAPPER as WRAPPER
 from pisft.workflow.snakemake_rules import RuleSpec, load_workflow
 
 VARS_FILE = pisft_config.DEFAULT_CONFIG.as_posix()
@@ -60,7 +60,7 @@ def _local(path_text: str) -> bool:
 
 def shape(cfg: pisft_config.PisftConfig) -> str:
     """What of the config changes dvc.yaml's structure (paths do not: they are templates)."""
-    from pisft.workflow.stages import code_deps
+    from pisft.stages import code_deps
 
     lock = code_deps("fetch_base", cfg.device)[-1]
     return (f"model.source={'local' if _local(cfg.model.source) else cfg.model.source.split(':')[0]} "

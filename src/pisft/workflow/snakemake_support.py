@@ -12,7 +12,7 @@ import yaml
 
 from pisft import config as pisft_config
 from pisft.io import write_text_atomic
-from pisft.workflow.stages import STAGES, code_deps
+from pisft.stages import STAGES, code_deps
 
 DEFAULT_FILE = pisft_config.DEFAULT_CONFIG.as_posix()
 

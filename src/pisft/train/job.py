@@ -3,7 +3,7 @@
 Both training stages (`smoke_1card`, `train_8card`; `python -m pisft.train` dispatches) load
 the base model (strictly) from `results/base_model`, the processors with the dataset's
 normalisation stats, the train split of `results/dataset`, shard the policy with FSDP2 and run
-the same optimizer-step loop (`pisft.train.smoke`, `pisft.train.run`).
+the same optimizer-step loop (`pisft.gates.smoke`, `pisft.train.run`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def conditioning_of(cfg: PisftConfig, dataset_dir: Path):
 
 @dataclass
 class Built:
-    policy: nn.Module  # the trained module: the pi0.5 policy (or the RECAP value model)
+    model: nn.Module  # the trained module: the pi0.5 policy, or the RECAP value model (ValueBuilt)
     task: PolicyTask  # (or pisft.recap.value_task.ValueTask: the loop's Task protocol)
     train_set: Any
     stats: dict

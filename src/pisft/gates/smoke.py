@@ -38,7 +38,7 @@ from pisft.device import hccl_buffer_bytes
 from pisft.io import atomic_dir, write_json_atomic
 from pisft.train import loop
 from pisft.train.batches import StepDataset
-from pisft.train.stage import Context, build, env_summary, make_sampler, peak_flops
+from pisft.train.job import Context, build, env_summary, make_sampler, peak_flops
 
 SMOKE_FAILED_EXIT = 3
 
@@ -232,7 +232,7 @@ def _run_steps(ctx: Context, report: dict[str, Any]) -> SmokeRun:
         fits, report["optimizer"], report["one_card_gate"] = _adamw_fits_one_device(
             cfg, report["estimate"], gate_inputs)
         if not fits:
-            run.built.optimizer = SignDescent(run.built.policy.parameters(), lr=t.lr,
+            run.built.optimizer = SignDescent(run.built.model.parameters(), lr=t.lr,
                                               weight_decay=t.weight_decay)
         peak, report["peak_flops_source"] = peak_flops(ctx)
         run.records = _steps(ctx, run.built, peak)
@@ -265,7 +265,7 @@ def _steps(ctx: Context, built: Any, peak: float | None) -> list[dict[str, Any]]
                 f"grad_norm {record['grad_norm']:.4f} {record['step_time_s']:.3f} s")
 
     devices.reset_peak_memory(ctx.info.kind)
-    return loop.run(built.policy, built.optimizer, scheduler, built.task, batches, settings,
+    return loop.run(built.model, built.optimizer, scheduler, built.task, batches, settings,
                     start_step=0, on_step=on_step)
 
 
@@ -336,7 +336,7 @@ def project_memory(peak_one: int, state_bytes: int, n_target: int,
 
 
 def _memory_projection(ctx: Context, run: SmokeRun, report: dict[str, Any]) -> dict[str, Any]:
-    policy, optimizer = run.built.policy, run.built.optimizer
+    policy, optimizer = run.built.model, run.built.optimizer
     fields: dict[str, Any] = {}
     adam = 0
     if isinstance(optimizer, SignDescent):

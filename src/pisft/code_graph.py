@@ -1,0 +1,103 @@
+"""Which of pisft's source files a module runs: its imports, read from the source (nothing imported).
+
+A stage's code dependencies are the files its entry point reaches through imports
+(`pisft.stages.code_deps`), so an edit reruns the stages that run the edited file and no other,
+and the list follows the code as it moves. Every `import` counts, inside functions too (a
+function's import is code the stage may run); the package `__init__.py` files above a module run
+when it is imported, so they count as well. Each file is read with `ast` once per process, when
+first reached, deterministically: sorted, from the files alone.
+
+Imports through `importlib.import_module` are not followed: pisft uses them for the stage
+function of a row (named by the row itself), optional vendor packages (torch_npu) and the
+benchmarks' registry; none of them names a pisft module a stage would otherwise miss.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1]  # the folder that holds the pisft package
+
+
+def module_name(path: Path, src: Path = SRC) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def _files(src: Path) -> dict[str, Path]:
+    return {module_name(p, src): p for p in sorted((src / "pisft").rglob("*.py")) if "__pycache__" not in p.parts}
+
+
+def _imports(tree: ast.AST, name: str, is_package: bool, top_level: bool) -> set[str]:
+    package = name if is_package else name.rpartition(".")[0]
+    nodes = tree.body if top_level else ast.walk(tree)  # type: ignore[attr-defined]
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            found.add(base)  # `from pisft.x import y`: pisft.x runs, and y if it is a module
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+@cache
+def _tree(src: Path, name: str) -> ast.Module:
+    path = _files(src)[name]
+    return ast.parse(path.read_text(), str(path))
+
+
+@cache
+def imports_of(name: str, src: Path = SRC, top_level: bool = False) -> frozenset[str]:
+    """The pisft modules `name` imports (with `top_level`, at module level only); parsed on demand."""
+    files = _files(src)
+
+    def known(target: str) -> str | None:
+        while target and target not in files:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    found = {known(t) for t in _imports(_tree(src, name), name, files[name].name == "__init__.py", top_level)}
+    return frozenset(t for t in found if t and t != name and t.startswith("pisft"))
+
+
+def graph(src: Path = SRC, top_level: bool = False) -> dict[str, frozenset[str]]:
+    """module -> the pisft modules it imports (with `top_level`, at module level only)."""
+    return {name: imports_of(name, src, top_level) for name in _files(src)}
+
+
+def _with_packages(modules: set[str]) -> set[str]:
+    """The modules and every package above them (importing pisft.a.b runs pisft/__init__ and pisft/a/__init__)."""
+    out = set(modules)
+    for m in modules:
+        parts = m.split(".")
+        out.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return out
+
+
+def reach(starts: tuple[str, ...], src: Path = SRC, top_level: bool = False) -> set[str]:
+    """The pisft modules `starts` run, themselves included."""
+    files = _files(src)
+    seen: set[str] = set()
+    todo = list(_with_packages(set(starts)))
+    while todo:
+        m = todo.pop()
+        if m in seen or m not in files:
+            continue
+        seen.add(m)
+        todo.extend(t for t in _with_packages(set(imports_of(m, src, top_level))) if t not in seen)
+    return seen
+
+
+def files_of(modules: set[str], src: Path = SRC) -> list[str]:
+    """The modules' source files, relative to the project root (src's parent), sorted."""
+    files = _files(src)
+    root = src.parent
+    return sorted(files[m].relative_to(root).as_posix() for m in modules if m in files)
