@@ -97,6 +97,7 @@ def test_launcher_passes_device_environment(tmp_path, monkeypatch, capsys):
     assert seen["env"]["JAX_PLATFORMS"] == "cpu"
     err = capsys.readouterr().err
     assert "rank 1 (local rank 1) killed by SIGKILL" in err
+    assert "out-of-memory killer" in err  # a SIGKILL nobody sent is the kernel's OOM killer: the message says so
     assert "no complete checkpoint yet" in err and "Rerun the same command" in err
 
 

@@ -139,9 +139,13 @@ def _describe_exit(code: str) -> str:
     n = int(code)
     if n < 0:
         try:
-            return f"killed by {signal.Signals(-n).name} (exit code {n})"
+            name = signal.Signals(-n).name
         except ValueError:
             return f"killed by signal {-n}"
+        if name == "SIGKILL":  # nothing in the trainer sends it: a user, a scheduler or the kernel did
+            return (f"killed by SIGKILL (exit code {n}; when nobody sent it, the kernel's out-of-memory killer "
+                    "did: `dmesg | grep -i 'killed process'`, and `python -m pisft estimate` for the memory a step needs)")
+        return f"killed by {name} (exit code {n})"
     return {2: "stopped with a configuration/input error (exit code 2)",
             3: "smoke check failed (exit code 3)"}.get(n, f"exit code {n}")
 
