@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from pisft import config as pisft_config
+from pisft import layout
 from pisft.workflow import snakemake_support as support
 from pisft.workflow.stages import STAGES, rule_name
 
@@ -66,4 +67,4 @@ def at(k, *parts):
 def value_start(k):
     """What iteration k's value model starts from (recap.value_init: the base model, or
     policy k-1 with `previous`), as smoke_value and train_value load it."""
-    return str(CFG.at_iteration(k).value_init_model())
+    return str(layout.value_init_model(CFG.at_iteration(k)))
