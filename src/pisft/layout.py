@@ -35,7 +35,7 @@ RETURNS_FILE = "returns.parquet"  # beside a converted dataset: each frame's ret
 LABELS_FILE = "labels.parquet"  # in the advantages folder: each frame's advantage label
 METRICS_FILE = "metrics.json"  # an evaluation's (eval, closed_loop) and the RECAP summary's figures
 TRAIN_METRICS_FILE = "metrics.jsonl"  # a training run's per-step metrics
-REPORT_FILE = "report.json"  # the smoke stage's report
+REPORT_FILE = "report.json"  # a smoke gate's report (smoke_1card, smoke_value)
 
 
 class Run(Protocol):
@@ -78,6 +78,10 @@ class Iteration:
     def value_smoke(self) -> Path:
         """smoke_value: the value model's gate report."""
         return self.root / "value_smoke"
+
+    @property
+    def value_smoke_report(self) -> Path:
+        return self.value_smoke / REPORT_FILE
 
     @property
     def value(self) -> Path:
@@ -149,6 +153,11 @@ class Iteration:
         """The stages' own logs (one folder per stage)."""
         return self.root / "logs"
 
+    def stage_logs(self, stage: str) -> Path:
+        """One stage's logs (a launched stage: one folder per start; smoke_1card: its report too,
+        written even when the gate fails)."""
+        return self.logs / stage
+
 
 def iteration(cfg: Run, k: int | None = None) -> Iteration:
     """The folders of RECAP iteration k (default: the one cfg's stages run for). An iteration
@@ -184,11 +193,6 @@ def smoke(cfg: Run) -> Path:
 
 def smoke_report(cfg: Run) -> Path:
     return smoke(cfg) / REPORT_FILE
-
-
-def smoke_log_report(cfg: Run) -> Path:
-    """smoke_1card's report, also kept among the logs (written even when the gate fails)."""
-    return Path(cfg.results_dir, "logs", "smoke_1card", REPORT_FILE)
 
 
 def benchmarks(cfg: Run) -> Path:

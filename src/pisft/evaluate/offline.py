@@ -255,7 +255,6 @@ def run(cfg: config_mod.PisftConfig) -> dict:
     if not _holds_episodes_out(cfg):
         return write_not_run(cfg)
     metrics, accs, info = evaluate_models(cfg)
-    results_dir = Path(cfg.results_dir)
     records = train_log.read_metrics(layout.iteration(cfg).train_metrics)
     closed = closed_loop_results(cfg)
     with atomic_dir(layout.iteration(cfg).eval) as out:
@@ -275,7 +274,7 @@ def run(cfg: config_mod.PisftConfig) -> dict:
         write_json_atomic(out / "eval_info.json", info)
         resolved = config_mod.resolved(cfg)
         text = report.build(metrics=metrics, eval_info=info, train_summary=train_log.summary(records),
-                            run_info=run_info.collect(results_dir),
+                            run_info=run_info.collect(cfg),
                             plots={k: (p.name if p else None) for k, p in made.items()},
                             resolved_config=resolved, closed_loop=closed,
                             per_dim=[{k: (v if k == "dim" else float(v or "nan")) for k, v in row.items()}

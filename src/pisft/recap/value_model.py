@@ -43,10 +43,10 @@ from torch import nn
 
 from pisft.errors import ModelLoadError
 from pisft.model import lerobot_internals as internals
+from pisft.model.sources import WEIGHTS_FILE
 
 V_MIN, V_MAX = -1.0, 0.0
 CONFIG_FILE = "value_model.json"
-WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
 TOKENS_KEY = "tokens"
 TOKEN_MASK_KEY = "token_mask"

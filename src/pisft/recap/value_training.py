@@ -53,7 +53,7 @@ from pisft.config import PisftConfig
 from pisft.data.augment import make_augment
 from pisft.errors import PisftError
 from pisft.io import atomic_dir, sha256_file, write_json_atomic
-from pisft.layout import RETURNS_FILE, SPLIT_FILE
+from pisft.layout import REPORT_FILE, RETURNS_FILE, SPLIT_FILE
 from pisft.recap import value_metrics, value_model
 from pisft.train.run_folders import latest_checkpoint_text, value_fingerprint
 from pisft.recap.value_data import PromptCollate, ReturnRange, ValueFrames, read_returns
@@ -302,7 +302,7 @@ def run_value_smoke(ctx: Context) -> int:
               "messages": [f"{c['name']}: {c.get('detail', 'failed')}" for c in failed]}
     if ctx.is_main:
         with atomic_dir(layout.iteration(cfg).value_smoke) as tmp:
-            write_json_atomic(tmp / "report.json", report)
+            write_json_atomic(tmp / REPORT_FILE, report)
     if failed:
         print("error: smoke_value failed:\n  - " + "\n  - ".join(report["messages"])
               + "\n  (lower recap.value_lr / recap.value_head_lr, or check the dataset's returns)", flush=True)

@@ -128,6 +128,7 @@ SHARED_CODE = (
     "src/pisft/__main__.py",
     "src/pisft/cli.py",
     "src/pisft/config.py",
+    "src/pisft/layout.py",  # every path under results/ is named through it
     "src/pisft/device.py",
     "src/pisft/disk_space.py",  # every stage's writes name a full disk through it
     "src/pisft/errors.py",
