@@ -1,6 +1,6 @@
 """The results layout: every path under `results_dir`, named by what it is.
 
-Each stage writes one folder of `results_dir` (README, "Outputs"). The folders of one RECAP
+Each stage writes one folder of `results_dir` (README, "The stages"). The folders of one RECAP
 iteration (`ITERATION_FOLDERS`: its rollouts, converted pool, value model, advantages, policy,
 checkpoints, evaluations and logs) are at iteration 0 (the SFT run) those of `results_dir`
 itself and at iteration k >= 1 those of `results_dir/recap/iter_<k>/`; the rest is shared by
@@ -31,7 +31,7 @@ RECAP_FOLDER = "recap"  # the RECAP summary, and the iterations k >= 1 beside it
 
 # Files inside a stage's folder that more than one module names.
 SPLIT_FILE = "split.json"  # in a converted dataset: the train/eval episode split
-RETURNS_FILE = "returns.parquet"  # beside a converted dataset: each frame's return (the value model learns it)
+RETURNS_FILE = "returns.parquet"  # in a converted dataset: each frame's return (the value model learns it)
 LABELS_FILE = "labels.parquet"  # in the advantages folder: each frame's advantage label
 METRICS_FILE = "metrics.json"  # an evaluation's (eval, closed_loop) and the RECAP summary's figures
 TRAIN_METRICS_FILE = "metrics.jsonl"  # a training run's per-step metrics
