@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from pisft import config as C
+from pisft import layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -251,12 +252,12 @@ def test_the_value_model_starts_from_the_base_model_unless_recap_value_init_says
     loop = {"results_dir": "r", "eval": {"closed_loop": True, "trials_per_task": 1}}
     cfg = C.from_dict({**loop, "recap": {"iterations": 2}})
     assert cfg.recap.value_init == "base"  # RLinf's value model starts from the pretrained backbone
-    assert [cfg.at_iteration(k).value_init_model() for k in (0, 1, 2)] == [Path("r/base_model")] * 3
-    assert cfg.at_iteration(2).init_model() == Path("r/recap/iter_1/train/model")  # recap.init: its own key
+    assert [layout.value_init_model(cfg.at_iteration(k)) for k in (0, 1, 2)] == [Path("r/base_model")] * 3
+    assert layout.init_model(cfg.at_iteration(2)) == Path("r/recap/iter_1/train/model")  # recap.init: its own key
     prev = C.from_dict({**loop, "recap": {"iterations": 2, "value_init": "previous", "init": "base"}})
-    assert [prev.at_iteration(k).value_init_model() for k in (1, 2)] == [
+    assert [layout.value_init_model(prev.at_iteration(k)) for k in (1, 2)] == [
         Path("r/train/model"), Path("r/recap/iter_1/train/model")]
-    assert prev.at_iteration(2).init_model() == Path("r/base_model")
+    assert layout.init_model(prev.at_iteration(2)) == Path("r/base_model")
     with pytest.raises(C.ConfigError, match=r"recap.value_init: 'policy' is not one of base, previous"):
         C.from_dict({**loop, "recap": {"iterations": 1, "value_init": "policy"}})
 
@@ -268,7 +269,7 @@ def test_a_recap_iteration_sees_its_own_folders_and_retraining_length():
     assert it2.results("train", "model") == Path("r/recap/iter_2/train/model")
     assert it2.results("base_model") == Path("r/base_model")  # shared
     assert it2.results("smoke", "report.json") == Path("r/smoke/report.json")  # iteration 0's gate
-    assert it2.init_model() == Path("r/recap/iter_1/train/model")  # recap.init: previous
+    assert layout.init_model(it2) == Path("r/recap/iter_1/train/model")  # recap.init: previous
     assert it2.train.steps == 60 and cfg.train.steps == 150  # a copy: iteration 0 keeps its own
     assert cfg.at_iteration(0).train.steps == 150
     with pytest.raises(C.ConfigError, match="iterations 0..2 exist"):

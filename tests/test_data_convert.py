@@ -351,8 +351,9 @@ def test_a_pool_of_typed_sources_trains_together_with_returns_per_type(tmp_path)
     import pyarrow.parquet as pq
 
     from pisft.config import DataSource
-    from pisft.data.convert import RETURNS_FILE, Returns
+    from pisft.data.convert import Returns
     from pisft.data.rlinf_recap import episode_returns
+    from pisft.layout import RETURNS_FILE
 
     demos = make_recap(tmp_path / "demos", n_tasks=2, per_task=2, length=8, failure_fraction=0.0)
     rollouts = make_recap(tmp_path / "rollouts", n_tasks=2, per_task=3, length=10, failure_fraction=0.34, seed=3)

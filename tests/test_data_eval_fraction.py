@@ -27,10 +27,10 @@ def test_eval_fraction_zero_holds_nothing_out_and_is_valid():
 
 def test_a_recap_pool_is_split_for_the_value_model_only():
     cfg = config_mod.from_dict({"data": {"eval_fraction": 0.3}, "recap": {"holdout_fraction": 0.1}})
-    assert Options.from_config(cfg).eval_fraction == 0.3  # the SFT dataset: data.eval_fraction
-    assert Options.from_config(cfg.at_iteration(0)).eval_fraction == 0.3
+    assert Options.from_config(cfg).data.eval_fraction == 0.3  # the SFT dataset: data.eval_fraction
+    assert Options.from_config(cfg.at_iteration(0)).data.eval_fraction == 0.3
     cfg.recap.iterations = 1
-    assert Options.from_config(cfg.at_iteration(1)).eval_fraction == 0.1  # the pool: the value model's
+    assert Options.from_config(cfg.at_iteration(1)).data.eval_fraction == 0.1  # the pool: the value model's
     assert config_mod.RecapConfig().holdout_fraction == 0.0  # by default the whole pool trains
     assert "recap.holdout_fraction" in STAGES["convert_recap"].keys_at(1)
     assert "recap.holdout_fraction" not in STAGES["convert_recap"].keys_at(0)

@@ -18,6 +18,7 @@ from data_fixtures import convert
 from test_eval_closed_loop import GoalSeekingPolicy, StandInSimulator, StandInTask
 
 from pisft import config as C
+from pisft import layout
 from pisft.data import demo
 from pisft.data.images import decode_png
 from pisft.errors import PisftError
@@ -165,7 +166,7 @@ def test_initial_states_and_seeds_are_disjoint_from_the_evaluations_and_recorded
     assert eps[0]["policy_seed"] == closed_loop.episode_seed(SEED, "libero_10", 0, 3)
     evaluation = {closed_loop.episode_seed(7, "libero_10", t, k) for t in (0, 1) for k in range(EVAL_TRIALS)}
     assert not {e["policy_seed"] for e in eps} & evaluation
-    assert collection["seeds"]["collect_seed"] == SEED and collection["policy_dir"] == str(cfg.policy_of(0))
+    assert collection["seeds"]["collect_seed"] == SEED and collection["policy_dir"] == str(layout.policy(cfg, 0))
     assert collection["suite"] == "libero_10" and collection["max_steps"] == 24
     assert [(t["task_id"], t["episodes"], t["successes"]) for t in collection["tasks"]] == [(0, 2, 2), (1, 2, 0)]
     assert all(e["error"] is None for e in eps)
@@ -260,8 +261,8 @@ def test_policy_k_minus_1_is_loaded_prompted_and_guided_as_the_evaluation_does(t
     cfg.eval.cfg_scale = 2.0
     model = write_tiny_model(tmp_path / "export")
     prompts.recap_conditioning(1, True, 0.1).write(model / prompts.CONDITIONING_FILE)
-    cfg.policy_of(0).parent.mkdir(parents=True)
-    model.rename(cfg.policy_of(0))
+    layout.policy(cfg, 0).parent.mkdir(parents=True)
+    model.rename(layout.policy(cfg, 0))
     sim = StandInSimulator(TASKS)
     threads = torch.get_num_threads()
     try:
@@ -269,7 +270,7 @@ def test_policy_k_minus_1_is_loaded_prompted_and_guided_as_the_evaluation_does(t
     finally:
         torch.set_num_threads(threads)
     # two chunks (one per 5-step episode), each the positive prompt guided against the plain task
-    assert seen == [(str(cfg.policy_of(0)), [advantage_prompt("reach 99 0 0", True)], 2.0, ["reach 99 0 0"])] * 2
+    assert seen == [(str(layout.policy(cfg, 0)), [advantage_prompt("reach 99 0 0", True)], 2.0, ["reach 99 0 0"])] * 2
     assert collection["guidance"]["guided"] and collection["cfg_scale"] == 2.0
     assert collection["prompt"]["eval_prompt"] == "positive"
     assert [e["frames"] for e in collection["episodes"]] == [5, 5]
@@ -347,8 +348,8 @@ def test_collection_in_the_real_simulator(tmp_path):
         "recap": {"iterations": 1, "suite": "libero_10", "task_ids": [0], "episodes_per_task": 2,
                   "max_steps": steps, "collect_seed": SEED}}).at_iteration(1)
     model = write_tiny_model(tmp_path / "export")
-    cfg.policy_of(0).parent.mkdir(parents=True)
-    model.rename(cfg.policy_of(0))
+    layout.policy(cfg, 0).parent.mkdir(parents=True)
+    model.rename(layout.policy(cfg, 0))
     log: list = []
     sims: list = []
 

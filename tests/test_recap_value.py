@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from train_fixtures import CONFIG, ROOT, launch_env, read_jsonl, kill_rank1_after_checkpoint
 
 from pisft import config as config_mod
+from pisft import layout
 from pisft.data.rlinf_recap import value_target
 from pisft.errors import DataError, ModelLoadError
 from pisft.recap import value_model
@@ -253,7 +254,7 @@ def test_the_value_model_starts_from_the_model_recap_value_init_names(inputs, tm
     for value_init, start, weights in (("base", tmp_path / "base_model", base_weights),
                                        ("previous", policy0, policy0_weights)):
         cfg = at_1(value_init)
-        assert cfg.value_init_model() == start
+        assert layout.value_init_model(cfg) == start
         loaded = _pieces(cfg, "train_value", torch.device("cpu"))
         assert loaded.base == start
         state = loaded.model.policy.state_dict()

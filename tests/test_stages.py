@@ -19,7 +19,7 @@ SRC = ROOT / "src"
 # (what a user or torchrun starts) sit on top (docs/development.md, "Layout").
 LAYERS = (
     ("pisft", "pisft.errors", "pisft.io", "pisft.integrity", "pisft.disk_space", "pisft.logs", "pisft.device",
-     "pisft.config", "pisft.stages", "pisft.code_graph"),
+     "pisft.config", "pisft.layout", "pisft.stages", "pisft.code_graph"),
     ("pisft.data", "pisft.model"),
     ("pisft.train", "pisft.evaluate", "pisft.serve"),
     # Tools that study the training step (memory estimate, its measurement, the collective audit,

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from pisft import config as pisft_config
+from pisft import layout
 from pisft.workflow import dvc_yaml
 from pisft.workflow.drivers import WRAPPER
 from pisft.workflow.snakemake_rules import load_workflow
@@ -73,7 +74,7 @@ def test_dvc_stages_mirror_the_rules(monkeypatch):
 
 def test_the_value_stages_declare_the_model_they_load(tmp_path, monkeypatch):
     """For recap.value_init base and previous, two iterations: the model smoke_value_k and
-    train_value_k load (`PisftConfig.value_init_model`, what `require_value_inputs` hands to the
+    train_value_k load (`pisft.layout.value_init_model`, what `require_value_inputs` hands to the
     model loader) is the one model among the rule's inputs and the DVC stage's deps, and the key
     is among the params that rerun them."""
     from pisft.stages import rule_name
@@ -91,9 +92,9 @@ def test_the_value_stages_declare_the_model_they_load(tmp_path, monkeypatch):
         cfg = pisft_config.from_dict(workflow.config)
         rules = {r.name: r for r in workflow.rules}
         dvc = yaml.safe_load(dvc_yaml.resolve(dvc_yaml.render(workflow.rules, workflow.config), workflow.config))
-        models = {"results/base_model", *(str(cfg.policy_of(j)) for j in range(3))}
+        models = {"results/base_model", *(str(layout.policy(cfg, j)) for j in range(3))}
         for k in (1, 2):
-            assert str(cfg.at_iteration(k).value_init_model()) == loads[k]
+            assert str(layout.value_init_model(cfg.at_iteration(k))) == loads[k]
             for stage in ("smoke_value", "train_value"):
                 name = rule_name(stage, k)
                 assert [i for i in rules[name].inputs if i in models] == [loads[k]], (value_init, name)

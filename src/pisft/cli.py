@@ -19,6 +19,7 @@ import importlib
 import signal
 import sys
 
+from pisft import layout
 from pisft import config as config_mod
 from pisft.errors import PisftError, Terminated, restore_handlers, stop_on_termination
 from pisft.logs import tee_output
@@ -105,8 +106,8 @@ def _summary(cfg: config_mod.PisftConfig) -> int:
 
     from pisft.bench.run import stage_times_lines
 
-    print("\n".join(stage_times_lines(cfg.results("benchmarks"))))
-    path = cfg.results("eval", "metrics.json")
+    print("\n".join(stage_times_lines(layout.benchmarks(cfg))))
+    path = layout.iteration(cfg).eval_metrics
     if not path.is_file():
         print(f"no evaluation yet ({path} missing): run `snakemake --cores all` first")
         return 1
@@ -118,7 +119,7 @@ def _summary(cfg: config_mod.PisftConfig) -> int:
         tuned = metrics.get("finetuned", {}).get("action_mse")
         print(f"held-out action MSE: base {base:.4g} -> fine-tuned {tuned:.4g}"
               + (f" ({base / tuned:.1f}x lower)" if base and tuned else ""))
-    recap = cfg.results("recap", "metrics.json")
+    recap = layout.recap_metrics(cfg)
     if cfg.recap.iterations and recap.is_file():
         rates = [(it["k"], it["closed_loop"]) for it in json.loads(recap.read_text())["iterations"]]
         print("closed-loop success per RECAP iteration: " + ", ".join(

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from pisft import layout
 from pisft.errors import PisftError
 
 DEFAULT_CONFIG = Path("config/config.yaml")
@@ -32,6 +33,12 @@ VALUE_TRAINABLE_MODES = ("all", "no_vision", "head", "lora")
 LORA_TARGETS = ("lerobot", "openpi", "rlinf")
 # data.augment: the training loaders' image augmentation (pisft.data.augment applies it).
 AUGMENTS = ("none", "openpi")
+
+
+def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
+    """Micro-batches each process runs per optimizer step: a global batch of `global_batch` samples
+    in micro-batches of `micro_batch` on `world_size` processes (the one place this is computed)."""
+    return global_batch // (micro_batch * world_size)
 
 
 class ConfigError(PisftError):
@@ -243,7 +250,7 @@ class RecapConfig:
     # Retraining at iteration k starts from the base model or from policy k-1.
     init: str = "previous"
     # What the value model of iteration k starts from: the base model (RLinf's value model starts
-    # from its pretrained backbone) or policy k-1 (`PisftConfig.value_init_model`).
+    # from its pretrained backbone) or policy k-1 (`pisft.layout.value_init_model`).
     value_init: str = "base"
     # Optimizer steps of the retraining at iteration k >= 1; 0: train.steps (the SFT run's).
     policy_steps: int = 0
@@ -281,15 +288,12 @@ class PisftConfig:
 
     @property
     def grad_accum_steps(self) -> int:
-        return self.train.global_batch_size // (self.train.micro_batch_size * self.world_size)
+        return accumulation_steps(self.train.global_batch_size, self.train.micro_batch_size, self.world_size)
 
     def results(self, *parts: str) -> Path:
-        """A path under results_dir. At iteration k >= 1 the folders an iteration owns
-        (`ITERATION_FOLDERS`) are those of `results_dir/recap/iter_<k>/`; the base model, the
-        demo data, the rules' benchmarks (one file per rule) and the RECAP summary stay shared."""
-        if self.iteration and parts and Path(parts[0]).parts[0] in ITERATION_FOLDERS:
-            return Path(self.results_dir, "recap", f"iter_{self.iteration}", *parts)
-        return Path(self.results_dir, *parts)
+        """A path under results_dir, in the current iteration's folder where `pisft.layout` puts
+        it (`layout.results`). Stages name their paths through `pisft.layout` instead."""
+        return layout.results(self, *parts)
 
     def at_iteration(self, k: int) -> PisftConfig:
         """This config as iteration k's stages see it (a copy; `iteration` set, and at k >= 1
@@ -305,37 +309,9 @@ class PisftConfig:
             out.train = dataclasses.replace(self.train, steps=self.recap.policy_steps)
         return out
 
-    def policy_of(self, k: int) -> Path:
-        """The exported policy of iteration k (0: the SFT run's)."""
-        return self.at_iteration(k).results("train", "model")
-
-    def _start_model(self, choice: str) -> Path:
-        """`base`: the base model; `previous`: at RECAP iteration k >= 1 the exported policy of k - 1."""
-        if self.iteration and choice == "previous":
-            return self.policy_of(self.iteration - 1)
-        return self.results("base_model")
-
-    def init_model(self) -> Path:
-        """The weights training starts from (`recap.init`)."""
-        return self._start_model(self.recap.init)
-
-    def value_init_model(self) -> Path:
-        """The weights the value model (train_value, smoke_value) starts from (`recap.value_init`)."""
-        return self._start_model(self.recap.value_init)
-
-    def advantage_labels(self) -> Path | None:
-        """At RECAP iteration k >= 1 the frames' advantage labels (the advantages stage); else None."""
-        return self.results("advantages", "labels.parquet") if self.iteration else None
-
     @property
     def uses_demo_data(self) -> bool:
-        return any(Path(s.path) == self.results("demo_recap") for s in data_sources(self))
-
-
-# The folders of one RECAP iteration (`PisftConfig.results`): at iteration k >= 1 they live in
-# results/recap/iter_<k>/.
-ITERATION_FOLDERS = ("rollouts", "dataset", "value_smoke", "value", "advantages", "train", "checkpoints",
-                     "closed_loop", "eval", "logs")
+        return any(Path(s.path) == layout.demo_data(self) for s in data_sources(self))
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from pisft import config as pisft_config
+from pisft import layout
 from pisft.workflow import snakemake_support as support
 from pisft.stages import STAGES, rule_name, rule_names, stage_of
 
@@ -59,14 +60,14 @@ def tracked_at(stage, k):
 
 
 def at(k, *parts):
-    """A path of iteration k (results/recap/iter_<k>/...; iteration 0: results/...)."""
-    return str(CFG.at_iteration(k).results(*parts))
+    """A path of iteration k (results/recap/iter_<k>/...; iteration 0: results/...): a stage row's output."""
+    return str(layout.results(CFG.at_iteration(k), *parts))
 
 
 def value_start(k):
     """What iteration k's value model starts from (recap.value_init: the base model, or
     policy k-1 with `previous`), as smoke_value and train_value load it."""
-    return str(CFG.at_iteration(k).value_init_model())
+    return str(layout.value_init_model(CFG.at_iteration(k)))
 
 
 # How Snakemake's report shows an output (Snakemake only: dvc.yaml has no report):
@@ -100,7 +101,7 @@ def outputs_of(stage, k, rule_id):
     row = STAGES[stage]
     unnamed, named = [], {}
     for name, out in row.named_outputs():
-        path = f"{RESULTS}/{out}" if k == 0 else at(k, out)
+        path = at(k, out)
         if row.is_directory(out):
             path = directory(path)
         if rule_id in REPORTED and out in REPORT:

@@ -14,9 +14,13 @@
 # clean-up of a failed job never deletes them, and rerunning the target resumes from the latest.
 
 
-def R(*parts):
-    """A path under results_dir (the SFT run's, and what every iteration shares)."""
-    return "/".join((RESULTS, *parts))
+def it(k):
+    """The folders of iteration k (pisft.layout names every path under results_dir)."""
+    return layout.iteration(CFG, k)
+
+
+def paths(*items):
+    return [str(p) for p in items]
 
 
 def inputs(stage, k):
@@ -26,47 +30,42 @@ def inputs(stage, k):
     if stage == "demo_recap":
         return []
     if stage == "collect_rollouts":
-        return [at(k - 1, "train", "model")]
+        return paths(it(k - 1).trained_model)
     if stage == "convert_recap":
-        return [*SOURCES, *[at(j, "rollouts") for j in range(1, k + 1)]]
+        return [*SOURCES, *paths(*[it(j).rollouts for j in range(1, k + 1)])]
     if stage == "smoke_1card":
-        return [R("base_model"), R("dataset")]
+        return paths(layout.base_model(CFG), it(0).dataset)
     if stage in ("smoke_value", "train_value"):
-        gate = [at(k, "value_smoke", "report.json")] if stage == "train_value" else []
-        return [value_start(k), at(k, "dataset"), *gate]
+        gate = [it(k).value_smoke_report] if stage == "train_value" else []
+        return [value_start(k), *paths(it(k).dataset, *gate)]
     if stage == "advantages":
-        return [at(k, "dataset"), at(k, "value")]
+        return paths(it(k).dataset, it(k).value)
     if stage == "train_8card":
         if k == 0:
-            return [R("base_model"), R("dataset"), R("smoke", "report.json")]
-        start = (
-            R("base_model") if CFG.recap.init == "base" else at(k - 1, "train", "model")
-        )
-        # the same step shape: iteration 0's smoke gate
-        return [start, at(k, "dataset"), at(k, "advantages"), R("smoke", "report.json")]
+            return paths(layout.base_model(CFG), it(0).dataset, layout.smoke_report(CFG))
+        # what iteration k starts from (recap.init), and the same step shape: iteration 0's smoke gate
+        start = layout.init_model(CFG.at_iteration(k))
+        return paths(start, it(k).dataset, it(k).advantages, layout.smoke_report(CFG))
     if stage == "closed_loop":
-        return [R("train", "model") if k == 0 else at(k, "train", "model")]
+        return paths(it(k).trained_model)
     if stage == "evaluate":
-        closed = [R("closed_loop", "metrics.json")] if CFG.eval.closed_loop else []
-        return [
-            R("base_model"),
-            R("dataset"),
-            R("train", "model"),
-            R("train", "metrics.jsonl"),
+        closed = [it(0).closed_loop_metrics] if CFG.eval.closed_loop else []
+        return paths(
+            layout.base_model(CFG),
+            it(0).dataset,
+            it(0).trained_model,
+            it(0).train_metrics,
             *closed,
-        ]
+        )
     if stage == "recap_summary":
-        return [
+        return paths(
+            *[it(j).closed_loop_metrics for j in range(0, CFG.recap.iterations + 1)],
             *[
-                at(j, "closed_loop", "metrics.json")
-                for j in range(0, CFG.recap.iterations + 1)
-            ],
-            *[
-                at(j, part)
+                getattr(it(j), part)
                 for j in ITERATIONS
                 for part in ("rollouts", "value", "advantages")
             ],
-        ]
+        )
     raise ValueError(f"{stage}: no inputs written in workflow/rules/stages.smk")
 
 

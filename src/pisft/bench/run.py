@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pisft import layout
 from pisft import config as config_mod
 from pisft.errors import PisftError
 from pisft.io import write_json_atomic
@@ -131,7 +132,7 @@ def main(cfg: config_mod.PisftConfig, config_path: str, only: list[str] | None =
                          f"one of {', '.join(part_names())}")
     wanted = set(only or part_names())
     project = Path.cwd()
-    path = cfg.results("bench", "bench.json")
+    path = layout.bench_report(cfg)
     out: dict = {}
     if only and path.is_file():  # a partial run updates its sections of the previous results
         try:

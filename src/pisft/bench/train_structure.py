@@ -551,10 +551,11 @@ def bench_config(cfg: Any, work: Path) -> dict:
 
 def build_inputs(cfg: Any) -> None:
     """Tiny base model + small demo dataset (the stages' own code), unless already there."""
+    from pisft import layout
     from pisft.data import convert, demo
     from pisft.model import fetch
 
-    if not cfg.results("dataset", "split.json").is_file():
+    if not layout.iteration(cfg).split.is_file():
         with contextlib.redirect_stdout(sys.stderr):
             fetch.run(cfg)
             demo.run(cfg)

@@ -30,16 +30,19 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pisft import layout
 from pisft import device
-from pisft.config import DataSource, PisftConfig, data_sources, write_resolved
+from pisft.config import DataConfig, DataSource, PisftConfig, data_sources, write_resolved
 from pisft.data import images as imgs
 from pisft.data import dataset_stats as st
 from pisft.data.libero import ACTION_DIM, CAMERAS, OUTPUT_NAMES, STATE_DIM, SUCCESS_COLUMNS
@@ -51,42 +54,48 @@ from pisft.data.v30_writer import V30Writer
 from pisft.data.validate import check_episode
 from pisft.errors import DataError
 from pisft.io import atomic_dir, write_json_atomic, write_manifest
+from pisft.layout import RETURNS_FILE, SPLIT_FILE
 
 STATE_NAMES = ["eef_x", "eef_y", "eef_z", "eef_ax", "eef_ay", "eef_az", "gripper_left", "gripper_right"]
 ACTION_NAMES = ["dx", "dy", "dz", "dax", "day", "daz", "gripper"]
 
 
-@dataclass
+# The data.* keys a conversion reads (`Options.data`); its report's "options" records them.
+CONVERSION_KEYS = ("success_only", "tasks", "advantage_tag", "positive_only_conditional", "unconditional_prob",
+                   "columns", "image_size", "eval_fraction", "split_seed", "balance_source_weights")
+
+
 class Options:
-    success_only: bool = False
-    tasks: list[str] = field(default_factory=list)
-    advantage_tag: str = ""
-    positive_only_conditional: bool = True
-    unconditional_prob: float = 0.1
-    columns: dict[str, str] = field(default_factory=dict)
-    image_size: int = 0
-    eval_fraction: float = 0.2
-    split_seed: int = 0
-    balance_source_weights: bool = True  # RLinf's balance_dataset_weights (pisft.data.source_weights)
-    workers: int = 0  # 0: every core this process may use
+    """How one conversion runs: the data.* settings it reads (`data`, a `DataConfig`, where those
+    keys and their defaults are written, once) and its worker threads (`workers`; 0: every core
+    this process may use). Keywords set data keys: `Options(image_size=16)` converts as
+    `data.image_size: 16` does."""
+
+    def __init__(self, data: DataConfig | None = None, *, workers: int = 0, **keys: Any) -> None:
+        unknown = sorted(set(keys) - set(CONVERSION_KEYS))
+        if unknown:
+            raise TypeError(f"Options: {unknown} not among the data keys a conversion reads: "
+                            f"{', '.join(CONVERSION_KEYS)}")
+        self.data = dataclasses.replace(data or DataConfig(), **keys)
+        self.workers = workers
 
     @classmethod
     def from_config(cls, cfg: PisftConfig) -> Options:
         d = cfg.data
-        return cls(success_only=d.success_only, tasks=[str(t) for t in d.tasks], advantage_tag=d.advantage_tag,
-                   positive_only_conditional=d.positive_only_conditional,
-                   unconditional_prob=d.unconditional_prob, columns=dict(d.columns),
-                   image_size=d.image_size, split_seed=d.split_seed,
-                   balance_source_weights=d.balance_source_weights,
+        return cls(d, tasks=[str(t) for t in d.tasks], columns=dict(d.columns),
                    # at a RECAP iteration the pool's held-out episodes are the value model's only
                    # (recap.holdout_fraction): the policy trains on every episode of the pool
                    eval_fraction=cfg.recap.holdout_fraction if cfg.iteration else d.eval_fraction)
 
+    def recorded(self) -> dict[str, Any]:
+        """The settings the conversion ran with, as its report records them."""
+        return {key: getattr(self.data, key) for key in CONVERSION_KEYS}
+
     @property
     def conditioning(self) -> PromptConditioning:
-        return PromptConditioning(advantage_tag=self.advantage_tag,
-                                  positive_only_conditional=self.positive_only_conditional,
-                                  unconditional_prob=self.unconditional_prob)
+        return PromptConditioning(advantage_tag=self.data.advantage_tag,
+                                  positive_only_conditional=self.data.positive_only_conditional,
+                                  unconditional_prob=self.data.unconditional_prob)
 
     def n_workers(self) -> int:
         if self.workers > 0:
@@ -103,9 +112,6 @@ class _Kept:
     src: RecapSource | None = None  # the source it comes from (set by convert_recap)
     source: int = 0  # its position in the pool
     labels: np.ndarray | None = None  # the advantage label per frame (data.advantage_tag), else None
-
-
-RETURNS_FILE = "returns.parquet"  # beside the converted dataset: one row per frame
 
 
 @dataclass(frozen=True)
@@ -285,14 +291,14 @@ def _load_advantages(src: RecapSource, tag: str, lowdim: dict[int, dict[str, np.
 
 def _select(src: RecapSource, lowdim: dict[int, dict[str, np.ndarray]], opts: Options
             ) -> tuple[list[_Kept], list[dict]]:
-    wanted_tasks, unknown = _resolve_tasks(src, opts.tasks)
-    if opts.success_only and "is_success" not in src.names:
+    wanted_tasks, unknown = _resolve_tasks(src, opts.data.tasks)
+    if opts.data.success_only and "is_success" not in src.names:
         names = " nor ".join(f"'{c}'" for c in SUCCESS_COLUMNS)
         raise DataError(f"{src.where(src.info_path)}: data.success_only is set but the dataset records no "
                         f"per-frame success: neither {names} is among its features "
                         f"(RECAP/RLinf write 'is_success', LeRobot's lerobot-eval 'next.success'). Unset "
                         "data.success_only to keep every episode, or add a success column to the dataset")
-    advantages = _load_advantages(src, opts.advantage_tag, lowdim) if opts.advantage_tag else None
+    advantages = _load_advantages(src, opts.data.advantage_tag, lowdim) if opts.data.advantage_tag else None
     kept: list[_Kept] = []
     dropped: list[dict] = []
     for ref in src.episodes:
@@ -301,7 +307,7 @@ def _select(src: RecapSource, lowdim: dict[int, dict[str, np.ndarray]], opts: Op
         reason = None
         if wanted_tasks is not None and task not in wanted_tasks:
             reason = "task_not_selected"
-        elif opts.success_only and not bool(cols["is_success"].any()):
+        elif opts.data.success_only and not bool(cols["is_success"].any()):
             reason = "not_successful"
         if reason:
             dropped.append({"source_episode_index": ref.episode_index, "task_index": task,
@@ -428,7 +434,7 @@ def _write_episodes(writer: V30Writer, fps: int, kept: list[_Kept], opts: Option
     from which the dataset statistics are computed."""
     per_episode_stats: list[dict] = []
     numeric_all: dict[str, list[np.ndarray]] = {}
-    jobs = [lambda k=k: _episode_frames(k.src, k.ref, len(k.cols["frame_index"]), opts.image_size) for k in kept]
+    jobs = [lambda k=k: _episode_frames(k.src, k.ref, len(k.cols["frame_index"]), opts.data.image_size) for k in kept]
     cv_threads = cv2.getNumThreads()
     # our pool is the parallelism: OpenCV's own per-call thread pool on top of it only
     # oversubscribes the cores (2 workers ran slower than 1 without this)
@@ -470,8 +476,8 @@ def _output_features(shape: tuple[int, int, int]) -> dict:
 
 def _check_output_shape(src: RecapSource, opts: Options) -> tuple[int, int, int]:
     shapes = {cam: src.image_shape(cam) for cam in CAMERAS}
-    if opts.image_size:
-        return (opts.image_size, opts.image_size, 3)
+    if opts.data.image_size:
+        return (opts.data.image_size, opts.data.image_size, 3)
     if shapes["image"] != shapes["wrist_image"]:
         raise DataError(f"{src.where(src.info_path)}: the cameras differ in size ({shapes['image']} vs "
                         f"{shapes['wrist_image']}); set data.image_size to convert both to one size")
@@ -488,7 +494,7 @@ def _open_source(source: DataSource, opts: Options
     # A source pisft wrote (demo_recap, collect_rollouts) is checked against its MANIFEST.json;
     # the user's own data (no pisft_config.json) as it is.
     verify_read(source.path, what=f"convert_recap's source {source.path}")
-    src = RecapSource.open(source.path, opts.columns)
+    src = RecapSource.open(source.path, opts.data.columns)
     lowdim: dict[int, dict[str, np.ndarray]] = {}
     for ref in src.episodes:
         cols = src.read_lowdim(ref)
@@ -532,9 +538,9 @@ def _refuse_untrainable_labels(opened, kept: list[_Kept], opts: Options) -> None
     """An advantage-conditioned policy learns from positive frames (and, when every frame
     carries its label, `data.positive_only_conditional: false`, from negative ones too)."""
     counts = label_counts(kept)
-    files = ", ".join(str(advantages_path(src, opts.advantage_tag)) for _, src, *_ in opened)
+    files = ", ".join(str(advantages_path(src, opts.data.advantage_tag)) for _, src, *_ in opened)
     frames = counts["positive"] + counts["negative"]
-    need_negative = not opts.positive_only_conditional
+    need_negative = not opts.data.positive_only_conditional
     if counts["positive"] == 0 or (need_negative and counts["negative"] == 0):
         missing = "positive" if counts["positive"] == 0 else "negative"
         raise DataError(
@@ -568,7 +574,7 @@ def convert_recap(sources: str | Path | DataSource | list, out_dir: Path, opts: 
         opened.append((source, src, lowdim, kept_i, dropped_i))
         unknown.append(unknown_i)
         kept += kept_i
-    _refuse_unknown_tasks([src for _, src, *_ in opened], unknown, opts.tasks)
+    _refuse_unknown_tasks([src for _, src, *_ in opened], unknown, opts.data.tasks)
     dropped = [d for *_, ds in opened for d in ds]
     frames_in = sum(len(c["frame_index"]) for _, _, lowdim, _, _ in opened for c in lowdim.values())
     if not kept:
@@ -580,11 +586,11 @@ def convert_recap(sources: str | Path | DataSource | list, out_dir: Path, opts: 
         where = first.root if len(opened) == 1 else f"the {len(opened)} sources of data.recap_dir"
         raise DataError(f"{where}: nothing left to convert after filtering; all {len(dropped)} episodes "
                         f"were dropped: {'; '.join(parts)}. Relax data.success_only / data.tasks")
-    if opts.advantage_tag:
+    if opts.data.advantage_tag:
         _refuse_untrainable_labels(opened, kept, opts)
     out_shape, fps = _pool_shape_and_fps(opened, opts)
     split = stratified_split({i: k.src.tasks[k.task_index] for i, k in enumerate(kept)},  # type: ignore[union-attr]
-                             opts.eval_fraction, opts.split_seed)
+                             opts.data.eval_fraction, opts.data.split_seed)
     t_meta = time.perf_counter()
 
     prompt_index: dict[str, int] = {}
@@ -602,15 +608,15 @@ def convert_recap(sources: str | Path | DataSource | list, out_dir: Path, opts: 
         stats = st.dataset_stats({k: np.concatenate(v) for k, v in numeric_all.items()}, per_episode_stats)
         writer.finish(tasks_out, stats)
         t_write = time.perf_counter()
-        sampling = SourceSampling(opts.balance_source_weights, tuple(s.weight for s in pool),
+        sampling = SourceSampling(opts.data.balance_source_weights, tuple(s.weight for s in pool),
                                   tuple(k.source for k in kept))
         sampling.write(tmp)  # each episode's source and each source's weight: the training stages' draw
         report = _report(opened, opts, kept, dropped, split, frames_in, tasks_out, out_shape, sampling)
-        write_json_atomic(tmp / "split.json", split)
+        write_json_atomic(tmp / SPLIT_FILE, split)
         write_json_atomic(tmp / "conversion_report.json", report)
         _write_returns(tmp / RETURNS_FILE, kept, [s.type for s in pool], returns or Returns())
         # how the prompts were conditioned; the export copies it next to the trained model
-        (opts.conditioning if opts.advantage_tag else PromptConditioning()).write(tmp / "meta" / CONDITIONING_FILE)
+        (opts.conditioning if opts.data.advantage_tag else PromptConditioning()).write(tmp / "meta" / CONDITIONING_FILE)
         if cfg is not None:
             write_resolved(cfg, tmp / "pisft_config.json")
         write_manifest(tmp)  # every reader checks the dataset against it (pisft.integrity)
@@ -721,12 +727,12 @@ def _report(opened, opts, kept, dropped, split, frames_in, tasks_out, out_shape,
                         # its weight, training frames and expected share of the samples (`sampling`)
                         "weight": source.weight, "frames_train": sampled["frames"]["train"][n],
                         "share_train": _share(sampled, "train", n), "share_all": _share(sampled, "all", n)})
-    cond = opts.conditioning if opts.advantage_tag else PromptConditioning()
+    cond = opts.conditioning if opts.data.advantage_tag else PromptConditioning()
     return {
         "source": _source_info(opened[0][1]),  # the first source (the only one unless a pool)
         "sources": sources,
         "sampling": sampled,
-        "options": {k: v for k, v in asdict(opts).items() if k != "workers"},
+        "options": opts.recorded(),
         "prompts": cond.to_dict(),
         "stats_from": "train",
         # held-out successes and failures: with data.success_only false, failed rollouts are held
@@ -741,7 +747,7 @@ def _report(opened, opts, kept, dropped, split, frames_in, tasks_out, out_shape,
         "dropped": dropped,
         "dropped_by_reason": dict(sorted(Counter(d["reason"] for d in dropped).items())),
         # positive and negative frames, overall and per task (data.advantage_tag; None without labels)
-        "advantage_labels": label_counts(kept) if opts.advantage_tag else None,
+        "advantage_labels": label_counts(kept) if opts.data.advantage_tag else None,
         "episodes": episodes,
     }
 
@@ -752,13 +758,13 @@ def _share(sampled: dict, split: str, n: int) -> float | None:
 
 
 def output_dir(cfg: PisftConfig) -> Path:
-    return cfg.results("dataset")
+    return layout.iteration(cfg).dataset
 
 
 def pool(cfg: PisftConfig) -> list[DataSource]:
     """The sources converted at cfg's iteration: `data.recap_dir`, then the rollouts of
     iterations 1..k (RECAP's pool grows by one collection per iteration)."""
-    rollouts = [DataSource(str(cfg.at_iteration(j).results("rollouts")), "rollout")
+    rollouts = [DataSource(str(layout.iteration(cfg, j).rollouts), "rollout")
                 for j in range(1, cfg.iteration + 1)]
     return data_sources(cfg) + rollouts
 
@@ -766,7 +772,7 @@ def pool(cfg: PisftConfig) -> list[DataSource]:
 def _require_rollouts(cfg: PisftConfig) -> None:
     """The rollouts of iterations 1..k are all there (one deleted between iterations: named)."""
     for j in range(1, cfg.iteration + 1):
-        path = cfg.at_iteration(j).results("rollouts")
+        path = layout.iteration(cfg, j).rollouts
         if not path.is_dir():
             raise DataError(f"convert_recap --iteration {cfg.iteration}: {path} (iteration {j}'s collected rollouts, "
                             f"part of the pool) is missing; collect them again: snakemake --cores all "

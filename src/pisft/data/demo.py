@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pisft import layout
 from pisft.config import PisftConfig, write_resolved
 from pisft.data.libero import ACTION_DIM, FPS, LIBERO_10_TASKS, STATE_DIM
 from pisft.data import rlinf_recap
@@ -207,7 +208,7 @@ def build(out_dir: Path, *, episodes_per_task: int, length: int, image_size: int
 def output_dir(cfg: PisftConfig) -> Path:
     """results/demo_recap (`data.recap_dir` names it, alone or among its sources, when the demo
     is used: `PisftConfig.uses_demo_data`)."""
-    return cfg.results("demo_recap")
+    return layout.demo_data(cfg)
 
 
 def run(cfg: PisftConfig) -> Path:

@@ -37,10 +37,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pisft import layout
 from pisft import config as config_mod
 from pisft import device as device_mod
 from pisft.errors import DataError, ModelLoadError, PisftError
-from pisft.evaluate import closed_loop as closed_loop_mod
 from pisft.evaluate import plots, report, run_info, summary, train_log
 from pisft.evaluate.action_error import ErrorAccumulator
 from pisft.evaluate.inference import ChunkPredictor, frame_noise, quantile_normalize
@@ -98,8 +98,8 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
     from pisft.data.libero import strip_advantage
     from pisft.model import guidance
 
-    dataset_dir = cfg.results("dataset")
-    model_dirs = {"base": cfg.results("base_model"), "finetuned": cfg.results("train", "model")}
+    dataset_dir = layout.iteration(cfg).dataset
+    model_dirs = {"base": layout.base_model(cfg), "finetuned": layout.iteration(cfg).trained_model}
     if not dataset_dir.is_dir():
         raise DataError(f"{dataset_dir}: not found; run the convert_recap stage first")
     _require_dir(model_dirs["base"], "fetch_base")
@@ -194,7 +194,7 @@ def closed_loop_results(cfg: config_mod.PisftConfig) -> dict | None:
     """
     if not cfg.eval.closed_loop:
         return None
-    path = cfg.results(closed_loop_mod.OUTPUT_DIR, "metrics.json")
+    path = layout.iteration(cfg).closed_loop_metrics
     if not path.is_file():
         raise PisftError(f"evaluate: eval.closed_loop is on but {path} is missing; run the "
                          "`closed_loop` stage first (snakemake/dvc repro run it before evaluate)")
@@ -216,11 +216,11 @@ def write_not_run(cfg: config_mod.PisftConfig) -> dict:
     that say why), never numbers; the training curves and a closed-loop result still appear."""
     from pisft.evaluate.action_error import METRICS
 
-    records = train_log.read_metrics(cfg.results("train", "metrics.jsonl"))
+    records = train_log.read_metrics(layout.iteration(cfg).train_metrics)
     closed = closed_loop_results(cfg)
     metrics = {"evaluated": False, "note": NO_HELD_OUT}
     cols = [f"{name}_{m}" for name in ("base", "finetuned") for m in METRICS]
-    with atomic_dir(cfg.results("eval")) as out:
+    with atomic_dir(layout.iteration(cfg).eval) as out:
         write_json_atomic(out / "metrics.json", metrics)
         for name, first in (("per_step.csv", ["step"]), ("per_dim.csv", ["dim"]),
                             ("per_task.csv", ["task", "episodes", "frames"])):
@@ -244,7 +244,7 @@ def write_not_run(cfg: config_mod.PisftConfig) -> dict:
 def _holds_episodes_out(cfg: config_mod.PisftConfig) -> bool:
     from pisft.data import dataset as data
 
-    dataset_dir = cfg.results("dataset")
+    dataset_dir = layout.iteration(cfg).dataset
     if not dataset_dir.is_dir():
         return True  # evaluate_models says what is missing
     return bool(data.split_episodes(dataset_dir)["eval"]) or cfg.data.eval_fraction > 0
@@ -255,10 +255,9 @@ def run(cfg: config_mod.PisftConfig) -> dict:
     if not _holds_episodes_out(cfg):
         return write_not_run(cfg)
     metrics, accs, info = evaluate_models(cfg)
-    results_dir = Path(cfg.results_dir)
-    records = train_log.read_metrics(cfg.results("train", "metrics.jsonl"))
+    records = train_log.read_metrics(layout.iteration(cfg).train_metrics)
     closed = closed_loop_results(cfg)
-    with atomic_dir(cfg.results("eval")) as out:
+    with atomic_dir(layout.iteration(cfg).eval) as out:
         write_json_atomic(out / "metrics.json", metrics)
         write_text_atomic(out / "per_step.csv", summary.per_step_csv(accs))
         per_dim = summary.per_dim_csv(accs, action_names(accs["base"].action_dim))
@@ -275,7 +274,7 @@ def run(cfg: config_mod.PisftConfig) -> dict:
         write_json_atomic(out / "eval_info.json", info)
         resolved = config_mod.resolved(cfg)
         text = report.build(metrics=metrics, eval_info=info, train_summary=train_log.summary(records),
-                            run_info=run_info.collect(results_dir),
+                            run_info=run_info.collect(cfg),
                             plots={k: (p.name if p else None) for k, p in made.items()},
                             resolved_config=resolved, closed_loop=closed,
                             per_dim=[{k: (v if k == "dim" else float(v or "nan")) for k, v in row.items()}
@@ -287,5 +286,5 @@ def run(cfg: config_mod.PisftConfig) -> dict:
     print(f"evaluate: held-out action MSE base {b:.4g}, fine-tuned {f:.4g} "
           f"(ratio {ratio if ratio is None else round(ratio, 3)}) on {metrics['episodes']} episodes, "
           f"{metrics['frames']} frames -> "
-          f"{cfg.results('eval')}/report.md", flush=True)
+          f"{layout.iteration(cfg).eval}/report.md", flush=True)
     return metrics

@@ -14,8 +14,10 @@ import platform
 import sys
 from pathlib import Path
 
+from pisft import layout
+from pisft.config import PisftConfig
+
 PACKAGES = ("pisft", "torch", "lerobot", "transformers", "numpy", "safetensors", "snakemake", "dvc")
-STAGE_DIRS = ("base_model", "dataset", "smoke", "train", "eval")
 
 
 def package_versions() -> dict[str, str]:
@@ -38,10 +40,11 @@ def _read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def stage_wall_times(results_dir: Path) -> dict[str, float]:
-    """rule -> wall seconds, from Snakemake benchmark files (`s` column, first row)."""
+def stage_wall_times(benchmarks: Path) -> dict[str, float]:
+    """rule -> wall seconds, from Snakemake benchmark files (`s` column, first row) in
+    `benchmarks` (`layout.benchmarks`) or ./benchmarks."""
     out: dict[str, float] = {}
-    for bench_dir in (results_dir / "benchmarks", Path("benchmarks")):
+    for bench_dir in (benchmarks, Path("benchmarks")):
         if not bench_dir.is_dir():
             continue
         for tsv in sorted(bench_dir.glob("*.tsv")):
@@ -55,10 +58,10 @@ def stage_wall_times(results_dir: Path) -> dict[str, float]:
     return out
 
 
-def training_run(results_dir: Path) -> dict:
-    """Device, world size, batch geometry and wall time of the training run (its resolved config
-    and, when the train stage wrote one, its `train_summary.json`)."""
-    cfg = _read_json(results_dir / "train" / "pisft_config.json")
+def training_run(train_dir: Path) -> dict:
+    """Device, world size, batch geometry and wall time of the training run in `train_dir` (its
+    resolved config and, when the train stage wrote one, its `train_summary.json`)."""
+    cfg = _read_json(train_dir / "pisft_config.json")
     if not cfg:
         return {}
     train = cfg.get("train", {})
@@ -74,7 +77,7 @@ def training_run(results_dir: Path) -> dict:
         "model_preset": cfg.get("model", {}).get("preset"),
         "model_source": cfg.get("model", {}).get("source"),
     }
-    done = _read_json(results_dir / "train" / "train_summary.json") or {}
+    done = _read_json(train_dir / "train_summary.json") or {}
     device = done.get("device") if isinstance(done.get("device"), dict) else {}
     for key, value in (("device_name", device.get("name")), ("backend", device.get("backend")),
                        ("wall_time_s", done.get("wall_time_s")), ("resumed_from", done.get("resumed_from"))):
@@ -84,19 +87,24 @@ def training_run(results_dir: Path) -> dict:
     return info
 
 
-def collect(results_dir: Path) -> dict:
+def collect(cfg: PisftConfig) -> dict:
+    """What the evaluation report says of the run (of cfg's iteration)."""
+    here = layout.iteration(cfg)
+    # the stage outputs whose resolved config is listed, by folder name
+    stage_dirs = {"base_model": layout.base_model(cfg), "dataset": here.dataset, "smoke": layout.smoke(cfg),
+                  "train": here.train, "eval": here.eval}
     info: dict = {
         "versions": package_versions(),
         "host": {"platform": platform.platform(), "machine": platform.machine()},
-        "training": training_run(results_dir),
-        "stage_wall_time_s": stage_wall_times(results_dir),
-        "stage_configs": sorted(d for d in STAGE_DIRS
-                                if (results_dir / d / "pisft_config.json").is_file()),
+        "training": training_run(here.train),
+        "stage_wall_time_s": stage_wall_times(layout.benchmarks(cfg)),
+        "stage_configs": sorted(name for name, folder in stage_dirs.items()
+                                if (folder / "pisft_config.json").is_file()),
     }
-    smoke = _read_json(results_dir / "smoke" / "report.json")
+    smoke = _read_json(layout.smoke_report(cfg))
     if smoke is not None:
         info["smoke"] = {k: v for k, v in smoke.items() if not isinstance(v, (dict, list))}
-    bench = _read_json(results_dir / "bench" / "bench.json")
+    bench = _read_json(layout.bench_report(cfg))
     if bench is not None:
         info["bench"] = bench
     return info

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from pisft import layout
 from pisft import config as config_mod
 from pisft import device as devices
 from pisft.data.augment import make_augment
@@ -410,15 +411,15 @@ def failure_message(cfg: Any, check: dict[str, Any]) -> str:
 def _write_and_judge(ctx: Context, report: dict[str, Any]) -> int:
     """Write the report (and its copy under logs/); log the verdict; the exit status."""
     cfg, n_target = ctx.cfg, ctx.cfg.world_size
-    with atomic_dir(cfg.results("smoke")) as tmp:
-        write_json_atomic(tmp / "report.json", report)
+    with atomic_dir(layout.smoke(cfg)) as tmp:
+        write_json_atomic(tmp / layout.REPORT_FILE, report)
         write_json_atomic(tmp / "pisft_config.json", config_mod.resolved(cfg))
-    write_json_atomic(cfg.results("logs", "smoke_1card", "report.json"), report)
+    write_json_atomic(layout.iteration(cfg).stage_logs("smoke_1card") / layout.REPORT_FILE, report)
     if report["passed"]:
         ctx.log(f"passed: step {report['step_time_s']:.4g} s, projected wall time on {n_target} "
                 f"device(s) {report['projected_wall_time_s'][str(n_target)]:.0f} s; "
-                f"report {cfg.results('smoke', 'report.json')}")
+                f"report {layout.smoke_report(cfg)}")
         return 0
-    print(f"error: smoke_1card failed (report: {cfg.results('smoke', 'report.json')}):\n  - "
+    print(f"error: smoke_1card failed (report: {layout.smoke_report(cfg)}):\n  - "
           + "\n  - ".join(report["messages"]), file=sys.stderr, flush=True)
     return SMOKE_FAILED_EXIT

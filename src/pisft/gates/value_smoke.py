@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pisft import layout
 from pisft.data.augment import make_augment
 from pisft.gates.smoke import training_checks
 from pisft.io import atomic_dir, write_json_atomic
@@ -71,8 +72,8 @@ def run_value_smoke(ctx: Context) -> int:
               "wall_time_s": round(time.perf_counter() - t0, 2),
               "messages": [f"{c['name']}: {c.get('detail', 'failed')}" for c in failed]}
     if ctx.is_main:
-        with atomic_dir(cfg.results("value_smoke")) as tmp:
-            write_json_atomic(tmp / "report.json", report)
+        with atomic_dir(layout.iteration(cfg).value_smoke) as tmp:
+            write_json_atomic(tmp / layout.REPORT_FILE, report)
     if failed:
         print("error: smoke_value failed:\n  - " + "\n  - ".join(report["messages"])
               + "\n  (lower recap.value_lr / recap.value_head_lr, or check the dataset's returns)", flush=True)

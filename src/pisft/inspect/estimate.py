@@ -65,6 +65,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from pisft import layout
 from pisft.config import PisftConfig
 from pisft.model import policy as policy_mod
 
@@ -380,7 +381,7 @@ def fsdp_plan(policy, min_unit_params: int = 0) -> dict[str, int]:
 def _estimate_policy(cfg: PisftConfig) -> tuple[Callable[[], Any], str]:
     """A builder of the policy to estimate, on the meta device: the fetched base model's config
     if present, else the preset."""
-    base = cfg.results("base_model")
+    base = layout.base_model(cfg)
     if (base / policy_mod.CONFIG_FILE).is_file():
         def make():
             config, _ = policy_mod.read_config(base / policy_mod.CONFIG_FILE)

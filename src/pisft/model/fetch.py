@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from pisft import layout
 from pisft.config import PisftConfig, write_resolved
 from pisft.errors import ModelLoadError
 from pisft.io import atomic_dir, verify_manifest, write_json_atomic, write_manifest
@@ -355,7 +356,7 @@ def _fetch_directory(cfg: PisftConfig, source: sources.Source, out: Path) -> dic
 
 def run(cfg: PisftConfig) -> Path:
     source = sources.parse_source(cfg.model.source)
-    final = cfg.results("base_model")
+    final = layout.base_model(cfg)
     with atomic_dir(final) as out:
         if source.kind == "tiny":
             record = _fetch_tiny(cfg, out)

@@ -28,12 +28,12 @@ from pisft.errors import ModelLoadError
 from pisft.model import lerobot_internals as internals
 from pisft.model import weights as weights_mod
 from pisft.model.presets import get_preset
+from pisft.model.sources import WEIGHTS_FILE
 from pisft.integrity import verify_read
 from pisft.model.norm_stats import STATS_FILE, Stats, check_stats, load_stats, save_stats
 from pisft.model.tokenizer import load_tokenizer
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_DIR = "tokenizer"
 MODEL_INFO_FILE = "pisft_model.json"
 # pisft_model.json: whether the prompt carries the discretised state (model.state_in_prompt)

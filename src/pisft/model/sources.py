@@ -42,7 +42,8 @@ OPENPI = "openpi"
 RLINF = "rlinf"
 BARE = "safetensors without config.json"
 
-WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_FILE = "model.safetensors"  # a LeRobot model folder's weights (pisft.model.policy, recap.value_model)
+# The index `save_pretrained` / huggingface_hub write beside sharded safetensors.
 INDEX_FILE = "model.safetensors.index.json"
 # RLinf's FSDP checkpoints: `<model_path>/actor/model_state_dict/full_weights.pt` (a runner's
 # checkpoint, global_step_N/) or `<model_path>/model_state_dict/full_weights.pt` (its actor/);

@@ -33,9 +33,6 @@ from pisft.errors import ModelLoadError
 from pisft.io import follow_umask
 
 LIST_LIMIT = 12  # names shown per list in an error message
-# The index `save_pretrained` / huggingface_hub write beside sharded safetensors.
-INDEX_FILE = "model.safetensors.index.json"
-
 
 
 def read_json(path: Path, *, missing: str, hint: str = "") -> Any:

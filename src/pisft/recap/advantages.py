@@ -43,6 +43,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
+from pisft import layout
 from pisft import config as config_mod
 from pisft import device as devices
 from pisft.config import PisftConfig
@@ -50,6 +51,7 @@ from pisft.data import rlinf_recap
 from pisft.data.dataset import episode_tasks
 from pisft.errors import PisftError
 from pisft.io import atomic_dir, write_json_atomic, write_manifest
+from pisft.layout import LABELS_FILE, SPLIT_FILE
 from pisft.recap import value_metrics, value_model
 from pisft.recap.value_data import (
     PromptCollate,
@@ -60,7 +62,6 @@ from pisft.recap.value_data import (
 )
 from pisft.recap.value_task import ValueTask
 
-LABELS_FILE = "labels.parquet"
 SUMMARY_FILE = "summary.json"
 
 
@@ -218,8 +219,8 @@ def predict_values(cfg: PisftConfig, model: value_model.ValueModel, base: Path, 
 
 
 def _require(cfg: PisftConfig) -> tuple[Path, Path]:
-    data, model_dir = cfg.results("dataset"), cfg.results("value", "model")
-    for path, producer in ((data / "split.json", "the pool's conversion"),
+    data, model_dir = layout.iteration(cfg).dataset, layout.iteration(cfg).value_model
+    for path, producer in ((data / SPLIT_FILE, "the pool's conversion"),
                            (model_dir / value_model.CONFIG_FILE, "train_value")):
         if not path.is_file():
             raise PisftError(f"advantages: {path} not found; run {producer} first "
@@ -259,7 +260,7 @@ def run(cfg: PisftConfig) -> Path:
                    positive_quantile=r.positive_quantile, scope=r.threshold_scope, tasks=task_text)
     result.summary.update({"value_model": str(model_dir), "device": str(device),
                            "inference_s": t_infer, "wall_time_s": time.perf_counter() - t0})
-    with atomic_dir(cfg.results("advantages")) as tmp:
+    with atomic_dir(layout.iteration(cfg).advantages) as tmp:
         result.labels.to_parquet(tmp / LABELS_FILE, index=False)
         write_json_atomic(tmp / SUMMARY_FILE, result.summary)
         config_mod.write_resolved(cfg, tmp / "pisft_config.json")
@@ -267,5 +268,5 @@ def run(cfg: PisftConfig) -> Path:
     s = result.summary
     print(f"advantages: {s['positive']}/{s['frames']} frames positive ({s['positive_fraction']:.1%}; "
           f"{s['scope']} threshold(s), {s['sft_forced_positive']} sft frames forced), "
-          f"{time.perf_counter() - t0:.1f} s -> {cfg.results('advantages')}")
-    return cfg.results("advantages")
+          f"{time.perf_counter() - t0:.1f} s -> {layout.iteration(cfg).advantages}")
+    return layout.iteration(cfg).advantages

@@ -4,7 +4,7 @@ Iteration k >= 1 of the RECAP loop starts here. The rollouts are the closed-loop
 (`pisft.evaluate.closed_loop`: the same worker processes, episode plan, noise seeds, policy
 object and openpi settings), with three differences:
 
-- the policy is iteration k-1's (`cfg.policy_of(k - 1)`), prompted as its
+- the policy is iteration k-1's (`layout.policy(cfg, k - 1)`), prompted as its
   `prompt_conditioning.json` says (`LiberoPolicy`, `pisft.data.prompts.for_model`) and guided
   with `eval.cfg_scale` as the evaluation guides it (`pisft.model.guidance`);
 - episode i of a task starts from LIBERO initial state `eval.trials_per_task + i` (the
@@ -49,6 +49,7 @@ import numpy as np
 
 from pisft import config as config_mod
 from pisft import device as device_mod
+from pisft import layout
 from pisft import logs as logs_mod
 from pisft.data.libero import FPS
 from pisft.data.recap_layout import RecapEpisode, write_recap_dataset
@@ -162,7 +163,7 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
         raise PisftError(f"collect_rollouts runs at a RECAP iteration k >= 1 (it rolls out policy k-1); "
                          f"got iteration {k}: pass --iteration K")
     settings = settings_for(cfg, stage="collect_rollouts")
-    model_dir = cfg.policy_of(k - 1)
+    model_dir = layout.policy(cfg, k - 1)
     if policy is None and not (model_dir / "config.json").is_file():
         raise PisftError(f"{model_dir}: policy {k - 1} (the model iteration {k - 1} exported) is missing; "
                          f"run iteration {k - 1}'s training first")

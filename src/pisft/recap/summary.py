@@ -19,11 +19,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pisft import layout
 from pisft.config import PisftConfig, write_resolved
 from pisft.errors import PisftError
 from pisft.io import write_json_atomic, write_text_atomic
 
-OUTPUT_DIR = "recap"
 
 
 def _read(path: Path, producer: str) -> dict:
@@ -74,13 +74,13 @@ def collect(cfg: PisftConfig) -> dict[str, Any]:
     """Every iteration's figures, in order."""
     iterations = []
     for k in range(cfg.recap.iterations + 1):
-        at = cfg.at_iteration(k)
+        at = layout.iteration(cfg, k)
         entry: dict[str, Any] = {"k": k}
         if k:
-            entry["rollouts"] = _rollouts_entry(at.results("rollouts"))
-            entry["value"] = _value_entry(at.results("value"))
-            entry["advantages"] = _advantages_entry(at.results("advantages"))
-        metrics = _read(at.results("closed_loop", "metrics.json"), "closed_loop" if k == 0 else f"closed_loop_{k}")
+            entry["rollouts"] = _rollouts_entry(at.rollouts)
+            entry["value"] = _value_entry(at.value)
+            entry["advantages"] = _advantages_entry(at.advantages)
+        metrics = _read(at.closed_loop_metrics, "closed_loop" if k == 0 else f"closed_loop_{k}")
         if not metrics.get("closed_loop", True):
             raise PisftError("recap_summary: the closed-loop evaluation is off (eval.closed_loop: false); the "
                              "RECAP loop compares iterations by it: set eval.closed_loop: true")
@@ -176,11 +176,11 @@ def run(cfg: PisftConfig) -> Path:
     if not cfg.recap.iterations:
         raise PisftError("recap_summary: recap.iterations is 0; there is no RECAP loop to summarise")
     summary = collect(cfg)
-    out = cfg.results(OUTPUT_DIR)  # beside the iterations' folders: written file by file, each atomically
+    out = layout.recap_summary(cfg)  # beside the iterations' folders: written file by file, each atomically
     out.mkdir(parents=True, exist_ok=True)
     plot = out / "success.png"
     success_plot(summary["iterations"], plot.with_name(".success.png.tmp.png")).replace(plot)
-    write_json_atomic(out / "metrics.json", summary)
+    write_json_atomic(layout.recap_metrics(cfg), summary)
     write_resolved(cfg, out / "pisft_config.json")
     write_text_atomic(out / "report.md", render_report(summary))
     rates = ", ".join(f"k={it['k']} {_pct(it['closed_loop']['success_rate'])}" for it in summary["iterations"])

@@ -29,7 +29,7 @@ from pisft.data import rlinf_recap
 from pisft.data.dataset import episode_tasks, load_split
 from pisft.data.libero import strip_advantage
 from pisft.errors import DataError
-from pisft.train.run_folders import RETURNS_FILE
+from pisft.layout import RETURNS_FILE
 from pisft.recap.value_model import TARGET_KEY, TOKEN_MASK_KEY, TOKENS_KEY
 
 RETURNS_COLUMNS = ("episode_index", "frame_index", "return", "reward")

@@ -15,7 +15,7 @@ bins of the normalised return, trained with cross-entropy) and RLinf's critic
 
 Backbone: the policy's own vision-language prefix (PaliGemma: SigLIP image embeddings and the
 language tokens through the Gemma VLM), loaded from the base model (or, with `recap.value_init:
-previous`, from policy k-1: `PisftConfig.value_init_model`), without the action expert
+previous`, from policy k-1: `pisft.layout.value_init_model`), without the action expert
 (`lerobot_internals.strip_to_vlm_prefix`, `vlm_prefix_readout`): a learned read-out token
 (RLinf's `cls_embedding`, initialised N(0, 0.02)) is appended to the prefix, attends to all of
 it, and its final hidden state feeds a linear bin head. (RLinf routes its read-out token through
@@ -43,10 +43,10 @@ from torch import nn
 
 from pisft.errors import ModelLoadError
 from pisft.model import lerobot_internals as internals
+from pisft.model.sources import WEIGHTS_FILE
 
 V_MIN, V_MAX = -1.0, 0.0
 CONFIG_FILE = "value_model.json"
-WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
 TOKENS_KEY = "tokens"
 TOKEN_MASK_KEY = "token_mask"

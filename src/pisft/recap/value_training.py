@@ -46,13 +46,15 @@ import numpy as np
 import pandas as pd
 import torch
 
+from pisft import layout
 from pisft import device as devices
 from pisft import disk_space
 from pisft.config import PisftConfig
 from pisft.errors import PisftError
 from pisft.io import atomic_dir, sha256_file, write_json_atomic
+from pisft.layout import RETURNS_FILE, SPLIT_FILE
 from pisft.recap import value_metrics, value_model
-from pisft.train.run_folders import CHECKPOINT_SUBDIR, RETURNS_FILE, latest_checkpoint_text, value_fingerprint
+from pisft.train.run_folders import latest_checkpoint_text, value_fingerprint
 from pisft.recap.value_data import PromptCollate, ReturnRange, ValueFrames, read_returns
 from pisft.recap.value_task import ValueTask
 from pisft.train import fsdp, optim
@@ -61,13 +63,13 @@ from pisft.train.run import RunPlan, run_plan
 from pisft.train.job import Built, Context, apply_trainable, frozen_in_bf16
 
 def require_value_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
-    """The model the value model starts from (`PisftConfig.value_init_model`: the base model, or
+    """The model the value model starts from (`layout.value_init_model`: the base model, or
     policy k-1 with `recap.value_init: previous`) and the pool, both present."""
-    base, data, k = cfg.value_init_model(), cfg.results("dataset"), cfg.iteration
+    base, data, k = layout.value_init_model(cfg), layout.iteration(cfg).dataset, cfg.iteration
     policy = "train_8card" if k <= 1 else f"train_8card_{k - 1}"  # the rule that writes policy k-1
     start = f"the value model's start, recap.value_init: {cfg.recap.value_init}"
-    for path, producer, what in ((base / "config.json", "fetch_base" if base == cfg.results("base_model") else policy,
-                                  f" ({start})"), (data / "split.json", "convert_recap", "")):
+    for path, producer, what in ((base / "config.json", "fetch_base" if base == layout.base_model(cfg) else policy,
+                                  f" ({start})"), (data / SPLIT_FILE, "convert_recap", "")):
         if not path.is_file():
             raise PisftError(f"{stage}: {path} not found{what}; run the `{producer}` stage first "
                              f"(snakemake --cores all {stage} runs what is missing)")
@@ -155,8 +157,8 @@ def value_plan(ctx: Context) -> RunPlan:
     fingerprint = value_fingerprint(cfg)
     return RunPlan(
         stage=ctx.stage, steps=r.value_steps, global_batch=cfg.value_global_batch_size,
-        ckpt_root=run_folder(cfg, fingerprint, CHECKPOINT_SUBDIR), fingerprint=fingerprint,
-        output=cfg.results("value"), build=build_value,
+        ckpt_root=run_folder(layout.iteration(cfg).value_checkpoints, fingerprint), fingerprint=fingerprint,
+        output=layout.iteration(cfg).value, build=build_value,
         scheduler=lambda optimizer: scheduler_for(cfg, optimizer), export=export_value,
         nonfinite_advice=(f"Lower recap.value_lr (now {r.value_lr}) and recap.value_head_lr (now "
                           f"{r.value_head_lr}) or raise train.warmup_steps"))
@@ -223,10 +225,10 @@ def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dic
         return_min=built.scale.min, return_max=built.scale.max,
         base_config_sha256=sha256_file(built.base_dir / "config.json"))
     rho = metrics["spearman_heldout"]
-    with disk_space.export_room(cfg.results("value"), None, what="export of the value model",
+    with disk_space.export_room(layout.iteration(cfg).value, None, what="export of the value model",
                                 checkpoints=lambda: latest_checkpoint_text(cfg, ctx.stage),
                                 extra_bytes=disk_space.model_bytes(built.model)), \
-            atomic_dir(cfg.results("value")) as tmp:
+            atomic_dir(layout.iteration(cfg).value) as tmp:
         (tmp / "model").mkdir()
         value_model.save(built.model, tmp / "model", config, write_weights=write_weights)
         write_json_atomic(tmp / "metrics.json", metrics)

@@ -56,10 +56,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from pisft import disk_space
+from pisft import disk_space, layout
 from pisft.config import PisftConfig, lookup, to_dict
 from pisft.errors import PisftError
 from pisft.io import sha256_file
+from pisft.layout import SPLIT_FILE
 
 MARKER = "COMPLETE.json"
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -505,11 +506,11 @@ def run_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
     its inputs: the base model (its sha256 MANIFEST: weights, tokenizer, config) and the
     dataset (split, features, statistics, prompt conditioning, episode index, data files).
     """
-    labels = cfg.advantage_labels()
+    labels = layout.training_labels(cfg)
     # a RECAP iteration's run: which iteration, where it starts, and its labels
     recap = ({"iteration": cfg.iteration, "recap.init": cfg.recap.init, "labels": _sha256_of([labels])}
              if labels is not None else {})
-    return {**settings_fingerprint(cfg, FINGERPRINT_KEYS), **inputs_fingerprint(cfg, cfg.init_model()), **recap}
+    return {**settings_fingerprint(cfg, FINGERPRINT_KEYS), **inputs_fingerprint(cfg, layout.init_model(cfg)), **recap}
 
 
 def settings_fingerprint(cfg: PisftConfig, keys: tuple[str, ...]) -> dict[str, Any]:
@@ -524,19 +525,16 @@ def settings_fingerprint(cfg: PisftConfig, keys: tuple[str, ...]) -> dict[str, A
 def inputs_fingerprint(cfg: PisftConfig, base: Path | None = None) -> dict[str, Any]:
     """The content of the model training starts from (`base`; the base model by default) and of
     the dataset (see `_sha256_of`)."""
-    base = base or cfg.results("base_model")
-    data = cfg.results("dataset")
+    base = base or layout.base_model(cfg)
+    data = layout.iteration(cfg).dataset
     return {
         "base_model": _sha256_of([base / "MANIFEST.json", base / "config.json"]),
-        "dataset": _sha256_of([data / "split.json", data / "meta" / "info.json",
+        "dataset": _sha256_of([data / SPLIT_FILE, data / "meta" / "info.json",
                                data / "meta" / "stats.json", data / "meta" / "prompt_conditioning.json",
                                data / "meta" / "tasks.parquet",
                                data / "meta" / "source_sampling.json"],  # the sources' weights
                               listed=[data / "data", data / "meta" / "episodes", data / "videos"]),
     }
-
-
-CHECKPOINT_SUBDIR = ("checkpoints", "train")
 
 
 def checkpoint_root(cfg: PisftConfig) -> Path:
@@ -549,13 +547,14 @@ def checkpoint_root(cfg: PisftConfig) -> Path:
     free space). The world size is not part of the fingerprint: a run resumes on any number of
     processes.
     """
-    return run_folder(cfg, run_fingerprint(cfg), CHECKPOINT_SUBDIR)
+    return run_folder(layout.iteration(cfg).policy_checkpoints, run_fingerprint(cfg))
 
 
-def run_folder(cfg: PisftConfig, fingerprint: dict[str, Any], subdir: tuple[str, ...]) -> Path:
-    """`results/<subdir>/run-<first 12 hex digits of the fingerprint's sha256>`."""
+def run_folder(parent: Path, fingerprint: dict[str, Any]) -> Path:
+    """`<parent>/run-<first 12 hex digits of the fingerprint's sha256>` (parent: a stage's
+    checkpoints folder, `layout.Iteration.policy_checkpoints` or `.value_checkpoints`)."""
     digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
-    return cfg.results(*subdir, f"run-{digest[:12]}")
+    return parent / f"run-{digest[:12]}"
 
 
 def other_runs(cfg: PisftConfig, mine: Path | None = None) -> list[Path]:

@@ -22,6 +22,7 @@ import json
 import shutil
 from typing import Any
 
+from pisft import layout
 from pisft import disk_space
 from pisft.data.prompts import CONDITIONING_FILE
 from pisft.io import atomic_dir, dir_bytes, write_json_atomic, write_manifest
@@ -48,11 +49,11 @@ def export_model(ctx: Any, built: Any, metrics_log: Any, summary: dict, resolved
         return
     if applied is not None:
         model_info(built.model)["trainable"] = applied.record()
-    with disk_space.export_room(ctx.cfg.results("train"), None, what="export of the trained model",
+    with disk_space.export_room(layout.iteration(ctx.cfg).train, None, what="export of the trained model",
                                 checkpoints=lambda: latest_checkpoint_text(ctx.cfg, ctx.stage),
                                 extra_bytes=disk_space.model_bytes(built.model)
                                 + dir_bytes(built.base_dir / "tokenizer")), \
-            atomic_dir(ctx.cfg.results("train")) as tmp:
+            atomic_dir(layout.iteration(ctx.cfg).train) as tmp:
         model_dir = tmp / "model"
         model_dir.mkdir()
         save_model(built.model, model_dir, tokenizer_dir=built.base_dir / "tokenizer",

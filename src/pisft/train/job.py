@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from pisft import device as devices
+from pisft import layout
 from pisft.config import PisftConfig
 from pisft.errors import PisftError
 from pisft.train import fsdp, optim
@@ -73,10 +74,10 @@ class Built:
 
 
 def require_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
-    base, data = cfg.init_model(), cfg.results("dataset")
-    needed = [(base / "config.json", "train_8card" if cfg.iteration and base != cfg.results("base_model")
-               else "fetch_base"), (data / "split.json", "convert_recap")]
-    labels = cfg.advantage_labels()
+    base, data = layout.init_model(cfg), layout.iteration(cfg).dataset
+    needed = [(base / "config.json", "train_8card" if cfg.iteration and base != layout.base_model(cfg)
+               else "fetch_base"), (layout.iteration(cfg).split, "convert_recap")]
+    labels = layout.training_labels(cfg)
     if labels is not None and stage == "train_8card":  # the policy's retraining (not the value model's)
         needed.append((labels, "advantages"))
     for path, producer in needed:
@@ -140,7 +141,7 @@ def build(ctx: Context) -> Built:
     task = PolicyTask(policy, pre, ctx.info.device, cfg.train.precision)
     from pisft.data.prompts import LabelledPrompts, training_prompt_fn
 
-    labels = cfg.advantage_labels()
+    labels = layout.training_labels(cfg)
     conditioning = conditioning_of(cfg, data)
     prompt = LabelledPrompts(labels, conditioning) if labels is not None else training_prompt_fn(data)
     return Built(policy, task, train_set, stats, units, optimizer, base, data,
@@ -216,7 +217,7 @@ def make_sampler(cfg: PisftConfig, train_set: Any, world_size: int,
     drawing the pool's sources by their weights when convert_recap recorded weights that make
     the frames unequally likely (`pisft.data.source_weights`)."""
     return StepSampler(len(train_set), cfg.train.seed, layout_for(cfg, world_size, global_batch),
-                       source_mixture(cfg.results("dataset"), train_set))
+                       source_mixture(layout.iteration(cfg).dataset, train_set))
 
 
 def source_mixture(dataset_dir: Path, train_set: Any) -> SourceMixture | None:

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pisft import layout
 from pisft import device as devices
 from pisft.config import PisftConfig, flatten, resolved
 from pisft.errors import PisftError, Terminated
@@ -92,7 +93,7 @@ def torchrun_command(stage: str, cfg: PisftConfig, config_path: str, overrides: 
 
 def gate_report(cfg: PisftConfig, gate: str) -> Path:
     """The report a smoke gate writes: its stage's (only) output."""
-    return cfg.results(STAGES[gate].outputs[0])
+    return layout.results(cfg, STAGES[gate].outputs[0])
 
 
 def check_gate_report(cfg: PisftConfig, stage: str) -> dict:
@@ -113,7 +114,7 @@ def check_gate_report(cfg: PisftConfig, stage: str) -> dict:
 
 def check_smoke_report(cfg: PisftConfig) -> None:
     """train_8card needs a passing smoke report made with the same model and micro batch."""
-    path = cfg.results("smoke", "report.json")
+    path = layout.smoke_report(cfg)
     report = check_gate_report(cfg, "train_8card")
     then = flatten(report.get("pisft_config") or {})
     now = flatten(resolved(cfg))
@@ -144,7 +145,8 @@ def _describe_exit(code: str) -> str:
             return f"killed by signal {-n}"
         if name == "SIGKILL":  # nothing in the trainer sends it: a user, a scheduler or the kernel did
             return (f"killed by SIGKILL (exit code {n}; when nobody sent it, the kernel's out-of-memory killer "
-                    "did: `dmesg | grep -i 'killed process'`, and `python -m pisft estimate` for the memory a step needs)")
+                    "did: `dmesg | grep -i 'killed process'`, and `python -m pisft estimate` for the memory "
+                    "a step needs)")
         return f"killed by {name} (exit code {n})"
     return {2: "stopped with a configuration/input error (exit code 2)",
             3: "smoke check failed (exit code 3)"}.get(n, f"exit code {n}")
@@ -252,7 +254,7 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
     elif STAGES[stage].gate:
         check_gate_report(cfg, stage)
     stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
-    log_dir = cfg.results("logs", stage, stamp)
+    log_dir = layout.iteration(cfg).stage_logs(stage) / stamp
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = torchrun_command(stage, cfg, config_path, overrides, log_dir)
     env = devices.process_env(kind, nproc_per_node=nproc, force_threads=True)
@@ -273,7 +275,7 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
         lines.append(f"Rerun the same command (`snakemake --cores all {stage}`, `dvc repro "
                      f"{stage}` or `python -m pisft launch {stage} ...`) to resume.")
     else:
-        report = (cfg.results("logs", "smoke_1card", "report.json") if stage == "smoke_1card"
+        report = (layout.iteration(cfg).stage_logs(stage) / layout.REPORT_FILE if stage == "smoke_1card"
                   else gate_report(cfg, stage))
         lines.append(f"smoke report (if written): {report}")
     print("error: " + "\n  ".join(lines), file=sys.stderr, flush=True)

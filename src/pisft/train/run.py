@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pisft import layout
 from pisft import config as config_mod
 from pisft.errors import PisftError
 from pisft.train import loop, optim
@@ -68,7 +69,7 @@ def loop_settings(ctx: Context, peak: float | None = None, *, steps: int | None 
     cfg, t = ctx.cfg, ctx.cfg.train
     global_batch = global_batch or t.global_batch_size
     return loop.LoopSettings(
-        steps=steps or t.steps, accum=global_batch // (t.micro_batch_size * cfg.world_size),
+        steps=steps or t.steps, accum=config_mod.accumulation_steps(global_batch, t.micro_batch_size, cfg.world_size),
         global_batch=global_batch, grad_clip=t.grad_clip, kind=ctx.info.kind,
         device=ctx.info.device, world_size=ctx.world_size, rank=ctx.rank, peak_flops=peak,
         save_every=t.save_every, log_every=t.log_every)
@@ -80,7 +81,7 @@ def policy_plan(ctx: Context) -> RunPlan:
     require_inputs(cfg, ctx.stage)  # the fingerprint (hence the run folder) reads them
     return RunPlan(
         stage=ctx.stage, steps=t.steps, global_batch=t.global_batch_size,
-        ckpt_root=checkpoint_root(cfg), fingerprint=run_fingerprint(cfg), output=cfg.results("train"),
+        ckpt_root=checkpoint_root(cfg), fingerprint=run_fingerprint(cfg), output=layout.iteration(cfg).train,
         build=build, scheduler=lambda optimizer: lr_scheduler(cfg, optimizer), export=export_model,
         nonfinite_advice=f"Lower train.lr (now {t.lr}) or raise train.warmup_steps",
         ema_decay=t.ema_decay or 0.0)
@@ -129,7 +130,6 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
     cfg = ctx.cfg
     t = cfg.train
     ckpt_root = plan.ckpt_root
-    accum = plan.global_batch // (t.micro_batch_size * ctx.world_size)
     start_step = 0
     resumed_from = None
     ema = make_ema(built.model, plan.ema_decay)  # the loaded weights, before any step (openpi)
@@ -165,7 +165,7 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
                          augment=augment)
     peak, peak_source = peak_flops(ctx)
     ctx.log(f"{ctx.world_size} process(es) on {ctx.info.kind} ({ctx.info.name}), "
-            f"micro batch {t.micro_batch_size} × accumulation {accum} × "
+            f"micro batch {t.micro_batch_size} × accumulation {sampler.layout.accum} × "
             f"{ctx.world_size} = global batch {plan.global_batch}; steps {start_step}..{plan.steps}; "
             f"train set {len(built.train_set)} frames")
     ctx.log(f"precision {t.precision}; {'FSDP2' if ctx.world_size > 1 else 'unsharded (one process)'}; "

@@ -11,13 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pisft import layout
 from pisft.config import PisftConfig
 from pisft.io import sha256_file
 from pisft.train import checkpoint
 from pisft.train.checkpoint import inputs_fingerprint, run_folder, settings_fingerprint
 
-RETURNS_FILE = "returns.parquet"  # in the converted pool: the returns the value model learns
-CHECKPOINT_SUBDIR = ("checkpoints", "value")
 # Settings that change what the value run computes (with the model and data sections and the
 # inputs' content); the world size, the micro batch and everything that only splits or speeds up
 # the same computation are left out, as for the policy (pisft.train.checkpoint).
@@ -32,16 +31,16 @@ FINGERPRINT_KEYS = (
 
 def value_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
     """What a value checkpoint must share with the current run to be resumed: the settings above,
-    the model it starts from (`PisftConfig.value_init_model`: the base model or policy k-1), the
+    the model it starts from (`layout.value_init_model`: the base model or policy k-1), the
     dataset and the returns file (sha256)."""
-    returns = cfg.results("dataset", RETURNS_FILE)
-    return {**settings_fingerprint(cfg, FINGERPRINT_KEYS), **inputs_fingerprint(cfg, cfg.value_init_model()),
+    returns = layout.iteration(cfg).returns
+    return {**settings_fingerprint(cfg, FINGERPRINT_KEYS), **inputs_fingerprint(cfg, layout.value_init_model(cfg)),
             "value_global_batch_size": cfg.value_global_batch_size,  # 0 in the config: train's
             "returns": sha256_file(returns) if returns.is_file() else None}
 
 
 def value_checkpoint_root(cfg: PisftConfig) -> Path:
-    return run_folder(cfg, value_fingerprint(cfg), CHECKPOINT_SUBDIR)
+    return run_folder(layout.iteration(cfg).value_checkpoints, value_fingerprint(cfg))
 
 
 def stage_checkpoint_root(stage: str, cfg: PisftConfig) -> Path:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pisft.config import accumulation_steps
+
 
 @dataclass(frozen=True)
 class SampleRef:
@@ -50,7 +52,7 @@ class StepLayout:
 
     @property
     def accum(self) -> int:
-        return self.global_batch // (self.micro_batch * self.world_size)
+        return accumulation_steps(self.global_batch, self.micro_batch, self.world_size)
 
     def micro_index(self, rank: int, micro_step: int) -> int:
         return micro_step * self.world_size + rank

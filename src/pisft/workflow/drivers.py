@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from pisft import layout
 from pisft.config import PisftConfig
 from pisft.errors import PisftError
 from pisft.stages import DVC_WRAPPER
@@ -138,7 +139,7 @@ def run_dvc_stage(stage: str, cmd: list[str]) -> int:
     code = _run_forwarding_termination(cmd)
     if code != 0 or cfg is None:
         return code
-    write_benchmark(cfg.results("benchmarks", f"{stage}.tsv"), started)
+    write_benchmark(layout.benchmark(cfg, stage), started)
     record_for_snakemake(stage)
     return 0
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from pisft import layout
 from pisft import config as pisft_config
 from pisft.io import write_text_atomic
 from pisft.stages import STAGES, code_deps
@@ -67,7 +68,7 @@ def _is_default(config: dict) -> bool:
 
 
 def _effective_path(cfg: pisft_config.PisftConfig) -> Path:
-    return Path(cfg.results_dir, "config", "effective.yaml")
+    return layout.effective_config(cfg)
 
 
 def write_effective_config(cfg: pisft_config.PisftConfig, config: dict) -> None:
