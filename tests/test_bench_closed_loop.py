@@ -10,7 +10,7 @@ import pytest
 from pisft.bench import closed_loop_bench
 from pisft.bench import run as bench_run
 from pisft.bench.stand_in_simulator import StandInSimulator
-from pisft.evaluate import libero_sim
+from pisft.rollout import libero_sim
 
 
 def test_closed_loop_is_a_bench_part():

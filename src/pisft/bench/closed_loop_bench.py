@@ -1,7 +1,7 @@
 """Benchmark of closed_loop's policy side: one request at a time against batched requests.
 
 The tiny pi0.5-architecture model (random init, saved with stats, loaded through `LiberoPolicy`
-as the stage loads it, one CPU thread: `closed_loop.policy_threads`) answers 8 environment
+as the stage loads it, one CPU thread: `replicas.policy_threads`) answers 8 environment
 processes of a fast stand-in simulator (`stand_in_simulator`: LIBERO's interface and image
 sizes, no physics, no rendering), so the figure is the policy, the requests' trip through the
 pipes and the dispatch, not the simulator. The same episodes run twice on the same workers, side
@@ -23,10 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
+from pisft.policy import replicas
+from pisft import rollout
 from pisft.bench.stand_in_simulator import StandInSimulator
-from pisft.evaluate import closed_loop
-from pisft.evaluate.policy_pool import PolicyPool
-from pisft.evaluate.rollout_workers import ProcessWorker
+from pisft.policy.replicas import PolicyPool
+from pisft.rollout.workers import ProcessWorker
 
 WAIT_MS = 50.0  # eval.policy_batch_wait_ms of the third run
 ACTIONS_ATOL = 1e-6  # fp32 rounding; the test of batching states the same tolerance
@@ -71,16 +72,16 @@ def write_tiny_model(out: Path) -> Path:
 
 def _pass(policy, workers: list, *, policy_batch: int, episodes_per_env: int, max_steps: int,
           wait_ms: float = 0.0) -> tuple[dict, dict]:
-    settings = closed_loop.Settings(suites=("libero_10",), trials_per_task=episodes_per_env, replan_steps=5,
+    settings = rollout.Settings(suites=("libero_10",), trials_per_task=episodes_per_env, replan_steps=5,
                                     num_wait_steps=10, seed=7, resize_size=224, max_steps=max_steps,
                                     task_ids=tuple(range(len(workers))), num_envs=len(workers), videos=False,
                                     policy_batch=policy_batch, policy_batch_wait_ms=wait_ms)
-    specs, languages = closed_loop.plan_episodes(StandInSimulator(len(workers)), settings, None)
+    specs, languages = rollout.plan_episodes(StandInSimulator(len(workers)), settings, None)
     recording = _Recording(policy)
     pool = PolicyPool([recording], max_batch=policy_batch, devices=["cpu"])
     try:
         t0 = time.perf_counter()
-        results = closed_loop.run_episodes(specs, pool, settings, workers=workers, languages=languages,
+        results = rollout.run_episodes(specs, pool, settings, workers=workers, languages=languages,
                                            stage="bench")
         wall = time.perf_counter() - t0
     finally:
@@ -102,10 +103,10 @@ def _pass(policy, workers: list, *, policy_batch: int, episodes_per_env: int, ma
 def run(work: Path, *, num_envs: int = NUM_ENVS, episodes_per_env: int = 2, max_steps: int = 40) -> dict:
     import torch
 
-    from pisft.serve.libero_policy import LiberoPolicy
+    from pisft.policy.libero import LiberoPolicy
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(closed_loop.policy_threads())
+    torch.set_num_threads(replicas.policy_threads())
     policy = LiberoPolicy.from_model_dir(write_tiny_model(Path(work) / "tiny_model"), device="cpu")
     factory = functools.partial(StandInSimulator, num_envs)
     workers = [ProcessWorker(factory, name=f"bench-env{i}") for i in range(num_envs)]
@@ -126,7 +127,7 @@ def run(work: Path, *, num_envs: int = NUM_ENVS, episodes_per_env: int = 2, max_
                 for k in seq_chunks if k in chunks), default=float("nan"))
     return {
         "model": "tiny pi0.5-architecture (random init), LiberoPolicy on the CPU, "
-                 f"{closed_loop.policy_threads()} thread",
+                 f"{replicas.policy_threads()} thread",
         "simulator": StandInSimulator().describe()["package"],
         "num_envs": num_envs,
         "episode_steps": max_steps,

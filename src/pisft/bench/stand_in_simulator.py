@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pisft.evaluate import libero_sim
+from pisft.rollout import libero_sim
 
 
 @dataclass(frozen=True)

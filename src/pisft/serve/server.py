@@ -2,7 +2,7 @@
 
 openpi's own clients (`openpi_client.websocket_client_policy.WebsocketClientPolicy`, used by
 its LIBERO example) connect unchanged: on connect the server sends its metadata; each request
-is one observation (see `pisft.serve.observations`), answered with
+is one observation (see `pisft.policy.observations`), answered with
 `{"actions": float32 (chunk_size, action_dim) in raw action units, "server_timing": {...}}`.
 
 Hostile or broken clients (docs/serving.md):
@@ -82,7 +82,7 @@ import numpy as np
 
 from pisft.errors import PisftError
 from pisft.serve import protocol
-from pisft.serve.observations import Limits, ObservationError
+from pisft.policy.observations import Limits, ObservationError
 
 log = logging.getLogger("pisft.serve")
 
@@ -100,7 +100,7 @@ MAX_BATCH_WINDOW_MS = 1000.0  # a longer window would delay a lone client's ever
 
 
 class ServedPolicy(Protocol):
-    """What the server needs of a policy (`pisft.serve.libero_policy.LiberoPolicy`)."""
+    """What the server needs of a policy (`pisft.policy.libero.LiberoPolicy`)."""
 
     metadata: dict
 
@@ -614,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     limits = Limits(max_image_side=args.max_image_side, max_prompt_chars=args.max_prompt_chars)
     try:
-        from pisft.serve.libero_policy import LiberoPolicy
+        from pisft.policy.libero import LiberoPolicy
 
         policy = LiberoPolicy.from_model_dir(args.model, device=args.device, dataset_dir=args.dataset,
                                              seed=args.seed, limits=limits, cfg_scale=args.cfg_scale)

@@ -40,9 +40,9 @@ import numpy as np
 
 from pisft import logs
 from pisft.errors import PisftError
-from pisft.evaluate import libero_sim
-from pisft.evaluate.episode_recording import EpisodeRecorder
-from pisft.evaluate.video import SideBySideWriter
+from pisft.rollout import libero_sim
+from pisft.rollout.recording import EpisodeRecorder
+from pisft.rollout.video import SideBySideWriter
 
 
 @dataclass(frozen=True)
@@ -240,7 +240,7 @@ def _worker_main(conn, simulator_factory: Callable[[], Any], workdir: str | None
         if workdir is not None:
             # MuJoCo writes its log (MUJOCO_LOG.TXT) into the working folder on every simulator
             # warning: the stage's log folder, not the project root. Paths in the messages are
-            # absolute (closed_loop.plan_episodes).
+            # absolute (pisft.rollout.plan.plan_episodes).
             os.makedirs(workdir, exist_ok=True)
             os.chdir(workdir)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which stops the stage
