@@ -56,27 +56,43 @@ class Outcome:
 
 
 def answer_each(forward: Callable[[list, list], Sequence[dict]], items: Sequence[Any],
-                noises: Sequence[Any]) -> list[Outcome]:
+                noise_of: Callable[[int], Any]) -> list[Outcome]:
     """`forward(items, noises)` once; when it raises or answers a different number of replies,
-    each request alone, so one bad request errs alone (the rule's one failure rule)."""
+    each request alone, so one bad request errs alone (the rule's one failure rule).
+    `noise_of(i)`: request i's noise as it is before any draw, asked again for every attempt (a
+    failed forward may have drawn from it), so a request retried alone gets the chunk it gets
+    alone."""
     if len(items) > 1:
         try:
-            replies = list(forward(list(items), list(noises)))
+            replies = list(forward(list(items), [noise_of(i) for i in range(len(items))]))
             if len(replies) != len(items):
                 raise RuntimeError(f"the policy answered {len(replies)} replies for {len(items)} requests")
             return [Outcome(reply, None) for reply in replies]
         except Exception:  # noqa: BLE001 - each request alone below: the bad one errs, the others are answered
             pass
     out = []
-    for item, noise in zip(items, noises, strict=True):
+    for i, item in enumerate(items):
         try:
-            replies = list(forward([item], [noise]))
+            replies = list(forward([item], [noise_of(i)]))
             if len(replies) != 1:
                 raise RuntimeError(f"the policy answered {len(replies)} replies for 1 request")
             out.append(Outcome(replies[0], None))
         except Exception as exc:  # noqa: BLE001 - this request's error
             out.append(Outcome(None, exc))
     return out
+
+
+def rewinding(noises: Sequence[Any]) -> Callable[[int], Any]:
+    """`noise_of` for stateful generators (a server connection's): each attempt starts from the
+    state the generator had before the first (`torch.Generator.get_state/set_state`)."""
+    states = [n.get_state() if hasattr(n, "get_state") else None for n in noises]
+
+    def noise_of(i: int) -> Any:
+        if states[i] is not None:
+            noises[i].set_state(states[i])
+        return noises[i]
+
+    return noise_of
 
 
 class BatchRule:

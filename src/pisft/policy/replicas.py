@@ -79,7 +79,6 @@ def answer_batch(policy: Any, requests: Sequence[Request]) -> list[tuple[np.ndar
     """(actions, None) or (None, error) per request: one forward (`batching.answer_each`) when
     the policy batches, else one request at a time."""
     policy = as_policy(policy)
-    noises = [policy.new_noise(r.seed) for r in requests]
     prepared: list = []
     out: list[tuple[np.ndarray | None, str | None] | None] = []
     for r in requests:  # a request that cannot be prepared errs alone
@@ -89,11 +88,12 @@ def answer_batch(policy: Any, requests: Sequence[Request]) -> list[tuple[np.ndar
         except Exception as exc:  # noqa: BLE001 - this request's error, its episode is run again
             out.append((None, error_text(exc)))
     ok = [i for i, o in enumerate(out) if o is None]
-    items, seeds = [prepared[k] for k in range(len(ok))], [noises[i] for i in ok]
+    seeds = [requests[i].seed for i in ok]
     if getattr(policy, "one_at_a_time", False):
-        outcomes = [answer_each(policy.predict_many, [x], [n])[0] for x, n in zip(items, seeds, strict=True)]
-    else:
-        outcomes = answer_each(policy.predict_many, items, seeds)
+        outcomes = [answer_each(policy.predict_many, [x], lambda _, s=s: policy.new_noise(s))[0]
+                    for x, s in zip(prepared, seeds, strict=True)]
+    else:  # a fresh generator from its seed for every attempt
+        outcomes = answer_each(policy.predict_many, prepared, lambda k: policy.new_noise(seeds[k]))
     for i, o in zip(ok, outcomes, strict=True):
         out[i] = (np.asarray(o.reply["actions"]), None) if o.error is None else (None, error_text(o.error))
     return out  # type: ignore[return-value]
