@@ -21,6 +21,7 @@ LAYERS = (
     ("pisft", "pisft.errors", "pisft.io", "pisft.integrity", "pisft.disk_space", "pisft.logs", "pisft.device",
      "pisft.config"),
     ("pisft.data", "pisft.model"),
+    ("pisft.policy", "pisft.rollout"),  # the inference wing and the rollout engine on it
     ("pisft.train", "pisft.evaluate", "pisft.serve"),
     # Tools that study the training step (memory estimate, its measurement, the collective audit,
     # their synthetic inputs), built on it; the smoke stage sits here too: its report carries the estimate.

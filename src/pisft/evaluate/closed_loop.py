@@ -99,7 +99,7 @@ def summarize(results: list[EpisodeResult]) -> dict:
     intervals, episode lengths. Deterministic: timings are kept apart (`timing`).
 
     Only over episodes that ran to their end: a result with an error is refused (a crash is not
-    a failed trial; `run_episodes` retries it or stops the run). `errors` stays in the output
+    a failed trial; the scheduler (`pisft.rollout.scheduler`) retries it or stops the run). `errors` stays in the output
     (0: none counted), `retried` counts episodes that needed another attempt."""
     crashed = [r for r in results if r.error is not None]
     if crashed:

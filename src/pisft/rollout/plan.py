@@ -37,7 +37,7 @@ def plan_episodes(simulator: libero_sim.Simulator, settings: Settings, out_dir: 
     `record_dir`: every episode records its executed steps in `record_dir/episode_<index>/`."""
     specs: list[EpisodeSpec] = []
     languages: dict[tuple[str, int], str] = {}
-    # absolute: a worker process runs in the stage's log folder (MuJoCo's log, rollout_workers)
+    # absolute: a worker process runs in the stage's log folder (MuJoCo's log, pisft.rollout.workers)
     out_dir = None if out_dir is None else Path(out_dir).absolute()
     record_dir = None if record_dir is None else Path(record_dir).absolute()
     if not settings.suites or len(set(settings.suites)) != len(settings.suites):

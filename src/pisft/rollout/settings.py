@@ -28,7 +28,7 @@ class Settings:
     # 0 for the evaluation; the RECAP rollout collection starts after the evaluation's states.
     first_init_state: int = 0
     # At most this many requests per policy forward (0: every environment waiting at that moment);
-    # results do not depend on it (each request's noise is its own; policy_pool).
+    # results do not depend on it (each request's noise is its own; pisft.policy.batching).
     policy_batch: int = 0
     # A batch that could still grow waits at most this long for the environments still simulating.
     policy_batch_wait_ms: float = 0.0

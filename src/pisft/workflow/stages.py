@@ -139,7 +139,8 @@ SHARED_CODE = (
     "src/pisft/workflow/stages.py",
 )
 TRAIN_CODE = ("src/pisft/train", "src/pisft/model", "src/pisft/data")
-EVAL_CODE = ("src/pisft/evaluate", "src/pisft/serve", "src/pisft/model", "src/pisft/data")
+EVAL_CODE = ("src/pisft/evaluate", "src/pisft/serve", "src/pisft/policy", "src/pisft/rollout", "src/pisft/model",
+             "src/pisft/data")
 RECAP_CODE = ("src/pisft/recap",)
 # DVC runs each stage's command through this wrapper (pisft.workflow.drivers: the config-shape
 # check, the benchmark row, Snakemake's records): dvc.yaml's cmd is `<wrapper> <stage> -- <command>`.
