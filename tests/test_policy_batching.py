@@ -30,17 +30,24 @@ def test_a_hand_set_wait_holds_until_the_oldest_has_waited_it():
 def test_the_measured_wait_holds_for_environments_expected_within_a_forward():
     rule = BatchRule()
     # nothing measured yet: no forecast, no hold
-    assert rule.hold_s(now=10.0, oldest=10.0, waiting=1, could_join=2, answered_at=[9.99]) is None
-    rule.forward_done(0.1)
+    assert rule.expected(9.99) is None
+    assert rule.hold_s(now=10.0, oldest=10.0, waiting=1, could_join=2, expected=[rule.expected(9.99)]) is None
     rule.simulated(0.02)
+    assert rule.hold_s(now=10.0, oldest=10.0, waiting=1, could_join=2, expected=[rule.expected(9.99)]) is None
+    rule.forward_done(0.1)
     # answered at 9.99, expected back at 10.01, before the oldest has waited one forward (10.1)
-    assert rule.hold_s(now=10.0, oldest=10.0, waiting=1, could_join=2, answered_at=[9.99]) == pytest.approx(0.1)
+    assert rule.expected(9.99) == pytest.approx(10.01)
+    assert rule.hold_s(now=10.0, oldest=10.0, waiting=1, could_join=2,
+                       expected=[rule.expected(9.99)]) == pytest.approx(0.1)
     # expected back after a forward's time: go now (a long simulation never holds a batch)
-    assert rule.hold_s(now=10.0, oldest=10.0, waiting=1, could_join=2, answered_at=[10.2]) is None
-    # an environment starting an episode (no forecast) holds nothing
-    assert rule.hold_s(now=10.0, oldest=10.0, waiting=1, could_join=2, answered_at=[]) is None
+    assert rule.hold_s(now=10.0, oldest=10.0, waiting=1, could_join=2, expected=[rule.expected(10.2)]) is None
+    # an episode's start has its own mean: none measured, no forecast, no hold
+    assert rule.expected(9.99, "start") is None
+    assert rule.hold_s(now=10.0, oldest=10.0, waiting=1, could_join=2, expected=[None]) is None
+    rule.simulated(0.05, "start")
+    assert rule.expected(9.99, "start") == pytest.approx(10.04)
     # held at most one forward from the oldest request
-    assert rule.hold_s(now=10.2, oldest=10.0, waiting=1, could_join=2, answered_at=[9.99]) is None
+    assert rule.hold_s(now=10.2, oldest=10.0, waiting=1, could_join=2, expected=[rule.expected(9.99)]) is None
     assert BatchRule(adaptive=False).hold_s(now=10.0, oldest=10.0, waiting=1, could_join=2) is None
 
 

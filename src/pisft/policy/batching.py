@@ -13,8 +13,9 @@ be held for the others:
   --policy-batch-wait-ms`, `eval.policy_batch_wait_ms`);
 - `wait_s == 0` with `adaptive`: from what the rule measures. It keeps a running mean of the
   forward's time and of the simulation time of a chunk (from the actions sent to an environment
-  to its next request). A batch is held while an environment still simulating is expected back
-  (its actions' time plus the simulation time) before the oldest request has waited one forward,
+  to its next request) and of an episode's start (to its first request). A batch is held while
+  an environment still simulating is expected back (when it was sent its actions or its episode,
+  plus that mean) before the oldest request has waited one forward,
   and never longer: a request that misses a forward waits a whole forward for the next, so
   holding for less pays (`BatchRule.hold_s`). Where the simulation is much longer than a forward
   (LIBERO's renders), an environment is seldom expected within a forward and a hold, when there
@@ -108,8 +109,9 @@ class BatchRule:
         self.wait_s = float(wait_s)
         self.adaptive = adaptive
         self.forward_s: float | None = None  # running mean of a forward's seconds
-        self.simulation_s: float | None = None  # running mean of a chunk's simulation seconds
-        self.holds = 0  # batches held back at least once by the measured rule
+        # running means of the simulation's seconds: "chunk" (actions to the next request) and
+        # "start" (an episode's start to its first request)
+        self.simulation_s: dict[str, float] = {}
 
     def limit(self, waiting: int) -> int:
         """Requests the next forward takes of `waiting`."""
@@ -136,25 +138,30 @@ class BatchRule:
     def forward_done(self, seconds: float) -> None:
         self.forward_s = self._mean(self.forward_s, seconds)
 
-    def simulated(self, seconds: float) -> None:
-        """An environment's request came `seconds` after its actions were sent."""
-        self.simulation_s = self._mean(self.simulation_s, seconds)
+    def simulated(self, seconds: float, kind: str = "chunk") -> None:
+        """An environment's request came `seconds` after what it was sent: `"chunk"`, a chunk's
+        actions; `"start"`, an episode's start (its reset and wait steps)."""
+        self.simulation_s[kind] = self._mean(self.simulation_s.get(kind), seconds)
+
+    def expected(self, sent_at: float, kind: str = "chunk") -> float | None:
+        """When an environment sent a `kind` at `sent_at` is expected back (None: not measured yet)."""
+        mean = self.simulation_s.get(kind)
+        return None if mean is None else sent_at + mean
 
     def hold_s(self, *, now: float, oldest: float, waiting: int, could_join: int,
-               answered_at: Sequence[float] = ()) -> float | None:
+               expected: Sequence[float | None] = ()) -> float | None:
         """Seconds to hold the batch of the `waiting` requests (the oldest queued at `oldest`)
         before its forward; None: go now. `could_join`: requests that could be in it (those
-        waiting and the environments still simulating); `answered_at`: when each environment
-        still simulating got its actions (the measured rule's forecast)."""
+        waiting and the environments still simulating); `expected`: when each environment still
+        simulating is expected back (`expected()`; None: no forecast), the measured rule's."""
         if waiting >= self.limit(could_join):
             return None  # nobody else can join
         if self.wait_s > 0:
             left = oldest + self.wait_s - now
             return left if left > 0 else None
-        if not self.adaptive or self.forward_s is None or self.simulation_s is None:
+        if not self.adaptive or self.forward_s is None:
             return None
         deadline = oldest + self.forward_s
-        if deadline <= now or not any(t + self.simulation_s <= deadline for t in answered_at):
+        if deadline <= now or not any(t is not None and t <= deadline for t in expected):
             return None
-        self.holds += 1
         return deadline - now

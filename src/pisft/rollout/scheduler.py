@@ -180,15 +180,16 @@ class Scheduler:
         self.crashed: list[CrashedEpisode] = []
         self.waiting: dict[int, tuple[dict, float]] = {}  # worker index -> (its request, when it came), oldest first
         self.asked: set[int] = set()  # workers whose request is in a forward
-        self.answered_at: dict[int, float] = {}  # worker index -> when its actions were sent (simulating since)
+        # worker index -> (what it was sent, "chunk" or "start", and when): simulating since then
+        self.sent: dict[int, tuple[str, float]] = {}
 
     def start(self, i: int, spec: EpisodeSpec, attempt: int = 1, earlier: tuple[str, ...] = ()) -> None:
         self.busy[i] = _InFlight(spec=spec, seed=episode_seed(self.settings.seed, spec.suite, spec.task_id,
                                                               spec.initial_state), start=time.monotonic(),
                                  attempt=attempt, earlier_errors=earlier)
         self.last_task[i] = (spec.suite, spec.task_id)
-        self.answered_at.pop(i, None)
         self.workers[i].send("start", spec)
+        self.sent[i] = ("start", time.monotonic())
 
     def replace(self, i: int) -> None:
         if self.respawn is None:
@@ -202,7 +203,7 @@ class Scheduler:
 
     def finish(self, i: int, outcome: EpisodeOutcome, *, died: bool = False) -> None:
         ep = self.busy.pop(i)
-        self.answered_at.pop(i, None)
+        self.sent.pop(i, None)
         s = ep.spec
         error = ep.error or outcome.error
         task = self.languages[(s.suite, s.task_id)]
@@ -258,9 +259,9 @@ class Scheduler:
             self.finish(i, payload)
         else:
             now = time.monotonic()
-            sent = self.answered_at.pop(i, None)
-            if sent is not None:  # the simulation of one chunk (the rule's forecast)
-                self.pool.rule.simulated(now - sent)
+            sent = self.sent.pop(i, None)
+            if sent is not None:  # the simulation of one chunk or episode start (the rule's forecast)
+                self.pool.rule.simulated(now - sent[1], sent[0])
             self.waiting[i] = (payload, now)
 
     def dispatch(self) -> float | None:
@@ -272,7 +273,8 @@ class Scheduler:
             simulating = [i for i in self.busy if i not in self.waiting and i not in self.asked]
             hold = rule.hold_s(now=now, oldest=next(iter(self.waiting.values()))[1], waiting=len(self.waiting),
                                could_join=len(self.waiting) + len(simulating),
-                               answered_at=[self.answered_at[i] for i in simulating if i in self.answered_at])
+                               expected=[rule.expected(self.sent[i][1], self.sent[i][0])
+                                         for i in simulating if i in self.sent])
             if hold is not None:
                 return hold
             batch = []
@@ -293,7 +295,7 @@ class Scheduler:
         if error is None:
             try:
                 self.workers[i].send("act", check_chunk(a.actions, self.settings))
-                self.answered_at[i] = time.monotonic()
+                self.sent[i] = ("chunk", time.monotonic())
                 return
             except PisftError as exc:
                 error = f"{type(exc).__name__}: {exc}"
