@@ -173,7 +173,7 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 def test_the_checks_see_a_cycle_and_an_upward_import():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert upward_imports({"pisft.model.policy": {"pisft.train.fsdp"}}) == [
-        "pisft.model.policy (layer 1) imports pisft.train.fsdp (layer 2)"]
+        "pisft.model.policy (layer 1) imports pisft.train.fsdp (layer 3)"]
 
 
 def test_pisft_modules_import_no_cycle_and_only_down_the_layers():
