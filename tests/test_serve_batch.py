@@ -108,9 +108,9 @@ def test_a_batch_holds_at_most_max_batch_requests_and_the_rest_wait_for_the_next
           client(where["url"]) as d):
         a.send(protocol.packb({**obs, "prompt": "hold in predict"}))
         assert policy.in_predict.wait(60)
-        for ws in (b, c, d):
-            ws.send(protocol.packb(obs))
-        wait_until(lambda: server.waiting == 3, "B, C and D are queued behind A's forward")
+        for n, ws in enumerate((b, c, d), start=1):  # one at a time: queued in this order (decodes run
+            ws.send(protocol.packb(obs))           # in threads and could finish in another)
+            wait_until(lambda n=n: server.waiting == n, f"{n} requests are queued behind A's forward")
         policy.release_predict.set()
         sizes = [recv(ws)["server_timing"]["batch_size"] for ws in (a, b, c, d)]
     assert policy.sizes == [1, 2, 1]  # in the order they were queued
