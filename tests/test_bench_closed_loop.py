@@ -10,7 +10,7 @@ import pytest
 from pisft.bench import closed_loop_bench
 from pisft.bench import run as bench_run
 from pisft.bench.stand_in_simulator import StandInSimulator
-from pisft.evaluate import libero_sim
+from pisft.rollout import libero_sim
 
 
 def test_closed_loop_is_a_bench_part():
@@ -35,12 +35,14 @@ def test_the_stand_in_simulator_answers_as_libero_does():
         sim.make_env(suite.get_task(0), resolution=128, seed=7)
 
 
-@pytest.mark.integration  # ~5-10 s: 2 spawned environment processes and the tiny model, four passes
+@pytest.mark.integration  # ~10-20 s: 2 spawned environment processes (twice) and the tiny model, seven passes
 def test_closed_loop_bench_figures_are_consistent(tmp_path):
-    out = closed_loop_bench.run(tmp_path, num_envs=2, episodes_per_env=1, max_steps=10)
-    runs = [out["sequential"], out["batched"], out["batched_waiting"]]
+    out = closed_loop_bench.run(tmp_path, num_envs=2, episodes_per_env=1, max_steps=10, slow_step_s=0.01)
+    slow = out["simulation_dominates"]
+    runs = [out["sequential"], out["batched"], out["batched_no_hold"], out["batched_waiting"], slow["no_hold"],
+            slow["default"]]
     # the same episodes in every run: 2 episodes x 10 steps / 5 per chunk
-    assert [r["requests"] for r in runs] == [4, 4, 4] and [r["episodes"] for r in runs] == [2, 2, 2]
+    assert [r["requests"] for r in runs] == [4] * 6 and [r["episodes"] for r in runs] == [2] * 6
     for r in runs:
         assert r["requests_per_s"] == pytest.approx(r["requests"] / r["wall_s"])
         assert 1 <= r["mean_policy_batch"] <= r["max_policy_batch"] <= 2
@@ -48,6 +50,11 @@ def test_closed_loop_bench_figures_are_consistent(tmp_path):
     assert out["batched_vs_sequential_requests_per_s"] == pytest.approx(
         out["batched"]["requests_per_s"] / out["sequential"]["requests_per_s"])
     assert out["mean_policy_batch"] == out["batched"]["mean_policy_batch"]
+    for name in ("batched_no_hold", "batched_waiting"):
+        assert out[f"{name}_vs_sequential_requests_per_s"] == pytest.approx(
+            out[name]["requests_per_s"] / out["sequential"]["requests_per_s"])
+    assert slow["step_s"] == 0.01 and slow["default_vs_no_hold_requests_per_s"] == pytest.approx(
+        slow["default"]["requests_per_s"] / slow["no_hold"]["requests_per_s"])
     # the batched chunks are the sequential ones, within fp32 rounding (bit for bit on the CPUs
     # measured so far, with one policy thread; not asserted, as it rests on the CPU's kernels)
     assert out["actions_match"] is True and out["actions_max_abs_diff"] <= out["actions_atol"]

@@ -126,7 +126,7 @@ class _Predictor:
 
 
 def test_served_and_closed_loop_policy_prompts_the_positive_prompt(tmp_path):
-    from pisft.serve.libero_policy import LiberoPolicy
+    from pisft.policy.libero import LiberoPolicy
 
     obs = {"observation/image": np.zeros((16, 16, 3), np.uint8), "observation/state": np.zeros(8), "prompt": TASK}
     RLINF.write(tmp_path / prompts.CONDITIONING_FILE)
@@ -212,7 +212,8 @@ def test_offline_evaluation_prompts_each_model_as_trained(tmp_path, monkeypatch)
     fine-tuned model is guided against its frames' plain tasks; the base model (plain) is not."""
     from pisft.data import convert, demo
     from pisft.data import dataset as data
-    from pisft.evaluate import inference, offline
+    from pisft.evaluate import offline
+    from pisft.policy import predictor as inference
     from pisft.model.policy import build_policy, save_model
     from pisft.model.tokenizer import save_tiny_tokenizer
 

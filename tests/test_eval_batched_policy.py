@@ -12,13 +12,14 @@ import pytest
 from model_fixtures import tiny_model_dir
 from test_eval_closed_loop import StandInSimulator, StandInTask, settings
 
+from pisft.policy import replicas
+from pisft import rollout
 from pisft import config as C
 from pisft import device as device_mod
 from pisft.errors import PisftError
-from pisft.evaluate import closed_loop
-from pisft.evaluate.policy_pool import PolicyPool, Request
-from pisft.evaluate.rollout_workers import InlineWorker
-from pisft.serve.libero_policy import LiberoPolicy
+from pisft.policy.replicas import PolicyPool, Request
+from pisft.rollout.workers import InlineWorker
+from pisft.policy.libero import LiberoPolicy
 
 # On this CPU a batched forward gives the bits of one request at a time (measured; also
 # `python -m pisft bench --only closed_loop`'s actions_match). The tests allow fp32 rounding, as an
@@ -93,11 +94,11 @@ def _roll_out(policy, *, num_envs, policy_batch):
     """`policy`: one, or a list of replicas."""
     sim = StandInSimulator(TASKS, placement_noise=0.02)
     s = settings(trials_per_task=3, max_steps=20, policy_batch=policy_batch)
-    specs, languages = closed_loop.plan_episodes(sim, s, None)
+    specs, languages = rollout.plan_episodes(sim, s, None)
     workers = [InlineWorker(sim) for _ in range(num_envs)]
     pool = PolicyPool(policy if isinstance(policy, list) else [policy], max_batch=policy_batch)
     try:
-        results = closed_loop.run_episodes(specs, pool, s, workers=workers, languages=languages)
+        results = rollout.run_episodes(specs, pool, s, workers=workers, languages=languages)
     finally:
         pool.close()
         for w in workers:
@@ -212,18 +213,18 @@ def test_one_replica_per_visible_accelerator_and_one_on_the_cpu(monkeypatch):
     cfg = C.from_dict({"device": "cuda"})
     monkeypatch.setattr(device_mod, "resolve_kind", lambda requested: "cuda")
     monkeypatch.setattr(device_mod, "device_count", lambda kind: 8)
-    assert closed_loop.policy_devices(cfg) == [f"cuda:{i}" for i in range(8)]
+    assert replicas.policy_devices(cfg) == [f"cuda:{i}" for i in range(8)]
     cfg.eval.policy_devices = 2
-    assert closed_loop.policy_devices(cfg) == ["cuda:0", "cuda:1"]
+    assert replicas.policy_devices(cfg) == ["cuda:0", "cuda:1"]
     cfg.eval.policy_devices = 9
     with pytest.raises(PisftError, match="9 policy replicas asked for, but 8 cuda device"):
-        closed_loop.policy_devices(cfg)
+        replicas.policy_devices(cfg)
     monkeypatch.setattr(device_mod, "resolve_kind", lambda requested: "cpu")
     cfg.eval.policy_devices = 0
-    assert closed_loop.policy_devices(cfg) == ["cpu"]
+    assert replicas.policy_devices(cfg) == ["cpu"]
     cfg.eval.policy_devices = 2
     with pytest.raises(PisftError, match="runs on the CPU, where it is one"):
-        closed_loop.policy_devices(cfg)
+        replicas.policy_devices(cfg)
 
 
 @pytest.mark.parametrize("key", ["policy_batch", "policy_devices"])

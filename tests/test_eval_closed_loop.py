@@ -15,10 +15,13 @@ import numpy as np
 import pytest
 import yaml
 
+from pisft.policy import replicas
+from pisft import rollout
 from pisft import config as C
 from pisft.errors import PisftError
-from pisft.evaluate import closed_loop, libero_sim
-from pisft.evaluate.rollout_workers import InlineWorker
+from pisft.evaluate import closed_loop
+from pisft.rollout import libero_sim
+from pisft.rollout.workers import InlineWorker
 
 RES = libero_sim.RENDER_RESOLUTION
 
@@ -160,15 +163,15 @@ def settings(**kw):
     base = dict(suites=("libero_spatial",), trials_per_task=3, replan_steps=5, num_wait_steps=10,
                 seed=7, resize_size=224)
     base.update(kw)
-    return closed_loop.Settings(**base)
+    return rollout.Settings(**base)
 
 
 def run_inline(sim, policy, s, out_dir=None, num_envs=1):
     """The stage's episode loop with the environments in this process (to inspect them)."""
-    specs, languages = closed_loop.plan_episodes(sim, s, out_dir)
+    specs, languages = rollout.plan_episodes(sim, s, out_dir)
     workers = [InlineWorker(sim) for _ in range(num_envs)]
     try:
-        return closed_loop.run_episodes(specs, policy, s, workers=workers, languages=languages)
+        return rollout.run_episodes(specs, policy, s, workers=workers, languages=languages)
     finally:
         for w in workers:
             w.close()
@@ -192,10 +195,10 @@ def test_episode_follows_openpi_loop():
     assert len(env.actions) == 10 + 10 + 10 + results[1].steps
     assert results[1].steps == 10  # from 0.01: 9.8 steps of 0.05 -> 10 (last within tolerance)
     # each chunk gets its own noise seed, fixed by the episode and the call number
-    ep0 = closed_loop.episode_seed(7, "libero_spatial", 0, 0)
-    ep1 = closed_loop.episode_seed(7, "libero_spatial", 0, 1)
-    assert policy.seeds == [closed_loop.chunk_seed(ep0, 0), closed_loop.chunk_seed(ep0, 1),
-                            closed_loop.chunk_seed(ep1, 0), closed_loop.chunk_seed(ep1, 1)]
+    ep0 = rollout.episode_seed(7, "libero_spatial", 0, 0)
+    ep1 = rollout.episode_seed(7, "libero_spatial", 0, 1)
+    assert policy.seeds == [rollout.chunk_seed(ep0, 0), rollout.chunk_seed(ep0, 1),
+                            rollout.chunk_seed(ep1, 0), rollout.chunk_seed(ep1, 1)]
     assert len(set(policy.seeds)) == 4
 
 
@@ -247,11 +250,11 @@ def test_failures_time_out_at_the_step_limit_and_crashes_are_not_trials():
     np.testing.assert_allclose(ci(s["per_task"]["0"]), [0.3424, 1.0], atol=1e-4)
     # an episode that crashes on every attempt is no trial: the run stops naming it (issue 22)
     sim = StandInSimulator([StandInTask("reach 0.5 0 0", [0.5, 0, 0], explode_at=13)])
-    with pytest.raises(closed_loop.EpisodeErrors, match=r"episode 0 .* crashed after \d+ steps: RuntimeError: "
+    with pytest.raises(rollout.EpisodeErrors, match=r"episode 0 .* crashed after \d+ steps: RuntimeError: "
                                                         r"physics blew up"):
         run_inline(sim, GoalSeekingPolicy(), settings(trials_per_task=2))
     with pytest.raises(PisftError, match="ran to their end"):
-        closed_loop.summarize([closed_loop.EpisodeResult("libero_spatial", 0, "t", 0, False, 3, 1, 0.1,
+        closed_loop.summarize([rollout.EpisodeResult("libero_spatial", 0, "t", 0, False, 3, 1, 0.1,
                                                          error="RuntimeError: boom")])
 
 
@@ -261,14 +264,14 @@ def test_max_steps_and_task_ids_select_the_short_check():
     assert [(r.task_id, r.steps, r.success) for r in results] == [(2, 4, True), (1, 7, False)]
     assert results[1].policy_calls == 2  # 5 + 2 steps
     with pytest.raises(PisftError, match="eval.task_ids: libero_spatial has tasks 0..2"):
-        closed_loop.plan_episodes(sim, settings(task_ids=(3,)), None)
+        rollout.plan_episodes(sim, settings(task_ids=(3,)), None)
 
 
 def test_short_chunks_and_too_few_initial_states_are_clear_errors():
     sim = StandInSimulator([StandInTask("reach 0.5 0 0", [0.5, 0, 0])], n_init=2)
     with pytest.raises(PisftError, match="trials_per_task"):
-        closed_loop.plan_episodes(sim, settings(trials_per_task=3), None)
-    with pytest.raises(closed_loop.EpisodeErrors, match="replan_steps"):
+        rollout.plan_episodes(sim, settings(trials_per_task=3), None)
+    with pytest.raises(rollout.EpisodeErrors, match="replan_steps"):
         run_inline(sim, GoalSeekingPolicy(horizon=3), settings(trials_per_task=2))
 
 
@@ -311,7 +314,7 @@ def test_stage_writes_success_per_task_and_suite(tmp_path):
 
 
 def test_a_video_of_the_first_episode_of_each_task_decodes(tmp_path):
-    from pisft.evaluate.video import probe
+    from pisft.rollout.video import probe
 
     cfg = make_cfg(tmp_path, libero_suites=["libero_10"], max_steps=24)
     metrics = closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, TWO_TASKS),
@@ -387,7 +390,7 @@ def test_results_do_not_depend_on_the_number_of_environment_processes(tmp_path):
     outcomes = {e[2] for e in runs[1][1]}
     assert outcomes == {True, False}
     # and so does the placement drawn at reset: trial k starts off initial state k (x = 0.01 k)
-    firsts = {(t, k): requests[1][closed_loop.chunk_seed(closed_loop.episode_seed(7, "libero_spatial", t, k), 0)]
+    firsts = {(t, k): requests[1][rollout.chunk_seed(rollout.episode_seed(7, "libero_spatial", t, k), 0)]
               for t in range(3) for k in range(3)}
     assert all(abs(state[0][0] - 0.01 * k) > 1e-6 for (_, k), state in firsts.items())
 
@@ -396,7 +399,7 @@ def test_results_do_not_depend_on_the_number_of_environment_processes(tmp_path):
 def test_a_worker_that_dies_on_every_attempt_fails_the_stage(tmp_path):
     tasks = [StandInTask("reach 0.5 0 0", [0.5, 0, 0], die_at=15), StandInTask("reach 0.3 0 0", [0.3, 0, 0])]
     cfg = make_cfg(tmp_path, libero_suites=["libero_spatial"], num_envs=1)
-    with pytest.raises(closed_loop.EpisodeErrors, match=r"episode 0 .* crashed after 0 steps: worker "
+    with pytest.raises(rollout.EpisodeErrors, match=r"episode 0 .* crashed after 0 steps: worker "
                                                         r"closed_loop-env0 died \(exit code 3\)"):
         closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, tasks), policy=GoalSeekingPolicy())
     assert not (tmp_path / "results/closed_loop").exists()  # no success rate, no output
@@ -547,7 +550,7 @@ def test_libero_simulator_against_the_package_layout(fake_libero, tmp_path, monk
     results = run_inline(sim, GoalSeekingPolicy(), settings(trials_per_task=2))
     assert [r.success for r in results] == [True] * 4 and [r.steps for r in results] == [10, 10, 20, 20]
     # a `libero` that is not the hf-libero distribution is never reported as hf-libero
-    info = closed_loop.simulator_info(sim)
+    info = rollout.simulator_info(sim)
     assert info["package"] == "libero (not from the hf-libero distribution)" and info["version"] is None
     from libero.libero.envs import CREATED
 
@@ -596,9 +599,9 @@ def test_the_policy_takes_one_thread_unless_pisft_num_threads_says(monkeypatch):
 
     monkeypatch.delenv(device_mod.THREADS_ENV, raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "7")  # what Snakemake exports: not the policy's count
-    assert closed_loop.policy_threads() == 1
+    assert replicas.policy_threads() == 1
     monkeypatch.setenv(device_mod.THREADS_ENV, "3")
-    assert closed_loop.policy_threads() == 3
+    assert replicas.policy_threads() == 3
 
 
 @pytest.mark.integration  # ~15 s: rollouts in worker processes
@@ -652,20 +655,20 @@ def test_the_embedded_default_is_a_short_real_simulator_check_that_says_what_to_
     e = cfg.eval
     assert e.closed_loop and list(e.libero_suites) == ["libero_10"] and list(e.task_ids) == [0, 1]
     assert (e.trials_per_task, e.max_steps) == (1, 60)
-    note = closed_loop.expectation(cfg, closed_loop.Settings.from_config(cfg))
+    note = closed_loop.expectation(cfg, rollout.Settings.from_config(cfg))
     assert "Expect a success rate of about 0" in note and "not what the model can do" in note
     assert "cut at 60 steps" in note and "libero_10 (520)" in note
     # a real model on real data with openpi's limits gets no such note
     real = C.from_dict({"model": {"source": "/models/pi05_base"}, "data": {"recap_dir": "/data/recap"},
                         "eval": {"closed_loop": True}})
-    assert closed_loop.expectation(real, closed_loop.Settings.from_config(real)) is None
+    assert closed_loop.expectation(real, rollout.Settings.from_config(real)) is None
 
 
 def test_num_envs_defaults_to_the_available_cores_and_bad_keys_are_refused():
     cfg = C.from_dict({"eval": {"closed_loop": True}})
     # one per core as far as memory holds (issue 22): on a host with the memory, one per core
-    assert closed_loop.Settings.from_config(cfg).num_envs == closed_loop.auto_num_envs()[0]
-    assert closed_loop.Settings.from_config(C.from_dict({"eval": {"num_envs": 3}})).num_envs == 3
+    assert rollout.Settings.from_config(cfg).num_envs == rollout.auto_num_envs()[0]
+    assert rollout.Settings.from_config(C.from_dict({"eval": {"num_envs": 3}})).num_envs == 3
     for bad, message in (({"num_envs": -1}, "eval.num_envs: must be 0"),
                          ({"max_steps": -5}, "eval.max_steps: must be 0"),
                          ({"task_ids": [10]}, r"eval.task_ids: \[10\]: task ids must be distinct and in 0..9"),
@@ -722,7 +725,7 @@ def test_stage_guides_a_conditioned_model_with_eval_cfg_scale_and_records_it(tmp
 
 def test_workers_spread_over_tasks_so_each_environment_is_built_once():
     """2 workers, 2 tasks x 2 trials: each worker keeps one task (2 environment builds, not 4)."""
-    from pisft.evaluate.closed_loop import run_episodes
+    from pisft.rollout import run_episodes
 
     class Worker:
         def __init__(self):
@@ -740,13 +743,13 @@ def test_workers_spread_over_tasks_so_each_environment_is_built_once():
         def has_reply(self):
             return self.reply is not None
 
-    from pisft.evaluate.rollout_workers import EpisodeOutcome, EpisodeSpec
+    from pisft.rollout.workers import EpisodeOutcome, EpisodeSpec
 
     specs = [EpisodeSpec(index=i, suite="libero_10", task_id=t, trial=n, max_steps=1, num_wait_steps=0,
                          env_seed=0, resize_size=224)
              for i, (t, n) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)])]
     workers = [Worker(), Worker()]
-    settings = closed_loop.Settings.from_config(C.from_dict({"eval": {"closed_loop": True}}))
+    settings = rollout.Settings.from_config(C.from_dict({"eval": {"closed_loop": True}}))
     results = run_episodes(specs, policy=None, settings=settings, workers=workers,
                            languages={("libero_10", 0): "a", ("libero_10", 1): "b"})
     assert [r.task_id for r in results] == [0, 0, 1, 1]

@@ -22,8 +22,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from pisft.rollout import plan as rollout_plan
 from pisft import config as C
-from pisft.evaluate import closed_loop, libero_sim
+from pisft.evaluate import closed_loop
+from pisft.rollout import libero_sim
 
 pytestmark = [
     pytest.mark.integration,
@@ -123,7 +125,7 @@ def _rendered(img: np.ndarray) -> bool:
 def rollout(tmp_path_factory):
     from test_serve_openpi_client import write_tiny_model
 
-    from pisft.serve.libero_policy import LiberoPolicy
+    from pisft.policy.libero import LiberoPolicy
 
     tmp = tmp_path_factory.mktemp("libero_real")
     cfg = C.from_dict({"results_dir": str(tmp / "results"), "device": "cpu", "eval": {
@@ -284,5 +286,5 @@ def test_results_do_not_depend_on_the_number_of_environment_processes(tmp_path):
     assert runs[1] == runs[2]
     assert requests[1] == requests[2] and len(requests[1]) == 2 * steps // replan
     # the two trials start from different stored states: the comparison covers two scenes
-    first = [requests[1][closed_loop.chunk_seed(closed_loop.episode_seed(7, SUITE, TASK_ID, k), 0)] for k in (0, 1)]
+    first = [requests[1][rollout_plan.chunk_seed(rollout_plan.episode_seed(7, SUITE, TASK_ID, k), 0)] for k in (0, 1)]
     assert first[0][0] != first[1][0] and first[0][1] != first[1][1]

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from test_eval_closed_loop import StandInSimulator, StandInTask
 
+from pisft import rollout
 from pisft import config as C
-from pisft.evaluate import closed_loop, libero_sim
+from pisft.rollout import libero_sim
 from pisft.workflow import profile as profile_mod
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,9 +63,9 @@ def test_the_device_profile_keeps_its_keys_under_the_full_evaluation(applied):
 
 
 def test_the_resolved_settings_plan_2000_episodes_at_openpis_limits(applied, tmp_path):
-    settings = closed_loop.Settings.from_config(applied["alone"])
+    settings = rollout.Settings.from_config(applied["alone"])
     tasks = [StandInTask(f"reach {t} 0 0", (0.0, 0.0, 0.0)) for t in range(TASKS_PER_SUITE)]
-    specs, languages = closed_loop.plan_episodes(StandInSimulator(tasks, n_init=50), settings, tmp_path)
+    specs, languages = rollout.plan_episodes(StandInSimulator(tasks, n_init=50), settings, tmp_path)
     assert len(specs) == 4 * TASKS_PER_SUITE * OPENPI["trials_per_task"] == 2000
     assert len(languages) == 4 * TASKS_PER_SUITE
     assert Counter(s.suite for s in specs) == {s: 500 for s in OPENPI_SUITE_MAX_STEPS}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pisft.evaluate import libero_sim
+from pisft.rollout import libero_sim
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts/libero_sim_setup.py"

@@ -15,7 +15,7 @@ from pisft.data.libero import advantage_prompt
 from pisft.errors import PisftError
 from pisft.model import guidance
 from pisft.serve import protocol
-from pisft.serve.libero_policy import UNCONDITIONED_KEY, LiberoPolicy
+from pisft.policy.libero import UNCONDITIONED_KEY, LiberoPolicy
 
 RLINF = prompts.PromptConditioning("demo", positive_only_conditional=True, unconditional_prob=0.1)
 TASKS = ["put the bowl on the plate", "turn on the stove"]
@@ -38,7 +38,7 @@ def models(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def predictor(models):
-    from pisft.evaluate.inference import ChunkPredictor
+    from pisft.policy.predictor import ChunkPredictor
 
     return ChunkPredictor.load(models["conditioned"])
 

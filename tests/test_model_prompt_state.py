@@ -12,7 +12,7 @@ import torch
 from model_fixtures import fake_batch, fake_stats, tiny_model_dir
 
 from pisft import config as config_mod
-from pisft.evaluate.inference import ChunkPredictor, quantile_normalize
+from pisft.policy.predictor import ChunkPredictor, quantile_normalize
 from pisft.model import fetch
 from pisft.model.policy import (
     MODEL_INFO_FILE,

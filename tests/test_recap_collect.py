@@ -17,12 +17,13 @@ import pytest
 from data_fixtures import convert
 from test_eval_closed_loop import GoalSeekingPolicy, StandInSimulator, StandInTask
 
+from pisft import rollout
 from pisft import config as C
 from pisft import layout
 from pisft.data import demo
 from pisft.data.images import decode_png
 from pisft.errors import PisftError
-from pisft.evaluate import closed_loop, libero_sim
+from pisft.rollout import libero_sim
 from pisft.recap import collect
 
 # RLinf's LeRobotDatasetWriter features for LIBERO collection, in its order, then LeRobot's
@@ -161,10 +162,10 @@ def test_initial_states_and_seeds_are_disjoint_from_the_evaluations_and_recorded
     assert collection["evaluation"]["initial_states"] == [0, EVAL_TRIALS - 1]
     assert not {e["initial_state"] for e in eps} & set(range(EVAL_TRIALS))
     # the chunks' noise seeds: from collect_seed and the episode, as collection.json says
-    expected = [closed_loop.chunk_seed(e["policy_seed"], k) for e in eps for k in range(e["policy_calls"])]
+    expected = [rollout.chunk_seed(e["policy_seed"], k) for e in eps for k in range(e["policy_calls"])]
     assert policy.seeds == expected
-    assert eps[0]["policy_seed"] == closed_loop.episode_seed(SEED, "libero_10", 0, 3)
-    evaluation = {closed_loop.episode_seed(7, "libero_10", t, k) for t in (0, 1) for k in range(EVAL_TRIALS)}
+    assert eps[0]["policy_seed"] == rollout.episode_seed(SEED, "libero_10", 0, 3)
+    evaluation = {rollout.episode_seed(7, "libero_10", t, k) for t in (0, 1) for k in range(EVAL_TRIALS)}
     assert not {e["policy_seed"] for e in eps} & evaluation
     assert collection["seeds"]["collect_seed"] == SEED and collection["policy_dir"] == str(layout.policy(cfg, 0))
     assert collection["suite"] == "libero_10" and collection["max_steps"] == 24
@@ -246,7 +247,7 @@ def test_policy_k_minus_1_is_loaded_prompted_and_guided_as_the_evaluation_does(t
 
     from pisft.data import prompts
     from pisft.data.libero import advantage_prompt
-    from pisft.evaluate import inference
+    from pisft.policy import predictor as inference
 
     seen: list = []
     real = inference.ChunkPredictor.predict

@@ -9,7 +9,8 @@ import pytest
 
 from pisft.config import from_dict
 from pisft.errors import PisftError
-from pisft.evaluate.closed_loop import EpisodeResult, summarize
+from pisft.evaluate.closed_loop import summarize
+from pisft.rollout import EpisodeResult
 from pisft.evaluate.intervals import wilson_interval
 from pisft.recap import summary
 

@@ -27,8 +27,10 @@ from test_eval_closed_loop import (
     settings,
 )
 
+from pisft import rollout
 from pisft.errors import PisftError
-from pisft.evaluate import closed_loop, libero_sim
+from pisft.evaluate import closed_loop
+from pisft.rollout import libero_sim
 
 TASKS = [StandInTask("reach 0.5 0 0", [0.5, 0, 0]), StandInTask("reach 0.3 0 0", [0.3, 0, 0])]
 
@@ -103,7 +105,7 @@ def test_an_episode_that_errs_once_is_run_again_and_gives_the_result_of_a_clean_
 
 def test_a_damaged_asset_in_every_episode_fails_the_stage_without_a_success_rate(tmp_path, capsys):
     cfg = make_cfg(tmp_path, libero_suites=["libero_spatial"], num_envs=1, trials_per_task=2)
-    with pytest.raises(closed_loop.EpisodeErrors) as exc:
+    with pytest.raises(rollout.EpisodeErrors) as exc:
         closed_loop.run(cfg, simulator=functools.partial(DamagedAssetSimulator, TASKS[:1]),
                         policy=GoalSeekingPolicy(), inline=True)
     msg = str(exc.value)
@@ -135,7 +137,7 @@ def test_a_worker_killed_by_the_os_is_replaced_and_its_episode_run_again(tmp_pat
 
 def test_non_finite_actions_never_reach_the_simulator_and_fail_the_episode():
     sim = StandInSimulator(TASKS[:1])
-    with pytest.raises(closed_loop.EpisodeErrors, match=r"crashed after 0 steps: PisftError: the policy returned "
+    with pytest.raises(rollout.EpisodeErrors, match=r"crashed after 0 steps: PisftError: the policy returned "
                                                         r"non-finite actions \(2 of the 35 values"):
         run_inline(sim, NaNPolicy(), settings(trials_per_task=1))
     executed = [a for env in sim.envs for a in env.actions]  # the wait steps of each of the 3 attempts
@@ -202,7 +204,7 @@ def test_the_asset_check_compares_content_not_only_presence(tmp_path, monkeypatc
 
 
 def test_summarize_refuses_results_that_did_not_run_to_their_end():
-    r = closed_loop.EpisodeResult("libero_spatial", 0, "t", 0, False, 3, 1, 0.1, error="WorkerDied: killed")
+    r = rollout.EpisodeResult("libero_spatial", 0, "t", 0, False, 3, 1, 0.1, error="WorkerDied: killed")
     with pytest.raises(PisftError, match=r"1 episode\(s\) ended in an error .* WorkerDied: killed"):
         closed_loop.summarize([r])
 

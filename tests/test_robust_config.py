@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pisft import rollout
 from pisft import config as C
 from pisft.errors import PisftError
-from pisft.evaluate import closed_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def test_the_shipped_config_and_distinct_suites_pass(tmp_path):
 
 def test_the_episode_plan_refuses_them_too():
     for suites in ((), ("libero_10", "libero_10")):
-        s = closed_loop.Settings(suites=suites, trials_per_task=1, replan_steps=5, num_wait_steps=0, seed=7,
+        s = rollout.Settings(suites=suites, trials_per_task=1, replan_steps=5, num_wait_steps=0, seed=7,
                                  resize_size=224)
         with pytest.raises(PisftError, match="distinct suites"):
-            closed_loop.plan_episodes(None, s, None)
+            rollout.plan_episodes(None, s, None)

@@ -4,35 +4,35 @@ from __future__ import annotations
 
 import pytest
 
+from pisft import rollout
 from pisft import config as C
 from pisft import device
-from pisft.evaluate import closed_loop
 
 GIB = 1 << 30
 
 
 def test_one_per_core_as_far_as_memory_holds(monkeypatch):
-    per_env = closed_loop.ENV_MEMORY_BYTES
+    per_env = rollout.ENV_MEMORY_BYTES
     assert per_env >= int(3.2e9)  # the measured peak of one LIBERO environment process
-    assert closed_loop.auto_num_envs(cores=16, available=64 * GIB)[0] == 16
-    n, why = closed_loop.auto_num_envs(cores=16, available=10 * GIB)
+    assert rollout.auto_num_envs(cores=16, available=64 * GIB)[0] == 16
+    n, why = rollout.auto_num_envs(cores=16, available=10 * GIB)
     assert n == 10 * GIB // per_env == 2
     assert "16 available cores, 10.0 GiB of memory available" in why and "the memory holds 2" in why
-    n, why = closed_loop.auto_num_envs(cores=16, available=1 * GIB)
+    n, why = rollout.auto_num_envs(cores=16, available=1 * GIB)
     assert n == 1 and "less than one environment needs" in why
     monkeypatch.setattr(device, "available_memory", lambda: None)  # no /proc/meminfo
-    assert closed_loop.auto_num_envs(cores=4) == (4, "4 (one per available core; the available memory is unknown)")
+    assert rollout.auto_num_envs(cores=4) == (4, "4 (one per available core; the available memory is unknown)")
 
 
 def test_the_stage_says_what_it_chose(monkeypatch, capsys):
     monkeypatch.setattr(device, "usable_cores", lambda: 16)
     monkeypatch.setattr(device, "available_memory", lambda: 10 * GIB)
     cfg = C.from_dict({"eval": {"closed_loop": True, "num_envs": 0}})
-    assert closed_loop.Settings.from_config(cfg, stage="closed_loop").num_envs == 2
+    assert rollout.Settings.from_config(cfg, stage="closed_loop").num_envs == 2
     out = capsys.readouterr().out
     assert out.startswith("closed_loop: eval.num_envs 0 -> 2 (16 available cores, 10.0 GiB")
     assert "set eval.num_envs" in out
-    assert closed_loop.Settings.from_config(C.from_dict({"eval": {"num_envs": 5}}), stage="closed_loop").num_envs == 5
+    assert rollout.Settings.from_config(C.from_dict({"eval": {"num_envs": 5}}), stage="closed_loop").num_envs == 5
     assert capsys.readouterr().out == ""  # a number given is used as given, silently
 
 
@@ -54,4 +54,4 @@ def test_available_memory_reads_meminfo_and_the_cgroup_limit(tmp_path):
 @pytest.mark.parametrize("bad", [-1, -4])
 def test_a_negative_count_is_refused(bad):
     with pytest.raises(Exception, match="eval.num_envs: must be 0"):
-        closed_loop.resolve_num_envs(bad)
+        rollout.resolve_num_envs(bad)

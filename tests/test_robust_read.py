@@ -23,11 +23,11 @@ from pisft.bench.closed_loop_bench import write_tiny_model
 from pisft.data import dataset as dataset_mod
 from pisft.data.convert import Options, convert_recap
 from pisft.data.prompts import LabelledPrompts, PromptConditioning
-from pisft.evaluate.inference import ChunkPredictor
+from pisft.policy.predictor import ChunkPredictor
 from pisft.integrity import IntegrityError
 from pisft.model.policy import load_policy
 from pisft.recap import value_model
-from pisft.serve.libero_policy import LiberoPolicy
+from pisft.policy.libero import LiberoPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 ZEROS = 64 * 1024

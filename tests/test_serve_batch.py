@@ -108,9 +108,9 @@ def test_a_batch_holds_at_most_max_batch_requests_and_the_rest_wait_for_the_next
           client(where["url"]) as d):
         a.send(protocol.packb({**obs, "prompt": "hold in predict"}))
         assert policy.in_predict.wait(60)
-        for ws in (b, c, d):
-            ws.send(protocol.packb(obs))
-        wait_until(lambda: server.waiting == 3, "B, C and D are queued behind A's forward")
+        for n, ws in enumerate((b, c, d), start=1):  # one at a time: queued in this order (decodes run
+            ws.send(protocol.packb(obs))           # in threads and could finish in another)
+            wait_until(lambda n=n: server.waiting == n, f"{n} requests are queued behind A's forward")
         policy.release_predict.set()
         sizes = [recv(ws)["server_timing"]["batch_size"] for ws in (a, b, c, d)]
     assert policy.sizes == [1, 2, 1]  # in the order they were queued
@@ -138,7 +138,10 @@ def test_a_request_that_finds_the_model_free_waits_for_others_within_the_window(
     assert lone.sizes == [1]
 
 
-def test_one_bad_row_is_answered_with_its_error_and_a_failed_forward_fails_the_whole_batch(serve, caplog):  # noqa: F811
+def test_one_bad_row_is_answered_with_its_error_and_a_failed_forward_is_retried_request_by_request(serve, caplog):  # noqa: F811
+    """The one failure rule (pisft.policy.batching.answer_each): a forward that raises is retried
+    request by request, so the request that makes it raise errs alone and its batch-mate is
+    answered with its own actions."""
     policy = BatchingStandIn()
     server, where = serve(policy, batch_window_s=LONG_WINDOW, max_batch=2)
     obs = libero_obs()
@@ -152,26 +155,29 @@ def test_one_bad_row_is_answered_with_its_error_and_a_failed_forward_fails_the_w
             assert good["actions"].shape == (4, 8) and np.isfinite(good["actions"]).all()
             assert good["server_timing"]["batch_size"] == 2
 
-            # the forward raises: both requests get the error, under one id logged once
+            # the forward raises: retried alone, a's request errs (its id logged once), b's is answered
             a.send(protocol.packb({**obs, "prompt": "explode"}))
             b.send(protocol.packb(obs))
-            crashes = [recv(a), recv(b)]
-        ids = set()
-        for crash in crashes:
-            assert isinstance(crash, str) and "internal error on the server (RuntimeError" in crash
-            assert "boom" not in crash and "Traceback" not in crash
-            ids.add(re.search(r"error id ([0-9a-f]{12})", crash).group(1))
-        assert len(ids) == 1
-        (error_id,) = ids
+            crash, answered = recv(a), recv(b)
+        assert isinstance(crash, str) and "internal error on the server (RuntimeError" in crash
+        assert "boom" not in crash and "Traceback" not in crash
+        error_id = re.search(r"error id ([0-9a-f]{12})", crash).group(1)
         logged = [r for r in caplog.records if error_id in r.getMessage()]
         assert len(logged) == 1 and "boom inside the model" in str(logged[0].exc_info[1])
+        assert answered["actions"].shape == (4, 8) and np.isfinite(answered["actions"]).all()
+        # its own chunk: the second draw of its connection's noise, whatever the failed forward drew
+        # from it (batching.rewinding)
+        g = policy.new_noise(None)
+        torch.randn(4, generator=g)
+        np.testing.assert_array_equal(answered["actions"][:, 7], torch.randn(4, generator=g).numpy())
+        assert answered["server_timing"]["batch_size"] == 2
 
         # both connections still work, batched again
         a.send(protocol.packb(obs))
         b.send(protocol.packb(obs))
         assert recv(a)["server_timing"]["batch_size"] == recv(b)["server_timing"]["batch_size"] == 2
-    assert policy.sizes == [2, 2, 2]
-    assert server.requests == 6 and server.errors == 3 and server.non_finite == 1
+    assert policy.sizes == [2, 2, 1, 1, 2]  # the failed forward of two, then each request alone
+    assert server.requests == 6 and server.errors == 2 and server.non_finite == 1
 
 
 def test_a_connection_has_at_most_one_request_in_a_batch():
@@ -199,7 +205,7 @@ def test_a_connection_has_at_most_one_request_in_a_batch():
 def test_batching_needs_predict_many_and_valid_settings():
     policy = StandInPolicy()  # the Protocol's stand-in: predict alone
     PolicyServer(policy)  # batching off: served one request at a time, as before
-    with pytest.raises(PisftError, match=r"predict_many.*--batch-window-ms 0"):
+    with pytest.raises(PisftError, match=r"predict_many.*--policy-batch-wait-ms 0"):
         PolicyServer(policy, batch_window_s=0.005)
     for bad in (-0.001, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="batch_window_s must be a finite number of seconds >= 0"):
@@ -221,22 +227,39 @@ def test_the_batching_flags_are_parsed_and_bad_values_refused(capsys):
     parse = server_mod.build_parser().parse_args
     args = parse(["--model", "m"])
     assert args.batch_window_ms == 0.0 and args.max_batch == server_mod.DEFAULT_MAX_BATCH
-    args = parse(["--model", "m", "--batch-window-ms", "2.5", "--max-batch", "16"])
+    args = parse(["--model", "m", "--policy-batch-wait-ms", "2.5", "--policy-batch", "16"])
     assert args.batch_window_ms == 2.5 and args.max_batch == 16
     for flag, value, message in [
-        ("--batch-window-ms", "-1", "must be a number of milliseconds from 0 (no batching, the default) to 1000"),
-        ("--batch-window-ms", "nan", "got 'nan'"),
+        ("--policy-batch-wait-ms", "-1", "must be a number of milliseconds from 0 (no batching, the default) to 1000"),
+        ("--policy-batch-wait-ms", "nan", "got 'nan'"),
         ("--batch-window-ms", "5000", "to 1000, got '5000'"),
-        ("--batch-window-ms", "soon", "got 'soon'"),
-        ("--max-batch", "0", "must be a whole number of requests, at least 1, got '0'"),
+        ("--policy-batch-wait-ms", "soon", "got 'soon'"),
+        ("--policy-batch", "0", "must be a whole number of requests, at least 1, got '0'"),
         ("--max-batch", "2.5", "got '2.5'"),
-        ("--max-batch", "many", "got 'many'"),
+        ("--policy-batch", "many", "got 'many'"),
     ]:
         with pytest.raises(SystemExit) as err:
             parse(["--model", "m", flag, value])
         assert err.value.code == 2
         error = capsys.readouterr().err
-        assert f"argument {flag}: " in error and message in error, error
+        shown = "--policy-batch-wait-ms/--batch-window-ms" if "wait" in flag or "window" in flag else \
+            "--policy-batch/--max-batch"
+        assert f"argument {shown}: " in error and message in error, error
+
+
+def test_the_old_batching_flag_names_still_work_with_a_deprecation_line():
+    """One set of knob names (the closed loop's eval.policy_batch / eval.policy_batch_wait_ms);
+    the names before still set the same setting this release, and say so."""
+    parse = server_mod.build_parser().parse_args
+    old = ["--model", "m", "--batch-window-ms", "2.5", "--max-batch=16"]
+    args = parse(old)
+    assert args.batch_window_ms == 2.5 and args.max_batch == 16
+    assert server_mod.deprecation_notes(old) == [
+        "pisft serve: note: --max-batch is deprecated, use --policy-batch (the same setting; --max-batch goes "
+        "in the next release)",
+        "pisft serve: note: --batch-window-ms is deprecated, use --policy-batch-wait-ms (the same setting; "
+        "--batch-window-ms goes in the next release)"]
+    assert server_mod.deprecation_notes(["--model", "m", "--policy-batch-wait-ms", "2.5", "--policy-batch", "3"]) == []
 
 
 def _rollouts(url: str, requests: list[list[dict]], *, together: bool) -> list[list]:

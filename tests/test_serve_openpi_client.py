@@ -33,8 +33,9 @@ import torch
 
 from model_fixtures import tiny_model_dir
 from serve_fixtures import assert_refused_unread, start_in_thread
-from pisft.serve import observations, protocol
-from pisft.serve.libero_policy import LiberoPolicy, cut_prompt
+from pisft.policy import observations
+from pisft.serve import protocol
+from pisft.policy.libero import LiberoPolicy, cut_prompt
 from pisft.serve.server import PolicyServer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,8 @@ from websockets.sync.client import connect
 
 from serve_fixtures import assert_refused_unread, start_in_thread
 
-from pisft.serve import hostile_probe, observations, protocol
+from pisft.policy import observations
+from pisft.serve import hostile_probe, protocol
 from pisft.serve.server import PolicyServer, bind
 
 

@@ -197,7 +197,8 @@ class EvalConfig:
     # Requests of the environments waiting at one moment that share one policy forward, at most
     # (0: all of them; 1: one at a time). Results do not depend on it (each request has its own noise).
     policy_batch: int = 0
-    # A batch that could still grow (environments still simulating) waits at most this long for them.
+    # How long a batch that could still grow (environments still simulating) is held: 0 measured
+    # (pisft.policy.batching), a positive number of ms set by hand.
     policy_batch_wait_ms: float = 0.0
     # Policy replicas, one per accelerator (0: every visible device of `device`'s kind; the CPU: one).
     policy_devices: int = 0

@@ -1,18 +1,25 @@
 """Benchmark of closed_loop's policy side: one request at a time against batched requests.
 
 The tiny pi0.5-architecture model (random init, saved with stats, loaded through `LiberoPolicy`
-as the stage loads it, one CPU thread: `closed_loop.policy_threads`) answers 8 environment
-processes of a fast stand-in simulator (`stand_in_simulator`: LIBERO's interface and image
-sizes, no physics, no rendering), so the figure is the policy, the requests' trip through the
-pipes and the dispatch, not the simulator. The same episodes run twice on the same workers, side
-by side: `eval.policy_batch: 1` (one request per forward, as before this benchmark existed) and
-`eval.policy_batch: 0` (every environment waiting shares a forward).
+as the stage loads it, one CPU thread: `policy_threads`) answers 8 environment processes of a
+fast stand-in simulator (`stand_in_simulator`: LIBERO's interface and image sizes, no physics, no
+rendering), so the figure is the policy, the requests' trip through the pipes and the dispatch,
+not the simulator. The same episodes run side by side on the same workers: `eval.policy_batch:
+1` (one request per forward), `eval.policy_batch: 0` with the batching rule's default hold
+(`batched`: measured from the simulation and forward times, `pisft.policy.batching`), the same
+without any hold (`batched_no_hold`: the rule before it measured), and with a hand-set
+`eval.policy_batch_wait_ms: 50` (`batched_waiting`).
+
+Where the simulation dominates (`simulation_dominates`: the stand-in sleeping `SLOW_STEP_S` a
+step, about LIBERO's share of a chunk against the tiny model's forward), the default hold is
+compared with no hold, to show it costs nothing there (`default_vs_no_hold_requests_per_s`).
 
 Reported: requests/s of each (requests over the rollouts' wall time, worker start-up excluded),
-`batched_vs_sequential_requests_per_s`, `mean_policy_batch` of the batched run, policy ms per
-forward and per request, and `actions_match`: every chunk (keyed by its noise seed, fixed by the
-episode and the chunk) of the batched run equals the sequential run's within `ACTIONS_ATOL`
-(`actions_max_abs_diff` says by how much; 0.0 is bit-identical).
+`batched_vs_sequential_requests_per_s` (the default) and the others' ratios, `mean_policy_batch`
+of the batched run, policy ms per forward and per request, and `actions_match`: every chunk
+(keyed by its noise seed, fixed by the episode and the chunk) of every batched run equals the
+sequential run's within `ACTIONS_ATOL` (`actions_max_abs_diff` says by how much; 0.0 is
+bit-identical).
 """
 
 from __future__ import annotations
@@ -23,12 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
+from pisft import rollout
 from pisft.bench.stand_in_simulator import StandInSimulator
-from pisft.evaluate import closed_loop
-from pisft.evaluate.policy_pool import PolicyPool
-from pisft.evaluate.rollout_workers import ProcessWorker
+from pisft.policy.replicas import PolicyPool, policy_threads
+from pisft.rollout.workers import ProcessWorker
 
-WAIT_MS = 50.0  # eval.policy_batch_wait_ms of the third run
+WAIT_MS = 50.0  # eval.policy_batch_wait_ms of the hand-set run
+SLOW_STEP_S = 0.04  # the stand-in's seconds a step where the simulation dominates (5 steps a chunk)
 ACTIONS_ATOL = 1e-6  # fp32 rounding; the test of batching states the same tolerance
 NUM_ENVS = 8
 
@@ -70,17 +78,18 @@ def write_tiny_model(out: Path) -> Path:
 
 
 def _pass(policy, workers: list, *, policy_batch: int, episodes_per_env: int, max_steps: int,
-          wait_ms: float = 0.0) -> tuple[dict, dict]:
-    settings = closed_loop.Settings(suites=("libero_10",), trials_per_task=episodes_per_env, replan_steps=5,
+          wait_ms: float = 0.0, hold: bool = True) -> tuple[dict, dict]:
+    settings = rollout.Settings(suites=("libero_10",), trials_per_task=episodes_per_env, replan_steps=5,
                                     num_wait_steps=10, seed=7, resize_size=224, max_steps=max_steps,
                                     task_ids=tuple(range(len(workers))), num_envs=len(workers), videos=False,
                                     policy_batch=policy_batch, policy_batch_wait_ms=wait_ms)
-    specs, languages = closed_loop.plan_episodes(StandInSimulator(len(workers)), settings, None)
+    specs, languages = rollout.plan_episodes(StandInSimulator(len(workers)), settings, None)
     recording = _Recording(policy)
-    pool = PolicyPool([recording], max_batch=policy_batch, devices=["cpu"])
+    pool = PolicyPool([recording], max_batch=policy_batch, wait_ms=wait_ms, devices=["cpu"])
+    pool.rule.adaptive = hold  # False: no measured hold (the rule before it measured)
     try:
         t0 = time.perf_counter()
-        results = closed_loop.run_episodes(specs, pool, settings, workers=workers, languages=languages,
+        results = rollout.run_episodes(specs, pool, settings, workers=workers, languages=languages,
                                            stage="bench")
         wall = time.perf_counter() - t0
     finally:
@@ -99,43 +108,61 @@ def _pass(policy, workers: list, *, policy_batch: int, episodes_per_env: int, ma
     }, recording.chunks
 
 
-def run(work: Path, *, num_envs: int = NUM_ENVS, episodes_per_env: int = 2, max_steps: int = 40) -> dict:
+def _workers(factory, num_envs: int, name: str) -> list:
+    workers = [ProcessWorker(factory, name=f"{name}-env{i}") for i in range(num_envs)]
+    for w in workers:
+        w.wait_ready()
+    return workers
+
+
+def run(work: Path, *, num_envs: int = NUM_ENVS, episodes_per_env: int = 2, max_steps: int = 40,
+        slow_step_s: float = SLOW_STEP_S) -> dict:
     import torch
 
-    from pisft.serve.libero_policy import LiberoPolicy
+    from pisft.policy.libero import LiberoPolicy
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(closed_loop.policy_threads())
+    torch.set_num_threads(policy_threads())
     policy = LiberoPolicy.from_model_dir(write_tiny_model(Path(work) / "tiny_model"), device="cpu")
-    factory = functools.partial(StandInSimulator, num_envs)
-    workers = [ProcessWorker(factory, name=f"bench-env{i}") for i in range(num_envs)]
+    workers: list = []
     try:
-        for w in workers:
-            w.wait_ready()
+        workers = _workers(functools.partial(StandInSimulator, num_envs), num_envs, "bench")
         kw = {"episodes_per_env": episodes_per_env, "max_steps": max_steps}
         _pass(policy, workers, policy_batch=0, episodes_per_env=1, max_steps=10)  # warm-up (not reported)
         sequential, seq_chunks = _pass(policy, workers, policy_batch=1, **kw)
+        no_hold, no_hold_chunks = _pass(policy, workers, policy_batch=0, hold=False, **kw)
         batched, batch_chunks = _pass(policy, workers, policy_batch=0, **kw)
         waiting, wait_chunks = _pass(policy, workers, policy_batch=0, wait_ms=WAIT_MS, **kw)
+        for w in workers:
+            w.close()
+        workers = _workers(functools.partial(StandInSimulator, num_envs, slow_step_s), num_envs, "bench-slow")
+        slow_no_hold, _ = _pass(policy, workers, policy_batch=0, hold=False, **kw)
+        slow_default, _ = _pass(policy, workers, policy_batch=0, **kw)
     finally:
         for w in workers:
             w.close()
         torch.set_num_threads(threads)
-    same_keys = seq_chunks.keys() == batch_chunks.keys() == wait_chunks.keys()
-    diff = max((float(np.abs(chunks[k] - seq_chunks[k]).max()) for chunks in (batch_chunks, wait_chunks)
+    same_keys = seq_chunks.keys() == batch_chunks.keys() == wait_chunks.keys() == no_hold_chunks.keys()
+    diff = max((float(np.abs(chunks[k] - seq_chunks[k]).max()) for chunks in (batch_chunks, wait_chunks, no_hold_chunks)
                 for k in seq_chunks if k in chunks), default=float("nan"))
     return {
         "model": "tiny pi0.5-architecture (random init), LiberoPolicy on the CPU, "
-                 f"{closed_loop.policy_threads()} thread",
+                 f"{policy_threads()} thread",
         "simulator": StandInSimulator().describe()["package"],
         "num_envs": num_envs,
         "episode_steps": max_steps,
         "sequential": sequential,
         "batched": batched,
+        "batched_no_hold": no_hold,
         "batched_waiting": waiting,
         "batched_vs_sequential_requests_per_s": batched["requests_per_s"] / sequential["requests_per_s"],
         "mean_policy_batch": batched["mean_policy_batch"],
+        "batched_no_hold_vs_sequential_requests_per_s": no_hold["requests_per_s"] / sequential["requests_per_s"],
         "batched_waiting_vs_sequential_requests_per_s": waiting["requests_per_s"] / sequential["requests_per_s"],
+        "simulation_dominates": {
+            "step_s": slow_step_s, "no_hold": slow_no_hold, "default": slow_default,
+            "default_vs_no_hold_requests_per_s": slow_default["requests_per_s"] / slow_no_hold["requests_per_s"],
+        },
         "actions_match": bool(same_keys and diff <= ACTIONS_ATOL),
         "actions_atol": ACTIONS_ATOL,
         "actions_max_abs_diff": diff,

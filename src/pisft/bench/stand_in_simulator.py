@@ -12,11 +12,12 @@ fixed by the settings. Never used by a stage: `pisft.bench.closed_loop_bench` on
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from pisft.evaluate import libero_sim
+from pisft.rollout import libero_sim
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,8 @@ class Task:
 
 
 class Env:
-    def __init__(self, task_id: int, seed: int) -> None:
+    def __init__(self, task_id: int, seed: int, step_s: float = 0.0) -> None:
+        self.step_s = step_s
         res = libero_sim.RENDER_RESOLUTION
         rng = np.random.default_rng([task_id, seed])
         self.agent = rng.integers(0, 256, (res, res, 3), dtype=np.uint8)
@@ -50,6 +52,8 @@ class Env:
         return self._obs()
 
     def step(self, action):
+        if self.step_s:  # a simulator's time per step (sleeping: no core taken from the policy)
+            time.sleep(self.step_s)
         self.pos = self.pos + 0.01 * np.clip(np.asarray(action[:3], dtype=float), -1, 1)
         return self._obs(), 0.0, False, {}
 
@@ -71,8 +75,9 @@ class Suite:
 class StandInSimulator:
     """A picklable factory: `StandInSimulator(n_tasks)` in every worker process."""
 
-    def __init__(self, n_tasks: int = 10) -> None:
+    def __init__(self, n_tasks: int = 10, step_s: float = 0.0) -> None:
         self.n_tasks = n_tasks
+        self.step_s = step_s  # seconds a step takes (0: at once); where the simulation dominates
 
     def describe(self) -> dict:
         return {"package": "stand-in (pisft.bench.stand_in_simulator: no physics, no rendering)", "version": None}
@@ -83,4 +88,4 @@ class StandInSimulator:
     def make_env(self, task: Task, *, resolution: int, seed: int) -> Env:
         if resolution != libero_sim.RENDER_RESOLUTION:
             raise ValueError(f"the stand-in renders at {libero_sim.RENDER_RESOLUTION}, not {resolution}")
-        return Env(task.task_id, seed)
+        return Env(task.task_id, seed, self.step_s)

@@ -43,7 +43,7 @@ from pisft import device as device_mod
 from pisft.errors import DataError, ModelLoadError, PisftError
 from pisft.evaluate import plots, report, run_info, summary, train_log
 from pisft.evaluate.action_error import ErrorAccumulator
-from pisft.evaluate.inference import ChunkPredictor, frame_noise, quantile_normalize
+from pisft.policy.predictor import ChunkPredictor, frame_noise, quantile_normalize
 from pisft.io import atomic_dir, write_json_atomic, write_text_atomic
 
 # LIBERO's 7-D action: end-effector delta position, delta rotation (axis-angle), gripper.

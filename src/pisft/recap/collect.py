@@ -1,8 +1,8 @@
 """`collect_rollouts`: roll policy k-1 out in LIBERO and keep what RLinf's collector keeps.
 
 Iteration k >= 1 of the RECAP loop starts here. The rollouts are the closed-loop evaluation's
-(`pisft.evaluate.closed_loop`: the same worker processes, episode plan, noise seeds, policy
-object and openpi settings), with three differences:
+(both run on the rollout engine, `pisft.rollout`: the same worker processes, episode plan, noise
+seeds, policy object and openpi settings), with three differences:
 
 - the policy is iteration k-1's (`layout.policy(cfg, k - 1)`), prompted as its
   `prompt_conditioning.json` says (`LiberoPolicy`, `pisft.data.prompts.for_model`) and guided
@@ -12,7 +12,7 @@ object and openpi settings), with three differences:
   noise seeds come from `recap.collect_seed` (the evaluation's from `eval.closed_loop_seed`), so
   collection and evaluation never share a start or a draw;
 - every executed step after the wait steps is recorded in the worker
-  (`pisft.evaluate.episode_recording`).
+  (`pisft.rollout.recording`).
 
 The output is what RLinf's LIBERO collection leaves before any labelling: a LeRobot dataset
 written as RLinf's `LeRobotDatasetWriter` (`rlinf/data/storage/lerobot/writer.py`) writes the
@@ -27,8 +27,8 @@ v2.1 with PNG images in parquet, written by `pisft.data.recap_layout` (the demo'
 `convert_recap` reads it as it reads RLinf's own collection.
 
 An episode that crashes (the simulator, a worker process, the policy) is not a failed trial:
-as in the evaluation (`closed_loop.run_episodes`) it runs again from its start on a fresh
-worker, up to `closed_loop.EPISODE_ATTEMPTS` in all (the recording of an attempt that erred is
+as in the evaluation (`pisft.rollout.scheduler`) it runs again from its start on a fresh
+worker, up to `pisft.rollout.EPISODE_ATTEMPTS` in all (the recording of an attempt that erred is
 discarded, and a retry records from scratch), and one that errs on every attempt stops the
 stage, naming it and its errors, with nothing written.
 
@@ -49,19 +49,19 @@ import numpy as np
 
 from pisft import config as config_mod
 from pisft import device as device_mod
-from pisft import layout
+from pisft import layout, rollout
 from pisft import logs as logs_mod
 from pisft.data.libero import FPS
 from pisft.data.recap_layout import RecapEpisode, write_recap_dataset
 from pisft.errors import PisftError
-from pisft.evaluate import closed_loop, episode_recording, libero_sim
-from pisft.evaluate.policy_pool import PolicyPool
-from pisft.evaluate.rollout_workers import EpisodeSpec
 from pisft.io import atomic_dir, write_json_atomic, write_manifest
+from pisft.policy.replicas import PolicyPool, open_policy_pool, policy_record
+from pisft.rollout import libero_sim
+from pisft.rollout import recording as episode_recording
+from pisft.rollout.workers import EpisodeSpec
 
 log = logging.getLogger("pisft.collect_rollouts")
 
-OUTPUT_DIR = "rollouts"
 RECORDINGS = ".recordings"  # the workers' step recordings, inside the output until written
 DATASET_VERSION = "v2.1"  # LeRobot at RLinf's pinned commit (see the module docstring)
 ROBOT_TYPE = "panda"  # CollectEpisode's default robot_type (and fps 10: pisft.data.libero.FPS)
@@ -71,24 +71,17 @@ class CollectionError(PisftError):
     """An episode crashed: the collection is not a result."""
 
 
-def settings_for(cfg: config_mod.PisftConfig, stage: str | None = None) -> closed_loop.Settings:
-    """The closed-loop settings of the collection: recap.* for what is rolled out, eval.* for
-    how (openpi's loop), the initial states after the evaluation's."""
-    r, e = cfg.recap, cfg.eval
-    return closed_loop.Settings(
-        suites=(r.suite,), trials_per_task=r.episodes_per_task, replan_steps=e.replan_steps,
-        num_wait_steps=e.num_wait_steps, seed=r.collect_seed, resize_size=e.resize_size,
-        max_steps=r.max_steps, task_ids=tuple(r.task_ids),
-        num_envs=closed_loop.resolve_num_envs(e.num_envs, stage=stage),
-        videos=False, first_init_state=e.trials_per_task, policy_batch=e.policy_batch)
+def settings_for(cfg: config_mod.PisftConfig, stage: str | None = None) -> rollout.Settings:
+    """The rollout settings of the collection (`rollout.Settings.for_collection`)."""
+    return rollout.Settings.for_collection(cfg, stage=stage)
 
 
-def _crash_message(exc: closed_loop.EpisodeErrors, out: Path) -> str:
+def _crash_message(exc: rollout.EpisodeErrors, out: Path) -> str:
     return (f"collect_rollouts: {exc.describe()}. A crash is not a failed trial, so nothing was written to "
             f"{out}. {exc.attempts_note()} Fix the cause (the simulator install, the policy) and rerun the stage")
 
 
-def _dataset_episodes(specs: list[EpisodeSpec], results: list[closed_loop.EpisodeResult],
+def _dataset_episodes(specs: list[EpisodeSpec], results: list[rollout.EpisodeResult],
                       task_index: dict[str, int]):
     """The recorded episodes in plan order, as the dataset writer takes them."""
     for spec, r in zip(specs, results, strict=True):
@@ -107,14 +100,14 @@ def _dataset_episodes(specs: list[EpisodeSpec], results: list[closed_loop.Episod
             intervene_flag=np.zeros(n, dtype=bool), segment_id=np.zeros(n, dtype=np.uint8))
 
 
-def collection_record(cfg: config_mod.PisftConfig, settings: closed_loop.Settings, specs: list[EpisodeSpec],
-                      results: list[closed_loop.EpisodeResult], tasks: list[str], model_dir: Path) -> dict:
+def collection_record(cfg: config_mod.PisftConfig, settings: rollout.Settings, specs: list[EpisodeSpec],
+                      results: list[rollout.EpisodeResult], tasks: list[str], model_dir: Path) -> dict:
     """collection.json: what was rolled out, from where, with which seeds; its outcomes."""
     suite = settings.suites[0]
     by_task: dict[int, dict] = {}
     episodes = []
     for spec, r in zip(specs, results, strict=True):
-        policy_seed = closed_loop.episode_seed(settings.seed, spec.suite, spec.task_id, spec.initial_state)
+        policy_seed = rollout.episode_seed(settings.seed, spec.suite, spec.task_id, spec.initial_state)
         episodes.append({
             "episode_index": spec.index, "task_id": spec.task_id, "task": r.task,
             "task_index": tasks.index(r.task), "initial_state": spec.initial_state, "env_seed": spec.env_seed,
@@ -169,37 +162,37 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
                          f"run iteration {k - 1}'s training first")
     factory = simulator if simulator is not None else libero_sim.LiberoSimulator
     sim = factory()  # SimulatorUnavailable with the install line when LIBERO is not installed
-    sim_info = closed_loop.simulator_info(sim)
-    with closed_loop.open_policy_pool(cfg, policy, model_dir=model_dir,
-                                      trained_on=cfg.at_iteration(k - 1).results("dataset"), seed=settings.seed,
-                                      settings=settings, stage="collect_rollouts") as pool:
+    sim_info = rollout.simulator_info(sim)
+    with open_policy_pool(cfg, policy, model_dir=model_dir, trained_on=layout.iteration(cfg, k - 1).dataset,
+                          seed=settings.seed, max_batch=settings.policy_batch, wait_ms=settings.policy_batch_wait_ms,
+                          stage="collect_rollouts") as pool:
         return _collect(cfg, k, settings, pool, factory=factory, sim=sim, sim_info=sim_info, inline=inline,
                         model_dir=model_dir)
 
 
-def _collect(cfg: config_mod.PisftConfig, k: int, settings: closed_loop.Settings, pool: PolicyPool, *,
+def _collect(cfg: config_mod.PisftConfig, k: int, settings: rollout.Settings, pool: PolicyPool, *,
              factory, sim, sim_info: dict, inline: bool, model_dir: Path) -> dict:
-    final = cfg.results(OUTPUT_DIR)
+    final = layout.iteration(cfg).rollouts
     with atomic_dir(final) as out:
-        specs, languages = closed_loop.plan_episodes(sim, settings, None, record_dir=out / RECORDINGS)
-        num_envs = closed_loop.env_count(settings, specs, stage="collect_rollouts")
+        specs, languages = rollout.plan_episodes(sim, settings, None, record_dir=out / RECORDINGS)
+        num_envs = rollout.env_count(settings, specs, stage="collect_rollouts")
         print(f"collect_rollouts: iteration {k}, policy {model_dir}: {len(specs)} episodes in "
               f"{sim_info.get('package')} {sim_info.get('version') or ''}, {num_envs} environment "
               f"{'(inline)' if inline else 'processes'}", flush=True)
-        record = closed_loop.progress(  # plan_episodes: episode i of a task starts from first_init_state + i
+        record = rollout.progress(  # plan_episodes: episode i of a task starts from first_init_state + i
             "collect_rollouts", len(specs),
             lambda r: f"{r.suite} task {r.task_id} initial state {settings.first_init_state + r.trial}", logger=log)
 
-        mujoco_logs = logs_mod.mujoco_log_dir("collect_rollouts", cfg.results("logs"))
+        mujoco_logs = logs_mod.mujoco_log_dir("collect_rollouts", layout.iteration(cfg).logs)
         try:
-            results, wall = closed_loop.roll_out(specs, pool, settings, factory=factory, simulator=sim,
+            results, wall = rollout.roll_out(specs, pool, settings, factory=factory, simulator=sim,
                                                  num_envs=num_envs, inline=inline, languages=languages,
                                                  on_episode=record, name="collect_rollouts",
                                                  log_dir=mujoco_logs)
-        except closed_loop.EpisodeErrors as exc:
+        except rollout.EpisodeErrors as exc:
             raise CollectionError(_crash_message(exc, final)) from None
         finally:
-            closed_loop.mujoco_note(mujoco_logs, "collect_rollouts")
+            rollout.mujoco_note(mujoco_logs, "collect_rollouts")
         tasks = list(dict.fromkeys(r.task for r in results))  # LeRobot's task_index: order of first appearance
         write_recap_dataset(out, _dataset_episodes(specs, results, {t: i for i, t in enumerate(tasks)}), tasks,
                             version=DATASET_VERSION, naming="recap", fps=FPS, robot_type=ROBOT_TYPE,
@@ -207,9 +200,9 @@ def _collect(cfg: config_mod.PisftConfig, k: int, settings: closed_loop.Settings
         shutil.rmtree(out / RECORDINGS)
         collection = collection_record(cfg, settings, specs, results, tasks, model_dir)
         collection["simulator"] = sim_info
-        collection.update(closed_loop.policy_record(pool))
+        collection.update(policy_record(pool))
         collection["settings"] = asdict(settings)
-        collection["timing"] = closed_loop.timing(results, wall, num_envs, pool)
+        collection["timing"] = rollout.timing(results, wall, num_envs, pool)
         write_json_atomic(out / "collection.json", collection)
         config_mod.write_resolved(cfg, out / "pisft_config.json")
         write_manifest(out)  # convert_recap checks the rollouts against it (pisft.integrity)

@@ -2,7 +2,7 @@
 
 openpi's own clients (`openpi_client.websocket_client_policy.WebsocketClientPolicy`, used by
 its LIBERO example) connect unchanged: on connect the server sends its metadata; each request
-is one observation (see `pisft.serve.observations`), answered with
+is one observation (see `pisft.policy.observations`), answered with
 `{"actions": float32 (chunk_size, action_dim) in raw action units, "server_timing": {...}}`.
 
 Hostile or broken clients (docs/serving.md):
@@ -28,7 +28,10 @@ Hostile or broken clients (docs/serving.md):
   event loop keeps serving every connection: a client with a large or slow request delays the
   others by at most the inference in progress.
 
-Batching (`--batch-window-ms MS`, off by default; `--max-batch N`): with the window off the model
+Batching (`--policy-batch-wait-ms MS`, off by default; `--policy-batch N`; the closed loop's names,
+`eval.policy_batch_wait_ms` and `eval.policy_batch`; `--batch-window-ms` and `--max-batch`, the
+names before, still work this release with a deprecation line): the rule is the one of
+`pisft.policy.batching`, this module its asyncio front end. With the window off the model
 answers one request at a time. With it on, when the model is free the first request waiting for
 it opens a window of at most MS milliseconds, counted from when that request was queued (one
 queued behind a forward for longer than MS waits no more); requests of other connections queued
@@ -38,9 +41,10 @@ batched with, to float32 rounding: on CPU identical bits with one thread, about 
 with several (their split of the work depends on the batch size); an accelerator's kernels may
 round differently with the batch size too. A connection has at most one request in a batch. Each
 reply is checked on its own: non-finite actions in one row answer that request with the model
-error and the others with their actions; a forward that raises answers every request in it with
-the error (one error id, logged once with its traceback). The policy must have `predict_many`
-(`LiberoPolicy` does). The cost is up to MS ms of latency for a request that finds the model
+error and the others with their actions; a forward that raises is retried request by request
+(`batching.answer_each`), so a request whose forward raises alone is answered with the error (its
+own error id, logged once with its traceback) and its batch-mates with their actions. The policy
+must have `predict_many` (`LiberoPolicy` does). The cost is up to MS ms of latency for a request that finds the model
 free; the gain, one forward instead of several when many clients share one accelerator.
 
 Noise: each connection draws its flow-matching noise from a generator of its own, started
@@ -76,13 +80,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from pisft.errors import PisftError
+from pisft.policy.batching import BatchRule, answer_each, rewinding
+from pisft.policy.interface import Policy
 from pisft.serve import protocol
-from pisft.serve.observations import Limits, ObservationError
+from pisft.policy.observations import Limits, ObservationError
 
 log = logging.getLogger("pisft.serve")
 
@@ -95,23 +101,8 @@ CLOSE_TRY_AGAIN_LATER = 1013
 MAX_SEED = 1 << 63
 DEFAULT_MAX_CONNECTIONS = 64
 DEFAULT_MAX_DECODES = 2  # messages decoded and checked at once (each is bounded: protocol.MAX_OBJECTS)
-DEFAULT_MAX_BATCH = 8  # requests in one forward when batching is on (--batch-window-ms)
+DEFAULT_MAX_BATCH = 8  # requests in one forward when batching is on (--policy-batch-wait-ms)
 MAX_BATCH_WINDOW_MS = 1000.0  # a longer window would delay a lone client's every request by over a second
-
-
-class ServedPolicy(Protocol):
-    """What the server needs of a policy (`pisft.serve.libero_policy.LiberoPolicy`)."""
-
-    metadata: dict
-
-    def new_noise(self, seed: int | None = None) -> Any: ...
-
-    def prepare(self, obs: Any) -> Any: ...  # checks and converts; runs in a worker thread
-
-    def predict(self, prepared: Any, noise: Any) -> dict: ...  # the model; one at a time
-
-    # With batching on (--batch-window-ms) the server calls instead, in one forward:
-    #   predict_many(prepared: list, noises: list) -> list[dict], one reply per request, in order.
 
 
 @dataclass
@@ -139,10 +130,11 @@ class _Job:
 
 
 class _ForwardFailed(Exception):
-    """A batched forward raised: every request in it is answered with `error` (logged once)."""
+    """A request's forward raised, also when retried alone (`batching.answer_each`): it is
+    answered with `error` (logged once under `error_id`)."""
 
     def __init__(self, error: BaseException, error_id: str, size: int) -> None:
-        super().__init__(f"the forward of a batch of {size} failed (error id {error_id})")
+        super().__init__(f"the forward of a request of a batch of {size} failed (error id {error_id})")
         self.error, self.error_id, self.size = error, error_id, size
 
 
@@ -183,7 +175,7 @@ def _non_finite(actions: Any) -> str | None:
 class PolicyServer:
     """One policy, many connections; inferences run one at a time in a thread of their own."""
 
-    def __init__(self, policy: ServedPolicy, *, host: str = DEFAULT_HOST,
+    def __init__(self, policy: Policy, *, host: str = DEFAULT_HOST,
                  port: int = DEFAULT_PORT, sock: socket.socket | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_MIB * MIB,
                  clock: Callable[[], float] = time.monotonic,
@@ -199,12 +191,15 @@ class PolicyServer:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if batch_window_s > 0 and not callable(getattr(policy, "predict_many", None)):
-            raise PisftError(f"batching (--batch-window-ms) needs a policy that answers several requests "
+            raise PisftError(f"batching (--policy-batch-wait-ms) needs a policy that answers several requests "
                              f"in one forward (predict_many); {type(policy).__name__} has none: serve it "
-                             f"without a batching window (--batch-window-ms 0)")
+                             f"without a batching window (--policy-batch-wait-ms 0)")
         self._policy = policy
         self.batch_window_s = float(batch_window_s)
         self.max_batch = max_batch
+        # the one batching rule (pisft.policy.batching) with this server's hand-set window: a server
+        # does not know when its clients' next requests come, so it does not forecast them
+        self._rule = BatchRule(max_batch=max_batch, wait_s=self.batch_window_s, adaptive=False)
         self.forwards = 0  # batched forwards run (batching on)
         self.batched_requests = 0  # requests answered through them
         self._pending: deque[_Job] = deque()
@@ -251,17 +246,6 @@ class PolicyServer:
         result = self._policy.predict(prepared, noise)
         return result, begin, self._clock()
 
-    def _predict_many(self, prepared: list, noises: list) -> tuple[list[dict], float, float]:
-        """Model thread: one forward for several requests, with when it started and ended."""
-        self._started += len(prepared)
-        begin = self._clock()
-        results = list(self._policy.predict_many(prepared, noises))
-        end = self._clock()
-        if len(results) != len(prepared):
-            raise RuntimeError(f"the policy's predict_many answered {len(results)} replies for "
-                               f"{len(prepared)} requests")
-        return results, begin, end
-
     async def _through_batch(self, prepared: Any, session: _Session,
                              submitted: float) -> tuple[dict, float, float, int]:
         """Queue a checked request for the batcher and wait for its share of a forward."""
@@ -273,42 +257,44 @@ class PolicyServer:
         return await job.reply
 
     def _take(self, batch: list[_Job]) -> None:
-        """Move queued requests into `batch`, in order, up to max_batch: one per connection (a
-        second request of a connection already in it waits for the next forward) and none whose
-        client went away."""
-        sessions = {id(job.session) for job in batch}
-        later: list[_Job] = []
-        while self._pending and len(batch) < self.max_batch:
-            job = self._pending.popleft()
-            if job.reply.done():  # cancelled: its connection closed while it waited
-                continue
-            if id(job.session) in sessions:
-                later.append(job)
-                continue
-            batch.append(job)
-            sessions.add(id(job.session))
-        self._pending.extendleft(reversed(later))
+        """Move queued requests into `batch` as the rule says (oldest first, up to max_batch, one
+        per connection: a second request of a connection already in it waits for the next
+        forward), dropping those whose client went away."""
+        live = [job for job in self._pending if not job.reply.done()]  # cancelled: its connection closed
+        batch, rest = self._rule.take(live, key=lambda job: id(job.session), batch=batch)
+        self._pending.clear()
+        self._pending.extend(rest)
 
     async def _collect(self) -> list[_Job]:
-        """The next batch: wait for a request, then for others until max_batch have joined or
-        the window, counted from when the first was queued, has closed."""
+        """The next batch: wait for a request, then for others as long as the rule holds it
+        (until max_batch have joined or the window, counted from when the first was queued, has
+        closed)."""
         assert self._queued is not None
         loop = asyncio.get_running_loop()
         batch: list[_Job] = []
         while True:
             self._take(batch)
-            if len(batch) >= self.max_batch:
-                return batch
             timeout = None
             if batch:
-                timeout = batch[0].queued + self.batch_window_s - loop.time()
-                if timeout <= 0:
+                timeout = self._rule.hold_s(now=loop.time(), oldest=batch[0].queued, waiting=len(batch),
+                                            could_join=self.max_batch)
+                if timeout is None:
                     return batch
             self._queued.clear()
             try:
                 await asyncio.wait_for(self._queued.wait(), timeout)
             except TimeoutError:
                 pass
+
+    def _forward_each(self, prepared: list, noises: list) -> tuple[list, float, float]:
+        """Model thread: one forward for the batch; a request whose forward raises is retried
+        alone (`batching.answer_each`), so one bad request errs alone."""
+        self._started += len(prepared)
+        begin = self._clock()
+        outcomes = answer_each(self._policy.predict_many, prepared, rewinding(noises))
+        end = self._clock()
+        self._rule.forward_done(end - begin)
+        return outcomes, begin, end
 
     async def _batcher(self) -> None:
         """Batching on: collect a batch, run its forward in the model thread, hand out the replies."""
@@ -317,25 +303,23 @@ class PolicyServer:
             batch = [job for job in await self._collect() if not job.reply.done()]
             if not batch:
                 continue
-            try:
-                results, begin, end = await loop.run_in_executor(
-                    self._model_thread, self._predict_many, [job.prepared for job in batch],
-                    [job.session.noise for job in batch])
-            except Exception as exc:  # every request of the batch is answered with it
-                error_id = uuid.uuid4().hex[:12]
-                if not isinstance(exc, (protocol.ProtocolError, PisftError)):
-                    log.error("the forward of a batch of %d requests failed (error id %s)", len(batch),
-                              error_id, exc_info=exc)
-                failed = _ForwardFailed(exc, error_id, len(batch))
-                for job in batch:
-                    if not job.reply.done():
-                        job.reply.set_exception(failed)
-                continue
+            outcomes, begin, end = await loop.run_in_executor(
+                self._model_thread, self._forward_each, [job.prepared for job in batch],
+                [job.session.noise for job in batch])
             self.forwards += 1
             self.batched_requests += len(batch)
-            for job, result in zip(batch, results, strict=True):
-                if not job.reply.done():
-                    job.reply.set_result((result, begin, end, len(batch)))
+            for job, outcome in zip(batch, outcomes, strict=True):
+                if job.reply.done():
+                    continue
+                if outcome.error is None:
+                    job.reply.set_result((outcome.reply, begin, end, len(batch)))
+                    continue
+                exc = outcome.error
+                error_id = uuid.uuid4().hex[:12]
+                if not isinstance(exc, (protocol.ProtocolError, PisftError)):
+                    log.error("the forward of a request (of a batch of %d) failed (error id %s)", len(batch),
+                              error_id, exc_info=exc)
+                job.reply.set_exception(_ForwardFailed(exc, error_id, len(batch)))
 
     async def _reply(self, message: Any, session: _Session) -> bytes | str:
         self.requests += 1
@@ -535,7 +519,7 @@ def _max_batch(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number of requests, at least 1, got {text!r}; "
-                                         f"turn batching off with --batch-window-ms 0 instead")
+                                         f"turn batching off with --policy-batch-wait-ms 0 instead")
     return value
 
 
@@ -581,15 +565,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-decodes", type=_positive(int), default=DEFAULT_MAX_DECODES,
                    help=f"requests decoded and checked at once; others wait their turn (default "
                         f"{DEFAULT_MAX_DECODES})")
-    p.add_argument("--batch-window-ms", type=_batch_window_ms, default=0.0, metavar="MS",
+    p.add_argument("--policy-batch-wait-ms", "--batch-window-ms", dest="batch_window_ms", type=_batch_window_ms,
+                   default=0.0, metavar="MS",
                    help="batch concurrent clients: when the model is free, the first waiting request "
                         "waits at most MS ms for other connections' requests, and all go through one "
                         "forward, each with its own connection's noise (same actions as one at a time). "
                         "For many clients on one accelerator; costs up to MS ms of latency. Default 0: "
                         f"off, one request a forward; at most {MAX_BATCH_WINDOW_MS:g}")
-    p.add_argument("--max-batch", type=_max_batch, default=DEFAULT_MAX_BATCH, metavar="N",
-                   help=f"requests in one forward at most when --batch-window-ms is on; the window closes "
-                        f"early once N have joined (default {DEFAULT_MAX_BATCH})")
+    p.add_argument("--policy-batch", "--max-batch", dest="max_batch", type=_max_batch, default=DEFAULT_MAX_BATCH,
+                   metavar="N",
+                   help=f"requests in one forward at most when --policy-batch-wait-ms is on; the window closes "
+                        f"early once N have joined (default {DEFAULT_MAX_BATCH}). The names are the closed "
+                        "loop's (eval.policy_batch, eval.policy_batch_wait_ms); --max-batch and "
+                        "--batch-window-ms, their names before, still work this release")
     p.add_argument("--max-image-side", type=_positive(int), default=defaults.max_image_side,
                    help=f"largest image side in pixels (default {defaults.max_image_side})")
     p.add_argument("--max-prompt-chars", type=_positive(int), default=defaults.max_prompt_chars,
@@ -597,8 +585,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The flags' names before they took the closed loop's (eval.policy_batch, eval.policy_batch_wait_ms).
+DEPRECATED_FLAGS = {"--max-batch": "--policy-batch", "--batch-window-ms": "--policy-batch-wait-ms"}
+
+
+def deprecation_notes(argv: list[str]) -> list[str]:
+    """A line for each old flag name in `argv` (they still work this release)."""
+    used = {a.split("=", 1)[0] for a in argv}
+    return [f"pisft serve: note: {old} is deprecated, use {new} (the same setting; {old} goes in the next "
+            "release)" for old, new in DEPRECATED_FLAGS.items() if old in used]
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    for note in deprecation_notes(argv):
+        print(note, file=sys.stderr, flush=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         sock = bind(args.host, args.port)  # before the model loads: a taken port fails at once
@@ -614,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     limits = Limits(max_image_side=args.max_image_side, max_prompt_chars=args.max_prompt_chars)
     try:
-        from pisft.serve.libero_policy import LiberoPolicy
+        from pisft.policy.libero import LiberoPolicy
 
         policy = LiberoPolicy.from_model_dir(args.model, device=args.device, dataset_dir=args.dataset,
                                              seed=args.seed, limits=limits, cfg_scale=args.cfg_scale)

@@ -34,9 +34,9 @@ import torch
 from pisft import device as device_mod
 from pisft.data import prompts
 from pisft.data.libero import strip_advantage
-from pisft.evaluate.inference import ChunkPredictor, noise_generator
+from pisft.policy.predictor import ChunkPredictor, noise_generator
 from pisft.model import guidance
-from pisft.serve import observations
+from pisft.policy import observations
 
 
 def prompt_budget(preprocessor: Any) -> int | None:

@@ -16,8 +16,8 @@ import and names what is missing and the command that provides it.
 What LIBERO and robosuite print as they load (robosuite's "No private macro file found!" when
 set-up has not written `robosuite/macros_private.py`, LIBERO's "[info] using task orders" per
 suite) goes to the stage's log only (`pisft.logs.only_in_stage_log`), as does everything a
-simulator worker process prints (`rollout_workers`); what matters of it reaches the console as a
-pisft line (MuJoCo's warnings: `closed_loop.mujoco_note`; a worker's crash: `WorkerDied`).
+simulator worker process prints (`pisft.rollout.workers`); what matters of it reaches the console as a
+pisft line (MuJoCo's warnings: `pisft.rollout.scheduler.mujoco_note`; a worker's crash: `WorkerDied`).
 """
 
 from __future__ import annotations

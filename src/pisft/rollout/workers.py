@@ -19,7 +19,7 @@ Requests are built in the worker (`libero_sim.policy_request`: 180° rotation, r
 padding, 8-dim state), so only 224×224 images cross the pipe, and the video of an episode
 (`EpisodeSpec.video`) is encoded in the worker, frame by frame, in parallel with the others.
 Likewise `EpisodeSpec.record` has the worker record every executed step (both cameras, the
-state, the action; `episode_recording`) for the rollout collection of the RECAP loop.
+state, the action; `pisft.rollout.recording`) for the rollout collection of the RECAP loop.
 
 `InlineWorker` runs the same `EpisodeRunner` in the calling process (tests that inspect the
 stand-in environment, debugging); `ProcessWorker` in a spawned process (spawn, not fork: the
@@ -40,9 +40,9 @@ import numpy as np
 
 from pisft import logs
 from pisft.errors import PisftError
-from pisft.evaluate import libero_sim
-from pisft.evaluate.episode_recording import EpisodeRecorder
-from pisft.evaluate.video import SideBySideWriter
+from pisft.rollout import libero_sim
+from pisft.rollout.recording import EpisodeRecorder
+from pisft.rollout.video import SideBySideWriter
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class EpisodeSpec:
     resize_size: int
     video: str | None = None  # write this episode's rollout video here
     init_state: int | None = None  # the task's initial state number; None: `trial`
-    record: str | None = None  # record the executed steps into this folder (episode_recording)
+    record: str | None = None  # record the executed steps into this folder (pisft.rollout.recording)
 
     @property
     def initial_state(self) -> int:
@@ -240,7 +240,7 @@ def _worker_main(conn, simulator_factory: Callable[[], Any], workdir: str | None
         if workdir is not None:
             # MuJoCo writes its log (MUJOCO_LOG.TXT) into the working folder on every simulator
             # warning: the stage's log folder, not the project root. Paths in the messages are
-            # absolute (closed_loop.plan_episodes).
+            # absolute (pisft.rollout.plan.plan_episodes).
             os.makedirs(workdir, exist_ok=True)
             os.chdir(workdir)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which stops the stage

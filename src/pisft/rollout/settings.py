@@ -1,0 +1,102 @@
+"""The rollout engine's settings: one object for what is rolled out and how, built from the
+config by the stage that runs it (`Settings.for_evaluation`: eval.*; `Settings.for_collection`:
+recap.* for what is rolled out, eval.* for how), and the number of environment processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pisft import config as config_mod
+from pisft import device as device_mod
+from pisft.errors import PisftError
+from pisft.rollout import libero_sim
+
+
+@dataclass(frozen=True)
+class Settings:
+    suites: tuple[str, ...]
+    trials_per_task: int
+    replan_steps: int
+    num_wait_steps: int
+    seed: int
+    resize_size: int
+    max_steps: int = 0  # 0: openpi's limit of each suite (libero_sim.SUITE_MAX_STEPS)
+    task_ids: tuple[int, ...] = ()  # empty: every task of each suite
+    num_envs: int = 1
+    videos: bool = True
+    # Initial state of each task's first trial (trial i starts from state first_init_state + i):
+    # 0 for the evaluation; the RECAP rollout collection starts after the evaluation's states.
+    first_init_state: int = 0
+    # At most this many requests per policy forward (0: every environment waiting at that moment);
+    # results do not depend on it (each request's noise is its own; pisft.policy.batching).
+    policy_batch: int = 0
+    # A batch that could still grow waits at most this long for the environments still simulating.
+    policy_batch_wait_ms: float = 0.0
+
+    @classmethod
+    def for_evaluation(cls, cfg: config_mod.PisftConfig, stage: str | None = None) -> Settings:
+        e = cfg.eval
+        return cls(suites=tuple(e.libero_suites), trials_per_task=e.trials_per_task,
+                   replan_steps=e.replan_steps, num_wait_steps=e.num_wait_steps,
+                   seed=e.closed_loop_seed, resize_size=e.resize_size, max_steps=e.max_steps,
+                   task_ids=tuple(e.task_ids), num_envs=resolve_num_envs(e.num_envs, stage=stage),
+                   videos=e.videos, policy_batch=e.policy_batch,
+                   policy_batch_wait_ms=e.policy_batch_wait_ms)
+
+    def steps_for(self, suite: str) -> int:
+        return self.max_steps or libero_sim.SUITE_MAX_STEPS[suite]
+
+
+    # the evaluation's settings (kept under the name the stages used)
+    from_config = for_evaluation
+
+    @classmethod
+    def for_collection(cls, cfg: config_mod.PisftConfig, stage: str | None = None) -> Settings:
+        """The RECAP collection's: recap.* for what is rolled out, eval.* for how (openpi's loop,
+        the policy's batching), the initial states after the evaluation's, no videos."""
+        r, e = cfg.recap, cfg.eval
+        return cls(suites=(r.suite,), trials_per_task=r.episodes_per_task, replan_steps=e.replan_steps,
+                   num_wait_steps=e.num_wait_steps, seed=r.collect_seed, resize_size=e.resize_size,
+                   max_steps=r.max_steps, task_ids=tuple(r.task_ids),
+                   num_envs=resolve_num_envs(e.num_envs, stage=stage), videos=False,
+                   first_init_state=e.trials_per_task, policy_batch=e.policy_batch,
+                   policy_batch_wait_ms=e.policy_batch_wait_ms)
+
+
+# Memory one LIBERO environment process may take: one peaked at 3.2 GB (issue 22; MuJoCo, both
+# cameras' render buffers, robosuite's imports), with a margin.
+ENV_MEMORY_BYTES = int(3.5 * (1 << 30))
+
+
+def auto_num_envs(cores: int | None = None, available: int | None = None) -> tuple[int, str]:
+    """`eval.num_envs: 0`: one environment per available core, as many as the memory available
+    now holds at `ENV_MEMORY_BYTES` each (at least one); (the number, a sentence saying why)."""
+    cores = device_mod.usable_cores() if cores is None else cores
+    available = device_mod.available_memory() if available is None else available
+    gib = 1 << 30
+    if available is None:
+        return cores, f"{cores} (one per available core; the available memory is unknown)"
+    fit = max(1, available // ENV_MEMORY_BYTES)
+    n = min(cores, fit)
+    why = (f"{n} ({cores} available cores, {available / gib:.1f} GiB of memory available, about "
+           f"{ENV_MEMORY_BYTES / gib:.1f} GiB per LIBERO environment process")
+    if fit < cores:
+        why += f"; the memory holds {fit}"
+    if available < ENV_MEMORY_BYTES:
+        why += ", less than one environment needs: it may run out of memory"
+    return n, why + "; set eval.num_envs to choose)"
+
+
+def resolve_num_envs(num_envs: int, *, stage: str | None = None) -> int:
+    """`eval.num_envs`: a positive number as given; 0 picks `auto_num_envs` and, with `stage`,
+    says what it picked and why."""
+    if num_envs < 0:
+        raise PisftError(f"eval.num_envs: must be 0 (one per available core that memory allows) or a "
+                         f"positive number of environment processes, got {num_envs}")
+    if num_envs:
+        return num_envs
+    n, why = auto_num_envs()
+    if stage:
+        print(f"{stage}: eval.num_envs 0 -> {why}", flush=True)
+    return n
+
