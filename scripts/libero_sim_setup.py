@@ -36,7 +36,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from pisft.evaluate.libero_sim import INSTALLED_MANIFEST  # the copy libero_sim checks at run time
+from pisft.rollout.libero_sim import INSTALLED_MANIFEST  # the copy libero_sim checks at run time
 from pisft.io import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,7 +215,7 @@ def verify_only(assets: Path | None = None, manifest_path: Path = MANIFEST) -> i
 # ---------------------------------------------------------------- LIBERO's config file
 
 def ensure_config() -> None:
-    from pisft.evaluate.libero_sim import config_problem, ensure_libero_config, libero_config_file
+    from pisft.rollout.libero_sim import config_problem, ensure_libero_config, libero_config_file
 
     if written := ensure_libero_config():
         say(f"wrote LIBERO's config file {written} (its paths; LIBERO's first import no longer asks on stdin)")
