@@ -42,7 +42,9 @@ def inputs(stage, k):
         return paths(it(k).dataset, it(k).value)
     if stage == "train_8card":
         if k == 0:
-            return paths(layout.base_model(CFG), it(0).dataset, layout.smoke_report(CFG))
+            return paths(
+                layout.base_model(CFG), it(0).dataset, layout.smoke_report(CFG)
+            )
         # what iteration k starts from (recap.init), and the same step shape: iteration 0's smoke gate
         start = layout.init_model(CFG.at_iteration(k))
         return paths(start, it(k).dataset, it(k).advantages, layout.smoke_report(CFG))
