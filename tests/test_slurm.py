@@ -262,8 +262,9 @@ def test_slurm_ending_train_8card_then_the_next_run_resumes(slurm_cluster, slurm
     assert not (work / "results/train/model").exists()
 
     # 3. the next run resumes from the latest complete checkpoint and ends as the uninterrupted run
+    #    (train_8card alone: `evaluate` after it is the same job as in slurm_run, and costs a job)
     start = time.monotonic()
-    slurm_snakemake(work, slurm_cluster)
+    slurm_snakemake(work, slurm_cluster, "train_8card")
     print(f"resumed to the end: {time.monotonic() - start:.0f} s")
     assert resumed.search(log.read_text()), log.read_text()[-3000:]
     a, b = weights(work), weights(reference)
