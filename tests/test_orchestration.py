@@ -155,12 +155,14 @@ def test_killed_snakemake_is_recovered_with_unlock_and_rerun_incomplete(default_
 @pytest.mark.parametrize(
     "edited, expected",
     [
-        # the collection and the RECAP summary run evaluate/ too: the loop reruns from its start
-        ("src/pisft/evaluate/report.py", {"closed_loop", "evaluate"} | LOOP),
+        # a stage's code is the files it runs (its imports): the offline report reruns evaluate alone,
+        # never a collection or a training (issue 34)
+        ("src/pisft/evaluate/report.py", {"evaluate"}),
         ("src/pisft/train/loop.py", {"smoke_1card", "train_8card", "closed_loop", "evaluate"} | LOOP),
         ("src/pisft/config.py", {"fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card",
                                  "closed_loop", "evaluate"} | LOOP),
-        ("src/pisft/recap/advantages.py", LOOP),  # every RECAP stage runs pisft/recap; the SFT run none
+        # the advantages stage and what reads its labels: the retraining, its closed loop, the summary
+        ("src/pisft/recap/advantages.py", {"advantages_1", "train_8card_1", "closed_loop_1", "recap_summary"}),
         # DVC-only settings (plot axes, caching) live in dvc_yaml.py, which no stage runs
         ("src/pisft/workflow/dvc_yaml.py", set()),
     ],
