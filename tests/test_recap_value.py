@@ -135,6 +135,99 @@ def test_the_value_model_is_the_policy_prefix_a_readout_token_and_a_head(pieces)
     assert len(model.backbone_parameters()) + 3 == len(list(model.parameters()))
 
 
+def test_a_frozen_prefix_runs_once_without_grad_with_the_joint_logits_and_gradients(pieces):
+    """recap.value_trainable: head: the prefix runs under no_grad with its KV cache and only the
+    read-out token runs with grad; logits and the read-out/head gradients equal the joint pass."""
+    from pisft.model import lerobot_internals as internals
+
+    model, frames, collate, _ = pieces
+    task = ValueTask(collate, torch.device("cpu"))
+    batch = task.prepare(collate([frames[i] for i in range(3)]))
+    widths: list[tuple[bool, int]] = []  # (grad enabled, tokens) of every VLM q_proj call
+    hooks = [layer.self_attn.q_proj.register_forward_hook(
+        lambda _m, args, _o: widths.append((torch.is_grad_enabled(), args[0].shape[1])))
+        for layer in model.policy.model.paligemma_with_expert.paligemma.model.language_model.layers]
+    backbone = model.backbone_parameters()
+    try:
+        for p in backbone:
+            p.requires_grad_(False)
+        assert internals.prefix_frozen(model.policy)
+        runs = {}
+        for name, frozen in (("joint", False), ("split", True)):
+            original = internals.vlm_prefix_readout
+            internals.vlm_prefix_readout = lambda *a, _f=frozen, _o=original, **k: _o(*a, **{**k, "frozen_prefix": _f})
+            try:
+                widths.clear()
+                loss = task.loss(model, batch, {})
+                loss.backward()
+            finally:
+                internals.vlm_prefix_readout = original
+            runs[name] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                         if p.grad is not None}, list(widths))
+            model.zero_grad(set_to_none=True)
+        (joint_loss, joint_grads, joint_widths), (split_loss, split_grads, split_widths) = runs["joint"], runs["split"]
+        torch.testing.assert_close(split_loss, joint_loss, rtol=1e-5, atol=1e-6)
+        assert set(split_grads) == set(joint_grads) == {"readout.weight", "head.weight", "head.bias"}
+        for n in joint_grads:
+            torch.testing.assert_close(split_grads[n], joint_grads[n], rtol=1e-4, atol=1e-6)
+        layers = len(hooks)
+        prefix_len = joint_widths[0][1] - 1
+        assert joint_widths == [(True, prefix_len + 1)] * layers  # the whole prefix with grad
+        assert split_widths == [(False, prefix_len)] * layers + [(True, 1)] * layers  # one token with grad
+        # the same model's forward picks the split path itself, and evaluation (no grad) uses it too
+        widths.clear()
+        task.loss(model, batch, {})
+        assert widths[layers:] == [(True, 1)] * layers
+    finally:
+        for h in hooks:
+            h.remove()
+        for p in backbone:
+            p.requires_grad_(True)
+    # a trainable backbone trains through the joint pass and evaluates (no grad) through the split one
+    with torch.no_grad():
+        evaluated = task.logits(model, batch)
+    torch.testing.assert_close(evaluated, task.logits(model, batch).detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_frozen_prefix_trains_under_fsdp2_units_like_the_unsharded_model(pieces, inputs, tmp_path):
+    """head mode sharded as train_value shards it (FSDP2, a unit per VLM layer, each called twice in
+    a forward: the prefix without grad, then the read-out token): the same loss and head gradients
+    as the unsharded model, and the frozen layers get no gradient."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pisft.train import fsdp, trainable
+
+    _, frames, collate, _ = pieces
+    task = ValueTask(collate, torch.device("cpu"))
+    batch = task.prepare(collate([frames[i] for i in range(3)]))
+    results = []
+    try:
+        for sharded in (False, True):
+            model = value_model.from_base(inputs / "base_model", bins=11, preset="tiny", seed=0)
+            trainable.apply_mode(model, "head", None, seed=0, value_model=True)
+            if sharded:
+                dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+                units = fsdp.distribute(model, init_device_mesh("cpu", (1,)), "fp32", torch.device("cpu"),
+                                        keep_sharded=True, min_params=0)
+                assert sum(u.group == "decoder" for u in units) == len(
+                    model.policy.model.paligemma_with_expert.paligemma.model.language_model.layers)
+            loss = task.loss(model, batch, {})
+            loss.backward()
+            grads = {n.replace("_fsdp_wrapped_module.", ""): (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                                                              else p.grad).clone()
+                     for n, p in model.named_parameters() if p.grad is not None}
+            results.append((loss.detach(), grads))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    (plain_loss, plain_grads), (sharded_loss, sharded_grads) = results
+    torch.testing.assert_close(sharded_loss, plain_loss)
+    assert set(sharded_grads) == set(plain_grads) == {"readout.weight", "head.weight", "head.bias"}
+    for n in plain_grads:
+        torch.testing.assert_close(sharded_grads[n], plain_grads[n])
+
+
 def test_targets_follow_the_returns_file(pieces, inputs):
     _, frames, _, scale = pieces
     assert scale.max == 0.0 and scale.min == -(24 - 1) - 300  # a failed 24-frame episode
@@ -269,9 +362,11 @@ def test_the_value_model_starts_from_the_model_recap_value_init_names(inputs, tm
     assert roots["base"] != roots["previous"]
 
 
-def test_smoke_steps_train_the_value_model_on_one_device(inputs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("trainable", ["all", "head"])
+def test_smoke_steps_train_the_value_model_on_one_device(inputs, tmp_path, monkeypatch, trainable):
     """The value model's first optimizer steps (for smoke_1card): loss finite and falling, on the
-    run's first micro-batch as its loader gives it (data.augment: openpi, the base camera cropped)."""
+    run's first micro-batch as its loader gives it (data.augment: openpi, the base camera cropped),
+    sharded by FSDP2 as train_value shards it; `head` through the frozen prefix's split pass."""
     import torch.distributed as dist
 
     from pisft.data import augment
@@ -283,7 +378,7 @@ def test_smoke_steps_train_the_value_model_on_one_device(inputs, tmp_path, monke
     real = augment.apply_openpi
     monkeypatch.setattr(augment, "apply_openpi", lambda img, p: applied.append("crop" in p) or real(img, p))
     cfg = config_mod.load(CONFIG, [*overrides(inputs), "recap.value_lr=0.001", "recap.value_head_lr=0.001",
-                                   "data.augment=openpi"])
+                                   "data.augment=openpi", f"recap.value_trainable={trainable}"])
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         ctx = Context(cfg, "smoke_1card", DeviceInfo("cpu", "gloo", torch.device("cpu"), "cpu"), 0, 1)

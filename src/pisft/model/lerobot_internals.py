@@ -304,30 +304,54 @@ def vlm_width(policy) -> int:
 
 
 def vlm_prefix_readout(policy, images: list[torch.Tensor], img_masks: list[torch.Tensor],
-                       tokens: torch.Tensor, masks: torch.Tensor, readout: torch.Tensor) -> torch.Tensor:
+                       tokens: torch.Tensor, masks: torch.Tensor, readout: torch.Tensor, *,
+                       frozen_prefix: bool = False) -> torch.Tensor:
     """The final VLM hidden states (B, n, width) of `readout` tokens (B, n, width) appended to
     pi0.5's prefix (images, then language tokens): LeRobot's `embed_prefix` (as `_embed_prefix`,
     without the host->device copy of its mask row) and its prefix-only
-    VLM pass (6. above). The prefix attends within itself as in pi0.5 (bidirectionally, padding
+    VLM pass (7. above). The prefix attends within itself as in pi0.5 (bidirectionally, padding
     masked); each read-out token attends to the whole prefix and the read-out tokens before it,
-    and no prefix token attends to a read-out token (its autoregressive mask is 1)."""
+    and no prefix token attends to a read-out token (its autoregressive mask is 1).
+
+    `frozen_prefix` (no VLM parameter trains, or no gradient is wanted): since no prefix row
+    sees a read-out column, the prefix's keys/values do not depend on the read-out tokens, so the
+    prefix runs once under `torch.no_grad()` with the VLM's KV cache, and the read-out tokens run
+    after it through the same layers attending to [prefix K/V, their own] -- how LeRobot's
+    `sample_actions` runs its prefix and then `denoise_step`, and how `frozen_prefix_forward`
+    (8.) trains the policy. The backward then runs through n tokens per layer instead of the whole
+    prefix, and nothing of the prefix is kept for it (recap.value_trainable: head at real size:
+    tests/test_recap_value.py checks the same logits and gradients as the joint pass)."""
     from lerobot.policies.common.vla_utils import make_att_2d_masks, prepare_attention_masks_4d
 
     core = policy.model
-    # the sync-free embedding of the training step (5. above): same values, no host->device copy
-    embs, pad, att = _embed_prefix(core, images, img_masks, tokens, masks)
-    bsize, n = readout.shape[:2]
-    ones = torch.ones(bsize, n, dtype=torch.bool, device=pad.device)
-    embs = torch.cat([embs, readout.to(embs.dtype)], dim=1)
-    pad = torch.cat([pad, ones], dim=1)
-    att = torch.cat([att, ones], dim=1)
-    position_ids = torch.cumsum(pad, dim=1) - 1
-    mask_4d = prepare_attention_masks_4d(make_att_2d_masks(pad, att))
     pwe = core.paligemma_with_expert
     pwe.paligemma.model.language_model.config._attn_implementation = "eager"  # noqa: SLF001 - as sample_actions
-    (hidden, _), _ = pwe.forward(attention_mask=mask_4d, position_ids=position_ids, past_key_values=None,
-                                 inputs_embeds=[embs, None], use_cache=False)
-    return hidden[:, -n:]
+    bsize, n = readout.shape[:2]
+    if not frozen_prefix:
+        # the sync-free embedding of the training step (5. above): same values, no host->device copy
+        embs, pad, att = _embed_prefix(core, images, img_masks, tokens, masks)
+        ones = torch.ones(bsize, n, dtype=torch.bool, device=pad.device)
+        embs = torch.cat([embs, readout.to(embs.dtype)], dim=1)
+        pad = torch.cat([pad, ones], dim=1)
+        att = torch.cat([att, ones], dim=1)
+        position_ids = torch.cumsum(pad, dim=1) - 1
+        mask_4d = prepare_attention_masks_4d(make_att_2d_masks(pad, att))
+        (hidden, _), _ = pwe.forward(attention_mask=mask_4d, position_ids=position_ids, past_key_values=None,
+                                     inputs_embeds=[embs, None], use_cache=False)
+        return hidden[:, -n:]
+    with torch.no_grad():
+        embs, pad, att = _embed_prefix(core, images, img_masks, tokens, masks)
+        _, cache = pwe.forward(attention_mask=prepare_attention_masks_4d(make_att_2d_masks(pad, att)),
+                               position_ids=torch.cumsum(pad, dim=1) - 1, past_key_values=None,
+                               inputs_embeds=[embs, None], use_cache=True)
+    ones = torch.ones(bsize, n, dtype=torch.bool, device=pad.device)
+    # denoise_step's mask and positions: the prefix's padding, then the read-out block
+    mask_2d = torch.cat([pad[:, None, :].expand(bsize, n, pad.shape[1]), make_att_2d_masks(ones, ones)], dim=2)
+    position_ids = pad.sum(dim=-1, keepdim=True) + torch.cumsum(ones, dim=1) - 1
+    (hidden, _), _ = pwe.forward(attention_mask=prepare_attention_masks_4d(mask_2d), position_ids=position_ids,
+                                 past_key_values=cache, inputs_embeds=[readout.to(embs.dtype), None],
+                                 use_cache=False)
+    return hidden
 
 
 # What PI05Policy.forward must still do for `sync_free_forward` to be the same computation.
@@ -644,6 +668,9 @@ def _prefix_problems(m) -> list[str]:
     if "if inputs_embeds[1] is None:" not in forward or "gemma_expert" in branch:
         problems.append("PaliGemmaWithExpertModel.forward's prefix-only branch changed (it must run the VLM "
                         "alone): revisit vlm_prefix_readout")
+    if "past_key_values=past_key_values" not in branch or "prefix_output.past_key_values" not in branch:
+        problems.append("PaliGemmaWithExpertModel.forward's prefix-only branch no longer takes and returns the "
+                        "VLM's KV cache: revisit vlm_prefix_readout's frozen prefix")
     sample = inspect.getsource(m.PI05Pytorch.sample_actions)
     for needle in ("inputs_embeds=[prefix_embs, None]", '_attn_implementation = "eager"'):
         if needle not in sample:

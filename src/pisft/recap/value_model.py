@@ -119,8 +119,11 @@ class ValueModel(nn.Module):
         images, img_masks = self.policy._preprocess_images(batch)  # noqa: SLF001 - LeRobot's resize + [-1, 1]
         # An embedding lookup, not `.weight`: FSDP2 gathers parameters in a module's forward hooks.
         ids = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=tokens.device)
+        # A frozen prefix (recap.value_trainable: head, or no gradient wanted) runs once without
+        # grad; only the read-out token runs with it (lerobot_internals.vlm_prefix_readout).
+        frozen = not torch.is_grad_enabled() or internals.prefix_frozen(self.policy)
         hidden = internals.vlm_prefix_readout(self.policy, images, img_masks, tokens,
-                                              batch[TOKEN_MASK_KEY], self.readout(ids))
+                                              batch[TOKEN_MASK_KEY], self.readout(ids), frozen_prefix=frozen)
         return self.head(hidden[:, 0]).float()
 
     def backbone_parameters(self) -> list[nn.Parameter]:
