@@ -266,9 +266,9 @@ def test_a_recap_iteration_sees_its_own_folders_and_retraining_length():
     cfg = C.from_dict({"results_dir": "r", "eval": {"closed_loop": True, "trials_per_task": 1},
                        "train": {"steps": 150}, "recap": {"iterations": 2, "policy_steps": 60}})
     it2 = cfg.at_iteration(2)
-    assert it2.results("train", "model") == Path("r/recap/iter_2/train/model")
-    assert it2.results("base_model") == Path("r/base_model")  # shared
-    assert it2.results("smoke", "report.json") == Path("r/smoke/report.json")  # iteration 0's gate
+    assert layout.results(it2, "train", "model") == Path("r/recap/iter_2/train/model")
+    assert layout.results(it2, "base_model") == Path("r/base_model")  # shared
+    assert layout.results(it2, "smoke", "report.json") == Path("r/smoke/report.json")  # iteration 0's gate
     assert layout.init_model(it2) == Path("r/recap/iter_1/train/model")  # recap.init: previous
     assert it2.train.steps == 60 and cfg.train.steps == 150  # a copy: iteration 0 keeps its own
     assert cfg.at_iteration(0).train.steps == 150

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from pisft import layout
 from pisft.config import from_dict
 from pisft.errors import PisftError
 from pisft.evaluate.closed_loop import summarize
@@ -24,14 +25,14 @@ def _closed_loop(path, outcomes):
 
 def _iteration_outputs(cfg, k):
     at = cfg.at_iteration(k)
-    (at.results("rollouts")).mkdir(parents=True)
-    at.results("rollouts", "collection.json").write_text(json.dumps(
+    (layout.results(at, "rollouts")).mkdir(parents=True)
+    layout.results(at, "rollouts", "collection.json").write_text(json.dumps(
         {"episodes": [{"task_id": 0, "frames": 30, "success": True}, {"task_id": 1, "frames": 60, "success": False}]}))
-    at.results("value").mkdir(parents=True)
-    at.results("value", "metrics.json").write_text(json.dumps(
+    layout.results(at, "value").mkdir(parents=True)
+    layout.results(at, "value", "metrics.json").write_text(json.dumps(
         {"spearman_heldout": 0.61, "bin_accuracy_heldout": 0.2, "loss_first": 5.3, "loss_last": 3.1, "steps": 50}))
-    at.results("advantages").mkdir(parents=True)
-    at.results("advantages", "summary.json").write_text(json.dumps(  # as pisft.recap.advantages writes it
+    layout.results(at, "advantages").mkdir(parents=True)
+    layout.results(at, "advantages", "summary.json").write_text(json.dumps(  # as pisft.recap.advantages writes it
         {"positive_fraction": 0.31, "frames": 90, "positive": 28, "scope": "global", "lookahead": 10,
          "per_task": {"0": {"positive_fraction": 0.4}, "1": {"positive_fraction": 0.2}},
          "per_source_type": {"sft": {"positive_fraction": 1.0}, "rollout": {"positive_fraction": 0.3}}}))
@@ -40,12 +41,12 @@ def _iteration_outputs(cfg, k):
 def test_the_summary_lists_every_iteration_with_wilson_intervals(tmp_path):
     cfg = from_dict({"results_dir": str(tmp_path / "results"), "recap": {"iterations": 2},
                      "eval": {"closed_loop": True, "task_ids": [0, 1], "trials_per_task": 2}})
-    _closed_loop(cfg.results("closed_loop", "metrics.json"), {0: [True, False], 1: [False, False]})
+    _closed_loop(layout.results(cfg, "closed_loop", "metrics.json"), {0: [True, False], 1: [False, False]})
     for k, outcomes in ((1, {0: [True, True], 1: [False, False]}), (2, {0: [True, True], 1: [True, False]})):
         _iteration_outputs(cfg, k)
-        _closed_loop(cfg.at_iteration(k).results("closed_loop", "metrics.json"), outcomes)
+        _closed_loop(layout.results(cfg.at_iteration(k), "closed_loop", "metrics.json"), outcomes)
     summary.run(cfg)
-    out = json.loads(cfg.results("recap", "metrics.json").read_text())
+    out = json.loads(layout.results(cfg, "recap", "metrics.json").read_text())
     its = out["iterations"]
     assert [it["k"] for it in its] == [0, 1, 2]
     assert [it["closed_loop"]["success_rate"] for it in its] == [0.25, 0.5, 0.75]
@@ -57,19 +58,19 @@ def test_the_summary_lists_every_iteration_with_wilson_intervals(tmp_path):
     assert its[1]["value"]["spearman_heldout"] == 0.61
     assert its[1]["advantages"]["positive_fraction"] == 0.31
     assert its[1]["advantages"]["positive_fraction_per_source"] == {"sft": 1.0, "rollout": 0.3}
-    report = cfg.results("recap", "report.md").read_text()
+    report = layout.results(cfg, "recap", "report.md").read_text()
     assert "![success per iteration](success.png)" in report and "| 2 | 75.0% |" in report
     assert "not that RECAP improves a policy" in report
-    assert cfg.results("recap", "success.png").stat().st_size > 0
+    assert layout.results(cfg, "recap", "success.png").stat().st_size > 0
     # the iterations' own folders beside the summary are untouched
-    assert cfg.at_iteration(1).results("value", "metrics.json").is_file()
+    assert layout.results(cfg.at_iteration(1), "value", "metrics.json").is_file()
 
 
 def test_a_missing_iteration_output_names_the_stage_to_run(tmp_path):
     cfg = from_dict({"results_dir": str(tmp_path / "results"), "eval": {"closed_loop": True, "trials_per_task": 1},
                      "recap": {"iterations": 1}})
-    _closed_loop(cfg.results("closed_loop", "metrics.json"), {0: [True]})
+    _closed_loop(layout.results(cfg, "closed_loop", "metrics.json"), {0: [True]})
     _iteration_outputs(cfg, 1)
     with pytest.raises(PisftError, match="closed_loop.*run the `closed_loop_1` stage first"):
         summary.run(cfg)
-    assert not cfg.results("recap", "metrics.json").exists()
+    assert not layout.results(cfg, "recap", "metrics.json").exists()

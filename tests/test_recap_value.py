@@ -513,7 +513,7 @@ def test_train_value_needs_its_smoke_gate_passed(tmp_path):
     cfg = config_mod.load(CONFIG, [f"results_dir={tmp_path}", "recap.iterations=1"]).at_iteration(1)
     with pytest.raises(PisftError, match="run smoke_value first"):
         launch.check_gate_report(cfg, "train_value")
-    report = cfg.results("value_smoke", "report.json")
+    report = layout.results(cfg, "value_smoke", "report.json")
     report.parent.mkdir(parents=True)
     report.write_text(json.dumps({"passed": False, "messages": ["loss_falling: first 5.6, last 5.9"]}))
     with pytest.raises(PisftError, match="did not pass:\n  - loss_falling"):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pisft import layout
 from pisft import cli
 from pisft.train import __main__ as train_main
 from pisft.stages import STAGES, TRAINING_STAGES
@@ -89,7 +90,7 @@ def test_the_rules_run_the_tables_commands_and_write_its_outputs(tmp_path):
         log = f"results/logs/{name}.log"
         assert rule.cmd == STAGES[stage].command_at(k).replace("{params.config}", rule.config_file).replace(
             "{log}", log)
-        assert sorted(rule.outputs.values()) == sorted(str(cfg.at_iteration(k).results(o))
+        assert sorted(rule.outputs.values()) == sorted(str(layout.results(cfg.at_iteration(k), o))
                                                        for o in STAGES[stage].outputs), name
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pisft import layout
 from pisft import config as config_mod
 from pisft import device as devices
 from pisft.errors import PisftError
@@ -114,7 +115,7 @@ def _write_report(cfg, *, passed, **config_changes):
     for key, value in config_changes.items():
         section, leaf = key.split("__")
         resolved[section][leaf] = value
-    path = cfg.results("smoke", "report.json")
+    path = layout.results(cfg, "smoke", "report.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"passed": passed, "messages": ["loss is NaN"], "pisft_config": resolved}))
 

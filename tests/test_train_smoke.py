@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from train_fixtures import CONFIG, overrides, results_dir
 
+from pisft import layout
 from pisft import config as config_mod
 from pisft import device as devices
 from pisft.errors import PisftError
@@ -32,7 +33,7 @@ def ctx(tmp_path_factory):
 
 
 def _report(ctx):
-    return json.loads(ctx.cfg.results("smoke", "report.json").read_text())
+    return json.loads(layout.results(ctx.cfg, "smoke", "report.json").read_text())
 
 
 @pytest.mark.integration  # ~1 min: builds the inputs, runs the estimate and the smoke steps
@@ -51,7 +52,7 @@ def test_memory_headroom_below_minimum_fails_with_advice(ctx, monkeypatch, capsy
     for hint in ("train.micro_batch_size", "train.precision: bf16",
                  "train.activation_checkpointing: true", "more devices"):
         assert hint in err
-    assert ctx.cfg.results("logs", "smoke_1card", "report.json").is_file()
+    assert layout.results(ctx.cfg, "logs", "smoke_1card", "report.json").is_file()
     assert report["projected_wall_time_s"]["1"] > 0 and report["losses"]
 
 

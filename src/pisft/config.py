@@ -291,11 +291,6 @@ class PisftConfig:
     def grad_accum_steps(self) -> int:
         return accumulation_steps(self.train.global_batch_size, self.train.micro_batch_size, self.world_size)
 
-    def results(self, *parts: str) -> Path:
-        """A path under results_dir, in the current iteration's folder where `pisft.layout` puts
-        it (`layout.results`). Stages name their paths through `pisft.layout` instead."""
-        return layout.results(self, *parts)
-
     def at_iteration(self, k: int) -> PisftConfig:
         """This config as iteration k's stages see it (a copy; `iteration` set, and at k >= 1
         `train.steps` is `recap.policy_steps` when that is set)."""

@@ -14,8 +14,7 @@ file per rule), the benchmark report and the RECAP summary.
 
 A stage names its paths here and never spells them. This module sits on the ground floor
 beside `pisft.config` and imports no pisft module: it reads a run's configuration (a
-`pisft.config.PisftConfig`) through the few attributes `Run` lists, so the config can hand its
-callers `cfg.results(...)` through it.
+`pisft.config.PisftConfig`) through the few attributes `Run` lists, so the config can import it.
 """
 
 from __future__ import annotations

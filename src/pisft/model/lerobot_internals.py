@@ -75,7 +75,9 @@ changes underneath. Nothing else in pisft patches or inspects LeRobot's private 
    branch: `paligemma.model.language_model.forward`, never the expert), which is how
    `PI05Pytorch.sample_actions` runs the prefix, with the VLM's attention set to "eager" as it does.
    The action expert (`gemma_expert`) and the action/time projections are removed: the value model
-   never calls them, so they are neither sharded, trained nor saved.
+   never calls them, so they are neither sharded, trained nor saved. With the VLM frozen (or under
+   no_grad) the prefix runs once into the VLM's KV cache and the read-out token after it, as
+   `sample_actions` runs its prefix before `denoise_step` (`vlm_prefix_readout`'s `frozen_prefix`).
 8. The frozen prefix (`frozen_prefix_forward`, `prefix_frozen`). When every parameter of the
    PaliGemma VLM (vision tower, projector, token embedding, decoder layers) is frozen
    (`requires_grad` False: `train.trainable: expert`, LeRobot's `train_expert_only`), the prefix

@@ -20,14 +20,17 @@ previous`, from policy k-1: `pisft.layout.value_init_model`), without the action
 (RLinf's `cls_embedding`, initialised N(0, 0.02)) is appended to the prefix, attends to all of
 it, and its final hidden state feeds a linear bin head. (RLinf routes its read-out token through
 a separate small Gemma expert; here it goes through the VLM itself, so the value model is the
-policy's prefix plus two small tensors.) The prompt is the plain task text (any advantage label
-stripped), tokenised as LeRobot tokenises pi0.5's prompt (same tokenizer, max length, right
-padding); the robot state is not part of it.
+policy's prefix plus two small tensors.) With the prefix frozen (recap.value_trainable: head,
+RLinf's freeze_vlm) or no gradient wanted, the prefix runs once without grad into the VLM's KV
+cache and only the read-out token runs with grad (`vlm_prefix_readout`'s `frozen_prefix`): the
+same logits, and the backward runs through one token per layer instead of the whole prefix. The
+prompt is the plain task text (any advantage label stripped), tokenised as LeRobot tokenises
+pi0.5's prompt (same tokenizer, max length, right padding); the robot state is not part of it.
 
-A saved value model (`save` / `load`) is a directory with `model.safetensors` (the value model's
-weights: backbone, read-out token, head) and `value_model.json` (`ValueModelConfig`: the base
-model directory whose architecture and tokenizer it uses, the preset, bins, the return range of
-its training data, the prompt).
+A saved value model (`save` / `load`) is a directory with `model.safetensors` (the value model's weights:
+backbone, read-out token, head) and `value_model.json` (`ValueModelConfig`: the base model
+directory whose architecture and tokenizer it uses, the preset, bins, the return range of its
+training data, the prompt).
 """
 
 from __future__ import annotations
