@@ -29,6 +29,7 @@ Writes `results/eval/` atomically:
 from __future__ import annotations
 
 import csv
+import gc
 import io
 import json
 import time
@@ -89,6 +90,14 @@ def _require_dir(path: Path, stage: str) -> None:
                              f"(python -m pisft {stage} ... or snakemake {stage})")
 
 
+def _chunk_shape(model_dir: Path) -> tuple[int, int]:
+    """(chunk_size, action dim) of a model directory, from its config.json (nothing loaded)."""
+    from pisft.model.policy import CONFIG_FILE, read_config
+
+    config, _ = read_config(model_dir / CONFIG_FILE, tolerate_unknown=True)
+    return int(config.chunk_size), int(config.output_features["action"].shape[0])
+
+
 def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tuple[dict, dict, dict]:
     """(metrics, accumulators by model name, eval_info). Writes nothing."""
     from torch.utils.data import DataLoader, Subset
@@ -106,15 +115,14 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
     _require_dir(model_dirs["finetuned"], "train_8card")
     device = _device(cfg.device)
     stats = data.load_stats(dataset_dir)
-    predictors = {name: ChunkPredictor.load(d, device=device, dataset_stats=stats)
-                  for name, d in model_dirs.items()}
-    chunk = predictors["base"].chunk_size
-    for name, p in predictors.items():
-        if p.chunk_size != chunk or p.action_dim != predictors["base"].action_dim:
+    # One model at a time (pi0.5: 13.4 GB each in fp32): its chunk size and action dim first
+    shapes = {name: _chunk_shape(d) for name, d in model_dirs.items()}
+    chunk, action_dim = shapes["base"]
+    for name, shape in shapes.items():
+        if shape != shapes["base"]:
             raise ModelLoadError(
-                f"{model_dirs[name]}: chunk_size {p.chunk_size} / action dim {p.action_dim} differ from "
-                f"the base model's {chunk} / {predictors['base'].action_dim}; the two cannot be compared")
-    action_dim = predictors["base"].action_dim
+                f"{model_dirs[name]}: chunk_size {shape[0]} / action dim {shape[1]} differ from "
+                f"the base model's {chunk} / {action_dim}; the two cannot be compared")
     q01 = np.asarray(stats["action"]["q01"], dtype=np.float64)
     q99 = np.asarray(stats["action"]["q99"], dtype=np.float64)
 
@@ -135,29 +143,33 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
     loader = DataLoader(Subset(ds, positions), batch_size=cfg.eval.batch_size, shuffle=False,
                         num_workers=0)
 
-    accs = {name: ErrorAccumulator(chunk_size=chunk, action_dim=action_dim) for name in predictors}
+    accs = {name: ErrorAccumulator(chunk_size=chunk, action_dim=action_dim) for name in model_dirs}
     start = time.monotonic()
     done = 0
-    for batch in loader:
-        ep_ids = [int(e) for e in batch["episode_index"]]
-        frames = [int(f) for f in batch["frame_index"]]
-        noise = frame_noise(list(zip(ep_ids, frames)), seed=cfg.eval.seed, chunk_size=chunk,
-                            max_action_dim=predictors["base"].max_action_dim)
-        target_raw = batch["action"].to(torch.float64).numpy()
-        target_norm = quantile_normalize(target_raw, q01, q99)
-        batch_tasks = [tasks.get(e, t) for e, t in zip(ep_ids, batch["task"], strict=True)]
-        for name, predictor in predictors.items():
+    for name, model_dir in model_dirs.items():  # the same frames and noise for each model
+        predictor = ChunkPredictor.load(model_dir, device=device, dataset_stats=stats)
+        done = 0
+        for batch in loader:
+            ep_ids = [int(e) for e in batch["episode_index"]]
+            frames = [int(f) for f in batch["frame_index"]]
+            noise = frame_noise(list(zip(ep_ids, frames)), seed=cfg.eval.seed, chunk_size=chunk,
+                                max_action_dim=predictor.max_action_dim)
+            target_raw = batch["action"].to(torch.float64).numpy()
+            batch_tasks = [tasks.get(e, t) for e, t in zip(ep_ids, batch["task"], strict=True)]
             prompted = {**batch, "task": [conditioning[name].inference_prompt(t) for t in batch_tasks]}
             w = guided[name]["cfg_scale"]
             blend = {} if w == 1.0 else {"cfg_scale": w,
                                          "unconditioned_tasks": [strip_advantage(t) for t in batch_tasks]}
             pred_raw = predictor.predict(prompted, noise, **blend).to(torch.float64).numpy()
             accs[name].add(episodes=ep_ids, tasks=batch_tasks, pred_norm=quantile_normalize(pred_raw, q01, q99),
-                           target_norm=target_norm, pred_raw=pred_raw, target_raw=target_raw,
-                           is_pad=batch["action_is_pad"])
-        done += len(ep_ids)
-        if progress:
-            print(f"evaluate: {done}/{len(positions)} frames ({time.monotonic() - start:.0f} s)", flush=True)
+                           target_norm=quantile_normalize(target_raw, q01, q99), pred_raw=pred_raw,
+                           target_raw=target_raw, is_pad=batch["action_is_pad"])
+            done += len(ep_ids)
+            if progress:
+                print(f"evaluate: {name} model: {done}/{len(positions)} frames "
+                      f"({time.monotonic() - start:.0f} s)", flush=True)
+        del predictor  # freed before the next model is loaded
+        gc.collect()
     if done == 0:
         raise DataError(f"{dataset_dir}: no frames selected for evaluation (episodes {episodes}, "
                         f"eval.frame_stride {cfg.eval.frame_stride})")
