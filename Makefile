@@ -37,7 +37,7 @@ help:
 	@echo "make run    - install what is missing, run the whole pipeline on the embedded default"
 	@echo "make test   - install what is missing, run the whole test suite"
 	@echo "make bench  - benchmarks into results/bench/bench.json"
-	@echo "make run-pi05-cpu - the whole DAG with pi0.5 at its real size on this CPU (about 45 min; switches config/config.yaml)"
+	@echo "make run-pi05-cpu - the whole DAG with pi0.5 at its real size on this CPU (about 40 min; switches config/config.yaml)"
 	@echo "make setup  - only create/refresh .venv (idempotent)"
 	@echo "DEVICE=cpu|cuda|npu picks the pinned environment (npu: Ascend, CANN 9.1.0); now: $(DEVICE) -> $(LOCK)"
 
