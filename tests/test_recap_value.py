@@ -135,7 +135,7 @@ def test_the_value_model_is_the_policy_prefix_a_readout_token_and_a_head(pieces)
     assert len(model.backbone_parameters()) + 3 == len(list(model.parameters()))
 
 
-def test_a_frozen_prefix_runs_once_without_grad_with_the_joint_logits_and_gradients(pieces):
+def test_a_frozen_prefix_runs_once_without_grad_with_the_joint_logits_and_gradients(pieces, monkeypatch):
     """recap.value_trainable: head: the prefix runs under no_grad with its KV cache and only the
     read-out token runs with grad; logits and the read-out/head gradients equal the joint pass."""
     from pisft.model import lerobot_internals as internals
@@ -153,15 +153,14 @@ def test_a_frozen_prefix_runs_once_without_grad_with_the_joint_logits_and_gradie
             p.requires_grad_(False)
         assert internals.prefix_frozen(model.policy)
         runs = {}
+        original = internals.vlm_prefix_readout
         for name, frozen in (("joint", False), ("split", True)):
-            original = internals.vlm_prefix_readout
-            internals.vlm_prefix_readout = lambda *a, _f=frozen, _o=original, **k: _o(*a, **{**k, "frozen_prefix": _f})
-            try:
-                widths.clear()
-                loss = task.loss(model, batch, {})
-                loss.backward()
-            finally:
-                internals.vlm_prefix_readout = original
+            monkeypatch.setattr(internals, "vlm_prefix_readout",
+                                lambda *a, _f=frozen, **k: original(*a, **{**k, "frozen_prefix": _f}))
+            widths.clear()
+            loss = task.loss(model, batch, {})
+            loss.backward()
+            monkeypatch.undo()
             runs[name] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                                          if p.grad is not None}, list(widths))
             model.zero_grad(set_to_none=True)
@@ -365,8 +364,8 @@ def test_the_value_model_starts_from_the_model_recap_value_init_names(inputs, tm
 @pytest.mark.parametrize("trainable", ["all", "head"])
 def test_smoke_steps_train_the_value_model_on_one_device(inputs, tmp_path, monkeypatch, trainable):
     """The value model's first optimizer steps (for smoke_1card): loss finite and falling, on the
-    run's first micro-batch as its loader gives it (data.augment: openpi, the base camera cropped),
-    sharded by FSDP2 as train_value shards it; `head` through the frozen prefix's split pass."""
+    run's first micro-batch as its loader gives it (data.augment: openpi, the base camera cropped);
+    `head` through the frozen prefix's split pass."""
     import torch.distributed as dist
 
     from pisft.data import augment

@@ -145,7 +145,6 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
 
     accs = {name: ErrorAccumulator(chunk_size=chunk, action_dim=action_dim) for name in model_dirs}
     start = time.monotonic()
-    done = 0
     for name, model_dir in model_dirs.items():  # the same frames and noise for each model
         predictor = ChunkPredictor.load(model_dir, device=device, dataset_stats=stats)
         done = 0

@@ -329,30 +329,27 @@ def vlm_prefix_readout(policy, images: list[torch.Tensor], img_masks: list[torch
     pwe = core.paligemma_with_expert
     pwe.paligemma.model.language_model.config._attn_implementation = "eager"  # noqa: SLF001 - as sample_actions
     bsize, n = readout.shape[:2]
-    if not frozen_prefix:
-        # the sync-free embedding of the training step (5. above): same values, no host->device copy
+    # the sync-free embedding of the training step (5. above): same values, no host->device copy
+    with torch.no_grad() if frozen_prefix else contextlib.nullcontext():
         embs, pad, att = _embed_prefix(core, images, img_masks, tokens, masks)
-        ones = torch.ones(bsize, n, dtype=torch.bool, device=pad.device)
-        embs = torch.cat([embs, readout.to(embs.dtype)], dim=1)
-        pad = torch.cat([pad, ones], dim=1)
-        att = torch.cat([att, ones], dim=1)
-        position_ids = torch.cumsum(pad, dim=1) - 1
-        mask_4d = prepare_attention_masks_4d(make_att_2d_masks(pad, att))
-        (hidden, _), _ = pwe.forward(attention_mask=mask_4d, position_ids=position_ids, past_key_values=None,
-                                     inputs_embeds=[embs, None], use_cache=False)
+    ones = torch.ones(bsize, n, dtype=torch.bool, device=pad.device)
+    readout = readout.to(embs.dtype)
+    if not frozen_prefix:
+        pad_all = torch.cat([pad, ones], dim=1)
+        mask_4d = prepare_attention_masks_4d(make_att_2d_masks(pad_all, torch.cat([att, ones], dim=1)))
+        (hidden, _), _ = pwe.forward(attention_mask=mask_4d, position_ids=torch.cumsum(pad_all, dim=1) - 1,
+                                     past_key_values=None, inputs_embeds=[torch.cat([embs, readout], dim=1), None],
+                                     use_cache=False)
         return hidden[:, -n:]
     with torch.no_grad():
-        embs, pad, att = _embed_prefix(core, images, img_masks, tokens, masks)
         _, cache = pwe.forward(attention_mask=prepare_attention_masks_4d(make_att_2d_masks(pad, att)),
                                position_ids=torch.cumsum(pad, dim=1) - 1, past_key_values=None,
                                inputs_embeds=[embs, None], use_cache=True)
-    ones = torch.ones(bsize, n, dtype=torch.bool, device=pad.device)
     # denoise_step's mask and positions: the prefix's padding, then the read-out block
     mask_2d = torch.cat([pad[:, None, :].expand(bsize, n, pad.shape[1]), make_att_2d_masks(ones, ones)], dim=2)
     position_ids = pad.sum(dim=-1, keepdim=True) + torch.cumsum(ones, dim=1) - 1
     (hidden, _), _ = pwe.forward(attention_mask=prepare_attention_masks_4d(mask_2d), position_ids=position_ids,
-                                 past_key_values=cache, inputs_embeds=[readout.to(embs.dtype), None],
-                                 use_cache=False)
+                                 past_key_values=cache, inputs_embeds=[readout, None], use_cache=False)
     return hidden
 
 

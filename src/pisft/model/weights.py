@@ -268,19 +268,18 @@ def _tensor_reader(where: dict[str, Path]) -> Iterator[Callable[[str], torch.Ten
     from safetensors import safe_open
 
     with contextlib.ExitStack() as stack:
-        handles: dict[Path, object] = {}
+        readers: dict[Path, Callable[[str], torch.Tensor]] = {}
 
         def get(name: str) -> torch.Tensor:
             file = where[name]
-            if file not in handles:
+            if file not in readers:
                 if sys.byteorder == "little" and hasattr(os, "preadv"):
                     reader = _PreadTensors(file)
                     stack.callback(reader.close)
-                    handles[file] = reader
+                    readers[file] = reader.get
                 else:
-                    handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-            handle = handles[file]
-            return handle.get(name) if isinstance(handle, _PreadTensors) else handle.get_tensor(name)  # type: ignore[attr-defined]
+                    readers[file] = stack.enter_context(safe_open(str(file), framework="pt")).get_tensor
+            return readers[file](name)
 
         yield get
 
