@@ -73,6 +73,30 @@ def test_log_captures_child_processes(tmp_path):
         assert line in text and line in out.stdout
 
 
+def test_a_line_printed_in_two_writes_reaches_the_shared_console_whole(tmp_path):
+    """Under PYTHONUNBUFFERED (the Makefile's), `print` writes its text and its newline in two
+    calls. Snakemake runs stages side by side on one terminal: another stage's line written
+    between the two must land before or after this one, never inside it (CI saw
+    "...-> results/recap/iter_1/datasetevaluate: base model: 96/200 frames")."""
+    log, console = tmp_path / "stage.log", tmp_path / "console.txt"
+    code = (
+        "import os, time\n"
+        "from pisft.logs import tee_output\n"
+        "other_stage = os.dup(1)\n"  # the same terminal, as a stage running beside this one has it
+        f"with tee_output({str(log)!r}):\n"
+        "    os.write(1, b'convert_recap: done -> results/dataset')\n"
+        "    time.sleep(0.3)\n"  # the pump has read the first half by now
+        "    os.write(other_stage, b'evaluate: 96/200 frames\\n')\n"
+        "    os.write(1, b'\\n')\n"
+        "    os.write(1, b'a prompt with no newline')\n"
+    )
+    with console.open("wb") as out:
+        subprocess.run([sys.executable, "-c", code], stdout=out, check=True, timeout=60)
+    assert console.read_text().splitlines() == [
+        "evaluate: 96/200 frames", "convert_recap: done -> results/dataset", "a prompt with no newline"]
+    assert log.read_text() == "convert_recap: done -> results/dataset\na prompt with no newline"
+
+
 def test_the_log_ends_with_the_stage_not_with_a_process_that_holds_its_pipe(tmp_path):
     """A process that outlives the stage's work (multiprocessing's resource tracker does, after
     any spawn) keeps the tee's pipe open: the stage must still end, with all output logged."""

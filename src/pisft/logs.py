@@ -17,11 +17,19 @@ import os
 import select
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 
 DRAIN_IDLE_S = 0.2
+# The console is shared: Snakemake runs stages side by side, and each stage's pump writes to the
+# same terminal. Output goes out in whole lines, so two stages' lines never run into one another
+# (under PYTHONUNBUFFERED, which the Makefile sets, `print` writes its text and its newline in two
+# calls). A line still unfinished after PARTIAL_LINE_S (a prompt, a progress bar redrawn with \r)
+# or longer than MAX_HELD_BYTES goes out as it is.
+PARTIAL_LINE_S = 1.0
+MAX_HELD_BYTES = 65536
 # Set by `tee_output` while it runs (an absolute path): the stage's log file, for the stage and
 # its child processes (the closed-loop workers put MuJoCo's log beside it, `mujoco_log_dir`).
 STAGE_LOG_ENV = "PISFT_STAGE_LOG"
@@ -58,29 +66,45 @@ def tee_output(log_path: str | Path | None) -> Iterator[None]:
     failed: list[OSError] = []
     stop = threading.Event()
 
-    def pump() -> None:
+    def emit(data: bytes) -> None:
         # The console always gets everything; a log that cannot be written (disk full, a
         # folder gone read-only) is given up with one warning at the end, never the output.
+        os.write(saved_out, data)
+        if failed:
+            return
+        try:
+            log.write(data)
+            log.flush()
+        except OSError as exc:
+            failed.append(exc)
+
+    def pump() -> None:
         # After the stage, the pipe is drained until it stays empty for DRAIN_IDLE_S: its end
         # of file may never come while the stage runs, because a helper process that outlives
         # the stage's work holds the pipe open (multiprocessing's resource tracker, started by
         # any "spawn" start method, lives until this process exits).
+        held, held_since = b"", 0.0  # the unfinished last line, and since when
         while True:
             if not select.select([read_fd], [], [], DRAIN_IDLE_S)[0]:
+                if held and (stop.is_set() or time.monotonic() - held_since >= PARTIAL_LINE_S):
+                    emit(held)
+                    held = b""
                 if stop.is_set():
                     return
                 continue
             chunk = os.read(read_fd, 65536)
             if not chunk:
+                if held:
+                    emit(held)
                 return
-            os.write(saved_out, chunk)
-            if failed:
-                continue
-            try:
-                log.write(chunk)
-                log.flush()
-            except OSError as exc:
-                failed.append(exc)
+            if not held:
+                held_since = time.monotonic()
+            data = held + chunk
+            cut = len(data) if len(data) >= MAX_HELD_BYTES else data.rfind(b"\n") + 1
+            if cut:
+                emit(data[:cut])
+                held_since = time.monotonic()
+            held = data[cut:]
 
     thread = threading.Thread(target=pump, name="pisft-log-tee", daemon=True)
     thread.start()
