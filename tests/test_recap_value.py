@@ -262,6 +262,77 @@ def test_save_and_load_give_the_same_logits(pieces, inputs, tmp_path):
         value_model.load(out)
 
 
+def _head_only_model(inputs: Path, tmp_path: Path) -> tuple[Path, value_model.ValueModel, Path]:
+    """A value model trained in `head` mode under bf16 (backbone frozen, held in bf16), saved as
+    train_value saves it, from a copy of the base model (so that the test may change it)."""
+    import shutil
+
+    from pisft.model.policy import WEIGHTS_FILE
+    from pisft.train import trainable
+    from pisft.model.base_identity import base_record
+    from pisft.train.export_weights import write_policy_weights
+
+    base = Path(shutil.copytree(inputs / "base_model", tmp_path / "base_model"))
+    model = value_model.from_base(base, bins=11, preset="tiny", seed=0)
+    trainable.apply_mode(model, "head", None, value_model=True)
+    assert trainable.hold_frozen_in(model, "bf16") > 0
+    with torch.no_grad():
+        for p in model.head_parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    config = value_model.ValueModelConfig(base_model=str(base), preset="tiny", bins=11, return_min=-1.0,
+                                          return_max=0.0, frozen_from=base_record(base), frozen_dtype="bfloat16")
+    out = tmp_path / "value_model"
+    out.mkdir()
+    value_model.save(model, out, config, write_weights=lambda path: write_policy_weights(
+        model, base / WEIGHTS_FILE, path, is_main=True, prefix="policy.", frozen=False))
+    return out, model, base
+
+
+def test_a_frozen_backbone_is_not_copied_and_is_read_from_the_model_it_came_from(pieces, inputs, tmp_path):
+    """recap.value_trainable head: the value model's file holds the read-out token and the head
+    (pi0.5: 6.8 GB less per iteration); loading reads the backbone from the base model, held in
+    bf16 as training held it, and gives the trained model's logits exactly."""
+    from safetensors import safe_open
+
+    from pisft.model.weights import tensor_locations
+
+    _, frames, collate, _ = pieces
+    out, model, base = _head_only_model(inputs, tmp_path)
+    assert set(tensor_locations(out / "model.safetensors")[0]) == {"readout.weight", "head.weight", "head.bias"}
+    loaded, config = value_model.load(out)
+    assert config.frozen_dtype == "bfloat16" and Path(config.frozen_from["dir"]) == base
+    for name, p in loaded.named_parameters():
+        want = dict(model.named_parameters())[name]
+        assert p.dtype == want.dtype and torch.equal(p, want), name
+    with safe_open(str(base / "model.safetensors"), "pt") as fh:  # bf16 rounding of the base's values
+        stored = fh.keys()
+        name = next(n for n in stored if "language_model.layers.0.mlp.up_proj" in n)
+        wanted = fh.get_tensor(name).to(torch.bfloat16)
+    got = next(p for n, p in loaded.named_parameters() if "language_model.layers.0.mlp.up_proj" in n)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, wanted)
+    task = ValueTask(collate, torch.device("cpu"), "bf16")
+    batch = task.prepare(collate([frames[i] for i in range(2)]))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(task.logits(loaded, batch), task.logits(model, batch), rtol=0, atol=0)
+
+
+def test_a_value_model_whose_base_became_another_model_is_refused_by_name(inputs, tmp_path):
+    """fetch_base rerun with other weights under the same path: the value model's frozen part
+    is gone, and loading says so instead of pairing its head with another backbone."""
+    from safetensors.torch import load_file, save_file
+
+    out, _, base = _head_only_model(inputs, tmp_path)
+    tensors = load_file(base / "model.safetensors")
+    name = next(n for n in tensors if "language_model.layers.0.mlp.up_proj" in n)
+    tensors[name] = tensors[name] + 1.0
+    save_file(tensors, base / "model.safetensors", metadata={"format": "pt"})
+    write_manifest(base)  # as a new fetch_base writes it: a consistent, other model
+    with pytest.raises(ModelLoadError, match=rf"read from {base}, which held MANIFEST.json sha256 .* "
+                                             r"now \(another model\); run the train_value stage again"):
+        value_model.load(out)
+
+
 def _write_returns(dataset: Path, table: pd.DataFrame) -> None:
     pq.write_table(pa.Table.from_pandas(table, preserve_index=False), dataset / "returns.parquet")
     write_manifest(dataset)  # as the conversion would have written it (a damaged copy is another test's)
@@ -393,9 +464,11 @@ def test_smoke_steps_train_the_value_model_on_one_device(inputs, tmp_path, monke
 # ------------------------------------------------------------------ train_value under torchrun
 # data.augment: the value model trains with the policy's switch (openpi's augmentation), so the
 # run, its resume after a kill and the advantages hold with it on.
+# The backbone frozen (recap.value_trainable head): the saved model holds only what trained, and
+# advantages reads the rest from the base (the default pipeline trains a value model in mode all).
 RUN = ["recap.value_steps=10", "train.save_every=5", "train.warmup_steps=2", "recap.value_bins=51",
        "recap.value_global_batch_size=16", "train.micro_batch_size=4", "train.nproc_per_node=2",
-       "data.augment=openpi"]
+       "data.augment=openpi", "recap.value_trainable=head"]
 
 
 def _launch_cmd(results: Path, *extra: str, stage: str = "train_value") -> list[str]:
@@ -447,7 +520,9 @@ def test_train_value_writes_the_model_metrics_and_plot(value_run):
     config = json.loads((out / "model" / value_model.CONFIG_FILE).read_text())
     assert config["bins"] == 51 and config["preset"] == "tiny" and config["return_min"] == -323.0
     assert Path(config["base_model"]) == value_run / "base_model"
-    model, _ = value_model.load(out / "model")  # strict
+    assert Path(config["frozen_from"]["dir"]) == value_run / "base_model" and config["frozen_dtype"] == "float32"
+    assert set(load_file(out / "model" / "model.safetensors")) == {"readout.weight", "head.weight", "head.bias"}
+    model, _ = value_model.load(out / "model")  # strict, the backbone from the base
     assert model.bins == 51
     runs = list((value_run / "checkpoints" / "value").glob("run-*/step_000010/COMPLETE.json"))
     assert len(runs) == 1

@@ -290,13 +290,17 @@ def load_strict(
     *,
     rename: Callable[[str], str] | None = None,
     optional: frozenset[str] = frozenset(),
+    only: frozenset[str] | None = None,
 ) -> dict[str, list[str]]:
     """Load `path` into `module` strictly, one tensor at a time (low peak memory).
 
     `rename` maps a file name to the model's name (for layouts such as openpi's). `optional`:
     model names a file may lack (tensors the forward never reads); they are zero-filled and
-    listed in the report's "optional_missing". Returns a report: which tied names were filled
-    from which, tied duplicates that differed, and the optional names that were absent.
+    listed in the report's "optional_missing". `only`: the model names this file provides (each
+    must be there); the file's other tensors are not read (a model's frozen part from its base
+    model's file, whose other tensors belong to parts this model does not have). Returns a
+    report: which tied names were filled from which, tied duplicates that differed, and the
+    optional names that were absent.
     """
     path = Path(path)
     if not path.is_file():
@@ -313,6 +317,10 @@ def load_strict(
     provided = {m: raw_shapes[f] for m, f in to_file.items()}
     groups = tied_groups(module)
     expected = expected_shapes(module)
+    if only is not None:
+        provided = {m: shape for m, shape in provided.items() if m in only}
+        expected = {m: shape for m, shape in expected.items() if m in only}
+        groups = [kept for kept in ([n for n in g if n in only] for g in groups) if len(kept) > 1]
     plan, missing, unexpected, misshaped = compare(expected, provided, groups)
     optional_missing = sorted(n for n in missing if n in optional)
     missing = [n for n in missing if n not in optional]

@@ -28,9 +28,15 @@ prompt is the plain task text (any advantage label stripped), tokenised as LeRob
 pi0.5's prompt (same tokenizer, max length, right padding); the robot state is not part of it.
 
 A saved value model (`save` / `load`) is a directory with `model.safetensors` (the value model's weights:
-backbone, read-out token, head) and `value_model.json` (`ValueModelConfig`: the base model
-directory whose architecture and tokenizer it uses, the preset, bins, the return range of its
-training data, the prompt).
+read-out token, head, and what of the backbone trained) and `value_model.json` (`ValueModelConfig`:
+the base model directory whose architecture and tokenizer it uses, the preset, bins, the return
+range of its training data, the prompt). The backbone's frozen tensors are not copied into it
+(pi0.5 with recap.value_trainable head: 6.8 GB a copy): `frozen_from` names the model they come
+from (the base model, or policy k-1 with recap.value_init previous) and the sha256 of its
+MANIFEST.json, which `load` checks before it reads them from that model's file, held in the dtype
+training held them in (`frozen_dtype`: bf16 under train.precision bf16, as
+`pisft.train.trainable.hold_frozen_in` holds them). A model saved whole (`frozen_from` null)
+loads from its own file alone.
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ from pisft.model.sources import WEIGHTS_FILE
 
 V_MIN, V_MAX = -1.0, 0.0
 CONFIG_FILE = "value_model.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: frozen tensors read from `frozen_from`'s file (1: every tensor in the model's own)
+READABLE_VERSIONS = (1, 2)
 TOKENS_KEY = "tokens"
 TOKEN_MASK_KEY = "token_mask"
 TARGET_KEY = "target"
@@ -160,6 +167,10 @@ class ValueModelConfig:
     return_max: float
     base_config_sha256: str = ""  # of the base model's config.json when the model was trained
     prompt: str = "task"  # the plain task text, advantage label stripped
+    # The model the frozen tensors are read from (`pisft.model.base_identity.base_record`: its
+    # directory and MANIFEST.json's sha256); None: every tensor is in the model's own file.
+    frozen_from: dict[str, Any] | None = None
+    frozen_dtype: str = "float32"  # what training held the frozen tensors in (bfloat16 or float32)
     v_min: float = V_MIN
     v_max: float = V_MAX
     format_version: int = FORMAT_VERSION
@@ -178,9 +189,13 @@ class ValueModelConfig:
             config = cls(**{k: v for k, v in raw.items() if k in known})
         except (json.JSONDecodeError, TypeError) as exc:
             raise ModelLoadError(f"{path}: unreadable ({exc}); run the train_value stage again") from None
-        if config.format_version != FORMAT_VERSION:
-            raise ModelLoadError(f"{path}: format_version {config.format_version} is not {FORMAT_VERSION}; "
-                                 "run the train_value stage again with this pisft")
+        if config.format_version not in READABLE_VERSIONS:
+            raise ModelLoadError(f"{path}: format_version {config.format_version} is not one this pisft reads "
+                                 f"({', '.join(map(str, READABLE_VERSIONS))}); run the train_value stage again "
+                                 "with this pisft")
+        if config.frozen_dtype not in ("float32", "bfloat16"):
+            raise ModelLoadError(f"{path}: frozen_dtype {config.frozen_dtype!r} is neither float32 nor bfloat16; "
+                                 "run the train_value stage again")
         return config
 
 
@@ -200,8 +215,8 @@ def from_base(base_dir: Path, *, bins: int, preset: str | None, seed: int, hold_
 def save(model: ValueModel, out_dir: Path, config: ValueModelConfig,
          state_dict: dict[str, torch.Tensor] | None = None, write_weights: Any = None) -> None:
     """Write `model` (or a full `state_dict` of it, e.g. gathered from FSDP; or through
-    `write_weights(path)`, e.g. streamed with LoRA adapters merged) into the existing directory
-    `out_dir` (the caller makes it atomic)."""
+    `write_weights(path)`, e.g. streamed with LoRA adapters merged and, with `config.frozen_from`,
+    the frozen tensors left out) into the existing directory `out_dir` (the caller makes it atomic)."""
     from pisft.io import write_manifest
     from pisft.model.weights import save_weights
 
@@ -233,10 +248,42 @@ def load(model_dir: Path, *, device: str | torch.device = "cpu") -> tuple[ValueM
         raise ModelLoadError(f"{base / POLICY_CONFIG} changed since the value model in {model_dir} was "
                              "trained from it; run the train_value stage again")
     policy_config, _ = read_config(base / POLICY_CONFIG)
-    policy = policy_from_config(policy_config, read_model_info(base), device="cpu", dtype="float32")
+    policy = policy_from_config(policy_config, read_model_info(base), device="cpu", dtype="float32", init=False)
     model = ValueModel(policy, config.bins)
-    load_strict(model, model_dir / WEIGHTS_FILE)
+    if config.frozen_from is None:
+        load_strict(model, model_dir / WEIGHTS_FILE)
+    else:
+        _load_with_frozen_part(model, model_dir, config, base)
     model.to(device)
     model.policy.config.device = str(device)
     model.eval()
     return model, config
+
+
+def _load_with_frozen_part(model: ValueModel, model_dir: Path, config: ValueModelConfig, base: Path) -> None:
+    """The tensors of `model_dir`'s own file from it, every other one from `base`'s file (the model
+    `config.frozen_from` names, checked to be the same one), each strictly and once."""
+    from pisft.integrity import verify_read
+    from pisft.model import weights
+    from pisft.model.base_identity import base_id, base_record, same_base
+    from pisft.train.trainable import KEEP_FP32
+
+    current = base_record(base)
+    if not same_base(config.frozen_from, current):
+        raise ModelLoadError(
+            f"{model_dir}: its frozen weights are read from {base}, which held {base_id(config.frozen_from)} "
+            f"when it was trained but holds {base_id(current)} now (another model); run the train_value "
+            "stage again (snakemake --cores all --forcerun train_value_<k>)")
+    verify_read(base, what=f"loading the frozen weights of the value model {model_dir}")
+    own = set(weights.tensor_locations(model_dir / WEIGHTS_FILE)[0])
+    for group in weights.tied_groups(model):  # a tied tensor is written once, under one name
+        if own & set(group):
+            own |= set(group)
+    frozen = frozenset(set(weights.expected_shapes(model)) - own)
+    if config.frozen_dtype == "bfloat16":  # as training held them (pisft.train.trainable.hold_frozen_in)
+        for name, p in model.named_parameters():
+            if name in frozen and p.dtype == torch.float32 and not any(k in name for k in KEEP_FP32):
+                p.data = torch.empty_like(p, dtype=torch.bfloat16)
+    weights.load_strict(model, base / WEIGHTS_FILE, rename=lambda n: "policy." + weights.lerobot_name(n),
+                        only=frozen)
+    weights.load_strict(model, model_dir / WEIGHTS_FILE, only=frozenset(own))

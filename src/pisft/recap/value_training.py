@@ -22,7 +22,8 @@ What differs from the policy (`value_plan`):
   the dataset and the returns file.
 
 Output, `results/value/` (one atomic rename on rank 0):
-  model/              `value_model.save`: model.safetensors, value_model.json, MANIFEST.json
+  model/              `value_model.save`: model.safetensors (what trained; the frozen tensors stay
+                      in the model it started from), value_model.json, MANIFEST.json
   metrics.json        held-out Spearman rho (V vs the normalised return), bin accuracy, MAE, the
                       frame count, first and last training loss, steps, the return range, bins
   calibration.png     V against the normalised return, held-out frames
@@ -58,6 +59,7 @@ from pisft.train.run_folders import latest_checkpoint_text, value_fingerprint
 from pisft.recap.value_data import PromptCollate, ReturnRange, ValueFrames, read_returns
 from pisft.recap.value_task import ValueTask
 from pisft.train import fsdp, optim
+from pisft.model.base_identity import base_record
 from pisft.train.checkpoint import run_folder
 from pisft.train.run import RunPlan, run_plan
 from pisft.train.job import Built, Context, apply_trainable, frozen_in_bf16
@@ -197,10 +199,13 @@ def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dic
         pred = value_metrics.predict(built.model, heldout, built.task, batch_size=cfg.eval.batch_size,
                                      rank=ctx.rank, world_size=ctx.world_size)
 
-    # One tensor at a time, LoRA adapters merged, frozen tensors from the base file (collective).
+    # One tensor at a time, LoRA adapters merged (collective). The frozen tensors stay in the
+    # model it started from: the file holds what trained (value_model.ValueModelConfig.frozen_from).
+    frozen = any(not p.requires_grad for p in built.model.parameters())
+
     def write_weights(path: Path | None) -> None:
         write_policy_weights(built.model, built.base_dir / WEIGHTS_FILE, path, is_main=ctx.is_main,
-                             prefix="policy.")
+                             prefix="policy.", frozen=not frozen)
 
     if not ctx.is_main:
         write_weights(None)
@@ -223,7 +228,9 @@ def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dic
     config = value_model.ValueModelConfig(
         base_model=str(built.base_dir), preset=cfg.model.preset, bins=cfg.recap.value_bins,
         return_min=built.scale.min, return_max=built.scale.max,
-        base_config_sha256=sha256_file(built.base_dir / "config.json"))
+        base_config_sha256=sha256_file(built.base_dir / "config.json"),
+        frozen_from=base_record(built.base_dir) if frozen else None,
+        frozen_dtype="bfloat16" if frozen and frozen_in_bf16(cfg, value_model=True) is not None else "float32")
     rho = metrics["spearman_heldout"]
     with disk_space.export_room(layout.iteration(cfg).value, None, what="export of the value model",
                                 checkpoints=lambda: latest_checkpoint_text(cfg, ctx.stage),

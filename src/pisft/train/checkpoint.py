@@ -61,6 +61,7 @@ from pisft.config import PisftConfig, lookup, to_dict
 from pisft.errors import PisftError
 from pisft.io import sha256_file
 from pisft.layout import SPLIT_FILE
+from pisft.model.base_identity import base_id, same_base
 
 MARKER = "COMPLETE.json"
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -73,22 +74,6 @@ class CheckpointMismatch(PisftError):
 
 class OtherBase(CheckpointMismatch):
     """The checkpoint's trained weights apply to another base model than this run's."""
-
-
-def base_record(base_dir: Path) -> dict[str, Any]:
-    """The frozen base a checkpoint applies to: its directory and the sha256 of its MANIFEST.json
-    (which holds the sha256 of every file of it: weights, config, tokenizer), or of its
-    config.json and model.safetensors when it has no manifest."""
-    base_dir = Path(base_dir)
-    manifest = base_dir / "MANIFEST.json"
-    if manifest.is_file():
-        return {"dir": str(base_dir), "manifest_sha256": sha256_file(manifest)}
-    files = [base_dir / n for n in ("config.json", "model.safetensors") if (base_dir / n).is_file()]
-    return {"dir": str(base_dir), "files_sha256": {f.name: sha256_file(f) for f in files}}
-
-
-def _same_base(stored: dict[str, Any], current: dict[str, Any]) -> bool:
-    return {k: v for k, v in stored.items() if k != "dir"} == {k: v for k, v in current.items() if k != "dir"}
 
 
 # What a checkpoint holds of the model: the trained parameters (requires_grad) and the buffers.
@@ -438,19 +423,13 @@ class CheckpointManager:
     def check_base(self, found: Found, state: dict[str, Any]) -> None:
         """Refuse a checkpoint whose trained weights apply to another base model than this run's."""
         stored = state.get("base")
-        if self.base is None or stored is None or _same_base(stored, self.base):
+        if self.base is None or stored is None or same_base(stored, self.base):
             return
         raise OtherBase(
             f"{found.path} holds weights trained on the base model {stored.get('dir')} "
-            f"({_base_id(stored)}), but this run starts from {self.base.get('dir')} ({_base_id(self.base)}): "
+            f"({base_id(stored)}), but this run starts from {self.base.get('dir')} ({base_id(self.base)}): "
             "the frozen weights it needs are another model's, so it cannot be resumed. Point the "
             f"run at its base model again, or delete {self.root} to start this configuration from step 0.")
-
-
-def _base_id(record: dict[str, Any]) -> str:
-    if "manifest_sha256" in record:
-        return f"MANIFEST.json sha256 {record['manifest_sha256'][:16]}…"
-    return "sha256 " + ", ".join(f"{k} {v[:16]}…" for k, v in sorted(record.get("files_sha256", {}).items()))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -141,16 +141,20 @@ def _write_collectively(path: Path | None, names: list[str], specs: dict[str, tu
 
 
 def write_policy_weights(model: torch.nn.Module, base_weights: Path, out: Path | None, *,
-                         is_main: bool, prefix: str = "") -> dict[str, int]:
+                         is_main: bool, prefix: str = "", frozen: bool = True) -> dict[str, int]:
     """`out` (model.safetensors of a plain PI05Policy, or of the value model with `prefix`
-    `policy.`) written from `model` and the base file. Collective. Returns the count of tensors
-    of each kind (frozen, trained, merged, buffer)."""
+    `policy.`) written from `model` and the base file. Collective. `frozen` False: the frozen
+    tensors are left out (the file holds what differs from the base; its reader takes the rest
+    from the base file, as `value_model.load` does). Returns the count of tensors of each kind
+    (frozen, trained, merged, buffer), written or not."""
     sources, where = policy_sources(model, base_weights, prefix)
-    file_specs = base_specs(where)
-    specs = {n: _spec(s, file_specs) for n, s in sources.items()}
     counts: dict[str, int] = {}
     for s in sources.values():
         counts[s.kind] = counts.get(s.kind, 0) + 1
+    if not frozen:
+        sources = {n: s for n, s in sources.items() if s.kind != "frozen"}
+    file_specs = base_specs(where)
+    specs = {n: _spec(s, file_specs) for n, s in sources.items()}
 
     def value(name: str) -> torch.Tensor | None:
         s = sources[name]

@@ -19,7 +19,8 @@ from pisft import layout
 from pisft import config as config_mod
 from pisft.errors import PisftError
 from pisft.train import loop, optim
-from pisft.train.checkpoint import CheckpointManager, base_record, checkpoint_root, other_runs, run_fingerprint
+from pisft.model.base_identity import base_record
+from pisft.train.checkpoint import CheckpointManager, checkpoint_root, other_runs, run_fingerprint
 from pisft.train.batches import make_loader, resolve_workers
 from pisft.data.augment import augment_record, make_augment
 from pisft.train.ema import ema_record, make_ema
