@@ -142,6 +142,21 @@ def test_an_export_that_cannot_fit_is_refused_before_writing(tmp_path):
         assert "the write needs 4.0 MiB" in msg and "no complete checkpoint" in msg and "\n" not in msg
 
 
+def test_an_export_without_its_frozen_part_asks_for_what_it_writes():
+    """The value model's export leaves its frozen backbone in the base model: the room it asks for
+    is the trained tensors' and a LoRA-merged weight's (written, though frozen while training)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    model = inject_adapter_in_model(LoraConfig(r=2, target_modules=["1"]), model)
+    for name, p in model.named_parameters():
+        p.requires_grad = "lora_" in name
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) * 4
+    merged_into = 8 * 4 * 4  # layer 1's base weight (its bias is frozen, not merged)
+    assert disk_space.model_bytes(model) == (8 * 8 + 8 + 4) * 4 + merged_into + lora
+    assert disk_space.model_bytes(model, frozen=False) == merged_into + lora
+
+
 @pytest.mark.parametrize("exc", [
     OSError(errno.ENOSPC, "No space left on device", "/r/x"),
     OSError(errno.EDQUOT, "Disk quota exceeded"),

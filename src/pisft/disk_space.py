@@ -76,12 +76,17 @@ def tensor_bytes(obj: Any, _seen: set | None = None) -> int:
     return 0
 
 
-def model_bytes(model: Any) -> int:
+def model_bytes(model: Any, *, frozen: bool = True) -> int:
     """Bytes of a model's exported weights: every parameter and buffer at its full (gathered) size
-    in the dtype it is held in, each tensor once (an export writes the model whole, LoRA merged)."""
+    in the dtype it is held in, each tensor once (an export writes the model whole, LoRA merged).
+    `frozen` False: without the frozen parameters but the weights a LoRA adapter is merged into (an
+    export that leaves the rest in the model it came from, as the value model's does)."""
     seen: set[int] = set()
     total = 0
-    for t in [*model.parameters(), *model.buffers()]:
+    params = {id(p) for p in model.parameters()}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if not frozen and id(t) in params and not t.requires_grad and not name.endswith(".base_layer.weight"):
+            continue
         if id(t) not in seen:
             seen.add(id(t))
             total += t.numel() * t.element_size()  # a DTensor's numel is the global one

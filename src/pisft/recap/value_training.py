@@ -234,7 +234,7 @@ def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dic
     rho = metrics["spearman_heldout"]
     with disk_space.export_room(layout.iteration(cfg).value, None, what="export of the value model",
                                 checkpoints=lambda: latest_checkpoint_text(cfg, ctx.stage),
-                                extra_bytes=disk_space.model_bytes(built.model)), \
+                                extra_bytes=disk_space.model_bytes(built.model, frozen=not frozen)), \
             atomic_dir(layout.iteration(cfg).value) as tmp:
         (tmp / "model").mkdir()
         value_model.save(built.model, tmp / "model", config, write_weights=write_weights)
