@@ -79,7 +79,13 @@ def test_bad_loader_settings_are_refused(key, value, message):
 
 
 @pytest.mark.usefixtures("one_process_group")
-def test_one_process_trains_unsharded_the_smoke_keeps_the_sharded_layout():
+def test_one_process_trains_unsharded_the_smoke_keeps_the_sharded_layout(monkeypatch):
+    from pisft.model import host_memory
+
+    trims = []
+    real = host_memory.return_freed_memory
+    monkeypatch.setattr(host_memory, "return_freed_memory", lambda: trims.append(True) or real())
+
     def model():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(6, 2048), nn.Tanh(), nn.Linear(2048, 3))
@@ -94,6 +100,7 @@ def test_one_process_trains_unsharded_the_smoke_keeps_the_sharded_layout():
     assert not any(isinstance(p, DTensor) for p in plain.parameters())
     fsdp.distribute(sharded, mesh, "fp32", torch.device("cpu"), keep_sharded=True)
     assert all(isinstance(p, DTensor) for p in sharded.parameters())
+    assert trims == [True]  # the heap the whole tensors left is given back once (pisft.model.host_memory)
     x = torch.randn(5, 6)
     torch.testing.assert_close(plain(x), sharded(x), rtol=0, atol=0)
 
@@ -127,3 +134,15 @@ def test_preprocessing_in_the_workers_gives_what_the_training_process_computed(t
             assert got[key] == value, key
     for key in want_rand:
         assert torch.equal(got_rand[key], want_rand[key])
+
+
+def test_freed_heap_goes_back_to_the_host_where_the_c_library_can():
+    """glibc's malloc_trim is found and called (this host's C library is glibc); elsewhere the
+    call is skipped, never an error."""
+    import platform
+
+    from pisft.model import host_memory
+
+    assert isinstance(host_memory.return_freed_memory(), bool)
+    if platform.libc_ver()[0] == "glibc":
+        assert host_memory._malloc_trim() is not None  # the lookup itself

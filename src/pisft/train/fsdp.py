@@ -54,6 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from pisft.model import host_memory
 from pisft.model.lerobot_internals import prefix_frozen
 
 # Modules whose parameters stay in the root unit: they are never called (unused LM heads).
@@ -264,6 +265,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, precision: str, *, min_params: int
     if not _checkpointed(model):
         for unit, following in zip(units, units[1:]):
             unit.modules[0].set_modules_to_forward_prefetch([following.modules[0]])
+    host_memory.return_freed_memory()  # the whole tensors the shards replaced (pisft.model.host_memory)
     return units
 
 
