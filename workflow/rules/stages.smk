@@ -39,7 +39,8 @@ def inputs(stage, k):
         gate = [it(k).value_smoke_report] if stage == "train_value" else []
         return [value_start(k), *paths(it(k).dataset, *gate)]
     if stage == "advantages":
-        return [value_start(k), *paths(it(k).dataset, it(k).value)]  # its frozen weights are read from there
+        # the value model's frozen weights are read from the model it started from
+        return [value_start(k), *paths(it(k).dataset, it(k).value)]
     if stage == "train_8card":
         if k == 0:
             return paths(
