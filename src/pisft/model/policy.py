@@ -283,6 +283,15 @@ def policy_from_config(config, info: dict[str, Any], *, device: str = "cpu",
     return policy
 
 
+def empty_in_bf16(module: torch.nn.Module, hold: Callable[[str], bool]) -> None:
+    """Replace the storage of each float32 parameter whose name `hold` picks with an empty bf16
+    one, before anything is loaded into it (tied parameters once): a strict load then rounds the
+    file's values into it, without the float32 copy ever being resident."""
+    for name, p in module.named_parameters():
+        if p.dtype == torch.float32 and hold(name):
+            p.data = torch.empty_like(p, dtype=torch.bfloat16)
+
+
 def load_policy(model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype | str | None = None,
                 preset: str | None = None, hold_bf16: Callable[[str], bool] | None = None):
     """Load a model directory STRICTLY: any missing, unexpected or mis-shaped tensor raises.
@@ -305,9 +314,7 @@ def load_policy(model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtyp
                              f"'{preset}'; set model.preset: {info['preset']} or fetch the right model")
     policy = policy_from_config(config, info, device="cpu", dtype=dtype, init=False)
     if hold_bf16 is not None:
-        for name, p in policy.named_parameters():  # tied parameters once
-            if p.dtype == torch.float32 and hold_bf16(name):
-                p.data = torch.empty_like(p, dtype=torch.bfloat16)
+        empty_in_bf16(policy, hold_bf16)
     # The action expert's lm_head is never used (lerobot_internals 5.): a file may lack it.
     weights_mod.load_strict(policy, model_dir / WEIGHTS_FILE, rename=weights_mod.lerobot_name,
                             optional=frozenset({internals.EXPERT_HEAD}))

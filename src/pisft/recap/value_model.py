@@ -266,6 +266,7 @@ def _load_with_frozen_part(model: ValueModel, model_dir: Path, config: ValueMode
     from pisft.integrity import verify_read
     from pisft.model import weights
     from pisft.model.base_identity import base_id, base_record, same_base
+    from pisft.model.policy import empty_in_bf16
     from pisft.train.trainable import KEEP_FP32
 
     current = base_record(base)
@@ -281,9 +282,7 @@ def _load_with_frozen_part(model: ValueModel, model_dir: Path, config: ValueMode
             own |= set(group)
     frozen = frozenset(set(weights.expected_shapes(model)) - own)
     if config.frozen_dtype == "bfloat16":  # as training held them (pisft.train.trainable.hold_frozen_in)
-        for name, p in model.named_parameters():
-            if name in frozen and p.dtype == torch.float32 and not any(k in name for k in KEEP_FP32):
-                p.data = torch.empty_like(p, dtype=torch.bfloat16)
+        empty_in_bf16(model, lambda name: name in frozen and not any(k in name for k in KEEP_FP32))
     weights.load_strict(model, base / WEIGHTS_FILE, rename=lambda n: "policy." + weights.lerobot_name(n),
                         only=frozen)
     weights.load_strict(model, model_dir / WEIGHTS_FILE, only=frozenset(own))

@@ -201,11 +201,11 @@ def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dic
 
     # One tensor at a time, LoRA adapters merged (collective). The frozen tensors stay in the
     # model it started from: the file holds what trained (value_model.ValueModelConfig.frozen_from).
-    frozen = any(not p.requires_grad for p in built.model.parameters())
+    has_frozen = any(not p.requires_grad for p in built.model.parameters())
 
     def write_weights(path: Path | None) -> None:
         write_policy_weights(built.model, built.base_dir / WEIGHTS_FILE, path, is_main=ctx.is_main,
-                             prefix="policy.", frozen=not frozen)
+                             prefix="policy.", frozen=not has_frozen)
 
     if not ctx.is_main:
         write_weights(None)
@@ -229,12 +229,12 @@ def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dic
         base_model=str(built.base_dir), preset=cfg.model.preset, bins=cfg.recap.value_bins,
         return_min=built.scale.min, return_max=built.scale.max,
         base_config_sha256=sha256_file(built.base_dir / "config.json"),
-        frozen_from=base_record(built.base_dir) if frozen else None,
-        frozen_dtype="bfloat16" if frozen and frozen_in_bf16(cfg, value_model=True) is not None else "float32")
+        frozen_from=base_record(built.base_dir) if has_frozen else None,
+        frozen_dtype="bfloat16" if has_frozen and frozen_in_bf16(cfg, value_model=True) is not None else "float32")
     rho = metrics["spearman_heldout"]
     with disk_space.export_room(layout.iteration(cfg).value, None, what="export of the value model",
                                 checkpoints=lambda: latest_checkpoint_text(cfg, ctx.stage),
-                                extra_bytes=disk_space.model_bytes(built.model, frozen=not frozen)), \
+                                extra_bytes=disk_space.model_bytes(built.model, frozen=not has_frozen)), \
             atomic_dir(layout.iteration(cfg).value) as tmp:
         (tmp / "model").mkdir()
         value_model.save(built.model, tmp / "model", config, write_weights=write_weights)
