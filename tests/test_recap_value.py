@@ -269,7 +269,7 @@ def _head_only_model(inputs: Path, tmp_path: Path) -> tuple[Path, value_model.Va
 
     from pisft.model.policy import WEIGHTS_FILE
     from pisft.train import trainable
-    from pisft.model.base_identity import base_record
+    from pisft.base_identity import base_record
     from pisft.train.export_weights import write_policy_weights
 
     base = Path(shutil.copytree(inputs / "base_model", tmp_path / "base_model"))

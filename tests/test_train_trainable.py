@@ -258,7 +258,7 @@ def test_adapter_in_peft_layout_loads_onto_the_base_with_peft(trained_lora):
 # ------------------------------------------------------------------------------------ checkpoints
 @pytest.mark.usefixtures("one_process_group")
 def test_a_checkpoint_of_another_base_is_refused_naming_both(tmp_path_factory, tmp_path):
-    from pisft.model.base_identity import base_record
+    from pisft.base_identity import base_record
     from pisft.train.checkpoint import CheckpointManager, OtherBase
 
     from safetensors.torch import save_file

@@ -167,7 +167,7 @@ class ValueModelConfig:
     return_max: float
     base_config_sha256: str = ""  # of the base model's config.json when the model was trained
     prompt: str = "task"  # the plain task text, advantage label stripped
-    # The model the frozen tensors are read from (`pisft.model.base_identity.base_record`: its
+    # The model the frozen tensors are read from (`pisft.base_identity.base_record`: its
     # directory and MANIFEST.json's sha256); None: every tensor is in the model's own file.
     frozen_from: dict[str, Any] | None = None
     frozen_dtype: str = "float32"  # what training held the frozen tensors in (bfloat16 or float32)
@@ -265,7 +265,7 @@ def _load_with_frozen_part(model: ValueModel, model_dir: Path, config: ValueMode
     `config.frozen_from` names, checked to be the same one), each strictly and once."""
     from pisft.integrity import verify_read
     from pisft.model import weights
-    from pisft.model.base_identity import base_id, base_record, same_base
+    from pisft.base_identity import base_id, base_record, same_base
     from pisft.model.policy import empty_in_bf16
     from pisft.train.trainable import KEEP_FP32
 

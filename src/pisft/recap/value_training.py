@@ -59,7 +59,7 @@ from pisft.train.run_folders import latest_checkpoint_text, value_fingerprint
 from pisft.recap.value_data import PromptCollate, ReturnRange, ValueFrames, read_returns
 from pisft.recap.value_task import ValueTask
 from pisft.train import fsdp, optim
-from pisft.model.base_identity import base_record
+from pisft.base_identity import base_record
 from pisft.train.checkpoint import run_folder
 from pisft.train.run import RunPlan, run_plan
 from pisft.train.job import Built, Context, apply_trainable, frozen_in_bf16

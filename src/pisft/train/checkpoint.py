@@ -61,7 +61,7 @@ from pisft.config import PisftConfig, lookup, to_dict
 from pisft.errors import PisftError
 from pisft.io import sha256_file
 from pisft.layout import SPLIT_FILE
-from pisft.model.base_identity import base_id, same_base
+from pisft.base_identity import base_id, same_base
 
 MARKER = "COMPLETE.json"
 STEP_RE = re.compile(r"^step_(\d{6,})$")

@@ -19,7 +19,7 @@ from pisft import layout
 from pisft import config as config_mod
 from pisft.errors import PisftError
 from pisft.train import loop, optim
-from pisft.model.base_identity import base_record
+from pisft.base_identity import base_record
 from pisft.train.checkpoint import CheckpointManager, checkpoint_root, other_runs, run_fingerprint
 from pisft.train.batches import make_loader, resolve_workers
 from pisft.data.augment import augment_record, make_augment
