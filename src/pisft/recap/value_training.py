@@ -62,7 +62,7 @@ from pisft.train import fsdp, optim
 from pisft.base_identity import base_record
 from pisft.train.checkpoint import run_folder
 from pisft.train.run import RunPlan, run_plan
-from pisft.train.job import Built, Context, apply_trainable, frozen_in_bf16
+from pisft.train.job import Built, Context, apply_trainable, frozen_in_bf16, in_turns
 
 def require_value_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
     """The model the value model starts from (`layout.value_init_model`: the base model, or
@@ -139,14 +139,19 @@ def build_value(ctx: Context) -> ValueBuilt:
     from torch.distributed.device_mesh import init_device_mesh
 
     cfg = ctx.cfg
-    p = _pieces(cfg, ctx.stage, ctx.info.device)
     if cfg.train.activation_checkpointing:
         ctx.log("note: train.activation_checkpointing is not applied to the value model (its VLM layers "
                 "run without recomputation)")
-    applied = apply_trainable(ctx, p.model, value_model=True)  # before sharding
     mesh = init_device_mesh(ctx.info.device.type, (ctx.world_size,))
-    units = fsdp.distribute(p.model, mesh, cfg.train.precision, ctx.info.device,
-                            min_params=cfg.train.fsdp_min_unit_params)
+
+    def load_and_shard():
+        p = _pieces(cfg, ctx.stage, ctx.info.device)
+        applied = apply_trainable(ctx, p.model, value_model=True)  # before sharding
+        units = fsdp.distribute(p.model, mesh, cfg.train.precision, ctx.info.device,
+                                min_params=cfg.train.fsdp_min_unit_params)
+        return p, applied, units
+
+    p, applied, units = in_turns(ctx, load_and_shard, "the value model")
     optimizer = _optimizer(cfg, p.model, ctx.info.kind)  # after sharding: the sharded parameters
     task = ValueTask(p.collate, ctx.info.device, cfg.train.precision)
     return ValueBuilt(p.model, task, p.train_set, {}, units, optimizer, p.base, p.data,

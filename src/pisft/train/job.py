@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -106,6 +108,42 @@ def _choose_prompt_form(ctx: Context, policy, base: Path) -> bool:
     return chosen
 
 
+T = TypeVar("T")
+
+
+def local_world_size(world_size: int, env: dict[str, str] | None = None) -> int:
+    """The training processes on this host (torchrun's LOCAL_WORLD_SIZE; else all of them)."""
+    env = os.environ if env is None else env
+    value = env.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else world_size
+
+
+def in_turns(ctx: Context, load: Callable[[], T], what: str = "the model") -> T:
+    """`load()` on this process, one process of this host at a time on the CPU.
+
+    On the CPU the host's memory is the training memory: N processes loading at once each hold
+    the whole model (and, while FSDP2 shards it, the whole tensors beside their shards) at the
+    same moment. In turns, the host holds one whole model plus the shards of the processes before
+    it (pi0.5 in `expert` mode on 2 processes: see docs/what-has-run-where.md). `load` must not
+    run a collective (FSDP2's `fully_shard` runs none; the device mesh is made before). On an
+    accelerator every process loads at once: its host copy is transient, and N turns would
+    cost N load times. Ranks of other hosts with the same local rank load together."""
+    turns = local_world_size(ctx.world_size) if ctx.info.kind == "cpu" and ctx.world_size > 1 else 1
+    if turns == 1:
+        return load()
+    ctx.log(f"loading {what} one process at a time ({turns} on this host share its memory)")
+    mine = devices.local_rank()
+    result: T | None = None
+    for turn in range(turns):
+        if turn == mine:
+            start = time.monotonic()
+            result = load()
+            print(f"[{ctx.stage}] rank {ctx.rank}: {what} loaded and sharded in its turn "
+                  f"({time.monotonic() - start:.1f} s)", file=sys.stderr, flush=True)
+        dist.barrier()
+    return result  # type: ignore[return-value]  # every rank had its turn
+
+
 def build(ctx: Context) -> Built:
     """Load model, processors and data; shard; make the optimizer. Same on every rank."""
     from pisft.data.dataset import load_split, load_stats
@@ -115,8 +153,22 @@ def build(ctx: Context) -> Built:
     cfg = ctx.cfg
     base, data = require_inputs(cfg, ctx.stage)
     torch.manual_seed(cfg.train.seed)
-    policy = load_policy(base, device="cpu", dtype="float32", preset=cfg.model.preset,
-                         hold_bf16=frozen_in_bf16(cfg))
+    mesh = init_device_mesh(ctx.info.device.type, (ctx.world_size,))
+
+    def load_and_shard():
+        policy = load_policy(base, device="cpu", dtype="float32", preset=cfg.model.preset,
+                             hold_bf16=frozen_in_bf16(cfg))
+        # One checkpointing level (per decoder layer); the unused expert lm_head detached.
+        internals.prepare_for_training(policy, checkpointing=cfg.train.activation_checkpointing)
+        applied = apply_trainable(ctx, policy)
+        # FSDP2 on N processes; one process trains unsharded, except the smoke (it measures the
+        # sharded layout's memory). Moves the parameters and buffers to the device.
+        units = fsdp.distribute(policy, mesh, cfg.train.precision, ctx.info.device,
+                                keep_sharded=ctx.stage == "smoke_1card",
+                                min_params=cfg.train.fsdp_min_unit_params)
+        return policy, applied, units
+
+    policy, applied, units = in_turns(ctx, load_and_shard)
     stats = load_stats(data)
     policy.config.device = str(ctx.info.device)
     _choose_prompt_form(ctx, policy, base)
@@ -126,15 +178,6 @@ def build(ctx: Context) -> Built:
     train_set = load_split(data, "all" if cfg.iteration else "train", chunk_size=policy.config.chunk_size)
     if len(train_set) == 0:
         raise PisftError(f"{data}: the train split has no frames; check split.json and data.eval_fraction")
-    # One checkpointing level (per decoder layer); the unused expert lm_head detached.
-    internals.prepare_for_training(policy, checkpointing=cfg.train.activation_checkpointing)
-    applied = apply_trainable(ctx, policy)
-    mesh = init_device_mesh(ctx.info.device.type, (ctx.world_size,))
-    # FSDP2 on N processes; one process trains unsharded, except the smoke (it measures the
-    # sharded layout's memory). Moves the parameters and buffers to the device.
-    units = fsdp.distribute(policy, mesh, cfg.train.precision, ctx.info.device,
-                            keep_sharded=ctx.stage == "smoke_1card",
-                            min_params=cfg.train.fsdp_min_unit_params)
     optimizer = optim.build_optimizer(policy.parameters(), lr=cfg.train.lr,
                                       weight_decay=cfg.train.weight_decay,
                                       fused=devices.fused_adamw_supported(ctx.info.kind))
