@@ -60,9 +60,12 @@ class Source:
     revision: str | None = None
 
 
+NAMED = ("tiny", "random")  # sources that are names, not paths (pisft makes the model itself)
+
+
 def parse_source(text: str) -> Source:
     text = text.strip()
-    if text in ("tiny", "random"):
+    if text in NAMED:
         return Source(kind=text, text=text)
     if text.startswith(HF_PREFIX):
         spec = text[len(HF_PREFIX):]

@@ -53,9 +53,11 @@ PLOTS = {
 
 
 def _local(path_text: str) -> bool:
-    from pisft.model.sources import HF_PREFIX
+    """Whether a model source / tokenizer is a local folder (not a name pisft makes, not the hub)."""
+    from pisft.model.sources import HF_PREFIX, NAMED
 
-    return bool(path_text.strip()) and path_text.strip() != "tiny" and not path_text.startswith(HF_PREFIX)
+    text = path_text.strip()
+    return bool(text) and text not in NAMED and not text.startswith(HF_PREFIX)
 
 
 def shape(cfg: pisft_config.PisftConfig) -> str:

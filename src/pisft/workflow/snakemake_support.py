@@ -138,9 +138,12 @@ def record_in_dvc(workflow, config_file: str) -> list[str]:
     if exe is None:
         _dvc_say("not updated: the dvc command was not found")
         return []
-    proc = subprocess.run([exe, "commit", "--force", "--quiet", *done], capture_output=True, text=True)
+    # Not --quiet: it silences DVC's ERROR line too, and that line is what the user needs
+    proc = subprocess.run([exe, "commit", "--force", *done], capture_output=True, text=True)
     if proc.returncode != 0:
-        why = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+        why = next((ln for ln in reversed(lines) if ln.startswith("ERROR")), lines[-1] if lines else
+                   f"dvc commit exited {proc.returncode} without a message")
         _dvc_say(f"not updated ({why}); run `dvc commit {' '.join(done)}` to record these outputs")
         return []
     names = ", ".join(done)
