@@ -12,7 +12,7 @@ import torch
 
 from pisft import device as devices
 from pisft.config import PisftConfig
-from pisft.train.job import Context, in_turns, local_world_size
+from pisft.train.job import Context, in_turns, load_turns, local_world_size
 
 WORKER = """
 import json, sys, time
@@ -49,8 +49,6 @@ def test_processes_of_one_cpu_host_load_one_after_the_other(tmp_path):
     first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert (first["rank"], second["rank"]) == (0, 1)  # each process keeps what it loaded itself
     assert second["start"] >= first["end"]
-    assert "loading the model one process at a time (2 on this host share its memory)" in proc.stderr
-    assert "rank 1: the model loaded and sharded in its turn" in proc.stderr
 
 
 def test_accelerator_processes_load_at_once_and_one_process_needs_no_turns():
@@ -59,6 +57,7 @@ def test_accelerator_processes_load_at_once_and_one_process_needs_no_turns():
     for kind, world in (("npu", 8), ("cuda", 8), ("cpu", 1)):
         info = devices.DeviceInfo(kind, "gloo", torch.device("cpu"), kind)
         ctx = Context(PisftConfig(), "train_8card", info, 0, world)
+        assert load_turns(ctx) == 1
         assert in_turns(ctx, lambda k=kind: calls.append(k) or k) == kind
     assert calls == ["npu", "cuda", "cpu"]
 

@@ -151,7 +151,7 @@ def build_value(ctx: Context) -> ValueBuilt:
                                 min_params=cfg.train.fsdp_min_unit_params)
         return p, applied, units
 
-    p, applied, units = in_turns(ctx, load_and_shard, "the value model")
+    p, applied, units = in_turns(ctx, load_and_shard)
     optimizer = _optimizer(cfg, p.model, ctx.info.kind)  # after sharding: the sharded parameters
     task = ValueTask(p.collate, ctx.info.device, cfg.train.precision)
     return ValueBuilt(p.model, task, p.train_set, {}, units, optimizer, p.base, p.data,

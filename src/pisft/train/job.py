@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,28 +117,30 @@ def local_world_size(world_size: int, env: dict[str, str] | None = None) -> int:
     return int(value) if value.isdigit() and int(value) > 0 else world_size
 
 
-def in_turns(ctx: Context, load: Callable[[], T], what: str = "the model") -> T:
-    """`load()` on this process, one process of this host at a time on the CPU.
+def load_turns(ctx: Context) -> int:
+    """How many turns `in_turns` takes: this host's processes on the CPU, else 1."""
+    return local_world_size(ctx.world_size) if ctx.info.kind == "cpu" and ctx.world_size > 1 else 1
+
+
+def in_turns(ctx: Context, load: Callable[[], T]) -> T:
+    """`load()` on this process, one process of this host at a time on the CPU (`load_turns`).
 
     On the CPU the host's memory is the training memory: N processes loading at once each hold
     the whole model (and, while FSDP2 shards it, the whole tensors beside their shards) at the
     same moment. In turns, the host holds one whole model plus the shards of the processes before
-    it (pi0.5 in `expert` mode on 2 processes: see docs/what-has-run-where.md). `load` must not
-    run a collective (FSDP2's `fully_shard` runs none; the device mesh is made before). On an
-    accelerator every process loads at once: its host copy is transient, and N turns would
-    cost N load times. Ranks of other hosts with the same local rank load together."""
-    turns = local_world_size(ctx.world_size) if ctx.info.kind == "cpu" and ctx.world_size > 1 else 1
+    it (pi0.5 in `expert` mode on 2 processes: train_8card's peak 20.2 -> 18.6 GiB PSS,
+    docs/what-has-run-where.md). `load` must not run a collective (FSDP2's `fully_shard` runs
+    none; the device mesh is made before). On an accelerator every process loads at once: its
+    host copy is transient, and N turns would cost N load times. Ranks of other hosts with the
+    same local rank load together. The run's first line says "loaded in turns" (train.run)."""
+    turns = load_turns(ctx)
     if turns == 1:
         return load()
-    ctx.log(f"loading {what} one process at a time ({turns} on this host share its memory)")
     mine = devices.local_rank()
     result: T | None = None
     for turn in range(turns):
         if turn == mine:
-            start = time.monotonic()
             result = load()
-            print(f"[{ctx.stage}] rank {ctx.rank}: {what} loaded and sharded in its turn "
-                  f"({time.monotonic() - start:.1f} s)", file=sys.stderr, flush=True)
         dist.barrier()
     return result  # type: ignore[return-value]  # every rank had its turn
 

@@ -33,6 +33,7 @@ from pisft.train.job import (
     Context,
     build,
     env_summary,
+    load_turns,
     make_sampler,
     peak_flops,
     require_inputs,
@@ -165,7 +166,8 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
                          pin_memory=ctx.info.kind != "cpu", prefetch_factor=t.prefetch_factor,
                          augment=augment)
     peak, peak_source = peak_flops(ctx)
-    ctx.log(f"{ctx.world_size} process(es) on {ctx.info.kind} ({ctx.info.name}), "
+    turns = " (loaded in turns)" if load_turns(ctx) > 1 else ""
+    ctx.log(f"{ctx.world_size} process(es) on {ctx.info.kind} ({ctx.info.name}){turns}, "
             f"micro batch {t.micro_batch_size} × accumulation {sampler.layout.accum} × "
             f"{ctx.world_size} = global batch {plan.global_batch}; steps {start_step}..{plan.steps}; "
             f"train set {len(built.train_set)} frames")
