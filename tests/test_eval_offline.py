@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from pisft import config as C
 from pisft.errors import PisftError
@@ -136,6 +137,7 @@ def test_plot_tables_and_report(results, evaluated):  # evaluated: the evaluatio
     assert "loss 0.123" not in text and "→ 0.123" in text  # the resumed record of step 30 wins
     info = json.loads((out / "eval_info.json").read_text())
     assert info["normalisation_stats"] == {"base": "dataset", "finetuned": "model"}
+    assert info["cpu_threads"] == torch.get_num_threads()  # the figures' last bits depend on it
     assert json.loads((out / "pisft_config.json").read_text())["eval"]["frame_stride"] == 4
 
 

@@ -156,7 +156,10 @@ def test_slurm_run_equals_the_local_run_and_both_drivers_agree(slurm_run, dvc_ru
     assert set(got) == set(ref)
     differ = {p for p in ref if got[p] != ref[p]}
     assert differ <= TIMED, sorted(differ - TIMED)
-    assert "results/train/model" not in differ and "results/eval/metrics.json" not in differ
+    threads = {name: json.loads((w / "results/eval/eval_info.json").read_text()).get("cpu_threads")
+               for name, w in (("slurm", work), ("local", local_run))}
+    assert "results/train/model" not in differ and "results/eval/metrics.json" not in differ, \
+        f"evaluate's CPU threads: {threads}"
     assert losses(work) == losses(local_run)
     # After the Slurm run both drivers have nothing to do
     dry = run(["snakemake", "-n", "--cores", "2"], work)

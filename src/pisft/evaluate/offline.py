@@ -178,6 +178,9 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
 
     info = {
         "device": device,
+        # the float32 sums of a forward on the CPU depend on the thread count: the same figures
+        # to the last bit need the same count (docs/workflow.md, "Same threads under either driver")
+        "cpu_threads": torch.get_num_threads(),
         "batch_size": cfg.eval.batch_size,
         "frame_stride": cfg.eval.frame_stride,
         "chunk_size": chunk,
