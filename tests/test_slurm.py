@@ -36,9 +36,12 @@ REQUESTS = {
     "train_8card": {"nodes": 1, "runtime": 15, "cpus_per_task": 2, "mem_mb": 6000},
     "evaluate": {"runtime": 10, "cpus_per_task": 1, "mem_mb": 3000},
 }
-# The plugin waits 40 s before its first status query and between queries when nothing changed;
-# a few seconds here (the same queries: sacct through slurmdbd).
+# The plugin waits 40 s before its first status query and after a query that saw a job end, and
+# 10 s longer after each query that saw none (up to 180 s); a few seconds here, every time (the
+# same queries: sacct through slurmdbd; tests/slurm_polls.py keeps the wait from growing).
 FAST = ["--slurm-init-seconds-before-status-checks", "2", "--seconds-between-status-checks", "3"]
+SNAKEMAKE = [str(BIN / "python"), str(Path(__file__).with_name("slurm_polls.py")), "--profile", "profiles/slurm",
+             *FAST]
 # Outputs that record wall times or throughput (they differ between any two runs)
 TIMED = {"results/smoke/report.json", "results/train/metrics.jsonl", "results/eval/eval_info.json",
          "results/eval/report.md", "results/eval/throughput.png"}
@@ -58,7 +61,7 @@ def fit_profile(work: Path, cluster: Cluster) -> dict:
 
 def slurm_snakemake(work: Path, cluster: Cluster, *args: str, timeout: float = 1800,
                     check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [str(BIN / "snakemake"), "--profile", "profiles/slurm", *FAST, *args]
+    cmd = [*SNAKEMAKE, *args]
     proc = subprocess.run(cmd, cwd=work, env=cluster.env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode})\n{proc.stdout[-6000:]}\n"
@@ -204,7 +207,7 @@ def _freeze_training(work: Path) -> list[psutil.Process]:
 
 
 def _start(work: Path, cluster: Cluster, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([str(BIN / "snakemake"), "--profile", "profiles/slurm", *FAST, *args], cwd=work,
+    return subprocess.Popen([*SNAKEMAKE, *args], cwd=work,
                             env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
