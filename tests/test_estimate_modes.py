@@ -35,6 +35,8 @@ def test_the_estimate_counts_only_what_the_mode_trains(tmp_path):
         assert est[mode]["state_bytes"]["grads"] < est["all"]["state_bytes"]["grads"]
     # frozen parameters held in bf16 (except what LeRobot keeps in fp32): fewer parameter bytes
     assert est["expert"]["state_bytes"]["params"] < est["all"]["state_bytes"]["params"]
+    assert "param shards (fp32, frozen bf16)" in E.format_report(est["expert"])  # the report says so
+    assert "parameter shards (fp32)" in E.format_report(est["all"])
     # the frozen prefix keeps nothing for backward
     assert est["expert"]["bytes"]["activations"] < est["all"]["bytes"]["activations"]
     assert est["expert"]["bytes"]["ema"] == 0 and not est["expert"]["ema"]

@@ -20,7 +20,8 @@ step creates, resizes and frees. The step is the training's, not a model of it:
   creates, are held from the start).
 
 Per device, at the moment of the step's peak (bytes; their sum is the peak):
-  params       the fp32 parameter shards (1/W of every parameter; exact)
+  params       the parameter shards (1/W of every parameter; exact): fp32, the frozen ones
+               bf16 under train.precision=bf16
   optimizer    AdamW's exp_avg + exp_avg_sq shards of the trained parameters (exact)
   grads        the fp32 gradient shards already reduce-scattered at the peak
   gathered     FSDP's unsharded compute copies (each unit between its all-gather and its reshard:
@@ -520,7 +521,9 @@ def format_report(est: dict[str, Any]) -> str:
         f"{est['sequence']['prefix_tokens']} prefix + {est['sequence']['suffix_tokens']} action tokens",
         f"per-device peak allocated memory (GiB), at its peak ({est['peak_phase']})",
     ]
-    labels = {"params": "parameter shards (fp32)", "optimizer": "AdamW moment shards (fp32)",
+    frozen_bf16 = est["precision"] == "bf16" and est.get("trainable", "all") != "all"  # hold_frozen_in
+    labels = {"params": "param shards (fp32, frozen bf16)" if frozen_bf16 else "parameter shards (fp32)",
+              "optimizer": "AdamW moment shards (fp32)",
               "grads": "gradient shards (fp32)", "gathered": "FSDP unsharded copies + buffers",
               "activations": "activations + temporaries", "ema": "EMA of trained params (fp32)",
               "total": "total (peak allocated)"}
