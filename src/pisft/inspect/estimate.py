@@ -268,6 +268,7 @@ def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batc
     plan = fsdp_plan(policy, min_unit_params)
     sequence = {"prefix_tokens": _prefix_tokens(policy), "suffix_tokens": int(policy.config.chunk_size)}
     params_total = sum(p.numel() for p in policy.parameters())
+    params_bf16 = sum(p.numel() for p in policy.parameters() if p.dtype == torch.bfloat16)  # hold_frozen_in's
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     _to_fake(policy, fake)
     with _fake_world(world_size) as mesh, fake:
@@ -278,6 +279,7 @@ def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batc
     at_peak["ema"] = step["ema_bytes"] if ema else 0
     return {
         "params_total": params_total,
+        "params_bf16": params_bf16,
         "params_trained": step["params_trained"],
         "bytes": at_peak | {"total": sum(at_peak.values())},
         "step_peak_bytes": step_peak,
@@ -468,6 +470,7 @@ def estimate_memory(cfg: PisftConfig, *, world_size: int | None = None) -> dict[
         "params_total": sim["params_total"],
         "params_trained": sim["params_trained"],
         "params_untrained": sim["params_total"] - sim["params_trained"],
+        "params_bf16": sim["params_bf16"],
         "params_root_unit": sim["fsdp"]["params_root_unit"],
         "params_largest_unit": sim["fsdp"]["params_largest_unit"],
         "fsdp_units": sim["fsdp"]["units"],
@@ -521,8 +524,7 @@ def format_report(est: dict[str, Any]) -> str:
         f"{est['sequence']['prefix_tokens']} prefix + {est['sequence']['suffix_tokens']} action tokens",
         f"per-device peak allocated memory (GiB), at its peak ({est['peak_phase']})",
     ]
-    frozen_bf16 = est["precision"] == "bf16" and est.get("trainable", "all") != "all"  # hold_frozen_in
-    labels = {"params": "param shards (fp32, frozen bf16)" if frozen_bf16 else "parameter shards (fp32)",
+    labels = {"params": "param shards (fp32, frozen bf16)" if est.get("params_bf16") else "parameter shards (fp32)",
               "optimizer": "AdamW moment shards (fp32)",
               "grads": "gradient shards (fp32)", "gathered": "FSDP unsharded copies + buffers",
               "activations": "activations + temporaries", "ema": "EMA of trained params (fp32)",
