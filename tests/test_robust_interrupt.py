@@ -31,15 +31,47 @@ def tmp_folders(results: Path) -> list[Path]:
     return sorted(results.glob(".*.tmp-*")) if results.is_dir() else []
 
 
+def stage_env() -> dict:
+    """The stage runs this checkout's code; PYTHONFAULTHANDLER makes a SIGABRT print every
+    thread's stack (`ended_after_signal`)."""
+    return {**os.environ, "PYTHONFAULTHANDLER": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
+def sigint_at_its_default() -> None:
+    """In the stage's process before it starts: SIGINT at its default, as a terminal's Ctrl-C
+    finds a command. A shell's background job (`make test &`, `nohup ... &`) starts with SIGINT
+    ignored, a child inherits that, and Python then installs no KeyboardInterrupt handler: the
+    stage ran on after SIGINT (its stacks, sent SIGABRT, showed it still writing episodes)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def ended_after_signal(proc: subprocess.Popen, sig: int, log: Path | None = None) -> str:
+    """The stage's stderr once it has ended after `sig` (it takes about a second). A stage still
+    running 120 s later is a hang: it is sent SIGABRT, and the failure shows its threads' stacks."""
+    try:
+        return proc.communicate(timeout=120)[1]
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            err = proc.communicate(timeout=30)[1]
+        except subprocess.TimeoutExpired:
+            err = "(no stacks: the stage did not end on SIGABRT either)"
+        tail = log.read_text()[-3000:] if log is not None and log.is_file() else ""
+        raise AssertionError(f"the stage still ran 120 s after {signal.Signals(sig).name}; its stacks "
+                             f"(SIGABRT; with a --log they are at the log's end):\n{err[-12000:]}\n"
+                             f"--- its log's end\n{tail}") from None
+
+
 @pytest.mark.integration  # a real stage process started and signalled: ~10-20 s on 2 cores
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signalled_stage_removes_its_temporary_output(tmp_path, sig):
     cfg = big_demo_config(tmp_path)
     results = tmp_path / "results"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "pisft", "demo_recap", "--config", str(cfg), "--log",
-                             str(results / "logs/demo_recap.log")], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             str(results / "logs/demo_recap.log")], cwd=ROOT, env=stage_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_at_its_default)
     try:
         deadline = time.monotonic() + 240  # a bound on waiting, not a verdict on speed
         while not any(any(d.iterdir()) for d in tmp_folders(results)):  # the stage is writing its output
@@ -47,7 +79,7 @@ def test_a_signalled_stage_removes_its_temporary_output(tmp_path, sig):
             assert time.monotonic() < deadline, "the stage never started writing"
             time.sleep(0.2)
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=120)
+        err = ended_after_signal(proc, sig, results / "logs/demo_recap.log")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -83,9 +115,9 @@ def test_the_next_run_clears_stale_temporary_folders_of_dead_processes_only(tmp_
 def test_sigterm_to_dvcs_stage_wrapper_reaches_the_stage_which_cleans_up(tmp_path):
     cfg = big_demo_config(tmp_path)
     results = tmp_path / "results"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "pisft.workflow.drivers", "dvc", "demo_recap", "--",
-                             sys.executable, "-m", "pisft", "demo_recap", "--config", str(cfg)], cwd=ROOT, env=env,
+                             sys.executable, "-m", "pisft", "demo_recap", "--config", str(cfg)], cwd=ROOT,
+                            env=stage_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
@@ -94,7 +126,7 @@ def test_sigterm_to_dvcs_stage_wrapper_reaches_the_stage_which_cleans_up(tmp_pat
             assert time.monotonic() < deadline, "the stage never started writing"
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)  # to the wrapper alone, as a job runner stops it
-        out, err = proc.communicate(timeout=120)
+        err = ended_after_signal(proc, signal.SIGTERM)
     finally:
         if proc.poll() is None:
             proc.kill()
