@@ -90,11 +90,16 @@ run-pi05-cpu: setup
 	snakemake --cores $(CORES)
 	@$(PY) -m pisft summary || true
 
+# The suite on TEST_WORKERS pytest-xdist workers (0: one process, no xdist). A test file, and the
+# tests of one session-wide pipeline run, stay on one worker (tests/worker_groups.py; docs/development.md).
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+
 test: setup
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not integration"
+	$(PYTEST) -m "not integration"
 
 bench: setup
 	$(PY) -m pisft bench --config config/config.yaml

@@ -79,6 +79,11 @@ def one_process_group(tmp_path_factory):
     dist.destroy_process_group()
 
 
+# `make test` runs the suite on pytest-xdist workers, grouped by tests/worker_groups.py.
+from worker_groups import (  # noqa: E402, F401
+    pytest_collection_modifyitems, pytest_configure, pytest_runtest_setup)
+
+
 # Session fixtures shared by several modules (imported last: they import this module's helpers).
 from dvc_fixtures import dvc_run  # noqa: E402, F401
 from slurm_fixtures import slurm_cluster  # noqa: E402, F401

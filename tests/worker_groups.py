@@ -1,0 +1,86 @@
+"""Which pytest-xdist worker runs which tests (`make test`: `-n 2 --dist loadscope`).
+
+A single test seldom keeps both cores busy (the simulator, Snakemake, DVC and Slurm's polling
+run on one), so a second worker fills the other core. Two things must stay on one worker:
+- a test file, whole and in its order, so that its module fixtures are built once;
+- the tests of a session fixture that runs a whole pipeline (PIPELINE_TESTS), so that the
+  pipeline runs once. Those groups are the longest, so they are handed out first.
+
+xdist's own `--dist loadgroup` cannot do this here: it renames the collected items, which
+pytest 9.2 no longer allows (xdist 3.8.0 sets `item._nodeid`; pytest 9.2's `Node.nodeid`
+reads `_id`), so its groups silently fall apart into single tests. The group of a test is
+therefore computed from its node id by the scheduler below, and the workers check that the
+table matches the fixtures the tests ask for.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# Session fixture -> the test files, or single tests, that use it (tests/conftest.py, tests/dvc_fixtures.py).
+PIPELINE_TESTS = {
+    "default_pipeline": (
+        "tests/test_integration_pipeline.py", "tests/test_orchestration.py", "tests/test_robust_recap.py",
+        "tests/test_terminal.py",
+        "tests/test_dvc.py::test_after_snakemake_dvc_is_up_to_date_and_a_pull_restores_every_output",
+    ),
+    "dvc_run": ("tests/test_dvc.py", "tests/test_slurm.py"),  # test_slurm compares its Slurm run with it
+}
+DISTRIBUTED = ("load", "loadscope", "loadfile", "loadgroup")  # xdist's modes this grouping replaces
+MISPLACED = pytest.StashKey[str]()  # why a test is not placed with its pipeline (it then fails)
+
+
+def group_of(nodeid: str) -> str:
+    """The pipeline whose entry matches `nodeid` most closely (a test before its file), else
+    the test's file."""
+    test = nodeid.split("[", 1)[0]
+    path = test.split("::", 1)[0]
+    for key in (test, path):
+        for pipeline, entries in PIPELINE_TESTS.items():
+            if key in entries:
+                return pipeline
+    return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """On a worker: mark a pipeline test that the table does not place with its pipeline (it
+    fails, saying so), then put the pipeline groups first (a stable sort: every file keeps its
+    order)."""
+    if not hasattr(config, "workerinput"):
+        return
+    for item in items:
+        for pipeline in PIPELINE_TESTS:
+            if pipeline in item.fixturenames and group_of(item.nodeid) != pipeline:
+                item.stash[MISPLACED] = (
+                    f"{item.nodeid} uses the session fixture {pipeline} but would run apart from its other "
+                    f"tests (and build it again): add its file or test to PIPELINE_TESTS[{pipeline!r}] in "
+                    "tests/worker_groups.py")
+    items.sort(key=lambda item: group_of(item.nodeid) not in PIPELINE_TESTS)
+
+
+def pytest_runtest_setup(item):
+    if MISPLACED in item.stash:
+        pytest.fail(item.stash[MISPLACED], pytrace=False)
+
+
+class PipelineScheduling:
+    """The plugin that gives xdist its scheduler, registered only where xdist is loaded (its hook
+    is unknown to pytest without it, e.g. under `-p no:xdist`)."""
+
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        """xdist's scope scheduler with the groups of `group_of` as its scopes."""
+        if config.getvalue("dist") not in DISTRIBUTED:
+            return None
+        from xdist.scheduler import LoadScopeScheduling
+
+        class PipelineGroups(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return group_of(nodeid)
+
+        return PipelineGroups(config, log)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(PipelineScheduling(), "pisft-worker-groups")
