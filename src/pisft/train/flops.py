@@ -6,7 +6,9 @@ Forward FLOPs per sample (a multiply-add = 2 FLOPs):
   expert  : decoder Linear layers × T_suffix        (T_suffix = chunk_size)
   joint attention per layer pair: 4 · T² · (heads · head_dim)      (T = T_prefix + T_suffix)
   action/time projections: × T_suffix (time MLP: × 1)
-Training = 3 × forward (backward ≈ 2 × forward). Activation recomputation is not counted (MFU
+Training (`pi05_training_flops_per_sample`): 3 × forward with every parameter trained (backward
+≈ 2 × forward); with parts frozen (`train.trainable`) each part's backward is what its
+`requires_grad` leaves to do (see the function). Activation recomputation is not counted (MFU
 counts model FLOPs, not hardware FLOPs). Element-wise work (norms, activations) is ignored.
 
 Inference (one action chunk, `pi05_inference_flops`): the prefix once (vision + VLM layers ×
@@ -96,5 +98,121 @@ def pi05_inference_flops(policy: nn.Module, *, lang_tokens: int, num_steps: int 
     return float(p["vision_flops"] + 2 * (prefix + steps * step))
 
 
+def _trains(*modules: nn.Module) -> bool:
+    return any(p.requires_grad for m in modules for p in m.parameters())
+
+
+class _StepFlops:
+    """One training step's FLOPs per sample, summed in the forward's order: each matrix product's
+    forward, and what its backward adds (`pi05_training_flops_per_sample`)."""
+
+    def __init__(self) -> None:
+        self.forward = 0.0
+        self.total = 0.0
+
+    def linears(self, module: nn.Module, tokens: int, upstream: bool, *, reached: bool = True) -> bool:
+        """Each nn.Linear of `module` (LoRA's base layer and its A and B each one) over `tokens`:
+        the gradient of its weight where it trains, of its input where something before it trains
+        (`upstream`); neither where no gradient reaches it (`reached`). Returns whether something
+        up to and including `module` trains (the `upstream` of what reads its output)."""
+        for m in module.modules():
+            if isinstance(m, nn.Linear):
+                flops = 2.0 * m.in_features * m.out_features * tokens
+                self.add(flops, int(reached and m.weight.requires_grad) + int(reached and upstream))
+        return upstream or (reached and _trains(module))
+
+    def attention(self, flops: float, upstream: bool) -> None:
+        self.add(flops, 2 if upstream else 0)  # the gradients of queries, keys and values
+
+    def add(self, flops: float, backward_multiples: int) -> None:
+        self.forward += flops
+        self.total += flops * (1 + backward_multiples)
+
+
+def _walk_training_step(policy: nn.Module, *, lang_tokens: int) -> _StepFlops:
+    """The parts of `pi05_forward_flops`, in the forward's order, with a flag carried along: does
+    something before this point train (then the gradient of this point's input is needed)."""
+    core = policy.model
+    pwe = core.paligemma_with_expert
+    pg = pwe.paligemma.model
+    vision = pg.vision_tower.vision_model
+    vcfg = pg.vision_tower.config
+    patch = vcfg.patch_size
+    p_tokens = (vcfg.image_size // patch) ** 2
+    n_images = len(policy.config.image_features)
+    vlm_layers = pg.language_model.layers
+    exp_layers = pwe.gemma_expert.model.layers
+    t_prefix = n_images * p_tokens + lang_tokens
+    t_suffix = policy.config.chunk_size
+    t_all = t_prefix + t_suffix
+    heads_dim = vlm_layers[0].self_attn.q_proj.out_features
+    walk = _StepFlops()
+
+    # The vision tower, once per camera image (the images are inputs: no gradient before them).
+    images = _StepFlops()
+    conv = vision.embeddings.patch_embedding
+    images.add(2.0 * p_tokens * conv.in_channels * patch * patch * conv.out_channels, int(conv.weight.requires_grad))
+    up = _trains(vision.embeddings)
+    for layer in vision.encoder.layers:
+        attn = layer.self_attn
+        up = _trains(layer.layer_norm1) or up
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            images.linears(proj, p_tokens, up)
+        up = up or _trains(attn.q_proj, attn.k_proj, attn.v_proj)
+        images.attention(4.0 * p_tokens * p_tokens * vcfg.hidden_size, up)
+        up = images.linears(attn.out_proj, p_tokens, up)
+        up = images.linears(layer.mlp, p_tokens, _trains(layer.layer_norm2) or up)
+    up = images.linears(pg.multi_modal_projector, p_tokens, _trains(vision.post_layernorm) or up)
+    walk.forward += n_images * images.forward
+    walk.total += n_images * images.total
+
+    # The decoder pairs: the prefix (images and prompt) through the VLM, the suffix (noisy actions,
+    # the time conditioning the expert's norms) through the expert; each suffix layer reads the
+    # prefix's keys and values of its layer. The last VLM layer's attention output projection and
+    # MLP feed no loss (the VLM's final norm goes to no head): forward only.
+    up_p = up or _trains(pg.language_model.embed_tokens)
+    up_s = walk.linears(core.action_in_proj, t_suffix, False)
+    up_s = walk.linears(core.time_mlp_in, 1, False) or up_s
+    up_s = walk.linears(core.time_mlp_out, 1, up_s) or up_s
+    for i, (vlm, exp) in enumerate(zip(vlm_layers, exp_layers, strict=True)):
+        last = i == len(vlm_layers) - 1
+        heads = []
+        for layer, tokens, up_in in ((vlm, t_prefix, up_p), (exp, t_suffix, up_s)):
+            up_in = _trains(layer.input_layernorm) or up_in
+            for name in ("q_proj", "k_proj", "v_proj"):
+                walk.linears(getattr(layer.self_attn, name), tokens, up_in)
+            heads.append(up_in or _trains(*(getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj"))))
+        up_p, up_s = heads[0], heads[1] or heads[0]
+        # joint attention: each stream's query rows over all keys (4 · rows · T · heads_dim)
+        walk.attention(4.0 * t_prefix * t_all * heads_dim, up_p and not last)
+        walk.attention(4.0 * t_suffix * t_all * heads_dim, up_s)
+        for layer, tokens, stream in ((vlm, t_prefix, "p"), (exp, t_suffix, "s")):
+            reached = not (last and stream == "p")
+            flag = up_p if stream == "p" else up_s
+            flag = walk.linears(layer.self_attn.o_proj, tokens, flag, reached=reached)
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                dense = getattr(getattr(layer, norm), "dense", None)
+                if dense is not None:  # adaRMS conditioning: one vector, from the time MLP
+                    walk.linears(dense, 1, _trains(core.time_mlp_in, core.time_mlp_out))
+            flag = (reached and _trains(layer.post_attention_layernorm)) or flag
+            flag = walk.linears(layer.mlp, tokens, flag, reached=reached)
+            if stream == "p":
+                up_p = flag
+            else:
+                up_s = flag
+    walk.linears(core.action_out_proj, t_suffix, up_s)
+    return walk
+
+
 def pi05_training_flops_per_sample(policy: nn.Module, *, lang_tokens: int) -> float:
-    return 3.0 * pi05_forward_flops(policy, lang_tokens=lang_tokens)
+    """Model FLOPs of one training step (forward and backward) of one sample, as the parameters'
+    `requires_grad` say (`train.trainable`). Each matrix product counts its forward once, plus
+    once more for the gradient of its weight where that trains, plus once more for the gradient
+    of its input where something before it in the forward trains (a frozen vision tower before a
+    trained model, `expert`'s frozen prefix, which runs without grad: forward only; LoRA's frozen
+    base layers: forward and input gradient). Attention: twice its forward more wherever a
+    gradient passes. Parts no loss reads (the last VLM layer's output projection and MLP) count
+    their forward only. With everything trained this is about 3 × forward (less the first layers'
+    input gradients); MFU counts these model FLOPs, not the recomputation of checkpointing.
+    `tests/test_train_fsdp.py` holds it against torch's FLOP counter in every mode."""
+    return _walk_training_step(policy, lang_tokens=lang_tokens).total
