@@ -14,9 +14,10 @@ from pisft import device as devices
 from pisft.bench import gpu_step
 
 
-def _args(tmp_path, *extra, device="cpu"):
+def _args(tmp_path, *extra, device="cpu", trainable="all"):
     return gpu_step.parse(["--device", device, "--preset", "tiny", "--micro", "2", "--max-micro", "2",
-                           "--steps", "2", "--warmup", "0", "--out", str(tmp_path / "g.json"), *extra])
+                           "--steps", "2", "--warmup", "0", "--trainable", trainable,
+                           "--out", str(tmp_path / "g.json"), *extra])
 
 
 NO_GPU = ("no CUDA GPU here (torch.cuda.is_available() is False): the bf16 step is checked on the CPU "
@@ -44,14 +45,14 @@ def test_bf16_step_with_and_without_activation_checkpointing(tmp_path, capsys, d
             assert (r["mfu"] is None) == (result["peak_flops"] is None)
     # same weights, same batch: checkpointing changes memory, not the numbers
     assert runs[0]["losses"][0] == runs[1]["losses"][0]
-    assert result["largest_micro_batch"] == {"False": 2, "True": 2}
-    assert result["optimizer"] == {"False": "adamw", "True": "adamw"}
+    assert result["largest_micro_batch"] == {"all": {"False": 2, "True": 2}}
+    assert result["optimizer"] == {"all": {"False": "adamw", "True": "adamw"}}
     out = capsys.readouterr().out
     if device == "cpu":  # no fixed capacity: today's behaviour (AdamW), and the output says so
         assert "measuring AdamW (the training's optimizer step); no fixed device capacity" in out
     else:  # the GPU's capacity holds the tiny step with AdamW
         assert result["device"] == torch.cuda.get_device_name(0) and result["capacity_bytes"] > 0
-        assert all(plan["reason"].endswith("it fits") for plan in result["optimizer_plan"].values())
+        assert all(plan["reason"].endswith("it fits") for plan in result["optimizer_plan"]["all"].values())
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +97,8 @@ def test_a_device_too_small_for_adamw_measures_the_stateless_first_step(tmp_path
     monkeypatch.setattr(devices, "capacity_bytes", lambda kind, device: capacity)
     result = gpu_step.run(_args(tmp_path, "--checkpointing", "on"))
     assert result["capacity_bytes"] == capacity
-    assert result["optimizer"] == {"True": "sign_descent"}
-    plan = result["optimizer_plan"]["True"]
+    assert result["optimizer"] == {"all": {"True": "sign_descent"}}
+    plan = result["optimizer_plan"]["all"]["True"]
     assert plan["estimated_peak_bytes"] == need and plan["budget_bytes"] < need["adamw"]
     (run,) = result["runs"]
     assert run["optimizer"] == "sign_descent" and not run.get("oom")
@@ -105,3 +106,27 @@ def test_a_device_too_small_for_adamw_measures_the_stateless_first_step(tmp_path
     out = capsys.readouterr().out
     assert "checkpointing on: measuring AdamW's first step without AdamW's state" in out
     assert "does not fit" in out
+
+
+@pytest.mark.integration  # ~30 s: whole training steps of the tiny model in three modes
+def test_each_trainable_mode_is_measured_with_its_own_flops(tmp_path):
+    """--trainable: each mode built as the training builds it; MFU's FLOPs are the mode's own (a
+    frozen prefix costs its forward only), and the optimizer holds the trained parameters only."""
+    result = gpu_step.run(_args(tmp_path, "--checkpointing", "on", trainable="all,expert,lora"))
+    runs = {r["trainable"]: r for r in result["runs"]}
+    assert sorted(runs) == ["all", "expert", "lora"] and result["trainable"] == ["all", "expert", "lora"]
+    assert all(not r.get("oom") and all(math.isfinite(x) for x in r["losses"]) for r in runs.values())
+    params = result["params"]
+    assert params["all"]["trainable"] == params["all"]["total"]
+    assert 0 < params["expert"]["trainable"] < params["expert"]["total"]
+    assert 0 < params["lora"]["trainable"] < params["lora"]["total"]
+    assert runs["expert"]["flops_per_sample"] < 0.6 * runs["all"]["flops_per_sample"]
+    assert runs["expert"]["flops_per_sample"] < runs["lora"]["flops_per_sample"] < runs["all"]["flops_per_sample"]
+    assert result["largest_micro_batch"] == {m: {"True": 2} for m in ("all", "expert", "lora")}
+
+
+def test_an_unknown_mode_is_refused_naming_the_modes(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _args(tmp_path, trainable="all,frozen")
+    err = capsys.readouterr().err
+    assert "'all,frozen'" in err and "expert" in err and "no_vision" in err and "lora" in err

@@ -1,6 +1,7 @@
 """Real-size pi0.5 training step on one accelerator: step time, samples/s, MFU, peak memory.
 
-    python -m pisft.bench.gpu_step                      # cuda, pi05, bf16, micro 4 + largest, AC off/on
+    python -m pisft.bench.gpu_step                      # cuda, pi05, bf16, every mode, micro 4-32, AC off/on
+    python -m pisft.bench.gpu_step --trainable expert   # one train.trainable mode
     python -m pisft.bench.gpu_step --device npu         # the same on an Ascend card
     python -m pisft.bench.gpu_step --preset tiny --device cpu --micro 2 --max-micro 2 --steps 1  # dry run
 
@@ -11,13 +12,17 @@ is pisft's own: the training structure (per-layer activation checkpointing, no a
 lm_head), FSDP2 on one process (fp32 master weights, bf16 compute with fp32 reduction), gradient
 clipping, the flow-matching loss through `policy(batch)`. Inputs are synthetic preprocessed
 batches (two 224x224 cameras, the tokenizer's full prompt length, 50x7 actions). For each
-activation-checkpointing setting: micro batch 4, then doubling until the device runs out of
-memory (the largest that fitted is reported). Output: JSON on stdout and in --out, with peak
-allocated and peak reserved memory per run.
+trainable mode (`--trainable`, `train.trainable`'s values: `pisft.train.trainable` applied as the
+training applies it, frozen parameters held in bf16, LoRA on `--lora-targets`) and each
+activation-checkpointing setting: micro batch 4, then doubling up to --max-micro or until the
+device runs out of memory (the largest that fitted is reported). MFU divides the mode's own model
+FLOPs (`pisft.train.flops.pi05_training_flops_per_sample`: a frozen part costs its forward only).
+Output: JSON on stdout and in --out, with peak allocated and peak reserved memory per run.
 
 What fits one device. One device holds the whole model state here: fp32 parameters, fp32
 gradients and AdamW's two fp32 moments, 16 bytes per trained parameter (about 48 GiB for
-pi0.5), plus FSDP's bf16 compute copies and the activations. Before measuring, the step's peak
+pi0.5 trained in full; frozen parameters 2 bytes, in bf16), plus FSDP's bf16 compute copies and
+the activations. Before measuring, the step's peak
 is estimated for this device (`pisft.inspect.estimate.simulate_step`, fake tensors, world size 1)
 and compared with the device's capacity less --headroom:
 - it fits: the step uses AdamW (fused where available), as in training;
@@ -55,6 +60,7 @@ from pisft.train import fsdp, optim
 from pisft.train.flops import pi05_training_flops_per_sample
 from pisft.train.metrics import mfu, peak_flops_for
 from pisft.train.policy_task import PolicyTask
+from pisft.train.trainable import LORA_TARGETS, MODES
 from pisft.inspect.synthetic import build_random_policy, synthetic_batch
 
 GIB = 2**30
@@ -97,27 +103,36 @@ def measure(policy, optimizer, kind: str, device: torch.device, micro: int, *, s
             "peak_reserved_bytes": reserved, "peak_reserved_gib": reserved / GIB, "losses": losses}
 
 
-def estimate_one_device(preset: str, micro: int, precision: str, checkpointing: bool) -> dict[str, int]:
-    """Estimated peak bytes of this benchmark's step on one device: with AdamW, and without
-    AdamW's state (pisft.inspect.estimate.simulate_step at world size 1; no process group here)."""
-    from pisft.inspect.estimate import simulate_step
+def lora_for(mode: str, targets: str):
+    from pisft.train import trainable
+
+    return trainable.lora_spec(targets) if mode == "lora" else None
+
+
+def estimate_one_device(preset: str, micro: int, precision: str, checkpointing: bool, mode: str = "all",
+                        lora_targets: str = "openpi") -> dict[str, int]:
+    """Estimated peak bytes of this benchmark's step on one device in `mode`: with AdamW, and
+    without AdamW's state (pisft.inspect.estimate.simulate_step at world size 1; no process group here)."""
+    from pisft.inspect.estimate import simulate_step, with_mode
     from pisft.model.policy import build_policy
 
-    est = simulate_step(lambda: build_policy(preset, seed=0, device="meta"), world_size=1,
-                        micro_batch=micro, precision=precision, checkpointing=checkpointing)
+    make = with_mode(lambda: build_policy(preset, seed=0, device="meta"), mode, lora_for(mode, lora_targets),
+                     precision)
+    est = simulate_step(make, world_size=1, micro_batch=micro, precision=precision, checkpointing=checkpointing)
     return {ADAMW: est["bytes"]["total"], SIGN_DESCENT: est["bytes"]["total"] - est["bytes"]["optimizer"]}
 
 
-def plan_optimizer(args: argparse.Namespace, checkpointing: bool, capacity: int | None) -> dict[str, Any]:
-    """Which optimizer step this device can hold: AdamW if it fits, else its stateless first step."""
+def plan_optimizer(args: argparse.Namespace, checkpointing: bool, capacity: int | None,
+                   mode: str = "all") -> dict[str, Any]:
+    """Which optimizer step this device can hold in `mode`: AdamW if it fits, else its stateless first step."""
     if args.optimizer != "auto":
         return {"optimizer": args.optimizer, "reason": f"--optimizer {args.optimizer}"}
     if capacity is None:
         return {"optimizer": ADAMW, "reason": "no fixed device capacity (CPU): AdamW"}
-    need = estimate_one_device(args.preset, args.micro, args.precision, checkpointing)
+    need = estimate_one_device(args.preset, args.micro, args.precision, checkpointing, mode, args.lora_targets)
     budget = capacity * (1 - args.headroom)
     plan = {"estimated_peak_bytes": need, "capacity_bytes": capacity, "budget_bytes": int(budget)}
-    head = (f"{args.preset} at micro batch {args.micro}, checkpointing {'on' if checkpointing else 'off'}: "
+    head = (f"{args.preset} {mode} at micro batch {args.micro}, checkpointing {'on' if checkpointing else 'off'}: "
             f"the step with AdamW needs about {need[ADAMW] / GIB:.1f} GiB (estimate) on one device of "
             f"{capacity / GIB:.1f} GiB ({args.headroom:.0%} kept free)")
     if need[ADAMW] <= budget:
@@ -134,7 +149,7 @@ def make_optimizer(kind: str, policy, name: str) -> torch.optim.Optimizer:
     if name == SIGN_DESCENT:
         from pisft.gates.smoke import SignDescent
 
-        return SignDescent(policy.parameters(), lr=2.5e-5, weight_decay=1e-10)
+        return SignDescent([p for p in policy.parameters() if p.requires_grad], lr=2.5e-5, weight_decay=1e-10)
     return optim.build_optimizer(policy.parameters(), lr=2.5e-5, weight_decay=1e-10,
                                  fused=devices.fused_adamw_supported(kind))
 
@@ -147,19 +162,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peak, peak_source = peak_flops_for(name, kind, args.peak_flops)
     capacity = devices.capacity_bytes(kind, dev)
     # Planned before the process group exists (the estimate runs its own fake one).
-    plans = {str(c): plan_optimizer(args, c, capacity) for c in args.checkpointing}
-    for c in args.checkpointing:
-        print(f"checkpointing {'on' if c else 'off'}: measuring {DESCRIPTIONS[plans[str(c)]['optimizer']]}; "
-              f"{plans[str(c)]['reason']}", flush=True)
+    plans = {m: {str(c): plan_optimizer(args, c, capacity, m) for c in args.checkpointing} for m in args.trainable}
+    for m in args.trainable:
+        for c in args.checkpointing:
+            plan = plans[m][str(c)]
+            print(f"{m}, checkpointing {'on' if c else 'off'}: measuring {DESCRIPTIONS[plan['optimizer']]}; "
+                  f"{plan['reason']}", flush=True)
     if not dist.is_initialized():
         store = dist.FileStore(str(Path(args.out).with_suffix(".store")), 1)
         dist.init_process_group(devices.backend_for(kind), store=store, rank=0, world_size=1)
     mesh = init_device_mesh(dev.type, (1,))
     out: dict[str, Any] = {"device": name, "kind": kind, "preset": args.preset,
-                           "precision": args.precision, "peak_flops": peak,
+                           "precision": args.precision, "trainable": list(args.trainable),
+                           "lora_targets": args.lora_targets, "peak_flops": peak,
                            "peak_flops_source": peak_source,
                            "capacity_bytes": capacity, "optimizer_plan": plans,
-                           "optimizer": {k: v["optimizer"] for k, v in plans.items()}, "runs": []}
+                           "optimizer": {m: {c: v["optimizer"] for c, v in p.items()} for m, p in plans.items()},
+                           "params": {}, "largest_micro_batch": {}, "runs": []}
     from pisft.train.attention import fused_joint_attention
 
     with fused_joint_attention():
@@ -168,40 +187,63 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def build_for_mode(args, dev, mode: str, checkpointing: bool):
+    """The random policy on `dev` in the training layout of `mode` (`pisft.train.job.apply_trainable`'s
+    order: the mode applied, frozen parameters held in the training precision), not yet sharded."""
+    from pisft.train import trainable
+
+    policy = build_random_policy(args.preset, dev, checkpointing=checkpointing)
+    applied = trainable.apply_mode(policy, mode, lora_for(mode, args.lora_targets), seed=0)
+    trainable.hold_frozen_in(policy, args.precision)
+    return policy, applied
+
+
 def _measure_all(args, out, kind, dev, mesh, peak) -> None:
-    for checkpointing in args.checkpointing:
-        policy = build_random_policy(args.preset, dev, checkpointing=checkpointing)
-        fsdp.shard(policy, mesh, args.precision)
-        which = out["optimizer"][str(checkpointing)]
-        optimizer = make_optimizer(kind, policy, which)
-        out["params"] = sum(p.numel() for p in policy.parameters())
-        micro = args.micro
-        largest = None
-        while micro <= args.max_micro:
-            try:
-                res = measure(policy, optimizer, kind, dev, micro, steps=args.steps,
-                              warmup=args.warmup, peak=peak, precision=args.precision)
-                res["activation_checkpointing"] = checkpointing
-                res["optimizer"] = which
-                out["runs"].append(res)
-                largest = micro
-                print(json.dumps({k: v for k, v in res.items() if k != "step_times_s"}), flush=True)
-            except Exception as exc:
-                if not _is_oom(exc):
-                    raise
-                out["runs"].append({"micro_batch_size": micro, "activation_checkpointing": checkpointing,
-                                    "optimizer": which, "oom": True})
-                print(f"micro batch {micro}, checkpointing {checkpointing}: out of memory", flush=True)
-                break
-            finally:
-                optimizer.zero_grad(set_to_none=True)
-                gc.collect()
-                devices.empty_cache(kind)
-            micro *= 2
-        out.setdefault("largest_micro_batch", {})[str(checkpointing)] = largest
-        del policy, optimizer
-        gc.collect()
-        devices.empty_cache(kind)
+    for mode in args.trainable:
+        for checkpointing in args.checkpointing:
+            _measure_setting(args, out, kind, dev, mesh, peak, mode, checkpointing)
+
+
+def _measure_setting(args, out, kind, dev, mesh, peak, mode: str, checkpointing: bool) -> None:
+    """One mode at one checkpointing setting: micro batch --micro, doubled up to --max-micro or
+    until the device runs out of memory."""
+    policy, applied = build_for_mode(args, dev, mode, checkpointing)
+    fsdp.shard(policy, mesh, args.precision)
+    which = out["optimizer"][mode][str(checkpointing)]
+    optimizer = make_optimizer(kind, policy, which)
+    out["params"][mode] = {"total": applied.total, "trainable": applied.trainable}
+    setting = {"trainable": mode, "activation_checkpointing": checkpointing, "optimizer": which}
+    micro, largest = args.micro, None
+    while micro <= args.max_micro:
+        try:
+            res = measure(policy, optimizer, kind, dev, micro, steps=args.steps,
+                          warmup=args.warmup, peak=peak, precision=args.precision) | setting
+            out["runs"].append(res)
+            largest = micro
+            print(json.dumps({k: v for k, v in res.items() if k != "step_times_s"}), flush=True)
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            out["runs"].append({"micro_batch_size": micro, **setting, "oom": True})
+            print(f"{mode}, micro batch {micro}, checkpointing {checkpointing}: out of memory", flush=True)
+            break
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            devices.empty_cache(kind)
+        micro *= 2
+    out["largest_micro_batch"].setdefault(mode, {})[str(checkpointing)] = largest
+    del policy, optimizer
+    gc.collect()
+    devices.empty_cache(kind)
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if not modes or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: each mode one of {', '.join(MODES)} (train.trainable's values)")
+    return modes
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -211,9 +253,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default="pi05", choices=("pi05", "small", "tiny"))
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--micro", type=int, default=4, help="first micro batch (then doubled)")
-    p.add_argument("--max-micro", type=int, default=64, help="stop doubling above this")
+    p.add_argument("--max-micro", type=int, default=32, help="stop doubling above this")
     p.add_argument("--steps", type=int, default=5, help="timed steps per setting")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--trainable", default=",".join(MODES), type=_modes,
+                   help=f"train.trainable modes to measure, comma-separated (default: all of {', '.join(MODES)})")
+    p.add_argument("--lora-targets", default="openpi", choices=LORA_TARGETS,
+                   help="train.lora_targets of the lora mode")
     p.add_argument("--checkpointing", default="off,on",
                    type=lambda s: [{"off": False, "on": True}[x] for x in s.split(",")])
     p.add_argument("--peak-flops", type=float, default=0.0, help="override the peak table")
