@@ -9,7 +9,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from train_fixtures import inputs_dir
 
 from pisft.train import fsdp
-from pisft.train.flops import pi05_forward_flops, pi05_inference_flops, pi05_training_flops_per_sample
+from pisft.train.flops import (
+    _walk_training_step,
+    pi05_forward_flops,
+    pi05_inference_flops,
+    pi05_training_flops_per_sample,
+)
 from pisft.train.policy_task import PolicyTask
 
 
@@ -227,6 +232,8 @@ def test_training_flops_follow_the_mode_and_match_a_flop_counter(mode, targets):
     analytic = pi05_training_flops_per_sample(policy, lang_tokens=lang)
     assert analytic == pytest.approx(measured, rel=0.05)
     forward = pi05_forward_flops(policy, lang_tokens=lang)
+    # the walk behind the training count covers exactly the forward count's parts
+    assert _walk_training_step(policy, lang_tokens=lang).forward == pytest.approx(forward, rel=1e-12)
     if mode == "expert":  # the frozen prefix runs once without grad: little more than a forward
         assert analytic < 1.2 * forward
     if mode == "all":

@@ -103,20 +103,15 @@ def measure(policy, optimizer, kind: str, device: torch.device, micro: int, *, s
             "peak_reserved_bytes": reserved, "peak_reserved_gib": reserved / GIB, "losses": losses}
 
 
-def lora_for(mode: str, targets: str):
-    from pisft.train import trainable
-
-    return trainable.lora_spec(targets) if mode == "lora" else None
-
-
 def estimate_one_device(preset: str, micro: int, precision: str, checkpointing: bool, mode: str = "all",
                         lora_targets: str = "openpi") -> dict[str, int]:
     """Estimated peak bytes of this benchmark's step on one device in `mode`: with AdamW, and
     without AdamW's state (pisft.inspect.estimate.simulate_step at world size 1; no process group here)."""
     from pisft.inspect.estimate import simulate_step, with_mode
     from pisft.model.policy import build_policy
+    from pisft.train.trainable import spec_for_mode
 
-    make = with_mode(lambda: build_policy(preset, seed=0, device="meta"), mode, lora_for(mode, lora_targets),
+    make = with_mode(lambda: build_policy(preset, seed=0, device="meta"), mode, spec_for_mode(mode, lora_targets),
                      precision)
     est = simulate_step(make, world_size=1, micro_batch=micro, precision=precision, checkpointing=checkpointing)
     return {ADAMW: est["bytes"]["total"], SIGN_DESCENT: est["bytes"]["total"] - est["bytes"]["optimizer"]}
@@ -193,7 +188,7 @@ def build_for_mode(args, dev, mode: str, checkpointing: bool):
     from pisft.train import trainable
 
     policy = build_random_policy(args.preset, dev, checkpointing=checkpointing)
-    applied = trainable.apply_mode(policy, mode, lora_for(mode, args.lora_targets), seed=0)
+    applied = trainable.apply_mode(policy, mode, trainable.spec_for_mode(mode, args.lora_targets), seed=0)
     trainable.hold_frozen_in(policy, args.precision)
     return policy, applied
 

@@ -64,8 +64,7 @@ def build_policy_for_mode(preset: str, mode: str, *, precision: str, checkpointi
     policy = build_random_weights(preset, seed=seed, dtype="bfloat16" if precision == "bf16" else "float32")
     policy.config.device = "cpu"
     internals.prepare_for_training(policy, checkpointing=checkpointing)
-    lora = trainable_mod.lora_spec(lora_targets) if mode == "lora" else None
-    applied = trainable_mod.apply_mode(policy, mode, lora, seed=seed)
+    applied = trainable_mod.apply_mode(policy, mode, trainable_mod.spec_for_mode(mode, lora_targets), seed=seed)
     for p in policy.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()  # the optimizer's fp32 master copy
@@ -182,17 +181,12 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
 def estimate_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str = "bf16",
                   checkpointing: bool = True, lora_targets: str = "openpi") -> dict[str, Any]:
     """The memory estimate of the same step (world size 1, layer units): fake tensors, seconds."""
-    from pisft.inspect.estimate import simulate_step
+    from pisft.inspect.estimate import simulate_step, with_mode
     from pisft.model.policy import build_policy
-    from pisft.train import trainable as trainable_mod
+    from pisft.train.trainable import spec_for_mode
 
-    def make():
-        policy = build_policy(preset, seed=0, device="meta", dtype="float32")
-        lora = trainable_mod.lora_spec(lora_targets) if mode == "lora" else None
-        trainable_mod.apply_mode(policy, mode, lora, seed=0)
-        trainable_mod.hold_frozen_in(policy, precision)
-        return policy
-
+    make = with_mode(lambda: build_policy(preset, seed=0, device="meta", dtype="float32"), mode,
+                     spec_for_mode(mode, lora_targets), precision)
     sim = simulate_step(make, world_size=1, micro_batch=micro_batch, precision=precision,
                         checkpointing=checkpointing)
     return {"estimate_bytes": int(sim["bytes"]["total"]), "estimate_step_peak_bytes": int(sim["step_peak_bytes"]),

@@ -20,7 +20,42 @@ and the action/time projections.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The modules and token counts both counts read off a PI05Policy."""
+
+    core: nn.Module  # PI05Pytorch: the action/time projections
+    pg: nn.Module  # PaliGemma's model: vision tower, projector, language model
+    vision: nn.Module  # the SigLIP vision model
+    patch: int
+    p_tokens: int  # patches per image
+    d_vision: int
+    n_images: int
+    vlm_layers: nn.ModuleList
+    exp_layers: nn.ModuleList
+    t_prefix: int
+    t_suffix: int
+
+    @property
+    def heads_dim(self) -> int:  # num_heads × head_dim
+        return self.vlm_layers[0].self_attn.q_proj.out_features
+
+
+def _shape(policy: nn.Module, *, lang_tokens: int) -> _Shape:
+    core = policy.model
+    pwe = core.paligemma_with_expert
+    pg = pwe.paligemma.model
+    vcfg = pg.vision_tower.config
+    p_tokens = (vcfg.image_size // vcfg.patch_size) ** 2
+    n_images = len(policy.config.image_features)
+    return _Shape(core, pg, pg.vision_tower.vision_model, vcfg.patch_size, p_tokens, vcfg.hidden_size, n_images,
+                  pg.language_model.layers, pwe.gemma_expert.model.layers, n_images * p_tokens + lang_tokens,
+                  policy.config.chunk_size)
 
 
 def _linear_macs(module: nn.Module) -> int:
@@ -30,29 +65,15 @@ def _linear_macs(module: nn.Module) -> int:
 def _pi05_parts(policy: nn.Module, *, lang_tokens: int) -> dict:
     """The pieces both counts are made of: FLOPs of the vision tower, multiply-adds of the
     decoder layers and projections, and the token counts."""
-    config = policy.config
-    core = policy.model
-    pwe = core.paligemma_with_expert
-    pg = pwe.paligemma.model
-    vision = pg.vision_tower.vision_model
-    vcfg = pg.vision_tower.config
-    patch = vcfg.patch_size
-    side = vcfg.image_size // patch
-    p_tokens = side * side
-    d_vision = vcfg.hidden_size
-    n_images = len(config.image_features)
+    sh = _shape(policy, lang_tokens=lang_tokens)
+    core, pg, vision, patch, p_tokens, n_images = sh.core, sh.pg, sh.vision, sh.patch, sh.p_tokens, sh.n_images
 
     conv = vision.embeddings.patch_embedding
     conv_macs = p_tokens * conv.in_channels * patch * patch * conv.out_channels
     enc_macs = sum(_linear_macs(layer) for layer in vision.encoder.layers) * p_tokens
-    enc_attn = len(vision.encoder.layers) * 2 * p_tokens * p_tokens * d_vision
+    enc_attn = len(vision.encoder.layers) * 2 * p_tokens * p_tokens * sh.d_vision
     proj_macs = _linear_macs(pg.multi_modal_projector) * p_tokens
     vision_flops = 2 * n_images * (conv_macs + enc_macs + enc_attn + proj_macs)
-
-    t_prefix = n_images * p_tokens + lang_tokens
-    t_suffix = config.chunk_size
-    vlm_layers = pg.language_model.layers
-    exp_layers = pwe.gemma_expert.model.layers
 
     def layer_macs(layer: nn.Module, tokens: int) -> int:
         macs = 0
@@ -65,17 +86,17 @@ def _pi05_parts(policy: nn.Module, *, lang_tokens: int) -> dict:
                 macs += dense.in_features * dense.out_features  # conditioning: one vector
         return macs
 
-    act_macs = (_linear_macs(core.action_in_proj) + _linear_macs(core.action_out_proj)) * t_suffix
+    act_macs = (_linear_macs(core.action_in_proj) + _linear_macs(core.action_out_proj)) * sh.t_suffix
     act_macs += _linear_macs(core.time_mlp_in) + _linear_macs(core.time_mlp_out)
     return {
         "vision_flops": vision_flops,
-        "prefix_macs": sum(layer_macs(layer, t_prefix) for layer in vlm_layers),
-        "suffix_macs": sum(layer_macs(layer, t_suffix) for layer in exp_layers),
+        "prefix_macs": sum(layer_macs(layer, sh.t_prefix) for layer in sh.vlm_layers),
+        "suffix_macs": sum(layer_macs(layer, sh.t_suffix) for layer in sh.exp_layers),
         "action_macs": act_macs,
-        "layers": len(vlm_layers),
-        "heads_dim": vlm_layers[0].self_attn.q_proj.out_features,  # num_heads × head_dim
-        "t_prefix": t_prefix,
-        "t_suffix": t_suffix,
+        "layers": len(sh.vlm_layers),
+        "heads_dim": sh.heads_dim,
+        "t_prefix": sh.t_prefix,
+        "t_suffix": sh.t_suffix,
     }
 
 
@@ -132,26 +153,16 @@ class _StepFlops:
 def _walk_training_step(policy: nn.Module, *, lang_tokens: int) -> _StepFlops:
     """The parts of `pi05_forward_flops`, in the forward's order, with a flag carried along: does
     something before this point train (then the gradient of this point's input is needed)."""
-    core = policy.model
-    pwe = core.paligemma_with_expert
-    pg = pwe.paligemma.model
-    vision = pg.vision_tower.vision_model
-    vcfg = pg.vision_tower.config
-    patch = vcfg.patch_size
-    p_tokens = (vcfg.image_size // patch) ** 2
-    n_images = len(policy.config.image_features)
-    vlm_layers = pg.language_model.layers
-    exp_layers = pwe.gemma_expert.model.layers
-    t_prefix = n_images * p_tokens + lang_tokens
-    t_suffix = policy.config.chunk_size
-    t_all = t_prefix + t_suffix
-    heads_dim = vlm_layers[0].self_attn.q_proj.out_features
+    sh = _shape(policy, lang_tokens=lang_tokens)
+    core, pg, vision, p_tokens = sh.core, sh.pg, sh.vision, sh.p_tokens
+    t_all = sh.t_prefix + sh.t_suffix
     walk = _StepFlops()
 
     # The vision tower, once per camera image (the images are inputs: no gradient before them).
     images = _StepFlops()
     conv = vision.embeddings.patch_embedding
-    images.add(2.0 * p_tokens * conv.in_channels * patch * patch * conv.out_channels, int(conv.weight.requires_grad))
+    images.add(2.0 * p_tokens * conv.in_channels * sh.patch * sh.patch * conv.out_channels,
+               int(conv.weight.requires_grad))
     up = _trains(vision.embeddings)
     for layer in vision.encoder.layers:
         attn = layer.self_attn
@@ -159,48 +170,51 @@ def _walk_training_step(policy: nn.Module, *, lang_tokens: int) -> _StepFlops:
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
             images.linears(proj, p_tokens, up)
         up = up or _trains(attn.q_proj, attn.k_proj, attn.v_proj)
-        images.attention(4.0 * p_tokens * p_tokens * vcfg.hidden_size, up)
+        images.attention(4.0 * p_tokens * p_tokens * sh.d_vision, up)
         up = images.linears(attn.out_proj, p_tokens, up)
         up = images.linears(layer.mlp, p_tokens, _trains(layer.layer_norm2) or up)
     up = images.linears(pg.multi_modal_projector, p_tokens, _trains(vision.post_layernorm) or up)
-    walk.forward += n_images * images.forward
-    walk.total += n_images * images.total
+    walk.forward += sh.n_images * images.forward
+    walk.total += sh.n_images * images.total
+
+    time_trains = _trains(core.time_mlp_in, core.time_mlp_out)
+
+    def keys_and_values(layer: nn.Module, tokens: int, up: bool) -> bool:
+        """A decoder layer's input norm and q/k/v projections; the flag after them."""
+        up = _trains(layer.input_layernorm) or up
+        projections = [getattr(layer.self_attn, name) for name in ("q_proj", "k_proj", "v_proj")]
+        for proj in projections:
+            walk.linears(proj, tokens, up)
+        return up or _trains(*projections)
+
+    def after_attention(layer: nn.Module, tokens: int, up: bool, *, reached: bool = True) -> bool:
+        """The rest of a decoder layer: output projection, adaRMS conditioning, MLP."""
+        up = walk.linears(layer.self_attn.o_proj, tokens, up, reached=reached)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            dense = getattr(getattr(layer, norm), "dense", None)
+            if dense is not None:  # adaRMS conditioning: one vector, from the time MLP
+                walk.linears(dense, 1, time_trains)
+        up = (reached and _trains(layer.post_attention_layernorm)) or up
+        return walk.linears(layer.mlp, tokens, up, reached=reached)
 
     # The decoder pairs: the prefix (images and prompt) through the VLM, the suffix (noisy actions,
     # the time conditioning the expert's norms) through the expert; each suffix layer reads the
     # prefix's keys and values of its layer. The last VLM layer's attention output projection and
     # MLP feed no loss (the VLM's final norm goes to no head): forward only.
     up_p = up or _trains(pg.language_model.embed_tokens)
-    up_s = walk.linears(core.action_in_proj, t_suffix, False)
+    up_s = walk.linears(core.action_in_proj, sh.t_suffix, False)
     up_s = walk.linears(core.time_mlp_in, 1, False) or up_s
     up_s = walk.linears(core.time_mlp_out, 1, up_s) or up_s
-    for i, (vlm, exp) in enumerate(zip(vlm_layers, exp_layers, strict=True)):
-        last = i == len(vlm_layers) - 1
-        heads = []
-        for layer, tokens, up_in in ((vlm, t_prefix, up_p), (exp, t_suffix, up_s)):
-            up_in = _trains(layer.input_layernorm) or up_in
-            for name in ("q_proj", "k_proj", "v_proj"):
-                walk.linears(getattr(layer.self_attn, name), tokens, up_in)
-            heads.append(up_in or _trains(*(getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj"))))
-        up_p, up_s = heads[0], heads[1] or heads[0]
+    for i, (vlm, exp) in enumerate(zip(sh.vlm_layers, sh.exp_layers, strict=True)):
+        last = i == len(sh.vlm_layers) - 1
+        up_p = keys_and_values(vlm, sh.t_prefix, up_p)
+        up_s = keys_and_values(exp, sh.t_suffix, up_s) or up_p
         # joint attention: each stream's query rows over all keys (4 · rows · T · heads_dim)
-        walk.attention(4.0 * t_prefix * t_all * heads_dim, up_p and not last)
-        walk.attention(4.0 * t_suffix * t_all * heads_dim, up_s)
-        for layer, tokens, stream in ((vlm, t_prefix, "p"), (exp, t_suffix, "s")):
-            reached = not (last and stream == "p")
-            flag = up_p if stream == "p" else up_s
-            flag = walk.linears(layer.self_attn.o_proj, tokens, flag, reached=reached)
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                dense = getattr(getattr(layer, norm), "dense", None)
-                if dense is not None:  # adaRMS conditioning: one vector, from the time MLP
-                    walk.linears(dense, 1, _trains(core.time_mlp_in, core.time_mlp_out))
-            flag = (reached and _trains(layer.post_attention_layernorm)) or flag
-            flag = walk.linears(layer.mlp, tokens, flag, reached=reached)
-            if stream == "p":
-                up_p = flag
-            else:
-                up_s = flag
-    walk.linears(core.action_out_proj, t_suffix, up_s)
+        walk.attention(4.0 * sh.t_prefix * t_all * sh.heads_dim, up_p and not last)
+        walk.attention(4.0 * sh.t_suffix * t_all * sh.heads_dim, up_s)
+        up_p = after_attention(vlm, sh.t_prefix, up_p, reached=not last)
+        up_s = after_attention(exp, sh.t_suffix, up_s)
+    walk.linears(core.action_out_proj, sh.t_suffix, up_s)
     return walk
 
 

@@ -324,6 +324,12 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
     return out
 
 
+def spec_for_mode(mode: str, targets: str) -> LoraSpec | None:
+    """The LoraSpec of `mode` with the target preset `targets` at its own rank and alpha, or None
+    when the mode is not lora (the benchmarks, which take a mode and a preset, not a config)."""
+    return lora_spec(targets) if mode == "lora" else None
+
+
 def spec_for(cfg, *, value_model: bool = False) -> LoraSpec | None:
     """The LoraSpec of a config (train.lora_*), or None when the mode is not lora."""
     mode = cfg.recap.value_trainable if value_model else cfg.train.trainable
