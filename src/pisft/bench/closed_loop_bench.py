@@ -65,15 +65,34 @@ def tiny_stats() -> dict[str, dict[str, np.ndarray]]:
     }
 
 
-def write_tiny_model(out: Path) -> Path:
+def fill_zero_parameters(policy, seed: int = 0) -> None:
+    """Every parameter that is all zeros drawn from normal(0, 0.01) (`seed`), as training leaves
+    them. pi0.5 starts its action expert's adaRMS projections at zero, so at initialisation the
+    flow time does not reach the expert, and a forward's rounding by its number of rows, which
+    enters through the time MLP (one row per request), never shows in the actions
+    (`pisft.policy.fixed_shape`)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.is_floating_point() and not p.any():
+                p.normal_(0.0, 0.01, generator=gen)
+
+
+def write_tiny_model(out: Path, *, trained_like: bool = False) -> Path:
     """The tiny model (seed 0) saved with `tiny_stats` into the new folder `out` (also the tests'
-    tiny model, tests/model_fixtures.py)."""
+    tiny model, tests/model_fixtures.py). `trained_like`: its zero parameters filled
+    (`fill_zero_parameters`), so its actions follow the rows of a forward as a trained model's do."""
     from pisft.model.policy import build_policy, save_model
     from pisft.model.tokenizer import save_tiny_tokenizer
 
     out.mkdir(parents=True)
     save_tiny_tokenizer(out / "tokenizer")
-    save_model(build_policy("tiny", seed=0), out, tokenizer_dir=out / "tokenizer", dataset_stats=tiny_stats())
+    policy = build_policy("tiny", seed=0)
+    if trained_like:
+        fill_zero_parameters(policy)
+    save_model(policy, out, tokenizer_dir=out / "tokenizer", dataset_stats=tiny_stats())
     return out
 
 
