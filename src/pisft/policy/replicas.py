@@ -8,6 +8,9 @@ scheduler keeps receiving the other environments' observations, and answers thro
 scheduler waits on beside the workers' pipes. So while a forward runs, the requests that arrive
 meanwhile queue up and go together into the next.
 
+A model's replica computes every forward at the stage's fixed number of rows (`eval.policy_batch`,
+`pisft.policy.fixed_shape`): which requests share a forward changes no bit of their answers.
+
 With N accelerators there are N replicas, one per device (`policy_devices`); any idle replica
 takes the oldest waiting requests. A replica's thread selects its device first (the current
 device is per thread in CUDA and torch-npu). On the CPU there is one replica.
