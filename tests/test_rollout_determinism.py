@@ -36,8 +36,8 @@ from pisft import layout
 # stages, torch) is imported inside the tests.
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = [StandInTask("reach 0.3 0 0", [0.3, 0, 0]), StandInTask("reach 99 0 0", [99.0, 0, 0])]
-HOLD_MS = 300  # eval.policy_batch_wait_ms: how the timing goes, never what it gives
-DELAY_S = 0.03  # the slowed process's seconds per simulator step
+HOLD_MS = 500  # eval.policy_batch_wait_ms: how the timing goes, never what it gives
+DELAY_S = 0.02  # the slowed process's seconds per simulator step
 
 
 class ShowsPosition(StandInSimulator):
