@@ -6,6 +6,11 @@ enforced. Each rank writes its result to OUT_DIR/rank_<r>.json and exits 0.
       collectives
   python -m torch.distributed.run --standalone --nproc_per_node 2 tests/hccl_workers.py OUT_DIR \
       train CONFIG RESULTS_DIR CHECKPOINT_DIR
+  python -m torch.distributed.run --standalone --nproc_per_node 2 tests/hccl_workers.py OUT_DIR \
+      in_flight exit_process|teardown
+
+Each ends as pisft's torchrun workers do (`pisft.device.exit_process`), `in_flight teardown`
+through the interpreter's teardown.
 """
 
 from __future__ import annotations
@@ -126,14 +131,35 @@ def train(config: str, results_dir: str, ckpt_dir: str) -> dict:
     return out
 
 
+def in_flight(ending: str) -> dict:
+    """Collectives still in gloo's worker threads when the process ends, their group held past
+    `destroy_process_group` (as torch's DTensor caches hold FSDP2's mesh): `ending` "exit_process"
+    ends as every pisft worker does (`pisft.device.exit_process`), "teardown" through the
+    interpreter's teardown, which aborts the process (issue 47)."""
+    dist.init_process_group("hccl")
+    HELD.append(dist.distributed_c10d._get_default_group())  # as the caches keep it
+    for _ in range(1000):  # temporaries: a worker thread drops the last reference to each
+        dist.all_reduce(torch.ones(20_000), async_op=True)
+    dist.destroy_process_group()
+    return {"held": type(HELD[0]).__name__, "ending": ending}
+
+
+HELD: list = []  # alive until the process ends
+
+
 def main(argv: list[str]) -> int:
     out_dir, what, *args = argv
     rank = int(os.environ.get("RANK", "0"))
-    result = {"collectives": collectives, "train": train}[what](*args)
+    result = {"collectives": collectives, "train": train, "in_flight": in_flight}[what](*args)
     result["rank"] = rank
     Path(out_dir, f"rank_{rank}.json").write_text(json.dumps(result))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    if sys.argv[3:4] == ["teardown"]:
+        raise SystemExit(code)
+    from pisft.device import exit_process
+
+    exit_process(code)

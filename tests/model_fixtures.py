@@ -34,8 +34,9 @@ def fake_batch(batch_size: int = 4, chunk: int = 10, seed: int = 0) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _tiny_model_dir_cached(root: str) -> str:
-    return str(closed_loop_bench.write_tiny_model(Path(root, "tiny_model")))
+def _tiny_model_dir_cached(root: str, trained_like: bool = False) -> str:
+    name = "tiny_model_trained_like" if trained_like else "tiny_model"
+    return str(closed_loop_bench.write_tiny_model(Path(root, name), trained_like=trained_like))
 
 
 def tiny_model_dir(tmp_path_factory, dest: Path | None = None) -> Path:
@@ -45,3 +46,10 @@ def tiny_model_dir(tmp_path_factory, dest: Path | None = None) -> Path:
         return base
     shutil.copytree(base, dest)
     return dest
+
+
+def trained_like_model_dir(tmp_path_factory) -> Path:
+    """The tiny model with its zero-initialised parameters filled, as training leaves them
+    (`closed_loop_bench.fill_zero_parameters`): its actions follow the rows of a forward, as a
+    trained model's do (the random tiny model's never show it); built once per session."""
+    return Path(_tiny_model_dir_cached(str(tmp_path_factory.getbasetemp() / "model_cache"), True))

@@ -171,14 +171,26 @@ def test_registering_again_replaces_the_backend():
 
 
 # ------------------------------------------------------------------ the stand-in, 2 processes
+def _failure(proc: subprocess.CompletedProcess, logs: Path) -> str:
+    """What a failed torchrun says and, rank by rank, the end of each worker's own stderr (with
+    PYTHONFAULTHANDLER, an abort leaves every thread's Python stack there; a thread with `<no
+    Python frame>` is a native one, e.g. gloo's)."""
+    parts = [f"torchrun exited {proc.returncode}; its summary (which rank, which exit code):",
+             proc.stderr[-3000:]]
+    for err in sorted(logs.glob("*/attempt_*/*/stderr.log")):
+        parts.append(f"--- rank {err.parent.name}'s stderr ({err}):\n{err.read_text()[-4000:]}")
+    return "\n".join(parts)
+
+
 def _torchrun(out: Path, *args: str, timeout: float = 120) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
            "PYTHONPATH": os.pathsep.join([str(STAND_INS), os.environ.get("PYTHONPATH", "")])}
+    logs = out / "torchrun_logs"  # each rank's stdout and stderr, also on the console (--tee)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", str(WORKERS), str(out), *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+                           "--nproc_per_node", "2", "--log-dir", str(logs), "--tee", "3", str(WORKERS), str(out),
+                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, _failure(proc, logs)
     return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(2)]
 
 
@@ -219,3 +231,19 @@ def test_training_loop_and_checkpoint_pass_hccl_dtype_table(tmp_path_factory, tm
         assert r["collectives"]["_reduce_scatter_base"]["float32"] > 0
     assert ranks[0]["losses"] == ranks[1]["losses"]
     assert (Path(ranks[0]["checkpoint"]) / "COMPLETE.json").is_file()
+
+
+@pytest.mark.integration  # ~10 s: gloo worker processes
+def test_a_worker_ending_with_collectives_in_flight_exits_cleanly(tmp_path):
+    """Issue 47: rank 1 aborted with "terminate called without an active exception" after a
+    finished run. The process group outlives `destroy_process_group` (torch's DTensor caches hold
+    FSDP2's mesh), so gloo's worker threads are alive at the interpreter's teardown, and one that
+    drops the last reference to a collective's tensor then needs the GIL: Python 3.12 ends it
+    inside that C++ destructor (gdb on the core: ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork
+    -> TensorImpl::decref_pyobject -> take_gil -> pthread_exit -> std::terminate). Here each rank
+    leaves 1,000 all-reduces of temporaries in flight with its group held and ends as pisft's
+    workers end (`pisft.device.exit_process`); through the teardown the same run aborted 6 times
+    in 8 on this host."""
+    ranks = _torchrun(tmp_path / "out", "in_flight", "exit_process")
+    assert [(r["rank"], r["held"], r["ending"]) for r in ranks] == [
+        (0, "AuditedProcessGroup", "exit_process"), (1, "AuditedProcessGroup", "exit_process")]

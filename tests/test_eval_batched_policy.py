@@ -1,7 +1,11 @@
 """Batched policy requests across environments, and policy replicas (closed_loop, policy_pool).
 
-Batching must not change a result: each request draws its noise from its own seed, so a chunk
-is the same whichever requests share its forward and whichever replica computes it."""
+Batching must not change a bit of a result: each request draws its noise from its own seed, and
+every forward of a model has the same rows (`pisft.policy.fixed_shape.FixedShape`), so a chunk
+is the same whichever requests share its forward and whichever replica computes it. The model is
+the tiny pi0.5 with its zero-initialised parameters filled (`trained_like_model_dir`): its
+actions follow a forward's rows as a trained model's do, so these tests fail without the fixed
+shape (`test_the_rows_of_a_forward_change_its_rounding`)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import threading
 
 import numpy as np
 import pytest
-from model_fixtures import tiny_model_dir
+from model_fixtures import trained_like_model_dir
 from test_eval_closed_loop import StandInSimulator, StandInTask, settings
 
 from pisft.policy import replicas
@@ -17,21 +21,17 @@ from pisft import rollout
 from pisft import config as C
 from pisft import device as device_mod
 from pisft.errors import PisftError
+from pisft.policy.fixed_shape import FixedShape
 from pisft.policy.replicas import PolicyPool, Request
 from pisft.rollout.workers import InlineWorker
 from pisft.policy.libero import LiberoPolicy
 
-# On this CPU a batched forward gives the bits of one request at a time (measured; also
-# `python -m pisft bench --only closed_loop`'s actions_match). The tests allow fp32 rounding, as an
-# accelerator's kernels may round differently with the batch size.
-ATOL = 1e-6
-
 
 class Recording:
-    """A LiberoPolicy that keeps every chunk: its seed -> (the state it was computed from, its
-    actions), and the size of every forward."""
+    """A policy that keeps every chunk: its seed -> (the state it was computed from, its
+    actions), and the size of every batch it was given."""
 
-    def __init__(self, policy: LiberoPolicy) -> None:
+    def __init__(self, policy) -> None:
         self.policy = policy
         self.chunks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.batches: list[int] = []
@@ -50,50 +50,102 @@ def _request(rng, prompt):
             "observation/state": rng.normal(size=8).astype(np.float32), "prompt": prompt}
 
 
+PROMPTS = ("put both moka pots on the stove", "open the top drawer", "pick up the book", "turn on the stove",
+           "put the bowl away")
+SEEDS = [11, 7, 123456789, 0, 2**40]
+
+
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory):
-    return LiberoPolicy.from_model_dir(tiny_model_dir(tmp_path_factory), device="cpu")
+    return LiberoPolicy.from_model_dir(trained_like_model_dir(tmp_path_factory), device="cpu")
 
 
-def test_one_forward_gives_the_actions_of_one_request_at_a_time(tiny_policy):
+def test_the_rows_of_a_forward_change_its_rounding(tiny_policy):
+    """What the fixed shape is for (measured, pisft.policy.fixed_shape): the same request answered
+    in a forward of 1, 2 or 4 rows rounds differently; with the same rows, whatever shares them,
+    the bits are the same."""
     rng = np.random.default_rng(0)
-    requests = [_request(rng, p) for p in ("put both moka pots on the stove", "open the top drawer",
-                                            "pick up the book", "turn on the stove", "put the bowl away")]
-    seeds = [11, 7, 123456789, 0, 2**40]
-    batched = tiny_policy.infer_batch(requests, seeds)
-    for request, seed, reply in zip(requests, seeds, batched, strict=True):
-        tiny_policy.reset(seed)
-        alone = tiny_policy.infer(request)["actions"]
-        np.testing.assert_allclose(reply["actions"], alone, rtol=0, atol=ATOL)
+    requests = [_request(rng, p) for p in PROMPTS]
+    alone, pair, four = (tiny_policy.infer_batch(requests[:n], SEEDS[:n])[0]["actions"] for n in (1, 2, 4))
+    assert not np.array_equal(alone, pair) and not np.array_equal(pair, four)
+    others = tiny_policy.infer_batch([requests[0], *requests[2:5]], [SEEDS[0], *SEEDS[2:5]])[0]["actions"]
+    np.testing.assert_array_equal(others, four)
+
+
+def test_a_fixed_shape_answers_a_request_the_same_whatever_shares_its_forward(tiny_policy):
+    rng = np.random.default_rng(0)
+    requests = [_request(rng, p) for p in PROMPTS[:3]]
+    rows = 2
+    fixed = FixedShape(tiny_policy, rows)
+    alone = [fixed.infer_batch([r], [s])[0]["actions"] for r, s in zip(requests, SEEDS, strict=False)]  # padded
+    for n in (2, 3):  # filled, and more than one forward (the second padded)
+        batched = fixed.infer_batch(requests[:n], SEEDS[:n])
+        for reply, expected in zip(batched, alone, strict=False):
+            np.testing.assert_array_equal(reply["actions"], expected)
+    assert fixed.places_agree is True and fixed.rows_in_use == rows  # one policy thread: every place alike
     # the noise matters: the same request under another seed gives other actions
-    assert not np.allclose(tiny_policy.infer_batch(requests[:1], [12])[0]["actions"], batched[0]["actions"])
+    assert not np.allclose(fixed.infer_batch(requests[:1], [12])[0]["actions"], alone[0])
 
 
-def test_a_guided_batch_gives_the_actions_of_one_guided_request_at_a_time(tmp_path, tmp_path_factory):
+def test_a_guided_fixed_shape_gives_the_actions_of_one_guided_request_at_a_time(tmp_path, tmp_path_factory):
     """Classifier-free guidance (eval.cfg_scale > 1) batches both branches: each request's
     conditioned and plain prompts stay its own."""
+    import shutil
+
     from pisft.data import prompts
 
-    model = tiny_model_dir(tmp_path_factory, tmp_path / "model")
+    model = tmp_path / "model"
+    shutil.copytree(trained_like_model_dir(tmp_path_factory), model)
     prompts.PromptConditioning("demo").write(model / prompts.CONDITIONING_FILE)
-    guided = LiberoPolicy.from_model_dir(model, device="cpu", cfg_scale=2.0)
+    guided = FixedShape(LiberoPolicy.from_model_dir(model, device="cpu", cfg_scale=2.0), 2)
     assert guided.guidance["guided"]
     rng = np.random.default_rng(1)
-    requests = [_request(rng, p) for p in ("open the top drawer", "pick up the book", "turn on the stove")]
-    seeds = [3, 4, 5]
+    requests = [_request(rng, p) for p in ("open the top drawer", "pick up the book")]
+    seeds = [3, 4]
     batched = guided.infer_batch(requests, seeds)
     for request, seed, reply in zip(requests, seeds, batched, strict=True):
-        guided.reset(seed)
-        np.testing.assert_allclose(reply["actions"], guided.infer(request)["actions"], rtol=0, atol=ATOL)
+        np.testing.assert_array_equal(reply["actions"], guided.infer_batch([request], [seed])[0]["actions"])
+
+
+class Disagreeing:
+    """A policy whose forward answers the last row of a batch of 5 one float32 step off, as two
+    policy threads do at 5 rows here (pisft.policy.fixed_shape)."""
+
+    def __init__(self):
+        self.batches: list[int] = []
+
+    def new_noise(self, seed=None):
+        return seed
+
+    def prepare(self, obs):
+        return obs
+
+    def predict_many(self, prepared, noises):
+        self.batches.append(len(prepared))
+        out = [{"actions": np.full((2, 7), float(x), np.float32)} for x in prepared]
+        if len(prepared) == 5:
+            out[-1]["actions"] = np.nextafter(out[-1]["actions"], np.float32(np.inf))
+        return out
+
+
+def test_rows_whose_places_disagree_fall_back_to_one_row_per_forward(capsys):
+    policy = Disagreeing()
+    fixed = FixedShape(policy, 5, name="closed_loop")
+    replies = fixed.predict_many([1.0, 2.0, 3.0], [1, 2, 3])
+    assert [float(r["actions"][0, 0]) for r in replies] == [1.0, 2.0, 3.0]
+    assert fixed.places_agree is False and fixed.rows_in_use == 1
+    assert policy.batches == [5, 1, 1, 1]  # the check (5 copies of the first request), then one row each
+    assert "closed_loop: note: a forward of 5 rows rounds a request differently by its place" in capsys.readouterr().out
+    assert fixed.record() == {"rows": 5, "rows_in_use": 1, "places_agree": False}
 
 
 TASKS = [StandInTask("reach 0.3 0 0", [0.3, 0, 0]), StandInTask("reach 0.2 0 0", [0.2, 0, 0])]
 
 
 def _roll_out(policy, *, num_envs, policy_batch):
-    """`policy`: one, or a list of replicas."""
+    """`policy`: one, or a list of replicas; `policy_batch`: the pool's limit of requests per batch."""
     sim = StandInSimulator(TASKS, placement_noise=0.02)
-    s = settings(trials_per_task=3, max_steps=20, policy_batch=policy_batch)
+    s = settings(trials_per_task=3, max_steps=20, policy_batch=max(policy_batch, 1))
     specs, languages = rollout.plan_episodes(sim, s, None)
     workers = [InlineWorker(sim) for _ in range(num_envs)]
     pool = PolicyPool(policy if isinstance(policy, list) else [policy], max_batch=policy_batch)
@@ -106,13 +158,13 @@ def _roll_out(policy, *, num_envs, policy_batch):
     return [(r.task_id, r.trial, r.success, r.steps, r.policy_calls) for r in results], pool.stats
 
 
-def test_episodes_do_not_depend_on_the_batch_size_nor_the_number_of_environments(tiny_policy):
+def test_episodes_do_not_depend_on_the_batches_nor_the_number_of_environments(tiny_policy):
     runs = {}
     for num_envs, batch in ((1, 1), (3, 1), (3, 0), (3, 2)):
-        recording = Recording(tiny_policy)
+        recording = Recording(FixedShape(tiny_policy, 3))
         outcomes, stats = _roll_out(recording, num_envs=num_envs, policy_batch=batch)
         runs[(num_envs, batch)] = (outcomes, recording.chunks)
-        # the environments waiting at one moment share a forward, up to eval.policy_batch
+        # the environments waiting at one moment share a forward, up to the pool's limit
         assert max(recording.batches) == {(1, 1): 1, (3, 1): 1, (3, 0): 3, (3, 2): 2}[(num_envs, batch)]
         assert stats.requests == len(recording.chunks) == sum(o[-1] for o in outcomes)
     reference_outcomes, reference = runs[(1, 1)]
@@ -120,17 +172,17 @@ def test_episodes_do_not_depend_on_the_batch_size_nor_the_number_of_environments
         assert outcomes == reference_outcomes, key
         assert chunks.keys() == reference.keys(), key
         for seed, (state, actions) in chunks.items():
-            np.testing.assert_allclose(state, reference[seed][0], rtol=0, atol=ATOL)
-            np.testing.assert_allclose(actions, reference[seed][1], rtol=0, atol=ATOL)
+            np.testing.assert_array_equal(state, reference[seed][0])
+            np.testing.assert_array_equal(actions, reference[seed][1])
     # the check is not vacuous: the placement noise and the policy's noise make chunks differ
     assert len({a.tobytes() for _, a in reference.values()}) == len(reference)
 
 
 def test_replicas_share_the_requests_and_give_the_same_episodes(tmp_path_factory, tiny_policy):
-    second = LiberoPolicy.from_model_dir(tiny_model_dir(tmp_path_factory), device="cpu")
-    one = Recording(tiny_policy)
+    second = LiberoPolicy.from_model_dir(trained_like_model_dir(tmp_path_factory), device="cpu")
+    one = Recording(FixedShape(tiny_policy, 2))
     single, _ = _roll_out(one, num_envs=3, policy_batch=2)
-    replicas = [Recording(tiny_policy), Recording(second)]
+    replicas = [Recording(FixedShape(tiny_policy, 2)), Recording(FixedShape(second, 2))]
     double, stats = _roll_out(replicas, num_envs=3, policy_batch=2)
     assert double == single
     # at the first dispatch three requests wait: two go to replica 0, the third to replica 1
@@ -138,7 +190,7 @@ def test_replicas_share_the_requests_and_give_the_same_episodes(tmp_path_factory
     merged = {**replicas[0].chunks, **replicas[1].chunks}
     assert merged.keys() == one.chunks.keys()
     for seed, (_, actions) in merged.items():
-        np.testing.assert_allclose(actions, one.chunks[seed][1], rtol=0, atol=ATOL)
+        np.testing.assert_array_equal(actions, one.chunks[seed][1])
 
 
 class Flaky:
@@ -227,7 +279,13 @@ def test_one_replica_per_visible_accelerator_and_one_on_the_cpu(monkeypatch):
         replicas.policy_devices(cfg)
 
 
-@pytest.mark.parametrize("key", ["policy_batch", "policy_devices"])
-def test_a_negative_batch_or_device_count_is_refused(key):
-    with pytest.raises(PisftError, match=rf"eval.{key}: must be 0"):
-        C.from_dict({"eval": {key: -1}})
+def test_a_negative_device_count_is_refused():
+    with pytest.raises(PisftError, match=r"eval.policy_devices: must be 0"):
+        C.from_dict({"eval": {"policy_devices": -1}})
+
+
+@pytest.mark.parametrize("rows", [0, -1])
+def test_a_forward_of_no_rows_is_refused_with_what_to_set(rows):
+    with pytest.raises(PisftError, match=rf"eval.policy_batch: {rows}: the rows of every policy forward must be 1 "
+                                         r"or more \(0, 'every environment waiting', is gone"):
+        C.from_dict({"eval": {"policy_batch": rows}})

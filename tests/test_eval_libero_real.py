@@ -274,7 +274,8 @@ def test_results_do_not_depend_on_the_number_of_environment_processes(tmp_path):
             "closed_loop_seed": 7, "resize_size": 224, "videos": True}})
         policy = SeededPolicy()
         metrics = closed_loop.run(cfg, policy=policy)  # LiberoSimulator, in worker processes
-        assert metrics["simulator"]["package"] == "hf-libero" and metrics["timing"]["num_envs"] == n
+        timing = json.loads((tmp_path / f"n{n}/results/logs/closed_loop.timing.json").read_text())
+        assert metrics["simulator"]["package"] == "hf-libero" and timing["num_envs"] == n
         out = tmp_path / f"n{n}" / "results" / "closed_loop"
         episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
         assert [(e["trial"], e["steps"], e["error"]) for e in episodes] == [(0, steps, None), (1, steps, None)]

@@ -194,9 +194,10 @@ class EvalConfig:
     task_ids: list[int] = field(default_factory=list)
     # Environment worker processes; 0: one per core available to the stage.
     num_envs: int = 0
-    # Requests of the environments waiting at one moment that share one policy forward, at most
-    # (0: all of them; 1: one at a time). Results do not depend on it (each request has its own noise).
-    policy_batch: int = 0
+    # The rows of every policy forward: up to this many waiting requests share one, which is padded
+    # to it when fewer wait (1: one at a time). A forward rounds by its rows, so results depend on
+    # this and on nothing of the timing (pisft.policy.fixed_shape).
+    policy_batch: int = 2
     # How long a batch that could still grow (environments still simulating) is held: 0 measured
     # (pisft.policy.batching), a positive number of ms set by hand.
     policy_batch_wait_ms: float = 0.0
@@ -583,7 +584,11 @@ def _eval_problems(e: EvalConfig) -> list[str]:
         problems.append(f"eval.libero_suites: {repeated} listed more than once; each suite once (a repeat "
                         "would run the same episodes twice, narrow the interval and write one video twice)")
     zero_means = {"max_steps": "openpi's limit per suite", "num_envs": "one per available core",
-                  "policy_batch": "every environment waiting", "policy_devices": "every visible device"}
+                  "policy_devices": "every visible device"}
+    if e.policy_batch < 1:
+        problems.append(f"eval.policy_batch: {e.policy_batch}: the rows of every policy forward must be 1 or more "
+                        "(0, 'every environment waiting', is gone: a forward's rows change its rounding, so they "
+                        "are fixed now; e.g. 2, or about eval.num_envs per policy replica; docs/libero.md)")
     for key, meaning in zero_means.items():
         if getattr(e, key) < 0:
             problems.append(f"eval.{key}: must be 0 (the default: {meaning}) or a positive number, "

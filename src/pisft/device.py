@@ -22,6 +22,7 @@ import sys
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from types import ModuleType
+from typing import NoReturn
 
 import torch
 
@@ -297,6 +298,35 @@ def apply_process_env(kind: str) -> dict[str, str]:
     changed = {k: v for k, v in wanted.items() if os.environ.get(k) != v}
     os.environ.update(changed)
     return changed
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a distributed worker (a torchrun process) with `code` once its work is done: what Python
+    does when it exits up to its teardown (the other non-daemon threads joined, the `atexit`
+    handlers run, the streams flushed), then the exit itself (`os._exit`), without the teardown.
+
+    Why (issue 47): the process group outlives `destroy_process_group`, since torch's DTensor
+    caches keep FSDP2's device mesh and through it the group, so gloo's worker threads are still
+    alive when the interpreter tears down. One that then drops the last reference to a
+    collective's tensor needs the GIL, and Python 3.12 ends a thread that asks for it during the
+    teardown from inside that C++ destructor: std::terminate, "terminate called without an active
+    exception", SIGABRT, a failed torchrun after a finished run. Seen on a loaded host, where a
+    worker thread can be descheduled between finishing a collective and releasing it;
+    `tests/test_collective_audit.py` reproduces it with collectives still in flight.
+    """
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # noqa: SLF001 - the handlers Python runs at exit (logging, multiprocessing, ...)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing left to flush
+            pass
+    os._exit(code)
 
 
 @dataclass(frozen=True)

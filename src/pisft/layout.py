@@ -157,6 +157,12 @@ class Iteration:
         written even when the gate fails)."""
         return self.logs / stage
 
+    def timing(self, stage: str) -> Path:
+        """A rollout stage's timing record (closed_loop, collect_rollouts): how its run went (times,
+        environment processes, batches, episodes run again), beside the logs: its outputs are the
+        same bytes every run, this is not."""
+        return self.logs / f"{stage}.timing.json"
+
 
 def iteration(cfg: Run, k: int | None = None) -> Iteration:
     """The folders of RECAP iteration k (default: the one cfg's stages run for). An iteration

@@ -89,7 +89,9 @@ CLOSED_LOOP_KEYS = (
     "eval.task_ids",
     "eval.videos",
     "eval.cfg_scale",
-    # not eval.num_envs: it changes how fast, not what (results do not depend on it)
+    "eval.policy_batch",  # the rows of every policy forward, whose rounding the actions follow
+    # not eval.num_envs, eval.policy_batch_wait_ms, eval.policy_devices: they change how fast, not
+    # what (pisft.policy.fixed_shape)
 )
 # The RECAP loop's stages (iteration k >= 1; README, "The RECAP loop").
 COLLECT_KEYS = (
@@ -103,6 +105,7 @@ COLLECT_KEYS = (
     "eval.replan_steps",
     "eval.resize_size",
     "eval.cfg_scale",
+    "eval.policy_batch",  # the rows of every policy forward (as closed_loop)
 )
 VALUE_KEYS = (
     "train",  # the process layout, micro batch, precision, seed and schedule shape

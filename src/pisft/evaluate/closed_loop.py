@@ -10,14 +10,16 @@ process that died, a policy that failed or answered with non-finite actions) is 
 trial: it is run again from its start on a fresh worker, up to `EPISODE_ATTEMPTS` in all (its
 seeds fixed, so any attempt that runs to its end gives the same result), and one that errs on
 every attempt fails the stage naming the episodes and their errors; a success rate counts only
-episodes that ran to their end (`retried` counts those that needed another attempt).
+episodes that ran to their end (the timing record's `retried` counts those that needed another
+attempt).
 
 **Where what runs.** Environments run in `eval.num_envs` worker processes
 (`pisft.rollout.workers`; default: the cores available), each keeping the environment
 of its current task and building the policy's requests itself. The policy runs in this (the
 parent) process, as one replica per accelerator (`eval.policy_devices`; on the CPU one), each in
 a thread of its own (`pisft.policy.replicas`): the requests of every environment waiting
-at that moment go to a free replica as one forward (at most `eval.policy_batch`), and while it
+at that moment go to a free replica as one forward of `eval.policy_batch` rows (padded when fewer
+wait: `pisft.policy.fixed_shape`), and while it
 computes, the other environments simulate and their requests queue up for the next forward; a
 batch that could still grow may wait `eval.policy_batch_wait_ms` for the environments still
 simulating. On this 2-core CPU a chunk is 5 simulator steps of about 0.2 CPU-s each (both
@@ -25,15 +27,16 @@ simulating. On this 2-core CPU a chunk is 5 simulator steps of about 0.2 CPU-s e
 thread (`policy_threads`), so N workers keep N cores simulating; on an accelerator node a
 batched pi0.5 forward serves many environments at once (docs/libero.md, "The full protocol").
 
-**Same results for any `eval.num_envs`, `eval.policy_batch` and number of replicas.** Episodes
-are listed in a fixed order (suite, task, trial); each gets its environment seed
+**The same bytes for any `eval.num_envs`, any load and number of replicas.** Episodes are
+listed in a fixed order (suite, task, trial); each gets its environment seed
 (`eval.closed_loop_seed`, set before every reset, so an episode does not depend on what its
 worker ran before) and, for the k-th chunk of the episode, a policy noise seed derived from
 (run seed, suite, task, initial state = trial, k) (`chunk_seed`), from which its request draws
-its noise whatever it is batched with. Which worker runs an episode, which requests share a
-forward, which replica computes it and in which order replies arrive change nothing (on this
-CPU, one policy thread, the batched actions are bit-identical; an accelerator's kernels may
-round differently with the batch size); results are written in episode order.
+its noise whatever it is batched with. Every forward has the same rows (`eval.policy_batch`, at
+most one per episode), so which worker runs an episode, which requests share a forward, which
+replica computes it and in which order replies arrive change no bit; results are written in
+episode order. They depend on the config (`eval.policy_batch` included), the model and the
+policy's CPU thread count (`metrics.json`'s `forward`).
 
 The policy is anything with `infer(request) -> {"actions": (horizon, 7)}` and
 `reset(seed)`: by default `pisft.policy.libero.LiberoPolicy` (the same code that
@@ -44,17 +47,18 @@ The rollouts run on the rollout engine (`pisft.rollout`: settings, episode plan 
 workers, the scheduler); this module is the stage: the summary, the report, the outputs.
 
 Stage output, `results/closed_loop/` (atomic): `metrics.json` (success overall, per suite and
-per task with 95% Wilson intervals, episode lengths, simulator steps/s, policy ms per chunk,
-the simulator package and version), `episodes.jsonl` (one line per episode), `videos/`
-(agent view | wrist camera MP4 of the first episode of each task), `report.md`,
-`pisft_config.json`. See docs/libero.md.
+per task with 95% Wilson intervals, episode lengths, the simulator package and version, the
+settings and the forward's rows), `episodes.jsonl` (one line per episode), `videos/` (agent
+view | wrist camera MP4 of the first episode of each task), all three the same bytes every run;
+`report.md`, `pisft_config.json`. How the run went (simulator steps/s, policy ms per chunk,
+environments, batches, episodes run again, each episode's times) is the timing record,
+`results/logs/closed_loop.timing.json` (`layout.Iteration.timing`). See docs/libero.md.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -96,11 +100,12 @@ def _rate(entry: dict) -> None:
 
 def summarize(results: list[EpisodeResult]) -> dict:
     """Success per task, per suite and overall (suites in the order they were run), 95% Wilson
-    intervals, episode lengths. Deterministic: timings are kept apart (`timing`).
+    intervals, episode lengths. Deterministic: how the run went (times, episodes run again after
+    an error) is kept apart (`timing`, the timing record).
 
     Only over episodes that ran to their end: a result with an error is refused (a crash is not
     a failed trial; the scheduler (`pisft.rollout.scheduler`) retries it or stops the run). `errors` stays in the output
-    (0: none counted), `retried` counts episodes that needed another attempt."""
+    (0: none counted)."""
     crashed = [r for r in results if r.error is not None]
     if crashed:
         r = crashed[0]
@@ -110,15 +115,14 @@ def summarize(results: list[EpisodeResult]) -> dict:
     suites: dict[str, dict] = {}
     for r in results:
         s = suites.setdefault(r.suite, {"per_task": {}, "successes": 0, "trials": 0, "errors": 0,
-                                        "retried": 0, "_steps": []})
+                                        "_steps": []})
         # keyed by task id: LIBERO-90 repeats instructions across scenes
         t = s["per_task"].setdefault(str(r.task_id), {"task_id": r.task_id, "task": r.task, "successes": 0,
-                                                      "trials": 0, "errors": 0, "retried": 0, "_steps": [],
+                                                      "trials": 0, "errors": 0, "_steps": [],
                                                       "video": None})
         for entry in (s, t):
             entry["successes"] += int(r.success)
             entry["trials"] += 1
-            entry["retried"] += int(bool(r.retried_errors))
             entry["_steps"].append(r.steps)
         if r.video and t["video"] is None:
             t["video"] = r.video
@@ -136,7 +140,6 @@ def summarize(results: list[EpisodeResult]) -> dict:
                                     if suites else None),
         "episodes": total,
         "errors": 0,  # episodes that ended in an error are never counted (see above)
-        "retried": sum(s["retried"] for s in suites.values()),
         "episode_steps": _stats([r.steps for r in results]),
         "successful_episode_steps": _stats([r.steps for r in results if r.success]),
         "confidence_interval": "success_rate_ci_low/_high: 95% Wilson score interval over the episodes",
@@ -175,9 +178,12 @@ def _num(x: float | None, fmt: str) -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
-def report_markdown(metrics: dict, settings: Settings, model_dir: str, *, video_prefix: str = "") -> str:
+def report_markdown(metrics: dict, settings: Settings, model_dir: str, *, video_prefix: str = "",
+                    run_timing: dict | None = None) -> str:
+    """report.md: the metrics, and from the run's timing record its environments, retries and
+    throughput."""
     sim = metrics.get("simulator", {})
-    t = metrics.get("timing", {})
+    t = run_timing or {}
     sim_name = sim.get("package", "?") + (f" {sim['version']}" if sim.get("version") else "")
     lines = ["# Closed-loop LIBERO evaluation", ""]
     if metrics.get("expectation"):
@@ -195,14 +201,13 @@ def report_markdown(metrics: dict, settings: Settings, model_dir: str, *, video_
         lines.append(f"Guidance: {metrics['guidance']['describe']}.")
     lines += ["", f"Success rate {_num(metrics['success_rate'], '.3f')} "
               f"(95% Wilson {_fmt_ci(metrics)}) over {metrics['episodes']} "
-              f"episodes, every one run to its end; {metrics.get('retried', 0)} of them ended in an "
-              f"error first and were run again on a fresh worker (episodes.jsonl: `retried_errors`).", ""]
-    lines += ["| suite | success rate | 95% CI | successes / trials | mean steps | episodes run again after an error |",
-              "|---|---|---|---|---|---|"]
+              f"episodes, every one run to its end; {t.get('retried', 0)} of them ended in an "
+              f"error first and were run again on a fresh worker (the timing record: `retried_errors`).", ""]
+    lines += ["| suite | success rate | 95% CI | successes / trials | mean steps |",
+              "|---|---|---|---|---|"]
     for name, s in metrics["suites"].items():
         lines.append(f"| {name} | {s['success_rate']:.3f} | {_fmt_ci(s)} | "
-                     f"{s['successes']} / {s['trials']} | {_num(s['episode_steps']['mean'], '.1f')} | "
-                     f"{s.get('retried', 0)} |")
+                     f"{s['successes']} / {s['trials']} | {_num(s['episode_steps']['mean'], '.1f')} |")
     lines += ["", "| suite | task | success rate | 95% CI | successes / trials | mean steps | video |",
               "|---|---|---|---|---|---|---|"]
     for name, s in metrics["suites"].items():
@@ -267,55 +272,59 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
     factory = simulator if simulator is not None else libero_sim.LiberoSimulator
     sim = factory()  # SimulatorUnavailable with the install line when LIBERO is not installed
     sim_info = simulator_info(sim)
-    with open_policy_pool(cfg, policy, model_dir=model_dir, trained_on=layout.iteration(cfg).dataset,
-                          seed=settings.seed, max_batch=settings.policy_batch, wait_ms=settings.policy_batch_wait_ms,
-                          stage="closed_loop") as pool:
-        return _evaluate(cfg, settings, pool, factory=factory, sim=sim, sim_info=sim_info, inline=inline,
-                         model_dir=model_dir)
-
-
-def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool, *,
-              factory: Callable[[], libero_sim.Simulator], sim: libero_sim.Simulator, sim_info: dict,
-              inline: bool, model_dir: Path) -> dict:
     with atomic_dir(layout.iteration(cfg).closed_loop) as out:
         specs, languages = plan_episodes(sim, settings, out)
-        num_envs = env_count(settings, specs, stage="closed_loop")
-        print(f"closed_loop: {len(specs)} episodes in {sim_info.get('package')} "
-              f"{sim_info.get('version') or ''}, {num_envs} environment "
-              f"{'(inline)' if inline else 'processes'}", flush=True)
-        record = progress("closed_loop", len(specs), lambda r: f"{r.suite} task {r.task_id} trial {r.trial}")
-
-        mujoco_logs = logs_mod.mujoco_log_dir("closed_loop", layout.iteration(cfg).logs)
-        results, wall = roll_out(specs, pool, settings, factory=factory, simulator=sim, num_envs=num_envs,
-                                 inline=inline, languages=languages, on_episode=record, name="closed_loop",
-                                 log_dir=mujoco_logs)
-        mujoco_note(mujoco_logs, "closed_loop")
-        for r in results:
-            if r.video:  # a page per video for `snakemake --report`, which plays no bare MP4
-                write_text_atomic(out / Path(r.video).with_suffix(".html"), video_mod.html_page(
-                    out / r.video, f"{r.suite} task {r.task_id}: {r.task}",
-                    f"Trial {r.trial}: {'success' if r.success else 'failure'} after {r.steps} steps"
-                    f". Agent view (left) and wrist "
-                    f"camera (right), as the policy sees them; {video_mod.FPS} frames per second; "
-                    f"simulator {sim_info.get('package')} {sim_info.get('version') or ''}."))
-        (out / VIDEO_DIR).mkdir(exist_ok=True)  # a declared output, also when videos are off
-        with open(out / "episodes.jsonl", "w") as fh:
-            for r in results:
-                fh.write(json.dumps(asdict(r)) + "\n")
-        metrics = {"closed_loop": True, **summarize(results)}
-        metrics["simulator"] = sim_info
-        metrics["timing"] = timing(results, wall, num_envs, pool)
-        metrics["settings"] = asdict(settings)
-        metrics["model_dir"] = str(model_dir)
-        metrics["expectation"] = expectation(cfg, settings)
-        metrics.update(policy_record(pool))
-        metrics["wall_time_s"] = wall
-        write_json_atomic(out / "metrics.json", metrics)
-        write_text_atomic(out / "report.md", report_markdown(metrics, settings, str(model_dir)))
-        config_mod.write_resolved(cfg, out / "pisft_config.json")
-    t = metrics["timing"]
+        with open_policy_pool(cfg, policy, model_dir=model_dir, trained_on=layout.iteration(cfg).dataset,
+                              seed=settings.seed, rows=settings.forward_rows(len(specs)),
+                              wait_ms=settings.policy_batch_wait_ms, stage="closed_loop") as pool:
+            metrics, run_timing = _evaluate(cfg, settings, pool, out, specs, languages, factory=factory, sim=sim,
+                                            sim_info=sim_info, inline=inline, model_dir=model_dir)
+    write_json_atomic(layout.iteration(cfg).timing("closed_loop"), run_timing)
+    t = run_timing
     print(f"closed_loop: success rate {metrics['success_rate']:.3f} over {metrics['episodes']} "
-          f"episodes in {wall:.1f} s ({_num(t['simulator_steps_per_s'], '.2f')} simulator steps/s per "
+          f"episodes in {t['wall_time_s']:.1f} s ({_num(t['simulator_steps_per_s'], '.2f')} simulator steps/s per "
           f"environment, policy {_num(t['policy_ms_per_chunk'], '.1f')} ms per chunk) -> "
           f"{layout.iteration(cfg).closed_loop_metrics}", flush=True)
     return metrics
+
+
+def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool, out: Path,
+              specs: list, languages: dict, *, factory: Callable[[], libero_sim.Simulator],
+              sim: libero_sim.Simulator, sim_info: dict, inline: bool, model_dir: Path) -> tuple[dict, dict]:
+    """The rollouts into `out`: metrics.json, episodes.jsonl, the videos (the same bytes for the
+    same config, model and thread count), report.md, and the run's timing record beside the
+    logs (`layout.Iteration.timing`); (the metrics, the timing record)."""
+    num_envs = env_count(settings, specs, stage="closed_loop")
+    print(f"closed_loop: {len(specs)} episodes in {sim_info.get('package')} "
+          f"{sim_info.get('version') or ''}, {num_envs} environment "
+          f"{'(inline)' if inline else 'processes'}", flush=True)
+    record = progress("closed_loop", len(specs), lambda r: f"{r.suite} task {r.task_id} trial {r.trial}")
+
+    mujoco_logs = logs_mod.mujoco_log_dir("closed_loop", layout.iteration(cfg).logs)
+    (out / VIDEO_DIR).mkdir()  # the workers write into it (a declared output, also when videos are off)
+    results, wall = roll_out(specs, pool, settings, factory=factory, simulator=sim, num_envs=num_envs,
+                             inline=inline, languages=languages, on_episode=record, name="closed_loop",
+                             log_dir=mujoco_logs)
+    mujoco_note(mujoco_logs, "closed_loop")
+    for r in results:
+        if r.video:  # a page per video for `snakemake --report`, which plays no bare MP4
+            write_text_atomic(out / Path(r.video).with_suffix(".html"), video_mod.html_page(
+                out / r.video, f"{r.suite} task {r.task_id}: {r.task}",
+                f"Trial {r.trial}: {'success' if r.success else 'failure'} after {r.steps} steps"
+                f". Agent view (left) and wrist "
+                f"camera (right), as the policy sees them; {video_mod.FPS} frames per second; "
+                f"simulator {sim_info.get('package')} {sim_info.get('version') or ''}."))
+    with open(out / "episodes.jsonl", "w") as fh:
+        for r in results:
+            fh.write(json.dumps(r.outcome()) + "\n")
+    metrics = {"closed_loop": True, **summarize(results)}
+    metrics["simulator"] = sim_info
+    metrics["settings"] = settings.record()
+    metrics["model_dir"] = str(model_dir)
+    metrics["expectation"] = expectation(cfg, settings)
+    metrics.update(policy_record(pool))
+    run_timing = timing(results, wall, num_envs, pool, settings)
+    write_json_atomic(out / "metrics.json", metrics)
+    write_text_atomic(out / "report.md", report_markdown(metrics, settings, str(model_dir), run_timing=run_timing))
+    config_mod.write_resolved(cfg, out / "pisft_config.json")
+    return metrics, run_timing

@@ -201,7 +201,8 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
 
 
 def closed_loop_results(cfg: config_mod.PisftConfig) -> dict | None:
-    """The closed-loop success rates for the report, only when eval.closed_loop is on.
+    """The closed-loop success rates for the report, only when eval.closed_loop is on, with the
+    run's throughput (`timing`) from its timing record when there is one (informative only).
 
     With it off, a results/closed_loop/metrics.json left by an earlier run (an earlier model)
     is ignored: the report never shows numbers this run did not make.
@@ -216,6 +217,9 @@ def closed_loop_results(cfg: config_mod.PisftConfig) -> dict | None:
     if results.get("closed_loop") is False:  # written by the stage while the key was off
         raise PisftError(f"evaluate: eval.closed_loop is on but {path} says closed-loop evaluation "
                          "was not run (it was off then); rerun the `closed_loop` stage")
+    timing = layout.iteration(cfg).timing("closed_loop")
+    if timing.is_file():
+        results["timing"] = json.loads(timing.read_text())
     return results
 
 

@@ -26,7 +26,10 @@ be held for the others:
 
 **Each request's own noise.** The caller hands each request's noise generator (or seed) with it;
 `Policy.predict_many` draws each request's noise from its own, so a chunk does not depend on the
-requests it is batched with nor on the replica that computes it.
+requests it is batched with nor on the replica that computes it, to float32 rounding: a forward
+rounds by its number of rows. The thread front end's stages fix those rows
+(`pisft.policy.fixed_shape`), so there the bits do not depend on the batches either; the server
+batches by arrival time.
 
 **One failure rule.** A forward that raises (or answers the wrong number of replies) is retried
 request by request (`answer_each`): the bad request errs alone, its batch-mates are answered.

@@ -8,6 +8,9 @@ scheduler keeps receiving the other environments' observations, and answers thro
 scheduler waits on beside the workers' pipes. So while a forward runs, the requests that arrive
 meanwhile queue up and go together into the next.
 
+A model's replica computes every forward at the stage's fixed number of rows (`eval.policy_batch`,
+`pisft.policy.fixed_shape`): which requests share a forward changes no bit of their answers.
+
 With N accelerators there are N replicas, one per device (`policy_devices`); any idle replica
 takes the oldest waiting requests. A replica's thread selects its device first (the current
 device is per thread in CUDA and torch-npu). On the CPU there is one replica.
@@ -36,7 +39,8 @@ from pisft import config as config_mod
 from pisft import device as device_mod
 from pisft.errors import PisftError
 from pisft.policy.batching import BatchRule, answer_each, error_text
-from pisft.policy.interface import as_policy
+from pisft.policy.fixed_shape import FixedShape
+from pisft.policy.interface import Policy, as_policy
 
 
 @dataclass(frozen=True)
@@ -238,13 +242,18 @@ def policy_devices(cfg: config_mod.PisftConfig) -> list[str]:
 
 @contextlib.contextmanager
 def open_policy_pool(cfg: config_mod.PisftConfig, given: Any, *, model_dir: Path, trained_on: Path,
-                     seed: int, max_batch: int, wait_ms: float, stage: str) -> Iterator[PolicyPool]:
+                     seed: int, rows: int, wait_ms: float, stage: str) -> Iterator[PolicyPool]:
     """The stage's policy, closed on exit: `given` (tests, a caller's own) as one replica, else the
     model in `model_dir` as `LiberoPolicy` replicas (the code `serve` runs), one per device of
-    `policy_devices`, with `eval.cfg_scale` and `policy_threads` CPU threads. Says once, before the
-    rollouts, which classifier-free guidance is in effect (`LiberoPolicy.guidance`)."""
+    `policy_devices`, with `eval.cfg_scale` and `policy_threads` CPU threads. Every forward of a
+    policy in the protocol (a model) has `rows` rows (`fixed_shape.FixedShape`: results do not
+    depend on which requests share a forward); a stand-in given by a test is used as it is. Says
+    once, before the rollouts, which classifier-free guidance is in effect (`LiberoPolicy.guidance`)."""
+    def fixed(policy: Any) -> Any:
+        return FixedShape(policy, rows, name=stage) if isinstance(policy, Policy) else policy
+
     if given is not None:
-        pool = PolicyPool([given], max_batch=max_batch, wait_ms=wait_ms, devices=["given"])
+        pool = PolicyPool([fixed(given)], max_batch=rows, wait_ms=wait_ms, devices=["given"])
     else:
         import torch
 
@@ -255,18 +264,24 @@ def open_policy_pool(cfg: config_mod.PisftConfig, given: Any, *, model_dir: Path
         scale = check_scale(cfg.eval.cfg_scale, "eval.cfg_scale")
         devices = policy_devices(cfg)
         kind = device_mod.resolve_kind(cfg.device)
-        replicas = [LiberoPolicy.from_model_dir(model_dir, device=kind, device_index=i, seed=seed,
-                                                trained_on=trained_on, cfg_scale=scale)
+        replicas = [fixed(LiberoPolicy.from_model_dir(model_dir, device=kind, device_index=i, seed=seed,
+                                                      trained_on=trained_on, cfg_scale=scale))
                     for i in range(len(devices))]
         if len(devices) > 1:
             print(f"{stage}: {len(devices)} policy replicas, one per device ({', '.join(devices)})", flush=True)
         select = None if kind == "cpu" else functools.partial(device_mod.local_device, kind)
-        pool = PolicyPool(replicas, max_batch=max_batch, wait_ms=wait_ms, devices=devices, select_device=select)
+        pool = PolicyPool(replicas, max_batch=rows, wait_ms=wait_ms, devices=devices, select_device=select)
     with pool:
         guided = guidance_of(pool)
         if guided is not None and (guided["note"] or guided["guided"]):
             print(f"{stage}: {'note: ' + guided['note'] if guided['note'] else guided['describe']}", flush=True)
         yield pool
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def guidance_of(pool: PolicyPool) -> dict | None:
@@ -277,8 +292,11 @@ def guidance_of(pool: PolicyPool) -> dict | None:
 def policy_record(pool: PolicyPool) -> dict:
     """What a stage's output records of its policy (a `LiberoPolicy`'s; none for a stand-in): how
     the task becomes the prompt (`prompt`), the guidance scale in effect (`cfg_scale`, 1 for a
-    plain model) and the guidance (`guidance`)."""
+    plain model), the guidance (`guidance`), and the rows of its forwards and its CPU threads
+    (`forward`: the results depend on both)."""
     out: dict = {}
+    if isinstance(pool.replicas[0], FixedShape):
+        out["forward"] = {**pool.replicas[0].record(), "cpu_threads": _torch_threads()}
     cond = getattr(pool.replicas[0], "conditioning", None)
     if cond is not None:
         out["prompt"] = {**cond.to_dict(), "describe": cond.describe()}

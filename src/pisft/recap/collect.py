@@ -33,15 +33,18 @@ discarded, and a retry records from scratch), and one that errs on every attempt
 stage, naming it and its errors, with nothing written.
 
 Output `results/recap/iter_<k>/rollouts/` (atomic): the dataset, `collection.json` (suite,
-tasks, every episode's task, initial state, seeds, frames, outcome; the policy; the settings;
-timing) and `pisft_config.json`.
+tasks, every episode's task, initial state, seeds, frames, outcome; the policy and the rows of its
+forwards; the settings) and `pisft_config.json`: the same bytes for the same config, model and
+policy thread count, whatever the load, `eval.num_envs` or a kill and rerun (every forward has
+`eval.policy_batch` rows, `pisft.policy.fixed_shape`), so DVC sees the same dataset. How the run
+went (times, environment processes, batches, episodes run again) is its timing record,
+`results/recap/iter_<k>/logs/collect_rollouts.timing.json`.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +115,7 @@ def collection_record(cfg: config_mod.PisftConfig, settings: rollout.Settings, s
             "episode_index": spec.index, "task_id": spec.task_id, "task": r.task,
             "task_index": tasks.index(r.task), "initial_state": spec.initial_state, "env_seed": spec.env_seed,
             "policy_seed": policy_seed, "policy_calls": r.policy_calls, "frames": r.steps,
-            "success": r.success, "error": r.error, "retried_errors": r.retried_errors})
+            "success": r.success, "error": r.error})
         entry = by_task.setdefault(spec.task_id, {"task_id": spec.task_id, "task": r.task,
                                                   "task_index": tasks.index(r.task), "episodes": 0,
                                                   "successes": 0})
@@ -163,49 +166,54 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
     factory = simulator if simulator is not None else libero_sim.LiberoSimulator
     sim = factory()  # SimulatorUnavailable with the install line when LIBERO is not installed
     sim_info = rollout.simulator_info(sim)
-    with open_policy_pool(cfg, policy, model_dir=model_dir, trained_on=layout.iteration(cfg, k - 1).dataset,
-                          seed=settings.seed, max_batch=settings.policy_batch, wait_ms=settings.policy_batch_wait_ms,
-                          stage="collect_rollouts") as pool:
-        return _collect(cfg, k, settings, pool, factory=factory, sim=sim, sim_info=sim_info, inline=inline,
-                        model_dir=model_dir)
-
-
-def _collect(cfg: config_mod.PisftConfig, k: int, settings: rollout.Settings, pool: PolicyPool, *,
-             factory, sim, sim_info: dict, inline: bool, model_dir: Path) -> dict:
     final = layout.iteration(cfg).rollouts
     with atomic_dir(final) as out:
         specs, languages = rollout.plan_episodes(sim, settings, None, record_dir=out / RECORDINGS)
-        num_envs = rollout.env_count(settings, specs, stage="collect_rollouts")
-        print(f"collect_rollouts: iteration {k}, policy {model_dir}: {len(specs)} episodes in "
-              f"{sim_info.get('package')} {sim_info.get('version') or ''}, {num_envs} environment "
-              f"{'(inline)' if inline else 'processes'}", flush=True)
-        record = rollout.progress(  # plan_episodes: episode i of a task starts from first_init_state + i
-            "collect_rollouts", len(specs),
-            lambda r: f"{r.suite} task {r.task_id} initial state {settings.first_init_state + r.trial}", logger=log)
-
-        mujoco_logs = logs_mod.mujoco_log_dir("collect_rollouts", layout.iteration(cfg).logs)
-        try:
-            results, wall = rollout.roll_out(specs, pool, settings, factory=factory, simulator=sim,
-                                                 num_envs=num_envs, inline=inline, languages=languages,
-                                                 on_episode=record, name="collect_rollouts",
-                                                 log_dir=mujoco_logs)
-        except rollout.EpisodeErrors as exc:
-            raise CollectionError(_crash_message(exc, final)) from None
-        finally:
-            rollout.mujoco_note(mujoco_logs, "collect_rollouts")
-        tasks = list(dict.fromkeys(r.task for r in results))  # LeRobot's task_index: order of first appearance
-        write_recap_dataset(out, _dataset_episodes(specs, results, {t: i for i, t in enumerate(tasks)}), tasks,
-                            version=DATASET_VERSION, naming="recap", fps=FPS, robot_type=ROBOT_TYPE,
-                            workers=device_mod.usable_cores())
-        shutil.rmtree(out / RECORDINGS)
-        collection = collection_record(cfg, settings, specs, results, tasks, model_dir)
-        collection["simulator"] = sim_info
-        collection.update(policy_record(pool))
-        collection["settings"] = asdict(settings)
-        collection["timing"] = rollout.timing(results, wall, num_envs, pool)
-        write_json_atomic(out / "collection.json", collection)
-        config_mod.write_resolved(cfg, out / "pisft_config.json")
-        write_manifest(out)  # convert_recap checks the rollouts against it (pisft.integrity)
-    print(f"collect_rollouts: {len(results)} episodes, {collection['frames']} frames, "
-          f"{collection['successes']} successes in {wall:.1f} s -> {final}", flush=True)
+        with open_policy_pool(cfg, policy, model_dir=model_dir, trained_on=layout.iteration(cfg, k - 1).dataset,
+                              seed=settings.seed, rows=settings.forward_rows(len(specs)),
+                              wait_ms=settings.policy_batch_wait_ms, stage="collect_rollouts") as pool:
+            collection, run_timing = _collect(cfg, k, settings, pool, out, specs, languages, factory=factory,
+                                              sim=sim, sim_info=sim_info, inline=inline, model_dir=model_dir)
+    write_json_atomic(layout.iteration(cfg).timing("collect_rollouts"), run_timing)
+    print(f"collect_rollouts: {len(specs)} episodes, {collection['frames']} frames, "
+          f"{collection['successes']} successes in {run_timing['wall_time_s']:.1f} s -> {final}", flush=True)
     return collection
+
+
+def _collect(cfg: config_mod.PisftConfig, k: int, settings: rollout.Settings, pool: PolicyPool, out: Path,
+             specs: list[EpisodeSpec], languages: dict, *, factory, sim, sim_info: dict, inline: bool,
+             model_dir: Path) -> tuple[dict, dict]:
+    """The rollouts into `out` (the same bytes for the same config, model and thread count); (the
+    collection record, the run's timing record)."""
+    final = layout.iteration(cfg).rollouts
+    num_envs = rollout.env_count(settings, specs, stage="collect_rollouts")
+    print(f"collect_rollouts: iteration {k}, policy {model_dir}: {len(specs)} episodes in "
+          f"{sim_info.get('package')} {sim_info.get('version') or ''}, {num_envs} environment "
+          f"{'(inline)' if inline else 'processes'}", flush=True)
+    record = rollout.progress(  # plan_episodes: episode i of a task starts from first_init_state + i
+        "collect_rollouts", len(specs),
+        lambda r: f"{r.suite} task {r.task_id} initial state {settings.first_init_state + r.trial}", logger=log)
+
+    mujoco_logs = logs_mod.mujoco_log_dir("collect_rollouts", layout.iteration(cfg).logs)
+    (out / RECORDINGS).mkdir()  # the workers record into it
+    try:
+        results, wall = rollout.roll_out(specs, pool, settings, factory=factory, simulator=sim,
+                                         num_envs=num_envs, inline=inline, languages=languages,
+                                         on_episode=record, name="collect_rollouts", log_dir=mujoco_logs)
+    except rollout.EpisodeErrors as exc:
+        raise CollectionError(_crash_message(exc, final)) from None
+    finally:
+        rollout.mujoco_note(mujoco_logs, "collect_rollouts")
+    tasks = list(dict.fromkeys(r.task for r in results))  # LeRobot's task_index: order of first appearance
+    write_recap_dataset(out, _dataset_episodes(specs, results, {t: i for i, t in enumerate(tasks)}), tasks,
+                        version=DATASET_VERSION, naming="recap", fps=FPS, robot_type=ROBOT_TYPE,
+                        workers=device_mod.usable_cores())
+    shutil.rmtree(out / RECORDINGS)
+    collection = collection_record(cfg, settings, specs, results, tasks, model_dir)
+    collection["simulator"] = sim_info
+    collection.update(policy_record(pool))
+    collection["settings"] = settings.record()
+    write_json_atomic(out / "collection.json", collection)
+    config_mod.write_resolved(cfg, out / "pisft_config.json")
+    write_manifest(out)  # convert_recap checks the rollouts against it (pisft.integrity)
+    return collection, rollout.timing(results, wall, num_envs, pool, settings)

@@ -28,9 +28,12 @@ STEPS_FILE = "steps.npz"
 
 
 class EpisodeRecorder:
+    """`folder`: the episode's, made here inside its parent, which the stage made: a parent gone
+    (the temporary output of a killed stage, removed by its rerun) is not made again."""
+
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(exist_ok=True)
         self._files = {cam: open(self.folder / f"{cam}.u8", "wb") for cam in CAMERAS}  # noqa: SIM115
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._state: list[np.ndarray] = []

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait as wait_for_replies
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,8 @@ import numpy as np
 
 from pisft import device as device_mod
 from pisft.errors import PisftError
+from pisft.policy.fixed_shape import FixedShape
+from pisft.policy.interface import Policy
 from pisft.policy.replicas import Answer as PolicyAnswer
 from pisft.policy.replicas import PolicyPool
 from pisft.policy.replicas import Request as PolicyRequest
@@ -65,6 +67,19 @@ class EpisodeResult:
     # errors of earlier attempts of this episode (each ended in an error and was run again on a
     # fresh worker); this result is of the attempt that ran to its end
     retried_errors: list[str] = field(default_factory=list)
+
+    # How the run went, not what the episode gave: the times, and the attempts before this one.
+    RUN_ONLY = ("wall_time_s", "sim_step_time_s", "env_create_s", "reset_s", "policy_ms", "retried_errors")
+
+    def outcome(self) -> dict:
+        """What the episode gave (`episodes.jsonl`): fixed by the config, the model and the thread
+        count, whatever the timing, the environment processes or a crash on the way."""
+        return {k: v for k, v in asdict(self).items() if k not in self.RUN_ONLY}
+
+    def run_record(self) -> dict:
+        """How this run of the episode went (the timing record): its times and retried errors."""
+        return {"suite": self.suite, "task_id": self.task_id, "trial": self.trial,
+                **{k: getattr(self, k) for k in self.RUN_ONLY}}
 
 
 #####
@@ -339,12 +354,16 @@ def run_episodes(specs: list[EpisodeSpec], policy: Any, settings: Settings, *,
                  on_episode: Callable[[EpisodeResult], None] | None = None,
                  attempts: int = EPISODE_ATTEMPTS, stage: str = "closed_loop") -> list[EpisodeResult]:
     """`Scheduler(...).run()`; `policy`: a `PolicyPool`, or one policy, then pooled here with
-    `settings.policy_batch` and `settings.policy_batch_wait_ms` (a pool made here is closed here;
-    a given pool, by its owner). Every result returned ran to its end (`error` is None);
-    `retried_errors` keeps what failed on the way."""
+    `settings.forward_rows` and `settings.policy_batch_wait_ms` (a model's forwards then have that
+    many rows, `FixedShape`; a pool made here is closed here; a given pool, by its owner). Every
+    result returned ran to its end (`error` is None); `retried_errors` keeps what failed on the way."""
     ours = not isinstance(policy, PolicyPool)
-    made = (PolicyPool([policy], max_batch=settings.policy_batch, wait_ms=settings.policy_batch_wait_ms)
-            if ours else contextlib.nullcontext(policy))
+    if ours:
+        rows = settings.forward_rows(len(specs))
+        model = FixedShape(policy, rows, name=stage) if isinstance(policy, Policy) else policy
+        made = PolicyPool([model], max_batch=rows, wait_ms=settings.policy_batch_wait_ms)
+    else:
+        made = contextlib.nullcontext(policy)
     with made as pool:
         return Scheduler(specs, pool, settings, workers=workers, respawn=respawn, languages=languages,
                          on_episode=on_episode, attempts=attempts, stage=stage).run()
@@ -417,8 +436,12 @@ def stats(values: list[float]) -> dict:
             "max": float(a.max())}
 
 
-def timing(results: list[EpisodeResult], wall_time_s: float, num_envs: int, pool: PolicyPool | None = None) -> dict:
-    """Throughput of the simulator and the policy (these vary run to run; results do not)."""
+def timing(results: list[EpisodeResult], wall_time_s: float, num_envs: int, pool: PolicyPool | None = None,
+           settings: Settings | None = None) -> dict:
+    """How the run went (the timing record; these vary run to run, results do not): throughput of
+    the simulator and the policy, the environment processes, the policy's batches, the episodes
+    run again after an error, each episode's times (`EpisodeResult.run_record`) and the settings
+    that change only the speed (`Settings.RUN_ONLY`)."""
     sim_steps = sum(r.sim_steps for r in results)
     step_time = sum(r.sim_step_time_s for r in results)
     calls = sum(r.policy_calls for r in results)
@@ -436,7 +459,11 @@ def timing(results: list[EpisodeResult], wall_time_s: float, num_envs: int, pool
         "policy_ms_per_chunk": policy_ms / calls if calls else None,
         "env_create_s": stats([r.env_create_s for r in results if r.env_create_s > 0]),
         "reset_s": stats([r.reset_s for r in results if r.sim_steps]),
+        "retried": sum(bool(r.retried_errors) for r in results),
+        "episodes": [r.run_record() for r in results],
     }
+    if settings is not None:
+        out["settings"] = {k: getattr(settings, k) for k in settings.RUN_ONLY}
     if pool is not None:  # the forwards of every attempt, also of episodes run again
         out["policy_devices"] = list(pool.devices)
         out["policy_replicas"] = len(pool.replicas)

@@ -4,7 +4,7 @@ recap.* for what is rolled out, eval.* for how), and the number of environment p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from pisft import config as config_mod
 from pisft import device as device_mod
@@ -27,9 +27,10 @@ class Settings:
     # Initial state of each task's first trial (trial i starts from state first_init_state + i):
     # 0 for the evaluation; the RECAP rollout collection starts after the evaluation's states.
     first_init_state: int = 0
-    # At most this many requests per policy forward (0: every environment waiting at that moment);
-    # results do not depend on it (each request's noise is its own; pisft.policy.batching).
-    policy_batch: int = 0
+    # The rows of every policy forward: up to this many waiting requests share one, padded to it
+    # when fewer wait (`forward_rows`; pisft.policy.fixed_shape: a forward's rounding depends on its
+    # rows, never on which requests fill them, so results depend on this and not on timing).
+    policy_batch: int = 2
     # A batch that could still grow waits at most this long for the environments still simulating.
     policy_batch_wait_ms: float = 0.0
 
@@ -46,6 +47,19 @@ class Settings:
     def steps_for(self, suite: str) -> int:
         return self.max_steps or libero_sim.SUITE_MAX_STEPS[suite]
 
+    def forward_rows(self, episodes: int) -> int:
+        """The rows of every policy forward for a plan of `episodes`: `policy_batch`, at most one
+        per episode (no more requests can ever wait at once). Fixed by the config, so by neither the
+        environment processes nor the timing."""
+        return max(1, min(self.policy_batch, episodes))
+
+    # How a run goes, not what it gives: the results do not depend on these.
+    RUN_ONLY = ("num_envs", "policy_batch_wait_ms")
+
+    def record(self) -> dict:
+        """The settings that decide the results (an output's deterministic record; `RUN_ONLY`
+        go to the run's timing record)."""
+        return {k: v for k, v in asdict(self).items() if k not in self.RUN_ONLY}
 
     # the evaluation's settings (kept under the name the stages used)
     from_config = for_evaluation

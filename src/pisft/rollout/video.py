@@ -31,7 +31,10 @@ class SideBySideWriter:
 
         if height % 2 or width % 2:
             raise ValueError(f"H.264 in yuv420p needs even frame sizes, got {width}x{height}")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # into the folder the stage made: one gone since (a killed stage's temporary output,
+        # removed by its rerun) is not made again
+        if not self.path.parent.is_dir():
+            raise FileNotFoundError(f"{self.path.parent}: the video folder is gone")
         self._container = av.open(str(self.path), mode="w")
         stream = self._container.add_stream("libx264", rate=self.fps)
         stream.width, stream.height = width, height

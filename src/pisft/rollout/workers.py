@@ -248,13 +248,16 @@ def _worker_main(conn, simulator_factory: Callable[[], Any], workdir: str | None
         conn.close()
         return
     conn.send(("ready", os.getpid()))
+    parent = os.getppid()
     try:
         while True:
             try:
                 kind, payload = conn.recv()
             except EOFError:  # the parent is gone
                 break
-            if kind == "close":
+            # "close", or the stage is gone (a kill -9: what it sent before is unwanted; a start
+            # would make its episode's folder again in the temporary output its rerun removed)
+            if kind == "close" or os.getppid() != parent:
                 break
             conn.send(runner.handle(kind, payload))
     finally:

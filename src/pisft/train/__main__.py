@@ -75,4 +75,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from pisft.device import exit_process
+
+    # not through the interpreter's teardown, which a gloo thread still releasing a collective can
+    # abort (issue 47; pisft.device.exit_process)
+    exit_process(main())
