@@ -75,6 +75,8 @@ EVAL_KEYS = (
     "eval.seed",
     "eval.bootstrap_samples",
     "eval.cfg_scale",
+    "eval.precision",  # the numbers' precision (pisft.policy.precision)
+    "eval.compile",  # the compiled chunk: the same actions within its tolerance, not the same bits
 )
 # The RECAP value model (train_value) and the advantage labelling (advantages).
 CLOSED_LOOP_KEYS = (
@@ -89,6 +91,9 @@ CLOSED_LOOP_KEYS = (
     "eval.task_ids",
     "eval.videos",
     "eval.cfg_scale",
+    "eval.precision",
+    "eval.compile",
+    "eval.rtc",  # the inference delay and real-time chunking (pisft.rollout.chunking)
     # not eval.num_envs: it changes how fast, not what (results do not depend on it)
 )
 # The RECAP loop's stages (iteration k >= 1; README, "The RECAP loop").
@@ -103,6 +108,8 @@ COLLECT_KEYS = (
     "eval.replan_steps",
     "eval.resize_size",
     "eval.cfg_scale",
+    "eval.precision",
+    "eval.compile",
 )
 VALUE_KEYS = (
     "train",  # the process layout, micro batch, precision, seed and schedule shape

@@ -62,9 +62,14 @@ class PoolStats:
     forward_s: float = 0.0  # summed over replicas
     max_batch_seen: int = 0
     per_replica_requests: list[int] = field(default_factory=list)
+    forward_times_s: list[float] = field(default_factory=list)  # each forward's, for its percentiles
 
     def to_dict(self) -> dict:
+        times = np.asarray(self.forward_times_s) * 1000.0
         return {
+            # the policy's time per forward (a chunk, or a batch of chunks), as openpi's policy_timing
+            "policy_forward_ms_p50": float(np.percentile(times, 50)) if len(times) else None,
+            "policy_forward_ms_p99": float(np.percentile(times, 99)) if len(times) else None,
             "policy_forwards": self.forwards,
             "policy_requests": self.requests,
             "mean_policy_batch": self.requests / self.forwards if self.forwards else None,
@@ -167,6 +172,7 @@ class PolicyPool:
                 self.stats.forwards += 1
                 self.stats.requests += len(job)
                 self.stats.forward_s += elapsed
+                self.stats.forward_times_s.append(elapsed)
                 self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(job))
                 self.stats.per_replica_requests[i] += len(job)
             share = elapsed / len(job)
@@ -238,10 +244,12 @@ def policy_devices(cfg: config_mod.PisftConfig) -> list[str]:
 
 @contextlib.contextmanager
 def open_policy_pool(cfg: config_mod.PisftConfig, given: Any, *, model_dir: Path, trained_on: Path,
-                     seed: int, max_batch: int, wait_ms: float, stage: str) -> Iterator[PolicyPool]:
+                     seed: int, max_batch: int, wait_ms: float, stage: str,
+                     rtc: bool = False) -> Iterator[PolicyPool]:
     """The stage's policy, closed on exit: `given` (tests, a caller's own) as one replica, else the
     model in `model_dir` as `LiberoPolicy` replicas (the code `serve` runs), one per device of
-    `policy_devices`, with `eval.cfg_scale` and `policy_threads` CPU threads. Says once, before the
+    `policy_devices`, with `eval.cfg_scale`, `eval.precision`, `eval.compile`, real-time chunking
+    when `rtc` (`eval.rtc`) and `policy_threads` CPU threads. Says once, before the
     rollouts, which classifier-free guidance is in effect (`LiberoPolicy.guidance`)."""
     if given is not None:
         pool = PolicyPool([given], max_batch=max_batch, wait_ms=wait_ms, devices=["given"])
@@ -250,13 +258,17 @@ def open_policy_pool(cfg: config_mod.PisftConfig, given: Any, *, model_dir: Path
 
         from pisft.model.guidance import check_scale
         from pisft.policy.libero import LiberoPolicy
+        from pisft.policy.rtc import RtcSettings
 
         torch.set_num_threads(policy_threads())
         scale = check_scale(cfg.eval.cfg_scale, "eval.cfg_scale")
         devices = policy_devices(cfg)
         kind = device_mod.resolve_kind(cfg.device)
+        settings = RtcSettings.from_config(cfg.eval.rtc) if rtc else None
         replicas = [LiberoPolicy.from_model_dir(model_dir, device=kind, device_index=i, seed=seed,
-                                                trained_on=trained_on, cfg_scale=scale)
+                                                trained_on=trained_on, cfg_scale=scale, precision=cfg.eval.precision,
+                                                compiled=cfg.eval.compile, rtc=settings,
+                                                note=lambda line: print(f"{stage}: {line}", flush=True))
                     for i in range(len(devices))]
         if len(devices) > 1:
             print(f"{stage}: {len(devices)} policy replicas, one per device ({', '.join(devices)})", flush=True)
@@ -286,4 +298,7 @@ def policy_record(pool: PolicyPool) -> dict:
     if guided is not None:
         out["cfg_scale"] = guided["cfg_scale"]
         out["guidance"] = guided
+    predictor = getattr(pool.replicas[0], "predictor", None)
+    if predictor is not None:  # precision, the compiled chunk and its compile times, RTC
+        out["inference"] = predictor.describe()
     return out
