@@ -28,11 +28,12 @@ row's actions beyond the kernels' rounding for a different batch size, which eag
 **Tolerance.** The compiled chunk is LeRobot's computation reassociated (inductor fuses
 element-wise operations and keeps their intermediates in float32) and computes the same actions
 from the same noise within `ACTIONS_ATOL` in normalised action units ([-1, 1] between the q01 and
-q99 of each dimension): for a float32 model 1e-4, two hundred times the 4.8e-7 measured on the
-tiny model and 1/78 of the 256-bin resolution at which pi0.5 reads its own state; for a bf16 model
-(`pisft.policy.precision`) 2**-6, two bf16 roundings (2**-7 each) of an action at the edge of the
-range, since eager and compiled round different intermediates to bf16 on the way to the float32
-action projection.
+q99 of each dimension): for a float32 model 1e-4, two hundred times the 2.4e-7 to 6e-7 measured on
+the tiny model and 1/78 of the 256-bin resolution at which pi0.5 reads its own state; for a bf16
+model (`pisft.policy.precision`) 2**-6, two bf16 ulps (2**-7 at 1.0) of an action at the edge of
+the range: eager and compiled round different intermediates to bf16 on the way to the float32
+action projection, and the ten steps carry it on (measured: 5e-3 on the tiny model, 1.35e-2 on
+pi0.5 at real size, batch 1, on the CPU).
 
 **The default** (`eval.compile: null`): compiled where it measured faster than eager
 (`MEASURED_FASTER`, from `python -m pisft bench --only inference`), eager where it measured
@@ -54,11 +55,12 @@ from pisft.model import lerobot_internals as internals
 
 # eval.compile null: whether a stage runs faster with the compiled chunk than eager on this kind of
 # device, its compile included (None: not measured there; eager). The CPU (docs/benchmarks.md,
-# "Inference"; `python -m pisft bench --only inference`): a compiled chunk is faster once compiled,
-# but the compile takes about a minute per batch-size bucket for the tiny model on 2 cores, more than
-# the default pipeline's few hundred chunks save (tens of ms each), and minutes at real size against
-# a few per cent of a chunk: eager. CUDA and NPU: not yet measured (`python -m pisft.bench.gpu_infer`
-# is the prepared run; the full LIBERO protocol's ~100,000 chunks would pay a compile back).
+# "Inference"; `python -m pisft bench --only inference`, 2 shared cores): a compiled chunk is faster
+# once compiled, but a bucket compiles in about a minute for the tiny model, more than the default
+# pipeline's few hundred chunks save (tens of ms each); pi0.5 at real size, batch 1: 68 s a chunk
+# compiled against 144 s eager, after a 17-minute compile and near 10 GiB: eager by default there
+# too (`eval.compile: true` pays back after about 14 chunks of one bucket). CUDA and NPU: not yet
+# measured (`python -m pisft.bench.gpu_infer` is the prepared run).
 MEASURED_FASTER: dict[str, bool | None] = {"cpu": False, "cuda": None, "npu": None}
 # Normalised action units (module docstring).
 ACTIONS_ATOL = {torch.float32: 1e-4, torch.bfloat16: 2.0 ** -6}

@@ -4,8 +4,10 @@
   `openpi_bf16`): SigLIP's patch and position embeddings, every RMSNorm (with the action expert's
   adaptive-norm projections) and the action/time projections. LeRobot's bf16 load keeps the whole
   vision tower and the multi-modal projector in float32 too (a training concern: its optimizer);
-  on pi0.5 that is 0.43B parameters whose matrix products ran in float32 at inference (issue 46's
-  H200 profile: 26 of 68 ms of GPU time in fp32 GEMM kernels).
+  on pi0.5 0.41B parameters whose matrix products ran in float32 at inference (issue 46's H200
+  profile: 26 of 68 ms of GPU time in fp32 GEMM kernels). pi0.5 then holds 0.12B parameters in
+  float32 instead of 0.53B: the expert's adaptive-norm projections (0.117B), the time MLP, SigLIP's
+  embeddings, the norms.
 - `fp32`: everything in float32 (LeRobot's `precision="float32"`).
 - `auto` (the default): bf16 on an accelerator, as openpi serves every model
   (src/openpi/policies/policy_config.py @ 15a9616: `to_bfloat16_for_selected_params("bfloat16")`
