@@ -196,6 +196,8 @@ class CompiledChunk:
                              f"eager for this model")
             return out
         if first:
+            if out.device.type == "cuda":  # the first call's compile and capture have ended on the device too
+                torch.cuda.synchronize(out.device)
             self.compile_s[key] = time.perf_counter() - start
         return out[:n].clone()  # a CUDA graph's output is overwritten by its next replay
 
