@@ -33,6 +33,10 @@ VALUE_TRAINABLE_MODES = ("all", "no_vision", "head", "lora")
 LORA_TARGETS = ("lerobot", "openpi", "rlinf")
 # data.augment: the training loaders' image augmentation (pisft.data.augment applies it).
 AUGMENTS = ("none", "openpi")
+# eval.precision: the inference precision (pisft.policy.precision applies it).
+INFERENCE_PRECISIONS = ("auto", "bf16", "fp32")
+# eval.rtc.schedule: LeRobot's RTCAttentionSchedule (lerobot/configs/types.py, LeRobot 0.6.1).
+RTC_SCHEDULES = ("ZEROS", "ONES", "LINEAR", "EXP")
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
@@ -168,6 +172,25 @@ class TrainConfig:
 
 
 @dataclass
+class RtcConfig:
+    """Real-time chunking (LeRobot's RTC, `lerobot.policies.rtc`) in closed_loop, and the closed
+    loop's simulated inference delay (pisft.rollout.chunking). The defaults of execution_horizon,
+    max_guidance_weight and schedule are LeRobot 0.6.1's `RTCConfig`'s."""
+
+    # Each chunk after an episode's first is inpainted to agree with the unexecuted rest of the one
+    # before (LeRobot's RTCProcessor); closed_loop then also runs plain chunking at the same delay.
+    enabled: bool = False
+    # The inference delay in control steps: the environment keeps executing the previous chunk this
+    # many steps while the next is computed (0: openpi's synchronous loop).
+    delay_steps: int = 0
+    # LeRobot's RTC guidance window: the first delay_steps actions are held to the previous chunk,
+    # the weights then fall to 0 at this index.
+    execution_horizon: int = 10
+    max_guidance_weight: float = 10.0
+    schedule: str = "LINEAR"
+
+
+@dataclass
 class EvalConfig:
     # At most this many held-out episodes (0: all of them).
     max_episodes: int = 0
@@ -208,6 +231,14 @@ class EvalConfig:
     # Classifier-free guidance of an advantage-conditioned policy (RLinf's cfgrl_guidance_scale):
     # 1.0 prompts with the positive tag alone; w > 1 blends v = (1 - w) v_uncond + w v_cond.
     cfg_scale: float = 1.0
+    # The action chunk compiled and graph-captured per batch-size bucket (pisft.policy.compiled), in
+    # evaluate, closed_loop and collect_rollouts (serve --compile): true, false, or null (the default):
+    # on where it measured faster than eager (pisft.policy.compiled.MEASURED_FASTER).
+    compile: bool | None = None
+    # Inference precision: bf16 (openpi's: fp32 only where openpi keeps it), fp32, or auto (bf16 on an
+    # accelerator; on the CPU, the precision the model directory records).
+    precision: str = "auto"
+    rtc: RtcConfig = field(default_factory=RtcConfig)
 
 
 THRESHOLD_SCOPES = ("global", "task")
@@ -598,6 +629,32 @@ def _eval_problems(e: EvalConfig) -> list[str]:
     if bad_ids or len(set(e.task_ids)) != len(e.task_ids):
         problems.append(f"eval.task_ids: {list(e.task_ids)}: task ids must be distinct and in 0..{n_tasks - 1} "
                         "(the tasks of every suite in eval.libero_suites); [] evaluates every task")
+    if e.precision not in INFERENCE_PRECISIONS:
+        problems.append(f"eval.precision: '{e.precision}' is not one of {', '.join(INFERENCE_PRECISIONS)} (auto: bf16 "
+                        "on an accelerator, the model's own on the CPU)")
+    return problems + _rtc_problems(e)
+
+
+def _rtc_problems(e: EvalConfig) -> list[str]:
+    r = e.rtc
+    problems: list[str] = []
+    if r.delay_steps < 0:
+        problems.append(f"eval.rtc.delay_steps: the inference delay in control steps must be >= 0 (0: the "
+                        f"synchronous loop), got {r.delay_steps}")
+    elif r.delay_steps > e.replan_steps:
+        problems.append(f"eval.rtc.delay_steps: {r.delay_steps} is more than eval.replan_steps ({e.replan_steps}): "
+                        "the next chunk is asked for while the current one is still executing, so the delay "
+                        "must fit in the steps executed per chunk; lower eval.rtc.delay_steps or raise "
+                        "eval.replan_steps")
+    if r.execution_horizon < 1:
+        problems.append(f"eval.rtc.execution_horizon: must be at least 1 (LeRobot's default: 10), got "
+                        f"{r.execution_horizon}")
+    if not (math.isfinite(r.max_guidance_weight) and r.max_guidance_weight > 0):
+        problems.append(f"eval.rtc.max_guidance_weight: must be a finite number > 0 (LeRobot's default: 10.0), "
+                        f"got {r.max_guidance_weight}")
+    if r.schedule not in RTC_SCHEDULES:
+        problems.append(f"eval.rtc.schedule: '{r.schedule}' is not one of {', '.join(RTC_SCHEDULES)} (LeRobot's "
+                        "RTCAttentionSchedule; its default: LINEAR)")
     return problems
 
 

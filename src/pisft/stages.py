@@ -75,6 +75,8 @@ EVAL_KEYS = (
     "eval.seed",
     "eval.bootstrap_samples",
     "eval.cfg_scale",
+    "eval.precision",  # the numbers' precision (pisft.policy.precision)
+    "eval.compile",  # the compiled chunk: the same actions within its tolerance, not the same bits
 )
 # The RECAP value model (train_value) and the advantage labelling (advantages).
 CLOSED_LOOP_KEYS = (
@@ -90,6 +92,9 @@ CLOSED_LOOP_KEYS = (
     "eval.videos",
     "eval.cfg_scale",
     "eval.policy_batch",  # the rows of every policy forward, whose rounding the actions follow
+    "eval.precision",
+    "eval.compile",
+    "eval.rtc",  # the inference delay and real-time chunking (pisft.rollout.chunking)
     # not eval.num_envs, eval.policy_batch_wait_ms, eval.policy_devices: they change how fast, not
     # what (pisft.policy.fixed_shape)
 )
@@ -106,6 +111,8 @@ COLLECT_KEYS = (
     "eval.resize_size",
     "eval.cfg_scale",
     "eval.policy_batch",  # the rows of every policy forward (as closed_loop)
+    "eval.precision",
+    "eval.compile",
 )
 VALUE_KEYS = (
     "train",  # the process layout, micro batch, precision, seed and schedule shape

@@ -96,6 +96,42 @@ changes underneath. Nothing else in pisft patches or inspects LeRobot's private 
    stream (`_LAYER_STEPS` checks its source); tests/test_frozen_prefix.py checks the same loss
    and the same gradients of every trainable parameter as the joint forward (tiny preset, fp32).
    A prefix with any trainable parameter (`all`, `no_vision`, `lora`) keeps the joint path.
+9. The chunk's entry points for a compiled program (`install_sample_actions`, `rtc_pieces`;
+   pisft.policy.compiled). `PI05Policy.predict_action_chunk` calls
+   `self.model.sample_actions(images, img_masks, tokens, masks, **kwargs)`, an attribute looked up
+   on the instance: an instance attribute `sample_actions` (a compiled program of LeRobot's own
+   method, with the same signature) takes every chunk, plain, guided (6.) or with RTC. LeRobot's
+   own `PI05Config.compile_model` sets the same attribute (`self.sample_actions =
+   torch.compile(self.sample_actions, ...)` in `PI05Pytorch.__init__`). A chunk with RTC guidance
+   (`prev_chunk_left_over`) cannot be one graph: LeRobot's `RTCProcessor.denoise_step` calls
+   `Tensor.requires_grad_` and `torch.autograd.grad`, which torch.compile does not trace. Such a
+   chunk runs LeRobot's `sample_actions` eagerly with its three model calls compiled, each an
+   attribute it looks up on the instance: `self.embed_prefix(...)`, the VLM's prefix pass
+   (`PaliGemmaWithExpertModel.forward`'s prefix-only branch calls
+   `self.paligemma.model.language_model.forward(...)`) and `self.denoise_step(...)` (6.).
+   `RTCProcessor.denoise_step` takes the model's velocity `v_t` before it sets
+   `x_t.requires_grad_(True)`, so no gradient flows through the model: the step may run under
+   `torch.no_grad()` with the same values (`structure_problems` checks the order).
+10. bf16 where openpi runs bf16 (`openpi_bf16`). With `config.dtype = "bfloat16"` LeRobot's
+   `PaliGemmaWithExpertModel.to_bfloat16_for_selected_params` keeps in float32 every parameter
+   whose name holds `vision_tower`, `multi_modal_projector`, `input_layernorm`,
+   `post_attention_layernorm` or `model.norm` ("Keep full vision path in float32 so we never
+   toggle (toggle causes optimizer 'same dtype' error)": a training concern), and the action and
+   time projections (`action_in_proj`, `action_out_proj`, `time_mlp_in`, `time_mlp_out`) are
+   created after that call, in float32. openpi's own method of the same name
+   (Physical-Intelligence/openpi @ 15a9616, src/openpi/models_pytorch/gemma_pytorch.py), which its
+   inference calls on every PyTorch model it serves (src/openpi/policies/policy_config.py), keeps
+   only SigLIP's patch and position embeddings and the norms (`OPENPI_FP32`) in float32; its
+   `PI0Pytorch` creates the same four projections after the call, in float32
+   (src/openpi/models_pytorch/pi0_pytorch.py), and its JAX model computes them in float32 too
+   (src/openpi/models/pi0.py: float32 inputs). `openpi_bf16` casts the rest of the vision path
+   (SigLIP's encoder layers, its post-layernorm, the projector) to bf16. Its encoder then gets
+   float32 embeddings: openpi's SigLIP casts them to bf16 before its first layer
+   (transformers_replace/models/siglip/modeling_siglip.py, "Convert to bfloat16 if the encoder
+   uses bfloat16"); transformers' `SiglipVisionTransformer.forward` calls
+   `self.encoder(inputs_embeds=hidden_states, ...)`, so a forward pre-hook on the encoder does the
+   same cast. LeRobot's `embed_image` returns the features in the image's dtype (float32), as
+   before.
 """
 
 from __future__ import annotations
@@ -489,6 +525,7 @@ def velocity_hook(policy, hook) -> Iterator[None]:
             return original(**{**kwargs, "x_t": x_t, "timestep": timestep})
         return hook(velocity)(kwargs["x_t"], kwargs["timestep"])
 
+    setattr(step, _VELOCITY_HOOK, True)  # 9.: a compiled RTC chunk leaves a hooked step as it is
     model.denoise_step = step
     try:
         yield
@@ -649,6 +686,7 @@ def structure_problems() -> list[str]:
                         "past_key_values, x_t, timestep): revisit velocity_hook")
     problems += _prefix_problems(m)
     problems += _frozen_prefix_problems(m)
+    problems += _chunk_problems(m) + _bf16_problems(m)
     if not hasattr(processor_pi05, "TokenizerProcessorStep"):
         problems.append("processor_pi05.TokenizerProcessorStep no longer exists")
     elif "TokenizerProcessorStep(" not in inspect.getsource(processor_pi05.make_pi05_pre_post_processors):
@@ -819,4 +857,181 @@ def _frozen_prefix_problems(m) -> list[str]:
         if needle not in fwd:
             problems.append(f"PaliGemmaWithExpertModel.forward no longer uses {needle}: revisit "
                             "frozen_prefix_forward")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------
+# 9. The chunk's entry points for a compiled program (pisft.policy.compiled).
+
+# What LeRobot's pi0.5 must still do for an instance attribute to take its chunks (9. above).
+_CHUNK_CALL = "self.model.sample_actions(images, img_masks, tokens, masks, **kwargs)"
+_SAMPLE_CALLS = ("self.embed_prefix(images, img_masks, tokens, masks)", "inputs_embeds=[prefix_embs, None]",
+                 "self.denoise_step(", "rtc_processor=self.rtc_processor",
+                 'prev_chunk_left_over=kwargs.get("prev_chunk_left_over")')
+_PREFIX_CALL = "self.paligemma.model.language_model.forward("
+_RTC_ORDER = ("v_t = original_denoise_step_partial(x_t)", "x_t.requires_grad_(True)")
+_VELOCITY_HOOK = "_pisft_velocity_hook"  # marks the step velocity_hook installs (6.)
+
+
+def install_sample_actions(policy, fn) -> None:
+    """Every `policy.predict_action_chunk` runs `fn(images, img_masks, tokens, masks, noise=,
+    num_steps=, **rtc)` in place of LeRobot's `PI05Pytorch.sample_actions` (9. above)."""
+    policy.model.sample_actions = fn
+
+
+def remove_sample_actions(policy) -> None:
+    vars(policy.model).pop("sample_actions", None)
+
+
+def lerobot_sample_actions(policy):
+    """LeRobot's own `sample_actions`, bound to the policy's model (whatever is installed)."""
+    core = policy.model
+    return type(core).sample_actions.__get__(core)
+
+
+def _prefix_vlm(policy):
+    return policy.model.paligemma_with_expert.paligemma.model.language_model
+
+
+def rtc_pieces(policy) -> dict[str, Any]:
+    """LeRobot's three model calls of a chunk, bound (9. above): `embed_prefix`, the VLM's
+    `forward` (the prefix pass) and `denoise_step`."""
+    core, vlm = policy.model, _prefix_vlm(policy)
+    return {"embed_prefix": type(core).embed_prefix.__get__(core),
+            "prefix_forward": type(vlm).forward.__get__(vlm),
+            "denoise_step": type(core).denoise_step.__get__(core)}
+
+
+def velocity_hooked(policy) -> bool:
+    """Whether `velocity_hook` (6.) holds the policy's denoising step now."""
+    step = vars(policy.model).get("denoise_step")
+    return step is not None and getattr(step, _VELOCITY_HOOK, False)
+
+
+@contextlib.contextmanager
+def pieces_installed(policy, pieces: dict[str, Any]) -> Iterator[bool]:
+    """Within the block LeRobot's `sample_actions` calls `pieces` (compiled `rtc_pieces`) for its
+    prefix and its denoising steps; yields whether the steps are the given ones (not while
+    `velocity_hook` holds them: a guided chunk's steps then run LeRobot's own)."""
+    core, vlm = policy.model, _prefix_vlm(policy)
+    hooked = velocity_hooked(policy)
+    core.embed_prefix = pieces["embed_prefix"]
+    vlm.forward = pieces["prefix_forward"]
+    if not hooked:
+        core.denoise_step = pieces["denoise_step"]
+    try:
+        yield not hooked
+    finally:
+        del core.embed_prefix
+        del vlm.forward
+        if not hooked:
+            del core.denoise_step
+
+
+def _chunk_problems(m) -> list[str]:
+    """The assumptions of 9. above."""
+    from lerobot.policies.rtc import modeling_rtc
+
+    problems = []
+    if _CHUNK_CALL not in inspect.getsource(m.PI05Policy.predict_action_chunk):
+        problems.append(f"PI05Policy.predict_action_chunk no longer calls {_CHUNK_CALL!r}: revisit "
+                        "install_sample_actions")
+    sample = inspect.getsource(m.PI05Pytorch.sample_actions)
+    problems += [f"PI05Pytorch.sample_actions no longer contains {s!r}: revisit rtc_pieces"
+                 for s in _SAMPLE_CALLS if s not in sample]
+    params = list(inspect.signature(m.PI05Pytorch.sample_actions).parameters)
+    if params != ["self", "images", "img_masks", "tokens", "masks", "noise", "num_steps", "kwargs"]:
+        problems.append(f"PI05Pytorch.sample_actions takes {params[1:]}: revisit pisft.policy.compiled")
+    if "self.sample_actions = torch.compile(self.sample_actions" not in inspect.getsource(m.PI05Pytorch.__init__):
+        problems.append("PI05Pytorch.__init__ no longer compiles sample_actions as an instance attribute: "
+                        "revisit install_sample_actions")
+    forward = inspect.getsource(m.PaliGemmaWithExpertModel.forward)
+    branch = forward.split("if inputs_embeds[1] is None:", 1)[-1].split("elif", 1)[0]
+    if _PREFIX_CALL not in branch:
+        problems.append(f"PaliGemmaWithExpertModel.forward's prefix-only branch no longer calls {_PREFIX_CALL!r}: "
+                        "revisit pieces_installed")
+    rtc = inspect.getsource(modeling_rtc.RTCProcessor.denoise_step)
+    if not all(s in rtc for s in _RTC_ORDER) or rtc.index(_RTC_ORDER[0]) > rtc.index(_RTC_ORDER[1]):
+        problems.append("RTCProcessor.denoise_step no longer takes the model's velocity before x_t requires "
+                        "grad: the compiled RTC chunk's no_grad step would drop a gradient; revisit pieces_installed")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------
+# 10. bf16 where openpi runs bf16.
+
+# openpi's `to_bfloat16_for_selected_params` keeps these (name substrings, relative to
+# PaliGemmaWithExpertModel) in float32: Physical-Intelligence/openpi @ 15a9616,
+# src/openpi/models_pytorch/gemma_pytorch.py.
+OPENPI_FP32 = ("vision_tower.vision_model.embeddings.patch_embedding.weight",
+               "vision_tower.vision_model.embeddings.patch_embedding.bias",
+               "vision_tower.vision_model.embeddings.position_embedding.weight",
+               "input_layernorm", "post_attention_layernorm", "model.norm")
+# What LeRobot 0.6.1 keeps besides (its params_to_keep_float32), checked by structure_problems.
+LEROBOT_FP32 = ("vision_tower", "multi_modal_projector", "input_layernorm", "post_attention_layernorm",
+                "model.norm")
+_BF16_HOOK = "_pisft_bf16_encoder_hook"
+
+
+def _vision(policy):
+    return policy.model.paligemma_with_expert.paligemma.model.vision_tower.vision_model
+
+
+def _cast_embeddings(encoder, args, kwargs):
+    """SigLIP's encoder gets its embeddings in its layers' dtype (openpi's cast, 10. above)."""
+    dtype = encoder.layers[0].self_attn.q_proj.weight.dtype
+    embeds = kwargs.get("inputs_embeds")
+    if embeds is not None and embeds.dtype != dtype:
+        kwargs = {**kwargs, "inputs_embeds": embeds.to(dtype)}
+    return args, kwargs
+
+
+def openpi_bf16(policy) -> int:
+    """Cast a bf16 policy's float32 parameters to bf16 except openpi's (`OPENPI_FP32`) and the
+    action/time projections (10. above); returns how many parameters were cast. A policy built in
+    float32 is refused: its float32 layout is LeRobot's `precision="float32"`, not a bf16 one."""
+    pwe = policy.model.paligemma_with_expert
+    q = pwe.paligemma.model.language_model.layers[0].self_attn.q_proj.weight
+    if q.dtype != torch.bfloat16:
+        raise ValueError("openpi_bf16: the policy was not built in bf16 (config.dtype = 'bfloat16')")
+    cast = 0
+    for name, p in pwe.named_parameters():
+        if p.dtype == torch.float32 and not any(sel in name for sel in OPENPI_FP32):
+            p.data = p.data.to(torch.bfloat16)
+            cast += p.numel()
+    encoder = _vision(policy).encoder
+    if not getattr(encoder, _BF16_HOOK, False):
+        encoder.register_forward_pre_hook(_cast_embeddings, with_kwargs=True)
+        setattr(encoder, _BF16_HOOK, True)
+    return cast
+
+
+def float32_parts(policy) -> dict[str, int]:
+    """Float32 parameters per part of the policy (`model.<part>`, the VLM's vision tower, projector,
+    language model and the expert apart), for the records of what runs in float32."""
+    out: dict[str, int] = {}
+    for name, p in policy.named_parameters():
+        if p.dtype != torch.float32:
+            continue
+        parts = name.split(".")
+        key = ".".join(parts[1:5] if parts[1] == "paligemma_with_expert" and parts[2] == "paligemma"
+                       else parts[1:3] if parts[1] == "paligemma_with_expert" else parts[1:2])
+        out[key] = out.get(key, 0) + p.numel()
+    return out
+
+
+def _bf16_problems(m) -> list[str]:
+    """The assumptions of 10. above."""
+    from transformers.models.siglip import modeling_siglip
+
+    problems = []
+    src = inspect.getsource(m.PaliGemmaWithExpertModel.to_bfloat16_for_selected_params)
+    problems += [f"to_bfloat16_for_selected_params no longer keeps {s!r} in float32: revisit openpi_bf16"
+                 for s in LEROBOT_FP32 if f'"{s}"' not in src]
+    vit = inspect.getsource(modeling_siglip.SiglipVisionTransformer.forward)
+    if "self.encoder(" not in vit or "inputs_embeds=hidden_states" not in vit:
+        problems.append("SiglipVisionTransformer.forward no longer calls self.encoder(inputs_embeds=...): "
+                        "revisit openpi_bf16's cast")
+    if "features.to(out_dtype)" not in inspect.getsource(m.PaliGemmaWithExpertModel.embed_image):
+        problems.append("PaliGemmaWithExpertModel.embed_image no longer returns the image's dtype: revisit openpi_bf16")
     return problems
