@@ -200,3 +200,29 @@ def test_a_stage_writing_a_dataset_onto_a_full_disk_ends_in_one_line(tmp_path, s
         assert "Traceback" not in out.stderr
         leftovers = sorted(p.name for p in results.iterdir()) if results.is_dir() else []
         assert not [n for n in leftovers if ".tmp-" in n or n in ("dataset", "demo_recap")], leftovers
+
+
+def test_episodes_whose_videos_do_not_fit_end_the_closed_loop_in_one_full_disk_line(tmp_path):
+    """A video the simulator's worker cannot write fails its episode; the episode runs again on a
+    fresh worker, fails the same way, and the stage stops: the line names the full disk and the
+    file, not a broken simulator install. The closed loop's own engine (stand-in simulator)."""
+    import functools
+
+    from test_eval_closed_loop import TWO_TASKS, GoalSeekingPolicy, StandInSimulator, make_cfg
+
+    from pisft import cli
+    from pisft.errors import PisftError
+    from pisft.evaluate import closed_loop
+
+    with small_fs(tmp_path / "fs", 4) as fs:
+        cfg = make_cfg(fs, videos=True)
+        fill(fs, 16 * 1024)
+        with pytest.raises(PisftError) as err:
+            closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, TWO_TASKS),
+                            policy=GoalSeekingPolicy(), inline=True)
+        assert "make setup" in str(err.value)  # the engine's advice for a crashing simulator
+        line, code = cli.user_error(err.value)
+        assert code == 1 and "\n" not in line
+        assert line.startswith(f"error: the stage's write failed: {fs}/results/.closed_loop.tmp-")
+        assert "videos/" in line and "no space left on the device (" in line and "make setup" not in line
+        assert not (fs / "results" / "closed_loop").exists()
