@@ -87,9 +87,11 @@ class SourceSampling:
         path = Path(dataset_dir) / SAMPLING_FILE
         if not path.is_file():
             return None
-        d = json.loads(path.read_text())
-        return cls(bool(d["balance_source_weights"]), tuple(float(w) for w in d["weights"]),
-                   tuple(int(s) for s in d["episode_source"]))
+        from pisft import records
+
+        fields = {"balance_source_weights": bool, "weights": (list, float), "episode_source": (list, int)}
+        d = records.read(path, fields, writer="convert_recap", required=tuple(fields))
+        return cls(d["balance_source_weights"], tuple(float(w) for w in d["weights"]), tuple(d["episode_source"]))
 
     def frames_per_source(self, episode_index: np.ndarray) -> list[int]:
         rows = self.source_of_rows(episode_index)

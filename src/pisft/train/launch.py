@@ -20,7 +20,6 @@ command on every node with `train.nnodes`, `train.node_rank` and `train.rdzv_end
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -30,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pisft import disk_space, layout
+from pisft import disk_space, layout, records
 from pisft import device as devices
 from pisft.config import PisftConfig, flatten, resolved
 from pisft.errors import PisftError, Terminated
@@ -113,8 +112,9 @@ def check_gate_report(cfg: PisftConfig, stage: str) -> dict:
     if not path.is_file():
         raise PisftError(f"{stage}: {path} not found; run {gate} first "
                          f"(`python -m pisft launch {gate}`, or let the workflow do it)")
-    report = json.loads(path.read_text())
-    if not report.get("passed"):
+    report = records.read(path, {"passed": bool, "messages": (list, str), "pisft_config": dict},
+                          writer=f"{gate} (python -m pisft launch {gate})", required=("passed",))
+    if not report["passed"]:
         msgs = "\n  - ".join(report.get("messages") or ["(no message)"])
         raise PisftError(f"{stage}: the smoke report {path} did not pass:\n  - {msgs}\n"
                          f"fix the cause and rerun {gate}")
