@@ -70,6 +70,9 @@ def error_lines(text: str) -> list[str]:
 def test_training_launched_by_hand_after_switching_the_mode_is_refused(smoked):
     """The smoke report measured expert mode (the VLM frozen); training all of it needs several
     times the memory: the launcher refuses before torchrun starts, naming the key."""
+    downstream = smoked / "eval" / "report.md"  # an evaluation of an earlier training: kept by a refusal
+    downstream.parent.mkdir(parents=True)
+    downstream.write_text("earlier evaluation\n")
     out = pisft(smoked, "launch", "train_8card", extra=("train.trainable=all",))
     assert out.returncode == 2, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
@@ -77,6 +80,8 @@ def test_training_launched_by_hand_after_switching_the_mode_is_refused(smoked):
     assert "train.trainable: smoke 'expert', now 'all'" in last and "rerun smoke_1card" in last
     assert "[launch]" not in out.stderr  # refused before any process started
     assert not (smoked / "checkpoints" / "train").exists()
+    assert downstream.read_text() == "earlier evaluation\n"  # nothing removed for a refused launch
+    shutil.rmtree(downstream.parent)
 
 
 @pytest.mark.integration

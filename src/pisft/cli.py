@@ -281,6 +281,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "launch":
             from pisft.train import launch
 
+            launch.preflight(args.stage, cfg)  # a refused launch removes nothing downstream
             invalidate_downstream(rule_name(args.stage, cfg.iteration), cfg.results_dir)
             with _writing_as(args.stage, cfg.iteration, launch=True):
                 return launch.main(args.stage, cfg, args.config, args.overrides)

@@ -273,7 +273,10 @@ def _to_console(text: str) -> None:
     sys.stdout.flush()
 
 
-def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -> int:
+def preflight(stage: str, cfg: PisftConfig) -> str:
+    """What refuses a launch before anything starts or is removed (the CLI runs it before it
+    invalidates the downstream outputs): the devices, the gate's report and its settings, room
+    for the logs. Returns the device kind."""
     kind = devices.resolve_kind(cfg.device)
     nproc = nproc_for(stage, cfg)
     if kind != "cpu" and devices.device_count(kind) < nproc:
@@ -285,6 +288,12 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
         check_gate_report(cfg, stage)
     disk_space.require_room(cfg.results_dir, START_ROOM, what=f"{stage}'s logs",
                             kept=lambda: _kept(cfg, stage))
+    return kind
+
+
+def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -> int:
+    kind = preflight(stage, cfg)
+    nproc = nproc_for(stage, cfg)
     stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     log_dir = layout.iteration(cfg).stage_logs(stage) / stamp
     log_dir.mkdir(parents=True, exist_ok=True)
