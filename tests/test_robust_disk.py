@@ -226,3 +226,28 @@ def test_episodes_whose_videos_do_not_fit_end_the_closed_loop_in_one_full_disk_l
         assert line.startswith(f"error: the stage's write failed: {fs}/results/.closed_loop.tmp-")
         assert "videos/" in line and "no space left on the device (" in line and "make setup" not in line
         assert not (fs / "results" / "closed_loop").exists()
+
+
+def test_dvcs_config_check_on_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys):
+    """config_check, the first thing `dvc repro` runs, writes one small file: on a full disk it
+    says so in one line, and nothing has run."""
+    import yaml
+
+    from pisft.workflow import drivers
+
+    with small_fs(tmp_path / "fs", 1) as fs:
+        raw = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+        raw["results_dir"] = str(fs / "results")
+        raw["data"]["recap_dir"] = str(fs / "results" / "demo_recap")  # the committed dvc.yaml's shape
+        config = tmp_path / "config.yaml"
+        config.write_text(yaml.safe_dump(raw))
+        (fs / "results").mkdir()
+        fill(fs, 0)
+        import shutil
+
+        shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")  # read, never rewritten, here
+        monkeypatch.chdir(tmp_path)
+        assert drivers.run_check(str(config)) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: config_check: "), err
+        assert "no space left on the device" in err[0] and "nothing ran" in err[0]

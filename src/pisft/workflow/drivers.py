@@ -103,7 +103,12 @@ def run_check(config_file: str) -> int:
     except PisftError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    write_text_atomic(Path(cfg.results_dir, dvc_yaml.CHECK_FILE), dvc_yaml.CHECK_TEXT)
+    try:
+        write_text_atomic(Path(cfg.results_dir, dvc_yaml.CHECK_FILE), dvc_yaml.CHECK_TEXT)
+    except OSError as exc:
+        print(f"error: {dvc_yaml.CHECK_STAGE}: {_disk_text(exc)}; nothing ran: free space there (or set "
+              "results_dir to a larger disk) and run `dvc repro` again", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -171,9 +176,22 @@ def run_dvc_stage(stage: str, cmd: list[str]) -> int:
     code = _run_forwarding_termination(cmd)
     if code != 0 or cfg is None:
         return code
-    write_benchmark(layout.benchmark(cfg, stage), started)
+    try:
+        write_benchmark(layout.benchmark(cfg, stage), started)
+    except OSError as exc:  # the stage's outputs are complete; its wall-time row is not essential
+        print(f"{stage}: benchmark row not written ({_disk_text(exc)}); the stage's outputs are complete",
+              file=sys.stderr)
     record_for_snakemake(stage)
     return 0
+
+
+def _disk_text(exc: OSError) -> str:
+    from pisft import disk_space
+
+    where = exc.filename or "results_dir"
+    if disk_space.is_full_disk(exc):
+        return f"{where}: {disk_space.MARK}, {disk_space.human(disk_space.free_bytes(where))} free"
+    return f"{where}: {exc.strerror or exc}"
 
 
 def main(argv: list[str] | None = None) -> int:
