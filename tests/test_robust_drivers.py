@@ -13,6 +13,7 @@ a run is held where it is with SIGSTOP, the fault as a slow or busy stage makes 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -61,6 +62,8 @@ def state(work: Path) -> dict:
         root = work / "results" / folder
         out[folder] = sorted((p.relative_to(root).as_posix(), p.stat().st_mtime_ns, p.stat().st_size)
                              for p in root.rglob("*")) if root.is_dir() else None
+    check = work / "results" / dvc_yaml.CHECK_FILE  # config_check's file, every DVC stage's dep
+    out[dvc_yaml.CHECK_FILE] = check.read_text() if check.is_file() else None
     return out
 
 
@@ -115,6 +118,8 @@ def test_a_list_of_sources_under_the_old_dvc_yaml_stops_before_any_stage(project
     assert "Running stage 'convert_recap'" not in refused.stdout  # config_check stopped it first
     assert state(work) == before
     assert str(other) in dvc_yaml.shape_of((work / "dvc.yaml").read_text())  # regenerated for the list
+    status = json.loads(run(["dvc", "status", "--json", "convert_recap"], work).stdout)
+    assert "convert_recap" in status and set(status) <= {dvc_yaml.CHECK_STAGE, "convert_recap"}, status
     # Snakemake reads the list as it is (no TypeError), the new source's files among the inputs
     assert planned(work) == {"convert_recap"}
     again = run(["dvc", "repro", "convert_recap"], work)

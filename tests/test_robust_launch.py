@@ -66,6 +66,15 @@ def error_lines(text: str) -> list[str]:
             if line.lstrip().startswith("error") or "error (rank" in line or "Error" in line]
 
 
+def the_one_error_line(out: subprocess.CompletedProcess) -> str:
+    """A run stopped by an error the user can act on: exit 2, one error line, no traceback."""
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = error_lines(out.stdout + out.stderr)
+    assert len(errors) == 1, errors
+    assert "Traceback" not in out.stdout + out.stderr
+    return errors[0]
+
+
 @pytest.mark.integration
 def test_training_launched_by_hand_after_switching_the_mode_is_refused(smoked):
     """The smoke report measured expert mode (the VLM frozen); training all of it needs several
@@ -90,14 +99,10 @@ def test_a_damaged_dataset_stops_training_with_one_line_naming_the_stage_that_re
     parquet = sorted((results / "dataset" / "data").rglob("*.parquet"))[0]
     zero_middle(parquet)  # 64 KiB of zeros, the size unchanged
     out = pisft(results, "launch", "train_8card")
-    assert out.returncode == 2, out.stderr[-3000:]
-    errors = error_lines(out.stdout + out.stderr)
-    assert len(errors) == 1, errors
-    line = errors[0]
+    line = the_one_error_line(out)
     assert line.startswith("error: train_8card: reading the dataset "), line
     assert f"{parquet}: sha256 differs" in line and "is not what convert_recap wrote" in line
     assert "snakemake --cores all --forcerun convert_recap" in line and "dvc repro --force convert_recap" in line
-    assert "Traceback" not in out.stdout + out.stderr
     assert "resume" not in out.stderr.lower()  # a rerun fails the same way: no such advice
 
 
@@ -108,15 +113,10 @@ def test_a_full_disk_under_training_is_one_line(smoked, tmp_path):
         shutil.rmtree(results / "demo_recap")  # the dataset is converted: room for the test
         (results / "demo_recap").mkdir()
         fill(fs, 4 << 20)  # a checkpoint of the tiny model (weights and AdamW moments) is larger
-        out = pisft(results, "launch", "train_8card")
-        assert out.returncode == 2, out.stderr[-3000:]
-        errors = error_lines(out.stdout + out.stderr)
-        assert len(errors) == 1, errors
-        line = errors[0]
+        line = the_one_error_line(pisft(results, "launch", "train_8card"))
         assert line.startswith("error: train_8card: checkpoint of step 1 will not fit: "), line
         assert "no space left on the device (" in line and "kept: no complete checkpoint" in line
         assert "resume with python -m pisft launch train_8card" in line
-        assert "Traceback" not in out.stdout + out.stderr
         assert not list((results / "checkpoints").rglob("step_000001"))
         # nothing free at all: refused before torchrun starts (its workers could not write a log)
         fill(fs, 0)

@@ -55,7 +55,7 @@ def test_dvc_stages_mirror_the_rules(monkeypatch):
     check = "${results_dir}/" + dvc_yaml.CHECK_FILE
     assert stages[dvc_yaml.CHECK_STAGE] == {
         "cmd": f"{WRAPPER} {dvc_yaml.CHECK_STAGE} -- config/config.yaml",
-        "params": [{"config/config.yaml": list(dvc_yaml.SHAPE_KEYS)}], "outs": [check]}
+        "params": [{"config/config.yaml": list(dvc_yaml.SHAPE_KEYS)}], "outs": [{check: {"persist": True}}]}
     for rule in workflow.rules:
         stage = stages[rule.name]
         # the rule's command, through the driver wrapper (shape check, Snakemake's records)

@@ -186,9 +186,11 @@ def top_level_plots(rules: list[RuleSpec], cfg: pisft_config.PisftConfig) -> lis
 def check_stage(cfg: pisft_config.PisftConfig) -> dict:
     """config_check: the shape's keys as params, the file every stage depends on as its output."""
     t = Templater(cfg)
+    # persist: DVC removes a stage's outputs before its command, unless persisted; a refused check
+    # then leaves the file every stage depends on as it was (`dvc status` does not see them all changed)
     return {"cmd": f"{WRAPPER} {CHECK_STAGE} -- {VARS_FILE}",
             "params": [{VARS_FILE: list(SHAPE_KEYS)}],
-            "outs": [t.path(str(Path(cfg.results_dir, CHECK_FILE)))]}
+            "outs": [{t.path(str(Path(cfg.results_dir, CHECK_FILE))): {"persist": True}}]}
 
 
 def render(rules: list[RuleSpec], config: dict) -> str:
