@@ -84,7 +84,7 @@ def test_every_unit_is_gathered_by_a_call_fsdp_sees(tiny, frozen, monkeypatch):
     assert layer_calls == []
 
 
-def test_one_unit_per_decoder_layer_pair_and_per_vision_layer(tiny):
+def test_one_unit_per_decoder_layer_pair_and_per_three_vision_layers(tiny):
     policy, _ = tiny
     units = fsdp.choose_units(policy)
     pwe = policy.model.paligemma_with_expert
@@ -97,7 +97,11 @@ def test_one_unit_per_decoder_layer_pair_and_per_vision_layer(tiny):
         assert {id(p) for p in unit.parameters()} == {id(p) for p in [*vlm.parameters(), *expert.parameters()]}
         assert unit.reshard_after_forward
     vision = [u for u in units if u.group == "vision"]
-    assert sum(1 for u in vision if ".encoder.layers." in u.name) == len(vision_layers)
+    encoder = [u for u in vision if ".encoder.layers." in u.name]
+    per_unit = fsdp.VISION_LAYERS_PER_UNIT
+    assert len(encoder) == -(-len(vision_layers) // per_unit)
+    assert [m for u in encoder for m in u.modules] == list(vision_layers)  # in order, each once
+    assert [m for u in encoder for m in u.compiled_modules] == list(vision_layers)
     assert not any(u.reshard_after_forward for u in vision)  # two cameras, one gather
     # The bound: decoder layer pairs + vision layers + 4.
     assert len(units) <= len(vlm_layers) + len(vision_layers) + 4

@@ -395,12 +395,23 @@ def sinusoidal_time_embedding(time: torch.Tensor, dimension: int, min_period: fl
     return torch.cat([torch.sin(sin_input), torch.cos(sin_input)], dim=1)
 
 
+def _embed_images(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`embed_image` of every camera, the cameras in one batch through SigLIP and the projector
+    (each image's embedding is its own: nothing in the vision tower mixes the images of a
+    batch). One pass instead of one per camera: half the launches, and FSDP2 gathers and
+    reduces each vision unit once per step instead of once per camera."""
+    if len(images) < 2 or len({img.shape for img in images}) > 1:
+        return [self._apply_checkpoint(self.paligemma_with_expert.embed_image, img) for img in images]
+    embs = self._apply_checkpoint(self.paligemma_with_expert.embed_image, torch.cat(images, dim=0))
+    return list(embs.chunk(len(images), dim=0))
+
+
 def _embed_prefix(self, images, img_masks, tokens, masks):
-    """PI05Pytorch.embed_prefix; the attention mask row (all 0: every prefix token attends to
-    the whole prefix) is made on the device instead of copied from a Python list."""
+    """PI05Pytorch.embed_prefix; the cameras in one batch (`_embed_images`); the attention mask
+    row (all 0: every prefix token attends to the whole prefix) is made on the device instead of
+    copied from a Python list."""
     embs, pad_masks = [], []
-    for img, img_mask in zip(images, img_masks, strict=True):
-        img_emb = self._apply_checkpoint(self.paligemma_with_expert.embed_image, img)
+    for img_emb, img_mask in zip(_embed_images(self, images), img_masks, strict=True):
         bsize, num_img_embs = img_emb.shape[:2]
         embs.append(img_emb)
         pad_masks.append(img_mask[:, None].expand(bsize, num_img_embs))

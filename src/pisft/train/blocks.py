@@ -28,7 +28,9 @@ runner (`BlockRunner`, set as the anchor's `BLOCK_RUNNER` attribute):
 
 from __future__ import annotations
 
+import functools
 import importlib
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from pisft.model.lerobot_internals import BLOCK_RUNNER, checkpointed
 
-COMPILE_MODES = ("off", "layers")
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def _inductor(kind: str) -> Any:  # noqa: ARG001 - every backend function takes the device kind
@@ -60,11 +62,14 @@ def _torchair(kind: str) -> Any:  # noqa: ARG001
 
 
 COMPILE_BACKENDS: dict[str, Callable[[str], Any]] = {"cpu": _inductor, "cuda": _inductor, "npu": _torchair}
+# train.compile: auto, by device kind: off on the CPU (compiling the tiny model takes longer than the
+# embedded default's whole training, docs/benchmarks.md), the blocks compiled on an accelerator.
+AUTO = {"cpu": "off", "cuda": "layers", "npu": "layers"}
 
 
 @dataclass
 class Compiler:
-    """torch.compile for one run: one compiled function per block function, the time spent compiling."""
+    """torch.compile for one run (train.compile): one compiled function per block function."""
 
     mode: str = "off"
     kind: str = "cpu"
@@ -73,6 +78,9 @@ class Compiler:
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    def describe(self) -> str:
+        return f"compiled per block ({'torchair' if self.kind == 'npu' else 'inductor'})" if self.enabled else "eager"
 
     def __call__(self, fn: Callable) -> Callable:
         if not self.enabled:
@@ -83,16 +91,43 @@ class Compiler:
         return self.compiled[fn]
 
 
+def compiler_for(mode: str, kind: str, cache_dir: Any, log: Callable[[str], None]) -> Compiler:
+    """The run's Compiler for train.compile `mode` on devices of `kind`: `auto` resolved, the
+    backend checked (a device without one runs eagerly, saying so in one line), the compiled code
+    cached in `cache_dir` (unless TORCHINDUCTOR_CACHE_DIR is set)."""
+    chosen = AUTO.get(kind, "off") if mode == "auto" else mode
+    if chosen == "off":
+        return Compiler("off", kind)
+    if kind not in COMPILE_BACKENDS:
+        log(f"train.compile: {mode}: no compiler backend for {kind} devices; the step runs eagerly")
+        return Compiler("off", kind)
+    try:
+        COMPILE_BACKENDS[kind](kind)
+    except (ImportError, AttributeError, RuntimeError) as exc:
+        log(f"train.compile: {mode}: the {kind} compiler backend is not available ({type(exc).__name__}: "
+            f"{exc}); the step runs eagerly (train.compile: off says so without this line)")
+        return Compiler("off", kind)
+    os.environ.setdefault(CACHE_ENV, str(cache_dir))
+    return Compiler(chosen, kind)
+
+
 class BlockRunner:
     """What `run_block` calls for one block: its function, compiled when the run compiles, with
-    its activations recomputed in backward when checkpointed."""
+    its activations recomputed in backward when checkpointed. Compiled, the checkpoint is inside
+    the compiled region (torchtitan's order: activation checkpointing, then compile): the
+    recomputation is part of the compiled backward graph."""
 
     def __init__(self, compiler: Compiler) -> None:
         self.compiler = compiler
 
     def __call__(self, fn: Callable, *args: Any, checkpoint: bool = False, **kwargs: Any) -> Any:
-        fn = self.compiler(fn)
-        return checkpointed(fn, *args, **kwargs) if checkpoint else fn(*args, **kwargs)
+        if checkpoint:
+            fn = _checkpointed_fns.setdefault(fn, functools.partial(checkpointed, fn))
+        return self.compiler(fn)(*args, **kwargs)
+
+
+# One checkpointed function per block function: the compiled function's cache key.
+_checkpointed_fns: dict[Callable, Callable] = {}
 
 
 def install(units: Iterable[Any], compiler: Compiler) -> int:

@@ -11,10 +11,11 @@ method (`pisft.train.blocks`). The units:
   form, torch >= 2.6). The two layers always run together (joint attention), so one all-gather
   and one reduce-scatter serve both (a k/v projection of pi0.5 is 0.26-0.5M parameters:
   latency-bound collectives on HCCL);
-- the SigLIP embeddings, each encoder layer and the post-layernorm + projector: the vision tower
-  runs once per camera, so these units are NOT resharded after forward (gathered once per
-  forward, kept until their backward, which then needs no second gather); HF's encoder calls
-  each layer as a module, so its hooks are the module's;
+- the SigLIP embeddings, the encoder layers (`VISION_LAYERS_PER_UNIT` to a unit) and the
+  post-layernorm + projector: these units are NOT resharded after forward (kept until their
+  backward, which then needs no second gather), and every camera's image goes through them in
+  one batch (`lerobot_internals._embed_images`: one forward, one backward, one reduce-scatter);
+  HF's encoder calls each layer as a module, so its hooks are the module's;
 - the action/time projections (one unit) and the token embedding when it is not tied.
 With the whole VLM frozen (`train.trainable: expert`) the forward runs the prefix first and
 without grad, then the expert (`lerobot_internals` 8.): the units are then one per VLM layer and
@@ -61,6 +62,10 @@ from pisft.model.lerobot_internals import prefix_frozen
 # Modules whose parameters stay in the root unit: they are never called (unused LM heads).
 _UNCALLED = ("lm_head",)
 MIN_UNIT_PARAMS = 1024  # generic fallback: smaller Linear/Embedding layers stay in the root
+# SigLIP encoder layers per FSDP unit. The vision units are kept gathered from their forward to their
+# backward (every camera's image goes through them), so grouping layers costs no memory while a
+# training step holds them; it cuts the per-unit collectives and host work (pi0.5: 27 units -> 9).
+VISION_LAYERS_PER_UNIT = 3
 
 
 @dataclass(frozen=True)
@@ -133,8 +138,9 @@ def pi05_units(policy: nn.Module) -> list[Unit]:
 
 def prefix_units(model: nn.Module, pg: nn.Module, prefix: str, *, frozen: bool = False) -> list[Unit]:
     """The units of PaliGemma's vision-language prefix (`pg`: the PaliGemma model, named `prefix`
-    in `model`): the SigLIP embeddings, each encoder layer and the post-layernorm + projector
-    (gathered once per forward, see the module docstring), and the token embedding when it is not
+    in `model`): the SigLIP embeddings, the encoder layers (`VISION_LAYERS_PER_UNIT` to a unit) and
+    the post-layernorm + projector (gathered once per forward, see the module docstring), and the
+    token embedding when it is not
     tied (pisft ties it to the unused lm_head: then it stays in the root). `frozen`: the prefix
     runs without grad (lerobot_internals 8.), so the vision units have no backward and are freed
     after their forward."""
@@ -142,8 +148,11 @@ def prefix_units(model: nn.Module, pg: nn.Module, prefix: str, *, frozen: bool =
     vp = f"{prefix}.vision_tower.vision_model"
     free = frozen  # reshard after forward: only when there is no backward to keep it for
     units = [Unit(f"{vp}.embeddings", "vision", (vision.embeddings,), reshard_after_forward=free)]
-    units += [Unit(f"{vp}.encoder.layers.{i}", "vision", (layer,), reshard_after_forward=free,
-                   compiled_modules=(layer,)) for i, layer in enumerate(vision.encoder.layers)]
+    layers = list(vision.encoder.layers)
+    for i in range(0, len(layers), VISION_LAYERS_PER_UNIT):
+        group = tuple(layers[i:i + VISION_LAYERS_PER_UNIT])
+        name = f"{vp}.encoder.layers.{i}" + (f"..{i + len(group) - 1}" if len(group) > 1 else "")
+        units.append(Unit(name, "vision", group, reshard_after_forward=free, compiled_modules=group))
     head = tuple(m for m in (getattr(vision, "post_layernorm", None), pg.multi_modal_projector)
                  if m is not None)
     units.append(Unit(f"{prefix}.multi_modal_projector", "vision", head, reshard_after_forward=free))

@@ -16,6 +16,7 @@ is finite stay on the device (`StepOutcome`), fetched by the loop every `train.l
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,28 @@ class StepProbe:
 
 
 NO_PROBE = StepProbe()
+
+
+class PhaseTimes(StepProbe):
+    """Seconds per phase of the steps it probes (summed over micro-steps), the device synchronised
+    around each phase so a phase's time is its own (benchmarks; the syncs cost the overlap)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        from pisft import device as devices
+
+        devices.synchronize(self.kind)
+        start = time.perf_counter()
+        yield
+        devices.synchronize(self.kind)
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def reset(self) -> None:
+        self.seconds = {}
 
 
 @dataclass(frozen=True)
