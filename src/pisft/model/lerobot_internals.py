@@ -96,6 +96,16 @@ changes underneath. Nothing else in pisft patches or inspects LeRobot's private 
    stream (`_LAYER_STEPS` checks its source); tests/test_frozen_prefix.py checks the same loss
    and the same gradients of every trainable parameter as the joint forward (tiny preset, fp32).
    A prefix with any trainable parameter (`all`, `no_vision`, `lora`) keeps the joint path.
+9. The training forward, block by block (`joint_forward`, `frozen_prefix_forward`, `run_block`).
+   `PI05Pytorch.forward` (`_CORE_FORWARD_STEPS`) runs as pisft's own loop over the decoder: each
+   layer pair (`pair_layer`: `compute_layer_complete`'s steps, `_LAYER_STEPS`), or with a frozen
+   VLM each VLM layer (`prefix_layer`) and each expert layer (`suffix_layer`), is one call of
+   `run_block` on the block's first layer, where pisft.train.blocks installs the block's runner:
+   FSDP2's unit (a registered forward method), activation checkpointing and torch.compile work on
+   whole blocks. LeRobot's own loop (`PaliGemmaWithExpertModel.forward`) hands the layers' parts
+   to `compute_layer_complete`, so no module holds a block there. The last VLM layer's output
+   projection and MLP are not run (its output reaches only the VLM's final norm, which no loss
+   reads); the cameras go through SigLIP in one batch (`_embed_images`).
 """
 
 from __future__ import annotations
