@@ -185,14 +185,15 @@ def test_npu_decoder_layers_run_the_fused_kernels_with_the_same_result(monkeypat
 
     with attention.fused_joint_attention():
         plain = loss()
-        calls: list = []
-        stand_in = types.ModuleType("torch_npu")
-        stand_in.npu_fusion_attention = _stand_in_fusion_attention([])
-        stand_in.npu_rotary_mul = _stand_in_rotary_mul(calls)
-        stand_in.npu_rms_norm = _stand_in_rms_norm(calls)
-        monkeypatch.setitem(sys.modules, "torch_npu", stand_in)
-        monkeypatch.setattr(attention, "on_npu", lambda t: True)
-        monkeypatch.setattr(attention, "kernel_for", lambda query: "npu_fusion_attention")
+    calls: list = []
+    stand_in = types.ModuleType("torch_npu")  # imported before the swap, as on an NPU host
+    stand_in.npu_fusion_attention = _stand_in_fusion_attention([])
+    stand_in.npu_rotary_mul = _stand_in_rotary_mul(calls)
+    stand_in.npu_rms_norm = _stand_in_rms_norm(calls)
+    monkeypatch.setitem(sys.modules, "torch_npu", stand_in)
+    monkeypatch.setattr(attention, "on_npu", lambda t: True)
+    monkeypatch.setattr(attention, "kernel_for", lambda query: "npu_fusion_attention")
+    with attention.fused_joint_attention():
         fused = loss()
     depth = len(policy.model.paligemma_with_expert.gemma_expert.model.layers)
     kinds = [c[0] for c in calls]

@@ -23,7 +23,7 @@ from pisft.train import blocks, fsdp, optim, trainable
 from pisft.train.attention import fused_joint_attention
 from pisft.train.ema import make_ema
 from pisft.train.policy_task import PolicyTask
-from pisft.train.step import StepSettings, micro_step, repeat, train_step
+from pisft.train.step import StepSettings, micro_step, train_step
 
 pytestmark = pytest.mark.usefixtures("one_process_group")  # gloo, world size 1 (conftest)
 
@@ -65,8 +65,13 @@ def _train(mode: str, precision: str, compile_mode: str) -> dict:
 @pytest.mark.parametrize(("mode", "precision"), [("all", "fp32"), ("expert", "bf16"), ("lora", "bf16")],
                          ids=["all-fp32", "expert-bf16", "lora-bf16"])
 def test_the_compiled_step_equals_the_eager_one(mode, precision):
+    from torch._dynamo.utils import counters
+
     eager = _train(mode, precision, "off")
+    counters.clear()
     compiled = _train(mode, precision, "layers")
+    # every block one graph: a graph break would run part of a block (or all of a checkpointed one) eagerly
+    assert dict(counters["graph_break"]) == {}
     rel = 1e-6 if precision == "fp32" else 2e-3
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=rel)
     assert compiled["norms"] == pytest.approx(eager["norms"], rel=1e-5 if precision == "fp32" else 2e-2)

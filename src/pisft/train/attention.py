@@ -49,13 +49,16 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import sys
 import types
+from typing import Any
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 CALL_SITE = "modeling_gemma.eager_attention_forward("
+FUSED_MARK = "_pisft_fused"  # on the namespace that stands for modeling_gemma while the swap is in place
 MASKED_BELOW = -1e30  # LeRobot's additive mask: 0 (attend) or -2.38e38 (masked)
 NPU_FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -82,8 +85,7 @@ def fused_attention_forward(module, query, key, value, attention_mask, scaling, 
     if attention_mask is not None:
         mask = allowed_mask(attention_mask, query.shape[-2], key.shape[-2])
     if kernel_for(query) == "npu_fusion_attention":
-        torch_npu = importlib.import_module("torch_npu")
-        out = torch_npu.npu_fusion_attention(
+        out = _npu_module().npu_fusion_attention(
             query, key, value, query.shape[1], "BNSD",
             atten_mask=None if mask is None else ~mask, scale=scaling, keep_prob=1.0)[0]
     else:
@@ -97,38 +99,44 @@ def on_npu(t: torch.Tensor) -> bool:
     return t.device.type == "npu"
 
 
+class _Kernels:
+    """What the drop-ins call, set when `fused_joint_attention` is entered: an import inside a
+    compiled block would break its graph (Dynamo does not trace imports), so nothing is imported
+    there. `npu`: torch_npu when the process has imported it (it does on an NPU, `pisft.device`)."""
+
+    npu: Any = None
+    rotary: Any = None  # transformers' apply_rotary_pos_emb
+    layernorm_forward: Any = None  # LeRobot's pi_gemma.layernorm_forward
+
+
+def _npu_module():
+    return _Kernels.npu if _Kernels.npu is not None else importlib.import_module("torch_npu")
+
+
 def fused_rotary(q, k, cos, sin, unsqueeze_dim=1):
     """Drop-in for transformers' Gemma `apply_rotary_pos_emb`: `npu_rotary_mul` on an NPU."""
     if not on_npu(q):
-        return _real_rotary()(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-    torch_npu = importlib.import_module("torch_npu")
+        return _Kernels.rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    return torch_npu.npu_rotary_mul(q, cos, sin), torch_npu.npu_rotary_mul(k, cos, sin)
+    return _Kernels.npu.npu_rotary_mul(q, cos, sin), _Kernels.npu.npu_rotary_mul(k, cos, sin)
 
 
 def fused_rms_norm(layernorm, x, cond=None):
     """Drop-in for LeRobot's `layernorm_forward(layernorm, x, cond)` (pi_gemma.PiGemmaRMSNorm:
     (output, gate)): `npu_rms_norm` on an NPU, the same float32 computation."""
     if not on_npu(x):
-        return _real_layernorm_forward()(layernorm, x, cond)
-    torch_npu = importlib.import_module("torch_npu")
+        return _Kernels.layernorm_forward(layernorm, x, cond)
     dtype = x.dtype
     if cond is None or layernorm.dense is None:
-        normed = torch_npu.npu_rms_norm(x.float(), 1.0 + layernorm.weight.float(), layernorm.eps)[0]
+        normed = _Kernels.npu.npu_rms_norm(x.float(), 1.0 + layernorm.weight.float(), layernorm.eps)[0]
         return normed.to(dtype), None
     ones = torch.ones(x.shape[-1], dtype=torch.float32, device=x.device)
-    normed = torch_npu.npu_rms_norm(x.float(), ones, layernorm.eps)[0]
+    normed = _Kernels.npu.npu_rms_norm(x.float(), ones, layernorm.eps)[0]
     modulation = layernorm.dense(cond)
     if x.dim() == 3:
         modulation = modulation.unsqueeze(1)
     scale, shift, gate = modulation.chunk(3, dim=-1)
     return (normed * (1 + scale.float()) + shift.float()).to(dtype), gate.to(dtype)
-
-
-def _real_rotary():
-    from transformers.models.gemma import modeling_gemma
-
-    return modeling_gemma.apply_rotary_pos_emb
 
 
 def _real_layernorm_forward():
@@ -166,7 +174,14 @@ def fused_joint_attention(enabled: bool = True) -> Iterator[None]:
     if problem is not None:
         raise RuntimeError(f"cannot switch pi0.5 attention to a fused kernel: {problem} (LeRobot changed?)")
     real = modeling_pi05.modeling_gemma
+    if getattr(real, FUSED_MARK, False):  # already inside one (the smoke gate's estimate): nothing to do
+        yield
+        return
+    _Kernels.npu = sys.modules.get("torch_npu")
+    _Kernels.rotary = real.apply_rotary_pos_emb
+    _Kernels.layernorm_forward = modeling_pi05.layernorm_forward
     proxy = types.SimpleNamespace(**vars(real))
+    setattr(proxy, FUSED_MARK, True)
     proxy.eager_attention_forward = fused_attention_forward
     proxy.apply_rotary_pos_emb = fused_rotary
     modeling_pi05.modeling_gemma = proxy
@@ -175,4 +190,4 @@ def fused_joint_attention(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         modeling_pi05.modeling_gemma = real
-        modeling_pi05.layernorm_forward = _real_layernorm_forward()
+        modeling_pi05.layernorm_forward = _Kernels.layernorm_forward
