@@ -27,6 +27,8 @@ DEFAULT_CONFIG = Path("config/config.yaml")
 DEVICES = ("auto", "npu", "cuda", "cpu")
 PRESETS = ("tiny", "small", "pi05")
 PRECISIONS = ("fp32", "bf16")
+# train.compile (pisft.train.blocks): auto chooses by device (off on the CPU, layers on an accelerator)
+TRAIN_COMPILE = ("auto", "off", "layers")
 # train.trainable, recap.value_trainable, train.lora_targets (pisft.train.trainable applies them).
 TRAINABLE_MODES = ("all", "expert", "no_vision", "lora")
 VALUE_TRAINABLE_MODES = ("all", "no_vision", "head", "lora")
@@ -169,6 +171,11 @@ class TrainConfig:
     # of the preset's ranks; alpha 0 then is LeRobot's 8 (lerobot) or the rank (openpi, rlinf).
     lora_rank: int = 0
     lora_alpha: float = 0.0
+    # torch.compile of the training step's repeated blocks (pisft.train.blocks): off | layers (each
+    # decoder layer pair and SigLIP encoder layer compiled, as torchtitan compiles each block) | auto
+    # (off on the CPU, where compiling costs more than it saves in the embedded default's runs; layers
+    # on CUDA and on an NPU through torchair). Compiled code is cached under results/cache/inductor.
+    compile: str = "auto"
 
 
 @dataclass
@@ -644,6 +651,8 @@ def _choice_problems(cfg: PisftConfig) -> list[str]:
         problems.append(f"model.preset: '{cfg.model.preset}' is not one of {', '.join(PRESETS)}")
     if cfg.train.precision not in PRECISIONS:
         problems.append(f"train.precision: '{cfg.train.precision}' is not one of {', '.join(PRECISIONS)}")
+    if cfg.train.compile not in TRAIN_COMPILE:
+        problems.append(f"train.compile: '{cfg.train.compile}' is not one of {', '.join(TRAIN_COMPILE)}")
     return problems + _trainable_problems(cfg)
 
 

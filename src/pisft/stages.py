@@ -65,6 +65,7 @@ TRAIN_STEP_KEYS = (
     "train.lora_targets",
     "train.lora_rank",
     "train.lora_alpha",
+    "train.compile",  # the blocks compiled or not: the step's time, memory and last bits
     "data.augment",  # the images every step trains on (read by the training loaders only)
 )
 

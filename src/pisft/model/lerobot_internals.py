@@ -132,6 +132,16 @@ changes underneath. Nothing else in pisft patches or inspects LeRobot's private 
    `self.encoder(inputs_embeds=hidden_states, ...)`, so a forward pre-hook on the encoder does the
    same cast. LeRobot's `embed_image` returns the features in the image's dtype (float32), as
    before.
+11. The training forward, block by block (`joint_forward`, `frozen_prefix_forward`, `run_block`).
+    `PI05Pytorch.forward` (`_CORE_FORWARD_STEPS`) runs as pisft's own loop over the decoder: each
+    layer pair (`pair_layer`: `compute_layer_complete`'s steps, `_LAYER_STEPS`), or with a frozen
+    VLM each VLM layer (`prefix_layer`) and each expert layer (`suffix_layer`), is one call of
+    `run_block` on the block's first layer, where pisft.train.blocks installs the block's runner:
+    FSDP2's unit (a registered forward method), activation checkpointing and torch.compile work on
+    whole blocks. LeRobot's own loop (`PaliGemmaWithExpertModel.forward`) hands the layers' parts
+    to `compute_layer_complete`, so no module holds a block there. The last VLM layer's output
+    projection and MLP are not run (its output reaches only the VLM's final norm, which no loss
+    reads); the cameras go through SigLIP in one batch (`_embed_images`).
 """
 
 from __future__ import annotations
@@ -431,12 +441,23 @@ def sinusoidal_time_embedding(time: torch.Tensor, dimension: int, min_period: fl
     return torch.cat([torch.sin(sin_input), torch.cos(sin_input)], dim=1)
 
 
+def _embed_images(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`embed_image` of every camera, the cameras in one batch through SigLIP and the projector
+    (each image's embedding is its own: nothing in the vision tower mixes the images of a
+    batch). One pass instead of one per camera: half the launches, and FSDP2 gathers and
+    reduces each vision unit once per step instead of once per camera."""
+    if len(images) < 2 or len({img.shape for img in images}) > 1:
+        return [self._apply_checkpoint(self.paligemma_with_expert.embed_image, img) for img in images]
+    embs = self._apply_checkpoint(self.paligemma_with_expert.embed_image, torch.cat(images, dim=0))
+    return list(embs.chunk(len(images), dim=0))
+
+
 def _embed_prefix(self, images, img_masks, tokens, masks):
-    """PI05Pytorch.embed_prefix; the attention mask row (all 0: every prefix token attends to
-    the whole prefix) is made on the device instead of copied from a Python list."""
+    """PI05Pytorch.embed_prefix; the cameras in one batch (`_embed_images`); the attention mask
+    row (all 0: every prefix token attends to the whole prefix) is made on the device instead of
+    copied from a Python list."""
     embs, pad_masks = [], []
-    for img, img_mask in zip(images, img_masks, strict=True):
-        img_emb = self._apply_checkpoint(self.paligemma_with_expert.embed_image, img)
+    for img_emb, img_mask in zip(_embed_images(self, images), img_masks, strict=True):
         bsize, num_img_embs = img_emb.shape[:2]
         embs.append(img_emb)
         pad_masks.append(img_mask[:, None].expand(bsize, num_img_embs))
@@ -494,16 +515,14 @@ def sync_free_forward(policy, *, frozen_prefix: bool | None = None) -> Iterator[
     policy.forward = _loss_forward.__get__(policy)
     core.embed_prefix = _embed_prefix.__get__(core)
     core.embed_suffix = _embed_suffix.__get__(core)
-    if use_frozen:
-        core.forward = frozen_prefix_forward.__get__(core)
+    core.forward = (frozen_prefix_forward if use_frozen else joint_forward).__get__(core)
     try:
         yield
     finally:
         del policy.forward
         del core.embed_prefix
         del core.embed_suffix
-        if use_frozen:
-            del core.forward
+        del core.forward
 
 
 @contextlib.contextmanager
@@ -779,16 +798,19 @@ def _attend(layer, q, k, v, mask):
     return out.reshape(q.shape[0], -1, 1 * 8 * layer.self_attn.head_dim)
 
 
-def _prefix_layer(layer, hidden, mask, position_ids, rotary_emb):
-    """One VLM layer over the prefix alone: (its output, its post-rotary keys, its values)."""
+def prefix_layer(layer, hidden, mask, position_ids, rotary_emb, *, last: bool = False):
+    """One VLM layer over the prefix alone: (its output, its post-rotary keys, its values). The
+    last layer's output is None: no loss reads it, only its keys and values (11. below)."""
     m = _modeling()
     q, k, v, gate = _qkv(layer, hidden, None)
     cos, sin = _rotary(rotary_emb, q, position_ids)
     q, k = m.modeling_gemma.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    if last:
+        return None, k, v
     return _layer_out(layer, hidden, _attend(layer, q, k, v, mask), gate, None), k, v
 
 
-def _suffix_layer(hidden, prefix_k, prefix_v, mask, position_ids, cond, *, layer, rotary_emb):
+def suffix_layer(layer, hidden, prefix_k, prefix_v, mask, position_ids, cond, rotary_emb):
     """One action-expert layer over the suffix, attending to [prefix K/V, its own K/V]."""
     m = _modeling()
     q, k, v, gate = _qkv(layer, hidden, cond)
@@ -799,20 +821,75 @@ def _suffix_layer(hidden, prefix_k, prefix_v, mask, position_ids, cond, *, layer
     return _layer_out(layer, hidden, _attend(layer, q, k, v, mask), gate, cond)
 
 
-def frozen_prefix_forward(self, images, img_masks, tokens, masks, actions, noise, time):
-    """PI05Pytorch.forward for a frozen VLM (8. above): same inputs, same per-element losses."""
-    import torch.nn.functional as F
+def pair_layer(vlm_layer, expert_layer, prefix, suffix, mask, position_ids, cond, rotary_emb, *,
+               last: bool = False):
+    """`compute_layer_complete` for one (VLM layer, expert layer) pair, stream by stream (the same
+    steps, `_LAYER_STEPS`): both streams' queries, keys and values, one joint attention, each
+    stream's output projection, residuals and MLP. Returns (prefix out, suffix out). The last
+    pair's VLM stream stops after the attention (its output is None): its output projection and
+    MLP feed only the VLM's final norm, which no loss reads (11. below)."""
+    m = _modeling()
+    qp, kp, vp, gate_p = _qkv(vlm_layer, prefix, None)
+    qs, ks, vs, gate_s = _qkv(expert_layer, suffix, cond)
+    q, k, v = torch.cat([qp, qs], dim=2), torch.cat([kp, ks], dim=2), torch.cat([vp, vs], dim=2)
+    cos, sin = _rotary(rotary_emb, q, position_ids)
+    q, k = m.modeling_gemma.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    att = _attend(vlm_layer, q, k, v, mask)
+    n = prefix.shape[1]
+    suffix = _layer_out(expert_layer, suffix, att[:, n:], gate_s, cond)
+    if last:
+        return None, suffix
+    return _layer_out(vlm_layer, prefix, att[:, :n], gate_p, None), suffix
+
+
+# ------------------------------------------------------------------------------------------------
+# 11. The training forward, block by block. `PI05Pytorch.forward` is run as pisft's own loop over
+# the repeated blocks (`joint_forward`; `frozen_prefix_forward` for a frozen VLM): the same steps
+# (`_CORE_FORWARD_STEPS`), each decoder layer pair (or VLM layer, or expert layer) one call of
+# `run_block`. A block is then the unit of FSDP2 (its gather and reduce-scatter), of activation
+# checkpointing and of torch.compile (pisft.train.blocks installs a runner on the block's first
+# layer; torchtitan compiles and shards each TransformerBlock the same way). LeRobot's own loop
+# (`PaliGemmaWithExpertModel.forward`) calls `compute_layer_complete` on the layers' parts, never a
+# module holding the block, so neither FSDP2's hooks nor a compiled region could hold a whole block.
+# The last VLM layer's output projection and MLP are not run: their output reaches only the VLM's
+# final norm, which no loss reads (LeRobot computes them and autograd gives them no gradient).
+
+BLOCK_RUNNER = "pisft_block_runner"  # attribute of a block's first layer (pisft.train.blocks)
+
+
+def layers_checkpointed(core) -> bool:
+    """Whether the decoder layers recompute their forward in backward (`enable_layer_checkpointing`)."""
+    return bool(getattr(core.paligemma_with_expert.gemma_expert.model, "gradient_checkpointing", False))
+
+
+def run_block(anchor, fn, *args, checkpoint: bool = False, **kwargs):
+    """`fn(*args, **kwargs)`, one block of the training forward whose first layer is `anchor`,
+    recomputed in backward when `checkpoint`: through the runner pisft.train.blocks installed on
+    `anchor` (FSDP2's forward method, torch.compile), or plainly without one."""
+    runner = getattr(anchor, BLOCK_RUNNER, None)
+    if runner is not None:
+        return runner(fn, *args, checkpoint=checkpoint, **kwargs)
+    return checkpointed(fn, *args, **kwargs) if checkpoint else fn(*args, **kwargs)
+
+
+def checkpointed(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` with its activations recomputed in backward: LeRobot's per-layer
+    checkpoint (`torch.utils.checkpoint`, non-reentrant, no RNG state: the layers draw none)."""
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+
+
+def _inputs(self, images, img_masks, tokens, masks, actions, noise, time, *, frozen: bool):
+    """PI05Pytorch.forward up to its decoder: the flow-matching target, both streams' embeddings
+    (the prefix without grad when `frozen`), the joint mask and positions."""
     from lerobot.policies.common.vla_utils import make_att_2d_masks, prepare_attention_masks_4d
 
     time_expanded = time[:, None, None]
     x_t = time_expanded * noise + (1 - time_expanded) * actions
     u_t = noise - actions
-    pwe = self.paligemma_with_expert
-    vlm = pwe.paligemma.model.language_model
-    expert = pwe.gemma_expert.model
-    with torch.no_grad():
+    with torch.no_grad() if frozen else contextlib.nullcontext():
         prefix_embs, prefix_pad_masks, prefix_att_masks = self.embed_prefix(images, img_masks, tokens, masks)
     suffix_embs, suffix_pad_masks, suffix_att_masks, adarms_cond = self.embed_suffix(x_t, time)
+    vlm = self.paligemma_with_expert.paligemma.model.language_model
     if vlm.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16:
         suffix_embs = suffix_embs.to(dtype=torch.bfloat16)
         prefix_embs = prefix_embs.to(dtype=torch.bfloat16)
@@ -820,30 +897,57 @@ def frozen_prefix_forward(self, images, img_masks, tokens, masks, actions, noise
     att_masks = torch.cat([prefix_att_masks, suffix_att_masks], dim=1)
     position_ids = torch.cumsum(pad_masks, dim=1) - 1
     mask_4d = prepare_attention_masks_4d(make_att_2d_masks(pad_masks, att_masks))
-    n = prefix_embs.shape[1]
-    kv = []
-    with torch.no_grad():
-        hidden = prefix_embs
-        for layer in vlm.layers:  # every part of every layer runs (FSDP2 reshards a unit after its last)
-            hidden, k, v = _prefix_layer(layer, hidden, mask_4d[:, :, :n, :n], position_ids[:, :n],
-                                         vlm.rotary_emb)
-            kv.append((k, v))
-        del hidden
-    checkpointing = bool(getattr(expert, "gradient_checkpointing", False)) and self.training
-    hidden = suffix_embs
-    suffix_mask, suffix_pos = mask_4d[:, :, n:, :], position_ids[:, n:]
-    for layer, (k, v) in zip(expert.layers, kv, strict=True):
-        if checkpointing:
-            hidden = torch.utils.checkpoint.checkpoint(
-                _suffix_layer, hidden, k, v, suffix_mask, suffix_pos, adarms_cond, use_reentrant=False,
-                preserve_rng_state=False, layer=layer, rotary_emb=vlm.rotary_emb)
-        else:
-            hidden = _suffix_layer(hidden, k, v, suffix_mask, suffix_pos, adarms_cond, layer=layer,
-                                   rotary_emb=vlm.rotary_emb)
+    return u_t, prefix_embs, suffix_embs, adarms_cond, mask_4d, position_ids
+
+
+def _loss(self, expert, hidden, adarms_cond, u_t):
+    """PI05Pytorch.forward after its decoder: the expert's final norm, the action projection, the loss."""
+    import torch.nn.functional as F
+
     suffix_out, _ = _modeling().layernorm_forward(expert.norm, hidden, adarms_cond)
     suffix_out = suffix_out[:, -self.config.chunk_size:].to(dtype=torch.float32)
     v_t = self.action_out_proj(suffix_out)
     return F.mse_loss(u_t, v_t, reduction="none")
+
+
+def joint_forward(self, images, img_masks, tokens, masks, actions, noise, time):
+    """PI05Pytorch.forward (a trainable VLM): same inputs, same per-element losses, each layer pair
+    one block (11. above)."""
+    pwe = self.paligemma_with_expert
+    vlm = pwe.paligemma.model.language_model
+    expert = pwe.gemma_expert.model
+    u_t, prefix, suffix, cond, mask_4d, position_ids = _inputs(self, images, img_masks, tokens, masks, actions,
+                                                               noise, time, frozen=False)
+    checkpointing = layers_checkpointed(self) and self.training
+    last = len(vlm.layers) - 1
+    for i, (vlm_layer, expert_layer) in enumerate(zip(vlm.layers, expert.layers, strict=True)):
+        prefix, suffix = run_block(vlm_layer, pair_layer, vlm_layer, expert_layer, prefix, suffix, mask_4d,
+                                   position_ids, cond, vlm.rotary_emb, last=i == last, checkpoint=checkpointing)
+    return _loss(self, expert, suffix, cond, u_t)
+
+
+def frozen_prefix_forward(self, images, img_masks, tokens, masks, actions, noise, time):
+    """PI05Pytorch.forward for a frozen VLM (8. above): same inputs, same per-element losses; each VLM
+    layer and each expert layer one block (11. above)."""
+    pwe = self.paligemma_with_expert
+    vlm = pwe.paligemma.model.language_model
+    expert = pwe.gemma_expert.model
+    u_t, hidden, suffix, cond, mask_4d, position_ids = _inputs(self, images, img_masks, tokens, masks, actions,
+                                                               noise, time, frozen=True)
+    n = hidden.shape[1]
+    kv = []
+    last = len(vlm.layers) - 1
+    with torch.no_grad():
+        for i, layer in enumerate(vlm.layers):
+            hidden, k, v = run_block(layer, prefix_layer, layer, hidden, mask_4d[:, :, :n, :n],
+                                     position_ids[:, :n], vlm.rotary_emb, last=i == last)
+            kv.append((k, v))
+    checkpointing = layers_checkpointed(self) and self.training
+    suffix_mask, suffix_pos = mask_4d[:, :, n:, :], position_ids[:, n:]
+    for layer, (k, v) in zip(expert.layers, kv, strict=True):
+        suffix = run_block(layer, suffix_layer, layer, suffix, k, v, suffix_mask, suffix_pos, cond, vlm.rotary_emb,
+                           checkpoint=checkpointing)
+    return _loss(self, expert, suffix, cond, u_t)
 
 
 def _frozen_prefix_problems(m) -> list[str]:
