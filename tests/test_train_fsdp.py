@@ -116,16 +116,15 @@ def test_small_units_merge_within_their_group_in_forward_order(tiny):
     layers = fsdp.choose_units(policy)
     sizes = {u.name: u.numel() for u in layers}
     vision = [u for u in layers if u.group == "vision"]
-    smallest = vision[1].numel()  # a vision layer: the embeddings alone are smaller
+    smallest = vision[1].numel()  # the encoder layers' unit (the tiny model's two): the embeddings are smaller
     merged = fsdp.choose_units(policy, smallest)
     assert [(u.group, u.reshard_after_forward) for u in merged] == [
-        ("vision", False), ("vision", False), ("decoder", True), ("decoder", True)]
-    # the embeddings took the first layer along; the projector, a remainder, joined the last
-    # layer; the action
-    # projections (41k parameters, a group of their own) went to the root
-    assert merged[0].name == f"{vision[0].name}..{vision[1].name}"
-    assert merged[1].name == f"{vision[2].name}..{vision[-1].name}"
-    assert [u.name for u in merged[2:]] == ["decoder_pair.0", "decoder_pair.1"]
+        ("vision", False), ("decoder", True), ("decoder", True)]
+    # the embeddings took the encoder layers along; the projector, a remainder, joined them; the
+    # action projections (41k parameters, a group of their own) went to the root
+    assert merged[0].name.startswith(f"{vision[0].name}..{vision[1].name}") and merged[0].name.endswith(vision[-1].name)
+    assert list(merged[0].compiled_modules) == list(vision[1].compiled_modules)  # the layers still compile
+    assert [u.name for u in merged[1:]] == ["decoder_pair.0", "decoder_pair.1"]
     assert all(u.numel() >= smallest for u in merged)
     assert sum(u.numel() for u in merged) == sum(sizes.values()) - sizes["model.action_time_projections"]
     modules = [m for u in merged for m in u.modules]

@@ -33,7 +33,7 @@ layer functions of `pisft.model.lerobot_internals` call both through LeRobot's m
 the same context swaps; elsewhere the originals run):
 - the rotary embedding: `torch_npu.npu_rotary_mul(x, cos, sin)` in "half" mode is
   `x * cos + rotate_half(x) * sin`, transformers' `apply_rotary_pos_emb` per tensor (Ascend
-  op-plugin 7.3.0, docs/context/torch_npu-npu_rotary_mul.md; Atlas A2 constraints, torch_npu API
+  op-plugin 7.3.0's torch_npu-npu_rotary_mul page under its docs/context; Atlas A2 constraints, torch_npu API
   reference 7.0.0 "torch_npu.npu_rotary_mul": a 4-D BNSD input with D < 896 and even, B and N
   below 1000, cos/sin of layout 11SD, B1SD or BNSD; pi0.5's q/k are (B, 8 or 1, S, 256) and its
   cos/sin (B, 1, S, 256));
