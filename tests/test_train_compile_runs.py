@@ -1,0 +1,92 @@
+"""torchrun end to end with the blocks compiled (`train.compile: layers`, inductor on the CPU):
+the same losses and weights on 1 and on 2 processes, and a SIGKILL then rerun that resumes
+bit-identically, both runs compiled (issue #45). The eager runs' versions of both are in
+tests/test_train_integration.py; the compiled step against the eager one, in one process, is in
+tests/test_train_compile.py.
+
+The runs share one inductor cache (TORCHINDUCTOR_CACHE_DIR, which pisft leaves alone when set): the
+first process compiles each block, later ones load it, as a rerun of the same stage would."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_fixtures import ROOT, kill_rank1_after_checkpoint, launch, launch_cmd, launch_env, read_jsonl, results_dir
+
+pytestmark = pytest.mark.integration
+
+RUN = ["train.steps=6", "train.save_every=3", "train.warmup_steps=2", "train.global_batch_size=8",
+       "train.micro_batch_size=4", "train.compile=layers"]
+ONE = ("train.nproc_per_node=1",)
+TWO = ("train.nproc_per_node=2", "train.fsdp_min_unit_params=0")  # FSDP2 with the accelerator's units
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def _weights(results):
+    return load_file(results / "train" / "model" / "model.safetensors")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_cache(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("inductor")
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    yield cache
+    if old is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+def _trained(tmp_path_factory, name: str, settings: tuple[str, ...]):
+    res = results_dir(tmp_path_factory, name)
+    _ok(launch("smoke_1card", res, *RUN, *settings, timeout=900))
+    _ok(launch("train_8card", res, *RUN, *settings, timeout=900))
+    return res
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    return _trained(tmp_path_factory, "compiled_one", ONE)
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return _trained(tmp_path_factory, "compiled_two", TWO)
+
+
+def test_compiled_runs_agree_on_1_and_2_processes(one, two):
+    report = json.loads((two / "smoke" / "report.json").read_text())
+    assert report["passed"] is True and report["compile_s"] > 0  # the smoke gate reports the compilation
+    a, b = read_jsonl(one / "train" / "metrics.jsonl"), read_jsonl(two / "train" / "metrics.jsonl")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 7))
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
+    wa, wb = _weights(one), _weights(two)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], rtol=1e-4, atol=1e-5)
+
+
+def test_a_killed_compiled_run_resumes_bit_identically(tmp_path_factory, two):
+    res = results_dir(tmp_path_factory, "compiled_killed")
+    shutil.copytree(two / "smoke", res / "smoke")
+    cmd = launch_cmd("train_8card", res, *RUN, *TWO)
+    kill_rank1_after_checkpoint(cmd, res / "checkpoints" / "train", 3, timeout=900)
+    _ok(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=launch_env()))
+    summary = json.loads((res / "train" / "train_summary.json").read_text())
+    assert summary["resumed_from"]["step"] == 3
+    assert [r["loss"] for r in read_jsonl(res / "train" / "metrics.jsonl")] == \
+        [r["loss"] for r in read_jsonl(two / "train" / "metrics.jsonl")]
+    ref, got = _weights(two), _weights(res)
+    for key in ref:
+        assert torch.equal(got[key], ref[key]), key
