@@ -148,6 +148,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import math
 import threading
@@ -866,10 +867,16 @@ def layers_checkpointed(core) -> bool:
     return bool(getattr(core.paligemma_with_expert.gemma_expert.model, "gradient_checkpointing", False))
 
 
-def run_block(anchor, fn, *args, checkpoint: bool = False, **kwargs):
+def run_block(anchor, fn, *args, checkpoint: bool = False, partner=None, **kwargs):
     """`fn(*args, **kwargs)`, one block of the training forward whose first layer is `anchor`,
     recomputed in backward when `checkpoint`: through the runner pisft.train.blocks installed on
-    `anchor` (FSDP2's forward method, torch.compile), or plainly without one."""
+    `anchor` (FSDP2's forward method, torch.compile), or plainly without one. `partner`: a layer the
+    block also runs (a pair's expert layer); when it is a block of its own (a frozen VLM's layout,
+    pisft.train.fsdp, run through the joint forward) its runner wraps this one without compiling or
+    checkpointing anything, so that its FSDP2 unit is gathered too."""
+    outer = getattr(partner, BLOCK_RUNNER, None) if partner is not None else None
+    if outer is not None:
+        return outer(functools.partial(run_block, anchor, fn, checkpoint=checkpoint), *args, plain=True, **kwargs)
     runner = getattr(anchor, BLOCK_RUNNER, None)
     if runner is not None:
         return runner(fn, *args, checkpoint=checkpoint, **kwargs)
@@ -926,7 +933,8 @@ def joint_forward(self, images, img_masks, tokens, masks, actions, noise, time):
     last = len(vlm.layers) - 1
     for i, (vlm_layer, expert_layer) in enumerate(zip(vlm.layers, expert.layers, strict=True)):
         prefix, suffix = run_block(vlm_layer, pair_layer, vlm_layer, expert_layer, prefix, suffix, mask_4d,
-                                   position_ids, cond, vlm.rotary_emb, last=i == last, checkpoint=checkpointing)
+                                   position_ids, cond, vlm.rotary_emb, last=i == last, checkpoint=checkpointing,
+                                   partner=expert_layer)
     return _loss(self, expert, suffix, cond, u_t)
 
 

@@ -120,7 +120,9 @@ class BlockRunner:
     def __init__(self, compiler: Compiler) -> None:
         self.compiler = compiler
 
-    def __call__(self, fn: Callable, *args: Any, checkpoint: bool = False, **kwargs: Any) -> Any:
+    def __call__(self, fn: Callable, *args: Any, checkpoint: bool = False, plain: bool = False, **kwargs: Any) -> Any:
+        if plain:  # only the unit's gather around `fn` (`run_block`'s partner)
+            return fn(*args, **kwargs)
         if checkpoint:
             fn = _checkpointed_fns.setdefault(fn, functools.partial(checkpointed, fn))
         return self.compiler(fn)(*args, **kwargs)
