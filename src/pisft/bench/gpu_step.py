@@ -246,8 +246,8 @@ def build_for_mode(args, dev, mode: str, checkpointing: bool):
     from pisft.train import trainable
 
     policy = build_random_policy(args.preset, dev, checkpointing=checkpointing)
-    applied = trainable.apply_mode(policy, mode, trainable.spec_for_mode(mode, args.lora_targets), seed=0)
-    trainable.hold_frozen_in(policy, args.precision)
+    applied, _ = trainable.apply_training_layout(policy, mode, trainable.spec_for_mode(mode, args.lora_targets),
+                                                 precision=args.precision)
     return policy, applied
 
 

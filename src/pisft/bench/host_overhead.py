@@ -87,8 +87,7 @@ def count(preset: str, trainable: str, layout: str, compile_mode: str, *, fake: 
     cpu = torch.device("cpu")
     policy = _policy(preset, "meta" if fake else "cpu")
     internals.prepare_for_training(policy, checkpointing=True)
-    modes.apply_mode(policy, trainable, modes.spec_for_mode(trainable, "openpi"), seed=0)
-    modes.hold_frozen_in(policy, "bf16")
+    modes.apply_training_layout(policy, trainable, modes.spec_for_mode(trainable, "openpi"), precision="bf16")
     compiler = blocks.Compiler(compile_mode, "cpu")
     fake_mode: Any = contextlib.nullcontext()
     if fake:

@@ -54,7 +54,7 @@ def build_policy_for_mode(preset: str, mode: str, *, precision: str, checkpointi
                           lora_targets: str = "openpi"):
     """The training layout of `mode` with random weights: built in the training precision (bf16:
     LeRobot's `to_bfloat16_for_selected_params` keeps the vision path and norms in fp32), drawn
-    from normal(0, 0.02), the mode applied, trainable parameters in fp32."""
+    from normal(0, 0.02), the mode applied, the projections fused, trainable parameters in fp32."""
     import torch
 
     from pisft.model import lerobot_internals as internals
@@ -65,6 +65,7 @@ def build_policy_for_mode(preset: str, mode: str, *, precision: str, checkpointi
     policy.config.device = "cpu"
     internals.prepare_for_training(policy, checkpointing=checkpointing)
     applied = trainable_mod.apply_mode(policy, mode, trainable_mod.spec_for_mode(mode, lora_targets), seed=seed)
+    internals.fuse_decoder_projections(policy)  # as trainable.apply_training_layout (already in bf16 here)
     for p in policy.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()  # the optimizer's fp32 master copy

@@ -288,12 +288,14 @@ class UnshardTracker:
 
 # ---------------------------------------------------------------------------------- the model
 def decoder_q_projs(policy: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The q_proj of every decoder layer (VLM and action expert), by layer name."""
+    """The query projection of every decoder layer (VLM and action expert; `q_proj`, or fused
+    `qkv_proj`), by layer name."""
+    from pisft.model.lerobot_internals import query_projection
+
     out = {}
     for name, module in policy.named_modules():
-        if name.endswith(".self_attn.q_proj") and (".language_model.layers." in name
-                                                   or ".gemma_expert.model.layers." in name):
-            out[name.removesuffix(".self_attn.q_proj")] = module
+        if name.endswith(".self_attn") and (".language_model.layers." in name or ".gemma_expert.model.layers." in name):
+            out[name.removesuffix(".self_attn")] = query_projection(module)
     return out
 
 

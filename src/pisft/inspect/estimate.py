@@ -396,14 +396,13 @@ def _estimate_policy(cfg: PisftConfig) -> tuple[Callable[[], Any], str]:
 
 
 def with_mode(make: Callable[[], Any], mode: str, spec: Any, precision: str, seed: int = 0) -> Callable[[], Any]:
-    """`make` with the trainable mode applied as the training applies it (pisft.train.trainable:
-    `apply_mode`, then `hold_frozen_in` the training precision)."""
+    """`make` with the trainable mode applied as the training applies it
+    (`pisft.train.trainable.apply_training_layout`)."""
     from pisft.train import trainable
 
     def build():
         policy = make()
-        trainable.apply_mode(policy, mode, spec, seed=seed)
-        trainable.hold_frozen_in(policy, precision)
+        trainable.apply_training_layout(policy, mode, spec, precision=precision, seed=seed)
         return policy
     return build
 

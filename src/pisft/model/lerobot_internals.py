@@ -774,10 +774,13 @@ def _qkv(layer, hidden, cond):
     m = _modeling()
     hidden, gate = m.layernorm_forward(layer.input_layernorm, hidden, cond)
     shape = (*hidden.shape[:-1], -1, layer.self_attn.head_dim)
-    q = layer.self_attn.q_proj(hidden).view(shape).transpose(1, 2)
-    k = layer.self_attn.k_proj(hidden).view(shape).transpose(1, 2)
-    v = layer.self_attn.v_proj(hidden).view(shape).transpose(1, 2)
-    return q, k, v, gate
+    attn = layer.self_attn
+    fused = getattr(attn, FUSED_QKV, None)  # 12. below
+    if fused is not None:
+        q, k, v = fused(hidden).split(fused.pisft_split, dim=-1)
+    else:
+        q, k, v = attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)
+    return q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2), gate
 
 
 def _layer_out(layer, hidden, att_output, gate, cond):
@@ -788,7 +791,8 @@ def _layer_out(layer, hidden, att_output, gate, cond):
     out = m._gated_residual(hidden, layer.self_attn.o_proj(att_output), gate)  # noqa: SLF001
     after_first_residual = out.clone()
     out, gate = m.layernorm_forward(layer.post_attention_layernorm, out, cond)
-    if layer.mlp.up_proj.weight.dtype == torch.bfloat16:
+    up = getattr(layer.mlp, FUSED_GATE_UP, None) or layer.mlp.up_proj  # 12. below
+    if up.weight.dtype == torch.bfloat16:
         out = out.to(dtype=torch.bfloat16)
     return m._gated_residual(after_first_residual, layer.mlp(out), gate)  # noqa: SLF001
 
@@ -897,7 +901,7 @@ def _inputs(self, images, img_masks, tokens, masks, actions, noise, time, *, fro
         prefix_embs, prefix_pad_masks, prefix_att_masks = self.embed_prefix(images, img_masks, tokens, masks)
     suffix_embs, suffix_pad_masks, suffix_att_masks, adarms_cond = self.embed_suffix(x_t, time)
     vlm = self.paligemma_with_expert.paligemma.model.language_model
-    if vlm.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16:
+    if query_projection(vlm.layers[0].self_attn).weight.dtype == torch.bfloat16:  # LeRobot reads q_proj's
         suffix_embs = suffix_embs.to(dtype=torch.bfloat16)
         prefix_embs = prefix_embs.to(dtype=torch.bfloat16)
     pad_masks = torch.cat([prefix_pad_masks, suffix_pad_masks], dim=1)
@@ -1147,3 +1151,123 @@ def _bf16_problems(m) -> list[str]:
     if "features.to(out_dtype)" not in inspect.getsource(m.PaliGemmaWithExpertModel.embed_image):
         problems.append("PaliGemmaWithExpertModel.embed_image no longer returns the image's dtype: revisit openpi_bf16")
     return problems
+
+
+# ------------------------------------------------------------------------------------------------
+# 12. Fused projections for training (`fuse_decoder_projections`). Each Gemma decoder layer's
+# q/k/v projections become one Linear (`qkv_proj`, rows q then k then v) and its MLP's gate/up one
+# Linear (`gate_up_proj`, rows gate then up), as Huawei's pi0.5 recipe for Ascend fuses them
+# (hicann/cann-recipes-embodied-intelligence, manipulation/pi05/train: the QKV and the gate/up
+# projections): one matrix product instead of three (two), and one FSDP2 parameter instead of
+# three (two) to gather, cast and reduce each step. The values are the same: a fused product's
+# rows are the separate products' rows. Fused after loading (the file keeps LeRobot's names and
+# strict loading holds) and split on export (`split_name`, pisft.train.export_weights); only the
+# training model is fused (pisft's layer functions above read either), never a LoRA-adapted
+# projection (peft wraps the separate ones) nor a model LeRobot's own forward runs.
+
+FUSED_QKV = "qkv_proj"  # on a decoder layer's self_attn
+FUSED_GATE_UP = "gate_up_proj"  # on a decoder layer's mlp
+_QKV_PARTS = ("q_proj", "k_proj", "v_proj")
+_GATE_UP_PARTS = ("gate_proj", "up_proj")
+
+
+class FusedGemmaMLP(torch.nn.Module):
+    """LeRobot's `pi_gemma.GemmaMLP` (down_proj(act(gate_proj(x)) * up_proj(x))) with gate and up
+    in one product (`gate_up_proj`)."""
+
+    def __init__(self, gate_up_proj: torch.nn.Linear, down_proj: torch.nn.Linear, act_fn: Any) -> None:
+        super().__init__()
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+        self.act_fn = act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def _fused_linear(parts: list[torch.nn.Linear]) -> torch.nn.Linear | None:
+    """One Linear holding `parts`' rows, or None when they cannot be one parameter (a LoRA-wrapped
+    part, a bias on some only, parts that train and parts that do not, mixed dtypes)."""
+    if any(type(p) is not torch.nn.Linear for p in parts):  # exactly nn.Linear: peft's LoRA layers wrap it
+        return None
+    weights = [p.weight for p in parts]
+    biases = [p.bias for p in parts]
+    if (len({w.requires_grad for w in weights}) > 1 or len({w.dtype for w in weights}) > 1
+            or len({b is None for b in biases}) > 1):
+        return None
+    fused = torch.nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=biases[0] is not None,
+                            device=weights[0].device, dtype=weights[0].dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat(weights, dim=0))
+        if biases[0] is not None:
+            fused.bias.copy_(torch.cat(biases, dim=0))
+    fused.requires_grad_(weights[0].requires_grad)
+    fused.pisft_split = [p.out_features for p in parts]
+    return fused
+
+
+def query_projection(attn):
+    """A decoder layer's Linear that makes its queries: `q_proj`, or fused, `qkv_proj`."""
+    return getattr(attn, FUSED_QKV, None) or attn.q_proj
+
+
+def attention_projections(attn) -> list:
+    """A decoder layer's Linear layers that make its queries, keys and values (one when fused)."""
+    fused = getattr(attn, FUSED_QKV, None)
+    return [fused] if fused is not None else [getattr(attn, n) for n in _QKV_PARTS]
+
+
+def query_width(attn) -> int:
+    """Query heads x head dim of a decoder layer's attention (fused or not)."""
+    return int(attn.config.num_attention_heads * attn.head_dim)
+
+
+def decoder_layers(policy) -> list:
+    """Every Gemma decoder layer of the policy: the VLM's, then the action expert's."""
+    pwe = policy.model.paligemma_with_expert
+    return [*pwe.paligemma.model.language_model.layers, *pwe.gemma_expert.model.layers]
+
+
+def fuse_decoder_projections(policy) -> int:
+    """Fuse each decoder layer's q/k/v and gate/up projections in place (12. above); returns the
+    number of fused products. Call after the trainable mode is applied (a LoRA-wrapped or
+    partly trained group stays as it is), before sharding."""
+    fused_count = 0
+    for layer in decoder_layers(policy):
+        attn = layer.self_attn
+        if getattr(attn, FUSED_QKV, None) is None:
+            fused = _fused_linear([getattr(attn, n) for n in _QKV_PARTS])
+            if fused is not None:
+                for n in _QKV_PARTS:
+                    delattr(attn, n)
+                setattr(attn, FUSED_QKV, fused)
+                fused_count += 1
+        mlp = layer.mlp
+        if not isinstance(mlp, FusedGemmaMLP):
+            fused = _fused_linear([getattr(mlp, n) for n in _GATE_UP_PARTS])
+            if fused is not None:
+                layer.mlp = FusedGemmaMLP(fused, mlp.down_proj, mlp.act_fn)
+                fused_count += 1
+    return fused_count
+
+
+def split_name(name: str) -> list[tuple[str, int, int]] | None:
+    """A fused parameter's name -> (LeRobot's name, first row, end row) of each part; None: not fused."""
+    for fused, parts in ((f"self_attn.{FUSED_QKV}.", _QKV_PARTS), (f"mlp.{FUSED_GATE_UP}.", _GATE_UP_PARTS)):
+        if fused in name:
+            return [(name.replace(fused, fused.rsplit(".", 2)[0] + f".{part}."), -1, -1) for part in parts]
+    return None
+
+
+def split_rows(module_of, name: str) -> list[tuple[str, int, int]] | None:
+    """`split_name` with each part's rows, read off the fused Linear (`module_of(name)`)."""
+    parts = split_name(name)
+    if parts is None:
+        return None
+    sizes = module_of(name).pisft_split
+    out, start = [], 0
+    for (plain, _, _), size in zip(parts, sizes, strict=True):
+        out.append((plain, start, start + size))
+        start += size
+    return out

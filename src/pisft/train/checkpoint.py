@@ -472,6 +472,7 @@ def _sha256_of(paths: list[Path], listed: list[Path] = ()) -> str | None:
 # `model` and `data` enter whole (a key added there is covered by default), except the data
 # path (its content is hashed) and the demo generator's keys (they only make the input data).
 FINGERPRINT_SECTIONS = ("model", "data")
+PARAMETER_LAYOUT = "fused qkv_proj, gate_up_proj"
 FINGERPRINT_EXCLUDED = ("data.recap_dir", "data.demo_")
 FINGERPRINT_KEYS = (
     "train.global_batch_size", "train.steps", "train.seed", "train.lr", "train.warmup_steps",
@@ -493,7 +494,10 @@ def run_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
     # a RECAP iteration's run: which iteration, where it starts, and its labels
     recap = ({"iteration": cfg.iteration, "recap.init": cfg.recap.init, "labels": _sha256_of([labels])}
              if labels is not None else {})
-    return {**settings_fingerprint(cfg, FINGERPRINT_KEYS), **inputs_fingerprint(cfg, layout.init_model(cfg)), **recap}
+    return {**settings_fingerprint(cfg, FINGERPRINT_KEYS), **inputs_fingerprint(cfg, layout.init_model(cfg)), **recap,
+            # the trained parameters' names: a checkpoint of separate q/k/v (before the fused
+            # projections, pisft.model.lerobot_internals 12.) belongs to another run
+            "parameter_layout": PARAMETER_LAYOUT}
 
 
 def settings_fingerprint(cfg: PisftConfig, keys: tuple[str, ...]) -> dict[str, Any]:

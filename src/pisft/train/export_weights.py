@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from pisft.model import weights as weights_mod
-from pisft.model.lerobot_internals import EXPERT_HEAD
+from pisft.model.lerobot_internals import EXPERT_HEAD, split_rows
 
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B)\.default\.weight$")
 ADAPTER_CONFIG = "adapter_config.json"
@@ -48,6 +48,7 @@ class Source:
     tensor: Any = None  # the model's parameter or buffer (trained, buffer; merged: the base_layer weight)
     file_name: str | None = None  # the base file's tensor name (frozen, merged)
     lora: tuple[Any, Any, float] | None = None  # merged: A, B, scaling
+    rows: tuple[int, int] | None = None  # trained: these rows of a fused parameter (lerobot_internals 12.)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -92,8 +93,16 @@ def policy_sources(model: torch.nn.Module, base_weights: Path,
             lora.setdefault(m["module"], {})[m["ab"]] = t
     tied_drop = {n for group in weights_mod.tied_groups(model) for n in group[1:]}
     sources: dict[str, Source] = {}
+    modules = dict(model.named_modules())
     for name, t in state.items():
         if name in tied_drop or _LORA.match(name):
+            continue
+        parts = split_rows(lambda n: modules[n.rsplit(".", 1)[0]], name)
+        if parts is not None:  # a fused projection: LeRobot's separate tensors, each its rows
+            for plain, start, end in parts:
+                frozen = not t.requires_grad and plain in in_base
+                sources[plain] = (Source("frozen", None, in_base[plain]) if frozen
+                                  else Source("trained", t, rows=(start, end)))
             continue
         plain = name.replace(".base_layer.", ".")
         module = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
@@ -125,7 +134,10 @@ def _spec(source: Source, specs: dict[str, tuple[str, list[int]]]) -> tuple[str,
         return specs[source.file_name]
     if source.kind == "merged":
         return "F32", list(source.tensor.shape)
-    return _TORCH_TO_ST[source.tensor.dtype], list(source.tensor.shape)
+    shape = list(source.tensor.shape)
+    if source.rows is not None:
+        shape[0] = source.rows[1] - source.rows[0]
+    return _TORCH_TO_ST[source.tensor.dtype], shape
 
 
 def _write_collectively(path: Path | None, names: list[str], specs: dict[str, tuple[str, list[int]]],
@@ -167,6 +179,8 @@ def write_policy_weights(model: torch.nn.Module, base_weights: Path, out: Path |
             w = w if w is not None else _full(s.tensor)
             return merged_weight(w, a_full, b_full, scaling) if is_main else None
         t = _full(s.tensor)
+        if s.rows is not None:
+            t = t[s.rows[0]:s.rows[1]]
         return t.contiguous() if is_main else None
 
     _write_collectively(out, list(sources), specs, value, is_main)

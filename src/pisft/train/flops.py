@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from pisft.model.lerobot_internals import prefix_frozen
+from pisft.model.lerobot_internals import attention_projections, prefix_frozen, query_width
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class _Shape:
 
     @property
     def heads_dim(self) -> int:  # num_heads × head_dim
-        return self.vlm_layers[0].self_attn.q_proj.out_features
+        return query_width(self.vlm_layers[0].self_attn)
 
 
 def _shape(policy: nn.Module, *, lang_tokens: int) -> _Shape:
@@ -81,8 +81,8 @@ def _pi05_parts(policy: nn.Module, *, lang_tokens: int) -> dict:
 
     def layer_macs(layer: nn.Module, tokens: int) -> int:
         macs = 0
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            macs += _linear_macs(getattr(layer.self_attn, name)) * tokens
+        for proj in (*attention_projections(layer.self_attn), layer.self_attn.o_proj):
+            macs += _linear_macs(proj) * tokens
         macs += _linear_macs(layer.mlp) * tokens
         for norm in ("input_layernorm", "post_attention_layernorm"):
             dense = getattr(getattr(layer, norm), "dense", None)
@@ -179,7 +179,7 @@ def _walk_training_step(policy: nn.Module, *, lang_tokens: int) -> _StepFlops:
     for layer in vision.encoder.layers:
         attn = layer.self_attn
         up = _trains(layer.layer_norm1) or up
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):  # SigLIP's: never fused
             images.linears(proj, p_tokens, up)
         up = up or _trains(attn.q_proj, attn.k_proj, attn.v_proj)
         images.attention(4.0 * p_tokens * p_tokens * sh.d_vision, up)
@@ -194,7 +194,7 @@ def _walk_training_step(policy: nn.Module, *, lang_tokens: int) -> _StepFlops:
     def keys_and_values(layer: nn.Module, tokens: int, up: bool) -> bool:
         """A decoder layer's input norm and q/k/v projections; the flag after them."""
         up = _trains(layer.input_layernorm) or up
-        projections = [getattr(layer.self_attn, name) for name in ("q_proj", "k_proj", "v_proj")]
+        projections = attention_projections(layer.self_attn)
         for proj in projections:
             walk.linears(proj, tokens, up)
         return up or _trains(*projections)

@@ -215,14 +215,15 @@ def frozen_in_bf16(cfg: PisftConfig, *, value_model: bool = False, prefix: str =
 def apply_trainable(ctx: Context, model: nn.Module, *, value_model: bool = False):
     """train.trainable (or recap.value_trainable) applied before sharding: LoRA adapters injected
     (the same on every rank), frozen parameters `requires_grad=False` (FSDP2 then gives them no
-    gradient, the optimizer no state) and, under bf16, held in bf16 (`trainable.hold_frozen_in`)."""
+    gradient, the optimizer no state), a policy's projections fused and, under bf16, frozen ones held
+    in bf16 (`trainable.apply_training_layout`)."""
     from pisft.train import trainable
 
     cfg = ctx.cfg
     mode = cfg.recap.value_trainable if value_model else cfg.train.trainable
-    applied = trainable.apply_mode(model, mode, trainable.spec_for(cfg, value_model=value_model),
-                                   seed=cfg.train.seed, value_model=value_model)
-    cast = trainable.hold_frozen_in(model, cfg.train.precision)
+    applied, cast = trainable.apply_training_layout(model, mode, trainable.spec_for(cfg, value_model=value_model),
+                                                    precision=cfg.train.precision, seed=cfg.train.seed,
+                                                    value_model=value_model)
     if mode != "all":
         ctx.log(f"{'recap.value_trainable' if value_model else 'train.trainable'}: {mode}: "
                 f"{applied.trainable:,} of {applied.total:,} parameters train"

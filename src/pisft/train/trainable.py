@@ -292,6 +292,21 @@ def apply_mode(model: nn.Module, mode: str, spec: LoraSpec | None = None, *, see
     return Applied(mode, spec, trained, total)
 
 
+def apply_training_layout(model: nn.Module, mode: str, spec: LoraSpec | None, *, precision: str, seed: int = 0,
+                          value_model: bool = False) -> tuple[Applied, int]:
+    """The trained model's layout for `mode`, as every training run and every measurement of one
+    builds it: the mode applied (`apply_mode`), a policy's decoder projections fused where a group
+    trains or freezes as one (`lerobot_internals.fuse_decoder_projections`; the value model's VLM
+    runs LeRobot's own forward, never fused), frozen parameters held in the training precision
+    (`hold_frozen_in`). Before sharding. Returns (the mode applied, the parameters cast to bf16)."""
+    from pisft.model.lerobot_internals import fuse_decoder_projections
+
+    applied = apply_mode(model, mode, spec, seed=seed, value_model=value_model)
+    if not value_model:
+        fuse_decoder_projections(model)
+    return applied, hold_frozen_in(model, precision)
+
+
 def hold_frozen_in(model: nn.Module, precision: str) -> int:
     """Hold frozen parameters in the training precision: under bf16 they are cast to bf16 (no
     fp32 master copy is needed for what the optimizer never updates), except those LeRobot keeps
