@@ -197,3 +197,18 @@ def test_peak_reserved_reads_the_npu_allocator(fake_npu_path):
                           "reserved": device.peak_reserved_bytes("npu"), "emptied": emptied}))
     """)
     assert result == {"allocated": 123, "reserved": 456, "emptied": [True]}
+
+
+def test_a_worker_ends_with_an_idle_thread_pool_alive():
+    """exit_process as a compiled training worker ends: inductor's compile pool (a
+    concurrent.futures executor, non-daemon threads idle on their queue) stops as at a normal exit.
+    Joining its threads without threading's exit calls first waited forever (a compiled smoke run
+    hung after its report)."""
+    code = ("from concurrent.futures import ThreadPoolExecutor\n"
+            "from pisft.device import exit_process\n"
+            "pool = ThreadPoolExecutor(2)\n"
+            "assert pool.submit(lambda: 7).result() == 7\n"
+            "print('done', flush=True)\n"
+            "exit_process(3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (3, "done\n"), proc.stderr

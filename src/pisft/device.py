@@ -302,8 +302,11 @@ def apply_process_env(kind: str) -> dict[str, str]:
 
 def exit_process(code: int) -> NoReturn:
     """End a distributed worker (a torchrun process) with `code` once its work is done: what Python
-    does when it exits up to its teardown (the other non-daemon threads joined, the `atexit`
-    handlers run, the streams flushed), then the exit itself (`os._exit`), without the teardown.
+    does when it exits up to its teardown (`threading._shutdown`: the threading module's exit calls,
+    which tell idle `concurrent.futures` workers such as inductor's compile pool to stop, then the
+    other non-daemon threads joined; the `atexit` handlers run, the streams flushed), then the exit
+    itself (`os._exit`), without the teardown. Joining the threads without those calls first waited
+    forever on a compiled run's idle pool workers.
 
     Why (issue 47): the process group outlives `destroy_process_group`, since torch's DTensor
     caches keep FSDP2's device mesh and through it the group, so gloo's worker threads are still
@@ -317,9 +320,7 @@ def exit_process(code: int) -> NoReturn:
     import atexit
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # noqa: SLF001 - what Py_FinalizeEx calls first (CPython 3.12 Lib/threading.py)
     atexit._run_exitfuncs()  # noqa: SLF001 - the handlers Python runs at exit (logging, multiprocessing, ...)
     for stream in (sys.stdout, sys.stderr):
         try:
