@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -33,6 +33,27 @@ VALUE_TRAINABLE_MODES = ("all", "no_vision", "head", "lora")
 LORA_TARGETS = ("lerobot", "openpi", "rlinf")
 # data.augment: the training loaders' image augmentation (pisft.data.augment applies it).
 AUGMENTS = ("none", "openpi")
+
+
+class PerturbationRange(NamedTuple):
+    """What a strength of one `eval.perturbations` entry means and may be (pisft.rollout.perturb applies
+    it; docs/robustness.md): the unit, the strength a bare name gets, the lowest and highest allowed."""
+
+    unit: str
+    default: float
+    low: float
+    high: float
+
+
+# eval.perturbations: the names and their strengths; strength 0 leaves an episode exactly as it is.
+PERTURBATIONS = {
+    "camera": PerturbationRange("degrees", 10.0, 0.0, 45.0),  # the agent view orbits its look-at point
+    "lighting": PerturbationRange("intensity change", 0.5, -0.9, 4.0),  # every light's intensity x (1 + s)
+    "robot_init": PerturbationRange("rad", 0.1, 0.0, 1.0),  # the arm's 7 joints moved by this norm
+    "object_position": PerturbationRange("m", 0.03, 0.0, 0.15),  # each movable object slid this far
+    "language": PerturbationRange("0 or 1", 1.0, 0.0, 1.0),  # 1: LIBERO-Pro's paraphrase
+    "obs_noise": PerturbationRange("std / 255", 0.05, 0.0, 1.0),  # camera pixels' Gaussian noise, std s x 255
+}
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
