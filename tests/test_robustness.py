@@ -134,6 +134,9 @@ def test_several_seeds_pool_the_trials_and_give_each_seed(tmp_path):
             assert rollout.chunk_seed(rollout.episode_seed(8, "libero_10", task, trial), 0) in policy.seeds
     report = (out / "report.md").read_text()
     assert "## Seeds" in report and "pools the unperturbed episodes of 2 seeds (7, 8" in report
+    from pisft.evaluate.report import closed_loop_section  # results/eval/report.md repeats it
+
+    assert "pools the unperturbed episodes of 2 seeds (7, 8" in "\n".join(closed_loop_section(metrics))
 
 
 def test_what_a_simulator_cannot_perturb_is_refused_before_any_rollout(tmp_path):
