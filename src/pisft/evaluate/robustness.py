@@ -2,9 +2,10 @@
 (docs/robustness.md).
 
 `plan` lists the stage's episodes after the evaluation's own (openpi's protocol at the first seed,
-planned by `pisft.rollout.plan.plan_episodes` as always): the same episodes at every further seed,
-then, for each perturbation (`pisft.rollout.perturb`), the same episodes at every seed under it. All
-of them run in one `roll_out` (the workers keep each task's environment across them), and each
+planned by `pisft.rollout.plan.plan_episodes` as always): the same episodes at every further seed (the
+seed is an episode's environment seed and the root of its policy noise), then, for each perturbation
+(`pisft.rollout.perturb`), the same episodes at every seed under it. All of them run in one
+`roll_out` (the workers keep each task's environment across them), and each
 episode's seeds and perturbation are fixed by the episode, so the results are the same bytes for the
 same config whatever runs them; with neither key set the plan is the evaluation's alone and every
 output is as it was.
@@ -31,7 +32,7 @@ from pisft.evaluate.intervals import success_fields
 from pisft.io import write_text_atomic
 from pisft.rollout import libero_sim, perturb
 from pisft.rollout import video as video_mod
-from pisft.rollout.plan import VIDEO_DIR, plan_episodes
+from pisft.rollout.plan import VIDEO_DIR
 from pisft.rollout.scheduler import EpisodeResult
 from pisft.rollout.settings import Settings
 from pisft.rollout.workers import EpisodeSpec
@@ -91,16 +92,16 @@ def plan(cfg: config_mod.PisftConfig, simulator: libero_sim.Simulator, settings:
     result = Plan(out_specs, conditions, seeds, perturbations)
 
     def add(seed: int, p: perturb.Perturbation | None, video: bool) -> None:
-        group, _ = plan_episodes(simulator, dataclasses.replace(settings, seed=seed, videos=False), None)
-        for i, spec in enumerate(group):
+        # the evaluation's episodes, of which a seed changes the environment seed alone (plan_episodes)
+        for i, spec in enumerate(specs):
             index = len(out_specs)
             path = None
             if video and i == 0:
                 folder = Path(out).absolute() / VIDEO_DIR / p.key
                 folder.mkdir(parents=True, exist_ok=True)
-                path = str(folder / Path(spec.suite + f"_task{spec.task_id:02d}.mp4"))
+                path = str(folder / f"{spec.suite}_task{spec.task_id:02d}.mp4")
                 result.videos[index] = f"{VIDEO_DIR}/{p.key}/{Path(path).name}"
-            out_specs.append(dataclasses.replace(spec, index=index, perturbation=p, video=path))
+            out_specs.append(dataclasses.replace(spec, index=index, env_seed=seed, perturbation=p, video=path))
             conditions.append(Condition(seed, p))
 
     for seed in seeds[1:]:
