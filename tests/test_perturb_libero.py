@@ -11,8 +11,9 @@ the initial state as the perturbation left it), against the unperturbed frame of
 - obs_noise: the same scene, pixels off by noise of the strength's standard deviation;
 - and the unperturbed episode run after all of them is the same bytes as before (nothing carries over).
 
-Strength 0 draws nothing (`tests/test_robustness.py`: the same bytes through the stage). Rendering is on
-the CPU here: about ten resets of 3-5 s each.
+At strength 0 the frame is the unperturbed one, bytes and all (and every name at 0 draws nothing, the
+stage writes the same bytes: `tests/test_robustness.py`). Rendering is on the CPU here: ten resets of
+3-5 s each.
 """
 
 from __future__ import annotations
@@ -139,6 +140,17 @@ def test_obs_noise_adds_noise_of_the_strength(first_frame, base):
         unclipped = (before > 90) & (before < 165)  # 3 standard deviations from either end
         diff = (got["images"][key].astype(np.float64) - before)[unclipped]
         assert diff.std() == pytest.approx(0.1 * 255, rel=0.05) and abs(diff.mean()) < 1
+
+
+def test_strength_0_renders_todays_frame(first_frame, base):
+    """Through the worker's whole path (every name at 0 draws nothing: tests/test_robustness.py)."""
+    got = first_frame(perturb.Perturbation("camera", 0))
+    assert got["record"] is None
+    _same_scene(got, base)
+    for key in ("observation/image", "observation/wrist_image", "prompt"):
+        np.testing.assert_array_equal(got["request"][key], base["request"][key])
+    for key in perturb.IMAGES:
+        np.testing.assert_array_equal(got["images"][key], base["images"][key])
 
 
 def test_nothing_carries_over_to_the_next_episode(first_frame, base):
