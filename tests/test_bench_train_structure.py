@@ -159,16 +159,19 @@ def test_decoder_layers_are_found_by_name():
 # ------------------------------------------------------------------ the component, for real
 def _expected_units(preset: str) -> dict[str, int]:
     """The accelerator's FSDP2 units of a pi0.5 preset, counted from the preset's sizes
-    (pisft/train/fsdp.py's layout): the SigLIP embeddings, one unit per vision encoder layer, the
-    post-layernorm + projector, the action/time projections, one unit per decoder layer pair
-    (VLM layer i with expert layer i), and the root (the tied token embedding lives there)."""
+    (pisft/train/fsdp.py's layout): the SigLIP embeddings, the vision encoder layers
+    `VISION_LAYERS_PER_UNIT` to a unit, the post-layernorm + projector, the action/time
+    projections, one unit per decoder layer pair (VLM layer i with expert layer i), and the root
+    (the tied token embedding lives there)."""
     from pisft.model.presets import get_preset
+    from pisft.train.fsdp import VISION_LAYERS_PER_UNIT
 
     arch = get_preset(preset).arch
     assert arch.vlm.depth == arch.expert.depth  # layer pairs
     vision, pairs = arch.vision.num_hidden_layers, arch.vlm.depth
+    vision_units = -(-vision // VISION_LAYERS_PER_UNIT)
     return {"vision_layers": vision, "decoder_layer_pairs": pairs, "decoder_layers": 2 * pairs,
-            "fsdp_units": 1 + vision + 1 + 1 + pairs + 1}
+            "fsdp_units": 1 + vision_units + 1 + 1 + pairs + 1}
 
 
 @pytest.mark.integration
@@ -180,7 +183,7 @@ def test_train_structure_component(tmp_path):
     want = _expected_units("tiny")
     assert r["fsdp_min_unit_params"] == 0
     assert (r["vision_layers"], r["decoder_layer_pairs"]) == (want["vision_layers"], want["decoder_layer_pairs"])
-    assert r["fsdp_units"] == want["fsdp_units"] == r["fsdp_units_target"], r["fsdp_units"]
+    assert r["fsdp_units"] == want["fsdp_units"] <= r["fsdp_units_target"], r["fsdp_units"]  # a bound
     assert r["fsdp_units_excluding_root"] == want["fsdp_units"] - 1
     # nothing HCCL refuses and no float64 collective, in the whole loop and the build
     assert r["float64_collectives"] == 0 and r["float64_collectives_by_op"] == {}, r["float64_collectives_by_op"]

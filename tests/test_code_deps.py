@@ -89,6 +89,9 @@ def test_an_edit_reruns_the_stages_that_run_the_file_under_both_drivers(tmp_path
             else:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(r.name)
+    from pisft.workflow import dvc_yaml
+
+    (project / "results" / dvc_yaml.CHECK_FILE).write_text(dvc_yaml.CHECK_TEXT)  # config_check's (DVC only)
     _run([str(BIN / "dvc"), "commit", "--force", "--quiet"], project)  # rewrites the outputs: then the times
     t0 = time.time() - 100_000
     for folder in ("src", "workflow", "config"):

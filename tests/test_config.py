@@ -196,7 +196,7 @@ def test_cli_validate_exit_codes(tmp_path):
         ({"train": {"num_workers": -2}}, "train.num_workers"),
         ({"train": {"peak_flops": -1}}, "train.peak_flops"),
         ({"data": {"demo_episode_length": 0}}, "data.demo_episode_length: must be at least 1, got 0"),
-        ({"data": {"demo_image_size": 0}}, "data.demo_image_size: must be at least 1, got 0"),
+        ({"data": {"demo_image_size": 0}}, "data.demo_image_size: must be an image side in [16, 4096] px, got 0"),
         ({"data": {"demo_episodes_per_task": 0}}, "data.demo_episodes_per_task"),
         ({"results_dir": "my results"}, "results_dir: 'my results' contains ' '"),
         ({"results_dir": "res;ults"}, "results_dir"),

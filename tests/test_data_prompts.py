@@ -124,6 +124,9 @@ class _Predictor:
         self.seen.extend(batch["task"])
         return torch.zeros((1, self.chunk_size, self.action_dim))
 
+    def describe(self):
+        return {"precision": "fp32", "compile": {"compiled": False}, "rtc": {"enabled": False}}
+
 
 def test_served_and_closed_loop_policy_prompts_the_positive_prompt(tmp_path):
     from pisft.policy.libero import LiberoPolicy

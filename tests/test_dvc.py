@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from conftest import BIN, run, tool_env
-from dvc_fixtures import RAN, STAGES  # dvc_run: the session's DVC run (tests/dvc_fixtures.py)
+from dvc_fixtures import CHECK, RAN, STAGES  # dvc_run: the session's DVC run (tests/dvc_fixtures.py)
 
 from pisft.train.guard import LOCK_NAME
 
@@ -206,61 +206,42 @@ def _trainer_holding(work: Path, drivers: set[int]) -> int | None:
     return None
 
 
-def test_snakemake_and_dvc_repro_at_once_leave_one_trainer_and_clean_metrics(dvc_run, tmp_path):
-    """Both drivers started together on one run folder: one trains, the other is refused.
-
-    The overlap is made certain: the first trainer to take the run folder is held (SIGSTOP)
-    as soon as it holds the lock, until the other driver has finished, then let go (SIGCONT);
-    started together and left alone, one driver may be done before the other starts."""
+def test_a_dvc_repro_beside_a_training_snakemake_is_refused_and_leaves_one_trainer(dvc_run, tmp_path):
+    """Snakemake trains (its trainer held with SIGSTOP while the other driver starts): `dvc repro`
+    started beside it is refused at once (DVC's repository lock, which a Snakemake run holds), before
+    it removes or writes anything; the one trainer writes every step once. Before: the wrapper saw
+    Snakemake's lock and carried on, re-ran four stages under it, and Snakemake failed."""
     work = clone_run(dvc_run, tmp_path / "w")
-    # steps past the session run's 6, so that train_8card reruns; the overlap is made by SIGSTOP,
-    # not by a long run
+    # steps past the session run's 6, so that train_8card reruns
     set_keys(work, {("train", "steps"): 8, ("train", "save_every"): 4})
     assert set(re.findall(r"^rule (\w+):", run(["snakemake", "-n", "--cores", "2", "train_8card"],
                                                  work).stdout, re.M)) == {"train_8card"}
-    commands = {"dvc": [str(BIN / "dvc"), "repro", "train_8card"],
-                "snakemake": [str(BIN / "snakemake"), "--cores", "2", "train_8card"]}
-    procs = {name: subprocess.Popen(cmd, cwd=work, env=tool_env(), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-             for name, cmd in commands.items()}
-    outs: dict[str, str] = {}
-    readers = [threading.Thread(target=lambda n=n, p=p: outs.__setitem__(n, p.stdout.read()), daemon=True)
-               for n, p in procs.items()]
-    for t in readers:
-        t.start()
-    drivers = {p.pid for p in procs.values()}
+    snakemake = subprocess.Popen([str(BIN / "snakemake"), "--cores", "2", "train_8card"], cwd=work, env=tool_env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out: dict[str, str] = {}
+    reader = threading.Thread(target=lambda: out.__setitem__("s", snakemake.stdout.read()), daemon=True)
+    reader.start()
     held = None
     try:
         deadline = time.monotonic() + 1200
-        while held is None and time.monotonic() < deadline:
-            held = _trainer_holding(work, drivers)
-            if held is None and not all(p.poll() is None for p in procs.values()):
-                for t in readers:
-                    t.join(timeout=60)
-                raise AssertionError("a driver ended before any trainer held the run folder: "
-                                     + repr({n: (procs[n].poll(), outs.get(n, "")[-3000:]) for n in procs}))
-            if held is None:
-                time.sleep(0.01)
-        assert held is not None, "no trainer took the run folder"
-        os.kill(held, signal.SIGSTOP)  # the holder, held where it is: it keeps the lock
-        # the other driver runs its trainer against the held one and ends
-        while all(p.poll() is None for p in procs.values()):
-            assert time.monotonic() < deadline, "neither driver ended while a trainer was held"
-            time.sleep(0.1)
-        assert _trainer_holding(work, drivers) == held  # still the holder when the other driver ended
+        while held is None and time.monotonic() < deadline and snakemake.poll() is None:
+            held = _trainer_holding(work, {snakemake.pid})
+            time.sleep(0.05)
+        assert held is not None, "Snakemake's trainer never took the run folder"
+        os.kill(held, signal.SIGSTOP)
+        lock_before = (work / "dvc.lock").read_bytes()
+        evaluation = sorted((p.name, p.stat().st_mtime_ns) for p in (work / "results/eval").iterdir())
+        refused = run(["dvc", "repro", "train_8card"], work, check=False)
+        assert refused.returncode != 0 and "Unable to acquire lock" in refused.stderr, refused.stderr[-2000:]
+        assert not RAN.findall(refused.stdout)
+        assert (work / "dvc.lock").read_bytes() == lock_before
+        assert sorted((p.name, p.stat().st_mtime_ns) for p in (work / "results/eval").iterdir()) == evaluation
     finally:
         if held is not None:
             os.kill(held, signal.SIGCONT)
-    for p in procs.values():
-        p.wait(timeout=1800)
-    for t in readers:
-        t.join(timeout=60)
-    codes = {name: p.returncode for name, p in procs.items()}
-    losers = [name for name, code in codes.items() if code != 0]
-    assert len(losers) == 1, {n: outs[n][-3000:] for n in outs}
-    (loser,) = losers
-    assert re.search(rf"in use by another trainer \(pid {held} on host \S+, started \d{{4}}-", outs[loser]), \
-        outs[loser][-3000:]
+    snakemake.wait(timeout=1800)
+    reader.join(timeout=60)
+    assert snakemake.returncode == 0, out.get("s", "")[-3000:]
     steps = [json.loads(line)["step"] for line in
              (work / "results/train/metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 9)), "one trainer: every step once, in order"
@@ -287,15 +268,22 @@ def test_dvc_sees_edited_code(dvc_run, tmp_path, edited, expected):
     assert _changed_stages(work) == expected
 
 
-def test_a_new_data_folder_needs_no_new_dvc_yaml(dvc_run, tmp_path):
-    """dvc.yaml's paths are templates over config/config.yaml: DVC follows a changed data.recap_dir."""
+def test_a_new_data_folder_regenerates_dvc_yaml_before_any_stage(dvc_run, tmp_path):
+    """The data sources are in dvc.yaml by their paths (a template cannot follow a list of them):
+    the first `dvc repro` after data.recap_dir changed stops at config_check, before DVC removes
+    any output, with dvc.yaml regenerated; the next follows the new folder."""
     work = clone_run(dvc_run, tmp_path / "w")
     other = tmp_path / "recap"
     shutil.copytree(work / "results/demo_recap", other)
     set_keys(work, {("data", "recap_dir"): str(other)})
-    run([str(BIN / "python"), "-m", "pisft", "dvc-yaml", "--check"], work)  # dvc.yaml still current
+    dataset = sorted(p.name for p in (work / "results/dataset").rglob("*"))
+    refused = run(["dvc", "repro", "convert_recap"], work, check=False)
+    assert refused.returncode != 0 and "dvc.yaml has been regenerated" in refused.stderr, refused.stderr[-2000:]
+    assert set(RAN.findall(refused.stdout)) == {CHECK}
+    assert sorted(p.name for p in (work / "results/dataset").rglob("*")) == dataset  # nothing removed
+    run([str(BIN / "python"), "-m", "pisft", "dvc-yaml", "--check"], work)  # regenerated: current
     status = json.loads(run(["dvc", "status", "--json"], work).stdout)
-    assert set(status) == {"convert_recap"}, status
+    assert set(status) == {CHECK, "convert_recap"}, status
     assert str(other) in json.dumps(status["convert_recap"])  # the new folder is the dependency
 
 
@@ -308,9 +296,11 @@ def test_dvc_regenerates_dvc_yaml_when_the_model_becomes_a_local_folder(dvc_run,
     first = run(["dvc", "repro", "fetch_base"], work, check=False)
     assert first.returncode != 0
     assert "dvc.yaml has been regenerated" in first.stdout + first.stderr, first.stderr[-2000:]
+    assert set(RAN.findall(first.stdout)) == {CHECK}  # before fetch_base: its output not removed
+    assert (work / "results/base_model/model.safetensors").is_file()
     assert "model.source=local" in (work / "dvc.yaml").read_text().splitlines()[2]
     second = run(["dvc", "repro", "fetch_base"], work)
-    assert set(RAN.findall(second.stdout)) == {"fetch_base"}
+    assert set(RAN.findall(second.stdout)) == {CHECK, "fetch_base"}
     lock = yaml.safe_load((work / "dvc.lock").read_text())["stages"]["fetch_base"]
     assert str(local) in [d["path"] for d in lock["deps"]]  # the folder's content is tracked
 
@@ -326,7 +316,7 @@ def test_after_snakemake_dvc_is_up_to_date_and_a_pull_restores_every_output(defa
     lock = yaml.safe_load((clone / "dvc.lock").read_text())["stages"]
     from pisft.stages import rule_names
 
-    assert set(lock) == set(rule_names(1))  # every stage Snakemake ran is recorded, the RECAP loop's too
+    assert set(lock) == {CHECK, *rule_names(1)}  # every stage Snakemake ran is recorded, the RECAP loop's too
     outs = [o["path"] for stage in lock.values() for o in stage.get("outs", [])]
     assert all((clone / path).exists() for path in outs), [p for p in outs if not (clone / p).exists()]
     run(["snakemake", "--touch", "--cores", "1"], clone)  # the documented step after a pull

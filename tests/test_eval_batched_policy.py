@@ -286,6 +286,6 @@ def test_a_negative_device_count_is_refused():
 
 @pytest.mark.parametrize("rows", [0, -1])
 def test_a_forward_of_no_rows_is_refused_with_what_to_set(rows):
-    with pytest.raises(PisftError, match=rf"eval.policy_batch: {rows}: the rows of every policy forward must be 1 "
-                                         r"or more \(0, 'every environment waiting', is gone"):
+    with pytest.raises(PisftError, match=r"eval.policy_batch: the rows of every policy forward must be at least 1 "
+                                         rf"\(0, every environment waiting, is gone.*got {rows}"):
         C.from_dict({"eval": {"policy_batch": rows}})

@@ -223,3 +223,27 @@ def test_a_stale_closed_loop_file_never_reaches_the_report_when_closed_loop_is_o
             offline.closed_loop_results(make_cfg(results, closed_loop=True))
     finally:
         stale.unlink(missing_ok=True)
+
+
+@pytest.mark.integration  # ~30-60 s: three evaluations of two tiny models
+def test_bf16_as_openpi_runs_it_moves_the_figures_less_than_their_interval(results, capsys):
+    """eval.precision bf16 keeps float32 only where openpi does (pisft.policy.precision); against
+    LeRobot's own bf16 layout (the vision path in float32) and against float32, every figure of both
+    models moves by less than half its bootstrap interval, and eval_info records what stayed float32."""
+    openpi, _, info = offline.evaluate_models(make_cfg(results, precision="bf16"), progress=False)
+    lerobot, _, _ = offline.evaluate_models(make_cfg(results, precision="bf16"), progress=False,
+                                            bf16_layout="lerobot")
+    fp32, _, fp32_info = offline.evaluate_models(make_cfg(results, precision="fp32"), progress=False)
+    for model in ("base", "finetuned"):
+        for metric in ("action_mse", "action_l1", "action_mse_norm", "action_l1_norm"):
+            s = openpi[model]
+            half = (s[f"{metric}_ci_high"] - s[f"{metric}_ci_low"]) / 2
+            assert 0 < abs(s[metric] - lerobot[model][metric]) < half, (model, metric)
+            assert abs(s[metric] - fp32[model][metric]) < half, (model, metric)
+    kept = info["inference"]["finetuned"]["precision"]
+    assert kept["layout"] == "openpi" and kept["dtype"] == "bfloat16"
+    vision = kept["float32_parameters"]["paligemma_with_expert.paligemma.model.vision_tower"]
+    assert vision == 128 * 3 * 16 * 16 + 128 + 16 * 128  # the tiny SigLIP's patch and position embeddings
+    assert "paligemma_with_expert.paligemma.model.multi_modal_projector" not in kept["float32_parameters"]
+    assert fp32_info["inference"]["base"]["precision"]["layout"] == "float32"
+    assert fp32_info["inference"]["base"]["compile"]["compiled"] is False  # eval.compile null: eager on the CPU

@@ -117,7 +117,7 @@ def test_frozen_prefix_refused_while_the_vlm_trains_and_the_joint_path_chosen():
             internals.sync_free_forward(policy, frozen_prefix=True):
         pass
     with internals.sync_free_forward(policy):
-        assert "forward" not in vars(policy.model)  # the joint forward
+        assert policy.model.forward.__func__ is internals.joint_forward
     _expert_only(policy)
     with internals.sync_free_forward(policy):
         assert policy.model.forward.__func__ is internals.frozen_prefix_forward

@@ -38,6 +38,35 @@ def test_snakemake_runs_the_whole_dag_and_it_learns(default_pipeline):
         assert resolved["train"]["steps"] == cfg["train"]["steps"]
 
 
+def test_the_trained_model_carries_lerobots_processor_files_readable_by_everyone(default_pipeline):
+    """LeRobot's make_pre_post_processors loads results/train/model from the project root (issue 47):
+    the files are in its manifest and, as every other file of the export, readable by others."""
+    import os
+    import stat
+
+    from lerobot.policies.factory import make_pre_post_processors
+
+    from pisft import integrity
+    from pisft.model.policy import read_config
+
+    model = default_pipeline / "results/train/model"
+    listed = json.loads((model / "MANIFEST.json").read_text())["files"]
+    assert {"policy_preprocessor.json", "policy_postprocessor.json"} <= set(listed)
+    integrity.verify_read(model, what="test")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in model.rglob("*") if p.is_file()
+            and stat.S_IMODE(p.stat().st_mode) != 0o666 & ~mask} == {}
+    before = os.getcwd()
+    os.chdir(default_pipeline)
+    try:
+        pre, post = make_pre_post_processors(read_config(model / "config.json")[0], pretrained_path=str(model))
+    finally:
+        os.chdir(before)
+    assert [type(s).__name__ for s in pre.steps][-3:-1] == ["Pi05PrepareStateTokenizerProcessorStep",
+                                                             "TokenizerProcessorStep"]
+
+
 def test_the_embedded_default_checks_the_closed_loop_in_the_real_simulator(default_pipeline):
     """make run's short closed-loop check (issue 13): the real hf-libero, its videos, in the report."""
     results = default_pipeline / "results"

@@ -95,6 +95,7 @@ RECIPES = {"openpi-pi05-libero.yaml": OPENPI, "rlinf-recap-libero10.yaml": RLINF
 
 
 def _applied(tmp_path: Path, *profiles: str) -> C.PisftConfig:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     shutil.copy(ROOT / "config/config.yaml", tmp_path / "config.yaml")
     for name in profiles:
         profile_mod.switch(PROFILES / name, tmp_path / "config.yaml", tmp_path / "dvc.yaml")
@@ -147,3 +148,61 @@ def test_pisfts_warmup_starts_where_optax_does():
     peak, warm = OPENPI[("train", "lr")], OPENPI[("train", "warmup_steps")]
     assert lr_at(0, lr=peak, warmup_steps=warm, decay_lr=peak, steps=30_000) == pytest.approx(peak / (warm + 1))
     assert lr_at(20_000, lr=peak, warmup_steps=warm, decay_lr=peak, steps=30_000) == pytest.approx(peak)
+
+
+def documented_compositions() -> dict[str, list[list[str]]]:
+    """The `python -m pisft profile` commands of each fenced block of docs/recipes.md, per recipe
+    the block applies (a line's `# or ...` alternatives: each is applied in its own run)."""
+    import re
+
+    text = (ROOT / "docs/recipes.md").read_text()
+    out: dict[str, list[list[str]]] = {}
+    for block in re.findall(r"```\n(.*?)```", text, re.S):
+        lines = [line for line in block.splitlines() if line.startswith("python -m pisft profile ")]
+        if not lines:
+            continue
+        runs: list[list[str]] = [[]]
+        for line in lines:
+            first = line.split()[4]
+            names = [Path(first).name] + re.findall(r"(\S+\.yaml)", line.split("#", 1)[1] if "#" in line else "")
+            runs = [[*run, name] for run in runs for name in dict.fromkeys(names)]
+        recipe = next(n for n in runs[0] if n in RECIPES)
+        out.setdefault(recipe, []).extend(runs)
+    return out
+
+
+def test_the_composition_docs_recipes_gives_yields_each_recipe_whole(tmp_path, capsys):
+    compositions = documented_compositions()
+    assert set(compositions) == set(RECIPES)
+    for recipe, runs in compositions.items():
+        for i, run in enumerate(runs):
+            cfg = _applied(tmp_path / f"{recipe}-{i}", *run)
+            got = {(section, key): getattr(getattr(cfg, section), key) for section, key in RECIPES[recipe]}
+            assert got == RECIPES[recipe], (run, {k: v for k, v in got.items() if RECIPES[recipe][k] != v})
+            notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+            assert not [n for n in notes if f"that {PROFILES / recipe}" in n], notes  # nothing of the recipe replaced
+
+
+def test_a_profile_that_replaces_a_recipes_keys_says_so(tmp_path, capsys):
+    """RLinf's recipe, then a device profile: the recipe's batch, learning rate and iterations were
+    replaced without a word; now a note names each key and both values."""
+    cfg = _applied(tmp_path / "a", "rlinf-recap-libero10.yaml", "cuda-8gpu.yaml")
+    assert (cfg.train.global_batch_size, cfg.train.lr, cfg.recap.iterations) == (128, 5e-5, 0)  # the later wins
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1, notes
+    note = notes[0]
+    assert note.startswith(f"note: {PROFILES / 'cuda-8gpu.yaml'} replaces ") and f"that {PROFILES / RLINF_FILE}" in note
+    for fragment in ("train.global_batch_size 512 -> 128", "train.lr 1e-05 -> 5e-05", "recap.iterations 1 -> 0"):
+        assert fragment in note, note
+    recorded = profile_mod.applied_profiles((tmp_path / "a" / "config.yaml").read_text())
+    assert recorded == [str(PROFILES / "rlinf-recap-libero10.yaml"), str(PROFILES / "cuda-8gpu.yaml")]
+    # a key set to the value the earlier profile set is not a replacement; a key the user edited
+    # after a profile is no longer that profile's
+    text = (tmp_path / "a" / "config.yaml").read_text().replace("  global_batch_size: 128", "  global_batch_size: 64")
+    (tmp_path / "a" / "config.yaml").write_text(text)
+    profile_mod.switch(PROFILES / RLINF_FILE, tmp_path / "a" / "config.yaml", tmp_path / "a" / "dvc.yaml")
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and "global_batch_size" not in notes[0] and "train.lr 5e-05 -> 1e-05" in notes[0]
+
+
+RLINF_FILE = "rlinf-recap-libero10.yaml"

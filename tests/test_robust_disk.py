@@ -200,3 +200,54 @@ def test_a_stage_writing_a_dataset_onto_a_full_disk_ends_in_one_line(tmp_path, s
         assert "Traceback" not in out.stderr
         leftovers = sorted(p.name for p in results.iterdir()) if results.is_dir() else []
         assert not [n for n in leftovers if ".tmp-" in n or n in ("dataset", "demo_recap")], leftovers
+
+
+def test_episodes_whose_videos_do_not_fit_end_the_closed_loop_in_one_full_disk_line(tmp_path):
+    """A video the simulator's worker cannot write fails its episode; the episode runs again on a
+    fresh worker, fails the same way, and the stage stops: the line names the full disk and the
+    file, not a broken simulator install. The closed loop's own engine (stand-in simulator)."""
+    import functools
+
+    from test_eval_closed_loop import TWO_TASKS, GoalSeekingPolicy, StandInSimulator, make_cfg
+
+    from pisft import cli
+    from pisft.errors import PisftError
+    from pisft.evaluate import closed_loop
+
+    with small_fs(tmp_path / "fs", 4) as fs:
+        cfg = make_cfg(fs, videos=True)
+        fill(fs, 16 * 1024)
+        with pytest.raises(PisftError) as err:
+            closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, TWO_TASKS),
+                            policy=GoalSeekingPolicy(), inline=True)
+        assert "make setup" in str(err.value)  # the engine's advice for a crashing simulator
+        line, code = cli.user_error(err.value)
+        assert code == 1 and "\n" not in line
+        assert line.startswith(f"error: the stage's write failed: {fs}/results/.closed_loop.tmp-")
+        assert "videos/" in line and "no space left on the device (" in line and "make setup" not in line
+        assert not (fs / "results" / "closed_loop").exists()
+
+
+def test_dvcs_config_check_on_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys):
+    """config_check, the first thing `dvc repro` runs, writes one small file: on a full disk it
+    says so in one line, and nothing has run."""
+    import yaml
+
+    from pisft.workflow import drivers
+
+    with small_fs(tmp_path / "fs", 1) as fs:
+        raw = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+        raw["results_dir"] = str(fs / "results")
+        raw["data"]["recap_dir"] = str(fs / "results" / "demo_recap")  # the committed dvc.yaml's shape
+        config = tmp_path / "config.yaml"
+        config.write_text(yaml.safe_dump(raw))
+        (fs / "results").mkdir()
+        fill(fs, 0)
+        import shutil
+
+        shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")  # read, never rewritten, here
+        monkeypatch.chdir(tmp_path)
+        assert drivers.run_check(str(config)) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: config_check: "), err
+        assert "no space left on the device" in err[0] and "nothing ran" in err[0]

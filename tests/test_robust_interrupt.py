@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def big_demo_config(tmp_path: Path) -> Path:
     raw = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     raw["results_dir"] = str(tmp_path / "results")
-    raw["data"].update(demo_episodes_per_task=400, demo_episode_length=200)  # minutes of work
+    # the demo under results_dir, as config.yaml's: dvc.yaml's shape (its DVC wrapper checks it)
+    raw["data"].update(recap_dir=str(tmp_path / "results" / "demo_recap"),
+                       demo_episodes_per_task=400, demo_episode_length=200)  # minutes of work
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path

@@ -245,6 +245,38 @@ def test_served_replies_equal_in_process_inference_for_every_connection(tiny_pol
         np.testing.assert_array_equal(_ask(b, request)["actions"], expected)
 
 
+def test_rtc_per_connection_agrees_with_the_previous_chunk_and_plain_chunks_without_it(tiny_model, tiny_policy):
+    """`serve --rtc`: the server keeps each connection's last chunk; a request with
+    rtc/executed_steps and rtc/delay_steps gets a chunk whose first delay actions agree with that
+    chunk's actions from executed_steps on (LeRobot's RTC). A connection's first request, one after a
+    reset and one without the keys get plain chunks. Replies carry openpi's policy_timing."""
+    from websockets.sync.client import connect
+
+    from pisft.policy.rtc import RtcSettings
+
+    rtc_policy = LiberoPolicy.from_model_dir(tiny_model, device="cpu", seed=3, rtc=RtcSettings())
+    request, ask = libero_request(), {"rtc/executed_steps": 3, "rtc/delay_steps": 2}
+    with (served(rtc_policy) as url, connect(url, compression=None, max_size=None) as a,
+          connect(url, compression=None, max_size=None) as b):
+        a.recv(), b.recv()
+        first = _ask(a, {**request, **ask})  # nothing to agree with yet: a plain chunk
+        assert "rtc" not in first and first["policy_timing"]["infer_ms"] > 0 and "infer_ms" in first["server_timing"]
+        np.testing.assert_array_equal(_ask(b, request)["actions"], first["actions"])  # same seed, plain
+        second = _ask(a, {**request, **ask})
+        plain = _ask(b, request)["actions"]  # b's second draw is a's second: the same chunk without RTC
+        assert second["rtc"] == {"delay_steps": 2, "prev_steps": 7}
+        held = first["actions"][3:5]  # executed while the reply was computed
+        assert np.abs(second["actions"][:2] - held).max() < 0.1 < np.abs(plain[:2] - held).max()
+        refused = _ask(a, {**request, "rtc/prev_actions": np.zeros((5, 7))})
+        assert isinstance(refused, str) and "rtc/executed_steps" in refused
+        assert _ask(a, {"reset": True, "seed": 3}) == {"reset": True, "seed": 3}
+        assert "rtc" not in _ask(a, {**request, **ask})  # a new episode: nothing to agree with
+    with served(tiny_policy) as url, connect(url, compression=None, max_size=None) as c:
+        c.recv()
+        reply = _ask(c, {**request, **ask})
+        assert isinstance(reply, str) and reply.startswith("bad request:") and "--rtc" in reply
+
+
 def test_a_long_prompt_is_cut_before_tokenization_without_changing_the_tokens(tiny_policy):
     pre = tiny_policy.predictor.preprocessor
     budget = tiny_policy.prompt_budget

@@ -125,3 +125,79 @@ def test_host_to_device_copies_do_not_block_on_any_accelerator():
     pipeline = types.SimpleNamespace(steps=steps)
     set_non_blocking_transfers(pipeline)
     assert [s.non_blocking for s in steps] == [False, True]
+
+
+def _stand_in_rotary_mul(calls):
+    """npu_rotary_mul's documented contract on an Atlas A2 (torch_npu API reference 7.0.0), "half"
+    mode: a 4-D input, D even and below 896, B and N below 1000, r1/r2 of layout 11SD, B1SD or
+    BNSD for a BNSD input; output r1 * x + r2 * cat(-x2, x1)."""
+
+    def npu_rotary_mul(x, r1, r2, rotary_mode="half"):
+        calls.append(("rotary_mul", tuple(x.shape), tuple(r1.shape)))
+        assert rotary_mode == "half" and x.dim() == r1.dim() == r2.dim() == 4
+        b, n, s, d = x.shape
+        assert d % 2 == 0 and d < 896 and b < 1000 and n < 1000
+        assert r1.shape == r2.shape and r1.shape[2:] == (s, d) and r1.shape[0] in (1, b) and r1.shape[1] in (1, n)
+        assert x.dtype == r1.dtype == r2.dtype
+        x1, x2 = torch.chunk(x, 2, -1)
+        return r1 * x + r2 * torch.cat((-x2, x1), dim=-1)
+
+    return npu_rotary_mul
+
+
+def _stand_in_rms_norm(calls):
+    """npu_rms_norm's documented contract: float16/bfloat16/float32, gamma of the input's last
+    dimension and its dtype; returns (x * rsqrt(mean(x^2) + eps) * gamma, rstd)."""
+
+    def npu_rms_norm(x, gamma, epsilon=1e-6):
+        calls.append(("rms_norm", tuple(x.shape)))
+        assert x.dtype in (torch.float16, torch.bfloat16, torch.float32) and gamma.dtype == x.dtype
+        assert gamma.shape == (x.shape[-1],)
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + epsilon)
+        return x * rstd * gamma, rstd
+
+    return npu_rms_norm
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["pair", "frozen_prefix"])
+def test_npu_decoder_layers_run_the_fused_kernels_with_the_same_result(monkeypatch, frozen):
+    """On an NPU a decoder layer's rotary embedding and RMS norms (plain and adaRMS) run as
+    npu_rotary_mul and npu_rms_norm, its attention as npu_fusion_attention (stand-ins that hold
+    the documented contracts; CPU tensors stand in for NPU ones): the layer's outputs equal the
+    eager path's."""
+    from pisft.inspect.synthetic import synthetic_batch
+    from pisft.model import lerobot_internals as internals
+    from pisft.model.policy import build_policy
+    from pisft.train.policy_task import injected_flow_samples
+
+    policy = build_policy("tiny", seed=0)
+    for p in policy.parameters():  # LeRobot starts the adaRMS projections at zero: give them a value
+        if p.dim() and not p.abs().sum():
+            torch.nn.init.normal_(p, std=0.05)
+    if frozen:
+        policy.model.paligemma_with_expert.paligemma.requires_grad_(False)
+    batch, rand = synthetic_batch(policy, 2, torch.device("cpu"), seed=3)
+
+    def loss():
+        with injected_flow_samples(policy.model, rand["noise"], rand["time"]), \
+                internals.sync_free_forward(policy), torch.no_grad():
+            return policy(batch)
+
+    with attention.fused_joint_attention():
+        plain = loss()
+    calls: list = []
+    stand_in = types.ModuleType("torch_npu")  # imported before the swap, as on an NPU host
+    stand_in.npu_fusion_attention = _stand_in_fusion_attention([])
+    stand_in.npu_rotary_mul = _stand_in_rotary_mul(calls)
+    stand_in.npu_rms_norm = _stand_in_rms_norm(calls)
+    monkeypatch.setitem(sys.modules, "torch_npu", stand_in)
+    monkeypatch.setattr(attention, "on_npu", lambda t: True)
+    monkeypatch.setattr(attention, "kernel_for", lambda query: "npu_fusion_attention")
+    with attention.fused_joint_attention():
+        fused = loss()
+    depth = len(policy.model.paligemma_with_expert.gemma_expert.model.layers)
+    kinds = [c[0] for c in calls]
+    # q and k: once per joint layer pair, once per VLM layer and once per expert layer when frozen
+    assert kinds.count("rotary_mul") == (4 if frozen else 2) * depth
+    assert kinds.count("rms_norm") >= 4 * depth - 2  # two per layer of each stream (the last VLM: one)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)

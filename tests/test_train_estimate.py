@@ -90,8 +90,17 @@ def test_counts_sharding_and_the_training_structure(tiny_estimates):
 @pytest.mark.integration  # ~25-50 s each: memory simulations on fake tensors
 def test_activations_follow_micro_batch_checkpointing_and_precision(tiny_estimates):
     act = {k: v["bytes"]["activations"] for k, v in tiny_estimates.items()}
-    assert 1.6 < act["batch16"] / act["base"] < 2.2
-    assert act["ckpt"] < 0.8 * act["base"]
+    gathered = {k: v["bytes"]["gathered"] for k, v in tiny_estimates.items()}
+    assert act["batch16"] / act["base"] > 1.6
+    # the peak may fall at another moment of the forward at micro 16 (fewer layers gathered, more
+    # activations held); at that moment micro 8 held half the activations and no more than its
+    # peak, so twice its peak's activations and gathered layers, less those gathered then, bound it
+    assert act["batch16"] <= 1.02 * 2 * (act["base"] + gathered["base"] - gathered["batch16"])
+    # checkpointing: the decoder layers hold their inputs only; on the tiny model the cameras'
+    # tensors (saved for the patch embedding's backward) are most of what is left, so the peak is
+    # what drops (45.6 -> 40.8 MB; the forward without it holds no unrun last-layer MLP: #45)
+    assert act["ckpt"] < act["base"]
+    assert tiny_estimates["ckpt"]["total_bytes"] < 0.92 * tiny_estimates["base"]["total_bytes"]
     assert act["bf16"] < act["base"]
     # bf16 compute copies (2 bytes) instead of fp32 ones
     assert tiny_estimates["bf16"]["bytes"]["gathered"] < tiny_estimates["base"]["bytes"]["gathered"]

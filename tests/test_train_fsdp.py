@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import default_collate
 from torch.utils.flop_counter import FlopCounterMode
 from train_fixtures import inputs_dir
@@ -36,29 +39,52 @@ def _decoder_layers(policy):
     return list(pwe.paligemma.model.language_model.layers) + list(pwe.gemma_expert.model.layers)
 
 
-def test_every_unit_is_invoked_through_call(tiny):
+@pytest.mark.parametrize("frozen", [False, True], ids=["joint", "frozen_prefix"])
+def test_every_unit_is_gathered_by_a_call_fsdp_sees(tiny, frozen, monkeypatch):
+    """FSDP2 gathers a unit on a call of one of its modules (or of a registered forward method)
+    and frees it after the last: in the training forward every unit's modules are called, or its
+    blocks run through `run_block` on their anchors (the runner is the unit's forward method)."""
+    from pisft.model import lerobot_internals as internals
+    from pisft.train.policy_task import injected_flow_samples
+
     policy, batch = tiny
+    if frozen:  # train.trainable: expert
+        policy = copy.deepcopy(policy)
+        policy.model.paligemma_with_expert.paligemma.requires_grad_(False)
     units = fsdp.choose_units(policy)
     called: set[int] = set()
+    blocks: list[int] = []
     layer_calls: list[int] = []
-    modules = [m for u in units for m in u.modules]
+    real_run_block = internals.run_block
+
+    def run_block(anchor, fn, *args, **kwargs):
+        blocks.append(id(anchor))
+        return real_run_block(anchor, fn, *args, **kwargs)
+
+    monkeypatch.setattr(internals, "run_block", run_block)
+    modules = [m for u in units if not u.anchors for m in u.modules]
     hooks = [m.register_forward_pre_hook(lambda mod, a: called.add(id(mod))) for m in modules]
     hooks += [layer.register_forward_pre_hook(lambda m, a: layer_calls.append(1))
               for layer in _decoder_layers(policy)]
+    b = policy.config.chunk_size
+    rand = {"noise": torch.randn(2, b, policy.config.max_action_dim), "time": torch.rand(2) * 0.9 + 0.05}
     try:
-        with torch.no_grad():
+        with torch.no_grad(), injected_flow_samples(policy.model, rand["noise"], rand["time"]), \
+                internals.sync_free_forward(policy):
             policy(batch)
     finally:
         for h in hooks:
             h.remove()
-    # FSDP2 runs a unit's post-forward (reshard) only after ALL of its modules ran.
-    never = [u.name for u in units for m in u.modules if id(m) not in called]
+    never = [u.name for u in units for m in u.modules if not u.anchors and id(m) not in called]
+    never += [u.name for u in units for a in u.anchors if id(a) not in blocks]
     assert never == []
-    # LeRobot calls the decoder layers' parts, never the layers: a unit there would never gather.
+    assert sum(len(u.anchors) for u in units) == len(blocks) == len(set(blocks))  # each block once
+    assert {u.group for u in units if u.anchors} == ({"vlm_decoder", "decoder"} if frozen else {"decoder"})
+    # nothing calls a decoder layer as a module: its unit's hooks there would never fire
     assert layer_calls == []
 
 
-def test_one_unit_per_decoder_layer_pair_and_per_vision_layer(tiny):
+def test_one_unit_per_decoder_layer_pair_and_per_three_vision_layers(tiny):
     policy, _ = tiny
     units = fsdp.choose_units(policy)
     pwe = policy.model.paligemma_with_expert
@@ -71,7 +97,11 @@ def test_one_unit_per_decoder_layer_pair_and_per_vision_layer(tiny):
         assert {id(p) for p in unit.parameters()} == {id(p) for p in [*vlm.parameters(), *expert.parameters()]}
         assert unit.reshard_after_forward
     vision = [u for u in units if u.group == "vision"]
-    assert sum(1 for u in vision if ".encoder.layers." in u.name) == len(vision_layers)
+    encoder = [u for u in vision if ".encoder.layers." in u.name]
+    per_unit = fsdp.VISION_LAYERS_PER_UNIT
+    assert len(encoder) == -(-len(vision_layers) // per_unit)
+    assert [m for u in encoder for m in u.modules] == list(vision_layers)  # in order, each once
+    assert [m for u in encoder for m in u.compiled_modules] == list(vision_layers)
     assert not any(u.reshard_after_forward for u in vision)  # two cameras, one gather
     # The issue's bound: decoder layer pairs + vision layers + 4.
     assert len(units) <= len(vlm_layers) + len(vision_layers) + 4
@@ -86,16 +116,15 @@ def test_small_units_merge_within_their_group_in_forward_order(tiny):
     layers = fsdp.choose_units(policy)
     sizes = {u.name: u.numel() for u in layers}
     vision = [u for u in layers if u.group == "vision"]
-    smallest = vision[1].numel()  # a vision layer: the embeddings alone are smaller
+    smallest = vision[1].numel()  # the encoder layers' unit (the tiny model's two): the embeddings are smaller
     merged = fsdp.choose_units(policy, smallest)
     assert [(u.group, u.reshard_after_forward) for u in merged] == [
-        ("vision", False), ("vision", False), ("decoder", True), ("decoder", True)]
-    # the embeddings took the first layer along; the projector, a remainder, joined the last
-    # layer; the action
-    # projections (41k parameters, a group of their own) went to the root
-    assert merged[0].name == f"{vision[0].name}..{vision[1].name}"
-    assert merged[1].name == f"{vision[2].name}..{vision[-1].name}"
-    assert [u.name for u in merged[2:]] == ["decoder_pair.0", "decoder_pair.1"]
+        ("vision", False), ("decoder", True), ("decoder", True)]
+    # the embeddings took the encoder layers along; the projector, a remainder, joined them; the
+    # action projections (41k parameters, a group of their own) went to the root
+    assert merged[0].name.startswith(f"{vision[0].name}..{vision[1].name}") and merged[0].name.endswith(vision[-1].name)
+    assert list(merged[0].compiled_modules) == list(vision[1].compiled_modules)  # the layers still compile
+    assert [u.name for u in merged[1:]] == ["decoder_pair.0", "decoder_pair.1"]
     assert all(u.numel() >= smallest for u in merged)
     assert sum(u.numel() for u in merged) == sum(sizes.values()) - sizes["model.action_time_projections"]
     modules = [m for u in merged for m in u.modules]
@@ -129,7 +158,8 @@ def test_analytic_inference_flops_match_a_flop_counter(tiny):
     analytic = pi05_inference_flops(policy, lang_tokens=lang)
     assert analytic == pytest.approx(measured, rel=0.15)
     # one step less is one expert pass less; with one step it is the training forward without the
-    # prefix's attention to the suffix (4 · layers · heads_dim · T_prefix · T_suffix)
+    # prefix's attention to the suffix (4 · layers · heads_dim · T_prefix · T_suffix) and with the
+    # last VLM layer's output projection and MLP (inference runs them, the training forward not)
     steps = policy.config.num_inference_steps
     per_step = analytic - pi05_inference_flops(policy, lang_tokens=lang, num_steps=steps - 1)
     assert per_step > 0 and per_step == pytest.approx(
@@ -140,7 +170,9 @@ def test_analytic_inference_flops_match_a_flop_counter(tiny):
     t_prefix = len(policy.config.image_features) * (vision.image_size // vision.patch_size) ** 2 + lang
     cross = 4 * len(vlm) * vlm[0].self_attn.q_proj.out_features * t_prefix * policy.config.chunk_size
     one = pi05_inference_flops(policy, lang_tokens=lang, num_steps=1)
-    assert pi05_forward_flops(policy, lang_tokens=lang) - one == pytest.approx(cross)
+    last = [m for part in (vlm[-1].self_attn.o_proj, vlm[-1].mlp) for m in part.modules() if isinstance(m, nn.Linear)]
+    unread = 2 * t_prefix * sum(m.in_features * m.out_features for m in last)
+    assert pi05_forward_flops(policy, lang_tokens=lang) - one == pytest.approx(cross - unread)
 
 
 @pytest.mark.integration  # ~17 s

@@ -17,7 +17,9 @@ from pisft.bench import gpu_step
 def _args(tmp_path, *extra, device="cpu", trainable="all"):
     return gpu_step.parse(["--device", device, "--preset", "tiny", "--micro", "2", "--max-micro", "2",
                            "--steps", "2", "--warmup", "0", "--trainable", trainable,
-                           "--out", str(tmp_path / "g.json"), *extra])
+                           "--out", str(tmp_path / "g.json"), *extra,
+                           # eager unless asked: the compiled step is tests/test_train_compile.py's
+                           *(() if "--compile" in extra else ("--compile", "off"))])
 
 
 NO_GPU = ("no CUDA GPU here (torch.cuda.is_available() is False): the bf16 step is checked on the CPU "
@@ -45,7 +47,7 @@ def test_bf16_step_with_and_without_activation_checkpointing(tmp_path, capsys, d
             assert (r["mfu"] is None) == (result["peak_flops"] is None)
     # same weights, same batch: checkpointing changes memory, not the numbers
     assert runs[0]["losses"][0] == runs[1]["losses"][0]
-    assert result["largest_micro_batch"] == {"all": {"False": 2, "True": 2}}
+    assert result["largest_micro_batch"] == {"all": {"False/off": 2, "True/off": 2}}
     assert result["optimizer"] == {"all": {"False": "adamw", "True": "adamw"}}
     out = capsys.readouterr().out
     if device == "cpu":  # no fixed capacity: today's behaviour (AdamW), and the output says so
@@ -122,7 +124,7 @@ def test_each_trainable_mode_is_measured_with_its_own_flops(tmp_path):
     assert 0 < params["lora"]["trainable"] < params["lora"]["total"]
     assert runs["expert"]["flops_per_sample"] < 0.6 * runs["all"]["flops_per_sample"]
     assert runs["expert"]["flops_per_sample"] < runs["lora"]["flops_per_sample"] < runs["all"]["flops_per_sample"]
-    assert result["largest_micro_batch"] == {m: {"True": 2} for m in ("all", "expert", "lora")}
+    assert result["largest_micro_batch"] == {m: {"True/off": 2} for m in ("all", "expert", "lora")}
 
 
 def test_an_unknown_mode_is_refused_naming_the_modes(tmp_path, capsys):

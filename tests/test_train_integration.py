@@ -46,21 +46,30 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    res = results_dir(tmp_path_factory, "smoke")
-    proc = launch("smoke_1card", res, *RUN)
-    _ok(proc)
-    return res
+    """smoke_1card with RUN and a training run's own settings, each made once: train_8card refuses a
+    smoke report of other settings (the smoke row's keys: pisft.train.launch.SMOKE_MUST_MATCH)."""
+    made: dict[tuple[str, ...], Path] = {}
+
+    def made_with(*overrides: str) -> Path:
+        key = tuple(sorted(overrides))
+        if key not in made:
+            res = results_dir(tmp_path_factory, f"smoke{len(made)}")
+            _ok(launch("smoke_1card", res, *RUN, *overrides))
+            made[key] = res
+        return made[key]
+
+    return made_with
 
 
-def _with_smoke(tmp_path_factory, name: str, smoke: Path) -> Path:
+def _with_smoke(tmp_path_factory, name: str, smoke, *overrides: str) -> Path:
     res = results_dir(tmp_path_factory, name)
-    shutil.copytree(smoke / "smoke", res / "smoke")
+    shutil.copytree(smoke(*overrides) / "smoke", res / "smoke")
     return res
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, smoke):
-    res = _with_smoke(tmp_path_factory, "one", smoke)
+    res = _with_smoke(tmp_path_factory, "one", smoke, "train.nproc_per_node=1")
     _ok(launch("train_8card", res, *RUN, "train.nproc_per_node=1"))
     return res
 
@@ -68,7 +77,7 @@ def one_process(tmp_path_factory, smoke):
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory, smoke):
     """2 nodes x 1 process on localhost: world size 2, rendezvous at node 0."""
-    res = _with_smoke(tmp_path_factory, "two", smoke)
+    res = _with_smoke(tmp_path_factory, "two", smoke, "train.nproc_per_node=1", LAYER_UNITS)
     endpoint = f"127.0.0.1:{_free_port()}"
     procs = [subprocess.Popen(
         launch_cmd("train_8card", res, *RUN, "train.nproc_per_node=1", "train.nnodes=2", LAYER_UNITS,
@@ -82,7 +91,7 @@ def two_nodes(tmp_path_factory, smoke):
 
 
 def test_smoke_report(smoke):
-    report = json.loads((smoke / "smoke" / "report.json").read_text())
+    report = json.loads((smoke("train.nproc_per_node=2", LAYER_UNITS) / "smoke" / "report.json").read_text())
     assert report["passed"] is True
     assert report["last_loss"] < report["first_loss"]
     assert report["capacity_bytes"] is None and report["memory_headroom"] is None
@@ -134,7 +143,7 @@ def test_each_rank_holds_half_and_units_cover_the_model(two_nodes):
 
 
 def test_sigkill_then_rerun_resumes_bit_identically(tmp_path_factory, smoke, two_nodes):
-    res = _with_smoke(tmp_path_factory, "killed", smoke)
+    res = _with_smoke(tmp_path_factory, "killed", smoke, "train.nproc_per_node=2", LAYER_UNITS)
     cmd = launch_cmd("train_8card", res, *RUN, "train.nproc_per_node=2", LAYER_UNITS)
     kill_rank1_after_checkpoint(cmd, res / "checkpoints" / "train", 5, timeout=240)
     assert not (res / "train").exists()  # nothing that looks finished
@@ -155,7 +164,7 @@ def test_sigkill_then_rerun_resumes_bit_identically(tmp_path_factory, smoke, two
 
 
 def test_resume_on_a_different_number_of_processes(tmp_path_factory, smoke, two_nodes):
-    res = _with_smoke(tmp_path_factory, "reshard", smoke)
+    res = _with_smoke(tmp_path_factory, "reshard", smoke, "train.nproc_per_node=1")
     (src,) = (two_nodes / "checkpoints" / "train").glob("run-*")  # same settings: same run folder
     dst = res / "checkpoints" / "train" / src.name
     dst.mkdir(parents=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from pisft import config as config_mod
 from pisft import device as devices
 from pisft.errors import PisftError
 from pisft.train import launch
+from pisft.train.worker_errors import ConsoleHold
 
 CONFIG = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
 
@@ -87,7 +89,7 @@ def test_launcher_passes_device_environment(tmp_path, monkeypatch, capsys):
 
     def fake_run(cmd, env, log_file):
         seen.update(cmd=cmd, env=env)
-        return 1, TORCHRUN_FAILURE
+        return 1, TORCHRUN_FAILURE, ConsoleHold(print)
 
     monkeypatch.setattr(launch, "_run_tee", fake_run)
     rc = launch.main("train_8card", cfg, "c.yaml", [])
@@ -132,6 +134,84 @@ def test_smoke_gate(tmp_path):
         launch.check_smoke_report(cfg)
     _write_report(cfg, passed=True)
     launch.check_smoke_report(cfg)
+
+
+def _other(value):
+    """A value of the same kind that differs."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value + 1
+    return f"{value}-other"
+
+
+def test_every_key_of_a_training_step_must_match_the_smoke_report(tmp_path):
+    """The keys whose change reruns smoke_1card under the drivers (train.trainable, the LoRA
+    settings, data.augment, ...): a training launched by hand after changing one is refused."""
+    from pisft.stages import TRAIN_STEP_KEYS
+
+    cfg = _cfg(tmp_path)
+    assert set(TRAIN_STEP_KEYS) <= set(launch.SMOKE_MUST_MATCH)
+    for key in (*TRAIN_STEP_KEYS, "device", "model.preset"):
+        resolved = config_mod.resolved(cfg)
+        node = resolved
+        *sections, leaf = key.split(".")
+        for part in sections:
+            node = node[part]
+        node[leaf] = _other(node[leaf])
+        path = layout.smoke_report(cfg)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"passed": True, "pisft_config": resolved}))
+        with pytest.raises(PisftError) as err:
+            launch.check_smoke_report(cfg)
+        msg = str(err.value)
+        assert f"({key}: smoke " in msg and "\n" not in msg and "rerun smoke_1card" in msg, msg
+
+
+AGENT_TRACEBACK = """\
+E0101 00:00:00.000000 1 torch/distributed/elastic/multiprocessing/api.py:986] failed (exitcode: 2) local_rank: 0
+Traceback (most recent call last):
+  File "torch/distributed/run.py", line 994, in <module>
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+pisft.train FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : {code1} (pid: 4243)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 2 (pid: 4242)
+============================================================
+"""
+
+
+@pytest.mark.parametrize("code1", ["2", "-15", "1"])
+def test_a_workers_own_error_is_the_one_line_the_console_shows(tmp_path, monkeypatch, capfd, code1):
+    """Both ranks print the same error and exit 2 (or rank 1 is stopped by torchrun's SIGTERM
+    after rank 0 failed): the console shows the message once, without torchrun's traceback or a
+    resume advice. When a rank crashed otherwise (exit 1), everything torchrun said is shown and
+    the launcher's summary follows."""
+    cfg = _cfg(tmp_path)
+    _write_report(cfg, passed=True)
+    message = "reading the dataset /r/dataset: /r/dataset/x.parquet: sha256 differs; rebuild it: snakemake"
+    output = (f"[default0]:[train_8card] starting\n[default0]:error (rank 0): {message}\n"
+              f"[default1]:error (rank 1): {message}\n" + AGENT_TRACEBACK.format(code1=code1))
+    script = f"import sys; sys.stdout.write({output!r}); sys.exit(1)"
+    monkeypatch.setattr(launch, "torchrun_command", lambda *a, **k: [sys.executable, "-c", script])
+    rc = launch.main("train_8card", cfg, "c.yaml", [])
+    out, err = capfd.readouterr()
+    assert "[train_8card] starting" in out  # what came before the error is shown as it came
+    if code1 == "1":
+        assert rc == 1 and "Traceback" in out and "Rerun the same command" in err
+        assert f"error (rank 0): {message}" in out and f"[default1]:error (rank 1): {message}" in out
+        return
+    assert rc == 2
+    assert "Traceback" not in out + err and "error (rank" not in out + err and "resume" not in err.lower()
+    assert [line for line in err.splitlines() if line.startswith("error")] == [f"error: train_8card: {message}"]
 
 
 def test_summary_reaches_the_console_when_the_log_cannot_be_written(tmp_path, monkeypatch, capfd):
@@ -209,7 +289,7 @@ def test_rank0_lines_reach_the_console_while_torchrun_runs(tmp_path, monkeypatch
     t.start()
     t.join(timeout=120)
     assert not t.is_alive()
-    rc, output = done["out"]
+    rc, output, _ = done["out"]
     assert rc == 0, "the child never saw its lines on the console: they waited in its buffer"
     assert console.lines == ["[train_8card] step 10/150 (7%) loss 0.5\n", "[default1]:a line of rank 1\n"]
     assert (tmp_path / "launcher.log").read_text().splitlines() == [

@@ -34,14 +34,24 @@ def _weights(results: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    res = results_dir(tmp_path_factory, "modes_smoke")
-    _ok(launch("smoke_1card", res, *RUN, timeout=900))
-    return res
+    """smoke_1card with RUN and a training run's own settings, each made once: train_8card refuses a
+    smoke report of other settings (the smoke row's keys: pisft.train.launch.SMOKE_MUST_MATCH)."""
+    made: dict[tuple[str, ...], Path] = {}
+
+    def made_with(*overrides: str) -> Path:
+        key = tuple(sorted(overrides))
+        if key not in made:
+            res = results_dir(tmp_path_factory, f"modes_smoke{len(made)}")
+            _ok(launch("smoke_1card", res, *RUN, *overrides, timeout=900))
+            made[key] = res
+        return made[key]
+
+    return made_with
 
 
-def _run(tmp_path_factory, smoke: Path, name: str, *extra: str) -> Path:
+def _run(tmp_path_factory, smoke, name: str, *extra: str) -> Path:
     res = results_dir(tmp_path_factory, name)
-    shutil.copytree(smoke / "smoke", res / "smoke")
+    shutil.copytree(smoke(*extra) / "smoke", res / "smoke")
     _ok(launch("train_8card", res, *RUN, *extra, timeout=900))
     return res
 
@@ -125,8 +135,9 @@ def test_checkpoints_hold_the_trained_tensors_only(runs):
 def test_sigkill_then_rerun_resumes_bit_identically(tmp_path_factory, smoke, lora_two):
     mode, two = "lora", lora_two
     res = results_dir(tmp_path_factory, f"{mode}_killed")
-    shutil.copytree(smoke / "smoke", res / "smoke")
-    cmd = launch_cmd("train_8card", res, *RUN, *MODES[mode], "train.nproc_per_node=2", LAYER_UNITS)
+    settings = (*MODES[mode], "train.nproc_per_node=2", LAYER_UNITS)  # lora_two's: its smoke serves
+    shutil.copytree(smoke(*settings) / "smoke", res / "smoke")
+    cmd = launch_cmd("train_8card", res, *RUN, *settings)
     kill_rank1_after_checkpoint(cmd, res / "checkpoints" / "train", 3, timeout=900)
     assert not (res / "train").exists()
     _ok(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=launch_env()))

@@ -59,13 +59,42 @@ def test_losses_equal_the_plain_lerobot_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
-def test_forward_prefetch_only_without_recompute(tmp_path_factory, checkpointing):
-    """A checkpointed layer's recompute would prefetch the next pair, whose backward is done."""
+def test_forward_prefetch_and_no_gather_after_a_units_backward(tmp_path_factory, monkeypatch, checkpointing):
+    """Each unit prefetches the next in forward. A checkpointed block recomputes its function in
+    backward, not the unit's forward method (pisft.train.blocks), so the recompute prefetches
+    nothing: no decoder pair is gathered again after its own backward (LeRobot's parts-hooked
+    layers did gather the next pair there, 4.5 GiB per device for pi0.5 on 8 cards)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from pisft.inspect.synthetic import synthetic_batch
     from pisft.model.policy import load_policy
 
     policy = load_policy(inputs_dir(tmp_path_factory) / "base_model", dtype="float32")
     internals.prepare_for_training(policy, checkpointing=checkpointing)
     units = fsdp.shard(policy, init_device_mesh("cpu", (1,)), "fp32")
-    prefetching = [u.name for u in units
-                   if u.modules[0]._get_fsdp_state()._states_to_forward_prefetch]
-    assert prefetching == ([] if checkpointing else [u.name for u in units[:-1]])
+    prefetching = [u.name for u in units if u.modules[0]._get_fsdp_state()._states_to_forward_prefetch]
+    assert prefetching == [u.name for u in units[:-1]]
+    events: list[tuple[str, int]] = []
+    for name in ("unshard", "post_backward"):
+        real = getattr(FSDPParamGroup, name)
+
+        def record(self, *args, _real=real, _name=name, **kwargs):
+            if _name == "post_backward" or (self._all_gather_result is None and not self.is_unsharded):
+                events.append((_name, id(self)))  # a real gather (a call on a gathered unit is a no-op)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(FSDPParamGroup, name, record)
+    batch, rand = synthetic_batch(policy, 2, torch.device("cpu"), seed=0)
+    policy.train()
+    with fused_joint_attention():
+        task = PolicyTask(policy, None, torch.device("cpu"))
+        loss = task.loss(policy, batch, rand)
+        forward_events = len(events)
+        loss.backward()
+    blocks = {id(u.modules[0]._get_fsdp_state()._fsdp_param_group) for u in units if u.anchors}
+    done: set[int] = set()
+    for event, group in events[forward_events:]:
+        assert not (event == "unshard" and group in done), "a block's unit gathered again after its backward"
+        if event == "post_backward" and group in blocks:
+            done.add(group)
+    assert done == blocks  # every block's gradients were reduced

@@ -49,14 +49,20 @@ def test_dvc_stages_mirror_the_rules(monkeypatch):
     assert doc["vars"] == ["config/config.yaml"]  # paths are templates over the run config
     stages = doc["stages"]
     workflow = load_workflow()
+    # config_check first: the shape's keys as params, its file a dependency of every stage
+    assert list(stages)[0] == dvc_yaml.CHECK_STAGE and set(stages) == {dvc_yaml.CHECK_STAGE,
+                                                                        *(r.name for r in workflow.rules)}
+    check = "${results_dir}/" + dvc_yaml.CHECK_FILE
+    assert stages[dvc_yaml.CHECK_STAGE] == {
+        "cmd": f"{WRAPPER} {dvc_yaml.CHECK_STAGE} -- config/config.yaml",
+        "params": [{"config/config.yaml": list(dvc_yaml.SHAPE_KEYS)}], "outs": [{check: {"persist": True}}]}
     for rule in workflow.rules:
         stage = stages[rule.name]
         # the rule's command, through the driver wrapper (shape check, Snakemake's records)
         assert stage["cmd"] == f"{WRAPPER} {rule.name} -- " + rule.cmd.replace("results/", "${results_dir}/")
         assert f"--config {rule.config_file}" in stage["cmd"]
-        inputs = ["${data.recap_dir}" if i == "results/demo_recap" and rule.name.startswith("convert_recap")
-                  else i.replace("results/", "${results_dir}/") for i in rule.inputs]
-        assert stage.get("deps", []) == [*inputs, *rule.code]
+        inputs = [i.replace("results/", "${results_dir}/") for i in rule.inputs]
+        assert stage.get("deps", []) == [*inputs, check, *rule.code]
         # code is a dependency: the stage's package folders, the shared modules, the lock
         name, k = stage_table.stage_of(rule.name)
         assert rule.code == code_deps(name, "auto") and all((ROOT / c).exists() for c in rule.code)
@@ -70,6 +76,7 @@ def test_dvc_stages_mirror_the_rules(monkeypatch):
     # what DVC reads: the templates filled in from config/config.yaml are the rules' paths
     resolved = yaml.safe_load(dvc_yaml.resolve((ROOT / "dvc.yaml").read_text(), workflow.config))
     assert resolved["stages"]["convert_recap"]["deps"][0] == workflow.config["data"]["recap_dir"]
+    assert "data.recap_dir=${results_dir}/demo_recap" in dvc_yaml.shape_of((ROOT / "dvc.yaml").read_text())
 
 
 def test_the_value_stages_declare_the_model_they_load(tmp_path, monkeypatch):

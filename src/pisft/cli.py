@@ -281,6 +281,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "launch":
             from pisft.train import launch
 
+            launch.preflight(args.stage, cfg)  # a refused launch removes nothing downstream
             invalidate_downstream(rule_name(args.stage, cfg.iteration), cfg.results_dir)
             with _writing_as(args.stage, cfg.iteration, launch=True):
                 return launch.main(args.stage, cfg, args.config, args.overrides)
@@ -296,9 +297,21 @@ def _run(args: argparse.Namespace) -> int:
             from pisft.bench import run as bench
             return bench.main(cfg, args.config, only=args.only)
     except PisftError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        line, code = user_error(exc)
+        print(line, file=sys.stderr)
+        return code
     return 1
+
+
+def user_error(exc: PisftError) -> tuple[str, int]:
+    """The line a stage stopped by `exc` ends with, and its exit status: 2, or 1 for a full disk.
+    A full disk reported as something else (episodes whose video or recording could not be
+    written, retried to the end) is named as what it is, without the other error's advice."""
+    from pisft import disk_space
+
+    if not isinstance(exc, disk_space.DiskFull) and disk_space.is_full_disk(exc):
+        return _full_disk_line(exc), 1
+    return f"error: {exc}", 2
 
 
 if __name__ == "__main__":

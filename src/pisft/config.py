@@ -27,12 +27,18 @@ DEFAULT_CONFIG = Path("config/config.yaml")
 DEVICES = ("auto", "npu", "cuda", "cpu")
 PRESETS = ("tiny", "small", "pi05")
 PRECISIONS = ("fp32", "bf16")
+# train.compile (pisft.train.blocks): auto chooses by device (off on the CPU, layers on an accelerator)
+TRAIN_COMPILE = ("auto", "off", "layers")
 # train.trainable, recap.value_trainable, train.lora_targets (pisft.train.trainable applies them).
 TRAINABLE_MODES = ("all", "expert", "no_vision", "lora")
 VALUE_TRAINABLE_MODES = ("all", "no_vision", "head", "lora")
 LORA_TARGETS = ("lerobot", "openpi", "rlinf")
 # data.augment: the training loaders' image augmentation (pisft.data.augment applies it).
 AUGMENTS = ("none", "openpi")
+# eval.precision: the inference precision (pisft.policy.precision applies it).
+INFERENCE_PRECISIONS = ("auto", "bf16", "fp32")
+# eval.rtc.schedule: LeRobot's RTCAttentionSchedule (lerobot/configs/types.py, LeRobot 0.6.1).
+RTC_SCHEDULES = ("ZEROS", "ONES", "LINEAR", "EXP")
 
 
 class PerturbationRange(NamedTuple):
@@ -186,6 +192,30 @@ class TrainConfig:
     # of the preset's ranks; alpha 0 then is LeRobot's 8 (lerobot) or the rank (openpi, rlinf).
     lora_rank: int = 0
     lora_alpha: float = 0.0
+    # torch.compile of the training step's repeated blocks (pisft.train.blocks): off | layers (each
+    # decoder layer pair and SigLIP encoder layer compiled, as torchtitan compiles each block) | auto
+    # (off on the CPU, where compiling costs more than it saves in the embedded default's runs; layers
+    # on CUDA and on an NPU through torchair). Compiled code is cached under results/cache/inductor.
+    compile: str = "auto"
+
+
+@dataclass
+class RtcConfig:
+    """Real-time chunking (LeRobot's RTC, `lerobot.policies.rtc`) in closed_loop, and the closed
+    loop's simulated inference delay (pisft.rollout.chunking). The defaults of execution_horizon,
+    max_guidance_weight and schedule are LeRobot 0.6.1's `RTCConfig`'s."""
+
+    # Each chunk after an episode's first is inpainted to agree with the unexecuted rest of the one
+    # before (LeRobot's RTCProcessor); closed_loop then also runs plain chunking at the same delay.
+    enabled: bool = False
+    # The inference delay in control steps: the environment keeps executing the previous chunk this
+    # many steps while the next is computed (0: openpi's synchronous loop).
+    delay_steps: int = 0
+    # LeRobot's RTC guidance window: the first delay_steps actions are held to the previous chunk,
+    # the weights then fall to 0 at this index.
+    execution_horizon: int = 10
+    max_guidance_weight: float = 10.0
+    schedule: str = "LINEAR"
 
 
 @dataclass
@@ -235,6 +265,14 @@ class EvalConfig:
     # Classifier-free guidance of an advantage-conditioned policy (RLinf's cfgrl_guidance_scale):
     # 1.0 prompts with the positive tag alone; w > 1 blends v = (1 - w) v_uncond + w v_cond.
     cfg_scale: float = 1.0
+    # The action chunk compiled and graph-captured per batch-size bucket (pisft.policy.compiled), in
+    # evaluate, closed_loop and collect_rollouts (serve --compile): true, false, or null (the default):
+    # on where it measured faster than eager (pisft.policy.compiled.MEASURED_FASTER).
+    compile: bool | None = None
+    # Inference precision: bf16 (openpi's: fp32 only where openpi keeps it), fp32, or auto (bf16 on an
+    # accelerator; on the CPU, the precision the model directory records).
+    precision: str = "auto"
+    rtc: RtcConfig = field(default_factory=RtcConfig)
 
 
 THRESHOLD_SCOPES = ("global", "task")
@@ -432,13 +470,167 @@ def _check_unknown_keys(raw: dict, source: str) -> None:
         )
 
 
+# ---------------------------------------------------------------------------------- numbers
+# Every number a user can write has a kind, and each kind one rule (`NUMBER_RULES`), applied where
+# the config is validated: YAML's `.nan` and `.inf` and absurd sizes passed the schema, then failed
+# deep inside a stage (a NaN learning rate blamed on the loss by the smoke gate, a 1 px image
+# cropped to nothing by the augmentation). A float that is not finite is refused whatever its key,
+# one added later included; `NUMBER_KINDS` gives every int and float key its kind (a test fails for
+# a key without one), and what the key is, for the message.
+MIN_SIDE = 16  # px: an image side below it keeps nothing of a LIBERO frame (256 px) a policy sees
+MAX_SIDE = 4096  # px: frames are held whole (H x W x 3 bytes each); a larger side is a typo
+MAX_LORA_RANK = 1024  # pi0.5's action expert is 1024 wide: a rank reaching a layer's width is not low-rank
+MAX_FAILURE_PENALTY = 1e6  # returns are float32: beyond this a failure's reward drowns the -1 per step
+SEED_LIMIT = 2**32  # numpy's seeds
+
+NUMBER_RULES: dict[str, tuple[Any, str]] = {
+    "count": (lambda v: v >= 1, "must be at least 1"),
+    "count_or_zero": (lambda v: v >= 0, "must be 0 or more"),
+    "two_or_more": (lambda v: v >= 2, "must be at least 2"),
+    "auto_or_count": (lambda v: v >= -1, "must be >= 0, or -1 to choose automatically"),
+    "seed": (lambda v: 0 <= v < SEED_LIMIT, "must be a seed in [0, 2^32)"),
+    "side": (lambda v: MIN_SIDE <= v <= MAX_SIDE, f"must be an image side in [{MIN_SIDE}, {MAX_SIDE}] px"),
+    "side_or_keep": (lambda v: v == 0 or MIN_SIDE <= v <= MAX_SIDE,
+                     f"must be 0 (keep the input's) or an image side in [{MIN_SIDE}, {MAX_SIDE}] px"),
+    "lora_rank": (lambda v: 0 <= v <= MAX_LORA_RANK,
+                  f"must be 0 (the preset's own) or a rank in [1, {MAX_LORA_RANK}] (pi0.5's action expert is "
+                  f"{MAX_LORA_RANK} wide: a rank reaching a layer's width is not low-rank)"),
+    "positive": (lambda v: v > 0, "must be > 0"),
+    "weight": (lambda v: v > 0, "must be > 0"),
+    "non_negative": (lambda v: v >= 0, "must be >= 0"),
+    "fraction": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "open_fraction": (lambda v: 0 < v < 1, "must be in (0, 1)"),
+    "probability": (lambda v: 0 <= v <= 1, "must be a probability in [0, 1]"),
+    "discount": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "penalty": (lambda v: -MAX_FAILURE_PENALTY <= v <= 0, f"must be in [-{MAX_FAILURE_PENALTY:.0f}, 0]"),
+    "at_least_one": (lambda v: v >= 1, "must be >= 1"),
+    "decay_or_off": (lambda v: v is None or 0 <= v < 1, "must be in [0, 1)"),
+}
+# key -> (kind, what it is: the start of the message, may be ""; a note after the rule, may be "").
+NUMBER_KINDS: dict[str, tuple[str, str, str]] = {
+    "model.init_seed": ("seed", "", ""),
+    "data.demo_episodes_per_task": ("count", "", ""),
+    "data.demo_episode_length": ("count", "", ""),
+    "data.demo_failure_fraction": ("fraction", "", ""),
+    "data.demo_image_size": ("side", "", ""),
+    "data.demo_seed": ("seed", "", ""),
+    "data.unconditional_prob": ("probability", "", ""),
+    "data.image_size": ("side_or_keep", "", ""),
+    "data.eval_fraction": ("fraction", "", "0: every episode trains and `evaluate` writes a \"not run\" result"),
+    "data.split_seed": ("seed", "", ""),
+    "smoke.steps": ("two_or_more", "", "the smoke run checks the loss falls"),
+    "smoke.min_memory_headroom": ("fraction", "", ""),
+    "train.nproc_per_node": ("count", "", ""),
+    "train.nnodes": ("count", "", ""),
+    "train.node_rank": ("count_or_zero", "", ""),
+    "train.micro_batch_size": ("count", "", ""),
+    "train.global_batch_size": ("count", "", ""),
+    "train.steps": ("count", "", ""),
+    "train.save_every": ("count", "", ""),
+    "train.keep_last": ("count", "", ""),
+    "train.seed": ("seed", "", ""),
+    "train.lr": ("positive", "the peak learning rate", ""),
+    "train.warmup_steps": ("count_or_zero", "", ""),
+    "train.decay_lr": ("non_negative", "the learning rate the schedule decays to", ""),
+    "train.weight_decay": ("non_negative", "", ""),
+    "train.grad_clip": ("positive", "the gradient-norm limit", ""),
+    "train.ema_decay": ("decay_or_off", "the EMA's decay", "0 or null: no EMA; openpi's pi05_libero: 0.999"),
+    "train.peak_flops": ("non_negative", "", "0: the device table's figure"),
+    "train.num_workers": ("auto_or_count", "data-loader processes per training process", ""),
+    "train.prefetch_factor": ("count", "micro-batches each data-loader worker prepares ahead", ""),
+    "train.fsdp_min_unit_params": ("auto_or_count", "the smallest FSDP unit in parameters", ""),
+    "train.log_every": ("count", "", ""),
+    "train.lora_rank": ("lora_rank", "", ""),
+    "train.lora_alpha": ("non_negative", "", "0: the preset's own"),
+    "eval.max_episodes": ("count_or_zero", "", "0: every held-out episode"),
+    "eval.batch_size": ("count", "", ""),
+    "eval.frame_stride": ("count", "", ""),
+    "eval.seed": ("seed", "", ""),
+    "eval.bootstrap_samples": ("count_or_zero", "", ""),
+    "eval.trials_per_task": ("count", "", ""),
+    "eval.replan_steps": ("count", "", ""),
+    "eval.num_wait_steps": ("count_or_zero", "", ""),
+    "eval.closed_loop_seed": ("seed", "", ""),
+    "eval.resize_size": ("side", "", ""),
+    "eval.max_steps": ("count_or_zero", "", "0: openpi's limit per suite"),
+    "eval.task_ids": ("count_or_zero", "", ""),
+    "eval.num_envs": ("count_or_zero", "", "0: one per available core"),
+    "eval.policy_batch": ("count", "the rows of every policy forward",
+                          "0, every environment waiting, is gone: a forward's rows change its rounding, so they are "
+                          "fixed; e.g. 2, or about eval.num_envs per policy replica; docs/libero.md"),
+    "eval.rtc.delay_steps": ("count_or_zero", "the inference delay in control steps", "0: openpi's synchronous loop"),
+    "eval.rtc.execution_horizon": ("count", "", "LeRobot's default: 10"),
+    "eval.rtc.max_guidance_weight": ("positive", "", "LeRobot's default: 10.0"),
+    "eval.policy_batch_wait_ms": ("non_negative", "", "0: measured"),
+    "eval.policy_devices": ("count_or_zero", "", "0: every visible device"),
+    "eval.cfg_scale": ("at_least_one", "the guidance scale", "1: the positive prompt alone"),
+    "recap.iterations": ("count_or_zero", "", ""),
+    "recap.task_ids": ("count_or_zero", "", ""),
+    "recap.episodes_per_task": ("count", "", ""),
+    "recap.max_steps": ("count_or_zero", "", "0: the suite's limit"),
+    "recap.collect_seed": ("seed", "", ""),
+    "recap.gamma": ("discount", "the discount", ""),
+    "recap.failure_reward": ("penalty", "the reward of a failed episode's last step",
+                             "RLinf: -300; returns are float32, a larger penalty drowns the -1 of each step"),
+    "recap.value_bins": ("two_or_more", "", "a distribution needs at least 2 bins"),
+    "recap.value_steps": ("count", "", ""),
+    "recap.value_lr": ("positive", "", ""),
+    "recap.value_head_lr": ("positive", "", ""),
+    "recap.value_global_batch_size": ("count_or_zero", "", "0: train.global_batch_size"),
+    "recap.lookahead": ("count", "the N of the N-step advantage",
+                        "with 0 every frame's advantage is 0: no labelling can tell frames apart"),
+    "recap.positive_quantile": ("open_fraction", "the fraction of frames labelled positive", ""),
+    "recap.holdout_fraction": ("fraction", "", "0: the value model trains on the whole pool and its held-out "
+                                               "figures are skipped"),
+    "recap.policy_steps": ("count_or_zero", "", "0: train.steps"),
+}
+
+
+def number_line(key: str, value: Any, kind: str, what: str = "", note: str = "") -> str | None:
+    """The problem with one number of `kind` (None: it is right): not finite, or outside its kind's rule."""
+    rule, text = NUMBER_RULES[kind]
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{key}: {value} is not a finite number; {what or 'it'} {text}" + (f" ({note})" if note else "")
+    if rule(value):
+        return None
+    return f"{key}: {what + ' ' if what else ''}{text}" + (f" ({note})" if note else "") + f", got {value!r}"
+
+
+def _numbers(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every number in the config (each item of a list of numbers)."""
+    out: list[tuple[str, Any]] = []
+    for f in fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if is_dataclass(value):
+            out += _numbers(value, key + ".")
+        elif isinstance(value, list) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+            out += [(key, v) for v in value]
+        elif isinstance(value, int | float) and not isinstance(value, bool) or (value is None and key in NUMBER_KINDS):
+            out.append((key, value))
+    return out
+
+
+def number_problems(cfg: PisftConfig) -> list[str]:
+    """Every number of `cfg` against the rule of its kind (`NUMBER_KINDS`); a float with no kind
+    yet is still refused when not finite."""
+    problems = []
+    for key, value in _numbers(cfg):
+        kind, what, note = NUMBER_KINDS.get(key, ("", "", ""))
+        if not kind:
+            if isinstance(value, float) and not math.isfinite(value):
+                problems.append(f"{key}: {value} is not a finite number; write a number")
+            continue
+        line = number_line(key, value, kind, what, note)
+        if line:
+            problems.append(line)
+    return problems
+
+
 COLUMN_KEYS = ("image", "wrist_image", "state", "actions")
 
 
 def _data_problems(d: DataConfig) -> list[str]:
     problems: list[str] = []
-    if not 0.0 <= d.unconditional_prob <= 1.0:
-        problems.append(f"data.unconditional_prob: must be a probability in [0, 1], got {d.unconditional_prob}")
     tag = d.advantage_tag
     if tag and (tag != tag.strip() or "/" in tag or "\\" in tag):
         problems.append(f"data.advantage_tag: '{tag}' must be a bare tag (meta/advantages_<tag>.parquet) or "
@@ -464,32 +656,11 @@ _SHELL_UNSAFE = set(" \t\n\"'`$\\;&|<>()*?[]{}!#~")
 
 def _value_problems(cfg: PisftConfig) -> list[str]:
     """Values that would only fail (or silently misbehave) after work has started."""
-    t, d = cfg.train, cfg.data
+    t = cfg.train
     problems: list[str] = []
-    if not 0 <= t.decay_lr <= t.lr:
+    if not t.decay_lr <= t.lr:
         problems.append(f"train.decay_lr: the learning rate the schedule decays to must be in "
                         f"[0, train.lr = {t.lr}], got {t.decay_lr}")
-    if not t.grad_clip > 0:
-        problems.append(f"train.grad_clip: the gradient-norm limit must be > 0, got {t.grad_clip}")
-    if t.weight_decay < 0:
-        problems.append(f"train.weight_decay: must be >= 0, got {t.weight_decay}")
-    if t.ema_decay is not None and not 0 <= t.ema_decay < 1:
-        problems.append(f"train.ema_decay: the EMA's decay must be in [0, 1) (0 or null: no EMA; "
-                        f"openpi's pi05_libero: 0.999), got {t.ema_decay}")
-    if t.num_workers < -1:
-        problems.append(f"train.num_workers: data-loader processes per training process must be "
-                        f">= 0, or -1 to choose from the cores; got {t.num_workers}")
-    if t.fsdp_min_unit_params < -1:
-        problems.append(f"train.fsdp_min_unit_params: the smallest FSDP unit in parameters must be "
-                        f">= 0, or -1 to choose by device; got {t.fsdp_min_unit_params}")
-    if t.prefetch_factor < 1:
-        problems.append(f"train.prefetch_factor: micro-batches each data-loader worker prepares "
-                        f"ahead must be >= 1, got {t.prefetch_factor}")
-    if t.peak_flops < 0:
-        problems.append(f"train.peak_flops: must be 0 (use the table) or a positive FLOP/s, got {t.peak_flops}")
-    for key in ("demo_episodes_per_task", "demo_episode_length", "demo_image_size"):
-        if getattr(d, key) < 1:
-            problems.append(f"data.{key}: must be at least 1, got {getattr(d, key)}")
     bad = sorted({c for c in cfg.results_dir if c in _SHELL_UNSAFE})
     if not cfg.results_dir.strip() or bad:
         problems.append(f"results_dir: '{cfg.results_dir}' "
@@ -507,6 +678,8 @@ def _choice_problems(cfg: PisftConfig) -> list[str]:
         problems.append(f"model.preset: '{cfg.model.preset}' is not one of {', '.join(PRESETS)}")
     if cfg.train.precision not in PRECISIONS:
         problems.append(f"train.precision: '{cfg.train.precision}' is not one of {', '.join(PRECISIONS)}")
+    if cfg.train.compile not in TRAIN_COMPILE:
+        problems.append(f"train.compile: '{cfg.train.compile}' is not one of {', '.join(TRAIN_COMPILE)}")
     return problems + _trainable_problems(cfg)
 
 
@@ -524,10 +697,6 @@ def _trainable_problems(cfg: PisftConfig) -> list[str]:
                         f"{', '.join(VALUE_MODES)}{hint}")
     if t.lora_targets not in LORA_TARGETS:
         problems.append(f"train.lora_targets: '{t.lora_targets}' is not one of {', '.join(LORA_TARGETS)}")
-    if t.lora_rank < 0:
-        problems.append(f"train.lora_rank: must be 0 (the preset's own) or a positive rank, got {t.lora_rank}")
-    if t.lora_alpha < 0:
-        problems.append(f"train.lora_alpha: must be 0 (the preset's own) or a positive alpha, got {t.lora_alpha}")
     uses_lora = "lora" in (t.trainable, r.value_trainable)
     set_keys = [k for k, v, default in (("train.lora_rank", t.lora_rank, 0), ("train.lora_alpha", t.lora_alpha, 0.0),
                                          ("train.lora_targets", t.lora_targets, "openpi")) if v != default]
@@ -546,10 +715,6 @@ def _layout_problems(cfg: PisftConfig) -> list[str]:
     """Counts, nodes and the batch split of the training run."""
     t = cfg.train
     problems: list[str] = []
-    for key in ("nproc_per_node", "nnodes", "micro_batch_size", "global_batch_size", "steps",
-                "save_every", "keep_last", "log_every"):
-        if getattr(t, key) < 1:
-            problems.append(f"train.{key}: must be at least 1, got {getattr(t, key)}")
     if not 0 <= t.node_rank < max(t.nnodes, 1):
         problems.append(f"train.node_rank: must be in [0, train.nnodes), got {t.node_rank}")
     if t.nnodes > 1 and not t.rdzv_endpoint:
@@ -567,20 +732,6 @@ def _layout_problems(cfg: PisftConfig) -> list[str]:
 
 def _smoke_and_data_problems(cfg: PisftConfig) -> list[str]:
     problems: list[str] = []
-    if cfg.smoke.steps < 2:
-        problems.append("smoke.steps: must be at least 2 (the smoke run checks the loss falls)")
-    if not 0 <= cfg.smoke.min_memory_headroom < 1:
-        problems.append("smoke.min_memory_headroom: must be a fraction in [0, 1)")
-    if not 0 <= cfg.data.eval_fraction < 1:
-        problems.append(f"data.eval_fraction: must be in [0, 1) (0: every episode trains and `evaluate` "
-                        f"writes a \"not run\" result), got {cfg.data.eval_fraction}")
-    if not 0 <= cfg.recap.holdout_fraction < 1:
-        problems.append(f"recap.holdout_fraction: must be in [0, 1) (0: the value model trains on the whole "
-                        f"pool and its held-out figures are skipped), got {cfg.recap.holdout_fraction}")
-    if not 0 <= cfg.data.demo_failure_fraction < 1:
-        problems.append("data.demo_failure_fraction: must be in [0, 1)")
-    if cfg.data.image_size < 0:
-        problems.append("data.image_size: must be 0 (keep) or a positive size in pixels")
     if cfg.data.augment not in AUGMENTS:
         problems.append(f"data.augment: '{cfg.data.augment}' is not one of {', '.join(AUGMENTS)} (none: the "
                         f"images as they are; openpi: openpi's training-time crop, rotation and colour jitter)")
@@ -594,12 +745,6 @@ LIBERO_SUITES = {"libero_spatial": 10, "libero_object": 10, "libero_goal": 10, "
 
 def _eval_problems(e: EvalConfig) -> list[str]:
     problems: list[str] = []
-    for key in ("batch_size", "frame_stride", "trials_per_task", "replan_steps", "resize_size"):
-        if getattr(e, key) < 1:
-            problems.append(f"eval.{key}: must be at least 1, got {getattr(e, key)}")
-    for key in ("max_episodes", "bootstrap_samples", "num_wait_steps"):
-        if getattr(e, key) < 0:
-            problems.append(f"eval.{key}: must be at least 0, got {getattr(e, key)}")
     for suite in e.libero_suites:
         if suite not in LIBERO_SUITES:
             problems.append(f"eval.libero_suites: unknown suite '{suite}'; one of {', '.join(LIBERO_SUITES)}")
@@ -610,21 +755,30 @@ def _eval_problems(e: EvalConfig) -> list[str]:
     if repeated:
         problems.append(f"eval.libero_suites: {repeated} listed more than once; each suite once (a repeat "
                         "would run the same episodes twice, narrow the interval and write one video twice)")
-    zero_means = {"max_steps": "openpi's limit per suite", "num_envs": "one per available core",
-                  "policy_devices": "every visible device"}
-    if e.policy_batch < 1:
-        problems.append(f"eval.policy_batch: {e.policy_batch}: the rows of every policy forward must be 1 or more "
-                        "(0, 'every environment waiting', is gone: a forward's rows change its rounding, so they "
-                        "are fixed now; e.g. 2, or about eval.num_envs per policy replica; docs/libero.md)")
-    for key, meaning in zero_means.items():
-        if getattr(e, key) < 0:
-            problems.append(f"eval.{key}: must be 0 (the default: {meaning}) or a positive number, "
-                            f"got {getattr(e, key)}")
     n_tasks = min((LIBERO_SUITES.get(s, 90) for s in e.libero_suites), default=90)
     bad_ids = [t for t in e.task_ids if not 0 <= t < n_tasks]
     if bad_ids or len(set(e.task_ids)) != len(e.task_ids):
         problems.append(f"eval.task_ids: {list(e.task_ids)}: task ids must be distinct and in 0..{n_tasks - 1} "
                         "(the tasks of every suite in eval.libero_suites); [] evaluates every task")
+    if e.precision not in INFERENCE_PRECISIONS:
+        problems.append(f"eval.precision: '{e.precision}' is not one of {', '.join(INFERENCE_PRECISIONS)} (auto: bf16 "
+                        "on an accelerator, the model's own on the CPU)")
+    return problems + _rtc_problems(e)
+
+
+def _rtc_problems(e: EvalConfig) -> list[str]:
+    """eval.rtc's keys beyond their numbers' kinds (`NUMBER_KINDS`): the delay against the chunk's
+    executed steps, the schedule's name."""
+    r = e.rtc
+    problems: list[str] = []
+    if r.delay_steps > e.replan_steps:
+        problems.append(f"eval.rtc.delay_steps: {r.delay_steps} is more than eval.replan_steps ({e.replan_steps}): "
+                        "the next chunk is asked for while the current one is still executing, so the delay "
+                        "must fit in the steps executed per chunk; lower eval.rtc.delay_steps or raise "
+                        "eval.replan_steps")
+    if r.schedule not in RTC_SCHEDULES:
+        problems.append(f"eval.rtc.schedule: '{r.schedule}' is not one of {', '.join(RTC_SCHEDULES)} (LeRobot's "
+                        "RTCAttentionSchedule; its default: LINEAR)")
     return problems
 
 
@@ -730,9 +884,9 @@ def _source_problems(d: DataConfig) -> list[str]:
 
 
 def _weight_problems(where: str, weight: Any) -> list[str]:
-    """A source's sampling weight is a finite number > 0 (RLinf's `weight` of a train_data_paths entry)."""
+    """A source's sampling weight (RLinf's `weight` of a train_data_paths entry): the `weight` kind."""
     number = isinstance(weight, int | float) and not isinstance(weight, bool)
-    if number and math.isfinite(weight) and weight > 0:
+    if number and math.isfinite(weight) and NUMBER_RULES["weight"][0](weight):
         return []
     return [f"{where}: weight {weight!r} is not a positive number; a source's weight is its relative share of "
             "the samples (default 1.0; data.balance_source_weights multiplies it by the source's frames): "
@@ -742,30 +896,16 @@ def _weight_problems(where: str, weight: Any) -> list[str]:
 def _recap_problems(cfg: PisftConfig) -> list[str]:
     r, e = cfg.recap, cfg.eval
     problems: list[str] = []
-    for key in ("iterations", "max_steps", "policy_steps"):
-        if getattr(r, key) < 0:
-            problems.append(f"recap.{key}: must be at least 0, got {getattr(r, key)}")
-    if r.lookahead < 1:  # N = 0: A_t = V(o_t) - V(o_t) = 0 for every frame, one label for all
-        problems.append(f"recap.lookahead: the N of the N-step advantage must be at least 1, got {r.lookahead} "
-                        "(with 0 every frame's advantage is 0: no labelling can tell frames apart)")
     if cfg.data.unconditional_prob >= 1 and (r.iterations or cfg.data.advantage_tag):
         problems.append(f"data.unconditional_prob: {cfg.data.unconditional_prob} drops every advantage label "
                         "during training (every prompt is the plain task, the labels are never seen); "
                         "use a value below 1 (RLinf: 0.1)")
-    for key in ("episodes_per_task", "value_steps", "value_bins"):
-        if getattr(r, key) < 1:
-            problems.append(f"recap.{key}: must be at least 1, got {getattr(r, key)}")
-    if r.value_bins < 2:
-        problems.append(f"recap.value_bins: a distribution needs at least 2 bins, got {r.value_bins}")
     if r.suite not in LIBERO_SUITES:
         problems.append(f"recap.suite: unknown suite '{r.suite}'; one of {', '.join(LIBERO_SUITES)}")
     n_tasks = LIBERO_SUITES.get(r.suite, 90)
     if not r.task_ids or any(not 0 <= t < n_tasks for t in r.task_ids) or len(set(r.task_ids)) != len(r.task_ids):
         problems.append(f"recap.task_ids: {list(r.task_ids)}: give distinct task ids in 0..{n_tasks - 1} "
                         f"of {r.suite}")
-    if not 0 < r.positive_quantile < 1:
-        problems.append(f"recap.positive_quantile: the fraction of frames labelled positive must be in (0, 1), "
-                        f"got {r.positive_quantile}")
     if r.threshold_scope not in THRESHOLD_SCOPES:
         problems.append(f"recap.threshold_scope: '{r.threshold_scope}' is not one of {', '.join(THRESHOLD_SCOPES)} "
                         "(global: one threshold over all frames, as RLinf; task: one per task, as the paper)")
@@ -775,19 +915,8 @@ def _recap_problems(cfg: PisftConfig) -> list[str]:
         problems.append(f"recap.value_init: '{r.value_init}' is not one of {', '.join(VALUE_INITS)} (base: the "
                         "value model starts from the base model, as RLinf's from its pretrained backbone; "
                         "previous: from the policy of iteration k - 1)")
-    if not 0 < r.gamma <= 1:
-        problems.append(f"recap.gamma: the discount must be in (0, 1], got {r.gamma}")
-    if r.failure_reward > 0:
-        problems.append(f"recap.failure_reward: the reward of a failed episode's last step must be <= 0, "
-                        f"got {r.failure_reward}")
-    for key in ("value_lr", "value_head_lr"):
-        if not getattr(r, key) > 0:
-            problems.append(f"recap.{key}: must be > 0, got {getattr(r, key)}")
     per_step = cfg.train.micro_batch_size * max(cfg.world_size, 1)
-    if r.value_global_batch_size < 0:
-        problems.append(f"recap.value_global_batch_size: must be 0 (train.global_batch_size) or a positive "
-                        f"number of samples, got {r.value_global_batch_size}")
-    elif r.iterations and per_step >= 1 and cfg.value_global_batch_size % per_step:
+    if r.iterations and per_step >= 1 and cfg.value_global_batch_size % per_step:
         problems.append(f"recap.value_global_batch_size: {cfg.value_global_batch_size} is not divisible by "
                         f"train.micro_batch_size × world size = {per_step}; pick a multiple of {per_step}")
     # LIBERO keeps 50 fixed initial states per task: the evaluation takes the first
@@ -802,9 +931,6 @@ def _recap_problems(cfg: PisftConfig) -> list[str]:
     if r.iterations and not e.closed_loop:
         problems.append("recap.iterations > 0 needs eval.closed_loop: true (every iteration is evaluated "
                         "in the simulator, and rollouts are collected there)")
-    if not 1.0 <= cfg.eval.cfg_scale < float("inf"):
-        problems.append(f"eval.cfg_scale: the guidance scale must be >= 1 (1: the positive prompt alone), "
-                        f"got {cfg.eval.cfg_scale}")
     return problems
 
 
@@ -813,10 +939,10 @@ LIBERO_INIT_STATES = 50
 
 def _cross_check(cfg: PisftConfig, source: str) -> None:
     """Every problem of a schema-valid config at once: values, ranges, their combinations."""
-    t = cfg.train
+    numbers = number_problems(cfg)
+    if numbers:  # the ranges and combinations below assume numbers of the right kind
+        raise ConfigError(f"{source}: invalid configuration:\n  - " + "\n  - ".join(numbers))
     problems = _choice_problems(cfg) + _layout_problems(cfg) + _smoke_and_data_problems(cfg)
-    if t.warmup_steps < 0 or t.lr <= 0:
-        problems.append("train.lr must be > 0 and train.warmup_steps >= 0")
     problems += _value_problems(cfg) + _eval_problems(cfg.eval) + _source_problems(cfg.data) + _recap_problems(cfg)
     problems += _robustness_problems(cfg.eval)
     if problems:
@@ -875,7 +1001,8 @@ def _same(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return type(a) is type(b) and a == b
+    nan = isinstance(a, float) and isinstance(b, float) and a != a and b != b  # .nan: read alike by both
+    return type(a) is type(b) and (a == b or nan)
 
 
 def _readings_differ(one: Any, two: Any, path: str = "") -> list[tuple[str, Any, Any]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -126,10 +127,18 @@ def is_full_disk(exc: BaseException, *, short_write_counts: bool = False) -> boo
     return False
 
 
+# An OSError's text as Python writes it, carried inside another error's message.
+_FULL_FILE = re.compile(r"(?:No space left on device|Disk quota exceeded): '([^']+)'")
+
+
 def _filename(exc: BaseException) -> str | None:
     for e in _chain(exc):
         if isinstance(e, OSError) and e.filename:
             return str(e.filename)
+    for e in _chain(exc):
+        m = _FULL_FILE.search(str(e))
+        if m:
+            return m.group(1)
     return None
 
 

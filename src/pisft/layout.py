@@ -214,6 +214,12 @@ def bench_report(cfg: Run) -> Path:
     return Path(cfg.results_dir, "bench", "bench.json")
 
 
+def compile_cache(cfg: Run) -> Path:
+    """torch.compile's caches (inductor's code and graphs) of the training stages (train.compile):
+    a rerun of a stage loads what an earlier run compiled. No stage's output."""
+    return Path(cfg.results_dir, "cache", "inductor")
+
+
 def effective_config(cfg: Run) -> Path:
     """The config a driver's run resolved (`pisft.workflow.snakemake_support`)."""
     return Path(cfg.results_dir, "config", "effective.yaml")

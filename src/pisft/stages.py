@@ -65,6 +65,7 @@ TRAIN_STEP_KEYS = (
     "train.lora_targets",
     "train.lora_rank",
     "train.lora_alpha",
+    "train.compile",  # the blocks compiled or not: the step's time, memory and last bits
     "data.augment",  # the images every step trains on (read by the training loaders only)
 )
 
@@ -75,6 +76,8 @@ EVAL_KEYS = (
     "eval.seed",
     "eval.bootstrap_samples",
     "eval.cfg_scale",
+    "eval.precision",  # the numbers' precision (pisft.policy.precision)
+    "eval.compile",  # the compiled chunk: the same actions within its tolerance, not the same bits
 )
 # The RECAP value model (train_value) and the advantage labelling (advantages).
 CLOSED_LOOP_KEYS = (
@@ -92,6 +95,9 @@ CLOSED_LOOP_KEYS = (
     "eval.videos",
     "eval.cfg_scale",
     "eval.policy_batch",  # the rows of every policy forward, whose rounding the actions follow
+    "eval.precision",
+    "eval.compile",
+    "eval.rtc",  # the inference delay and real-time chunking (pisft.rollout.chunking)
     # not eval.num_envs, eval.policy_batch_wait_ms, eval.policy_devices: they change how fast, not
     # what (pisft.policy.fixed_shape)
 )
@@ -108,6 +114,8 @@ COLLECT_KEYS = (
     "eval.resize_size",
     "eval.cfg_scale",
     "eval.policy_batch",  # the rows of every policy forward (as closed_loop)
+    "eval.precision",
+    "eval.compile",
 )
 VALUE_KEYS = (
     "train",  # the process layout, micro batch, precision, seed and schedule shape

@@ -21,9 +21,9 @@ CFG_VALUES = pisft_config.to_dict(CFG)
 RESULTS = CFG.results_dir
 LOGS = f"{RESULTS}/logs"
 BENCH = f"{RESULTS}/benchmarks"
-SOURCES = [
-    s.path for s in pisft_config.data_sources(CFG)
-]  # data.recap_dir: one folder or several
+SOURCES = support.source_inputs(
+    CFG
+)  # data.recap_dir: one folder or several (an outside folder's files)
 ITERATIONS = range(
     1, CFG.recap.iterations + 1
 )  # the RECAP iterations after the SFT run (rules/stages.smk)

@@ -1,20 +1,33 @@
 """Real-size pi0.5 training step on one accelerator: step time, samples/s, MFU, peak memory.
 
-    python -m pisft.bench.gpu_step                      # cuda, pi05, bf16, every mode, micro 4-32, AC off/on
+    python -m pisft.bench.gpu_step                      # cuda, pi05, bf16, every mode, micro 4-32, AC off/on,
+                                                        # eager and compiled (train.compile off, layers)
     python -m pisft.bench.gpu_step --trainable expert   # one train.trainable mode
+    python -m pisft.bench.gpu_step --compile layers     # the compiled step only
     python -m pisft.bench.gpu_step --device npu         # the same on an Ascend card
     python -m pisft.bench.gpu_step --preset tiny --device cpu --micro 2 --max-micro 2 --steps 1  # dry run
+
+The step measured is the training's (`pisft.train.step.train_step`: forward, backward, clipping,
+the optimizer step skipped on the device when the gradient is not finite; `--ema` adds the EMA),
+with the blocks run as the training runs them (`pisft.train.blocks`, `--compile`). Per run, after
+the timed steps, one more step is profiled (torch.profiler; torch_npu.profiler on an NPU): the
+device's busy time (the kernels' own device time), kernel launches per step (the host's launch
+calls) and their ratio to the step time (`device_busy_fraction`: well below 1 is a host-bound
+step), and one more step with a device synchronisation around each phase (`phase_s`). The first
+step of each setting holds a compiled run's compilation (`first_step_s`).
 
 The model is pi0.5 at full size (PaliGemma gemma_2b + gemma_300m expert, 3.35B parameters in the
 training model) with random weights (allocated without initialisation, moved to the accelerator,
 normal(0, 0.02) matrices, zero vectors): the step costs the same as with real weights. The step
 is pisft's own: the training structure (per-layer activation checkpointing, no action-expert
-lm_head), FSDP2 on one process (fp32 master weights, bf16 compute with fp32 reduction), gradient
-clipping, the flow-matching loss through `policy(batch)`. Inputs are synthetic preprocessed
-batches (two 224x224 cameras, the tokenizer's full prompt length, 50x7 actions). For each
-trainable mode (`--trainable`, `train.trainable`'s values: `pisft.train.trainable` applied as the
-training applies it, frozen parameters held in bf16, LoRA on `--lora-targets`) and each
-activation-checkpointing setting: micro batch 4, then doubling up to --max-micro or until the
+lm_head), the layout of a one-process training run (`--layout unsharded`, `fsdp.distribute`; or
+FSDP2 on one process, `--layout fsdp`, as the smoke stage keeps it: fp32 master weights, bf16
+compute with fp32 reduction), gradient clipping, the flow-matching loss through `policy(batch)`.
+Inputs are synthetic preprocessed batches (two 224x224 cameras, the tokenizer's full prompt
+length, 50x7 actions). For each trainable mode (`--trainable`, `train.trainable`'s values:
+`pisft.train.trainable` applied as the training applies it, frozen parameters held in bf16, LoRA
+on `--lora-targets`), each activation-checkpointing setting and each `--compile` setting: micro
+batch 4, then doubling up to --max-micro or until the
 device runs out of memory (the largest that fitted is reported). MFU divides the mode's own model
 FLOPs (`pisft.train.flops.pi05_training_flops_per_sample`: a frozen part costs its forward only).
 Output: JSON on stdout and in --out, with peak allocated and peak reserved memory per run.
@@ -56,10 +69,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from pisft import device as devices
-from pisft.train import fsdp, optim
+from pisft.train import blocks, fsdp, optim
 from pisft.train.flops import pi05_training_flops_per_sample
 from pisft.train.metrics import mfu, peak_flops_for
 from pisft.train.policy_task import PolicyTask
+from pisft.train.step import NO_PROBE, PhaseTimes, StepSettings, repeat, train_step
 from pisft.train.trainable import LORA_TARGETS, MODES
 from pisft.inspect.synthetic import build_random_policy, synthetic_batch
 
@@ -74,33 +88,77 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "aclopCompileAndExecute",
+                "aclnnExecute")  # the host's kernel-launch calls in a profile (CUDA; Ascend's ACL)
+
+
+def _profiler(kind: str):
+    """torch.profiler with the device's activity (torch_npu.profiler on an NPU), or None (CPU)."""
+    if kind == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    if kind == "npu":  # torch_npu.profiler mirrors torch.profiler (Ascend/pytorch, torch_npu/profiler)
+        import torch_npu
+
+        return torch_npu.profiler.profile(activities=[torch_npu.profiler.ProfilerActivity.CPU,
+                                                      torch_npu.profiler.ProfilerActivity.NPU])
+    return None
+
+
+def profiled_step(step, kind: str) -> dict[str, Any]:
+    """One step under the device profiler: the device's busy seconds (each kernel's own device
+    time) and the host's kernel launches."""
+    profiler = _profiler(kind)
+    if profiler is None:
+        return {}
+    with profiler as prof:
+        step()
+        devices.synchronize(kind)
+    events = prof.key_averages()
+    busy_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+    launches = sum(e.count for e in events if e.key in LAUNCH_CALLS)
+    return {"device_busy_s": busy_us / 1e6, "kernel_launches": int(launches)}
+
+
 def measure(policy, optimizer, kind: str, device: torch.device, micro: int, *, steps: int,
-            warmup: int, peak: float | None, precision: str) -> dict[str, Any]:
+            warmup: int, peak: float | None, precision: str, ema: Any = None) -> dict[str, Any]:
+    """The training's step (`pisft.train.step.train_step`) at micro batch `micro`: the first
+    step's time, the median of `steps` timed steps after `warmup`, a profiled step, phase times."""
     task = PolicyTask(policy, None, device, precision)
     batch, rand = synthetic_batch(policy, micro, device, seed=micro)
+    settings = StepSettings(accum=1, grad_clip=1.0, kind=kind, device=device)
     params = [p for p in policy.parameters() if p.requires_grad]
     devices.reset_peak_memory(kind)
     times, losses = [], []
-    for i in range(warmup + steps):
+
+    def step(probe=NO_PROBE):
+        return train_step(policy, optimizer, task, repeat(batch, rand), settings, params=params, ema=ema,
+                          probe=probe)
+
+    for i in range(1 + warmup + steps):
         devices.synchronize(kind)
         t0 = time.perf_counter()
-        loss = task.loss(policy, batch, rand)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        outcome = step()
         devices.synchronize(kind)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-            losses.append(float(loss.detach()))
-    step = statistics.median(times)
-    sps = micro / step
+        times.append(time.perf_counter() - t0)
+        losses.append(float(outcome.loss_sum))
+    timed = times[1 + warmup:]
+    median = statistics.median(timed)
+    sps = micro / median
     flops = pi05_training_flops_per_sample(policy, lang_tokens=policy.config.tokenizer_max_length)
     allocated, reserved = devices.peak_memory_bytes(kind), devices.peak_reserved_bytes(kind)
-    return {"micro_batch_size": micro, "step_time_s": step, "step_times_s": times,
-            "samples_per_s": sps, "flops_per_sample": flops, "mfu": mfu(flops, sps, peak, 1),
-            "peak_memory_bytes": allocated, "peak_memory_gib": allocated / GIB,
-            "peak_reserved_bytes": reserved, "peak_reserved_gib": reserved / GIB, "losses": losses}
+    out = {"micro_batch_size": micro, "first_step_s": times[0], "step_time_s": median, "step_times_s": timed,
+           "samples_per_s": sps, "flops_per_sample": flops, "mfu": mfu(flops, sps, peak, 1),
+           "peak_memory_bytes": allocated, "peak_memory_gib": allocated / GIB,
+           "peak_reserved_bytes": reserved, "peak_reserved_gib": reserved / GIB, "losses": losses[1 + warmup:]}
+    profile = profiled_step(step, kind)
+    if profile:
+        out |= profile | {"device_busy_fraction": profile["device_busy_s"] / median}
+    phases = PhaseTimes(kind)
+    step(phases)
+    out["phase_s"] = phases.seconds
+    return out
 
 
 def estimate_one_device(preset: str, micro: int, precision: str, checkpointing: bool, mode: str = "all",
@@ -196,23 +254,30 @@ def build_for_mode(args, dev, mode: str, checkpointing: bool):
 def _measure_all(args, out, kind, dev, mesh, peak) -> None:
     for mode in args.trainable:
         for checkpointing in args.checkpointing:
-            _measure_setting(args, out, kind, dev, mesh, peak, mode, checkpointing)
+            for compile_mode in args.compile:
+                _measure_setting(args, out, kind, dev, mesh, peak, mode, checkpointing, compile_mode)
 
 
-def _measure_setting(args, out, kind, dev, mesh, peak, mode: str, checkpointing: bool) -> None:
-    """One mode at one checkpointing setting: micro batch --micro, doubled up to --max-micro or
-    until the device runs out of memory."""
+def _measure_setting(args, out, kind, dev, mesh, peak, mode: str, checkpointing: bool, compile_mode: str) -> None:
+    """One mode at one checkpointing and compile setting: micro batch --micro, doubled up to
+    --max-micro or until the device runs out of memory."""
+    from pisft.train.ema import make_ema
+
     policy, applied = build_for_mode(args, dev, mode, checkpointing)
-    fsdp.shard(policy, mesh, args.precision)
+    compiler = blocks.compiler_for(compile_mode, kind, Path(args.out).parent / "inductor", print)
+    fsdp.distribute(policy, mesh, args.precision, dev, keep_sharded=args.layout == "fsdp", min_params=0,
+                    compiler=compiler)
     which = out["optimizer"][mode][str(checkpointing)]
     optimizer = make_optimizer(kind, policy, which)
+    ema = make_ema(policy, args.ema_decay) if args.ema_decay else None
     out["params"][mode] = {"total": applied.total, "trainable": applied.trainable}
-    setting = {"trainable": mode, "activation_checkpointing": checkpointing, "optimizer": which}
+    setting = {"trainable": mode, "activation_checkpointing": checkpointing, "optimizer": which,
+               "compile": compiler.mode, "layout": args.layout, "ema_decay": args.ema_decay}
     micro, largest = args.micro, None
     while micro <= args.max_micro:
         try:
             res = measure(policy, optimizer, kind, dev, micro, steps=args.steps,
-                          warmup=args.warmup, peak=peak, precision=args.precision) | setting
+                          warmup=args.warmup, peak=peak, precision=args.precision, ema=ema) | setting
             out["runs"].append(res)
             largest = micro
             print(json.dumps({k: v for k, v in res.items() if k != "step_times_s"}), flush=True)
@@ -220,15 +285,16 @@ def _measure_setting(args, out, kind, dev, mesh, peak, mode: str, checkpointing:
             if not _is_oom(exc):
                 raise
             out["runs"].append({"micro_batch_size": micro, **setting, "oom": True})
-            print(f"{mode}, micro batch {micro}, checkpointing {checkpointing}: out of memory", flush=True)
+            print(f"{mode}, micro batch {micro}, checkpointing {checkpointing}, compile {compiler.mode}: "
+                  "out of memory", flush=True)
             break
         finally:
             optimizer.zero_grad(set_to_none=True)
             gc.collect()
             devices.empty_cache(kind)
         micro *= 2
-    out["largest_micro_batch"].setdefault(mode, {})[str(checkpointing)] = largest
-    del policy, optimizer
+    out["largest_micro_batch"].setdefault(mode, {})[f"{checkpointing}/{compiler.mode}"] = largest
+    del policy, optimizer, ema
     gc.collect()
     devices.empty_cache(kind)
 
@@ -257,6 +323,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train.lora_targets of the lora mode")
     p.add_argument("--checkpointing", default="off,on",
                    type=lambda s: [{"off": False, "on": True}[x] for x in s.split(",")])
+    p.add_argument("--compile", default="off,layers", type=lambda s: s.split(","),
+                   help="train.compile settings to measure, comma-separated (off, layers)")
+    p.add_argument("--layout", default="unsharded", choices=("unsharded", "fsdp"),
+                   help="unsharded: a one-process training run's layout; fsdp: FSDP2 on one process (the smoke's)")
+    p.add_argument("--ema-decay", type=float, default=0.0, help="train.ema_decay (0: no EMA, the default config)")
     p.add_argument("--peak-flops", type=float, default=0.0, help="override the peak table")
     p.add_argument("--optimizer", default="auto", choices=("auto", ADAMW, SIGN_DESCENT),
                    help="auto: AdamW if the estimated step fits the device, else its stateless first step")

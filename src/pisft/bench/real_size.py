@@ -90,6 +90,7 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
     from pisft.train.attention import fused_joint_attention
     from pisft.train.checkpoint import CheckpointManager
     from pisft.train.policy_task import PolicyTask
+    from pisft.train.step import PhaseTimes, StepSettings, repeat, train_step
 
     cpu = torch.device("cpu")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -102,20 +103,17 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
                                           fused=devices.fused_adamw_supported("cpu"))
         task = PolicyTask(policy, None, cpu, precision)
         batch, rand = synthetic_batch(policy, micro_batch, cpu, seed)
-        params = [p for p in policy.parameters() if p.requires_grad]
+        settings = StepSettings(accum=1, grad_clip=1.0, kind="cpu", device=cpu)
         policy.train()
         build_s = time.perf_counter() - t0
 
         def step(frozen_prefix=None) -> tuple[float, float, float]:
-            start = time.perf_counter()
+            """The training's step (pisft.train.step), its forward timed."""
             task.frozen_prefix = frozen_prefix
-            loss = task.loss(policy, batch, rand)
-            forward = time.perf_counter() - start
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0, error_if_nonfinite=False)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return forward, time.perf_counter() - start, float(loss)
+            phases = PhaseTimes("cpu")
+            start = time.perf_counter()
+            outcome = train_step(policy, optimizer, task, repeat(batch, rand), settings, probe=phases)
+            return phases.seconds["forward"], time.perf_counter() - start, float(outcome.loss_sum)
 
         out: dict[str, Any] = {"preset": preset, "mode": mode, "micro_batch_size": micro_batch,
                                "precision": precision, "activation_checkpointing": checkpointing,

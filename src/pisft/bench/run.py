@@ -37,6 +37,8 @@ COMPONENT_BENCHES = {
     "train_structure": "pisft.bench.train_structure:run",
     "data_loader": "pisft.bench.data_loader_bench:run",
     "real_size": "pisft.bench.real_size:run",
+    "inference": "pisft.bench.inference_bench:run",
+    "host_overhead": "pisft.bench.host_overhead:run",
 }
 PIPELINE = "pipeline"
 

@@ -4,8 +4,10 @@ One process (each variant on a fresh copy of the same tiny pi0.5, AdamW, gradien
   ours            pisft.train.loop.run on the policy laid out as train_8card lays it out for
                   one process (`fsdp.distribute`: unsharded), fed the batches our data loader
                   yields (collated and preprocessed by its workers), kept in memory
-  bare            a plain forward/backward/clip/step loop over the same layout and batches
-  bare_sharded    the same plain loop on FSDP2 over a 1-process mesh (what the smoke run keeps
+  bare            the training's step alone (`pisft.train.step.train_step`: forward, backward,
+                  clipping, the guarded AdamW step) over the same layout and batches, without the
+                  loop around it (no metrics, no fetches): ours / bare is the loop's own cost
+  bare_sharded    the same step on FSDP2 over a 1-process mesh (what the smoke run keeps
                   to measure the sharded layout's memory; `fsdp_sharded_1proc_ratio`)
   lerobot         LeRobot 0.6.1's own step: its preprocessor on the collated batch (lerobot-train
                   runs it in the training process) then `lerobot_train.update_policy` with an
@@ -51,6 +53,7 @@ from pisft.train.batches import StepDataset, make_loader, resolve_workers, split
 from pisft.train.metrics import MetricsLog
 from pisft.train.policy_task import PolicyTask
 from pisft.train.sampler import StepLayout, StepSampler
+from pisft.train.step import StepSettings, train_step
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -233,15 +236,15 @@ def _bare(setup: Setup, warmup: int, steps: int, lr: float, sharded: bool) -> di
     task = PolicyTask(policy, pre, torch.device("cpu"))
     params = [p for p in policy.parameters() if p.requires_grad]
     stream = setup.stream()
+    settings = StepSettings(accum=1, grad_clip=1.0, kind="cpu", device=torch.device("cpu"))
     policy.train()
 
-    def step() -> None:
+    def micro_batch() -> tuple[dict, dict]:
         batch, rand = split_rand(next(stream))
-        loss = task.loss(policy, task.prepare(batch), rand)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        return task.prepare(batch), rand
+
+    def step() -> None:
+        train_step(policy, opt, task, micro_batch, settings, params=params)
         sched.step()
 
     return timed(step, warmup, steps)

@@ -482,7 +482,7 @@ def worker(spec_path: str, out_dir: str) -> int:
         "root_unit_params": group_numel(root) if root is not None else 0,
         "decoder_layer_pairs": pairs,
         "vision_layers": vision_layers,
-        "fsdp_units_target": pairs + vision_layers + 4,
+        "fsdp_units_target": pairs + vision_layers + 4,  # round 1's bound (the vision layers now 3 to a unit)
         "fsdp_min_unit_params": t.fsdp_min_unit_params,
         "all_gather_bound": 2 * len(groups),
         "all_gather_per_micro_step": ag / micro,

@@ -59,19 +59,29 @@ def load_stats(dataset_dir: str | Path) -> dict[str, dict[str, np.ndarray]]:
 
 
 def split_episodes(dataset_dir: str | Path) -> dict[str, list[int]]:
+    from pisft import records
+
     path = _require(Path(dataset_dir), "split.json")
-    split = json.loads(path.read_text())
-    return {name: [int(i) for i in split[name]] for name in SPLITS}
+    split = records.read(path, dict.fromkeys(SPLITS, (list, int)), writer="convert_recap", required=SPLITS)
+    return {name: list(split[name]) for name in SPLITS}
+
+
+def _episodes(dataset_dir: str | Path) -> list[dict]:
+    """conversion_report.json's episodes, each field of its type."""
+    from pisft import records
+
+    path = _require(Path(dataset_dir), "conversion_report.json")
+    report = records.read(path, {"episodes": (list, dict)}, writer="convert_recap", required=("episodes",))
+    return [records.check(e, {"episode_index": int, "task": str, "success": (None, bool)}, path=f"{path} (episodes)",
+                          writer="convert_recap", required=("episode_index", "task")) for e in report["episodes"]]
 
 
 def episode_tasks(dataset_dir: str | Path) -> dict[int, str]:
-    report = json.loads(_require(Path(dataset_dir), "conversion_report.json").read_text())
-    return {int(e["episode_index"]): e["task"] for e in report["episodes"]}
+    return {e["episode_index"]: e["task"] for e in _episodes(dataset_dir)}
 
 
 def episode_success(dataset_dir: str | Path) -> dict[int, bool | None]:
-    report = json.loads(_require(Path(dataset_dir), "conversion_report.json").read_text())
-    return {int(e["episode_index"]): e.get("success") for e in report["episodes"]}
+    return {e["episode_index"]: e.get("success") for e in _episodes(dataset_dir)}
 
 
 def outcome_counts(dataset_dir: str | Path, episodes: list[int]) -> dict[str, int]:

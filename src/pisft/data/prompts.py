@@ -101,8 +101,8 @@ class PromptConditioning:
     def from_dict(cls, data: dict[str, Any]) -> PromptConditioning:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in known}
-        return cls(advantage_tag=str(kwargs.get("advantage_tag", "")),
-                   positive_only_conditional=bool(kwargs.get("positive_only_conditional", True)),
+        return cls(advantage_tag=kwargs.get("advantage_tag", ""),
+                   positive_only_conditional=kwargs.get("positive_only_conditional", True),
                    unconditional_prob=float(kwargs.get("unconditional_prob", 0.1)))
 
     def describe(self) -> str:
@@ -125,14 +125,10 @@ def read(path: Path) -> PromptConditioning | None:
     path = Path(path)
     if not path.is_file():
         return None
-    from pisft.errors import DataError
+    from pisft import records
 
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path}: not valid JSON ({exc}); rerun convert_recap") from None
-    if not isinstance(data, dict):
-        raise DataError(f"{path}: expected a JSON object")
+    data = records.read(path, records.fields_of(PromptConditioning),
+                        writer="convert_recap (the exported model carries the dataset's copy)")
     return PromptConditioning.from_dict(data)
 
 

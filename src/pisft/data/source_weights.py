@@ -44,13 +44,22 @@ RULE = ("RLinf ReCapMixtureDataset (rlinf/data/datasets/recap/common.py): P(sour
 
 
 def shares(weights: list[float], frames: list[int], balance: bool) -> list[float]:
-    """Each source's probability: RLinf's `_dataset_sampling_weights` (an empty source: 0)."""
-    raw = [w * n if balance else w for w, n in zip(weights, frames, strict=True)]
-    raw = [r if n > 0 else 0.0 for r, n in zip(raw, frames, strict=True)]
-    total = sum(raw)
-    if total <= 0:
+    """Each source's probability: RLinf's `_dataset_sampling_weights` (an empty source: 0). The
+    weights are taken relative to the largest first, so no product overflows (a weight of 1e308
+    times a source's frames made every share NaN); a source with frames whose share still comes
+    out 0 (weights 1e300 apart) is refused rather than silently never drawn."""
+    top = max((w for w, n in zip(weights, frames, strict=True) if n > 0), default=0.0)
+    if top <= 0:
         raise DataError("the pool's sources have no training frames; check data.recap_dir and the split")
-    return [r / total for r in raw]
+    raw = [(w / top) * (n if balance else 1) if n > 0 else 0.0 for w, n in zip(weights, frames, strict=True)]
+    total = sum(raw)
+    out = [r / total for r in raw]
+    lost = [i for i, (share, n) in enumerate(zip(out, frames, strict=True)) if n > 0 and share == 0]
+    if lost:
+        raise DataError(f"data.recap_dir: source(s) {lost} would never be drawn (their weight is "
+                        f"{min(weights[i] for i in lost):g} against {top:g}: a share below what a float holds); "
+                        "give weights within a sensible ratio of each other, or leave those sources out")
+    return out
 
 
 def uniform_over_frames(weights: list[float], frames: list[int], balance: bool) -> bool:
@@ -78,9 +87,11 @@ class SourceSampling:
         path = Path(dataset_dir) / SAMPLING_FILE
         if not path.is_file():
             return None
-        d = json.loads(path.read_text())
-        return cls(bool(d["balance_source_weights"]), tuple(float(w) for w in d["weights"]),
-                   tuple(int(s) for s in d["episode_source"]))
+        from pisft import records
+
+        fields = {"balance_source_weights": bool, "weights": (list, float), "episode_source": (list, int)}
+        d = records.read(path, fields, writer="convert_recap", required=tuple(fields))
+        return cls(d["balance_source_weights"], tuple(float(w) for w in d["weights"]), tuple(d["episode_source"]))
 
     def frames_per_source(self, episode_index: np.ndarray) -> list[int]:
         rows = self.source_of_rows(episode_index)

@@ -15,7 +15,7 @@ Each check is a named line, pass / fail / skip with a reason; the names are stab
                          small pi0.5-shaped input (8 query heads, 1 K/V head, head_dim 256,
                          prefix + action block mask), bf16 tolerance
   fused_adamw            fused AdamW against the foreach one, and the training's skip of a
-                         non-finite step (pisft.train.loop.skip_if_nonfinite_step)
+                         non-finite step (pisft.train.step.skip_if_nonfinite_step)
   checkpoint_round_trip  a DCP save and load of model + AdamW state, on the device
   environment            the environment the training processes get (pisft.device), the user's
                          overrides, the CANN environment sourced

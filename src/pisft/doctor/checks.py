@@ -260,7 +260,7 @@ def _adamw_pair(dev: torch.device, fused: bool):
 
 
 def check_fused_adamw(node: Node) -> Check:
-    from pisft.train.loop import skip_if_nonfinite_step
+    from pisft.train.step import skip_if_nonfinite_step
 
     if (bad := _unusable(node)) is not None:
         return bad

@@ -59,12 +59,20 @@ view | wrist camera MP4 of the first episode of each task), all three the same b
 `report.md`, `pisft_config.json`. How the run went (simulator steps/s, policy ms per chunk,
 environments, batches, episodes run again, each episode's times) is the timing record,
 `results/logs/closed_loop.timing.json` (`layout.Iteration.timing`). See docs/libero.md.
+
+**Inference delay and real-time chunking** (`eval.rtc`, `pisft.rollout.chunking`): with
+`eval.rtc.delay_steps` d > 0 the environment keeps executing the current chunk for d steps while
+the next is computed, as a robot does; every run records `action_jerk` (mean |Δ²a| at chunk
+boundaries). With `eval.rtc.enabled` the same episodes run twice, with plain chunking and with
+real-time chunking at the same delay (same seeds, same noise): the top-level figures are the
+RTC run's, `rtc_comparison` has both (success, episode length, action jerk).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +88,7 @@ from pisft.io import atomic_dir, write_json_atomic, write_text_atomic
 from pisft.policy.replicas import PolicyPool, open_policy_pool, policy_record
 from pisft.rollout import libero_sim
 from pisft.rollout import video as video_mod
+from pisft.rollout.chunking import pooled_jerk
 from pisft.rollout.plan import VIDEO_DIR, plan_episodes
 from pisft.rollout.scheduler import (
     EpisodeResult,
@@ -220,12 +229,15 @@ def report_markdown(metrics: dict, settings: Settings, model_dir: str, *, video_
             lines.append(f"| {name} | {e['task_id']}: {e['task']} | {e['success_rate']:.3f} | "
                          f"{_fmt_ci(e)} | {e['successes']} / {e['trials']} | "
                          f"{_num(e['episode_steps']['mean'], '.1f')} | {video} |")
+    lines += chunking_lines(metrics)
     if t:
         lines += ["", f"Throughput: {_num(t.get('simulator_steps_per_s'), '.2f')} simulator steps/s per "
                   f"environment (physics and both 256×256 renders), "
                   f"{_num(t.get('simulator_steps_per_s_all_envs'), '.2f')} steps/s over all environments; "
                   f"policy {_num(t.get('policy_ms_per_chunk'), '.1f')} ms per chunk "
-                  f"({t.get('policy_calls')} chunks"
+                  + (f"(a forward: p50 {_num(t.get('policy_forward_ms_p50'), '.1f')} ms, p99 "
+                     f"{_num(t.get('policy_forward_ms_p99'), '.1f')} ms) " if t.get("policy_forward_ms_p50") else "")
+                  + f"({t.get('policy_calls')} chunks"
                   + (f", {_num(t.get('mean_policy_batch'), '.1f')} per forward on average over "
                      f"{t.get('policy_replicas')} replica(s): {', '.join(t.get('policy_devices') or [])}"
                      if t.get("policy_forwards") else "")
@@ -242,6 +254,31 @@ def report_markdown(metrics: dict, settings: Settings, model_dir: str, *, video_
                       f'<video src="{src}" controls width="512"></video>', ""]
     lines += robustness_report.report_lines(metrics, video_prefix=video_prefix)  # eval.seeds, eval.perturbations
     return "\n".join(lines) + "\n"
+
+
+def chunking_lines(metrics: dict) -> list[str]:
+    """The report's paragraph on the inference delay, real-time chunking and the jerk."""
+    c = metrics.get("chunking")
+    if not c:
+        return []
+    how = "real-time chunking (LeRobot's RTC)" if c["rtc"] else "plain chunking"
+    lines = ["", f"Chunks: {how}, {c['replan_steps']} actions executed per chunk, an inference delay of "
+             f"{c['delay_steps']} control steps (eval.rtc.delay_steps: the environment keeps executing the "
+             f"current chunk while the next is computed). Action jerk (mean |Δ²a| at the "
+             f"{c['chunk_boundaries']} chunk boundaries): {_num(c['action_jerk'], '.4g')}; elsewhere "
+             f"{_num(c['action_jerk_inside'], '.4g')}."]
+    comparison = metrics.get("rtc_comparison")
+    if comparison:
+        lines += ["", f"Real-time chunking against plain chunking at the same delay ({comparison['delay_steps']} "
+                  "steps), the same episodes and noise:", "",
+                  "| chunking | success rate | 95% CI | mean steps | action jerk at boundaries | elsewhere |",
+                  "|---|---|---|---|---|---|"]
+        for name in ("plain", "rtc"):
+            side = comparison[name]
+            lines.append(f"| {'RTC' if name == 'rtc' else 'plain'} | {_num(side['success_rate'], '.3f')} | "
+                         f"{_fmt_ci(side)} | {_num(side['mean_episode_steps'], '.1f')} | "
+                         f"{_num(side['action_jerk'], '.4g')} | {_num(side['action_jerk_inside'], '.4g')} |")
+    return lines
 
 
 OFF_NOTE = ("eval.closed_loop is false: closed-loop evaluation was not run (no simulator was "
@@ -283,7 +320,12 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
         episodes = robustness.plan(cfg, sim, settings, out, specs)
         with open_policy_pool(cfg, policy, model_dir=model_dir, trained_on=layout.iteration(cfg).dataset,
                               seed=settings.seed, rows=settings.forward_rows(len(specs)),
-                              wait_ms=settings.policy_batch_wait_ms, stage="closed_loop") as pool:
+                              wait_ms=settings.policy_batch_wait_ms, stage="closed_loop", rtc=settings.rtc) as pool:
+            predictor = getattr(pool.replicas[0], "predictor", None)
+            if predictor is not None and settings.delay_steps + settings.replan_steps > predictor.chunk_size:
+                raise PisftError(f"eval.rtc.delay_steps ({settings.delay_steps}) + eval.replan_steps "
+                                 f"({settings.replan_steps}) exceed the model's chunk of {predictor.chunk_size} "
+                                 "actions (a chunk after the first starts delay_steps in); lower one of them")
             metrics, run_timing = _evaluate(cfg, settings, pool, out, episodes, languages, factory=factory, sim=sim,
                                             sim_info=sim_info, inline=inline, model_dir=model_dir)
     write_json_atomic(layout.iteration(cfg).timing("closed_loop"), run_timing)
@@ -293,6 +335,21 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
           f"environment, policy {_num(t['policy_ms_per_chunk'], '.1f')} ms per chunk) -> "
           f"{layout.iteration(cfg).closed_loop_metrics}", flush=True)
     return metrics
+
+
+def chunking_summary(results: list[EpisodeResult], settings: Settings) -> dict:
+    """The delay, RTC and the jerk of a run's executed actions (pisft.rollout.chunking)."""
+    jerk = pooled_jerk([r.chunking for r in results if r.chunking is not None])
+    return {"delay_steps": settings.delay_steps, "replan_steps": settings.replan_steps, "rtc": settings.rtc,
+            **jerk}
+
+
+def _side(results: list[EpisodeResult], settings: Settings) -> dict:
+    """One side of `rtc_comparison`: success (Wilson interval), episode length, jerk."""
+    s = summarize(results)
+    return {"success_rate": s["success_rate"], "success_rate_ci_low": s["success_rate_ci_low"],
+            "success_rate_ci_high": s["success_rate_ci_high"], "episodes": s["episodes"],
+            "mean_episode_steps": s["episode_steps"]["mean"], **chunking_summary(results, settings)}
 
 
 def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool, out: Path,
@@ -310,6 +367,19 @@ def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool,
 
     mujoco_logs = logs_mod.mujoco_log_dir("closed_loop", layout.iteration(cfg).logs)
     (out / VIDEO_DIR).mkdir(exist_ok=True)  # the workers write into it (a declared output, also when videos are off)
+    plain = None
+    if settings.rtc:  # the unperturbed episodes with plain chunking at the same delay first (no videos)
+        plain_settings = replace(settings, rtc=False, videos=False)
+        plain_specs, _ = plan_episodes(sim, plain_settings, out)
+        print(f"closed_loop: plain chunking at a delay of {settings.delay_steps} steps, for the comparison "
+              "with real-time chunking", flush=True)
+        plain, _ = roll_out(plain_specs, pool, plain_settings, factory=factory, simulator=sim,
+                            num_envs=num_envs, inline=inline, languages=languages,
+                            on_episode=progress("closed_loop (plain)", len(plain_specs), lambda r: f"plain {r.suite} "
+                                                f"task {r.task_id} trial {r.trial}"),
+                            name="closed_loop", log_dir=mujoco_logs)
+        print(f"closed_loop: real-time chunking (LeRobot's RTC) at a delay of {settings.delay_steps} steps",
+              flush=True)
     all_results, wall = roll_out(specs, pool, settings, factory=factory, simulator=sim, num_envs=num_envs,
                                  inline=inline, languages=languages, on_episode=record, name="closed_loop",
                                  log_dir=mujoco_logs)
@@ -332,6 +402,12 @@ def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool,
     metrics["settings"] = settings.record()
     metrics["model_dir"] = str(model_dir)
     metrics["expectation"] = expectation(cfg, settings)
+    metrics["chunking"] = chunking_summary(results, settings)
+    metrics["action_jerk"] = metrics["chunking"]["action_jerk"]
+    if plain is not None:
+        metrics["rtc_comparison"] = {"delay_steps": settings.delay_steps, "plain": _side(plain, settings),
+                                     "rtc": _side(results, settings)}
+        metrics["rtc_comparison"]["plain"]["rtc"] = False
     metrics.update(robustness.summary(episodes, all_results))  # seeds, robustness: only with those keys set
     metrics.update(policy_record(pool))
     run_timing = timing(all_results, wall, num_envs, pool, settings)

@@ -98,8 +98,10 @@ def _chunk_shape(model_dir: Path) -> tuple[int, int]:
     return int(config.chunk_size), int(config.output_features["action"].shape[0])
 
 
-def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tuple[dict, dict, dict]:
-    """(metrics, accumulators by model name, eval_info). Writes nothing."""
+def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True,
+                    bf16_layout: str = "openpi") -> tuple[dict, dict, dict]:
+    """(metrics, accumulators by model name, eval_info). Writes nothing. `bf16_layout`: a bf16 model's
+    (`pisft.policy.precision`; "lerobot" only to measure what openpi's layout moves)."""
     from torch.utils.data import DataLoader, Subset
 
     from pisft.data import dataset as data
@@ -144,9 +146,13 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
                         num_workers=0)
 
     accs = {name: ErrorAccumulator(chunk_size=chunk, action_dim=action_dim) for name in model_dirs}
+    inference: dict[str, dict] = {}
     start = time.monotonic()
     for name, model_dir in model_dirs.items():  # the same frames and noise for each model
-        predictor = ChunkPredictor.load(model_dir, device=device, dataset_stats=stats)
+        predictor = ChunkPredictor.load(model_dir, device=device, dataset_stats=stats, precision=cfg.eval.precision,
+                                        compiled=cfg.eval.compile, layout=bf16_layout,
+                                        note=lambda line, n=name: progress and print(f"evaluate: {n} model: {line}",
+                                                                                    flush=True))
         done = 0
         for batch in loader:
             ep_ids = [int(e) for e in batch["episode_index"]]
@@ -167,6 +173,7 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
             if progress:
                 print(f"evaluate: {name} model: {done}/{len(positions)} frames "
                       f"({time.monotonic() - start:.0f} s)", flush=True)
+        inference[name] = predictor.describe()  # precision, compiled chunk (its compile times)
         del predictor  # freed before the next model is loaded
         gc.collect()
     if done == 0:
@@ -192,6 +199,8 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True) -> tu
                                 for name, d in model_dirs.items()},
         "prompts": {name: {**c.to_dict(), "describe": c.describe()} for name, c in conditioning.items()},
         "guidance": guided,
+        # how each model ran: eval.precision (what stayed float32), eval.compile
+        "inference": inference,
         # successes and failures among the evaluated held-out episodes (failed rollouts are held
         # out too when data.success_only is false, and scored like demonstrations)
         "held_out": data.outcome_counts(dataset_dir, episodes),

@@ -177,7 +177,9 @@ def run_smoke(ctx: Context) -> int:
     cfg = ctx.cfg
     report = _report_head(ctx)
     run = _run_steps(ctx, report)
-    report.update(_step_figures(ctx, run.records))
+    compiler = getattr(run.built, "compiler", None)
+    report["compiled"] = bool(compiler is not None and compiler.enabled)
+    report.update(_step_figures(ctx, run.records, report["compiled"]))
     if run.failure is not None:
         checks = [{"name": "fits_in_memory", "passed": False, "detail": run.failure}]
     else:
@@ -213,6 +215,7 @@ def _report_head(ctx: Context) -> dict[str, Any]:
         "precision": t.precision,
         "activation_checkpointing": t.activation_checkpointing,
         "trainable": t.trainable,
+        "compile": t.compile,
         "smoke_steps": cfg.smoke.steps,
         "target_world_size": cfg.world_size,
         "environment": env_summary(),
@@ -236,7 +239,8 @@ def _run_steps(ctx: Context, report: dict[str, Any]) -> SmokeRun:
             run.built.optimizer = SignDescent(run.built.model.parameters(), lr=t.lr,
                                               weight_decay=t.weight_decay)
         peak, report["peak_flops_source"] = peak_flops(ctx)
-        run.records = _steps(ctx, run.built, peak)
+        run.records, batch = _steps(ctx, run.built, peak)
+        report["host_ops"] = _host_ops(ctx, run.built, batch)
     except Exception as exc:
         if not _is_oom(exc):
             raise
@@ -245,8 +249,9 @@ def _run_steps(ctx: Context, report: dict[str, Any]) -> SmokeRun:
     return run
 
 
-def _steps(ctx: Context, built: Any, peak: float | None) -> list[dict[str, Any]]:
-    """smoke.steps optimizer steps on the run's first micro-batch at the peak learning rate."""
+def _steps(ctx: Context, built: Any, peak: float | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """smoke.steps optimizer steps on the run's first micro-batch at the peak learning rate; their
+    records and that micro-batch (collated)."""
     from torch.utils.data import default_collate
 
     cfg, t = ctx.cfg, ctx.cfg.train
@@ -267,14 +272,40 @@ def _steps(ctx: Context, built: Any, peak: float | None) -> list[dict[str, Any]]
 
     devices.reset_peak_memory(ctx.info.kind)
     return loop.run(built.model, built.optimizer, scheduler, built.task, batches, settings,
-                    start_step=0, on_step=on_step)
+                    start_step=0, on_step=on_step), fixed
 
 
-def _step_figures(ctx: Context, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Losses, gradient norms, step times (median without the first), peak memory, MFU."""
+def _host_ops(ctx: Context, built: Any, collated: dict[str, Any]) -> dict[str, Any]:
+    """The operations one micro-step of this run dispatches (`pisft.inspect.host_ops`: aten
+    operators and compiled kernels; the count behind the host's share of a step), counted on
+    one more micro-step of the smoke batch after the steps, its gradients then dropped."""
+    from pisft.inspect.host_ops import DispatchedOps
+    from pisft.train.batches import split_rand
+    from pisft.train.step import micro_step
+
+    batch, rand = split_rand(dict(collated))
+    batch = built.task.prepare(batch)
+    rand = {k: v.to(ctx.info.device) for k, v in rand.items()}
+    counter = DispatchedOps()
+    with counter:
+        micro_step(built.model, built.task, batch, rand, 1)
+    built.optimizer.zero_grad(set_to_none=True)
+    summary = counter.summary()
+    kernels = "compiled kernels" if ctx.info.kind == "cpu" else "CPU-side compiled kernels (not counted off the CPU)"
+    return {"ops_per_micro_step": summary["total"], "aten_ops": summary["aten_ops"],
+            "compiled_kernels": summary["compiled_kernels"], "counted": f"aten operators and {kernels}",
+            "most_dispatched": summary["most_dispatched"]}
+
+
+def _step_figures(ctx: Context, records: list[dict[str, Any]], compiled: bool = False) -> dict[str, Any]:
+    """Losses, gradient norms, step times (median without the first), peak memory, MFU; the first
+    step's own time and, compiled, what it took beyond a later step (the compilation)."""
     losses = [r["loss"] for r in records]
     times = [r["step_time_s"] for r in records]
+    later = statistics.median(times[1:]) if len(times) > 1 else None
     figures: dict[str, Any] = {
+        "first_step_time_s": times[0] if times else None,
+        "compile_s": max(0.0, times[0] - later) if compiled and later is not None else 0.0,
         "losses": losses,
         "grad_norms": [r["grad_norm"] for r in records],
         "first_loss": losses[0] if losses else None,

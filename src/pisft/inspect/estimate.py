@@ -211,7 +211,7 @@ def _called_from_fsdp_collectives(depth: int = 12) -> bool:
 # The simulated step
 
 
-def _to_fake(policy, fake_mode) -> None:
+def to_fake(policy, fake_mode) -> None:
     """Replace every parameter and buffer (meta) by a fake CPU tensor; ties are kept."""
     params: dict[int, torch.nn.Parameter] = {}
     for module in policy.modules():
@@ -231,7 +231,7 @@ def _to_fake(policy, fake_mode) -> None:
 
 
 @contextlib.contextmanager
-def _fake_world(world_size: int) -> Iterator[Any]:
+def fake_world(world_size: int) -> Iterator[Any]:
     """A default process group of `world_size` fake ranks (this process is rank 0) and its mesh."""
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
@@ -270,8 +270,8 @@ def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batc
     params_total = sum(p.numel() for p in policy.parameters())
     params_bf16 = sum(p.numel() for p in policy.parameters() if p.dtype == torch.bfloat16)  # hold_frozen_in's
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    _to_fake(policy, fake)
-    with _fake_world(world_size) as mesh, fake:
+    to_fake(policy, fake)
+    with fake_world(world_size) as mesh, fake:
         step = _tracked_step(policy, mesh, micro_batch, precision, min_unit_params)
     tracker = step.pop("tracker")
     step_peak, live, phase = tracker.peak(held=step["opt_ids"])

@@ -68,16 +68,13 @@ def optimizer_state_tensors(optimizer) -> list:
 
 
 def training_step(policy, optimizer, task, batch: dict, rand: dict, grad_clip: float = 1.0) -> Any:
-    """One optimizer step of one micro-batch, as pisft.train.loop runs it (no accumulation)."""
+    """The training's optimizer step (pisft.train.step) on one micro-batch; its loss (on the device)."""
     import torch
 
-    loss = task.loss(policy, batch, rand)
-    loss.backward()
-    params = [p for p in policy.parameters() if p.requires_grad]
-    torch.nn.utils.clip_grad_norm_(params, grad_clip, error_if_nonfinite=False)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss
+    from pisft.train.step import StepSettings, repeat, train_step
+
+    settings = StepSettings(accum=1, grad_clip=grad_clip, kind="cpu", device=torch.device("cpu"))
+    return train_step(policy, optimizer, task, repeat(batch, rand), settings).loss_sum
 
 
 def measure(preset: str, micro_batch: int, checkpointing: bool, precision: str = "fp32",

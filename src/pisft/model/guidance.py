@@ -103,17 +103,20 @@ def doubled_batch(batch: dict, unconditioned_tasks: Sequence[str]) -> dict:
     return out
 
 
-def blend(scale: float) -> Callable:
+def blend(scale: float, n: int | None = None) -> Callable:
     """The `velocity_hook` hook: the doubled batch's step velocity -> the guided velocity, for
-    both halves."""
+    both halves. `n`: the requests (rows [0, n) conditioned, [n, 2n) plain); rows after 2n (a
+    compiled chunk pads the batch to its bucket, `pisft.policy.compiled`) keep their own velocity
+    and are dropped after. None: the batch is exactly the two halves."""
     w = float(scale)
 
     def hook(velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         def guided(x_t: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
             v = velocity(x_t, timestep)
-            v_cond, v_uncond = v.chunk(2)
+            half = v.shape[0] // 2 if n is None else n
+            v_cond, v_uncond, rest = v[:half], v[half:2 * half], v[2 * half:]
             v = (1.0 - w) * v_uncond + w * v_cond  # RLinf's cfgrl_guidance_scale rule
-            return torch.cat([v, v])
+            return torch.cat([v, v, rest])
         return guided
 
     return hook
@@ -121,11 +124,15 @@ def blend(scale: float) -> Callable:
 
 @torch.no_grad()
 def predict_normalized(policy, preprocessor, batch: dict, unconditioned_tasks: Sequence[str],
-                       noise: torch.Tensor, scale: float) -> torch.Tensor:
+                       noise: torch.Tensor, scale: float, **rtc: Any) -> torch.Tensor:
     """Guided, normalised action chunks (B, chunk, action_dim) of a raw batch whose `task` holds
-    the conditioned prompts; `noise` (B, chunk, max_action_dim) on the policy's device."""
+    the conditioned prompts; `noise` (B, chunk, max_action_dim) on the policy's device. `rtc`:
+    real-time chunking's `inference_delay` and `prev_chunk_left_over` (B, T, A), given to both
+    halves (`pisft.policy.rtc`)."""
     n = noise.shape[0]
     processed = preprocessor(doubled_batch(batch, unconditioned_tasks))
-    with internals.velocity_hook(policy, blend(scale)):
-        normalized = policy.predict_action_chunk(processed, noise=torch.cat([noise, noise]))
+    if rtc.get("prev_chunk_left_over") is not None:
+        rtc = {**rtc, "prev_chunk_left_over": torch.cat([rtc["prev_chunk_left_over"]] * 2)}
+    with internals.velocity_hook(policy, blend(scale, n)):
+        normalized = policy.predict_action_chunk(processed, noise=torch.cat([noise, noise]), **rtc)
     return normalized[:n]

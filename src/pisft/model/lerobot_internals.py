@@ -96,12 +96,59 @@ changes underneath. Nothing else in pisft patches or inspects LeRobot's private 
    stream (`_LAYER_STEPS` checks its source); tests/test_frozen_prefix.py checks the same loss
    and the same gradients of every trainable parameter as the joint forward (tiny preset, fp32).
    A prefix with any trainable parameter (`all`, `no_vision`, `lora`) keeps the joint path.
+9. The chunk's entry points for a compiled program (`install_sample_actions`, `rtc_pieces`;
+   pisft.policy.compiled). `PI05Policy.predict_action_chunk` calls
+   `self.model.sample_actions(images, img_masks, tokens, masks, **kwargs)`, an attribute looked up
+   on the instance: an instance attribute `sample_actions` (a compiled program of LeRobot's own
+   method, with the same signature) takes every chunk, plain, guided (6.) or with RTC. LeRobot's
+   own `PI05Config.compile_model` sets the same attribute (`self.sample_actions =
+   torch.compile(self.sample_actions, ...)` in `PI05Pytorch.__init__`). A chunk with RTC guidance
+   (`prev_chunk_left_over`) cannot be one graph: LeRobot's `RTCProcessor.denoise_step` calls
+   `Tensor.requires_grad_` and `torch.autograd.grad`, which torch.compile does not trace. Such a
+   chunk runs LeRobot's `sample_actions` eagerly with its three model calls compiled, each an
+   attribute it looks up on the instance: `self.embed_prefix(...)`, the VLM's prefix pass
+   (`PaliGemmaWithExpertModel.forward`'s prefix-only branch calls
+   `self.paligemma.model.language_model.forward(...)`) and `self.denoise_step(...)` (6.).
+   `RTCProcessor.denoise_step` takes the model's velocity `v_t` before it sets
+   `x_t.requires_grad_(True)`, so no gradient flows through the model: the step may run under
+   `torch.no_grad()` with the same values (`structure_problems` checks the order).
+10. bf16 where openpi runs bf16 (`openpi_bf16`). With `config.dtype = "bfloat16"` LeRobot's
+   `PaliGemmaWithExpertModel.to_bfloat16_for_selected_params` keeps in float32 every parameter
+   whose name holds `vision_tower`, `multi_modal_projector`, `input_layernorm`,
+   `post_attention_layernorm` or `model.norm` ("Keep full vision path in float32 so we never
+   toggle (toggle causes optimizer 'same dtype' error)": a training concern), and the action and
+   time projections (`action_in_proj`, `action_out_proj`, `time_mlp_in`, `time_mlp_out`) are
+   created after that call, in float32. openpi's own method of the same name
+   (Physical-Intelligence/openpi @ 15a9616, src/openpi/models_pytorch/gemma_pytorch.py), which its
+   inference calls on every PyTorch model it serves (src/openpi/policies/policy_config.py), keeps
+   only SigLIP's patch and position embeddings and the norms (`OPENPI_FP32`) in float32; its
+   `PI0Pytorch` creates the same four projections after the call, in float32
+   (src/openpi/models_pytorch/pi0_pytorch.py), and its JAX model computes them in float32 too
+   (src/openpi/models/pi0.py: float32 inputs). `openpi_bf16` casts the rest of the vision path
+   (SigLIP's encoder layers, its post-layernorm, the projector) to bf16. Its encoder then gets
+   float32 embeddings: openpi's SigLIP casts them to bf16 before its first layer
+   (transformers_replace/models/siglip/modeling_siglip.py, "Convert to bfloat16 if the encoder
+   uses bfloat16"); transformers' `SiglipVisionTransformer.forward` calls
+   `self.encoder(inputs_embeds=hidden_states, ...)`, so a forward pre-hook on the encoder does the
+   same cast. LeRobot's `embed_image` returns the features in the image's dtype (float32), as
+   before.
+11. The training forward, block by block (`joint_forward`, `frozen_prefix_forward`, `run_block`).
+    `PI05Pytorch.forward` (`_CORE_FORWARD_STEPS`) runs as pisft's own loop over the decoder: each
+    layer pair (`pair_layer`: `compute_layer_complete`'s steps, `_LAYER_STEPS`), or with a frozen
+    VLM each VLM layer (`prefix_layer`) and each expert layer (`suffix_layer`), is one call of
+    `run_block` on the block's first layer, where pisft.train.blocks installs the block's runner:
+    FSDP2's unit (a registered forward method), activation checkpointing and torch.compile work on
+    whole blocks. LeRobot's own loop (`PaliGemmaWithExpertModel.forward`) hands the layers' parts
+    to `compute_layer_complete`, so no module holds a block there. The last VLM layer's output
+    projection and MLP are not run (its output reaches only the VLM's final norm, which no loss
+    reads); the cameras go through SigLIP in one batch (`_embed_images`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import math
 import threading
@@ -395,12 +442,23 @@ def sinusoidal_time_embedding(time: torch.Tensor, dimension: int, min_period: fl
     return torch.cat([torch.sin(sin_input), torch.cos(sin_input)], dim=1)
 
 
+def _embed_images(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`embed_image` of every camera, the cameras in one batch through SigLIP and the projector
+    (each image's embedding is its own: nothing in the vision tower mixes the images of a
+    batch). One pass instead of one per camera: half the launches, and FSDP2 gathers and
+    reduces each vision unit once per step instead of once per camera."""
+    if len(images) < 2 or len({img.shape for img in images}) > 1:
+        return [self._apply_checkpoint(self.paligemma_with_expert.embed_image, img) for img in images]
+    embs = self._apply_checkpoint(self.paligemma_with_expert.embed_image, torch.cat(images, dim=0))
+    return list(embs.chunk(len(images), dim=0))
+
+
 def _embed_prefix(self, images, img_masks, tokens, masks):
-    """PI05Pytorch.embed_prefix; the attention mask row (all 0: every prefix token attends to
-    the whole prefix) is made on the device instead of copied from a Python list."""
+    """PI05Pytorch.embed_prefix; the cameras in one batch (`_embed_images`); the attention mask
+    row (all 0: every prefix token attends to the whole prefix) is made on the device instead of
+    copied from a Python list."""
     embs, pad_masks = [], []
-    for img, img_mask in zip(images, img_masks, strict=True):
-        img_emb = self._apply_checkpoint(self.paligemma_with_expert.embed_image, img)
+    for img_emb, img_mask in zip(_embed_images(self, images), img_masks, strict=True):
         bsize, num_img_embs = img_emb.shape[:2]
         embs.append(img_emb)
         pad_masks.append(img_mask[:, None].expand(bsize, num_img_embs))
@@ -458,16 +516,14 @@ def sync_free_forward(policy, *, frozen_prefix: bool | None = None) -> Iterator[
     policy.forward = _loss_forward.__get__(policy)
     core.embed_prefix = _embed_prefix.__get__(core)
     core.embed_suffix = _embed_suffix.__get__(core)
-    if use_frozen:
-        core.forward = frozen_prefix_forward.__get__(core)
+    core.forward = (frozen_prefix_forward if use_frozen else joint_forward).__get__(core)
     try:
         yield
     finally:
         del policy.forward
         del core.embed_prefix
         del core.embed_suffix
-        if use_frozen:
-            del core.forward
+        del core.forward
 
 
 @contextlib.contextmanager
@@ -489,6 +545,7 @@ def velocity_hook(policy, hook) -> Iterator[None]:
             return original(**{**kwargs, "x_t": x_t, "timestep": timestep})
         return hook(velocity)(kwargs["x_t"], kwargs["timestep"])
 
+    setattr(step, _VELOCITY_HOOK, True)  # 9.: a compiled RTC chunk leaves a hooked step as it is
     model.denoise_step = step
     try:
         yield
@@ -649,6 +706,7 @@ def structure_problems() -> list[str]:
                         "past_key_values, x_t, timestep): revisit velocity_hook")
     problems += _prefix_problems(m)
     problems += _frozen_prefix_problems(m)
+    problems += _chunk_problems(m) + _bf16_problems(m)
     if not hasattr(processor_pi05, "TokenizerProcessorStep"):
         problems.append("processor_pi05.TokenizerProcessorStep no longer exists")
     elif "TokenizerProcessorStep(" not in inspect.getsource(processor_pi05.make_pi05_pre_post_processors):
@@ -741,16 +799,19 @@ def _attend(layer, q, k, v, mask):
     return out.reshape(q.shape[0], -1, 1 * 8 * layer.self_attn.head_dim)
 
 
-def _prefix_layer(layer, hidden, mask, position_ids, rotary_emb):
-    """One VLM layer over the prefix alone: (its output, its post-rotary keys, its values)."""
+def prefix_layer(layer, hidden, mask, position_ids, rotary_emb, *, last: bool = False):
+    """One VLM layer over the prefix alone: (its output, its post-rotary keys, its values). The
+    last layer's output is None: no loss reads it, only its keys and values (11. below)."""
     m = _modeling()
     q, k, v, gate = _qkv(layer, hidden, None)
     cos, sin = _rotary(rotary_emb, q, position_ids)
     q, k = m.modeling_gemma.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    if last:
+        return None, k, v
     return _layer_out(layer, hidden, _attend(layer, q, k, v, mask), gate, None), k, v
 
 
-def _suffix_layer(hidden, prefix_k, prefix_v, mask, position_ids, cond, *, layer, rotary_emb):
+def suffix_layer(layer, hidden, prefix_k, prefix_v, mask, position_ids, cond, rotary_emb):
     """One action-expert layer over the suffix, attending to [prefix K/V, its own K/V]."""
     m = _modeling()
     q, k, v, gate = _qkv(layer, hidden, cond)
@@ -761,20 +822,81 @@ def _suffix_layer(hidden, prefix_k, prefix_v, mask, position_ids, cond, *, layer
     return _layer_out(layer, hidden, _attend(layer, q, k, v, mask), gate, cond)
 
 
-def frozen_prefix_forward(self, images, img_masks, tokens, masks, actions, noise, time):
-    """PI05Pytorch.forward for a frozen VLM (8. above): same inputs, same per-element losses."""
-    import torch.nn.functional as F
+def pair_layer(vlm_layer, expert_layer, prefix, suffix, mask, position_ids, cond, rotary_emb, *,
+               last: bool = False):
+    """`compute_layer_complete` for one (VLM layer, expert layer) pair, stream by stream (the same
+    steps, `_LAYER_STEPS`): both streams' queries, keys and values, one joint attention, each
+    stream's output projection, residuals and MLP. Returns (prefix out, suffix out). The last
+    pair's VLM stream stops after the attention (its output is None): its output projection and
+    MLP feed only the VLM's final norm, which no loss reads (11. below)."""
+    m = _modeling()
+    qp, kp, vp, gate_p = _qkv(vlm_layer, prefix, None)
+    qs, ks, vs, gate_s = _qkv(expert_layer, suffix, cond)
+    q, k, v = torch.cat([qp, qs], dim=2), torch.cat([kp, ks], dim=2), torch.cat([vp, vs], dim=2)
+    cos, sin = _rotary(rotary_emb, q, position_ids)
+    q, k = m.modeling_gemma.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    att = _attend(vlm_layer, q, k, v, mask)
+    n = prefix.shape[1]
+    suffix = _layer_out(expert_layer, suffix, att[:, n:], gate_s, cond)
+    if last:
+        return None, suffix
+    return _layer_out(vlm_layer, prefix, att[:, :n], gate_p, None), suffix
+
+
+# ------------------------------------------------------------------------------------------------
+# 11. The training forward, block by block. `PI05Pytorch.forward` is run as pisft's own loop over
+# the repeated blocks (`joint_forward`; `frozen_prefix_forward` for a frozen VLM): the same steps
+# (`_CORE_FORWARD_STEPS`), each decoder layer pair (or VLM layer, or expert layer) one call of
+# `run_block`. A block is then the unit of FSDP2 (its gather and reduce-scatter), of activation
+# checkpointing and of torch.compile (pisft.train.blocks installs a runner on the block's first
+# layer; torchtitan compiles and shards each TransformerBlock the same way). LeRobot's own loop
+# (`PaliGemmaWithExpertModel.forward`) calls `compute_layer_complete` on the layers' parts, never a
+# module holding the block, so neither FSDP2's hooks nor a compiled region could hold a whole block.
+# The last VLM layer's output projection and MLP are not run: their output reaches only the VLM's
+# final norm, which no loss reads (LeRobot computes them and autograd gives them no gradient).
+
+BLOCK_RUNNER = "pisft_block_runner"  # attribute of a block's first layer (pisft.train.blocks)
+
+
+def layers_checkpointed(core) -> bool:
+    """Whether the decoder layers recompute their forward in backward (`enable_layer_checkpointing`)."""
+    return bool(getattr(core.paligemma_with_expert.gemma_expert.model, "gradient_checkpointing", False))
+
+
+def run_block(anchor, fn, *args, checkpoint: bool = False, partner=None, **kwargs):
+    """`fn(*args, **kwargs)`, one block of the training forward whose first layer is `anchor`,
+    recomputed in backward when `checkpoint`: through the runner pisft.train.blocks installed on
+    `anchor` (FSDP2's forward method, torch.compile), or plainly without one. `partner`: a layer the
+    block also runs (a pair's expert layer); when it is a block of its own (a frozen VLM's layout,
+    pisft.train.fsdp, run through the joint forward) its runner wraps this one without compiling or
+    checkpointing anything, so that its FSDP2 unit is gathered too."""
+    outer = getattr(partner, BLOCK_RUNNER, None) if partner is not None else None
+    if outer is not None:
+        return outer(functools.partial(run_block, anchor, fn, checkpoint=checkpoint), *args, plain=True, **kwargs)
+    runner = getattr(anchor, BLOCK_RUNNER, None)
+    if runner is not None:
+        return runner(fn, *args, checkpoint=checkpoint, **kwargs)
+    return checkpointed(fn, *args, **kwargs) if checkpoint else fn(*args, **kwargs)
+
+
+def checkpointed(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` with its activations recomputed in backward: LeRobot's per-layer
+    checkpoint (`torch.utils.checkpoint`, non-reentrant, no RNG state: the layers draw none)."""
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+
+
+def _inputs(self, images, img_masks, tokens, masks, actions, noise, time, *, frozen: bool):
+    """PI05Pytorch.forward up to its decoder: the flow-matching target, both streams' embeddings
+    (the prefix without grad when `frozen`), the joint mask and positions."""
     from lerobot.policies.common.vla_utils import make_att_2d_masks, prepare_attention_masks_4d
 
     time_expanded = time[:, None, None]
     x_t = time_expanded * noise + (1 - time_expanded) * actions
     u_t = noise - actions
-    pwe = self.paligemma_with_expert
-    vlm = pwe.paligemma.model.language_model
-    expert = pwe.gemma_expert.model
-    with torch.no_grad():
+    with torch.no_grad() if frozen else contextlib.nullcontext():
         prefix_embs, prefix_pad_masks, prefix_att_masks = self.embed_prefix(images, img_masks, tokens, masks)
     suffix_embs, suffix_pad_masks, suffix_att_masks, adarms_cond = self.embed_suffix(x_t, time)
+    vlm = self.paligemma_with_expert.paligemma.model.language_model
     if vlm.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16:
         suffix_embs = suffix_embs.to(dtype=torch.bfloat16)
         prefix_embs = prefix_embs.to(dtype=torch.bfloat16)
@@ -782,30 +904,58 @@ def frozen_prefix_forward(self, images, img_masks, tokens, masks, actions, noise
     att_masks = torch.cat([prefix_att_masks, suffix_att_masks], dim=1)
     position_ids = torch.cumsum(pad_masks, dim=1) - 1
     mask_4d = prepare_attention_masks_4d(make_att_2d_masks(pad_masks, att_masks))
-    n = prefix_embs.shape[1]
-    kv = []
-    with torch.no_grad():
-        hidden = prefix_embs
-        for layer in vlm.layers:  # every part of every layer runs (FSDP2 reshards a unit after its last)
-            hidden, k, v = _prefix_layer(layer, hidden, mask_4d[:, :, :n, :n], position_ids[:, :n],
-                                         vlm.rotary_emb)
-            kv.append((k, v))
-        del hidden
-    checkpointing = bool(getattr(expert, "gradient_checkpointing", False)) and self.training
-    hidden = suffix_embs
-    suffix_mask, suffix_pos = mask_4d[:, :, n:, :], position_ids[:, n:]
-    for layer, (k, v) in zip(expert.layers, kv, strict=True):
-        if checkpointing:
-            hidden = torch.utils.checkpoint.checkpoint(
-                _suffix_layer, hidden, k, v, suffix_mask, suffix_pos, adarms_cond, use_reentrant=False,
-                preserve_rng_state=False, layer=layer, rotary_emb=vlm.rotary_emb)
-        else:
-            hidden = _suffix_layer(hidden, k, v, suffix_mask, suffix_pos, adarms_cond, layer=layer,
-                                   rotary_emb=vlm.rotary_emb)
+    return u_t, prefix_embs, suffix_embs, adarms_cond, mask_4d, position_ids
+
+
+def _loss(self, expert, hidden, adarms_cond, u_t):
+    """PI05Pytorch.forward after its decoder: the expert's final norm, the action projection, the loss."""
+    import torch.nn.functional as F
+
     suffix_out, _ = _modeling().layernorm_forward(expert.norm, hidden, adarms_cond)
     suffix_out = suffix_out[:, -self.config.chunk_size:].to(dtype=torch.float32)
     v_t = self.action_out_proj(suffix_out)
     return F.mse_loss(u_t, v_t, reduction="none")
+
+
+def joint_forward(self, images, img_masks, tokens, masks, actions, noise, time):
+    """PI05Pytorch.forward (a trainable VLM): same inputs, same per-element losses, each layer pair
+    one block (11. above)."""
+    pwe = self.paligemma_with_expert
+    vlm = pwe.paligemma.model.language_model
+    expert = pwe.gemma_expert.model
+    u_t, prefix, suffix, cond, mask_4d, position_ids = _inputs(self, images, img_masks, tokens, masks, actions,
+                                                               noise, time, frozen=False)
+    checkpointing = layers_checkpointed(self) and self.training
+    last = len(vlm.layers) - 1
+    for i, (vlm_layer, expert_layer) in enumerate(zip(vlm.layers, expert.layers, strict=True)):
+        prefix, suffix = run_block(vlm_layer, pair_layer, vlm_layer, expert_layer, prefix, suffix, mask_4d,
+                                   position_ids, cond, vlm.rotary_emb, last=i == last, checkpoint=checkpointing,
+                                   partner=expert_layer)
+    return _loss(self, expert, suffix, cond, u_t)
+
+
+def frozen_prefix_forward(self, images, img_masks, tokens, masks, actions, noise, time):
+    """PI05Pytorch.forward for a frozen VLM (8. above): same inputs, same per-element losses; each VLM
+    layer and each expert layer one block (11. above)."""
+    pwe = self.paligemma_with_expert
+    vlm = pwe.paligemma.model.language_model
+    expert = pwe.gemma_expert.model
+    u_t, hidden, suffix, cond, mask_4d, position_ids = _inputs(self, images, img_masks, tokens, masks, actions,
+                                                               noise, time, frozen=True)
+    n = hidden.shape[1]
+    kv = []
+    last = len(vlm.layers) - 1
+    with torch.no_grad():
+        for i, layer in enumerate(vlm.layers):
+            hidden, k, v = run_block(layer, prefix_layer, layer, hidden, mask_4d[:, :, :n, :n],
+                                     position_ids[:, :n], vlm.rotary_emb, last=i == last)
+            kv.append((k, v))
+    checkpointing = layers_checkpointed(self) and self.training
+    suffix_mask, suffix_pos = mask_4d[:, :, n:, :], position_ids[:, n:]
+    for layer, (k, v) in zip(expert.layers, kv, strict=True):
+        suffix = run_block(layer, suffix_layer, layer, suffix, k, v, suffix_mask, suffix_pos, cond, vlm.rotary_emb,
+                           checkpoint=checkpointing)
+    return _loss(self, expert, suffix, cond, u_t)
 
 
 def _frozen_prefix_problems(m) -> list[str]:
@@ -819,4 +969,181 @@ def _frozen_prefix_problems(m) -> list[str]:
         if needle not in fwd:
             problems.append(f"PaliGemmaWithExpertModel.forward no longer uses {needle}: revisit "
                             "frozen_prefix_forward")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------
+# 9. The chunk's entry points for a compiled program (pisft.policy.compiled).
+
+# What LeRobot's pi0.5 must still do for an instance attribute to take its chunks (9. above).
+_CHUNK_CALL = "self.model.sample_actions(images, img_masks, tokens, masks, **kwargs)"
+_SAMPLE_CALLS = ("self.embed_prefix(images, img_masks, tokens, masks)", "inputs_embeds=[prefix_embs, None]",
+                 "self.denoise_step(", "rtc_processor=self.rtc_processor",
+                 'prev_chunk_left_over=kwargs.get("prev_chunk_left_over")')
+_PREFIX_CALL = "self.paligemma.model.language_model.forward("
+_RTC_ORDER = ("v_t = original_denoise_step_partial(x_t)", "x_t.requires_grad_(True)")
+_VELOCITY_HOOK = "_pisft_velocity_hook"  # marks the step velocity_hook installs (6.)
+
+
+def install_sample_actions(policy, fn) -> None:
+    """Every `policy.predict_action_chunk` runs `fn(images, img_masks, tokens, masks, noise=,
+    num_steps=, **rtc)` in place of LeRobot's `PI05Pytorch.sample_actions` (9. above)."""
+    policy.model.sample_actions = fn
+
+
+def remove_sample_actions(policy) -> None:
+    vars(policy.model).pop("sample_actions", None)
+
+
+def lerobot_sample_actions(policy):
+    """LeRobot's own `sample_actions`, bound to the policy's model (whatever is installed)."""
+    core = policy.model
+    return type(core).sample_actions.__get__(core)
+
+
+def _prefix_vlm(policy):
+    return policy.model.paligemma_with_expert.paligemma.model.language_model
+
+
+def rtc_pieces(policy) -> dict[str, Any]:
+    """LeRobot's three model calls of a chunk, bound (9. above): `embed_prefix`, the VLM's
+    `forward` (the prefix pass) and `denoise_step`."""
+    core, vlm = policy.model, _prefix_vlm(policy)
+    return {"embed_prefix": type(core).embed_prefix.__get__(core),
+            "prefix_forward": type(vlm).forward.__get__(vlm),
+            "denoise_step": type(core).denoise_step.__get__(core)}
+
+
+def velocity_hooked(policy) -> bool:
+    """Whether `velocity_hook` (6.) holds the policy's denoising step now."""
+    step = vars(policy.model).get("denoise_step")
+    return step is not None and getattr(step, _VELOCITY_HOOK, False)
+
+
+@contextlib.contextmanager
+def pieces_installed(policy, pieces: dict[str, Any]) -> Iterator[bool]:
+    """Within the block LeRobot's `sample_actions` calls `pieces` (compiled `rtc_pieces`) for its
+    prefix and its denoising steps; yields whether the steps are the given ones (not while
+    `velocity_hook` holds them: a guided chunk's steps then run LeRobot's own)."""
+    core, vlm = policy.model, _prefix_vlm(policy)
+    hooked = velocity_hooked(policy)
+    core.embed_prefix = pieces["embed_prefix"]
+    vlm.forward = pieces["prefix_forward"]
+    if not hooked:
+        core.denoise_step = pieces["denoise_step"]
+    try:
+        yield not hooked
+    finally:
+        del core.embed_prefix
+        del vlm.forward
+        if not hooked:
+            del core.denoise_step
+
+
+def _chunk_problems(m) -> list[str]:
+    """The assumptions of 9. above."""
+    from lerobot.policies.rtc import modeling_rtc
+
+    problems = []
+    if _CHUNK_CALL not in inspect.getsource(m.PI05Policy.predict_action_chunk):
+        problems.append(f"PI05Policy.predict_action_chunk no longer calls {_CHUNK_CALL!r}: revisit "
+                        "install_sample_actions")
+    sample = inspect.getsource(m.PI05Pytorch.sample_actions)
+    problems += [f"PI05Pytorch.sample_actions no longer contains {s!r}: revisit rtc_pieces"
+                 for s in _SAMPLE_CALLS if s not in sample]
+    params = list(inspect.signature(m.PI05Pytorch.sample_actions).parameters)
+    if params != ["self", "images", "img_masks", "tokens", "masks", "noise", "num_steps", "kwargs"]:
+        problems.append(f"PI05Pytorch.sample_actions takes {params[1:]}: revisit pisft.policy.compiled")
+    if "self.sample_actions = torch.compile(self.sample_actions" not in inspect.getsource(m.PI05Pytorch.__init__):
+        problems.append("PI05Pytorch.__init__ no longer compiles sample_actions as an instance attribute: "
+                        "revisit install_sample_actions")
+    forward = inspect.getsource(m.PaliGemmaWithExpertModel.forward)
+    branch = forward.split("if inputs_embeds[1] is None:", 1)[-1].split("elif", 1)[0]
+    if _PREFIX_CALL not in branch:
+        problems.append(f"PaliGemmaWithExpertModel.forward's prefix-only branch no longer calls {_PREFIX_CALL!r}: "
+                        "revisit pieces_installed")
+    rtc = inspect.getsource(modeling_rtc.RTCProcessor.denoise_step)
+    if not all(s in rtc for s in _RTC_ORDER) or rtc.index(_RTC_ORDER[0]) > rtc.index(_RTC_ORDER[1]):
+        problems.append("RTCProcessor.denoise_step no longer takes the model's velocity before x_t requires "
+                        "grad: the compiled RTC chunk's no_grad step would drop a gradient; revisit pieces_installed")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------
+# 10. bf16 where openpi runs bf16.
+
+# openpi's `to_bfloat16_for_selected_params` keeps these (name substrings, relative to
+# PaliGemmaWithExpertModel) in float32: Physical-Intelligence/openpi @ 15a9616,
+# src/openpi/models_pytorch/gemma_pytorch.py.
+OPENPI_FP32 = ("vision_tower.vision_model.embeddings.patch_embedding.weight",
+               "vision_tower.vision_model.embeddings.patch_embedding.bias",
+               "vision_tower.vision_model.embeddings.position_embedding.weight",
+               "input_layernorm", "post_attention_layernorm", "model.norm")
+# What LeRobot 0.6.1 keeps besides (its params_to_keep_float32), checked by structure_problems.
+LEROBOT_FP32 = ("vision_tower", "multi_modal_projector", "input_layernorm", "post_attention_layernorm",
+                "model.norm")
+_BF16_HOOK = "_pisft_bf16_encoder_hook"
+
+
+def _vision(policy):
+    return policy.model.paligemma_with_expert.paligemma.model.vision_tower.vision_model
+
+
+def _cast_embeddings(encoder, args, kwargs):
+    """SigLIP's encoder gets its embeddings in its layers' dtype (openpi's cast, 10. above)."""
+    dtype = encoder.layers[0].self_attn.q_proj.weight.dtype
+    embeds = kwargs.get("inputs_embeds")
+    if embeds is not None and embeds.dtype != dtype:
+        kwargs = {**kwargs, "inputs_embeds": embeds.to(dtype)}
+    return args, kwargs
+
+
+def openpi_bf16(policy) -> int:
+    """Cast a bf16 policy's float32 parameters to bf16 except openpi's (`OPENPI_FP32`) and the
+    action/time projections (10. above); returns how many parameters were cast. A policy built in
+    float32 is refused: its float32 layout is LeRobot's `precision="float32"`, not a bf16 one."""
+    pwe = policy.model.paligemma_with_expert
+    q = pwe.paligemma.model.language_model.layers[0].self_attn.q_proj.weight
+    if q.dtype != torch.bfloat16:
+        raise ValueError("openpi_bf16: the policy was not built in bf16 (config.dtype = 'bfloat16')")
+    cast = 0
+    for name, p in pwe.named_parameters():
+        if p.dtype == torch.float32 and not any(sel in name for sel in OPENPI_FP32):
+            p.data = p.data.to(torch.bfloat16)
+            cast += p.numel()
+    encoder = _vision(policy).encoder
+    if not getattr(encoder, _BF16_HOOK, False):
+        encoder.register_forward_pre_hook(_cast_embeddings, with_kwargs=True)
+        setattr(encoder, _BF16_HOOK, True)
+    return cast
+
+
+def float32_parts(policy) -> dict[str, int]:
+    """Float32 parameters per part of the policy (`model.<part>`, the VLM's vision tower, projector,
+    language model and the expert apart), for the records of what runs in float32."""
+    out: dict[str, int] = {}
+    for name, p in policy.named_parameters():
+        if p.dtype != torch.float32:
+            continue
+        parts = name.split(".")
+        key = ".".join(parts[1:5] if parts[1] == "paligemma_with_expert" and parts[2] == "paligemma"
+                       else parts[1:3] if parts[1] == "paligemma_with_expert" else parts[1:2])
+        out[key] = out.get(key, 0) + p.numel()
+    return out
+
+
+def _bf16_problems(m) -> list[str]:
+    """The assumptions of 10. above."""
+    from transformers.models.siglip import modeling_siglip
+
+    problems = []
+    src = inspect.getsource(m.PaliGemmaWithExpertModel.to_bfloat16_for_selected_params)
+    problems += [f"to_bfloat16_for_selected_params no longer keeps {s!r} in float32: revisit openpi_bf16"
+                 for s in LEROBOT_FP32 if f'"{s}"' not in src]
+    vit = inspect.getsource(modeling_siglip.SiglipVisionTransformer.forward)
+    if "self.encoder(" not in vit or "inputs_embeds=hidden_states" not in vit:
+        problems.append("SiglipVisionTransformer.forward no longer calls self.encoder(inputs_embeds=...): "
+                        "revisit openpi_bf16's cast")
+    if "features.to(out_dtype)" not in inspect.getsource(m.PaliGemmaWithExpertModel.embed_image):
+        problems.append("PaliGemmaWithExpertModel.embed_image no longer returns the image's dtype: revisit openpi_bf16")
     return problems

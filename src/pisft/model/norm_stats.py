@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from pisft.errors import ModelLoadError
+from pisft.io import follow_umask
 from pisft.model.weights import read_json
 
 STATS_FILE = "normalization_stats.safetensors"
@@ -57,6 +58,7 @@ def save_stats(stats: Stats, path: str | Path) -> None:
                 continue  # non-numeric entries (none in LeRobot stats) are not normalisation stats
             tensors[f"{feature}/{name}"] = np.ascontiguousarray(arr, dtype=np.float32)
     save_file(tensors, str(path), metadata={"format": "pisft-normalization-stats"})
+    follow_umask(path)  # safetensors writes 0600: the next user's serve could not read the model
 
 
 def load_stats(path: str | Path) -> Stats:

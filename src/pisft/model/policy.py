@@ -29,6 +29,7 @@ from pisft.model import lerobot_internals as internals
 from pisft.model import weights as weights_mod
 from pisft.model.presets import get_preset
 from pisft.model.sources import WEIGHTS_FILE
+from pisft import records
 from pisft.integrity import verify_read
 from pisft.model.norm_stats import STATS_FILE, Stats, check_stats, load_stats, save_stats
 from pisft.model.tokenizer import load_tokenizer
@@ -233,13 +234,26 @@ def read_config(path: str | Path, *, tolerate_unknown: bool = False):
     return config, unknown
 
 
+# pisft_model.json's fields and their types (`_attach_info` and the exports write them).
+MODEL_INFO_FIELDS = {"format_version": int, "preset": str, "arch": (None, dict), STATE_IN_PROMPT_KEY: bool,
+                     "augment": dict, "trainable": dict, "weights": dict}
+
+
+def _model_writer(model_dir: str | Path) -> str:
+    from pisft.integrity import writer_of
+
+    found = writer_of(Path(model_dir).absolute())
+    return f"{found[0]} ({found[1]})" if found else "the stage that wrote this model (fetch_base, train_8card)"
+
+
 def read_model_info(model_dir: str | Path) -> dict[str, Any]:
     """pisft_model.json, or the implied info of a plain LeRobot directory (LeRobot's sizes)."""
     path = Path(model_dir) / MODEL_INFO_FILE
     if not path.is_file():
         return implied_model_info()
+    info = records.read(path, MODEL_INFO_FIELDS, writer=_model_writer(model_dir),
+                        required=("format_version", "preset"))
     try:
-        info = json.loads(path.read_text())
         if info.get("arch") is not None:
             internals.Arch.from_dict(info["arch"]).validate()
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:

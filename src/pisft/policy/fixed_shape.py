@@ -85,16 +85,25 @@ class FixedShape:
                   f"row per forward: the same results whatever the timing, more forwards)", flush=True)
 
     def predict_many(self, prepared: list, noises: list) -> list[dict]:
-        """One reply per request, computed in forwards of `rows_in_use` rows each."""
+        """One reply per request, computed in forwards of `rows_in_use` rows each. Requests the
+        policy computes in separate forwards (`forward_group`: real-time chunking's groups, each
+        its own forward) fill their own forwards, so every forward still has `rows` rows."""
         if len(prepared) != len(noises) or not prepared:
             raise ValueError(f"predict_many: {len(prepared)} requests and {len(noises)} noise generators")
         if self.places_agree is None:
             self._check_places(prepared[0])
         rows = self.rows_in_use
-        out: list[dict] = []
-        for start in range(0, len(prepared), rows):
-            out.extend(self._forward(prepared[start:start + rows], noises[start:start + rows]))
-        return out
+        group_of = getattr(self.inner, "forward_group", lambda _batch: None)
+        groups: dict = {}
+        for i, request in enumerate(prepared):
+            groups.setdefault(group_of(request), []).append(i)
+        replies: dict[int, dict] = {}
+        for members in groups.values():
+            for start in range(0, len(members), rows):
+                part = members[start:start + rows]
+                replies.update(zip(part, self._forward([prepared[i] for i in part], [noises[i] for i in part]),
+                                   strict=True))
+        return [replies[i] for i in range(len(prepared))]
 
     def infer_batch(self, requests: list[dict], seeds: list[int]) -> list[dict]:
         """`predict_many` of raw requests, each from its own seed (the closed loop's stand-in form)."""

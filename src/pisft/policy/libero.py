@@ -21,12 +21,24 @@ advantage-conditioned model as RLinf does (`pisft.model.guidance`): every denois
 the velocity under the prompt above (v_cond) with the velocity under the plain task (v_uncond),
 (1 - w) v_uncond + w v_cond. w = 1, and any scale for a model trained on plain prompts, is the
 prompt above alone; `metadata["guidance"]` records which (`cfg_scale`: the scale in effect).
+
+Real-time chunking (`rtc`, `pisft.policy.rtc`): a request may carry the raw actions of its
+previous chunk not yet executed when its observation was taken (`RTC_PREV_KEY`) and the control
+steps the robot executes of them before the answer arrives (`RTC_DELAY_KEY`); the chunk is then
+inpainted to agree with them (LeRobot's RTC). The closed loop's chunking (`pisft.rollout.chunking`)
+sets both; `serve` sets the first from the chunk it answered the connection last. A request
+without them gets a plain chunk.
+
+Every reply carries `policy_timing` (`infer_ms`: the model's time for the forward it was in), as
+openpi's `Policy.infer` does (src/openpi/policies/policy.py).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import time
 
 import numpy as np
 import torch
@@ -37,6 +49,7 @@ from pisft.data.libero import strip_advantage
 from pisft.policy.predictor import ChunkPredictor, noise_generator
 from pisft.model import guidance
 from pisft.policy import observations
+from pisft.policy import rtc as rtc_mod
 
 
 def prompt_budget(preprocessor: Any) -> int | None:
@@ -59,6 +72,11 @@ def prompt_budget(preprocessor: Any) -> int | None:
 
 # The prepared request's plain-task prompts (the unconditioned branch), only when guidance applies.
 UNCONDITIONED_KEY = "pisft.unconditioned_task"
+# Real-time chunking: a request's raw leftover of its previous chunk (T, action_dim) and the delay in
+# control steps (module docstring); the prepared request holds both under RTC_KEY.
+RTC_PREV_KEY = "rtc/prev_actions"
+RTC_DELAY_KEY = "rtc/delay_steps"
+RTC_KEY = "pisft.rtc"
 
 
 def cut_prompt(text: str, budget: int | None) -> str:
@@ -74,8 +92,11 @@ def cut_prompt(text: str, budget: int | None) -> str:
 class LiberoPolicy:
     def __init__(self, predictor: ChunkPredictor, *, seed: int = 0,
                  conditioning: prompts.PromptConditioning | None = None,
-                 limits: observations.Limits | None = None, cfg_scale: float = 1.0) -> None:
+                 limits: observations.Limits | None = None, cfg_scale: float = 1.0,
+                 rtc: rtc_mod.RtcSettings | None = None) -> None:
         self.predictor = predictor
+        if rtc is not None:
+            predictor.enable_rtc(rtc)
         self.seed = seed
         self.limits = limits if limits is not None else observations.Limits()
         self.conditioning = conditioning if conditioning is not None else prompts.for_model(predictor.model_dir)
@@ -102,6 +123,7 @@ class LiberoPolicy:
             "cfg_scale": self.cfg_scale,
             "guidance": self.guidance,
             "limits": {**self.limits.to_dict(), "min_image_side": observations.MIN_IMAGE_SIDE},
+            "inference": predictor.describe(),
         }
 
     @classmethod
@@ -109,18 +131,21 @@ class LiberoPolicy:
                        dataset_dir: str | Path | None = None, seed: int = 0,
                        trained_on: str | Path | None = None,
                        limits: observations.Limits | None = None,
-                       cfg_scale: float = 1.0) -> LiberoPolicy:
+                       cfg_scale: float = 1.0, precision: str = "auto", compiled: bool | None = False,
+                       rtc: rtc_mod.RtcSettings | None = None, note=print) -> LiberoPolicy:
         """`trained_on`: the converted dataset the model was fine-tuned on, whose prompt
         conditioning applies when the model directory records none. `cfg_scale`: the
         classifier-free guidance scale (module docstring). `device_index`: which device of
-        `device`'s kind (closed_loop's replicas, one per device)."""
+        `device`'s kind (closed_loop's replicas, one per device). `precision`, `compiled`:
+        `eval.precision`, `eval.compile` (`ChunkPredictor.load`); `rtc`: real-time chunking on."""
         requested = guidance.check_scale(cfg_scale, "cfg_scale")  # before the model loads
         stats = _dataset_stats(Path(dataset_dir)) if dataset_dir is not None else None
         kind = device_mod.resolve_kind(device)
         dev = str(device_mod.local_device(kind, device_index)) if kind != "cpu" else "cpu"
-        return cls(ChunkPredictor.load(model_dir, device=dev, dataset_stats=stats), seed=seed,
-                   conditioning=prompts.for_model(model_dir, trained_on=trained_on), limits=limits,
-                   cfg_scale=requested)
+        predictor = ChunkPredictor.load(model_dir, device=dev, dataset_stats=stats, precision=precision,
+                                        compiled=compiled, note=note)
+        return cls(predictor, seed=seed, conditioning=prompts.for_model(model_dir, trained_on=trained_on),
+                   limits=limits, cfg_scale=requested, rtc=rtc)
 
     def new_noise(self, seed: int | None = None) -> torch.Generator:
         """A noise generator starting an episode from `seed` (default: the policy's seed)."""
@@ -140,7 +165,39 @@ class LiberoPolicy:
                          for t in sent]
         if self.cfg_scale != 1.0:
             batch[UNCONDITIONED_KEY] = [cut_prompt(strip_advantage(t), self.prompt_budget) for t in sent]
+        leftover = self._rtc_request(obs)
+        if leftover is not None:
+            batch[RTC_KEY] = leftover
         return batch
+
+    def _rtc_request(self, obs: Any) -> tuple[torch.Tensor, int] | None:
+        """(the raw leftover (T, action_dim), the delay) a request carries, checked; None: none."""
+        if not isinstance(obs, dict) or (RTC_PREV_KEY not in obs and RTC_DELAY_KEY not in obs):
+            return None
+        p = self.predictor
+        if p.rtc is None:
+            raise observations.ObservationError(
+                f"'{RTC_PREV_KEY}'/'{RTC_DELAY_KEY}': real-time chunking is off for this model (serve "
+                f"--rtc, eval.rtc.enabled)")
+        if RTC_PREV_KEY not in obs or RTC_DELAY_KEY not in obs:
+            raise observations.ObservationError(f"real-time chunking needs both '{RTC_PREV_KEY}' and "
+                                                f"'{RTC_DELAY_KEY}', got one")
+        delay = obs[RTC_DELAY_KEY]
+        if isinstance(delay, bool) or not hasattr(delay, "__index__") or not 0 <= int(delay) <= p.chunk_size:
+            raise observations.ObservationError(f"'{RTC_DELAY_KEY}' must be a whole number of control steps in "
+                                                f"0..{p.chunk_size}, got {delay!r}")
+        prev = np.asarray(obs[RTC_PREV_KEY])
+        if (prev.ndim != 2 or not 1 <= prev.shape[0] <= p.chunk_size or prev.shape[1] != p.action_dim
+                or not np.issubdtype(prev.dtype, np.number) or not np.isfinite(prev).all()):
+            raise observations.ObservationError(
+                f"'{RTC_PREV_KEY}' must be finite numbers of shape (1..{p.chunk_size}, {p.action_dim}), got "
+                f"shape {prev.shape}, dtype {prev.dtype}")
+        return torch.as_tensor(prev, dtype=torch.float32), int(delay)
+
+    def forward_group(self, batch: dict) -> Any:
+        """Which prepared requests one forward can hold: those of one real-time chunking group
+        (`rtc.group_key`: the delay and the leftover's length; None, a plain chunk)."""
+        return rtc_mod.group_key(*(batch.get(RTC_KEY) or (None, 0)))
 
     def predict(self, batch: dict, noise: torch.Generator) -> dict:
         """The action chunk of a prepared request, drawing its noise from `noise`."""
@@ -156,13 +213,24 @@ class LiberoPolicy:
         if len(batches) != len(noises) or not batches:
             raise ValueError(f"predict_many: {len(batches)} requests and {len(noises)} noise generators")
         p = self.predictor
-        merged = _concat([dict(b) for b in batches])
-        plain = merged.pop(UNCONDITIONED_KEY, None)
-        guided = {} if plain is None else {"cfg_scale": self.cfg_scale, "unconditioned_tasks": plain}
-        draw = torch.cat([torch.randn((len(b["task"]), p.chunk_size, p.max_action_dim), generator=g)
-                          for b, g in zip(batches, noises, strict=True)])
-        actions = p.predict(merged, draw, **guided).numpy().astype(np.float32)
-        return [{"actions": a} for a in actions]
+        start = time.perf_counter()
+        # each request's noise from its own generator, in request order, whatever the grouping
+        draws = [torch.randn((len(b["task"]), p.chunk_size, p.max_action_dim), generator=g)
+                 for b, g in zip(batches, noises, strict=True)]
+        groups: dict = {}
+        for i, b in enumerate(batches):  # rows of one forward share the RTC delay (pisft.policy.rtc)
+            groups.setdefault(self.forward_group(b), []).append(i)
+        actions: dict[int, np.ndarray] = {}
+        for key, rows in groups.items():
+            merged = _concat([{k: v for k, v in batches[i].items() if k != RTC_KEY} for i in rows])
+            plain = merged.pop(UNCONDITIONED_KEY, None)
+            kwargs: dict = {} if plain is None else {"cfg_scale": self.cfg_scale, "unconditioned_tasks": plain}
+            if key is not None:
+                kwargs.update(prev_actions=torch.stack([batches[i][RTC_KEY][0] for i in rows]), delay=key[0])
+            out = p.predict(merged, torch.cat([draws[i] for i in rows]), **kwargs).numpy().astype(np.float32)
+            actions.update(zip(rows, out, strict=True))
+        timing = {"infer_ms": 1000.0 * (time.perf_counter() - start)}
+        return [{"actions": actions[i], "policy_timing": dict(timing)} for i in range(len(batches))]
 
     def infer(self, obs: dict) -> dict:
         return self.predict(self.prepare(obs), self._generator)

@@ -66,9 +66,14 @@ class PoolStats:
     forward_s: float = 0.0  # summed over replicas
     max_batch_seen: int = 0
     per_replica_requests: list[int] = field(default_factory=list)
+    forward_times_s: list[float] = field(default_factory=list)  # each forward's, for its percentiles
 
     def to_dict(self) -> dict:
+        times = np.asarray(self.forward_times_s) * 1000.0
         return {
+            # the policy's time per forward (a chunk, or a batch of chunks), as openpi's policy_timing
+            "policy_forward_ms_p50": float(np.percentile(times, 50)) if len(times) else None,
+            "policy_forward_ms_p99": float(np.percentile(times, 99)) if len(times) else None,
             "policy_forwards": self.forwards,
             "policy_requests": self.requests,
             "mean_policy_batch": self.requests / self.forwards if self.forwards else None,
@@ -171,6 +176,7 @@ class PolicyPool:
                 self.stats.forwards += 1
                 self.stats.requests += len(job)
                 self.stats.forward_s += elapsed
+                self.stats.forward_times_s.append(elapsed)
                 self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(job))
                 self.stats.per_replica_requests[i] += len(job)
             share = elapsed / len(job)
@@ -242,13 +248,14 @@ def policy_devices(cfg: config_mod.PisftConfig) -> list[str]:
 
 @contextlib.contextmanager
 def open_policy_pool(cfg: config_mod.PisftConfig, given: Any, *, model_dir: Path, trained_on: Path,
-                     seed: int, rows: int, wait_ms: float, stage: str) -> Iterator[PolicyPool]:
+                     seed: int, rows: int, wait_ms: float, stage: str, rtc: bool = False) -> Iterator[PolicyPool]:
     """The stage's policy, closed on exit: `given` (tests, a caller's own) as one replica, else the
     model in `model_dir` as `LiberoPolicy` replicas (the code `serve` runs), one per device of
-    `policy_devices`, with `eval.cfg_scale` and `policy_threads` CPU threads. Every forward of a
-    policy in the protocol (a model) has `rows` rows (`fixed_shape.FixedShape`: results do not
-    depend on which requests share a forward); a stand-in given by a test is used as it is. Says
-    once, before the rollouts, which classifier-free guidance is in effect (`LiberoPolicy.guidance`)."""
+    `policy_devices`, with `eval.cfg_scale`, `eval.precision`, `eval.compile`, real-time chunking
+    when `rtc` (`eval.rtc`) and `policy_threads` CPU threads. Every forward of a policy in the
+    protocol (a model) has `rows` rows (`fixed_shape.FixedShape`: results do not depend on which
+    requests share a forward); a stand-in given by a test is used as it is. Says once, before the
+    rollouts, which classifier-free guidance is in effect (`LiberoPolicy.guidance`)."""
     def fixed(policy: Any) -> Any:
         return FixedShape(policy, rows, name=stage) if isinstance(policy, Policy) else policy
 
@@ -259,13 +266,18 @@ def open_policy_pool(cfg: config_mod.PisftConfig, given: Any, *, model_dir: Path
 
         from pisft.model.guidance import check_scale
         from pisft.policy.libero import LiberoPolicy
+        from pisft.policy.rtc import RtcSettings
 
         torch.set_num_threads(policy_threads())
         scale = check_scale(cfg.eval.cfg_scale, "eval.cfg_scale")
         devices = policy_devices(cfg)
         kind = device_mod.resolve_kind(cfg.device)
+        settings = RtcSettings.from_config(cfg.eval.rtc) if rtc else None
         replicas = [fixed(LiberoPolicy.from_model_dir(model_dir, device=kind, device_index=i, seed=seed,
-                                                      trained_on=trained_on, cfg_scale=scale))
+                                                      trained_on=trained_on, cfg_scale=scale,
+                                                      precision=cfg.eval.precision, compiled=cfg.eval.compile,
+                                                      rtc=settings,
+                                                      note=lambda line: print(f"{stage}: {line}", flush=True)))
                     for i in range(len(devices))]
         if len(devices) > 1:
             print(f"{stage}: {len(devices)} policy replicas, one per device ({', '.join(devices)})", flush=True)
@@ -304,4 +316,22 @@ def policy_record(pool: PolicyPool) -> dict:
     if guided is not None:
         out["cfg_scale"] = guided["cfg_scale"]
         out["guidance"] = guided
+    predictor = getattr(pool.replicas[0], "predictor", None)
+    if predictor is not None:  # precision, the compiled chunk, RTC (its compile times: `inference_timing`)
+        described = predictor.describe()
+        described["compile"] = {k: v for k, v in described["compile"].items() if k not in COMPILE_TIMING}
+        out["inference"] = described
     return out
+
+
+# What the compiled chunk records of how long it took: the timing record's (`inference_timing`), not the output's.
+COMPILE_TIMING = ("first_call_s",)
+
+
+def inference_timing(pool: PolicyPool) -> dict:
+    """The compiled chunk's compile times, per replica's model (the timing record; they vary run to run)."""
+    predictor = getattr(pool.replicas[0], "predictor", None)
+    if predictor is None:
+        return {}
+    compile_record = predictor.describe()["compile"]
+    return {"compile": {k: compile_record[k] for k in COMPILE_TIMING if k in compile_record}}

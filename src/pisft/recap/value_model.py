@@ -42,7 +42,7 @@ loads from its own file alone.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -183,12 +183,15 @@ class ValueModelConfig:
         if not path.is_file():
             raise ModelLoadError(f"{path}: not found; {path.parent} is not a value model directory "
                                  "(run the train_value stage)")
-        try:
-            raw = json.loads(path.read_text())
-            known = {f.name for f in fields(cls)}
-            config = cls(**{k: v for k, v in raw.items() if k in known})
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise ModelLoadError(f"{path}: unreadable ({exc}); run the train_value stage again") from None
+        from pisft import records
+        from pisft.integrity import writer_of
+
+        found = writer_of(path.parent.absolute())
+        writer = f"{found[0]} ({found[1]})" if found else "train_value"
+        raw = records.read(path, records.fields_of(cls), writer=writer,
+                           required=tuple(f.name for f in fields(cls) if f.default is MISSING))
+        known = {f.name for f in fields(cls)}
+        config = cls(**{k: v for k, v in raw.items() if k in known})
         if config.format_version not in READABLE_VERSIONS:
             raise ModelLoadError(f"{path}: format_version {config.format_version} is not one this pisft reads "
                                  f"({', '.join(map(str, READABLE_VERSIONS))}); run the train_value stage again "

@@ -36,9 +36,10 @@ from pisft.errors import PisftError
 from pisft.policy.fixed_shape import FixedShape
 from pisft.policy.interface import Policy
 from pisft.policy.replicas import Answer as PolicyAnswer
-from pisft.policy.replicas import PolicyPool
+from pisft.policy.replicas import PolicyPool, inference_timing
 from pisft.policy.replicas import Request as PolicyRequest
 from pisft.rollout import libero_sim
+from pisft.rollout.chunking import ChunkSchedule
 from pisft.rollout.plan import chunk_seed, episode_seed, video_name
 from pisft.rollout.settings import Settings
 from pisft.rollout.workers import EpisodeOutcome, EpisodeSpec, InlineWorker, ProcessWorker, WorkerDied
@@ -69,6 +70,8 @@ class EpisodeResult:
     # errors of earlier attempts of this episode (each ended in an error and was run again on a
     # fresh worker); this result is of the attempt that ran to its end
     retried_errors: list[str] = field(default_factory=list)
+    # |Δ²a| sums at chunk boundaries and elsewhere (pisft.rollout.chunking.jerk_sums)
+    chunking: dict | None = None
 
     # How the run went, not what the episode gave: the times, and the attempts before this one.
     RUN_ONLY = ("wall_time_s", "sim_step_time_s", "env_create_s", "reset_s", "policy_ms", "retried_errors")
@@ -201,12 +204,15 @@ class Scheduler:
         self.asked: set[int] = set()  # workers whose request is in a forward
         # worker index -> (what it was sent, "chunk" or "start", and when): simulating since then
         self.sent: dict[int, tuple[str, float]] = {}
+        # the chunks of each episode under eval.rtc's delay, with or without RTC
+        self.chunking = ChunkSchedule(settings.replan_steps, settings.delay_steps, settings.rtc)
 
     def start(self, i: int, spec: EpisodeSpec, attempt: int = 1, earlier: tuple[str, ...] = ()) -> None:
         self.busy[i] = _InFlight(spec=spec, seed=episode_seed(spec.env_seed, spec.suite, spec.task_id,
                                                               spec.initial_state), start=time.monotonic(),
                                  attempt=attempt, earlier_errors=earlier)
         self.last_task[i] = (spec.suite, spec.task_id)
+        self.chunking.start(i)
         self.workers[i].send("start", spec)
         self.sent[i] = ("start", time.monotonic())
 
@@ -223,6 +229,7 @@ class Scheduler:
     def finish(self, i: int, outcome: EpisodeOutcome, *, died: bool = False) -> None:
         ep = self.busy.pop(i)
         self.sent.pop(i, None)
+        jerk = self.chunking.finish(i, outcome.steps)
         s = ep.spec
         error = ep.error or outcome.error
         task = self.languages[(s.suite, s.task_id)]
@@ -250,7 +257,7 @@ class Scheduler:
             env_create_s=outcome.env_create_s, reset_s=outcome.reset_s, perturbation=outcome.perturbation,
             policy_ms=1000.0 * ep.policy_s,
             video=(video_name(s.suite, s.task_id) if s.video and outcome.video_frames else None),
-            video_frames=outcome.video_frames, retried_errors=list(ep.earlier_errors))
+            video_frames=outcome.video_frames, retried_errors=list(ep.earlier_errors), chunking=jerk)
         self.results[s.index] = r
         if self.on_episode is not None:
             self.on_episode(r)
@@ -299,7 +306,8 @@ class Scheduler:
             batch = []
             for i in list(self.waiting)[: rule.limit(len(self.waiting))]:
                 ep = self.busy[i]
-                batch.append(PolicyRequest(key=i, obs=self.waiting.pop(i)[0], seed=chunk_seed(ep.seed, ep.calls)))
+                batch.append(PolicyRequest(key=i, obs=self.chunking.request(i, self.waiting.pop(i)[0]),
+                                           seed=chunk_seed(ep.seed, ep.calls)))
                 ep.calls += 1
                 self.asked.add(i)
             self.pool.submit(batch)
@@ -313,7 +321,8 @@ class Scheduler:
         error = a.error
         if error is None:
             try:
-                self.workers[i].send("act", check_chunk(a.actions, self.settings))
+                self.workers[i].send("act", self.chunking.payload(i, a.actions,
+                                                                  lambda c: check_chunk(c, self.settings)))
                 self.sent[i] = ("chunk", time.monotonic())
                 return
             except PisftError as exc:
@@ -473,6 +482,7 @@ def timing(results: list[EpisodeResult], wall_time_s: float, num_envs: int, pool
         out["policy_replicas"] = len(pool.replicas)
         out["policy_batch_limit"] = pool.max_batch
         out.update(pool.stats.to_dict())
+        out["inference"] = inference_timing(pool)
     return out
 
 

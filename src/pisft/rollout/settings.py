@@ -33,6 +33,9 @@ class Settings:
     policy_batch: int = 2
     # A batch that could still grow waits at most this long for the environments still simulating.
     policy_batch_wait_ms: float = 0.0
+    # The inference delay in control steps and real-time chunking (eval.rtc; pisft.rollout.chunking).
+    delay_steps: int = 0
+    rtc: bool = False
 
     @classmethod
     def for_evaluation(cls, cfg: config_mod.PisftConfig, stage: str | None = None) -> Settings:
@@ -42,7 +45,8 @@ class Settings:
                    seed=e.closed_loop_seed, resize_size=e.resize_size, max_steps=e.max_steps,
                    task_ids=tuple(e.task_ids), num_envs=resolve_num_envs(e.num_envs, stage=stage),
                    videos=e.videos, policy_batch=e.policy_batch,
-                   policy_batch_wait_ms=e.policy_batch_wait_ms)
+                   policy_batch_wait_ms=e.policy_batch_wait_ms, delay_steps=e.rtc.delay_steps,
+                   rtc=e.rtc.enabled)
 
     def steps_for(self, suite: str) -> int:
         return self.max_steps or libero_sim.SUITE_MAX_STEPS[suite]

@@ -11,6 +11,9 @@ seconds). The parent sends three kinds of message:
   ("act", actions)           execute the actions (a chunk's first `replan_steps`) until the task
                              is done or the step limit is reached; reply ("obs", request) when
                              more actions are needed, else ("done", EpisodeOutcome)
+  ("act", (actions, then))   with an inference delay (`pisft.rollout.chunking`): execute
+                             `actions`, take the request's observation, execute `then` (the
+                             steps the robot keeps moving while the next chunk is computed), reply
   ("close", None)            close the environment and exit
 
 An exception inside an episode is replied as ("error", EpisodeOutcome with `error`), the
@@ -179,9 +182,19 @@ class EpisodeRunner:
             ep.obs = ep.perturbed.observe(ep.obs, ep.outcome.sim_steps)
         return bool(done)
 
-    def act(self, actions: np.ndarray) -> tuple[str, Any]:
+    def act(self, actions: np.ndarray, then: np.ndarray | None = None) -> tuple[str, Any]:
+        """Execute `actions`; the next request is of the observation after them, taken before
+        `then` is executed (`pisft.rollout.chunking`: the steps during the next inference)."""
         ep = self._episode
         assert ep is not None, "act before start"
+        reply = self._execute(ep, actions)
+        if reply is not None or then is None or not len(then):
+            return reply or ("obs", libero_sim.policy_request(ep.obs, ep.prompt, resize=ep.spec.resize_size))
+        request = libero_sim.policy_request(ep.obs, ep.prompt, resize=ep.spec.resize_size)
+        return self._execute(ep, then) or ("obs", request)
+
+    def _execute(self, ep: _Episode, actions: np.ndarray) -> tuple[str, Any] | None:
+        """Execute `actions` until the task is done or the step limit; ("done", ...) then, else None."""
         for action in np.asarray(actions, dtype=np.float64):
             if ep.outcome.steps >= ep.spec.max_steps:
                 break
@@ -196,7 +209,7 @@ class EpisodeRunner:
                 break
         if ep.outcome.success or ep.outcome.steps >= ep.spec.max_steps:
             return "done", self.finish()
-        return "obs", libero_sim.policy_request(ep.obs, ep.prompt, resize=ep.spec.resize_size)
+        return None
 
     def finish(self, error: str | None = None, *, keep_env: bool = False) -> EpisodeOutcome:
         """End the current episode (normally or after an error); close its video. After an
@@ -230,7 +243,7 @@ class EpisodeRunner:
             if kind == "start":
                 return "obs", self.start(payload)
             if kind == "act":
-                return self.act(payload)
+                return self.act(*payload) if isinstance(payload, tuple) else self.act(payload)
             if kind == "abort":
                 return "done", self.finish(error=str(payload), keep_env=True)
             raise ValueError(f"unknown message {kind!r}")

@@ -60,6 +60,22 @@ reply. With batching on, `infer_ms` is the shared forward's time (the same for e
 the batch), `queue_ms` includes the batching window, and `batch_size` says how many requests
 shared the forward. `GET /healthz` answers 200 for load balancers and probes.
 
+`policy_timing` is openpi's `Policy.infer`'s (src/openpi/policies/policy.py): `infer_ms`, the
+model's own time for the forward the request was in (`LiberoPolicy.predict_many`), without the
+server's decoding and queueing.
+
+Inference at robot speed (docs/serving.md, "Inference at robot speed"): `--precision` and
+`--compile` are `eval.precision` and `eval.compile` (the compiled chunk: one graph per batch-size
+bucket, the first chunk of each compiles). `--rtc` turns on real-time chunking (LeRobot's RTC,
+`pisft.policy.rtc`) per connection: the server keeps the chunk it answered last on each
+connection; a request that carries `"rtc/executed_steps": n` (the actions of that chunk the robot
+had executed when it took this observation) and `"rtc/delay_steps": d` (the control steps it will
+execute of the rest before this reply arrives) is answered with a chunk inpainted to agree with
+that chunk's actions from n on, and the reply says so (`"rtc": {"delay_steps": d, "prev_steps":
+...}`). A request without them gets a plain chunk, as does the first of a connection (or after a
+reset: there is no previous chunk) and one whose previous chunk is all executed. The robot then
+executes the new chunk from index d on.
+
 The port is bound before the model loads, so "port in use" is reported at once.
 """
 
@@ -116,6 +132,37 @@ class _Session:
 
     noise: Any
     prev_total_ms: float | None = None
+    last_actions: Any = None  # the chunk answered last (raw), for real-time chunking (--rtc)
+
+
+RTC_EXECUTED_KEY = "rtc/executed_steps"  # a request's: the actions of the last chunk executed by now
+
+
+def _rtc_request(obs: dict, last: Any, enabled: bool) -> tuple[dict, int | None]:
+    """The request with the previous chunk's unexecuted actions in place of `rtc/executed_steps`
+    (`LiberoPolicy`'s `RTC_PREV_KEY`), and how many there are; the request as sent when it asks for
+    no real-time chunking or there is nothing left to agree with (a plain chunk)."""
+    from pisft.policy.libero import RTC_DELAY_KEY, RTC_PREV_KEY
+
+    if RTC_PREV_KEY in obs:
+        raise ObservationError(f"'{RTC_PREV_KEY}' is the server's: it keeps the chunk it answered last on "
+                               f"this connection; send '{RTC_EXECUTED_KEY}' (how many of its actions you had "
+                               "executed when you took this observation) instead")
+    if RTC_EXECUTED_KEY not in obs:
+        return obs, None
+    if not enabled:
+        raise ObservationError(f"'{RTC_EXECUTED_KEY}': this server runs without real-time chunking (start it "
+                               "with --rtc); send requests without the rtc/ keys for plain chunks")
+    executed = obs[RTC_EXECUTED_KEY]
+    if isinstance(executed, bool) or not hasattr(executed, "__index__") or int(executed) < 0:
+        raise ObservationError(f"'{RTC_EXECUTED_KEY}' must be a whole number of actions >= 0, got {executed!r}")
+    if RTC_DELAY_KEY not in obs:
+        raise ObservationError(f"real-time chunking needs '{RTC_DELAY_KEY}' with '{RTC_EXECUTED_KEY}'")
+    rest = {k: v for k, v in obs.items() if k != RTC_EXECUTED_KEY}
+    if last is None or int(executed) >= len(last):  # nothing of a previous chunk left: a plain chunk
+        return {k: v for k, v in rest.items() if k != RTC_DELAY_KEY}, None
+    left = np.asarray(last)[int(executed):]
+    return {**rest, RTC_PREV_KEY: left}, len(left)
 
 
 @dataclass(eq=False)
@@ -195,6 +242,8 @@ class PolicyServer:
                              f"in one forward (predict_many); {type(policy).__name__} has none: serve it "
                              f"without a batching window (--policy-batch-wait-ms 0)")
         self._policy = policy
+        # real-time chunking per connection (--rtc): the policy's model has it on
+        self.rtc = getattr(getattr(policy, "predictor", None), "rtc", None) is not None
         self.batch_window_s = float(batch_window_s)
         self.max_batch = max_batch
         # the one batching rule (pisft.policy.batching) with this server's hand-set window: a server
@@ -228,16 +277,18 @@ class PolicyServer:
         """Requests checked and waiting for the model (behind the one it is running)."""
         return self._submitted - self._started
 
-    def _decode(self, message: bytes) -> Any:
-        """Worker thread: msgpack -> checked, converted request (or a reset)."""
+    def _decode(self, message: bytes, last: Any = None) -> Any:
+        """Worker thread: msgpack -> checked, converted request (or a reset), and the previous
+        chunk's actions it is to agree with (`last`: the connection's last chunk; None: none)."""
         obs = protocol.unpackb(message)
         reset = _reset_request(obs)
         if reset is not None:
-            return reset
+            return reset, None
         if not isinstance(obs, dict):
             raise ObservationError(
                 f"a request must be a map of observation keys, got {type(obs).__name__}")
-        return self._policy.prepare(obs)
+        obs, prev_steps = _rtc_request(obs, last, self.rtc)
+        return self._policy.prepare(obs), prev_steps
 
     def _predict(self, prepared: Any, noise: Any) -> tuple[dict, float, float]:
         """Model thread: the inference, with when it started and ended."""
@@ -333,12 +384,13 @@ class PolicyServer:
             finally:
                 self.decodes_waiting -= 1
             try:
-                prepared = await asyncio.to_thread(self._decode, message)
+                prepared, prev_steps = await asyncio.to_thread(self._decode, message, session.last_actions)
             finally:
                 self._decode_slots.release()
             if isinstance(prepared, _Reset):
                 seed = self._policy_seed() if prepared.seed is None else prepared.seed
                 session.noise = self._policy.new_noise(seed)
+                session.last_actions = None  # a new episode: nothing to agree with
                 return protocol.packb({"reset": True, "seed": seed})
             submitted = self._clock()
             self._submitted += 1
@@ -364,6 +416,9 @@ class PolicyServer:
                 return (f"model error: the model returned non-finite actions ({bad}); they were not "
                         "served. The model diverged or its normalization statistics are broken: check "
                         "its training log and norm stats. The connection stays open.")
+            session.last_actions = np.asarray(result["actions"])
+            if prev_steps is not None:
+                result["rtc"] = {"delay_steps": int(prepared_delay(prepared)), "prev_steps": prev_steps}
             timing = {"infer_ms": (end - begin) * 1000.0, "queue_ms": (begin - submitted) * 1000.0}
             if batch_size is not None:
                 timing["batch_size"] = batch_size
@@ -467,6 +522,13 @@ class PolicyServer:
             self._model_thread.shutdown(wait=True, cancel_futures=True)
 
 
+def prepared_delay(prepared: Any) -> int:
+    """The RTC delay a prepared request carries (`LiberoPolicy.prepare`'s `RTC_KEY`)."""
+    from pisft.policy.libero import RTC_KEY
+
+    return prepared[RTC_KEY][1]
+
+
 def _internal_error(kind: str, error_id: str) -> str:
     """What a client learns of an unexpected error: its type and the id it is logged under."""
     return (f"internal error on the server ({kind}, error id {error_id}); "
@@ -556,6 +618,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "the positive tag alone (default), w > 1 blends (1 - w) v_uncond + w v_cond at "
                         "every denoising step, at about twice the compute; a model trained on plain "
                         "prompts ignores it. The metadata reports the scale in effect (cfg_scale)")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="inference precision, the config's eval.precision: bf16 (float32 only where openpi keeps "
+                        "it), fp32, auto (default: bf16 on an accelerator, the model's own on the CPU)")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="the action chunk compiled and graph-captured per batch-size bucket, the config's "
+                        "eval.compile: on, off, auto (default: where it measured faster; the first chunk of each "
+                        "bucket compiles)")
+    p.add_argument("--rtc", action="store_true",
+                   help="real-time chunking per connection (LeRobot's RTC): a request with 'rtc/executed_steps' "
+                        "and 'rtc/delay_steps' gets a chunk that agrees with the rest of the connection's last one "
+                        "(docs/serving.md)")
+    p.add_argument("--rtc-execution-horizon", type=_positive(int), default=10, metavar="N",
+                   help="RTC's guidance window (LeRobot's default 10; eval.rtc.execution_horizon)")
+    p.add_argument("--rtc-max-guidance-weight", type=_positive(float), default=10.0, metavar="W",
+                   help="RTC's guidance weight clamp (LeRobot's default 10.0; eval.rtc.max_guidance_weight)")
+    p.add_argument("--rtc-schedule", choices=("ZEROS", "ONES", "LINEAR", "EXP"), default="LINEAR",
+                   help="RTC's prefix weights (LeRobot's default LINEAR; eval.rtc.schedule)")
     p.add_argument("--max-message-mib", type=_positive(float), default=DEFAULT_MAX_MESSAGE_MIB,
                    help=f"largest request in MiB; a larger one closes its connection with code "
                         f"1009 (default {DEFAULT_MAX_MESSAGE_MIB})")
@@ -584,6 +663,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"longest task instruction in characters (default {defaults.max_prompt_chars})")
     return p
 
+
+COMPILE_FLAG = {"auto": None, "on": True, "off": False}  # --compile as eval.compile
 
 # The flags' names before they took the closed loop's (eval.policy_batch, eval.policy_batch_wait_ms).
 DEPRECATED_FLAGS = {"--max-batch": "--policy-batch", "--batch-window-ms": "--policy-batch-wait-ms"}
@@ -617,9 +698,14 @@ def main(argv: list[str] | None = None) -> int:
     limits = Limits(max_image_side=args.max_image_side, max_prompt_chars=args.max_prompt_chars)
     try:
         from pisft.policy.libero import LiberoPolicy
+        from pisft.policy.rtc import RtcSettings
 
+        rtc = (RtcSettings(args.rtc_execution_horizon, args.rtc_max_guidance_weight, args.rtc_schedule)
+               if args.rtc else None)
         policy = LiberoPolicy.from_model_dir(args.model, device=args.device, dataset_dir=args.dataset,
-                                             seed=args.seed, limits=limits, cfg_scale=args.cfg_scale)
+                                             seed=args.seed, limits=limits, cfg_scale=args.cfg_scale,
+                                             precision=args.precision, compiled=COMPILE_FLAG[args.compile],
+                                             rtc=rtc, note=lambda line: print(f"pisft serve: {line}", flush=True))
     except PisftError as exc:
         sock.close()
         print(f"error: {exc}", file=sys.stderr)
@@ -642,6 +728,8 @@ def main(argv: list[str] | None = None) -> int:
             prompt += f"; {guided['describe']}"
         batching = (f"; batching: a window of {args.batch_window_ms:g} ms, up to {args.max_batch} "
                     f"requests a forward" if args.batch_window_ms > 0 else "")
+        if args.rtc:
+            batching += "; real-time chunking per connection (rtc/executed_steps, rtc/delay_steps)"
         print(f"pisft serve: serving {args.model} on ws://{host}:{port} "
               f"(openpi websocket policy protocol; GET /healthz){prompt}; limits: "
               f"{args.max_message_mib:g} MiB a message, {limits.max_image_side} px an image side, "

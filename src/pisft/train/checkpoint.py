@@ -245,10 +245,14 @@ def latest_complete(root: Path, log=print, content: bool = True, rank: int = 0,
         if INCOMPLETE not in problem:
             damaged.append(f"{found.path.name}: {problem}")
     if damaged:
+        from pisft.integrity import current_writer
+
+        writer = (current_writer() or {}).get("stage") or "the training stage"
         raise CheckpointsDamaged(
-            f"no usable checkpoint in {root}: every complete one is damaged:\n  - "
-            + "\n  - ".join(damaged)
-            + f"\nRestore them from a backup, or delete {root} to start this run from step 0.")
+            f"no usable checkpoint in {root}: every complete one differs from what {writer} wrote "
+            f"({'; '.join(damaged)}); a resume cannot use them and starting over would hide the damage: "
+            f"restore them from a backup, or delete {root} and rerun the same command to start this run "
+            "from step 0")
     return None
 
 

@@ -3,8 +3,10 @@
 `results/train/` (the Snakemake output of train_8card) appears in one rename on rank 0 after
 everything in it is written:
   model/              LeRobot layout (config.json, model.safetensors, tokenizer/, normalisation
-                      stats, MANIFEST.json) — loadable with pisft.model.policy.load_policy and
-                      LeRobot's PI05Policy.from_pretrained: a plain pi0.5, LoRA adapters merged
+                      stats, LeRobot's policy_preprocessor.json / policy_postprocessor.json and
+                      their state files (`pisft.model.lerobot_processors`), MANIFEST.json) —
+                      loadable with pisft.model.policy.load_policy, LeRobot's
+                      PI05Policy.from_pretrained and make_pre_post_processors: a plain pi0.5, LoRA adapters merged
                       (W + (alpha / r) B A), frozen tensors the base model's bytes
                       (`pisft.train.export_weights`, one tensor in memory at a time);
                       pisft_model.json records `trainable` (the mode)
@@ -26,7 +28,9 @@ from pisft import layout
 from pisft import disk_space
 from pisft.data.prompts import CONDITIONING_FILE
 from pisft.io import atomic_dir, dir_bytes, write_json_atomic, write_manifest
-from pisft.model.policy import WEIGHTS_FILE
+from pisft.model.lerobot_processors import write_processors
+from pisft.model.norm_stats import STATS_FILE
+from pisft.model.policy import TOKENIZER_DIR, WEIGHTS_FILE
 from pisft.train import export_weights
 from pisft.train.run_folders import latest_checkpoint_text
 
@@ -69,6 +73,8 @@ def export_model(ctx: Any, built: Any, metrics_log: Any, summary: dict, resolved
         elif (built.dataset_dir / "meta" / CONDITIONING_FILE).is_file():
             shutil.copy2(built.dataset_dir / "meta" / CONDITIONING_FILE, model_dir / CONDITIONING_FILE)
         (model_dir / "pisft_config.json").write_text(json.dumps(resolved, indent=2, sort_keys=True) + "\n")
+        if (model_dir / STATS_FILE).is_file():  # LeRobot's processor files, named as the run's config places them
+            write_processors(model_dir, tokenizer_name=str(layout.iteration(ctx.cfg).trained_model / TOKENIZER_DIR))
         write_manifest(model_dir)
         shutil.copy2(metrics_log.path, tmp / "metrics.jsonl")
         write_json_atomic(tmp / "train_summary.json", summary)

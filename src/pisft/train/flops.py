@@ -2,7 +2,9 @@
 
 Forward FLOPs per sample (a multiply-add = 2 FLOPs):
   vision  : n_images × [patch conv + encoder Linear layers × P + attention 4·P²·d] + projector × P
-  VLM     : decoder Linear layers × T_prefix        (T_prefix = n_images·P + language tokens)
+  VLM     : decoder Linear layers × T_prefix        (T_prefix = n_images·P + language tokens),
+            less the last layer's output projection and MLP (no loss reads them: pisft's training
+            forward does not run them, `pisft.model.lerobot_internals` 11.)
   expert  : decoder Linear layers × T_suffix        (T_suffix = chunk_size)
   joint attention per layer pair: 4 · T² · (heads · head_dim)      (T = T_prefix + T_suffix)
   action/time projections: × T_suffix (time MLP: × 1)
@@ -23,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
+
+from pisft.model.lerobot_internals import prefix_frozen
 
 
 @dataclass(frozen=True)
@@ -88,9 +92,12 @@ def _pi05_parts(policy: nn.Module, *, lang_tokens: int) -> dict:
 
     act_macs = (_linear_macs(core.action_in_proj) + _linear_macs(core.action_out_proj)) * sh.t_suffix
     act_macs += _linear_macs(core.time_mlp_in) + _linear_macs(core.time_mlp_out)
+    last = sh.vlm_layers[-1]
     return {
         "vision_flops": vision_flops,
         "prefix_macs": sum(layer_macs(layer, sh.t_prefix) for layer in sh.vlm_layers),
+        # what the training forward leaves out of the last VLM layer (its output feeds no loss)
+        "unread_prefix_macs": (_linear_macs(last.self_attn.o_proj) + _linear_macs(last.mlp)) * sh.t_prefix,
         "suffix_macs": sum(layer_macs(layer, sh.t_suffix) for layer in sh.exp_layers),
         "action_macs": act_macs,
         "layers": len(sh.vlm_layers),
@@ -101,11 +108,16 @@ def _pi05_parts(policy: nn.Module, *, lang_tokens: int) -> dict:
 
 
 def pi05_forward_flops(policy: nn.Module, *, lang_tokens: int) -> float:
-    """One training forward of one sample: prefix and suffix together, one denoising step."""
+    """One training forward of one sample: prefix and suffix together, one denoising step (each
+    layer's attention over the whole sequence; with a frozen VLM the last layer's prefix rows not
+    at all, as `_walk_training_step` counts)."""
     p = _pi05_parts(policy, lang_tokens=lang_tokens)
     t_all = p["t_prefix"] + p["t_suffix"]
     attn_macs = p["layers"] * 2 * t_all * t_all * p["heads_dim"]
-    return float(p["vision_flops"] + 2 * (p["prefix_macs"] + p["suffix_macs"] + attn_macs + p["action_macs"]))
+    if prefix_frozen(policy):
+        attn_macs -= 2 * p["t_prefix"] * t_all * p["heads_dim"]
+    prefix = p["prefix_macs"] - p["unread_prefix_macs"]
+    return float(p["vision_flops"] + 2 * (prefix + p["suffix_macs"] + attn_macs + p["action_macs"]))
 
 
 def pi05_inference_flops(policy: nn.Module, *, lang_tokens: int, num_steps: int | None = None) -> float:
@@ -131,16 +143,16 @@ class _StepFlops:
         self.forward = 0.0
         self.total = 0.0
 
-    def linears(self, module: nn.Module, tokens: int, upstream: bool, *, reached: bool = True) -> bool:
+    def linears(self, module: nn.Module, tokens: int, upstream: bool) -> bool:
         """Each nn.Linear of `module` (LoRA's base layer and its A and B each one) over `tokens`:
         the gradient of its weight where it trains, of its input where something before it trains
-        (`upstream`); neither where no gradient reaches it (`reached`). Returns whether something
-        up to and including `module` trains (the `upstream` of what reads its output)."""
+        (`upstream`). Returns whether something up to and including `module` trains (the
+        `upstream` of what reads its output)."""
         for m in module.modules():
             if isinstance(m, nn.Linear):
                 flops = 2.0 * m.in_features * m.out_features * tokens
-                self.add(flops, int(reached and m.weight.requires_grad) + int(reached and upstream))
-        return upstream or (reached and _trains(module))
+                self.add(flops, int(m.weight.requires_grad) + int(upstream))
+        return upstream or _trains(module)
 
     def attention(self, flops: float, upstream: bool) -> None:
         self.add(flops, 2 if upstream else 0)  # the gradients of queries, keys and values
@@ -187,20 +199,23 @@ def _walk_training_step(policy: nn.Module, *, lang_tokens: int) -> _StepFlops:
             walk.linears(proj, tokens, up)
         return up or _trains(*projections)
 
-    def after_attention(layer: nn.Module, tokens: int, up: bool, *, reached: bool = True) -> bool:
+    def after_attention(layer: nn.Module, tokens: int, up: bool) -> bool:
         """The rest of a decoder layer: output projection, adaRMS conditioning, MLP."""
-        up = walk.linears(layer.self_attn.o_proj, tokens, up, reached=reached)
+        up = walk.linears(layer.self_attn.o_proj, tokens, up)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             dense = getattr(getattr(layer, norm), "dense", None)
             if dense is not None:  # adaRMS conditioning: one vector, from the time MLP
                 walk.linears(dense, 1, time_trains)
-        up = (reached and _trains(layer.post_attention_layernorm)) or up
-        return walk.linears(layer.mlp, tokens, up, reached=reached)
+        up = _trains(layer.post_attention_layernorm) or up
+        return walk.linears(layer.mlp, tokens, up)
 
     # The decoder pairs: the prefix (images and prompt) through the VLM, the suffix (noisy actions,
     # the time conditioning the expert's norms) through the expert; each suffix layer reads the
     # prefix's keys and values of its layer. The last VLM layer's attention output projection and
-    # MLP feed no loss (the VLM's final norm goes to no head): forward only.
+    # MLP feed no loss (the VLM's final norm goes to no head): the training forward does not run
+    # them, and with a frozen VLM (its prefix alone, `lerobot_internals` 8.) not the prefix's own
+    # attention of that layer either.
+    frozen = prefix_frozen(policy)
     up_p = up or _trains(pg.language_model.embed_tokens)
     up_s = walk.linears(core.action_in_proj, sh.t_suffix, False)
     up_s = walk.linears(core.time_mlp_in, 1, False) or up_s
@@ -210,9 +225,11 @@ def _walk_training_step(policy: nn.Module, *, lang_tokens: int) -> _StepFlops:
         up_p = keys_and_values(vlm, sh.t_prefix, up_p)
         up_s = keys_and_values(exp, sh.t_suffix, up_s) or up_p
         # joint attention: each stream's query rows over all keys (4 · rows · T · heads_dim)
-        walk.attention(4.0 * sh.t_prefix * t_all * sh.heads_dim, up_p and not last)
+        if not (last and frozen):
+            walk.attention(4.0 * sh.t_prefix * t_all * sh.heads_dim, up_p and not last)
         walk.attention(4.0 * sh.t_suffix * t_all * sh.heads_dim, up_s)
-        up_p = after_attention(vlm, sh.t_prefix, up_p, reached=not last)
+        if not last:
+            up_p = after_attention(vlm, sh.t_prefix, up_p)
         up_s = after_attention(exp, sh.t_suffix, up_s)
     walk.linears(core.action_out_proj, sh.t_suffix, up_s)
     return walk
@@ -225,8 +242,8 @@ def pi05_training_flops_per_sample(policy: nn.Module, *, lang_tokens: int) -> fl
     of its input where something before it in the forward trains (a frozen vision tower before a
     trained model, `expert`'s frozen prefix, which runs without grad: forward only; LoRA's frozen
     base layers: forward and input gradient). Attention: twice its forward more wherever a
-    gradient passes. Parts no loss reads (the last VLM layer's output projection and MLP) count
-    their forward only. With everything trained this is about 3 × forward (less the first layers'
+    gradient passes. Parts no loss reads (the last VLM layer's output projection and MLP) are not
+    run and count nothing. With everything trained this is about 3 × forward (less the first layers'
     input gradients); MFU counts these model FLOPs, not the recomputation of checkpointing.
     `tests/test_train_fsdp.py` holds it against torch's FLOP counter in every mode."""
     return _walk_training_step(policy, lang_tokens=lang_tokens).total

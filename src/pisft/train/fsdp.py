@@ -1,38 +1,39 @@
-"""FSDP2 full sharding of the policy: one unit per decoder layer pair, vision layers gathered once.
+"""FSDP2 full sharding of the policy: one unit per block (decoder layer pair), vision layers gathered once.
 
 FSDP2 gathers a unit's parameters in a forward pre-hook and frees them in a forward post-hook;
-both run only on `module(...)`. LeRobot's pi0.5 calls `self.model.forward(...)` and, inside
-`compute_layer_complete`, the parts of each decoder layer directly (`layer.self_attn.q_proj(x)`,
-`layer.mlp(x)`, `layer.input_layernorm(x, cond)`), never `layer(...)`: a `fully_shard` on a
-decoder layer would never gather. The units are therefore built from the modules that ARE called,
-grouped with `fully_shard`'s list form (torch >= 2.6; the group's pre-hook runs on the first of
-its modules to run, the post-hook after the last, `_fsdp_state._register_group_forward_hooks`):
+both run on `module(...)` or on a registered forward method. LeRobot's pi0.5 calls the parts of
+each decoder layer directly (`compute_layer_complete`), never `layer(...)`; pisft's training
+forward runs each block (a decoder layer pair) as one call of `run_block` on the block's first
+layer (`pisft.model.lerobot_internals`, 11.), whose runner is the unit's registered FSDP2 forward
+method (`pisft.train.blocks`). The units:
 
-- decoder layer pair i: every called part of VLM layer i AND action-expert layer i (q/k/v/o
-  projections, MLP, both norms) in ONE unit. The two layers always run together (joint
-  attention), so one all-gather and one reduce-scatter serve both, instead of 14 small ones
-  (a k/v projection of pi0.5 is 0.26-0.5M parameters: latency-bound collectives on HCCL);
-- the SigLIP embeddings, each encoder layer and the post-layernorm + projector: the vision tower
-  runs once per camera, so these units are NOT resharded after forward (gathered once per
-  forward, kept until their backward, which then needs no second gather);
+- decoder layer pair i: VLM layer i AND action-expert layer i in ONE unit (`fully_shard`'s list
+  form, torch >= 2.6). The two layers always run together (joint attention), so one all-gather
+  and one reduce-scatter serve both (a k/v projection of pi0.5 is 0.26-0.5M parameters:
+  latency-bound collectives on HCCL);
+- the SigLIP embeddings, the encoder layers (`VISION_LAYERS_PER_UNIT` to a unit) and the
+  post-layernorm + projector: these units are NOT resharded after forward (kept until their
+  backward, which then needs no second gather), and every camera's image goes through them in
+  one batch (`lerobot_internals._embed_images`: one forward, one backward, one reduce-scatter);
+  HF's encoder calls each layer as a module, so its hooks are the module's;
 - the action/time projections (one unit) and the token embedding when it is not tied.
 With the whole VLM frozen (`train.trainable: expert`) the forward runs the prefix first and
 without grad, then the expert (`lerobot_internals` 8.): the units are then one per VLM layer and
 one per expert layer in that order (a pair unit would stay gathered from its VLM half to its
 expert half, every pair at once), and the vision units are freed after their forward (they have
 no backward).
-Forward prefetch is explicit (each unit starts the next unit's all-gather) when the layers are
-not checkpointed (see `_checkpointed`); backward prefetch is FSDP2's default. Everything else
-(small final norms, the tied VLM `lm_head`/`embed_tokens` pair) lives in the root unit.
+Forward prefetch is explicit (each unit starts the next unit's all-gather); backward prefetch is
+FSDP2's default. A checkpointed block recomputes its function in backward, not the unit's forward
+method, so the prefetch of the forward does not run again there. Everything else (small final
+norms, the tied VLM `lm_head`/`embed_tokens` pair) lives in the root unit.
 The action expert's `lm_head` is detached before sharding (`lerobot_internals.detach_expert_head`):
 it never takes part in the loss and would otherwise travel in the root unit every micro-step.
 
 Mixed precision (train.precision=bf16): parameters are kept in fp32 (the optimizer's master
 copy), gathered in bf16 and gradients reduced in fp32. The forward runs under
-`torch.autocast(bf16)` (PolicyTask): FSDP2 casts a unit's inputs only in a normal forward, not
-when activation checkpointing recomputes a unit from outside it, and autocast makes every matmul
-agree on bf16 in both cases; the loss (mse) runs in fp32 under autocast. The root does not cast
-its inputs.
+`torch.autocast(bf16)` (PolicyTask), which makes every matmul agree on bf16 whether a unit is
+sharded or not (one process trains unsharded, `distribute`); the loss (mse) runs in fp32 under
+autocast. The root does not cast its inputs.
 
 On the CPU (gloo) the units are coarser (`merge_small_units`, `CPU_MIN_UNIT_PARAMS`): there a
 collective costs milliseconds of host time whatever its size, and the units above cost more than
@@ -55,22 +56,29 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from pisft.model import host_memory
+from pisft.train import blocks
 from pisft.model.lerobot_internals import prefix_frozen
 
 # Modules whose parameters stay in the root unit: they are never called (unused LM heads).
 _UNCALLED = ("lm_head",)
 MIN_UNIT_PARAMS = 1024  # generic fallback: smaller Linear/Embedding layers stay in the root
-# The called parts of a Gemma decoder layer (every parameter of the layer is in one of them).
-_LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                "mlp", "input_layernorm", "post_attention_layernorm")
+# SigLIP encoder layers per FSDP unit. The vision units are kept gathered from their forward to their
+# backward (every camera's image goes through them), so grouping layers costs no memory while a
+# training step holds them; it cuts the per-unit collectives and host work (pi0.5: 27 units -> 9).
+VISION_LAYERS_PER_UNIT = 3
 
 
 @dataclass(frozen=True)
 class Unit:
     name: str
-    group: str  # vision | decoder | action | embed | other
+    group: str  # vision | decoder | vlm_decoder | action | embed | other
     modules: tuple[nn.Module, ...]
     reshard_after_forward: bool = True
+    # The blocks it holds (pisft.train.blocks): the first layer of each block the training forward
+    # runs through `run_block` (a decoder layer pair's VLM layer), and the layers called as modules
+    # that are compiled whole (SigLIP's encoder layers).
+    anchors: tuple[nn.Module, ...] = ()
+    compiled_modules: tuple[nn.Module, ...] = ()
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in self.modules for p in m.parameters()]
@@ -97,16 +105,6 @@ def _is_tied(model: nn.Module, module: nn.Module) -> bool:
     return False
 
 
-def _layer_parts(layer: nn.Module) -> tuple[nn.Module, ...]:
-    parts = tuple(layer.get_submodule(name) for name in _LAYER_PARTS)
-    covered = {id(p) for part in parts for p in part.parameters()}
-    stray = [n for n, p in layer.named_parameters() if id(p) not in covered]
-    if stray:
-        raise RuntimeError(f"decoder layer parameters outside its called parts: {stray} "
-                           "(LeRobot's Gemma layer changed?)")
-    return parts
-
-
 def pi05_units(policy: nn.Module) -> list[Unit]:
     """The FSDP units of a LeRobot PI05Policy, in forward order."""
     core = _pi05_core(policy)
@@ -126,23 +124,23 @@ def pi05_units(policy: nn.Module) -> list[Unit]:
         # The frozen-prefix forward (lerobot_internals 8.) runs every VLM layer over the prefix
         # first, without grad, then the expert's layers over the suffix: one unit per layer, in
         # that order, each gathered once and freed after its forward (the VLM's have no backward).
-        units += [Unit(f"{prefix}.language_model.layers.{i}", "vlm_decoder", _layer_parts(layer))
+        units += [Unit(f"{prefix}.language_model.layers.{i}", "vlm_decoder", (layer,), anchors=(layer,))
                   for i, layer in enumerate(lm.layers)]
         units.append(action)
-        units += [Unit(f"model.paligemma_with_expert.gemma_expert.model.layers.{i}", "decoder",
-                       _layer_parts(layer)) for i, layer in enumerate(expert_layers)]
+        units += [Unit(f"model.paligemma_with_expert.gemma_expert.model.layers.{i}", "decoder", (layer,),
+                       anchors=(layer,)) for i, layer in enumerate(expert_layers)]
         return units
     units.append(action)
     for i, (vlm_layer, expert_layer) in enumerate(zip(lm.layers, expert_layers, strict=True)):
-        units.append(Unit(f"decoder_pair.{i}", "decoder",
-                          _layer_parts(vlm_layer) + _layer_parts(expert_layer)))
+        units.append(Unit(f"decoder_pair.{i}", "decoder", (vlm_layer, expert_layer), anchors=(vlm_layer,)))
     return units
 
 
 def prefix_units(model: nn.Module, pg: nn.Module, prefix: str, *, frozen: bool = False) -> list[Unit]:
     """The units of PaliGemma's vision-language prefix (`pg`: the PaliGemma model, named `prefix`
-    in `model`): the SigLIP embeddings, each encoder layer and the post-layernorm + projector
-    (gathered once per forward, see the module docstring), and the token embedding when it is not
+    in `model`): the SigLIP embeddings, the encoder layers (`VISION_LAYERS_PER_UNIT` to a unit) and
+    the post-layernorm + projector (gathered once per forward, see the module docstring), and the
+    token embedding when it is not
     tied (pisft ties it to the unused lm_head: then it stays in the root). `frozen`: the prefix
     runs without grad (lerobot_internals 8.), so the vision units have no backward and are freed
     after their forward."""
@@ -150,8 +148,11 @@ def prefix_units(model: nn.Module, pg: nn.Module, prefix: str, *, frozen: bool =
     vp = f"{prefix}.vision_tower.vision_model"
     free = frozen  # reshard after forward: only when there is no backward to keep it for
     units = [Unit(f"{vp}.embeddings", "vision", (vision.embeddings,), reshard_after_forward=free)]
-    units += [Unit(f"{vp}.encoder.layers.{i}", "vision", (layer,), reshard_after_forward=free)
-              for i, layer in enumerate(vision.encoder.layers)]
+    layers = list(vision.encoder.layers)
+    for i in range(0, len(layers), VISION_LAYERS_PER_UNIT):
+        group = tuple(layers[i:i + VISION_LAYERS_PER_UNIT])
+        name = f"{vp}.encoder.layers.{i}" + (f"..{i + len(group) - 1}" if len(group) > 1 else "")
+        units.append(Unit(name, "vision", group, reshard_after_forward=free, compiled_modules=group))
     head = tuple(m for m in (getattr(vision, "post_layernorm", None), pg.multi_modal_projector)
                  if m is not None)
     units.append(Unit(f"{prefix}.multi_modal_projector", "vision", head, reshard_after_forward=free))
@@ -199,9 +200,14 @@ def merge_small_units(units: list[Unit], min_params: int) -> list[Unit]:
     pending: list[Unit] = []
 
     def merged(parts: list[Unit]) -> Unit:
-        name = parts[0].name if len(parts) == 1 else f"{parts[0].name}..{parts[-1].name}"
-        return Unit(name, parts[0].group, tuple(m for u in parts for m in u.modules),
-                    parts[0].reshard_after_forward)
+        if len(parts) == 1:
+            return parts[0]
+        anchors = tuple(a for u in parts for a in u.anchors)
+        # Several blocks in one unit: its first block gathers it (pisft.train.blocks), and it stays
+        # gathered until its backward, as the blocks after the first need it too.
+        return Unit(f"{parts[0].name}..{parts[-1].name}", parts[0].group, tuple(m for u in parts for m in u.modules),
+                    parts[0].reshard_after_forward and len(anchors) <= 1, anchors,
+                    tuple(m for u in parts for m in u.compiled_modules))
 
     def close_group() -> None:
         if pending and out and out[-1].group == pending[0].group:
@@ -252,9 +258,11 @@ def mixed_precision(precision: str, *, root: bool) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def shard(model: nn.Module, mesh: DeviceMesh, precision: str, *, min_params: int = 0) -> list[Unit]:
-    """Apply fully_shard to the units (in forward order), then to the root; set forward prefetch.
-    `min_params`: merge smaller units (`merge_small_units`; 0: the layer units)."""
+def shard(model: nn.Module, mesh: DeviceMesh, precision: str, *, min_params: int = 0,
+          compiler: blocks.Compiler | None = None) -> list[Unit]:
+    """Apply fully_shard to the units (in forward order), then to the root; set forward prefetch;
+    give the blocks their runners (`pisft.train.blocks.install`: compiled by `compiler`, default
+    none). `min_params`: merge smaller units (`merge_small_units`; 0: the layer units)."""
     units = choose_units(model, min_params)
     _check_no_shared_params(units, model)
     for unit in units:
@@ -262,15 +270,16 @@ def shard(model: nn.Module, mesh: DeviceMesh, precision: str, *, min_params: int
         fully_shard(target, mesh=mesh, mp_policy=mixed_precision(precision, root=False),
                     reshard_after_forward=unit.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mixed_precision(precision, root=True))
-    if not _checkpointed(model):
-        for unit, following in zip(units, units[1:]):
-            unit.modules[0].set_modules_to_forward_prefetch([following.modules[0]])
+    for unit, following in zip(units, units[1:]):
+        unit.modules[0].set_modules_to_forward_prefetch([following.modules[0]])
+    blocks.install(units, compiler or blocks.Compiler())
     host_memory.return_freed_memory()  # the whole tensors the shards replaced (pisft.model.host_memory)
     return units
 
 
 def distribute(model: nn.Module, mesh: DeviceMesh, precision: str, device: torch.device, *,
-               keep_sharded: bool = False, min_params: int = -1) -> list[Unit]:
+               keep_sharded: bool = False, min_params: int = -1,
+               compiler: blocks.Compiler | None = None) -> list[Unit]:
     """The training layout: FSDP2 units (`shard`) on more than one process; on one process the
     same model unsharded on `device`, unless `keep_sharded`.
 
@@ -291,29 +300,17 @@ def distribute(model: nn.Module, mesh: DeviceMesh, precision: str, device: torch
     `keep_sharded`: the smoke run keeps FSDP2 on its 1-process mesh, because it measures the
     memory of the sharded layout that the N-process run will use (its gathered unit buffers;
     see the smoke report's projection).
+
+    `compiler` (`pisft.train.blocks.Compiler`, train.compile): how the blocks run; default eager.
     """
     smallest = min_unit_params(device.type, min_params)
     if keep_sharded or mesh.size() > 1:
-        return shard(model, mesh, precision, min_params=smallest)
+        return shard(model, mesh, precision, min_params=smallest, compiler=compiler)
     units = choose_units(model, smallest)
     _check_no_shared_params(units, model)
     model.to(device)
+    blocks.install(units, compiler or blocks.Compiler())
     return units
-
-
-def _checkpointed(model: nn.Module) -> bool:
-    """Whether the decoder layers recompute their forward in backward (activation checkpointing).
-
-    Then explicit forward prefetch must stay off: a checkpointed layer's recompute starts from
-    inside its backward, before FSDP2's pre-backward hook has marked the unit, so the unit's
-    pre-forward hook runs in full and would gather the NEXT pair, whose backward is already
-    done, and hold that buffer to the end of the backward (4.5 GiB per device for pi0.5 on
-    8 cards; pisft.inspect.estimate). Backward prefetch (FSDP2's default) still overlaps.
-    """
-    core = _pi05_core(model)
-    if core is None:
-        return False
-    return bool(getattr(core.paligemma_with_expert.gemma_expert.model, "gradient_checkpointing", False))
 
 
 def _local_numel(t: torch.Tensor) -> int:

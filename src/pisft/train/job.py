@@ -24,7 +24,7 @@ from pisft import device as devices
 from pisft import layout
 from pisft.config import PisftConfig
 from pisft.errors import PisftError
-from pisft.train import fsdp, optim
+from pisft.train import blocks, fsdp, optim
 from pisft.train.metrics import peak_flops_for
 from pisft.train.policy_task import PolicyTask
 from pisft.train.sampler import SourceMixture, StepLayout, StepSampler
@@ -72,6 +72,7 @@ class Built:
     conditioning: Any = None  # how the prompts are conditioned (data.prompts.PromptConditioning)
     trainable: Any = None  # pisft.train.trainable.Applied: the mode applied (None: built before modes)
     image_keys: tuple[str, ...] = ()  # the camera keys of a training sample (data.augment changes them)
+    compiler: Any = None  # pisft.train.blocks.Compiler: how the blocks run (train.compile); None: eager
 
 
 def require_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
@@ -155,6 +156,7 @@ def build(ctx: Context) -> Built:
     base, data = require_inputs(cfg, ctx.stage)
     torch.manual_seed(cfg.train.seed)
     mesh = init_device_mesh(ctx.info.device.type, (ctx.world_size,))
+    compiler = blocks.compiler_for(cfg.train.compile, ctx.info.kind, layout.compile_cache(cfg), ctx.log)
 
     def load_and_shard():
         policy = load_policy(base, device="cpu", dtype="float32", preset=cfg.model.preset,
@@ -166,7 +168,7 @@ def build(ctx: Context) -> Built:
         # sharded layout's memory). Moves the parameters and buffers to the device.
         units = fsdp.distribute(policy, mesh, cfg.train.precision, ctx.info.device,
                                 keep_sharded=ctx.stage == "smoke_1card",
-                                min_params=cfg.train.fsdp_min_unit_params)
+                                min_params=cfg.train.fsdp_min_unit_params, compiler=compiler)
         return policy, applied, units
 
     policy, applied, units = in_turns(ctx, load_and_shard)
@@ -190,7 +192,7 @@ def build(ctx: Context) -> Built:
     prompt = LabelledPrompts(labels, conditioning) if labels is not None else training_prompt_fn(data)
     return Built(policy, task, train_set, stats, units, optimizer, base, data,
                  prompt=prompt, conditioning=conditioning, trainable=applied,
-                 image_keys=tuple(policy.config.image_features))
+                 image_keys=tuple(policy.config.image_features), compiler=compiler)
 
 
 def frozen_in_bf16(cfg: PisftConfig, *, value_model: bool = False, prefix: str = ""):

@@ -9,7 +9,9 @@ flushing, so it runs with PYTHONUNBUFFERED=1, which `dvc repro` (unlike the Make
 Snakefile) does not export. Local rank 0's lines lose torchrun's `[default0]:` prefix on the
 console (the other ranks keep theirs); the log files keep every line as torchrun wrote it.
 On failure the launcher says which rank failed and how, where its log is, and that rerunning
-the same command resumes from the latest complete checkpoint.
+the same command resumes from the latest complete checkpoint; when every failed rank stopped on
+an error the user can act on (exit 2: a damaged input, a full disk, a refused setting), it prints
+that message once instead, as one line, without torchrun's traceback (`worker_errors`).
 
 Single node: `torchrun --standalone` (a free port is picked). Several nodes: run the same
 command on every node with `train.nnodes`, `train.node_rank` and `train.rdzv_endpoint`
@@ -18,7 +20,6 @@ command on every node with `train.nnodes`, `train.node_rank` and `train.rdzv_end
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -28,16 +29,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pisft import layout
+from pisft import disk_space, layout, records
 from pisft import device as devices
 from pisft.config import PisftConfig, flatten, resolved
 from pisft.errors import PisftError, Terminated
 from pisft.stages import STAGES
 from pisft.train import guard
+from pisft.train.worker_errors import ConsoleHold
 
-# Settings of the smoke run that must match the training run for its report to be meaningful.
-SMOKE_MUST_MATCH = ("device", "model.source", "model.preset", "train.micro_batch_size",
-                    "train.precision", "train.activation_checkpointing")
+# Free space a training run needs before it starts, at the least: its logs and small files (the
+# checkpoints and the export ask for their own room before they write, pisft.disk_space).
+START_ROOM = 1 << 20
+# Settings of the smoke run that must match the training run for its report to be meaningful:
+# the keys whose change makes the drivers rerun smoke_1card (its row in the stage table: the
+# device and what a training step does, TRAIN_STEP_KEYS, train.trainable included), less its own
+# `smoke` section, and the model it measured (the drivers follow that through base_model).
+SMOKE_MUST_MATCH = ("model.source", "model.preset",
+                    *(key for key in STAGES["smoke_1card"].keys if key != "smoke"))
 
 
 @dataclass
@@ -104,8 +112,9 @@ def check_gate_report(cfg: PisftConfig, stage: str) -> dict:
     if not path.is_file():
         raise PisftError(f"{stage}: {path} not found; run {gate} first "
                          f"(`python -m pisft launch {gate}`, or let the workflow do it)")
-    report = json.loads(path.read_text())
-    if not report.get("passed"):
+    report = records.read(path, {"passed": bool, "messages": (list, str), "pisft_config": dict},
+                          writer=f"{gate} (python -m pisft launch {gate})", required=("passed",))
+    if not report["passed"]:
         msgs = "\n  - ".join(report.get("messages") or ["(no message)"])
         raise PisftError(f"{stage}: the smoke report {path} did not pass:\n  - {msgs}\n"
                          f"fix the cause and rerun {gate}")
@@ -118,11 +127,18 @@ def check_smoke_report(cfg: PisftConfig) -> None:
     report = check_gate_report(cfg, "train_8card")
     then = flatten(report.get("pisft_config") or {})
     now = flatten(resolved(cfg))
-    stale = [f"{k}: smoke {then.get(k)!r}, now {now.get(k)!r}" for k in SMOKE_MUST_MATCH
-             if then.get(k) != now.get(k)]
+    stale = [f"{k}: smoke {then.get(k)!r}, now {now.get(k)!r}" for key in SMOKE_MUST_MATCH
+             for k in sorted({*_under(then, key), *_under(now, key)}) if then.get(k) != now.get(k)]
     if stale:
-        raise PisftError(f"train_8card: the smoke report {path} was made with other settings:\n  - "
-                         + "\n  - ".join(stale) + "\nrerun smoke_1card with the current config")
+        raise PisftError(f"train_8card: the smoke report {path} was made with other settings ({'; '.join(stale)}), "
+                         "so what it measured (memory, step time) is not this run's step: rerun smoke_1card with "
+                         "the current config (python -m pisft launch smoke_1card, or snakemake --cores all / "
+                         "dvc repro, which rerun it)")
+
+
+def _under(flat: dict, key: str) -> list[str]:
+    """The dotted keys of `flat` that are `key` or lie under it (a whole section)."""
+    return [k for k in flat if k == key or k.startswith(key + ".")] or [key]
 
 
 def _failures(output: str, log_dir: Path) -> list[Failure]:
@@ -165,6 +181,12 @@ def _latest_checkpoint(cfg: PisftConfig, stage: str = "train_8card") -> str:
     return f"latest complete checkpoint: {found.path} (step {found.step}); a rerun resumes from it"
 
 
+def _kept(cfg: PisftConfig, stage: str) -> str:
+    """What a failed run leaves for the next: the latest complete checkpoint, finished outputs."""
+    what = "every finished output"
+    return f"{_latest_checkpoint(cfg, stage)}; {what}" if STAGES[stage].resumable else what
+
+
 class _NoLog:
     """Stands in for a log file that could not be opened: the console still gets everything."""
 
@@ -196,8 +218,9 @@ def console_line(line: str) -> str:
     return line[len(RANK0_PREFIX):] if line.startswith(RANK0_PREFIX) else line
 
 
-def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path) -> tuple[int, str]:
-    """Run torchrun, copying its output to the console and `log_file`.
+def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path) -> tuple[int, str, ConsoleHold]:
+    """Run torchrun, copying its output to the console (through `ConsoleHold`: held from a
+    worker's error line on) and to `log_file`.
 
     torchrun's agent gets SIGTERM when this launcher dies (it then stops its workers), and each
     worker gets SIGKILL when the agent dies (`pisft.train.guard`): a killed driver leaves no
@@ -206,6 +229,7 @@ def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path) -> tuple[int, 
     lines: list[str] = []
     me = os.getpid()
     log = _open_log(log_file)
+    console = ConsoleHold(_to_console)
     guard._prctl()  # noqa: SLF001 - loaded here, not in the forked child
     env = {**env, guard.LAUNCHER_PID_ENV: str(me), "PYTHONUNBUFFERED": "1"}
     with subprocess.Popen(
@@ -215,8 +239,7 @@ def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path) -> tuple[int, 
         log_ok = True
         try:
             for line in proc.stdout:
-                sys.stdout.write(console_line(line))
-                sys.stdout.flush()
+                console.line(line, console_line(line))
                 lines.append(line)
                 if log_ok:  # a full disk loses the log file, never the console or the summary
                     try:
@@ -229,10 +252,12 @@ def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path) -> tuple[int, 
         except KeyboardInterrupt:
             proc.send_signal(signal.SIGINT)
             proc.wait()
+            console.release()
             raise
         except Terminated as exc:  # SIGTERM to the launcher: torchrun stops its workers, then we go
             proc.send_signal(exc.signum)
             proc.wait()
+            console.release()
             raise
         finally:
             try:
@@ -240,10 +265,18 @@ def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path) -> tuple[int, 
             except OSError:
                 pass
         rc = proc.wait()
-    return rc, "".join(lines)
+    return rc, "".join(lines), console
 
 
-def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -> int:
+def _to_console(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def preflight(stage: str, cfg: PisftConfig) -> str:
+    """What refuses a launch before anything starts or is removed (the CLI runs it before it
+    invalidates the downstream outputs): the devices, the gate's report and its settings, room
+    for the logs. Returns the device kind."""
     kind = devices.resolve_kind(cfg.device)
     nproc = nproc_for(stage, cfg)
     if kind != "cpu" and devices.device_count(kind) < nproc:
@@ -253,6 +286,14 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
         check_smoke_report(cfg)
     elif STAGES[stage].gate:
         check_gate_report(cfg, stage)
+    disk_space.require_room(cfg.results_dir, START_ROOM, what=f"{stage}'s logs",
+                            kept=lambda: _kept(cfg, stage))
+    return kind
+
+
+def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -> int:
+    kind = preflight(stage, cfg)
+    nproc = nproc_for(stage, cfg)
     stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     log_dir = layout.iteration(cfg).stage_logs(stage) / stamp
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -260,10 +301,21 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
     env = devices.process_env(kind, nproc_per_node=nproc, force_threads=True)
     print(f"[launch] {stage}: {nproc} process(es) × {1 if one_process(stage) else cfg.train.nnodes} "
           f"node(s) on {kind}; logs in {log_dir}", file=sys.stderr, flush=True)
-    rc, output = _run_tee(cmd, env, log_dir / "launcher.log")
+    rc, output, console = _run_tee(cmd, env, log_dir / "launcher.log")
     if rc == 0:
         return 0
     failures = _failures(output, log_dir)
+    if console.explained([f.exitcode for f in failures]):
+        # the workers' own message says what is wrong and what to do (a damaged input names the
+        # stage that rewrites it, a full disk how to resume): once, without torchrun's traceback
+        for message in console.messages():
+            print(f"error: {stage}: {message}", file=sys.stderr, flush=True)
+        return 2
+    if disk_space.free_bytes(log_dir) < START_ROOM:  # a worker that could not write even its log
+        print("error: " + disk_space.full_disk_line(cfg.results_dir, what=stage, needed=None,
+                                                    kept=_kept(cfg, stage)), file=sys.stderr, flush=True)
+        return 2
+    console.release()
     lines = [f"{stage} failed (torchrun exit code {rc})."]
     for f in failures:
         where = f"its log: {f.log}" if f.log else f"logs under {log_dir}"

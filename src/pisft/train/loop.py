@@ -1,17 +1,15 @@
-"""The optimizer-step loop: gradient accumulation, clipping, metrics, checkpoints.
+"""The optimizer-step loop: the data, the steps, the learning-rate schedule, metrics, checkpoints.
 
 It knows nothing about pi0.5: a `Task` supplies the loss of a micro-batch and the preparation
-of a collated batch, so the same loop is unit-tested with a small module.
+of a collated batch, so the same loop is unit-tested with a small module. Each optimizer step is
+`pisft.train.step.train_step` (accumulation, clipping, the step skipped on the device when the
+gradient is not finite, EMA), the step every benchmark measures too.
 
 No device->host synchronisation inside an optimizer step (an accelerator runs ahead of the host;
 a sync per step idles it). Per-step values (loss sum, gradient norm, finiteness) stay on the
-device and are fetched in one transfer every `log_every` steps, at every checkpoint and at the
-end; metrics.jsonl still gets one line per optimizer step. A step whose gradient norm is not
-finite is skipped on the device: the fused AdamW kernel takes a `found_inf` tensor and leaves
-parameters, moments and its step count untouched (torch.optim.adam `_fused_adam`, the path
-torch.amp.GradScaler uses); on an NPU, whose fused kernel ignores `found_inf`, the gradients are
-zeroed on the device instead (see `skip_if_nonfinite_step`). Only a non-fused optimizer needs
-the host to decide (one sync per step).
+device and are fetched in one transfer every `log_every` steps, at every checkpoint, at the end,
+and after the run's first step (its time, which holds a compiled run's compilation, is then its
+own); metrics.jsonl still gets one line per optimizer step.
 
 Collectives use only dtypes that HCCL accepts for the operation on Ascend 910B (float32 sums,
 int64 gathers; never float64): torch_npu v2.11.0-26.1.0,
@@ -32,11 +30,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from pisft import device as devices
 from pisft.train.batches import split_rand
 from pisft.train.metrics import mfu as compute_mfu
+from pisft.train.step import StepSettings, train_step
 
 
 class Task(Protocol):
@@ -72,51 +70,6 @@ class LoopSettings:
 def _comm_device(device: torch.device) -> torch.device:
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
     return torch.device("cpu") if backend == "gloo" else device
-
-
-def _on_device(t: torch.Tensor) -> torch.Tensor:
-    """The value of a (replicated) DTensor as a plain tensor, without leaving the device."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-# Device kinds whose fused AdamW kernel honours `found_inf` (torch's CPU and CUDA kernels).
-# torch_npu's `_fused_adamw_` (Ascend/op-plugin, op_plugin/ops/opapi/FusedAdamWKernelNpuOpApi.cpp)
-# takes `found_inf` in its signature but never reads it: on an NPU the step would be applied.
-FOUND_INF_HONOURED = ("cpu", "cuda")
-
-
-def _zero_nonfinite_grads(params: list[torch.Tensor], finite: torch.Tensor) -> None:
-    """Every gradient becomes 0 when `finite` is False, on the device (NaN * 0 would stay NaN)."""
-    bad = ~finite
-    for p in params:
-        if p.grad is not None:
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            grad.masked_fill_(bad, 0.0)
-
-
-def skip_if_nonfinite_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor, kind: str,
-                           params: list[torch.Tensor]) -> None:
-    """optimizer.step(), not applied as computed when `finite` (a device bool tensor) is False.
-
-    Fused AdamW on CPU/CUDA skips the step on the device (parameters, moments and step count
-    untouched). On an NPU the gradients are zeroed on the device instead: parameters and moments
-    stay finite, and the step coasts on the momentum; a run with stop_on_nonfinite stops at the
-    next fetch, before any checkpoint, so no saved state contains that step. A non-fused
-    optimizer asks the host (one sync per optimizer step).
-    """
-    if not optimizer.defaults.get("fused"):
-        if bool(finite):
-            optimizer.step()
-        return
-    if kind not in FOUND_INF_HONOURED:
-        _zero_nonfinite_grads(params, finite)
-        optimizer.step()
-        return
-    optimizer.found_inf = (~finite).to(torch.float32)
-    try:
-        optimizer.step()
-    finally:
-        del optimizer.found_inf
 
 
 @dataclass
@@ -178,42 +131,40 @@ def run(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, task
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     records: list[dict[str, Any]] = []
-    flops_per_sample: float | None = None
+    flops: list[float | None] = []
+    waits = [0.0]
+    step_settings = StepSettings(accum=s.accum, grad_clip=s.grad_clip, kind=s.kind, device=s.device)
+
+    def next_micro_batch() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        tw = time.perf_counter()
+        batch = next(batches)
+        waits[0] += time.perf_counter() - tw
+        batch, rand = split_rand(batch)
+        batch = task.prepare(batch)
+        rand = {k: v.to(s.device, non_blocking=True) for k, v in rand.items()}
+        if not flops:
+            flops.append(task.flops_per_sample(batch))
+        return batch, rand
+
     devices.synchronize(s.kind)
     pending = _Pending(since=time.perf_counter())
     for step in range(start_step, s.steps):
-        data_wait = 0.0
-        loss_sum = torch.zeros((), dtype=torch.float32, device=s.device)
+        waits[0] = 0.0
         pending.lrs.append(float(scheduler.get_last_lr()[0]))
-        for _ in range(s.accum):
-            tw = time.perf_counter()
-            batch = next(batches)
-            data_wait += time.perf_counter() - tw
-            batch, rand = split_rand(batch)
-            batch = task.prepare(batch)
-            rand = {k: v.to(s.device, non_blocking=True) for k, v in rand.items()}
-            if flops_per_sample is None:
-                flops_per_sample = task.flops_per_sample(batch)
-            loss = task.loss(model, batch, rand)
-            (loss / s.accum).backward()
-            loss_sum += loss.detach().float()
-        grad_norm = _on_device(torch.nn.utils.clip_grad_norm_(params, s.grad_clip,
-                                                              error_if_nonfinite=False))
-        finite = torch.isfinite(grad_norm)
-        skip_if_nonfinite_step(optimizer, finite, s.kind, params)
-        if ema is not None:
-            ema.update(finite)
-        optimizer.zero_grad(set_to_none=True)
+        outcome = train_step(model, optimizer, task, next_micro_batch, step_settings, params=params, ema=ema)
+        loss_sum, grad_norm, data_wait = outcome.loss_sum, outcome.grad_norm, waits[0]
+        flops_per_sample = flops[0] if flops else None
         with warnings.catch_warnings():  # a skipped (non-finite) step still advances the schedule
             warnings.simplefilter("ignore", UserWarning)
             scheduler.step()
         pending.steps.append(step)
         pending.losses.append(loss_sum)
-        pending.grad_norms.append(grad_norm.detach())
+        pending.grad_norms.append(grad_norm)
         pending.data_waits.append(data_wait)
         saving = save is not None and ((s.save_every and (step + 1) % s.save_every == 0)
                                        or step + 1 == s.steps)
-        if not (saving or (step + 1) % s.log_every == 0 or step + 1 == s.steps):
+        first = step == start_step  # fetched alone: its time is the run's first step (compilation)
+        if not (first or saving or (step + 1) % s.log_every == 0 or step + 1 == s.steps):
             continue
         fetched = _fetch(pending, s, flops_per_sample)
         pending = _Pending(since=time.perf_counter())

@@ -171,7 +171,10 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
             f"micro batch {t.micro_batch_size} × accumulation {sampler.layout.accum} × "
             f"{ctx.world_size} = global batch {plan.global_batch}; steps {start_step}..{plan.steps}; "
             f"train set {len(built.train_set)} frames")
+    compiled = built.compiler is not None and built.compiler.enabled
+    blocks = built.compiler.describe() if built.compiler is not None else "eager"
     ctx.log(f"precision {t.precision}; {'FSDP2' if ctx.world_size > 1 else 'unsharded (one process)'}; "
+            f"blocks {blocks} (train.compile: {t.compile}); "
             f"data-loader workers {workers} per process (train.num_workers {t.num_workers}); "
             f"peak FLOP/s: {peak_source}"
             + (f"; EMA of the trained weights, decay {ema.decay}" if ema is not None else "")
@@ -181,6 +184,9 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
     tb = TensorBoardSink(ckpt_root / "tensorboard") if (t.tensorboard and ctx.is_main) else None
 
     def on_step(record: dict) -> None:
+        if ctx.is_main and compiled and record["step"] == start_step + 1:
+            ctx.log(f"first step {record['step_time_s']:.1f} s (the blocks' compilation included; "
+                    f"cached in {layout.compile_cache(cfg)})")
         if ctx.is_main:
             record = {**record, "epoch": sampler.epoch_of(record["step"])}
             metrics_log.append(record)

@@ -3,9 +3,11 @@
 
 dvc.yaml runs each stage's command through this module (`python -m pisft.workflow.drivers dvc
 <stage> -- <the rule's command>`), which
-- before the stage checks that dvc.yaml was generated for this config's shape (paths are DVC
-  templates, but whether the model comes from a local folder, the closed-loop stage and the
-  device's lock change the stages); if not, it regenerates dvc.yaml and stops with one line;
+- as `config_check`, the stage DVC runs before any other when a key of the config's shape
+  changed (pisft.workflow.dvc_yaml), and again before each stage (`dvc repro -s` runs one alone),
+  checks that dvc.yaml was generated for this config's shape (whether the model comes from a
+  local folder, the closed-loop stage, the RECAP stages, the device's lock, the data sources);
+  if not, it regenerates dvc.yaml and stops with one line;
 - after the stage succeeds writes the rule's benchmark file (`results/benchmarks/<stage>.tsv`,
   in Snakemake's format) and Snakemake's record of the job (`snakemake <stage> --touch
   --forcerun <stage>`: the job's params, code and inputs in .snakemake/metadata), so that
@@ -51,28 +53,63 @@ def pin_threads() -> int:
     return threads
 
 
-def check_dvc_shape(cfg: PisftConfig, dvc_file: Path = Path("dvc.yaml")) -> None:
-    """Under DVC: stop (with dvc.yaml regenerated) when dvc.yaml has another shape than the config."""
+def _shape_difference(written: str | None, wanted: str) -> str:
+    """The parts of two shapes that differ (`key old -> new`), or both whole."""
+    if written is None:
+        return f"dvc.yaml has no shape line; config/config.yaml is shaped '{wanted}'"
+    old = dict(part.split("=", 1) for part in written.split() if "=" in part)
+    new = dict(part.split("=", 1) for part in wanted.split() if "=" in part)
+    diff = [f"{k} {old.get(k, '(none)')} -> {new.get(k, '(none)')}" for k in dict.fromkeys([*old, *new])
+            if old.get(k) != new.get(k)]
+    return "; ".join(diff) or f"'{written}' -> '{wanted}'"
+
+
+def check_dvc_shape(cfg: PisftConfig, dvc_file: Path = Path("dvc.yaml"), *, removed: str | None = None) -> None:
+    """Under DVC: stop (with dvc.yaml regenerated) when dvc.yaml has another shape than the config.
+    `removed`: the stage whose outputs DVC removed before this check (None: config_check, which
+    runs before any stage, so none were)."""
     from pisft.workflow import dvc_yaml
 
     written = dvc_yaml.shape_of(dvc_file.read_text()) if dvc_file.is_file() else None
     wanted = dvc_yaml.shape(cfg)
     if written == wanted:
         return
+    what = f"dvc.yaml was generated for another config ({_shape_difference(written, wanted)})"
+    kept = ("nothing ran and no output was removed" if removed is None else
+            f"`dvc checkout {removed}` restores the outputs DVC removed before this check")
     with open(os.devnull, "w") as quiet:
         old, sys.stdout = sys.stdout, quiet
         try:
             dvc_yaml.main(output=str(dvc_file))
         except Exception as exc:  # noqa: BLE001 - e.g. the Snakefile refuses the config
-            raise PisftError(f"dvc.yaml was generated for a config shaped '{written}', and "
-                             f"config/config.yaml is now '{wanted}'; regenerating it failed ({exc}): "
-                             "fix that, run `python -m pisft dvc-yaml`, then `dvc repro`") from None
+            raise PisftError(f"{what}; regenerating it failed ({exc}): fix that, run `python -m pisft dvc-yaml`, "
+                             f"then `dvc repro` ({kept})") from None
         finally:
             sys.stdout = old
-    raise PisftError(
-        f"dvc.yaml was generated for a config shaped '{written}', and config/config.yaml is now "
-        f"'{wanted}'; dvc.yaml has been regenerated for it: run `dvc repro` again (and commit dvc.yaml)"
-    )
+    raise PisftError(f"{what}; dvc.yaml has been regenerated for it (`python -m pisft dvc-yaml`): run `dvc repro` "
+                     f"again and commit dvc.yaml ({kept})")
+
+
+def run_check(config_file: str) -> int:
+    """config_check (dvc_yaml.CHECK_STAGE): before any stage, the config valid and dvc.yaml of its
+    shape; then the file every stage depends on."""
+    from pisft import config as pisft_config
+    from pisft.io import write_text_atomic
+    from pisft.workflow import dvc_yaml
+
+    try:
+        cfg = pisft_config.load(config_file)
+        check_dvc_shape(cfg)
+    except PisftError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        write_text_atomic(Path(cfg.results_dir, dvc_yaml.CHECK_FILE), dvc_yaml.CHECK_TEXT)
+    except OSError as exc:
+        print(f"error: {dvc_yaml.CHECK_STAGE}: {_disk_text(exc)}; nothing ran: free space there (or set "
+              "results_dir to a larger disk) and run `dvc repro` again", file=sys.stderr)
+        return 1
+    return 0
 
 
 def write_benchmark(path: Path, started: float) -> None:
@@ -131,7 +168,7 @@ def run_dvc_stage(stage: str, cmd: list[str]) -> int:
     cfg = _config_of(cmd)
     if cfg is not None:
         try:
-            check_dvc_shape(cfg)
+            check_dvc_shape(cfg, removed=stage)
         except PisftError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -139,9 +176,22 @@ def run_dvc_stage(stage: str, cmd: list[str]) -> int:
     code = _run_forwarding_termination(cmd)
     if code != 0 or cfg is None:
         return code
-    write_benchmark(layout.benchmark(cfg, stage), started)
+    try:
+        write_benchmark(layout.benchmark(cfg, stage), started)
+    except OSError as exc:  # the stage's outputs are complete; its wall-time row is not essential
+        print(f"{stage}: benchmark row not written ({_disk_text(exc)}); the stage's outputs are complete",
+              file=sys.stderr)
     record_for_snakemake(stage)
     return 0
+
+
+def _disk_text(exc: OSError) -> str:
+    from pisft import disk_space
+
+    where = exc.filename or "results_dir"
+    if disk_space.is_full_disk(exc):
+        return f"{where}: {disk_space.MARK}, {disk_space.human(disk_space.free_bytes(where))} free"
+    return f"{where}: {exc.strerror or exc}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) < 4 or argv[0] != "dvc" or argv[2] != "--":
         print("usage: python -m pisft.workflow.drivers dvc <stage> -- <command>", file=sys.stderr)
         return 2
+    from pisft.workflow.dvc_yaml import CHECK_STAGE
+
+    if argv[1] == CHECK_STAGE:
+        return run_check(argv[3])
     return run_dvc_stage(argv[1], argv[3:])
 
 

@@ -2,11 +2,20 @@
 
 Each rule becomes a stage with the same command, its inputs as deps, the config keys it
 tracks as params, and its outputs as outs. Paths that follow the config are DVC templates
-read from `config/config.yaml` (`vars:`): `${results_dir}/...`, `${data.recap_dir}`, a local
-`${model.source}` and `${model.tokenizer}`. So changing those paths needs no new dvc.yaml;
-only the config's *shape* does (docs/workflow.md, "Profiles"): whether the model and tokenizer come from
-a local folder, the closed-loop stage, the device's dependency lock. The shape is written in
-the header. DVC runs each command through `pisft.workflow.drivers`, which checks the shape and
+read from `config/config.yaml` (`vars:`): `${results_dir}/...`, a local `${model.source}` and
+`${model.tokenizer}`. So changing those paths needs no new dvc.yaml; the config's *shape* does
+(docs/workflow.md, "Profiles"): whether the model and tokenizer come from a local folder, the
+closed-loop stage, the RECAP loop's stages, the device's dependency lock, and the data sources
+(`data.recap_dir`: every folder it names is a dep of convert_recap by its path, one folder or a
+list alike; a template could not follow a list, nor a third source added to two). The shape is
+written in the header.
+
+Before any stage, DVC runs `config_check` (`CHECK_STAGE`, DVC only): every stage depends on its
+small output, so DVC reproduces it first, and it depends on the keys of the shape, so it runs
+when one of them changes. It stops the run (dvc.yaml regenerated, one line) when the config no
+longer has the shape dvc.yaml was generated for, before DVC has removed any stage's outputs,
+which it does before running a stage's command. DVC runs each command through
+`pisft.workflow.drivers`, which checks the shape again (`dvc repro -s` skips config_check) and
 keeps Snakemake's records in step (docs/workflow.md, "Both drivers agree").
 
 Everything DVC-only lives here, not in the Snakemake rules (where a changed value would rerun
@@ -60,15 +69,26 @@ def _local(path_text: str) -> bool:
     return bool(text) and text not in NAMED and not text.startswith(HF_PREFIX)
 
 
+# The keys the shape is made of (`shape`): config_check depends on them, so a change runs it.
+SHAPE_KEYS = ("device", "model.source", "model.tokenizer", "eval.closed_loop", "recap.iterations", "recap.init",
+              "recap.value_init", "data.recap_dir")
+CHECK_STAGE = "config_check"
+CHECK_FILE = "dvc_check.txt"  # under results_dir: what config_check writes and every stage depends on
+CHECK_TEXT = "dvc.yaml matches the shape of config/config.yaml (config_check, python -m pisft.workflow.drivers)\n"
+
+
 def shape(cfg: pisft_config.PisftConfig) -> str:
-    """What of the config changes dvc.yaml's structure (paths do not: they are templates)."""
+    """What of the config changes dvc.yaml's structure (the results and model paths do not: they
+    are templates)."""
     from pisft.stages import code_deps
 
     lock = code_deps("fetch_base", cfg.device)[-1]
+    sources = ",".join(Templater(cfg).path(s.path.rstrip("/")) for s in pisft_config.data_sources(cfg))
     return (f"model.source={'local' if _local(cfg.model.source) else cfg.model.source.split(':')[0]} "
             f"model.tokenizer={'local' if _local(cfg.model.tokenizer) else 'other'} "
             f"eval.closed_loop={str(cfg.eval.closed_loop).lower()} recap.iterations={cfg.recap.iterations} "
-            f"recap.init={cfg.recap.init} recap.value_init={cfg.recap.value_init} lock={lock}")
+            f"recap.init={cfg.recap.init} recap.value_init={cfg.recap.value_init} lock={lock} "
+            f"data.recap_dir={sources}")
 
 
 def shape_of(text: str) -> str | None:
@@ -84,14 +104,10 @@ class Templater:
     def __init__(self, cfg: pisft_config.PisftConfig):
         self.results = cfg.results_dir.rstrip("/")
         self.folders = {}
-        value = cfg.data.recap_dir
-        if isinstance(value, str):
-            self.folders[value.rstrip("/")] = "${data.recap_dir}"
-        else:  # a list of typed sources: each path by its position (DVC reads `a.0.b` as a[0].b)
-            for i, item in enumerate(value):
-                path, key = (item, f"data.recap_dir.{i}") if isinstance(item, str) else \
-                    (item["path"], f"data.recap_dir.{i}.path")
-                self.folders[str(path).rstrip("/")] = "${" + key + "}"
+        # the data sources by their paths (in the shape): Snakemake lists an outside folder's files
+        for source in pisft_config.data_sources(cfg):
+            folder = source.path.rstrip("/")
+            self.folders[folder] = self.path(folder)
         for key, value in (("model.source", cfg.model.source), ("model.tokenizer", cfg.model.tokenizer)):
             if _local(value):
                 self.folders[value.rstrip("/")] = "${" + key + "}"
@@ -108,12 +124,13 @@ class Templater:
         return " ".join(self.path(token) for token in cmd.split(" "))
 
     def model_folders(self) -> list[str]:
-        return [t for t in self.folders.values() if not t.startswith("${data.recap_dir")]
+        return [t for t in self.folders.values() if t.startswith("${model.")]
 
     def under_folder(self, path: str) -> str | None:
-        """The template of a local model source / tokenizer folder `path` lies in, if any."""
+        """The dep of the folder `path` lies in (a local model source or tokenizer, a data
+        source), if any: DVC hashes the folder whole."""
         for folder, template in self.folders.items():
-            if not template.startswith("${data.recap_dir") and path.startswith(folder + "/"):
+            if path.startswith(folder + "/"):
                 return template
         return None
 
@@ -128,8 +145,8 @@ def stage_for(rule: RuleSpec, cfg: pisft_config.PisftConfig) -> dict:
             deps.append(dep)
     if rule.name == "fetch_base":  # a local model folder is a dep by shape, present yet or not
         deps.extend(d for d in t.model_folders() if d not in deps)
-    if deps or rule.code:
-        stage["deps"] = [*deps, *rule.code]
+    deps.append(t.path(str(Path(cfg.results_dir, CHECK_FILE))))  # after config_check (module docstring)
+    stage["deps"] = [*deps, *rule.code]
     if rule.tracked_keys:
         stage["params"] = [{rule.config_file: list(rule.tracked_keys)}]
     outs: list = []
@@ -166,10 +183,20 @@ def top_level_plots(rules: list[RuleSpec], cfg: pisft_config.PisftConfig) -> lis
     return plots
 
 
+def check_stage(cfg: pisft_config.PisftConfig) -> dict:
+    """config_check: the shape's keys as params, the file every stage depends on as its output."""
+    t = Templater(cfg)
+    # persist: DVC removes a stage's outputs before its command, unless persisted; a refused check
+    # then leaves the file every stage depends on as it was (`dvc status` does not see them all changed)
+    return {"cmd": f"{WRAPPER} {CHECK_STAGE} -- {VARS_FILE}",
+            "params": [{VARS_FILE: list(SHAPE_KEYS)}],
+            "outs": [{t.path(str(Path(cfg.results_dir, CHECK_FILE))): {"persist": True}}]}
+
+
 def render(rules: list[RuleSpec], config: dict) -> str:
     cfg = pisft_config.from_dict(dict(config))
     doc: dict = {"vars": [VARS_FILE],
-                 "stages": {rule.name: stage_for(rule, cfg) for rule in rules}}
+                 "stages": {CHECK_STAGE: check_stage(cfg), **{rule.name: stage_for(rule, cfg) for rule in rules}}}
     plots = top_level_plots(rules, cfg)
     if plots:
         doc["plots"] = plots

@@ -54,7 +54,8 @@ def _filled(text: str, dvc_yaml: Path, results_dir: str | Path) -> str:
                 node = node[part]
             else:
                 return match.group(0)
-        return str(node)
+        # a list or mapping (dvc.yaml made for another shape of the config): left as written
+        return match.group(0) if isinstance(node, dict | list) else str(node)
 
     return re.sub(r"\$\{([a-zA-Z_.0-9]+)\}", value, text)
 
@@ -76,7 +77,7 @@ def downstream_outputs(stage: str, dag: dict[str, dict]) -> list[str]:
     children: dict[str, set[str]] = {name: set() for name in dag}
     for name, st in dag.items():
         for dep in st["deps"]:
-            if dep in produced_by:
+            if isinstance(dep, str) and dep in produced_by:
                 children[produced_by[dep]].add(name)
     seen: set[str] = set()
     todo = [stage]

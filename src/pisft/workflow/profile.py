@@ -79,6 +79,52 @@ def _represent_float(representer, value: float):
     return representer.represent_scalar("tag:yaml.org,2002:float", text)
 
 
+# The profiles applied to config/config.yaml, in order, recorded in the file itself (one comment
+# line; `git checkout config/config.yaml` resets it with the keys): a later profile that replaces
+# a key an earlier one set, and that still holds that value, says so (a device profile applied
+# after a recipe silently replaced the recipe's batch, learning rate and iterations).
+RECORD = "# profiles applied (python -m pisft profile), in order: "
+
+
+def applied_profiles(text: str) -> list[str]:
+    for line in text.splitlines():
+        if line.startswith(RECORD):
+            return [p.strip() for p in line[len(RECORD):].split(",") if p.strip()]
+    return []
+
+
+def _with_record(text: str, profiles: list[str]) -> str:
+    """`text` with the record line naming `profiles`, in place of the old one or at the end of the
+    file's opening comment."""
+    lines = [line for line in text.splitlines(keepends=True) if not line.startswith(RECORD)]
+    at = next((i for i, line in enumerate(lines) if not line.startswith("#")), len(lines))
+    return "".join([*lines[:at], RECORD + ", ".join(dict.fromkeys(profiles)) + "\n", *lines[at:]])
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _replaced(text: str, doc, overlay: dict) -> dict[str, list[tuple[str, object, object]]]:
+    """Per earlier profile still in effect: the keys `overlay` gives another value, (key, old, new)."""
+    now = pisft_config.flatten(_plain(dict(doc)))
+    new = pisft_config.flatten(_plain(overlay))
+    out: dict[str, list[tuple[str, object, object]]] = {}
+    for earlier in applied_profiles(text):
+        if not Path(earlier).is_file():
+            continue
+        theirs = pisft_config.flatten(_plain(_read_profile(Path(earlier))))
+        keys = [(k, now[k], new[k]) for k in new if k in theirs and k in now
+                and now[k] == theirs[k] and new[k] != now[k]]
+        if keys:
+            out[earlier] = keys
+    return out
+
+
 def switch(profile: str | Path, config: str | Path = pisft_config.DEFAULT_CONFIG,
            dvc_file: str | Path = "dvc.yaml") -> int:
     from ruamel.yaml import YAML  # round-trip YAML (comments kept); installed with DVC
@@ -93,13 +139,20 @@ def switch(profile: str | Path, config: str | Path = pisft_config.DEFAULT_CONFIG
         doc = rt.load(config.read_text())
     except RuamelError as exc:
         raise PisftError(f"{config}: not valid YAML: {exc}") from None
+    text = config.read_text()
+    replaced = _replaced(text, doc, overlay)
     _merge(doc, overlay)
     buffer = io.StringIO()
     rt.dump(doc, buffer)
+    text = _with_record(buffer.getvalue(), [*applied_profiles(text), str(profile)])
     # before any write: what both drivers will read, alike (numbers as numbers), and valid
     source = f"{config} with {profile}"
-    pisft_config.from_dict(pisft_config.yaml_text(buffer.getvalue(), source), source)
-    write_text_atomic(config, buffer.getvalue())
+    pisft_config.from_dict(pisft_config.yaml_text(text, source), source)
+    write_text_atomic(config, text)
+    for earlier, keys in replaced.items():
+        print(f"note: {profile} replaces {len(keys)} key(s) that {earlier}, applied before, set: "
+              + ", ".join(f"{k} {old!r} -> {new!r}" for k, old, new in keys)
+              + f" (the later profile wins; to keep {earlier}'s values apply it last)")
     from pisft.workflow import dvc_yaml
 
     with contextlib.redirect_stdout(io.StringIO()):

@@ -12,7 +12,7 @@ import yaml
 
 from pisft import layout
 from pisft import config as pisft_config
-from pisft.io import write_text_atomic
+from pisft.io import WORKFLOW_MARKERS, write_text_atomic
 from pisft.stages import STAGES, code_deps
 
 DEFAULT_FILE = pisft_config.DEFAULT_CONFIG.as_posix()
@@ -114,6 +114,7 @@ def record_in_dvc(workflow, config_file: str) -> list[str]:
     stage, when the stages read another config than dvc.yaml's (`--configfile`), or when
     dvc.yaml does not describe these rules.
     """
+    release_dvc_lock()  # held since onstart (`hold_dvc_lock`): dvc commit takes it
     if workflow.touch or os.environ.get("DVC_STAGE") or not Path(".dvc").is_dir():
         return []
     if config_file != DEFAULT_FILE:
@@ -133,6 +134,10 @@ def record_in_dvc(workflow, config_file: str) -> list[str]:
     done = sorted({job.rule.name for job in dag.jobs if dag.noneedrun_finished(job)} & stages)
     if not done:
         return []
+    if dvc_yaml.CHECK_STAGE in stages:  # dvc.yaml matches these rules and this config (checked above)
+        cfg = pisft_config.from_dict(dict(workflow.config))
+        write_text_atomic(Path(cfg.results_dir, dvc_yaml.CHECK_FILE), dvc_yaml.CHECK_TEXT)
+        done = [dvc_yaml.CHECK_STAGE, *done]
     dvc = Path(sys.executable).with_name("dvc")
     exe = str(dvc) if dvc.exists() else shutil.which("dvc")
     if exe is None:
@@ -149,6 +154,69 @@ def record_in_dvc(workflow, config_file: str) -> list[str]:
     names = ", ".join(done)
     _dvc_say(f"recorded {names}" if len(names) <= 120 else f"recorded the {len(done)} stages this run finished")
     return done
+
+
+# One run writes results/ at a time. `dvc repro` holds DVC's repository lock (.dvc/tmp/lock, a
+# zc.lockfile, dvc/lock.py) except while a stage's command runs (dvc/stage/run.py `unlocked_repo`),
+# when its entries in DVC's rwlock file (.dvc/tmp/rwlock, dvc/rwlock.py: {"write": {path: {pid,
+# cmd}}, "read": {path: [{pid, cmd}]}}) name the stage's outputs and inputs; DVC 3.67.1. A
+# Snakemake run takes the repository lock when its jobs start (onstart) and keeps it until its own
+# `dvc commit` (record_in_dvc). So a `dvc repro` started beside a running Snakemake stops at once
+# with DVC's lock message, before it removes or writes anything, and a Snakemake started beside a
+# running `dvc repro` (holding the lock, or running a stage) stops before its first job, naming it.
+DVC_LOCK = Path(".dvc/tmp/lock")
+DVC_RWLOCK = Path(".dvc/tmp/rwlock")
+_HELD: list = []
+
+
+def _dvc_stage_running() -> str | None:
+    """The command of a DVC stage running now (a live pid in DVC's rwlock file), or None."""
+    import json
+
+    try:
+        entries = json.loads(DVC_RWLOCK.read_text())
+    except (OSError, ValueError):
+        return None
+    infos = [*(entries.get("write") or {}).values(),
+             *(info for infos in (entries.get("read") or {}).values() for info in infos)]
+    for info in infos:
+        try:
+            os.kill(int(info["pid"]), 0)
+        except (ProcessLookupError, KeyError, TypeError, ValueError):
+            continue
+        except PermissionError:
+            pass
+        return f"pid {info['pid']}: {info.get('cmd', '?')}"
+    return None
+
+
+def hold_dvc_lock(workflow) -> None:
+    """At the start of a real run (onstart): take DVC's lock, or stop naming the DVC run that has
+    it. Not for `--touch` (a DVC stage records its job that way while DVC runs) nor inside a DVC
+    stage."""
+    if workflow.touch or os.environ.get("DVC_STAGE") or not Path(".dvc").is_dir() or _HELD:
+        return
+    import zc.lockfile
+
+    DVC_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _HELD.append(zc.lockfile.LockFile(str(DVC_LOCK), content_template="{pid} snakemake"))
+        running = _dvc_stage_running()
+    except zc.lockfile.LockError:
+        running = f"pid {(DVC_LOCK.read_text().split() or ['?'])[0] if DVC_LOCK.is_file() else '?'}"
+    if running is None:
+        return
+    release_dvc_lock()
+    sys.stderr.write(f"error: a DVC run is working on this checkout ({running}): one run writes results/ at a "
+                     "time; nothing was run or removed: wait for it to end (or stop it), then run Snakemake "
+                     "again\n")
+    sys.stderr.flush()
+    raise SystemExit(1)  # before any job
+
+
+def release_dvc_lock() -> None:
+    while _HELD:
+        _HELD.pop().close()
 
 
 # The gres name a Slurm site declares for each device kind (gres.conf, `--gres=<name>:<count>`):
@@ -174,6 +242,21 @@ def accelerator_resources(cfg: pisft_config.PisftConfig, nproc: int) -> dict:
         # cpus_per_task each, where the launcher is one task that starts torchrun's 8 workers.
         resources["tasks_per_gpu"] = 0
     return resources
+
+
+def source_inputs(cfg: pisft_config.PisftConfig) -> list[str]:
+    """convert_recap's data sources as Snakemake inputs: a folder outside results_dir (no rule
+    writes it) as every file in it (Snakemake compares a folder by its own time stamp, which a
+    changed or added file deep inside does not move: a source whose data changed was "Nothing to
+    be done"); a folder under results_dir (the demo, a stage's output) as the folder."""
+    results = Path(cfg.results_dir).absolute()
+    inputs: list[str] = []
+    for source in pisft_config.data_sources(cfg):
+        folder = Path(source.path)
+        files = [] if folder.absolute().is_relative_to(results) or not folder.is_dir() else sorted(
+            p.as_posix() for p in folder.rglob("*") if p.is_file() and p.name not in WORKFLOW_MARKERS)
+        inputs.extend(files or [source.path])
+    return inputs
 
 
 def model_source_inputs(cfg: pisft_config.PisftConfig) -> list[str]:

@@ -7,6 +7,10 @@ and `import torch_npu` does what the real package does on import, as far as pisf
   cards of 64 GiB; `torch.npu.calls` records `set_device`); tensors stay on the CPU;
 - provides `npu_fusion_attention` (a CPU reference; calls recorded in `fusion_attention_calls`),
   which transformers imports as soon as it sees torch_npu;
+- registers the "npugraph_ex" torch.compile backend, as the real package does on import
+  (torch_npu/dynamo/__init__.py, `_register_backends`, torch_npu v2.11.0): the real one captures the
+  graph for ACLGraph replay; here it runs the captured FX graph as it is on the CPU and records it
+  in `npugraph_ex_graphs`, so a test sees which backend pisft compiles with and how many graphs;
 - registers the "hccl" process-group backend. Here it is gloo on the CPU, wrapped by
   `pisft.inspect.collective_audit.AuditedProcessGroup` with HCCL's per-operation dtype table
   enforced (torch_npu v2.11.0-26.1.0, see `collective_audit.HCCL_TABLE`): a collective that
@@ -14,6 +18,7 @@ and `import torch_npu` does what the real package does on import, as far as pisf
 """
 
 import contextlib
+import sys
 import types
 
 import torch
@@ -63,7 +68,8 @@ cann_versions = {"CANN": "9.1.0", "DRIVER": "26.0.rc1"}
 memory = {i: (60 * 2**30, 64 * 2**30) for i in range(8)}
 
 calls: list = []
-npu = types.SimpleNamespace(
+npu = types.ModuleType("torch.npu")  # a module (torch.compile imports torch.<device>) with these attributes
+npu.__dict__.update(
     is_available=lambda: True,
     device_count=lambda: 8,
     set_device=lambda i: calls.append(("set_device", i)),
@@ -81,6 +87,10 @@ npu = types.SimpleNamespace(
     calls=calls,
 )
 torch.npu = npu
+sys.modules["torch.npu"] = npu
+# torch.accelerator's stream API asks the device's C++ guard, which the real package registers; the
+# tensors here are host tensors, so the current stream is the CPU's (torch.compile asks for it).
+torch.accelerator.current_stream = lambda device=None: torch.Stream("cpu")
 
 fusion_attention_calls: list = []
 
@@ -113,6 +123,22 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     return out, None, None, None, 0, 0, 0
 
 STAND_IN = True
+
+npugraph_ex_graphs: list = []
+
+
+def _npugraph_ex(gm, example_inputs, **kwargs):
+    npugraph_ex_graphs.append(gm)
+    return gm.forward
+
+
+def _register_npugraph_ex() -> None:
+    from torch._dynamo import register_backend
+
+    register_backend(_npugraph_ex, "npugraph_ex")
+
+
+_register_npugraph_ex()
 
 
 def _register_hccl() -> None:

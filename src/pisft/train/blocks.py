@@ -1,0 +1,158 @@
+"""The training step's repeated blocks: each one an FSDP2 unit's forward, a checkpointed region and
+a compiled region (`train.compile`).
+
+pi0.5's training forward (`pisft.model.lerobot_internals`, 11.) runs each decoder layer pair (with a
+frozen VLM: each VLM layer and each expert layer) as one call of `run_block` on the block's first
+layer, its anchor; HF's SigLIP encoder calls each encoder layer as a module. Here each block gets a
+runner (`BlockRunner`, set as the anchor's `BLOCK_RUNNER` attribute):
+
+- FSDP2: the runner is registered as a forward method of the unit holding the block
+  (`torch.distributed.fsdp.register_fsdp_forward_method`): FSDP2 gathers the unit before the
+  block, frees it after, and reduce-scatters its gradients after the block's backward. Its hooks
+  run around the runner, outside the compiled region, as torchtitan's FSDP2 units wrap each
+  compiled TransformerBlock (torchtitan/models/llama3/infra/parallelize.py, `apply_compile` then
+  `apply_fsdp`). A unit of several blocks (the CPU's merged units, `fsdp.merge_small_units`) is
+  gathered by its first block and kept until its backward.
+- Activation checkpointing: the runner recomputes the block in backward (`checkpointed`); the
+  recomputation runs the block's function, not FSDP2's forward hooks (the unit is gathered by
+  FSDP2's pre-backward hook on the block's outputs).
+- torch.compile (`train.compile: layers`): the block's function (`pair_layer`, `prefix_layer`,
+  `suffix_layer`; the SigLIP layer's forward) is compiled once per function and reused by every
+  block of that kind (Dynamo treats the layers' parameters as inputs,
+  `torch._dynamo.config.inline_inbuilt_nn_modules`, so one graph serves all 18 pairs), with
+  static shapes (a micro-batch's shapes do not change within a run). Inside, inductor fuses the
+  element-wise work between the matrix products (norms, rotary embedding, gated residuals,
+  activations, the autocast casts) into a few kernels; the products stay cuBLAS/oneDNN calls.
+  The backend is inductor on CPU and CUDA, torchair's on an NPU (`COMPILE_BACKENDS`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+from pisft.model.lerobot_internals import BLOCK_RUNNER, checkpointed
+
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def _inductor(kind: str) -> Any:  # noqa: ARG001 - every backend function takes the device kind
+    return "inductor"
+
+
+def _torchair(kind: str) -> Any:  # noqa: ARG001
+    """torch_npu's graph mode: torchair's Dynamo backend (Ascend/torchair, python/torchair/npu_fx_compiler.py
+    `get_npu_backend`; torch-npu 2.11.0 bundles torchair as `torch_npu.dynamo.torchair`, CANN 9.1.0's
+    docs "PyTorch graph mode (TorchAir)": `torch.compile(model, backend=torchair.get_npu_backend(config=...))`).
+    The default CompilerConfig runs the graph in max-autotune mode (the whole graph sunk to the NPU as one
+    GE graph); pisft keeps it."""
+    try:
+        torchair = importlib.import_module("torch_npu.dynamo.torchair")
+    except ImportError:
+        torchair = importlib.import_module("torchair")
+    return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
+
+
+COMPILE_BACKENDS: dict[str, Callable[[str], Any]] = {"cpu": _inductor, "cuda": _inductor, "npu": _torchair}
+# train.compile: auto, by device kind: off on the CPU (compiling the tiny model takes longer than the
+# embedded default's whole training, docs/benchmarks.md), the blocks compiled on an accelerator.
+AUTO = {"cpu": "off", "cuda": "layers", "npu": "layers"}
+
+
+@dataclass
+class Compiler:
+    """torch.compile for one run (train.compile): one compiled function per block function."""
+
+    mode: str = "off"
+    kind: str = "cpu"
+    compiled: dict[Any, Callable] = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def describe(self) -> str:
+        return f"compiled per block ({'torchair' if self.kind == 'npu' else 'inductor'})" if self.enabled else "eager"
+
+    def __call__(self, fn: Callable) -> Callable:
+        if not self.enabled:
+            return fn
+        if fn not in self.compiled:
+            backend = COMPILE_BACKENDS[self.kind](self.kind)
+            self.compiled[fn] = torch.compile(fn, backend=backend, dynamic=False)
+        return self.compiled[fn]
+
+
+def compiler_for(mode: str, kind: str, cache_dir: Any, log: Callable[[str], None]) -> Compiler:
+    """The run's Compiler for train.compile `mode` on devices of `kind`: `auto` resolved, the
+    backend checked (a device without one runs eagerly, saying so in one line), the compiled code
+    cached in `cache_dir` (unless TORCHINDUCTOR_CACHE_DIR is set)."""
+    chosen = AUTO.get(kind, "off") if mode == "auto" else mode
+    if chosen == "off":
+        return Compiler("off", kind)
+    if kind not in COMPILE_BACKENDS:
+        log(f"train.compile: {mode}: no compiler backend for {kind} devices; the step runs eagerly")
+        return Compiler("off", kind)
+    try:
+        COMPILE_BACKENDS[kind](kind)
+    except (ImportError, AttributeError, RuntimeError) as exc:
+        log(f"train.compile: {mode}: the {kind} compiler backend is not available ({type(exc).__name__}: "
+            f"{exc}); the step runs eagerly (train.compile: off says so without this line)")
+        return Compiler("off", kind)
+    os.environ.setdefault(CACHE_ENV, str(cache_dir))
+    return Compiler(chosen, kind)
+
+
+class BlockRunner:
+    """What `run_block` calls for one block: its function, compiled when the run compiles, with
+    its activations recomputed in backward when checkpointed. Compiled, the checkpoint is inside
+    the compiled region (torchtitan's order: activation checkpointing, then compile): the
+    recomputation is part of the compiled backward graph."""
+
+    def __init__(self, compiler: Compiler) -> None:
+        self.compiler = compiler
+
+    def __call__(self, fn: Callable, *args: Any, checkpoint: bool = False, plain: bool = False, **kwargs: Any) -> Any:
+        if plain:  # only the unit's gather around `fn` (`run_block`'s partner)
+            return fn(*args, **kwargs)
+        if checkpoint:
+            fn = _checkpointed_fns.setdefault(fn, functools.partial(checkpointed, fn))
+        return self.compiler(fn)(*args, **kwargs)
+
+
+# One checkpointed function per block function: the compiled function's cache key.
+_checkpointed_fns: dict[Callable, Callable] = {}
+
+
+def install(units: Iterable[Any], compiler: Compiler) -> int:
+    """Give every block of `units` (pisft.train.fsdp.Unit: `anchors`, the blocks' first layers;
+    `compiled_modules`, the layers called as modules) its runner; a sharded unit's runner is its
+    FSDP2 forward method on its first anchor. Returns the number of blocks."""
+    blocks = 0
+    for unit in units:
+        for i, anchor in enumerate(unit.anchors):
+            setattr(anchor, BLOCK_RUNNER, BlockRunner(compiler))
+            if i == 0 and isinstance(anchor, FSDPModule):
+                register_fsdp_forward_method(anchor, BLOCK_RUNNER)
+            blocks += 1
+        for module in unit.compiled_modules:
+            if compiler.enabled:
+                module.forward = compiler(type(module).forward.__get__(module))
+            blocks += 1
+    return blocks
+
+
+def uninstall(model: nn.Module) -> None:
+    """Remove every runner and compiled forward (`install`'s) from `model`'s modules."""
+    for module in model.modules():
+        for name in (BLOCK_RUNNER, "forward"):
+            if name in vars(module):
+                delattr(module, name)
