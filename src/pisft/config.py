@@ -551,6 +551,7 @@ NUMBER_KINDS: dict[str, tuple[str, str, str]] = {
     "eval.replan_steps": ("count", "", ""),
     "eval.num_wait_steps": ("count_or_zero", "", ""),
     "eval.closed_loop_seed": ("seed", "", ""),
+    "eval.seeds": ("seed", "", ""),  # each of them
     "eval.resize_size": ("side", "", ""),
     "eval.max_steps": ("count_or_zero", "", "0: openpi's limit per suite"),
     "eval.task_ids": ("count_or_zero", "", ""),
