@@ -78,3 +78,21 @@ def test_the_resolved_settings_plan_2000_episodes_at_openpis_limits(applied, tmp
         (s, t): OPENPI["trials_per_task"] for s in OPENPI_SUITE_MAX_STEPS for t in range(TASKS_PER_SUITE)}
     assert sum(s.video is not None for s in specs) == 4 * TASKS_PER_SUITE  # one per task
     assert settings.replan_steps == OPENPI["replan_steps"] and settings.num_envs >= 1
+
+
+def test_the_libero_90_profile_plans_its_90_tasks_at_openpis_limit_400(tmp_path):
+    """config/profiles/libero-90-eval.yaml: LIBERO-90 in openpi's loop, 90 tasks x 50 trials at the limit
+    openpi's examples/libero/main.py gives libero_90 (400, at the commit cited above)."""
+    shutil.copy(ROOT / "config/config.yaml", tmp_path / "config.yaml")
+    profile_mod.switch(ROOT / "config/profiles/libero-90-eval.yaml", tmp_path / "config.yaml", tmp_path / "dvc.yaml")
+    cfg = C.load(tmp_path / "config.yaml")
+    assert (cfg.eval.libero_suites, cfg.eval.task_ids, cfg.eval.max_steps, cfg.recap.iterations) == (
+        ["libero_90"], [], 0, 0)
+    settings = rollout.Settings.from_config(cfg)
+    tasks = [StandInTask(f"reach {t} 0 0", (0.0, 0.0, 0.0)) for t in range(90)]
+    specs, _ = rollout.plan_episodes(StandInSimulator(tasks, n_init=50), settings, tmp_path)
+    assert len(specs) == 90 * OPENPI["trials_per_task"] == 4500
+    assert {s.max_steps for s in specs} == {400} == {libero_sim.SUITE_MAX_STEPS["libero_90"]}
+    assert {(s.num_wait_steps, s.env_seed, s.resize_size) for s in specs} == {
+        (OPENPI["num_wait_steps"], OPENPI["seed"], OPENPI["resize_size"])}
+    assert sum(s.video is not None for s in specs) == 90

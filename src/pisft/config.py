@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -39,6 +39,27 @@ AUGMENTS = ("none", "openpi")
 INFERENCE_PRECISIONS = ("auto", "bf16", "fp32")
 # eval.rtc.schedule: LeRobot's RTCAttentionSchedule (lerobot/configs/types.py, LeRobot 0.6.1).
 RTC_SCHEDULES = ("ZEROS", "ONES", "LINEAR", "EXP")
+
+
+class PerturbationRange(NamedTuple):
+    """What a strength of one `eval.perturbations` entry means and may be (pisft.rollout.perturb applies
+    it; docs/robustness.md): the unit, the strength a bare name gets, the lowest and highest allowed."""
+
+    unit: str
+    default: float
+    low: float
+    high: float
+
+
+# eval.perturbations: the names and their strengths; strength 0 leaves an episode exactly as it is.
+PERTURBATIONS = {
+    "camera": PerturbationRange("degrees", 10.0, 0.0, 45.0),  # the agent view orbits its look-at point
+    "lighting": PerturbationRange("intensity change", 0.5, -0.9, 4.0),  # every light's intensity x (1 + s)
+    "robot_init": PerturbationRange("rad", 0.1, 0.0, 1.0),  # the arm's 7 joints moved by this norm
+    "object_position": PerturbationRange("m", 0.03, 0.0, 0.15),  # each movable object slid this far
+    "language": PerturbationRange("0 or 1", 1.0, 0.0, 1.0),  # 1: LIBERO-Pro's paraphrase
+    "obs_noise": PerturbationRange("std / 255", 0.05, 0.0, 1.0),  # camera pixels' Gaussian noise, std s x 255
+}
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
@@ -216,6 +237,12 @@ class EvalConfig:
     replan_steps: int = 5
     num_wait_steps: int = 10
     closed_loop_seed: int = 7
+    # The closed loop's seeds (each an environment seed and the root of the policy's noise seeds); []: the
+    # one eval.closed_loop_seed, which a list must start with. Success is pooled over them, each beside it.
+    seeds: list[int] = field(default_factory=list)
+    # The closed loop's episodes again under each perturbation (docs/robustness.md): a name (its default
+    # strength) or {name: NAME, strength: S}, names and strengths in PERTURBATIONS; []: openpi's protocol alone.
+    perturbations: list[Any] = field(default_factory=list)
     # Images are resized with padding to this square size before they reach the policy (openpi).
     resize_size: int = 224
     # Step limit of every episode; 0: openpi's limit of each suite (220/280/300/520, libero_90 400).
@@ -524,6 +551,7 @@ NUMBER_KINDS: dict[str, tuple[str, str, str]] = {
     "eval.replan_steps": ("count", "", ""),
     "eval.num_wait_steps": ("count_or_zero", "", ""),
     "eval.closed_loop_seed": ("seed", "", ""),
+    "eval.seeds": ("seed", "", ""),  # each of them
     "eval.resize_size": ("side", "", ""),
     "eval.max_steps": ("count_or_zero", "", "0: openpi's limit per suite"),
     "eval.task_ids": ("count_or_zero", "", ""),
@@ -755,6 +783,71 @@ def _rtc_problems(e: EvalConfig) -> list[str]:
     return problems
 
 
+def closed_loop_seeds(e: EvalConfig) -> list[int]:
+    """The closed loop's seeds, in order: eval.seeds, or [eval.closed_loop_seed] when it is empty."""
+    return [int(s) for s in e.seeds] or [e.closed_loop_seed]
+
+
+def perturbation_conditions(e: EvalConfig) -> list[tuple[str, float]]:
+    """eval.perturbations as (name, strength) pairs in the order given: a bare name gets its default."""
+    out = []
+    for item in e.perturbations:
+        if isinstance(item, str):
+            out.append((item, PERTURBATIONS[item].default))
+        else:
+            name = item["name"]
+            out.append((name, float(item.get("strength", PERTURBATIONS[name].default))))
+    return out
+
+
+def _robustness_problems(e: EvalConfig) -> list[str]:
+    """eval.seeds and eval.perturbations (docs/robustness.md)."""
+    problems: list[str] = []
+    seeds = list(e.seeds)
+    if any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        problems.append(f"eval.seeds: {seeds}: give distinct seeds >= 0 (each is an environment seed and the root of "
+                        "the policy's noise seeds)")
+    elif seeds and seeds[0] != e.closed_loop_seed:
+        problems.append(f"eval.seeds: {seeds} starts with {seeds[0]} but eval.closed_loop_seed is "
+                        f"{e.closed_loop_seed}: the first seed is the closed loop's own (the one a single-seed run "
+                        f"uses; its videos are recorded at it): start eval.seeds with {e.closed_loop_seed} or set "
+                        f"eval.closed_loop_seed: {seeds[0]}")
+    known = ", ".join(PERTURBATIONS)
+    seen: list[tuple[str, float]] = []
+    for i, item in enumerate(e.perturbations):
+        where = f"eval.perturbations[{i}]"
+        if isinstance(item, dict):
+            unknown = sorted(set(item) - {"name", "strength"})
+            if unknown:
+                problems.append(f"{where}: unknown key(s) {unknown}; an entry is a name or {{name: NAME, strength: S}}")
+                continue
+            name, strength = item.get("name"), item.get("strength")
+        else:
+            name, strength = item, None
+        if not isinstance(name, str) or name not in PERTURBATIONS:
+            hint = difflib.get_close_matches(str(name), list(PERTURBATIONS), n=1, cutoff=0.5)
+            problems.append(f"{where}: unknown perturbation {name!r}" + (f"; did you mean '{hint[0]}'?" if hint else "")
+                            + f" (one of {known}; docs/robustness.md)")
+            continue
+        r = PERTURBATIONS[name]
+        if strength is None:
+            strength = r.default
+        number = isinstance(strength, int | float) and not isinstance(strength, bool)
+        if not number or not math.isfinite(strength) or not r.low <= strength <= r.high:
+            problems.append(f"{where}: {name}'s strength {strength!r} is not a number in [{r.low:g}, {r.high:g}]"
+                            + (f" ({r.unit})" if r.unit else "") + f"; e.g. {{name: {name}, strength: {r.default:g}}}")
+            continue
+        if name == "language" and strength not in (0, 1):
+            problems.append(f"{where}: language's strength {strength!r} must be 0 (the task's own instruction) or 1 "
+                            "(LIBERO-Pro's paraphrase of it): there is one cited paraphrase per task")
+            continue
+        if (name, float(strength)) in seen:
+            problems.append(f"{where}: {name} at strength {strength:g} is listed twice; each perturbation and "
+                            "strength once")
+        seen.append((name, float(strength)))
+    return problems
+
+
 def _source_problems(d: DataConfig) -> list[str]:
     value = d.recap_dir
     items = value if isinstance(value, list | tuple) else [value]
@@ -852,6 +945,7 @@ def _cross_check(cfg: PisftConfig, source: str) -> None:
         raise ConfigError(f"{source}: invalid configuration:\n  - " + "\n  - ".join(numbers))
     problems = _choice_problems(cfg) + _layout_problems(cfg) + _smoke_and_data_problems(cfg)
     problems += _value_problems(cfg) + _eval_problems(cfg.eval) + _source_problems(cfg.data) + _recap_problems(cfg)
+    problems += _robustness_problems(cfg.eval)
     if problems:
         raise ConfigError(f"{source}: invalid configuration:\n  - " + "\n  - ".join(problems))
 

@@ -87,6 +87,8 @@ CLOSED_LOOP_KEYS = (
     "eval.replan_steps",
     "eval.num_wait_steps",
     "eval.closed_loop_seed",
+    "eval.seeds",  # the same episodes at each seed (pisft.evaluate.robustness)
+    "eval.perturbations",  # and under each perturbation (pisft.rollout.perturb)
     "eval.resize_size",
     "eval.max_steps",
     "eval.task_ids",

@@ -38,6 +38,12 @@ replica computes it and in which order replies arrive change no bit; results are
 episode order. They depend on the config (`eval.policy_batch` included), the model and the
 policy's CPU thread count (`metrics.json`'s `forward`).
 
+**Several seeds, perturbed episodes** (`eval.seeds`, `eval.perturbations`; docs/robustness.md): the
+same episodes again at each further seed and under each perturbation, planned after the evaluation's
+own and run in the same pass (`pisft.evaluate.robustness`); the success rate pools the unperturbed
+episodes of every seed, `seeds` and `robustness` in metrics.json give the rest. Neither key set: the
+outputs are what they were.
+
 The policy is anything with `infer(request) -> {"actions": (horizon, 7)}` and
 `reset(seed)`: by default `pisft.policy.libero.LiberoPolicy` (the same code that
 `python -m pisft serve` runs), so the in-process and the served model answer the same
@@ -76,7 +82,8 @@ from pisft import config as config_mod
 from pisft import layout
 from pisft import logs as logs_mod
 from pisft.errors import PisftError
-from pisft.evaluate.intervals import wilson_interval
+from pisft.evaluate import robustness, robustness_report
+from pisft.evaluate.intervals import success_fields
 from pisft.io import atomic_dir, write_json_atomic, write_text_atomic
 from pisft.policy.replicas import PolicyPool, open_policy_pool, policy_record
 from pisft.rollout import libero_sim
@@ -101,10 +108,7 @@ CONFIDENCE = 0.95
 def _rate(entry: dict) -> None:
     """success_rate and its 95% Wilson interval as two scalars (`success_rate_ci_low/_high`,
     like the evaluate stage's `action_mse_ci_low/_high`), so `dvc metrics diff` compares them."""
-    entry["success_rate"] = entry["successes"] / entry["trials"] if entry["trials"] else None
-    ci = wilson_interval(entry["successes"], entry["trials"], CONFIDENCE) if entry["trials"] else None
-    entry["success_rate_ci_low"] = ci.low if ci else None
-    entry["success_rate_ci_high"] = ci.high if ci else None
+    entry.update(success_fields(entry["successes"], entry["trials"], CONFIDENCE))
 
 
 def summarize(results: list[EpisodeResult]) -> dict:
@@ -248,6 +252,7 @@ def report_markdown(metrics: dict, settings: Settings, model_dir: str, *, video_
             src = f"{video_prefix}{e['video']}"
             lines += [f"{name} task {e['task_id']}: {e['task']}", "",
                       f'<video src="{src}" controls width="512"></video>', ""]
+    lines += robustness_report.report_lines(metrics, video_prefix=video_prefix)  # eval.seeds, eval.perturbations
     return "\n".join(lines) + "\n"
 
 
@@ -311,6 +316,8 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
     sim_info = simulator_info(sim)
     with atomic_dir(layout.iteration(cfg).closed_loop) as out:
         specs, languages = plan_episodes(sim, settings, out)
+        # then the same episodes at eval.seeds' other seeds and under eval.perturbations (none by default)
+        episodes = robustness.plan(cfg, sim, settings, out, specs)
         with open_policy_pool(cfg, policy, model_dir=model_dir, trained_on=layout.iteration(cfg).dataset,
                               seed=settings.seed, rows=settings.forward_rows(len(specs)),
                               wait_ms=settings.policy_batch_wait_ms, stage="closed_loop", rtc=settings.rtc) as pool:
@@ -319,7 +326,7 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
                 raise PisftError(f"eval.rtc.delay_steps ({settings.delay_steps}) + eval.replan_steps "
                                  f"({settings.replan_steps}) exceed the model's chunk of {predictor.chunk_size} "
                                  "actions (a chunk after the first starts delay_steps in); lower one of them")
-            metrics, run_timing = _evaluate(cfg, settings, pool, out, specs, languages, factory=factory, sim=sim,
+            metrics, run_timing = _evaluate(cfg, settings, pool, out, episodes, languages, factory=factory, sim=sim,
                                             sim_info=sim_info, inline=inline, model_dir=model_dir)
     write_json_atomic(layout.iteration(cfg).timing("closed_loop"), run_timing)
     t = run_timing
@@ -346,11 +353,12 @@ def _side(results: list[EpisodeResult], settings: Settings) -> dict:
 
 
 def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool, out: Path,
-              specs: list, languages: dict, *, factory: Callable[[], libero_sim.Simulator],
+              episodes: robustness.Plan, languages: dict, *, factory: Callable[[], libero_sim.Simulator],
               sim: libero_sim.Simulator, sim_info: dict, inline: bool, model_dir: Path) -> tuple[dict, dict]:
     """The rollouts into `out`: metrics.json, episodes.jsonl, the videos (the same bytes for the
     same config, model and thread count), report.md, and the run's timing record beside the
     logs (`layout.Iteration.timing`); (the metrics, the timing record)."""
+    specs = episodes.specs
     num_envs = env_count(settings, specs, stage="closed_loop")
     print(f"closed_loop: {len(specs)} episodes in {sim_info.get('package')} "
           f"{sim_info.get('version') or ''}, {num_envs} environment "
@@ -358,23 +366,24 @@ def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool,
     record = progress("closed_loop", len(specs), lambda r: f"{r.suite} task {r.task_id} trial {r.trial}")
 
     mujoco_logs = logs_mod.mujoco_log_dir("closed_loop", layout.iteration(cfg).logs)
-    (out / VIDEO_DIR).mkdir()  # the workers write into it (a declared output, also when videos are off)
+    (out / VIDEO_DIR).mkdir(exist_ok=True)  # the workers write into it (a declared output, also when videos are off)
     plain = None
-    if settings.rtc:  # the same episodes with plain chunking at the same delay first (no videos)
+    if settings.rtc:  # the unperturbed episodes with plain chunking at the same delay first (no videos)
         plain_settings = replace(settings, rtc=False, videos=False)
         plain_specs, _ = plan_episodes(sim, plain_settings, out)
         print(f"closed_loop: plain chunking at a delay of {settings.delay_steps} steps, for the comparison "
               "with real-time chunking", flush=True)
         plain, _ = roll_out(plain_specs, pool, plain_settings, factory=factory, simulator=sim,
                             num_envs=num_envs, inline=inline, languages=languages,
-                            on_episode=progress("closed_loop (plain)", len(specs), lambda r: f"plain {r.suite} "
+                            on_episode=progress("closed_loop (plain)", len(plain_specs), lambda r: f"plain {r.suite} "
                                                 f"task {r.task_id} trial {r.trial}"),
                             name="closed_loop", log_dir=mujoco_logs)
         print(f"closed_loop: real-time chunking (LeRobot's RTC) at a delay of {settings.delay_steps} steps",
               flush=True)
-    results, wall = roll_out(specs, pool, settings, factory=factory, simulator=sim, num_envs=num_envs,
-                             inline=inline, languages=languages, on_episode=record, name="closed_loop",
-                             log_dir=mujoco_logs)
+    all_results, wall = roll_out(specs, pool, settings, factory=factory, simulator=sim, num_envs=num_envs,
+                                 inline=inline, languages=languages, on_episode=record, name="closed_loop",
+                                 log_dir=mujoco_logs)
+    results = episodes.unperturbed(all_results)  # every seed's: openpi's protocol (all of them by default)
     mujoco_note(mujoco_logs, "closed_loop")
     for r in results:
         if r.video:  # a page per video for `snakemake --report`, which plays no bare MP4
@@ -384,9 +393,10 @@ def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool,
                 f". Agent view (left) and wrist "
                 f"camera (right), as the policy sees them; {video_mod.FPS} frames per second; "
                 f"simulator {sim_info.get('package')} {sim_info.get('version') or ''}."))
+    robustness.write_video_pages(episodes, all_results, out, sim_info)
     with open(out / "episodes.jsonl", "w") as fh:
-        for r in results:
-            fh.write(json.dumps(r.outcome()) + "\n")
+        for line in episodes.outcomes(all_results):
+            fh.write(json.dumps(line) + "\n")
     metrics = {"closed_loop": True, **summarize(results)}
     metrics["simulator"] = sim_info
     metrics["settings"] = settings.record()
@@ -398,8 +408,9 @@ def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool,
         metrics["rtc_comparison"] = {"delay_steps": settings.delay_steps, "plain": _side(plain, settings),
                                      "rtc": _side(results, settings)}
         metrics["rtc_comparison"]["plain"]["rtc"] = False
+    metrics.update(robustness.summary(episodes, all_results))  # seeds, robustness: only with those keys set
     metrics.update(policy_record(pool))
-    run_timing = timing(results, wall, num_envs, pool, settings)
+    run_timing = timing(all_results, wall, num_envs, pool, settings)
     write_json_atomic(out / "metrics.json", metrics)
     write_text_atomic(out / "report.md", report_markdown(metrics, settings, str(model_dir), run_timing=run_timing))
     config_mod.write_resolved(cfg, out / "pisft_config.json")

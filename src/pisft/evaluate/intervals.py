@@ -86,3 +86,11 @@ def wilson_interval(successes: int, trials: int, level: float = 0.95) -> Interva
     center = (p + z * z / (2 * trials)) / denom
     half = z * np.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
     return Interval(float(max(0.0, center - half)), float(min(1.0, center + half)), level)
+
+
+def success_fields(successes: int, trials: int, level: float = 0.95) -> dict:
+    """A success rate and its Wilson interval as scalars (`success_rate`, `success_rate_ci_low/_high`, as
+    `dvc metrics diff` compares them); None when there were no trials."""
+    ci = wilson_interval(successes, trials, level) if trials else None
+    return {"success_rate": successes / trials if trials else None,
+            "success_rate_ci_low": ci.low if ci else None, "success_rate_ci_high": ci.high if ci else None}

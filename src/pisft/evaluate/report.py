@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from pisft.evaluate import robustness_report
 from pisft.evaluate.action_error import METRICS
 
 
@@ -116,7 +117,7 @@ def closed_loop_section(cl: dict, video_prefix: str = "../closed_loop/") -> list
                 f"environments), policy {_fmt(t.get('policy_ms_per_chunk'), 3)} ms per action chunk, "
                 f"rollouts {_fmt(t.get('wall_time_s'), 3)} s. Videos (first episode of each task, agent view "
                 "and wrist camera): linked above, and in `snakemake --report` under \"Closed-loop LIBERO\".", ""]
-    return out
+    return out + robustness_report.report_lines(cl, video_prefix=video_prefix)  # eval.seeds, eval.perturbations
 
 
 def build(*, metrics: dict, eval_info: dict, train_summary: dict, run_info: dict,

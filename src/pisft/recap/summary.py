@@ -22,6 +22,7 @@ from typing import Any
 from pisft import layout
 from pisft.config import PisftConfig, write_resolved
 from pisft.errors import PisftError
+from pisft.evaluate import robustness_report
 from pisft.io import write_json_atomic, write_text_atomic
 
 
@@ -42,7 +43,8 @@ def closed_loop_entry(metrics: dict) -> dict[str, Any]:
     return {"successes": metrics["successes"], "success_rate": metrics["success_rate"],
             "ci_low": metrics["success_rate_ci_low"],
             "ci_high": metrics["success_rate_ci_high"], "episodes": metrics["episodes"],
-            "errors": metrics.get("errors", 0), "per_task": per_task}
+            "errors": metrics.get("errors", 0), "per_task": per_task,
+            **robustness_report.recap_entry(metrics)}  # eval.seeds' and eval.perturbations' figures, when set
 
 
 def _rollouts_entry(folder: Path) -> dict[str, Any]:
@@ -163,6 +165,7 @@ def render_report(summary: dict) -> str:
                 if it["value"].get("frames_heldout") else " (no held-out episodes: recap.holdout_fraction 0)")
         lines += [f"- details: `recap/iter_{it['k']}/value/metrics.json`{plot}, "
                   f"`recap/iter_{it['k']}/advantages/summary.json`"]
+    lines += robustness_report.recap_lines(its)  # success under each perturbation per iteration (eval.perturbations)
     lines += ["", "## Reading these figures", "",
               "A success rate over a handful of episodes has a wide interval: compare iterations by their "
               "intervals, not their point values. The embedded default (the tiny model, a few rollouts, a "

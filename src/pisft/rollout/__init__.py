@@ -5,6 +5,8 @@
 - `plan`: the episodes in a fixed order, their environment and noise seeds;
 - `workers` (and `libero_sim`, the simulator; `recording`, `video`): one environment per worker
   process, building the policy's requests, recording steps and encoding videos;
+- `perturb` (and `paraphrases`): what an episode's perturbation (`eval.perturbations`) does to its
+  scene, prompt and observations, a pure function of (seed, episode, strength);
 - `scheduler`: episodes through the workers, requests through the policy's batching rule
   (`pisft.policy.batching`), an episode that errs run again on a fresh worker.
 

@@ -65,6 +65,8 @@ class EpisodeResult:
     policy_ms: float = 0.0  # total policy time of the episode
     video: str | None = None  # relative to the stage's output folder
     video_frames: int = 0
+    perturbation: dict | None = None  # the episode's perturbation as applied (pisft.rollout.perturb); None: none
+
     # errors of earlier attempts of this episode (each ended in an error and was run again on a
     # fresh worker); this result is of the attempt that ran to its end
     retried_errors: list[str] = field(default_factory=list)
@@ -76,8 +78,10 @@ class EpisodeResult:
 
     def outcome(self) -> dict:
         """What the episode gave (`episodes.jsonl`): fixed by the config, the model and the thread
-        count, whatever the timing, the environment processes or a crash on the way."""
-        return {k: v for k, v in asdict(self).items() if k not in self.RUN_ONLY}
+        count, whatever the timing, the environment processes or a crash on the way. An episode without a
+        perturbation has no `perturbation` key (the lines are as before eval.perturbations)."""
+        return {k: v for k, v in asdict(self).items()
+                if k not in self.RUN_ONLY and not (k == "perturbation" and v is None)}
 
     def run_record(self) -> dict:
         """How this run of the episode went (the timing record): its times and retried errors."""
@@ -204,7 +208,7 @@ class Scheduler:
         self.chunking = ChunkSchedule(settings.replan_steps, settings.delay_steps, settings.rtc)
 
     def start(self, i: int, spec: EpisodeSpec, attempt: int = 1, earlier: tuple[str, ...] = ()) -> None:
-        self.busy[i] = _InFlight(spec=spec, seed=episode_seed(self.settings.seed, spec.suite, spec.task_id,
+        self.busy[i] = _InFlight(spec=spec, seed=episode_seed(spec.env_seed, spec.suite, spec.task_id,
                                                               spec.initial_state), start=time.monotonic(),
                                  attempt=attempt, earlier_errors=earlier)
         self.last_task[i] = (spec.suite, spec.task_id)
@@ -250,7 +254,7 @@ class Scheduler:
             success=bool(outcome.success), steps=outcome.steps,
             policy_calls=ep.calls, wall_time_s=time.monotonic() - ep.start, error=None,
             sim_steps=outcome.sim_steps, sim_step_time_s=outcome.step_time_s,
-            env_create_s=outcome.env_create_s, reset_s=outcome.reset_s,
+            env_create_s=outcome.env_create_s, reset_s=outcome.reset_s, perturbation=outcome.perturbation,
             policy_ms=1000.0 * ep.policy_s,
             video=(video_name(s.suite, s.task_id) if s.video and outcome.video_frames else None),
             video_frames=outcome.video_frames, retried_errors=list(ep.earlier_errors), chunking=jerk)

@@ -6,7 +6,8 @@ is created again only when the worker moves to another task (creating a LIBERO e
 seconds). The parent sends three kinds of message:
 
   ("start", EpisodeSpec)     seed the environment, reset it, set the task's initial state number
-                             `init_state` (default: `trial`), run the wait steps; reply ("obs", request)
+                             `init_state` (default: `trial`; under the spec's perturbation, as
+                             `pisft.rollout.perturb` changes it), run the wait steps; reply ("obs", request)
   ("act", actions)           execute the actions (a chunk's first `replan_steps`) until the task
                              is done or the step limit is reached; reply ("obs", request) when
                              more actions are needed, else ("done", EpisodeOutcome)
@@ -44,6 +45,7 @@ import numpy as np
 from pisft import logs
 from pisft.errors import PisftError
 from pisft.rollout import libero_sim
+from pisft.rollout import perturb
 from pisft.rollout.recording import EpisodeRecorder
 from pisft.rollout.video import SideBySideWriter
 
@@ -61,6 +63,8 @@ class EpisodeSpec:
     video: str | None = None  # write this episode's rollout video here
     init_state: int | None = None  # the task's initial state number; None: `trial`
     record: str | None = None  # record the executed steps into this folder (pisft.rollout.recording)
+    # this episode under a perturbation (pisft.rollout.perturb; eval.perturbations), None: as openpi's
+    perturbation: perturb.Perturbation | None = None
 
     @property
     def initial_state(self) -> int:
@@ -78,6 +82,7 @@ class EpisodeOutcome:
     video_frames: int = 0
     error: str | None = None
     recorded_steps: int = 0
+    perturbation: dict | None = None  # what the episode's perturbation applied (pisft.rollout.perturb)
 
 
 @dataclass
@@ -90,6 +95,7 @@ class _Episode:
     writer: SideBySideWriter | None = None
     recorder: EpisodeRecorder | None = None
     done: bool = False
+    perturbed: perturb.EpisodePerturbation | None = None
 
 
 def _frame(obs: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -143,11 +149,20 @@ class EpisodeRunner:
         if callable(seed):
             seed(spec.env_seed)
         env.reset()
-        obs = env.set_init_state(suite.get_task_init_states(spec.task_id)[spec.initial_state])
+        init_state = suite.get_task_init_states(spec.task_id)[spec.initial_state]
+        perturbed = perturb.for_episode(spec.perturbation, seed=spec.env_seed, suite=spec.suite,
+                                        task_id=spec.task_id, init_state=spec.initial_state)
+        if perturbed is not None:  # the scene and the initial state, before LIBERO sets it
+            init_state = perturbed.initial_state(env, init_state)
+        obs = env.set_init_state(init_state)
+        prompt = task.language
+        if perturbed is not None:  # the prompt and the first observation
+            obs, prompt = perturbed.begin(obs, task)
         reset_s = time.monotonic() - t0
         outcome = EpisodeOutcome(success=False, steps=0, sim_steps=0, step_time_s=0.0,
-                                 env_create_s=created, reset_s=reset_s)
-        ep = _Episode(spec=spec, env=env, prompt=task.language, obs=obs, outcome=outcome)
+                                 env_create_s=created, reset_s=reset_s,
+                                 perturbation=None if perturbed is None else perturbed.record)
+        ep = _Episode(spec=spec, env=env, prompt=prompt, obs=obs, outcome=outcome, perturbed=perturbed)
         self._episode = ep
         for _ in range(spec.num_wait_steps):
             self._step(ep, list(libero_sim.DUMMY_ACTION))
@@ -163,6 +178,8 @@ class EpisodeRunner:
         ep.obs, _, done, _ = ep.env.step(action)
         ep.outcome.step_time_s += time.monotonic() - t0
         ep.outcome.sim_steps += 1
+        if ep.perturbed is not None:  # what the policy and the video see (obs_noise)
+            ep.obs = ep.perturbed.observe(ep.obs, ep.outcome.sim_steps)
         return bool(done)
 
     def act(self, actions: np.ndarray, then: np.ndarray | None = None) -> tuple[str, Any]:
