@@ -47,6 +47,34 @@ def test_the_estimate_simulates_the_units_the_run_will_have(tmp_path, monkeypatc
     assert seen["min_unit_params"] == expected
 
 
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_a_fetched_base_of_another_preset_is_not_the_model_estimated(tmp_path, monkeypatch, capsys, preset):
+    """`pisft estimate --set model.preset=...` after a run of another preset: the estimate is the
+    asked preset's model, not the stale fetched base's (its JSON said "preset: pi05" over the tiny model)."""
+    from pisft import layout
+    from pisft.inspect import estimate
+    from pisft.model import policy as policy_mod
+
+    cfg = from_dict({"results_dir": str(tmp_path), "model": {"preset": preset}})
+    base = layout.base_model(cfg)
+    base.mkdir(parents=True)
+    tiny = policy_mod.build_policy("tiny", seed=0, device="meta")
+    policy_mod.write_config(tiny.config, base / policy_mod.CONFIG_FILE)
+    (base / policy_mod.MODEL_INFO_FILE).write_text(json.dumps(policy_mod.model_info(tiny)))
+    seen = {}
+
+    def simulate(make, **kwargs):
+        seen["preset"] = policy_mod.model_info(make())["preset"]
+        raise RuntimeError("stop after the model was built")
+
+    monkeypatch.setattr(estimate, "simulate_step", simulate)
+    with pytest.raises(RuntimeError, match="stop after"):
+        estimate_memory(cfg)
+    assert seen["preset"] == preset
+    err = capsys.readouterr().err
+    assert ("holds a tiny model, the config asks for model.preset small" in err) == (preset == "small")
+
+
 @pytest.fixture(scope="module")
 def tiny_estimates(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("est")

@@ -383,14 +383,20 @@ def fsdp_plan(policy, min_unit_params: int = 0) -> dict[str, int]:
 
 def _estimate_policy(cfg: PisftConfig) -> tuple[Callable[[], Any], str]:
     """A builder of the policy to estimate, on the meta device: the fetched base model's config
-    if present, else the preset."""
+    if present and of the config's preset, else the preset (a base fetched for another preset, e.g.
+    the embedded default's tiny one before `--set model.preset=pi05`, is not the model asked about:
+    it is named on stderr and left aside)."""
     base = layout.base_model(cfg)
     if (base / policy_mod.CONFIG_FILE).is_file():
-        def make():
-            config, _ = policy_mod.read_config(base / policy_mod.CONFIG_FILE)
-            info = policy_mod.read_model_info(base)
-            return policy_mod.policy_from_config(config, info, device="meta", dtype="float32")
-        return make, str(base)
+        info = policy_mod.read_model_info(base)
+        if info.get("preset") == cfg.model.preset:
+            def make():
+                config, _ = policy_mod.read_config(base / policy_mod.CONFIG_FILE)
+                return policy_mod.policy_from_config(config, info, device="meta", dtype="float32")
+            return make, str(base)
+        print(f"estimate: {base} holds a {info.get('preset')} model, the config asks for model.preset "
+              f"{cfg.model.preset}: estimating the preset's model (fetch_base makes the config's base)",
+              file=sys.stderr)
     return (lambda: policy_mod.build_policy(cfg.model.preset, seed=0, device="meta", dtype="float32"),
             f"preset {cfg.model.preset}")
 
