@@ -255,6 +255,38 @@ def test_adapter_in_peft_layout_loads_onto_the_base_with_peft(trained_lora):
         torch.testing.assert_close(merged[key], value, rtol=0, atol=1e-6)
 
 
+def test_rlinfs_adapter_of_a_fused_expert_holds_lerobots_separate_projections(tmp_path_factory, tmp_path):
+    """rlinf trains the action expert in full, so training fuses its q/k/v and gate/up; the adapter
+    file names LeRobot's separate projections (PEFT's modules_to_save), each the fused rows: the base
+    with the adapter loaded through PEFT is the merged export, expert included (the fused names were
+    written before, which PEFT skipped: the base expert ran)."""
+    from peft import PeftModel
+
+    base = tiny_model_dir(tmp_path_factory)
+    policy = _tiny(tmp_path_factory)
+    spec = tr.lora_spec("rlinf")
+    tr.apply_training_layout(policy, "lora", spec, precision="fp32", seed=1)
+    assert any("qkv_proj" in n for n, _ in policy.named_parameters())  # the expert fused
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.add_(0.01 * torch.randn_like(p))
+    import shutil
+
+    shutil.copytree(base, tmp_path / "model")
+    write_policy_weights(policy, base / WEIGHTS_FILE, tmp_path / "model" / WEIGHTS_FILE, is_main=True)
+    write_adapter(policy, spec, base, tmp_path / "adapter", is_main=True, policy_config=policy.config)
+    adapter = load_file(tmp_path / "adapter" / ADAPTER_WEIGHTS)
+    assert not [n for n in adapter if "qkv_proj" in n or "gate_up_proj" in n]
+    assert [n for n in adapter if "gemma_expert" in n and ".q_proj." in n]
+    merged = PeftModel.from_pretrained(load_policy(base), str(tmp_path / "adapter")).merge_and_unload().state_dict()
+    exported = load_policy(tmp_path / "model").state_dict()
+    expert_q = [k for k in exported if "gemma_expert" in k and k.endswith("q_proj.weight")]
+    assert expert_q and not torch.equal(exported[expert_q[0]], load_policy(base).state_dict()[expert_q[0]])
+    for key, value in exported.items():
+        torch.testing.assert_close(merged[key], value, rtol=0, atol=1e-6, msg=key)
+
+
 # ------------------------------------------------------------------------------------ checkpoints
 @pytest.mark.usefixtures("one_process_group")
 def test_a_checkpoint_of_another_base_is_refused_naming_both(tmp_path_factory, tmp_path):

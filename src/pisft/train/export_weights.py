@@ -35,6 +35,7 @@ import torch
 
 from pisft.model import weights as weights_mod
 from pisft.model.lerobot_internals import EXPERT_HEAD, split_rows
+from pisft.model.sources import WEIGHTS_FILE
 
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B)\.default\.weight$")
 ADAPTER_CONFIG = "adapter_config.json"
@@ -195,14 +196,20 @@ def _read_base(where: dict[str, Path], file_name: str) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------- the adapter
-def adapter_sources(model: torch.nn.Module, spec) -> dict[str, torch.Tensor]:
-    """PEFT's adapter file names -> the model's tensors: LoRA A/B and the fully trained modules."""
-    out = {}
+def adapter_sources(model: torch.nn.Module, spec) -> dict[str, tuple[torch.Tensor, tuple[int, int] | None]]:
+    """PEFT's adapter file names -> (the model's tensor, its rows or None for all): LoRA A/B and the
+    fully trained modules, a fused projection of one (rlinf's expert) as LeRobot's separate tensors."""
+    modules = dict(model.named_modules())
+    out: dict[str, tuple[torch.Tensor, tuple[int, int] | None]] = {}
     for name, p in model.named_parameters():
         if _LORA.match(name):
-            out[PEFT_PREFIX + name.replace(".default.weight", ".weight")] = p
+            out[PEFT_PREFIX + name.replace(".default.weight", ".weight")] = (p, None)
         elif spec.trains_in_full(name):
-            out[PEFT_PREFIX + name] = p
+            parts = split_rows(lambda n: modules[n.rsplit(".", 1)[0]], name)
+            if parts is None:
+                out[PEFT_PREFIX + name] = (p, None)
+            else:
+                out.update({PEFT_PREFIX + plain: (p, (start, end)) for plain, start, end in parts})
     return out
 
 
@@ -210,10 +217,29 @@ def write_adapter(model: torch.nn.Module, spec, base_dir: Path, out_dir: Path | 
                   is_main: bool, policy_config: Any = None) -> int:
     """The adapter alone in PEFT's layout under `out_dir` (rank 0). Collective. Returns the tensors written."""
     tensors = adapter_sources(model, spec)
-    specs = {n: (_TORCH_TO_ST[t.dtype], list(t.shape)) for n, t in tensors.items()}
+    specs = {}
+    for n, (t, rows) in tensors.items():
+        shape = list(t.shape)
+        if rows is not None:
+            shape[0] = rows[1] - rows[0]
+        specs[n] = (_TORCH_TO_ST[t.dtype], shape)
+    # A fully trained expert (rlinf) is saved whole (PEFT's modules_to_save), its lm_head too, which
+    # training detached (never used, never trained): the base's tensor, as the merged export carries it.
+    from_base: dict[str, str] = {}
+    if spec.trains_in_full(EXPERT_HEAD) and PEFT_PREFIX + EXPERT_HEAD not in tensors:
+        _, where = weights_mod.tensor_locations(Path(base_dir) / WEIGHTS_FILE)
+        in_base = {weights_mod.lerobot_name(n): n for n in where}
+        if EXPERT_HEAD in in_base:
+            from_base[PEFT_PREFIX + EXPERT_HEAD] = in_base[EXPERT_HEAD]
+            specs[PEFT_PREFIX + EXPERT_HEAD] = base_specs(where)[in_base[EXPERT_HEAD]]
 
     def value(name: str) -> torch.Tensor | None:
-        t = _full(tensors[name])
+        if name in from_base:
+            return _read_base(where, from_base[name]) if is_main else None
+        t, rows = tensors[name]
+        t = _full(t)
+        if rows is not None:
+            t = t[rows[0]:rows[1]]
         return t.contiguous() if is_main else None
 
     if is_main:
@@ -231,5 +257,5 @@ def write_adapter(model: torch.nn.Module, spec, base_dir: Path, out_dir: Path | 
             marked = copy.copy(policy_config)
             marked.use_peft = True
             write_config(marked, out_dir / "config.json")
-    _write_collectively(out_dir / ADAPTER_WEIGHTS if is_main else None, list(tensors), specs, value, is_main)
-    return len(tensors)
+    _write_collectively(out_dir / ADAPTER_WEIGHTS if is_main else None, [*tensors, *from_base], specs, value, is_main)
+    return len(tensors) + len(from_base)
