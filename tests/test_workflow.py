@@ -302,3 +302,20 @@ def test_non_training_stages_take_their_threads_from_one_place(monkeypatch):
             assert os.environ["OMP_NUM_THREADS"] == "2"
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_source_reached_through_results_dotdot_or_a_link_is_read_where_it_leads(tmp_path):
+    """Snakemake sees an outside data source's every file (a changed file reruns convert_recap) and a
+    folder under results_dir (a stage's output) as the folder; a path that only spells results/
+    (`results/../data`) is outside, a link into results_dir inside: where they lead."""
+    from pisft import config as pisft_config
+    from pisft.workflow.snakemake_support import source_inputs
+
+    (tmp_path / "data" / "sub").mkdir(parents=True)
+    (tmp_path / "data" / "sub" / "episode.parquet").write_bytes(b"x")
+    (tmp_path / "results" / "demo_recap").mkdir(parents=True)
+    (tmp_path / "demo_link").symlink_to(tmp_path / "results" / "demo_recap")
+    dotdot, link = tmp_path / "results" / ".." / "data", tmp_path / "demo_link"
+    cfg = pisft_config.from_dict({"results_dir": str(tmp_path / "results"),
+                                  "data": {"recap_dir": [str(dotdot), str(link)]}})
+    assert source_inputs(cfg) == [(dotdot / "sub" / "episode.parquet").as_posix(), str(link)]
