@@ -212,3 +212,14 @@ def test_a_worker_ends_with_an_idle_thread_pool_alive():
             "exit_process(3)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stdout) == (3, "done\n"), proc.stderr
+
+
+def test_a_workers_c_level_output_to_a_pipe_is_not_lost():
+    """A C library's stdio (printf to a pipe is fully buffered: NCCL_DEBUG's lines) is flushed before
+    exit_process leaves through os._exit, which skips C's own exit."""
+    code = ("import ctypes\n"
+            "from pisft.device import exit_process\n"
+            "ctypes.CDLL(None).printf(b'from C\\n')\n"
+            "exit_process(0)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (0, "from C\n"), proc.stderr

@@ -195,7 +195,7 @@ def test_changed_precision_after_a_finished_run_trains_afresh(tmp_path_factory, 
     _ok(proc)
     out = proc.stdout + proc.stderr  # the workers' output comes through torchrun's stdout
     assert "starting from step 0" in out and "resuming from" not in out, out[-3000:]
-    assert "1 earlier run(s) with other settings are kept" in out
+    assert "1 earlier run(s) this one cannot resume (other settings, inputs or parameter layout" in out
     summary = json.loads((res / "train" / "train_summary.json").read_text())
     assert summary["resumed_from"] is None
     runs = sorted((res / "checkpoints" / "train").glob("run-*"))

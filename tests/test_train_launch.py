@@ -104,6 +104,24 @@ def test_launcher_passes_device_environment(tmp_path, monkeypatch, capsys):
     assert "no complete checkpoint yet" in err and "Rerun the same command" in err
 
 
+def test_a_run_that_succeeds_after_an_error_line_shows_every_line(tmp_path, monkeypatch, capsys):
+    """ConsoleHold holds torchrun's lines from a worker's error line on; a run that still ends with
+    exit 0 shows them all (they were lost before)."""
+    cfg = _cfg(tmp_path)
+    _write_report(cfg, passed=True)
+    shown = []
+
+    def fake_run(cmd, env, log_file):
+        console = ConsoleHold(shown.append)
+        for line in ("[default0]:step 1\n", "[default0]:error (rank 0): a retried read\n", "[default0]:step 2\n"):
+            console.line(line, line)
+        return 0, "", console
+
+    monkeypatch.setattr(launch, "_run_tee", fake_run)
+    assert launch.main("train_8card", cfg, "c.yaml", []) == 0
+    assert shown == ["[default0]:step 1\n", "[default0]:error (rank 0): a retried read\n", "[default0]:step 2\n"]
+
+
 def test_too_few_devices_fails_before_starting(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, "device=cuda", "train.nproc_per_node=8", "train.global_batch_size=32")
     monkeypatch.setattr(devices, "resolve_kind", lambda requested: "cuda")

@@ -54,6 +54,24 @@ def test_memory_headroom_below_minimum_fails_with_advice(ctx, monkeypatch, capsy
         assert hint in err
     assert layout.results(ctx.cfg, "logs", "smoke_1card", "report.json").is_file()
     assert report["projected_wall_time_s"]["1"] > 0 and report["losses"]
+    assert report["host_ops"]["ops_per_micro_step"] > 1000 and report["compile_s"] == 0.0  # eager on the CPU
+
+
+@pytest.mark.integration  # ~1 min
+def test_an_operation_count_that_fails_leaves_the_gates_verdict(ctx, monkeypatch, capsys):
+    """The count of a micro-step's operations is a measurement after the steps ran: an error in it
+    is noted in the report and on the log, and the gate decides on the steps as before."""
+    from pisft.inspect import host_ops
+
+    def broken(self):
+        raise RuntimeError("a dispatch mode this torch lacks")
+
+    monkeypatch.setattr(host_ops.DispatchedOps, "__enter__", broken)
+    assert smoke.run_smoke(ctx) == 0
+    report = _report(ctx)
+    assert report["passed"] is True
+    assert report["host_ops"] == {"error": "RuntimeError: a dispatch mode this torch lacks"}
+    assert "the operations of a micro-step were not counted" in capsys.readouterr().err
 
 
 @pytest.mark.integration  # ~40 s: the memory estimate for 1 and N devices

@@ -327,6 +327,12 @@ def exit_process(code: int) -> NoReturn:
             stream.flush()
         except (OSError, ValueError):  # a closed or broken stream: nothing left to flush
             pass
+    try:  # C's stdio buffers too (a library's log lines to a pipe: NCCL_DEBUG), which os._exit skips
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to ask: nothing of C's to flush
+        pass
     os._exit(code)
 
 

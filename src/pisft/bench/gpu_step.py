@@ -263,6 +263,7 @@ def _measure_setting(args, out, kind, dev, mesh, peak, mode: str, checkpointing:
     --max-micro or until the device runs out of memory."""
     from pisft.train.ema import make_ema
 
+    torch._dynamo.reset()  # noqa: SLF001 - the settings before compiled the same block functions: each its own
     policy, applied = build_for_mode(args, dev, mode, checkpointing)
     compiler = blocks.compiler_for(compile_mode, kind, Path(args.out).parent / "inductor", print)
     fsdp.distribute(policy, mesh, args.precision, dev, keep_sharded=args.layout == "fsdp", min_params=0,

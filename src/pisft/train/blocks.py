@@ -65,6 +65,10 @@ COMPILE_BACKENDS: dict[str, Callable[[str], Any]] = {"cpu": _inductor, "cuda": _
 # train.compile: auto, by device kind: off on the CPU (compiling the tiny model takes longer than the
 # embedded default's whole training, docs/benchmarks.md), the blocks compiled on an accelerator.
 AUTO = {"cpu": "off", "cuda": "layers", "npu": "layers"}
+# Every block kind runs through the same code object (`checkpointed`), compiled once per kind, per
+# shape (dynamic=False) and per last-layer flag: dynamo's default limit of 8 compilations of one code
+# object is reached by a few kinds at two micro batches, and past it a block runs eagerly, silently.
+RECOMPILE_LIMIT = 64
 
 
 @dataclass
@@ -86,6 +90,9 @@ class Compiler:
         if not self.enabled:
             return fn
         if fn not in self.compiled:
+            from torch._dynamo import config as dynamo_config
+
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
             backend = COMPILE_BACKENDS[self.kind](self.kind)
             self.compiled[fn] = torch.compile(fn, backend=backend, dynamic=False)
         return self.compiled[fn]

@@ -303,6 +303,7 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
           f"node(s) on {kind}; logs in {log_dir}", file=sys.stderr, flush=True)
     rc, output, console = _run_tee(cmd, env, log_dir / "launcher.log")
     if rc == 0:
+        console.release()  # lines held after an error line the run then got past: the console shows them
         return 0
     failures = _failures(output, log_dir)
     if console.explained([f.exitcode for f in failures]):

@@ -147,7 +147,8 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
         ctx.log(f"starting from step 0; checkpoints go to {ckpt_root}")
     others = other_runs(cfg, ckpt_root)
     if others and ctx.is_main:
-        ctx.log(f"checkpoints of {len(others)} earlier run(s) with other settings are kept in "
+        ctx.log(f"checkpoints of {len(others)} earlier run(s) this one cannot resume (other settings, inputs or "
+                f"parameter layout: pisft.train.checkpoint.run_fingerprint) are kept in "
                 f"{ckpt_root.parent} ({', '.join(p.name for p in others)}); delete them to free space")
     metrics_log = MetricsLog(ckpt_root / "metrics.jsonl")
     if ctx.is_main:
