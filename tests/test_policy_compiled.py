@@ -144,3 +144,15 @@ def test_on_an_npu_the_chunk_is_one_npugraph_ex_graph(two_step_model):
     assert result["whole"] == 1 and result["all"] == 4  # the chunk; then embedding, prefix pass, step
     assert result["plain"] <= 1e-4 and result["rtc"] <= 1e-4
     assert "eager on npu" in result["default"] and "not yet measured" in result["default"]
+
+
+def test_rtc_is_refused_for_a_model_of_relative_actions():
+    """A leftover is normalised with the model's stats, never made relative to the state: RTC on a
+    model that predicts relative actions would pull towards actions of another space, so it is refused."""
+    from pisft.errors import PisftError
+    from pisft.policy import rtc
+
+    policy = build_policy("tiny", seed=0)
+    policy.config.use_relative_actions = True
+    with pytest.raises(PisftError, match="relative actions .*turn eval.rtc.enabled"):
+        rtc.configure(policy, RtcSettings())

@@ -38,12 +38,17 @@ def test_a_wrong_perturbation_is_named_with_what_to_write(entry, message):
 
 def test_perturbations_and_seeds_as_written_and_what_is_refused():
     e = C.from_dict({"eval": {"seeds": [7, 8, 9], "perturbations": [
-        "camera", {"name": "lighting", "strength": -0.5}, {"name": "lighting"}]}}).eval
-    assert C.perturbation_conditions(e) == [("camera", 10.0), ("lighting", -0.5), ("lighting", 0.5)]
+        "camera", {"name": "lighting", "strength": -0.5}, {"name": "lighting"},
+        {"name": "obs_noise", "strength": None}]}}).eval  # `strength:` left empty in YAML: the default
+    assert C.perturbation_conditions(e) == [("camera", 10.0), ("lighting", -0.5), ("lighting", 0.5),
+                                            ("obs_noise", 0.05)]
     assert C.closed_loop_seeds(e) == [7, 8, 9]
     assert C.closed_loop_seeds(C.from_dict({"eval": {"closed_loop_seed": 3}}).eval) == [3]
     with pytest.raises(C.ConfigError, match="listed twice"):
         C.from_dict({"eval": {"perturbations": ["camera", {"name": "camera", "strength": 10}]}})
+    with pytest.raises(C.ConfigError, match="listed twice .*share the key 'robot_init_0.1'"):
+        C.from_dict({"eval": {"perturbations": [{"name": "robot_init", "strength": 0.1},
+                                                {"name": "robot_init", "strength": 0.1000001}]}})
     with pytest.raises(C.ConfigError, match=r"eval.seeds: \[8, 9\] starts with 8 but eval.closed_loop_seed is 7: .*"
                                             r"start eval.seeds with 7 or set eval.closed_loop_seed: 8"):
         C.from_dict({"eval": {"seeds": [8, 9]}})
@@ -91,9 +96,10 @@ def test_strength_0_and_no_perturbation_are_openpis_protocol_byte_for_byte(tmp_p
     assert len(lines) == 12 and "\n".join(lines[:4]) + "\n" == (plain_out / "episodes.jsonl").read_text()
     at_zero = [json.loads(line) for line in lines[8:]]
     def episode(e):  # one video per perturbation: its first episode's
-        return {k: v for k, v in e.items() if k not in ("video", "video_frames")}
+        return {k: v for k, v in e.items() if k not in ("video", "video_frames", "perturbation")}
 
     assert [episode(e) for e in at_zero] == [episode(json.loads(line)) for line in lines[:4]]
+    assert all(e["perturbation"] == {"name": "obs_noise", "strength": 0} for e in at_zero)  # what it ran under
     assert at_zero[0]["video"] == "videos/obs_noise_0/libero_10_task00.mp4"
     assert (out / at_zero[0]["video"]).read_bytes() == (plain_out / "videos/libero_10_task00.mp4").read_bytes()
     noised = [json.loads(line) for line in lines[4:8]]

@@ -96,6 +96,33 @@ def test_with_a_delay_the_environment_keeps_executing_the_current_chunk(rtc):
     assert result.chunking == pytest.approx(sums)
 
 
+def test_rtc_with_the_whole_chunk_executed_asks_for_a_plain_chunk():
+    """No delay and a chunk's worth of steps per request (both allowed): nothing of the current chunk
+    is left to agree with, so the request is plain (an empty leftover was refused by the policy and
+    failed every episode)."""
+    schedule = ChunkSchedule(8, 0, rtc=True)
+    schedule.start(0)
+    schedule.payload(0, np.zeros((8, 7)), lambda c: c)
+    assert schedule.request(0, {"x": 1}) == {"x": 1}
+    schedule = ChunkSchedule(5, 0, rtc=True)
+    schedule.start(0)
+    schedule.payload(0, np.zeros((8, 7)), lambda c: c)
+    assert len(schedule.request(0, {"x": 1})[RTC_PREV_KEY]) == 3
+
+
+def test_the_config_refuses_a_delay_rtc_cannot_act_on():
+    from pisft import config as C
+
+    with pytest.raises(C.ConfigError, match=r"eval.rtc.delay_steps: 6 is more than eval.replan_steps \(5\)"):
+        C.from_dict({"eval": {"rtc": {"delay_steps": 6}}})
+    with pytest.raises(C.ConfigError, match=r"delay_steps: 4 is not below eval.rtc.execution_horizon \(4\).*"
+                                            "raise eval.rtc.execution_horizon"):
+        C.from_dict({"eval": {"rtc": {"enabled": True, "delay_steps": 4, "execution_horizon": 4}}})
+    C.from_dict({"eval": {"rtc": {"delay_steps": 4, "execution_horizon": 4}}})  # a delay alone: no RTC to act
+    with pytest.raises(C.ConfigError, match="eval.rtc.schedule: 'SQUARE' is not one of"):
+        C.from_dict({"eval": {"rtc": {"schedule": "SQUARE"}}})
+
+
 def test_jerk_is_the_second_difference_at_the_boundaries():
     a = np.zeros((8, 7))
     a[:, 0] = [0, 1, 2, 3, 10, 11, 12, 13]  # a step at 4: a new chunk starts there
@@ -120,18 +147,20 @@ def test_rtc_lowers_the_jerk_of_the_trained_model_at_chunk_boundaries(default_pi
     """The default pipeline's fine-tuned tiny model (smooth chunks: it learned the demo's smooth
     actions) in the stand-in simulator at a delay of 3 steps: RTC (LeRobot's) agrees with the
     current chunk, so the jump at each boundary is smaller than with plain chunking. The tiny model
-    reaches no goal: the mechanism, not the success, is what this shows."""
+    reaches no goal: the mechanism, not the success, is what this shows. With two seeds both sides are
+    the evaluation's own episodes at the first seed (the plain pass runs those alone)."""
     cfg = make_cfg(tmp_path, libero_suites=["libero_spatial"], trials_per_task=2, max_steps=40, videos=False,
-                   rtc={"enabled": True, "delay_steps": 3})
+                   rtc={"enabled": True, "delay_steps": 3}, seeds=[7, 8])
     (tmp_path / "results" / "train").mkdir(parents=True)
     shutil.copytree(default_pipeline / "results" / "train" / "model", tmp_path / "results" / "train" / "model")
     tasks = [StandInTask("put both moka pots on the stove", [99.0, 0, 0]),
              StandInTask("turn on the stove and put the moka pot on it", [0.3, 0, 0])]
     metrics = closed_loop.run(cfg, simulator=functools.partial(StandInSimulator, tasks), inline=True)
     plain, rtc = metrics["rtc_comparison"]["plain"], metrics["rtc_comparison"]["rtc"]
+    assert plain["episodes"] == rtc["episodes"] == 4 and metrics["episodes"] == 8  # two seeds pooled
     assert plain["chunk_boundaries"] == rtc["chunk_boundaries"] == 4 * 7  # 4 episodes of 40 steps
     assert rtc["action_jerk"] < 0.95 * plain["action_jerk"]
-    assert metrics["action_jerk"] == rtc["action_jerk"] and metrics["chunking"]["rtc"] is True
+    assert metrics["chunking"]["rtc"] is True and metrics["chunking"]["chunk_boundaries"] == 8 * 7
     assert metrics["inference"]["rtc"]["execution_horizon"] == 10  # LeRobot's default
     report = (tmp_path / "results" / "closed_loop" / "report.md").read_text()
     assert "Real-time chunking against plain chunking at the same delay (3 steps)" in report

@@ -269,6 +269,8 @@ def test_rtc_per_connection_agrees_with_the_previous_chunk_and_plain_chunks_with
         assert np.abs(second["actions"][:2] - held).max() < 0.1 < np.abs(plain[:2] - held).max()
         refused = _ask(a, {**request, "rtc/prev_actions": np.zeros((5, 7))})
         assert isinstance(refused, str) and "rtc/executed_steps" in refused
+        alone = _ask(a, {**request, "rtc/delay_steps": 2})  # the delay without where the robot was
+        assert isinstance(alone, str) and "'rtc/delay_steps' needs 'rtc/executed_steps'" in alone
         assert _ask(a, {"reset": True, "seed": 3}) == {"reset": True, "seed": 3}
         assert "rtc" not in _ask(a, {**request, **ask})  # a new episode: nothing to agree with
     with served(tiny_policy) as url, connect(url, compression=None, max_size=None) as c:

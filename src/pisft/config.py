@@ -212,7 +212,7 @@ class RtcConfig:
     # many steps while the next is computed (0: openpi's synchronous loop).
     delay_steps: int = 0
     # LeRobot's RTC guidance window: the first delay_steps actions are held to the previous chunk,
-    # the weights then fall to 0 at this index.
+    # the weights then fall to 0 at this index (it must exceed delay_steps under RTC).
     execution_horizon: int = 10
     max_guidance_weight: float = 10.0
     schedule: str = "LINEAR"
@@ -777,6 +777,11 @@ def _rtc_problems(e: EvalConfig) -> list[str]:
                         "the next chunk is asked for while the current one is still executing, so the delay "
                         "must fit in the steps executed per chunk; lower eval.rtc.delay_steps or raise "
                         "eval.replan_steps")
+    if r.enabled and r.delay_steps >= r.execution_horizon:
+        problems.append(f"eval.rtc.delay_steps: {r.delay_steps} is not below eval.rtc.execution_horizon "
+                        f"({r.execution_horizon}): LeRobot's RTC pulls the new chunk towards the current one only "
+                        "before the horizon, and the environment executes the new chunk from index delay_steps on, "
+                        "so real-time chunking would change nothing executed; raise eval.rtc.execution_horizon")
     if r.schedule not in RTC_SCHEDULES:
         problems.append(f"eval.rtc.schedule: '{r.schedule}' is not one of {', '.join(RTC_SCHEDULES)} (LeRobot's "
                         "RTCAttentionSchedule; its default: LINEAR)")
@@ -788,15 +793,18 @@ def closed_loop_seeds(e: EvalConfig) -> list[int]:
     return [int(s) for s in e.seeds] or [e.closed_loop_seed]
 
 
+def perturbation_key(name: str, strength: float) -> str:
+    """A perturbation's name in metrics.json and its videos' folder: `camera_10`, `lighting_-0.5`."""
+    return f"{name}_{strength:g}"
+
+
 def perturbation_conditions(e: EvalConfig) -> list[tuple[str, float]]:
-    """eval.perturbations as (name, strength) pairs in the order given: a bare name gets its default."""
+    """eval.perturbations as (name, strength) pairs in the order given: a bare name, or an entry whose
+    strength is empty (YAML's null), gets its default."""
     out = []
     for item in e.perturbations:
-        if isinstance(item, str):
-            out.append((item, PERTURBATIONS[item].default))
-        else:
-            name = item["name"]
-            out.append((name, float(item.get("strength", PERTURBATIONS[name].default))))
+        name, strength = (item, None) if isinstance(item, str) else (item["name"], item.get("strength"))
+        out.append((name, float(PERTURBATIONS[name].default if strength is None else strength)))
     return out
 
 
@@ -813,7 +821,7 @@ def _robustness_problems(e: EvalConfig) -> list[str]:
                         f"uses; its videos are recorded at it): start eval.seeds with {e.closed_loop_seed} or set "
                         f"eval.closed_loop_seed: {seeds[0]}")
     known = ", ".join(PERTURBATIONS)
-    seen: list[tuple[str, float]] = []
+    seen: set[str] = set()
     for i, item in enumerate(e.perturbations):
         where = f"eval.perturbations[{i}]"
         if isinstance(item, dict):
@@ -841,10 +849,12 @@ def _robustness_problems(e: EvalConfig) -> list[str]:
             problems.append(f"{where}: language's strength {strength!r} must be 0 (the task's own instruction) or 1 "
                             "(LIBERO-Pro's paraphrase of it): there is one cited paraphrase per task")
             continue
-        if (name, float(strength)) in seen:
-            problems.append(f"{where}: {name} at strength {strength:g} is listed twice; each perturbation and "
-                            "strength once")
-        seen.append((name, float(strength)))
+        key = perturbation_key(name, float(strength))
+        if key in seen:
+            problems.append(f"{where}: {name} at strength {strength:g} is listed twice (strengths equal to six "
+                            f"significant digits share the key {key!r} in metrics.json and its videos); each "
+                            "perturbation and strength once")
+        seen.add(key)
     return problems
 
 

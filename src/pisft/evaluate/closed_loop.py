@@ -404,9 +404,9 @@ def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool,
     metrics["expectation"] = expectation(cfg, settings)
     metrics["chunking"] = chunking_summary(results, settings)
     metrics["action_jerk"] = metrics["chunking"]["action_jerk"]
-    if plain is not None:
+    if plain is not None:  # the same episodes on both sides: the evaluation's own, at the first seed
         metrics["rtc_comparison"] = {"delay_steps": settings.delay_steps, "plain": _side(plain, settings),
-                                     "rtc": _side(results, settings)}
+                                     "rtc": _side(episodes.at_first_seed(all_results), settings)}
         metrics["rtc_comparison"]["plain"]["rtc"] = False
     metrics.update(robustness.summary(episodes, all_results))  # seeds, robustness: only with those keys set
     metrics.update(policy_record(pool))

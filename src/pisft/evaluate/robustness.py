@@ -64,14 +64,23 @@ class Plan:
         """The unperturbed episodes of every seed: the evaluation as openpi's protocol runs it."""
         return [r for r, c in zip(results, self.conditions, strict=True) if c.perturbation is None]
 
+    def at_first_seed(self, results: list[EpisodeResult]) -> list[EpisodeResult]:
+        """The evaluation's own episodes: unperturbed, at the first seed (what the plain-chunking pass of
+        an RTC comparison runs again)."""
+        first = Condition(self.seeds[0])
+        return [r for r, c in zip(results, self.conditions, strict=True) if c == first]
+
     def outcomes(self, results: list[EpisodeResult]) -> list[dict]:
         """episodes.jsonl's lines: each episode's outcome, with its seed when there are several and its
-        perturbation (what was applied) when it had one."""
+        perturbation (what was applied) when it had one; one at strength 0 applied nothing and says
+        which it was run under (its name and strength 0)."""
         lines = []
         for r, c, s in zip(results, self.conditions, self.specs, strict=True):
             line = r.outcome()
             if len(self.seeds) > 1:
                 line["seed"] = c.seed
+            if c.perturbation is not None and "perturbation" not in line:
+                line["perturbation"] = {"name": c.perturbation.name, "strength": c.perturbation.strength}
             if s.index in self.videos and r.video:
                 line["video"] = self.videos[s.index]
             lines.append(line)

@@ -61,6 +61,11 @@ def configure(policy, settings: RtcSettings) -> None:
     from lerobot.configs import RTCAttentionSchedule
     from lerobot.policies.rtc.configuration_rtc import RTCConfig
 
+    if getattr(policy.config, "use_relative_actions", False):  # a leftover is normalised, never made relative
+        raise PisftError("real-time chunking: this model predicts relative actions (use_relative_actions in its "
+                         "config.json), whose leftovers pisft does not convert; turn eval.rtc.enabled (serve: "
+                         "--rtc) off for it")
+
     try:
         schedule = RTCAttentionSchedule[settings.schedule]
     except KeyError:

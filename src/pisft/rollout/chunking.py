@@ -87,6 +87,8 @@ class ChunkSchedule:
         if not self.rtc or ep.chunk is None:
             return obs
         taken_at = ep.start + self.replan - self.delay  # the observation came after these actions
+        if taken_at >= len(ep.chunk):  # the whole chunk executed (no delay, a chunk's worth of steps): plain
+            return obs
         return {**obs, RTC_PREV_KEY: ep.chunk[taken_at:], RTC_DELAY_KEY: self.delay}
 
     def payload(self, key: int, chunk: np.ndarray, check: Callable[[np.ndarray], np.ndarray]) -> Any:

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from pisft.config import PERTURBATIONS
+from pisft.config import PERTURBATIONS, perturbation_key
 from pisft.errors import PisftError
 from pisft.rollout import libero_sim
 from pisft.rollout.paraphrases import PARAPHRASES
@@ -73,8 +73,8 @@ class Perturbation:
 
     @property
     def key(self) -> str:
-        """Its name in metrics.json and the videos' folder: `camera_10`, `lighting_-0.5`."""
-        return f"{self.name}_{self.strength:g}"
+        """Its name in metrics.json and the videos' folder (`pisft.config.perturbation_key`)."""
+        return perturbation_key(self.name, self.strength)
 
     def label(self) -> str:
         """How the report names it: `camera 10°`, `lighting x1.5`, `obs_noise std 0.05x255`."""

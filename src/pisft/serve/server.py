@@ -68,13 +68,14 @@ Inference at robot speed (docs/serving.md, "Inference at robot speed"): `--preci
 `--compile` are `eval.precision` and `eval.compile` (the compiled chunk: one graph per batch-size
 bucket, the first chunk of each compiles). `--rtc` turns on real-time chunking (LeRobot's RTC,
 `pisft.policy.rtc`) per connection: the server keeps the chunk it answered last on each
-connection; a request that carries `"rtc/executed_steps": n` (the actions of that chunk the robot
-had executed when it took this observation) and `"rtc/delay_steps": d` (the control steps it will
-execute of the rest before this reply arrives) is answered with a chunk inpainted to agree with
-that chunk's actions from n on, and the reply says so (`"rtc": {"delay_steps": d, "prev_steps":
-...}`). A request without them gets a plain chunk, as does the first of a connection (or after a
-reset: there is no previous chunk) and one whose previous chunk is all executed. The robot then
-executes the new chunk from index d on.
+connection; a request that carries `"rtc/executed_steps": n` (where the robot was in that chunk
+when it took this observation: the index of its next action, the d actions a chunk started after
+counted, so a chunk executed from index d with m actions done has n = d + m) and
+`"rtc/delay_steps": d` (the control steps it will execute of the rest before this reply arrives)
+is answered with a chunk inpainted to agree with that chunk's actions from n on, and the reply says
+so (`"rtc": {"delay_steps": d, "prev_steps": ...}`). A request without them gets a plain chunk, as
+does the first of a connection (or after a reset: there is no previous chunk) and one whose previous
+chunk is all executed. The robot then executes the new chunk from index d on.
 
 The port is bound before the model loads, so "port in use" is reported at once.
 """
@@ -135,7 +136,9 @@ class _Session:
     last_actions: Any = None  # the chunk answered last (raw), for real-time chunking (--rtc)
 
 
-RTC_EXECUTED_KEY = "rtc/executed_steps"  # a request's: the actions of the last chunk executed by now
+# A request's: the index in the last chunk answered of the next action to execute (its d skipped
+# actions counted: a chunk executed from index d with m actions done is at d + m).
+RTC_EXECUTED_KEY = "rtc/executed_steps"
 
 
 def _rtc_request(obs: dict, last: Any, enabled: bool) -> tuple[dict, int | None]:
@@ -146,16 +149,20 @@ def _rtc_request(obs: dict, last: Any, enabled: bool) -> tuple[dict, int | None]
 
     if RTC_PREV_KEY in obs:
         raise ObservationError(f"'{RTC_PREV_KEY}' is the server's: it keeps the chunk it answered last on "
-                               f"this connection; send '{RTC_EXECUTED_KEY}' (how many of its actions you had "
-                               "executed when you took this observation) instead")
+                               f"this connection; send '{RTC_EXECUTED_KEY}' (the index in it of your next "
+                               "action when you took this observation) instead")
     if RTC_EXECUTED_KEY not in obs:
+        if RTC_DELAY_KEY in obs:
+            raise ObservationError(f"'{RTC_DELAY_KEY}' needs '{RTC_EXECUTED_KEY}' (the index in the last chunk "
+                                   "answered of your next action when you took this observation); send neither "
+                                   "for a plain chunk")
         return obs, None
     if not enabled:
         raise ObservationError(f"'{RTC_EXECUTED_KEY}': this server runs without real-time chunking (start it "
                                "with --rtc); send requests without the rtc/ keys for plain chunks")
     executed = obs[RTC_EXECUTED_KEY]
     if isinstance(executed, bool) or not hasattr(executed, "__index__") or int(executed) < 0:
-        raise ObservationError(f"'{RTC_EXECUTED_KEY}' must be a whole number of actions >= 0, got {executed!r}")
+        raise ObservationError(f"'{RTC_EXECUTED_KEY}' must be an index >= 0 in the last chunk, got {executed!r}")
     if RTC_DELAY_KEY not in obs:
         raise ObservationError(f"real-time chunking needs '{RTC_DELAY_KEY}' with '{RTC_EXECUTED_KEY}'")
     rest = {k: v for k, v in obs.items() if k != RTC_EXECUTED_KEY}
