@@ -249,7 +249,7 @@ def source_inputs(cfg: pisft_config.PisftConfig) -> list[str]:
     writes it) as every file in it (Snakemake compares a folder by its own time stamp, which a
     changed or added file deep inside does not move: a source whose data changed was "Nothing to
     be done"); a folder under results_dir (the demo, a stage's output) as the folder."""
-    results = Path(cfg.results_dir).resolve()  # resolved: `results/../data` and a link into results/ are where they lead
+    results = Path(cfg.results_dir).resolve()  # `results/../data` and a link into results/: where they lead
     inputs: list[str] = []
     for source in pisft_config.data_sources(cfg):
         folder = Path(source.path)
