@@ -148,6 +148,11 @@ def test_overrides_apply_and_are_validated(tmp_path):
     assert cfg.train.steps == 7 and cfg.data.tasks == ["0", "3"]
     with pytest.raises(C.ConfigError, match="expected KEY=VALUE"):
         C.load(ROOT / "config/config.yaml", ["train.steps"])
+    # YAML 1.1's yes/no/on/off are text on the command line, as YAML 1.2 (DVC) reads them: `off` was
+    # False, refused as "train.compile: 'False' is not one of auto, off, layers"
+    # (a flag still takes them: OmegaConf reads the text "off" as false)
+    cfg = C.load(ROOT / "config/config.yaml", ["train.compile=off", "eval.videos=off", "train.tensorboard=True"])
+    assert (cfg.train.compile, cfg.eval.videos, cfg.train.tensorboard) == ("off", False, True)
 
 
 def test_resolved_config_carries_derived_values():

@@ -1097,7 +1097,10 @@ def load(path: str | Path = DEFAULT_CONFIG, overrides: list[str] | None = None) 
         parts = key.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(value)
+        parsed = yaml.safe_load(value)
+        if isinstance(parsed, bool) and value.strip().lower() not in ("true", "false"):
+            parsed = value.strip()  # YAML 1.1's yes/no/on/off: text, as YAML 1.2 (DVC) reads it (train.compile=off)
+        node[parts[-1]] = parsed
     return from_dict(raw, str(path))
 
 
