@@ -169,3 +169,20 @@ def test_a_block_may_compile_once_per_kind_shape_and_flag(monkeypatch):
     monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
     blocks.Compiler("layers", "cpu")(lambda x: x + 1)
     assert dynamo_config.recompile_limit == blocks.RECOMPILE_LIMIT == 64
+
+
+def test_blocks_left_to_the_root_unit_are_compiled_too():
+    """On the CPU units under 16M parameters are merged, and the tiny model's groups are all below it:
+    its blocks stay in the root unit. Each still gets its runner (and its compiled forward), so
+    train.compile: layers compiles them; before, it compiled none and the smoke report said compiled."""
+    from pisft.model.lerobot_internals import BLOCK_RUNNER
+
+    policy = build_random_policy("tiny", CPU, checkpointing=True, seed=0)
+    blocks_of = fsdp.choose_units(policy)
+    assert fsdp.choose_units(policy, fsdp.min_unit_params("cpu")) == []  # every group left to the root
+    fsdp.distribute(policy, init_device_mesh("cpu", (1,)), "fp32", CPU, compiler=blocks.Compiler("layers", "cpu"))
+    anchors = [a for u in blocks_of for a in u.anchors]
+    modules = [m for u in blocks_of for m in u.compiled_modules]
+    assert anchors and modules
+    assert all(getattr(a, BLOCK_RUNNER).compiler.enabled for a in anchors)
+    assert all("forward" in vars(m) for m in modules)  # the compiled forward, per layer

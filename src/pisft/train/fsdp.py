@@ -272,9 +272,18 @@ def shard(model: nn.Module, mesh: DeviceMesh, precision: str, *, min_params: int
     fully_shard(model, mesh=mesh, mp_policy=mixed_precision(precision, root=True))
     for unit, following in zip(units, units[1:]):
         unit.modules[0].set_modules_to_forward_prefetch([following.modules[0]])
-    blocks.install(units, compiler or blocks.Compiler())
+    _install_blocks(model, units, compiler)
     host_memory.return_freed_memory()  # the whole tensors the shards replaced (pisft.model.host_memory)
     return units
+
+
+def _install_blocks(model: nn.Module, units: list[Unit], compiler: blocks.Compiler | None) -> None:
+    """Every block its runner (`pisft.train.blocks.install`): the blocks of `units`, and those of a group
+    below the smallest unit, left to the root unit (the tiny model's on the CPU), whose runners compile
+    and checkpoint them without a unit of their own (before, `train.compile: layers` compiled none of them)."""
+    placed = {id(m) for u in units for m in (*u.anchors, *u.compiled_modules)}
+    left = [u for u in choose_units(model) if not any(id(m) in placed for m in (*u.anchors, *u.compiled_modules))]
+    blocks.install([*units, *left], compiler or blocks.Compiler())
 
 
 def distribute(model: nn.Module, mesh: DeviceMesh, precision: str, device: torch.device, *,
@@ -309,7 +318,7 @@ def distribute(model: nn.Module, mesh: DeviceMesh, precision: str, device: torch
     units = choose_units(model, smallest)
     _check_no_shared_params(units, model)
     model.to(device)
-    blocks.install(units, compiler or blocks.Compiler())
+    _install_blocks(model, units, compiler)
     return units
 
 
