@@ -84,6 +84,7 @@ def test_launcher_passes_device_environment(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(devices, "resolve_kind", lambda requested: "npu")
     monkeypatch.setattr(devices, "device_count", lambda kind: 8)
     monkeypatch.delenv("TASK_QUEUE_ENABLE", raising=False)
+    monkeypatch.delenv(layout.COMPILE_CACHE_ENV, raising=False)  # torch sets it once it uses its cache
     monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "77")
     seen = {}
 
@@ -98,6 +99,9 @@ def test_launcher_passes_device_environment(tmp_path, monkeypatch, capsys):
     assert seen["env"]["TASK_QUEUE_ENABLE"] == devices.ASCEND_ENV_DEFAULTS["TASK_QUEUE_ENABLE"]
     assert seen["env"]["HCCL_CONNECT_TIMEOUT"] == "77"
     assert seen["env"]["JAX_PLATFORMS"] == "cpu"
+    # train.compile's cache under the results, set before torch runs in a worker (the smoke gate's
+    # estimate made torch set its own /tmp default before the blocks compiled)
+    assert seen["env"][layout.COMPILE_CACHE_ENV] == str(layout.compile_cache(cfg).absolute())
     err = capsys.readouterr().err
     assert "rank 1 (local rank 1) killed by SIGKILL" in err
     assert "out-of-memory killer" in err  # a SIGKILL nobody sent is the kernel's OOM killer: the message says so

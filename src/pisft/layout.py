@@ -214,6 +214,12 @@ def bench_report(cfg: Run) -> Path:
     return Path(cfg.results_dir, "bench", "bench.json")
 
 
+# The variable that places inductor's caches. The launcher sets it for the training workers before
+# torch runs there: torch sets it to its own default (a folder under /tmp) the first time anything asks
+# for its cache, as the smoke gate's memory estimate does before the model is compiled.
+COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
 def compile_cache(cfg: Run) -> Path:
     """torch.compile's caches (inductor's code and graphs) of the training stages (train.compile):
     a rerun of a stage loads what an earlier run compiled. No stage's output."""

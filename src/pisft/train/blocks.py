@@ -39,9 +39,10 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
+from pisft import layout
 from pisft.model.lerobot_internals import BLOCK_RUNNER, checkpointed
 
-CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+CACHE_ENV = layout.COMPILE_CACHE_ENV
 
 
 def _inductor(kind: str) -> Any:  # noqa: ARG001 - every backend function takes the device kind
@@ -101,7 +102,8 @@ class Compiler:
 def compiler_for(mode: str, kind: str, cache_dir: Any, log: Callable[[str], None]) -> Compiler:
     """The run's Compiler for train.compile `mode` on devices of `kind`: `auto` resolved, the
     backend checked (a device without one runs eagerly, saying so in one line), the compiled code
-    cached in `cache_dir` (unless TORCHINDUCTOR_CACHE_DIR is set)."""
+    cached in `cache_dir` (unless TORCHINDUCTOR_CACHE_DIR is set: by the user, by the launcher for the
+    training stages' workers, `layout.COMPILE_CACHE_ENV`, or by torch itself once it has used its cache)."""
     chosen = AUTO.get(kind, "off") if mode == "auto" else mode
     if chosen == "off":
         return Compiler("off", kind)

@@ -299,6 +299,7 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = torchrun_command(stage, cfg, config_path, overrides, log_dir)
     env = devices.process_env(kind, nproc_per_node=nproc, force_threads=True)
+    env.setdefault(layout.COMPILE_CACHE_ENV, str(layout.compile_cache(cfg).absolute()))  # train.compile's cache
     print(f"[launch] {stage}: {nproc} process(es) × {1 if one_process(stage) else cfg.train.nnodes} "
           f"node(s) on {kind}; logs in {log_dir}", file=sys.stderr, flush=True)
     rc, output, console = _run_tee(cmd, env, log_dir / "launcher.log")
