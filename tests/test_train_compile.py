@@ -159,16 +159,16 @@ def test_an_npu_compiles_through_torchairs_backend(monkeypatch, tmp_path):
         torch.testing.assert_close(b, a)
 
 
-def test_a_block_may_compile_once_per_kind_shape_and_flag(monkeypatch):
+def test_a_block_may_compile_once_per_kind_shape_and_flag():
     """Every checkpointed block kind runs through one code object (`checkpointed`), compiled per kind,
     shape and last-layer flag: at dynamo's default limit of 8 the tiny model's blocks at micro batches
     1 to 5 hit it ("torch._dynamo hit config.recompile_limit (8)") and ran eagerly from then on, silently.
     Compiling raises the limit to RECOMPILE_LIMIT."""
     from torch._dynamo import config as dynamo_config
 
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
-    blocks.Compiler("layers", "cpu")(lambda x: x + 1)
-    assert dynamo_config.recompile_limit == blocks.RECOMPILE_LIMIT == 64
+    with dynamo_config.patch(recompile_limit=8):  # torch's own patch (pytest's undo deletes a config key)
+        blocks.Compiler("layers", "cpu")(lambda x: x + 1)
+        assert dynamo_config.recompile_limit == blocks.RECOMPILE_LIMIT == 64
 
 
 def test_blocks_left_to_the_root_unit_are_compiled_too():
