@@ -169,23 +169,24 @@ def write_policy_weights(model: torch.nn.Module, base_weights: Path, out: Path |
     file_specs = base_specs(where)
     specs = {n: _spec(s, file_specs) for n, s in sources.items()}
 
-    def value(name: str) -> torch.Tensor | None:
-        s = sources[name]
-        if s.kind == "frozen":
-            return _read_base(where, s.file_name) if is_main else None
-        if s.kind == "merged":
-            a, b, scaling = s.lora
-            a_full, b_full = _full(a), _full(b)
-            w = _read_base(where, s.file_name) if s.file_name is not None else None
-            w = w if w is not None else _full(s.tensor)
-            return merged_weight(w, a_full, b_full, scaling) if is_main else None
-        t = _full(s.tensor)
-        if s.rows is not None:
-            t = t[s.rows[0]:s.rows[1]]
-        return t.contiguous() if is_main else None
-
-    _write_collectively(out, list(sources), specs, value, is_main)
+    _write_collectively(out, list(sources), specs, lambda name: _value(sources[name], where, is_main), is_main)
     return counts
+
+
+def _value(s: Source, where: dict[str, Path], is_main: bool) -> torch.Tensor | None:
+    """What `s` writes (rank 0; None elsewhere). Collective for a sharded tensor."""
+    if s.kind == "frozen":
+        return _read_base(where, s.file_name) if is_main else None
+    if s.kind == "merged":
+        a, b, scaling = s.lora
+        a_full, b_full = _full(a), _full(b)
+        w = _read_base(where, s.file_name) if s.file_name is not None else None
+        w = w if w is not None else _full(s.tensor)
+        return merged_weight(w, a_full, b_full, scaling) if is_main else None
+    t = _full(s.tensor)
+    if s.rows is not None:
+        t = t[s.rows[0]:s.rows[1]]
+    return t.contiguous() if is_main else None
 
 
 def _read_base(where: dict[str, Path], file_name: str) -> torch.Tensor:
@@ -196,51 +197,33 @@ def _read_base(where: dict[str, Path], file_name: str) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------- the adapter
-def adapter_sources(model: torch.nn.Module, spec) -> dict[str, tuple[torch.Tensor, tuple[int, int] | None]]:
-    """PEFT's adapter file names -> (the model's tensor, its rows or None for all): LoRA A/B and the
-    fully trained modules, a fused projection of one (rlinf's expert) as LeRobot's separate tensors."""
+def adapter_sources(model: torch.nn.Module, spec) -> dict[str, Source]:
+    """PEFT's adapter file names -> where each value comes from: LoRA A/B and the fully trained
+    modules, a fused projection of one (rlinf's expert) as LeRobot's separate tensors (its rows)."""
     modules = dict(model.named_modules())
-    out: dict[str, tuple[torch.Tensor, tuple[int, int] | None]] = {}
+    out: dict[str, Source] = {}
     for name, p in model.named_parameters():
         if _LORA.match(name):
-            out[PEFT_PREFIX + name.replace(".default.weight", ".weight")] = (p, None)
+            out[PEFT_PREFIX + name.replace(".default.weight", ".weight")] = Source("trained", p)
         elif spec.trains_in_full(name):
             parts = split_rows(lambda n: modules[n.rsplit(".", 1)[0]], name)
-            if parts is None:
-                out[PEFT_PREFIX + name] = (p, None)
-            else:
-                out.update({PEFT_PREFIX + plain: (p, (start, end)) for plain, start, end in parts})
+            for plain, start, end in parts or [(name, None, None)]:
+                out[PEFT_PREFIX + plain] = Source("trained", p, rows=None if parts is None else (start, end))
     return out
 
 
 def write_adapter(model: torch.nn.Module, spec, base_dir: Path, out_dir: Path | None, *,
                   is_main: bool, policy_config: Any = None) -> int:
     """The adapter alone in PEFT's layout under `out_dir` (rank 0). Collective. Returns the tensors written."""
-    tensors = adapter_sources(model, spec)
-    specs = {}
-    for n, (t, rows) in tensors.items():
-        shape = list(t.shape)
-        if rows is not None:
-            shape[0] = rows[1] - rows[0]
-        specs[n] = (_TORCH_TO_ST[t.dtype], shape)
+    sources = adapter_sources(model, spec)
+    _, where = weights_mod.tensor_locations(Path(base_dir) / WEIGHTS_FILE)
     # A fully trained expert (rlinf) is saved whole (PEFT's modules_to_save), its lm_head too, which
     # training detached (never used, never trained): the base's tensor, as the merged export carries it.
-    from_base: dict[str, str] = {}
-    if spec.trains_in_full(EXPERT_HEAD) and PEFT_PREFIX + EXPERT_HEAD not in tensors:
-        _, where = weights_mod.tensor_locations(Path(base_dir) / WEIGHTS_FILE)
-        in_base = {weights_mod.lerobot_name(n): n for n in where}
-        if EXPERT_HEAD in in_base:
-            from_base[PEFT_PREFIX + EXPERT_HEAD] = in_base[EXPERT_HEAD]
-            specs[PEFT_PREFIX + EXPERT_HEAD] = base_specs(where)[in_base[EXPERT_HEAD]]
-
-    def value(name: str) -> torch.Tensor | None:
-        if name in from_base:
-            return _read_base(where, from_base[name]) if is_main else None
-        t, rows = tensors[name]
-        t = _full(t)
-        if rows is not None:
-            t = t[rows[0]:rows[1]]
-        return t.contiguous() if is_main else None
+    in_base = {weights_mod.lerobot_name(n): n for n in where}
+    if spec.trains_in_full(EXPERT_HEAD) and PEFT_PREFIX + EXPERT_HEAD not in sources and EXPERT_HEAD in in_base:
+        sources[PEFT_PREFIX + EXPERT_HEAD] = Source("frozen", None, in_base[EXPERT_HEAD])
+    file_specs = base_specs(where)
+    specs = {n: _spec(s, file_specs) for n, s in sources.items()}
 
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -257,5 +240,6 @@ def write_adapter(model: torch.nn.Module, spec, base_dir: Path, out_dir: Path | 
             marked = copy.copy(policy_config)
             marked.use_peft = True
             write_config(marked, out_dir / "config.json")
-    _write_collectively(out_dir / ADAPTER_WEIGHTS if is_main else None, [*tensors, *from_base], specs, value, is_main)
-    return len(tensors) + len(from_base)
+    _write_collectively(out_dir / ADAPTER_WEIGHTS if is_main else None, list(sources), specs,
+                        lambda name: _value(sources[name], where, is_main), is_main)
+    return len(sources)
