@@ -623,11 +623,24 @@ def test_stage_rolls_out_the_exported_model_in_process(tmp_path, monkeypatch):
     sim = StandInSimulator([StandInTask("reach 99 0 0", [99.0, 0, 0])])
     import torch
 
+    from pisft.policy.libero import LiberoPolicy
+
+    seen_threads = []
+    predict_many = LiberoPolicy.predict_many
+
+    def counting(self, *args, **kwargs):
+        seen_threads.append(torch.get_num_threads())
+        return predict_many(self, *args, **kwargs)
+
+    monkeypatch.setattr(LiberoPolicy, "predict_many", counting)
     threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)
         metrics = closed_loop.run(cfg, simulator=lambda: sim, inline=True)
-        # one policy thread beside the simulating workers, whatever the driver exported
-        assert torch.get_num_threads() == 1
+        # one policy thread beside the simulating workers, whatever the driver exported, and the
+        # caller's count given back after (a test worker's later tests run with their own)
+        assert seen_threads and set(seen_threads) == {1}
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
     episode = json.loads((tmp_path / "results" / "closed_loop" / "episodes.jsonl").read_text())

@@ -252,13 +252,15 @@ def open_policy_pool(cfg: config_mod.PisftConfig, given: Any, *, model_dir: Path
     """The stage's policy, closed on exit: `given` (tests, a caller's own) as one replica, else the
     model in `model_dir` as `LiberoPolicy` replicas (the code `serve` runs), one per device of
     `policy_devices`, with `eval.cfg_scale`, `eval.precision`, `eval.compile`, real-time chunking
-    when `rtc` (`eval.rtc`) and `policy_threads` CPU threads. Every forward of a policy in the
+    when `rtc` (`eval.rtc`) and `policy_threads` CPU threads (the caller's count is given back on
+    exit). Every forward of a policy in the
     protocol (a model) has `rows` rows (`fixed_shape.FixedShape`: results do not depend on which
     requests share a forward); a stand-in given by a test is used as it is. Says once, before the
     rollouts, which classifier-free guidance is in effect (`LiberoPolicy.guidance`)."""
     def fixed(policy: Any) -> Any:
         return FixedShape(policy, rows, name=stage) if isinstance(policy, Policy) else policy
 
+    threads_before = None  # the caller's intra-op thread count, given back on exit
     if given is not None:
         pool = PolicyPool([fixed(given)], max_batch=rows, wait_ms=wait_ms, devices=["given"])
     else:
@@ -268,6 +270,7 @@ def open_policy_pool(cfg: config_mod.PisftConfig, given: Any, *, model_dir: Path
         from pisft.policy.libero import LiberoPolicy
         from pisft.policy.rtc import RtcSettings
 
+        threads_before = torch.get_num_threads()
         torch.set_num_threads(policy_threads())
         scale = check_scale(cfg.eval.cfg_scale, "eval.cfg_scale")
         devices = policy_devices(cfg)
@@ -283,11 +286,17 @@ def open_policy_pool(cfg: config_mod.PisftConfig, given: Any, *, model_dir: Path
             print(f"{stage}: {len(devices)} policy replicas, one per device ({', '.join(devices)})", flush=True)
         select = None if kind == "cpu" else functools.partial(device_mod.local_device, kind)
         pool = PolicyPool(replicas, max_batch=rows, wait_ms=wait_ms, devices=devices, select_device=select)
-    with pool:
-        guided = guidance_of(pool)
-        if guided is not None and (guided["note"] or guided["guided"]):
-            print(f"{stage}: {'note: ' + guided['note'] if guided['note'] else guided['describe']}", flush=True)
-        yield pool
+    try:
+        with pool:
+            guided = guidance_of(pool)
+            if guided is not None and (guided["note"] or guided["guided"]):
+                print(f"{stage}: {'note: ' + guided['note'] if guided['note'] else guided['describe']}", flush=True)
+            yield pool
+    finally:
+        if threads_before is not None:
+            import torch
+
+            torch.set_num_threads(threads_before)
 
 
 def _torch_threads() -> int:

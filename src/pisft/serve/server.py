@@ -737,6 +737,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"requests a forward" if args.batch_window_ms > 0 else "")
         if args.rtc:
             batching += "; real-time chunking per connection (rtc/executed_steps, rtc/delay_steps)"
+        import torch
+
+        from pisft import device as device_mod
+
+        if device_mod.resolve_kind(args.device) == "cpu":
+            # the model thread's intra-op threads: the CPU latency, and (with torch's default of
+            # one per core) the float32 bits of a reply, depend on them (module docstring)
+            batching += f"; {torch.get_num_threads()} CPU threads"
         print(f"pisft serve: serving {args.model} on ws://{host}:{port} "
               f"(openpi websocket policy protocol; GET /healthz){prompt}; limits: "
               f"{args.max_message_mib:g} MiB a message, {limits.max_image_side} px an image side, "
