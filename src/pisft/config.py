@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -62,6 +63,55 @@ PERTURBATIONS = {
 }
 
 
+# ------------------------------------------------------------------------ what a key does: its marks
+# A key's roles are marks on its field (`marked`), and every list of keys by role is read off them
+# (`keys_marked`, `fingerprint_keys`): the keys each stage reads in the stage table
+# (pisft.stages: a change reruns the stage under both drivers), the settings of a training run's
+# fingerprint (pisft.train.checkpoint, pisft.train.run_folders), the keys a smoke report must share
+# with the training it admits (pisft.train.launch), the options of a conversion (pisft.data.convert).
+# A role that reruns stages is named for what they do, never for a stage.
+DEMO = "demo data"  # demo_recap writes the synthetic demo dataset with them
+CONVERSION = "conversion"  # convert_recap (at iteration k also recap.holdout_fraction, its row)
+TRAIN_STEP = "training step"  # what a step does, not how long the run is: the smoke gate measures it
+OFFLINE_EVAL = "offline evaluation"  # evaluate
+CLOSED_LOOP = "closed loop"  # closed_loop
+COLLECTION = "collection"  # collect_rollouts (RECAP iteration k >= 1)
+VALUE = "value model"  # smoke_value and train_value
+ADVANTAGE = "advantage labels"  # the advantages stage
+RETRAINING = "retraining"  # what train_8card also reads at iteration k >= 1
+# The run fingerprints (a checkpoint resumes only a run with the same settings): the policy's
+# (train_8card) and the value model's (train_value). A section marked enters whole, its keys marked
+# INPUT excepted: a key added there is covered by default.
+POLICY_RUN = "policy run fingerprint"
+VALUE_RUN = "value run fingerprint"
+# The input data: the key names it (its content is hashed where it matters) or makes it (the demo
+# generator): in no fingerprint, no option of a conversion.
+INPUT = "input data"
+# The model the smoke gate measured: a training admitted by its report has the same (the drivers
+# follow the model through base_model; a training launched by hand checks the report).
+SMOKE_MEASURED = "measured by the smoke gate"
+# The pipeline's shape: which stages and inputs dvc.yaml has (pisft.workflow.dvc_yaml.shape reads each
+# key marked so; a change runs config_check, which regenerates dvc.yaml when the shape moved).
+DAG_SHAPE = "pipeline shape"
+ROLES = (DEMO, CONVERSION, TRAIN_STEP, OFFLINE_EVAL, CLOSED_LOOP, COLLECTION, VALUE, ADVANTAGE, RETRAINING,
+         POLICY_RUN, VALUE_RUN, INPUT, SMOKE_MEASURED, DAG_SHAPE)
+_ROLES_FIELD = "pisft_roles"  # the field metadata that holds a key's marks
+
+
+def marked(default: Any, *roles: str) -> Any:
+    """A config field with its roles: `lr: float = marked(1e-3, TRAIN_STEP, POLICY_RUN)`. A list,
+    a dict or a section (a config dataclass) as `default` is made anew for every config."""
+    unknown = [r for r in roles if r not in ROLES]
+    if unknown:
+        raise ValueError(f"marked: unknown role(s) {unknown}; the roles are {', '.join(ROLES)}")
+    metadata = {_ROLES_FIELD: roles}
+    if isinstance(default, type):
+        return field(default_factory=default, metadata=metadata)
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
     """Micro-batches each process runs per optimizer step: a global batch of `global_batch` samples
     in micro-batches of `micro_batch` on `world_size` processes (the one place this is computed)."""
@@ -76,12 +126,12 @@ class ConfigError(PisftError):
 class ModelConfig:
     # `tiny` (built locally, random init, fixed seed), a local directory in LeRobot layout,
     # or `hf://<repo_id>[@revision]` on the Hugging Face hub.
-    source: str = "tiny"
+    source: str = marked("tiny", SMOKE_MEASURED, DAG_SHAPE)
     # Architecture preset: `tiny` (a few million parameters) or `pi05` (gemma_2b + gemma_300m).
-    preset: str = "tiny"
+    preset: str = marked("tiny", SMOKE_MEASURED)
     # Tokenizer: "" means the source's own (the tiny preset builds one locally); else a local
     # directory or `hf://<repo_id>`.
-    tokenizer: str = ""
+    tokenizer: str = marked("", DAG_SHAPE)
     # Seed of the random initialisation of the tiny preset.
     init_seed: int = 0
     # The asset id (e.g. `physical-intelligence/libero`) whose norm_stats.json fetch_base carries
@@ -102,32 +152,36 @@ class DataConfig:
     # or a list of typed sources, each a directory or `{path: DIR, type: sft|rollout, weight: W}`
     # (`data_sources()`; weight: the source's sampling weight, default 1.0). The default is
     # written by `demo_recap`.
-    recap_dir: Any = "results/demo_recap"
+    recap_dir: Any = marked("results/demo_recap", CONVERSION, INPUT, DAG_SHAPE)
     # RLinf's balance_dataset_weights (ReCapMixtureDataset): a source is drawn with probability
-    # proportional to weight x its training frames (true) or to its weight alone (false).
-    balance_source_weights: bool = True
+    # proportional to weight x its training frames (true) or to its weight alone (false). Recorded in
+    # the dataset (meta/source_sampling.json), read by training.
+    balance_source_weights: bool = marked(True, CONVERSION)
     # Synthetic demo data (used only when recap_dir is the demo directory).
-    demo_episodes_per_task: int = 6
-    demo_episode_length: int = 40
-    demo_failure_fraction: float = 0.2
-    demo_image_size: int = 64
-    demo_seed: int = 0
+    demo_episodes_per_task: int = marked(6, DEMO, INPUT)
+    demo_episode_length: int = marked(40, DEMO, INPUT)
+    demo_failure_fraction: float = marked(0.2, DEMO, INPUT)
+    demo_image_size: int = marked(64, DEMO, INPUT)
+    demo_seed: int = marked(0, DEMO, INPUT)
     # Conversion options.
-    success_only: bool = False
-    tasks: list[str] = field(default_factory=list)
-    advantage_tag: str = ""
+    success_only: bool = marked(False, CONVERSION)
+    tasks: list[str] = marked([], CONVERSION)
+    advantage_tag: str = marked("", CONVERSION)
     # RLinf's CFG recipe for advantage prompts (used when advantage_tag is set): negative frames
     # get the plain task; a label is dropped at random with this probability during training.
-    positive_only_conditional: bool = True
-    unconditional_prob: float = 0.1
+    # Recorded in the dataset (meta/prompt_conditioning.json), read by training; retraining at
+    # iteration k >= 1 turns the labels into prompts with them.
+    positive_only_conditional: bool = marked(True, CONVERSION, RETRAINING)
+    unconditional_prob: float = marked(0.1, CONVERSION, RETRAINING)
     # The dataset's column for image, wrist_image, state, actions when no known LIBERO naming fits.
-    columns: dict[str, str] = field(default_factory=dict)
-    image_size: int = 0  # 0 keeps the input resolution
-    eval_fraction: float = 0.2
-    split_seed: int = 0
+    columns: dict[str, str] = marked({}, CONVERSION)
+    image_size: int = marked(0, CONVERSION)  # 0 keeps the input resolution
+    eval_fraction: float = marked(0.2, CONVERSION)
+    split_seed: int = marked(0, CONVERSION)
     # Training-time image augmentation (pisft.data.augment), read by the training stages only:
-    # `none`, or `openpi` (openpi's crop, rotation and colour jitter, drawn per sample).
-    augment: str = "none"
+    # `none`, or `openpi` (openpi's crop, rotation and colour jitter, drawn per sample): the images
+    # every step trains on (the value model's too).
+    augment: str = marked("none", TRAIN_STEP, VALUE)
 
 
 @dataclass
@@ -139,64 +193,78 @@ class SmokeConfig:
 
 @dataclass
 class TrainConfig:
-    nproc_per_node: int = 2
+    """The training run. In its run's fingerprint (`POLICY_RUN`, `VALUE_RUN`: a checkpoint of other
+    values is not resumed) is what changes what training computes; not in it (a run resumes across
+    them): the world size and everything that only splits the same computation differently
+    (nproc_per_node, nnodes, micro_batch_size -> accumulation; the global batch is in), how often
+    values are fetched or saved (log_every, save_every, keep_last), data-loader workers (each sample
+    is drawn from (seed, step, position), not from worker order), peak_flops, tensorboard,
+    deterministic (kernel choice, not the math), compile, and activation checkpointing (recomputes
+    the same forward with the same RNG state: same values). The value run has its own steps,
+    learning rates, batch and mode (`recap.value_*`)."""
+
+    nproc_per_node: int = marked(2, TRAIN_STEP)
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""
-    micro_batch_size: int = 4
-    global_batch_size: int = 16
-    steps: int = 150
+    micro_batch_size: int = marked(4, TRAIN_STEP)
+    global_batch_size: int = marked(16, TRAIN_STEP, POLICY_RUN)
+    steps: int = marked(150, POLICY_RUN)
     save_every: int = 50
     keep_last: int = 2
-    precision: str = "fp32"
-    seed: int = 0
-    lr: float = 1e-3
-    warmup_steps: int = 10
-    decay_lr: float = 1e-4
-    weight_decay: float = 1e-2
-    grad_clip: float = 1.0
+    # The advantage labelling's value model runs in it too.
+    precision: str = marked("fp32", TRAIN_STEP, ADVANTAGE, POLICY_RUN, VALUE_RUN)
+    seed: int = marked(0, TRAIN_STEP, POLICY_RUN, VALUE_RUN)
+    lr: float = marked(1e-3, TRAIN_STEP, POLICY_RUN, VALUE_RUN)
+    warmup_steps: int = marked(10, POLICY_RUN, VALUE_RUN)
+    decay_lr: float = marked(1e-4, POLICY_RUN, VALUE_RUN)
+    weight_decay: float = marked(1e-2, TRAIN_STEP, POLICY_RUN, VALUE_RUN)
+    grad_clip: float = marked(1.0, TRAIN_STEP, POLICY_RUN, VALUE_RUN)
     # EMA of the trained weights (pisft.train.ema; openpi's ema_decay): 0 or null is off; on, the
     # exported model is the average, and every checkpoint carries it.
-    ema_decay: float | None = 0.0
-    activation_checkpointing: bool = False
+    ema_decay: float | None = marked(0.0, POLICY_RUN)
+    activation_checkpointing: bool = marked(False, TRAIN_STEP)
     # Peak dense bf16 FLOP/s of one device for MFU; 0 looks the device up in a table.
-    peak_flops: float = 0.0
+    peak_flops: float = marked(0.0, TRAIN_STEP)
     # Data-loader worker processes per training process; -1 chooses from the cores
     # (pisft.train.batches.default_workers). prefetch_factor: micro-batches each worker prepares ahead.
-    num_workers: int = -1
+    num_workers: int = marked(-1, TRAIN_STEP)
     prefetch_factor: int = 4
     # The smallest FSDP unit, in parameters: smaller layer units are merged with their neighbours
     # of the same group (pisft.train.fsdp.merge_small_units). -1 chooses by device: on the CPU
     # 16M (gloo collectives cost milliseconds each; the tiny model trains with the root unit
-    # alone), on an accelerator 0 (one unit per decoder layer pair and per vision layer).
-    fsdp_min_unit_params: int = -1
+    # alone), on an accelerator 0 (one unit per decoder layer pair and per vision layer). The
+    # smoke run measures this layout.
+    fsdp_min_unit_params: int = marked(-1, TRAIN_STEP)
     # Also write the per-step metrics as TensorBoard scalars (results/checkpoints/train/<run>/tensorboard;
     # needs the `tensorboard` package).
     tensorboard: bool = False
     # Fetch the step metrics from the device every this many optimizer steps (and at checkpoints
     # and the last step): one device->host synchronisation per fetch. metrics.jsonl still has
-    # one line per optimizer step.
-    log_every: int = 10
+    # one line per optimizer step. Host syncs per step: the smoke run's step time and projection.
+    log_every: int = marked(10, TRAIN_STEP)
     # Deterministic training: torch.use_deterministic_algorithms(True), HCCL_DETERMINISTIC=true on
     # Ascend, CUBLAS_WORKSPACE_CONFIG=:4096:8 on CUDA. Slower; config/README.md has the costs.
-    deterministic: bool = False
+    deterministic: bool = marked(False, TRAIN_STEP)
     # What trains (pisft.train.trainable): all | expert (LeRobot's train_expert_only: the PaliGemma
     # VLM frozen, the action expert and the action/time projections train) | no_vision (LeRobot's
     # freeze_vision_encoder) | lora (LoRA adapters through peft on train.lora_targets' modules).
-    trainable: str = "all"
+    # The step's gradients, optimizer state and memory follow it.
+    trainable: str = marked("all", TRAIN_STEP, POLICY_RUN)
     # train.trainable: lora (or recap.value_trainable: lora): the target preset, lerobot (LeRobot's
     # pi0.5 defaults) | openpi (gemma_2b_lora + gemma_300m_lora) | rlinf (RLinf's is_lora list).
-    lora_targets: str = "openpi"
+    lora_targets: str = marked("openpi", TRAIN_STEP, POLICY_RUN, VALUE_RUN)
     # The adapters' rank and alpha (scaling alpha / rank); 0: the preset's own (lerobot 16 / 8;
     # openpi 16 / 16 on the VLM, 32 / 32 on the expert; rlinf 32 / 32). A rank given replaces all
     # of the preset's ranks; alpha 0 then is LeRobot's 8 (lerobot) or the rank (openpi, rlinf).
-    lora_rank: int = 0
-    lora_alpha: float = 0.0
+    lora_rank: int = marked(0, TRAIN_STEP, POLICY_RUN, VALUE_RUN)
+    lora_alpha: float = marked(0.0, TRAIN_STEP, POLICY_RUN, VALUE_RUN)
     # torch.compile of the training step's repeated blocks (pisft.train.blocks): off | layers (each
     # decoder layer pair and SigLIP encoder layer compiled, as torchtitan compiles each block) | auto
     # (off on the CPU, where compiling costs more than it saves in the embedded default's runs; layers
     # on CUDA and on an NPU through torchair). Compiled code is cached under results/cache/inductor.
-    compile: str = "auto"
+    # The step's time, memory and last bits follow it.
+    compile: str = marked("auto", TRAIN_STEP)
 
 
 @dataclass
@@ -221,58 +289,60 @@ class RtcConfig:
 @dataclass
 class EvalConfig:
     # At most this many held-out episodes (0: all of them).
-    max_episodes: int = 0
-    batch_size: int = 32
+    max_episodes: int = marked(0, OFFLINE_EVAL)
+    batch_size: int = marked(32, OFFLINE_EVAL)
     # Offline: evaluate every k-th frame of each held-out episode (1: every frame).
-    frame_stride: int = 2
+    frame_stride: int = marked(2, OFFLINE_EVAL)
     # Seed of the flow-matching noise (fixed per frame, same for both models) and the bootstrap.
-    seed: int = 0
+    seed: int = marked(0, OFFLINE_EVAL)
     # Bootstrap resamples of the held-out episodes for confidence intervals (0: none).
-    bootstrap_samples: int = 1000
+    bootstrap_samples: int = marked(1000, OFFLINE_EVAL)
     # Closed-loop LIBERO (stage closed_loop; needs the LIBERO simulator, MUJOCO_GL=egl).
-    closed_loop: bool = False
-    libero_suites: list[str] = field(default_factory=lambda: [
-        "libero_spatial", "libero_object", "libero_goal", "libero_10"])
-    trials_per_task: int = 50
-    replan_steps: int = 5
-    num_wait_steps: int = 10
-    closed_loop_seed: int = 7
+    closed_loop: bool = marked(False, CLOSED_LOOP, DAG_SHAPE)
+    libero_suites: list[str] = marked(["libero_spatial", "libero_object", "libero_goal", "libero_10"], CLOSED_LOOP)
+    # Collection starts from the initial states after the evaluation's.
+    trials_per_task: int = marked(50, CLOSED_LOOP, COLLECTION)
+    replan_steps: int = marked(5, CLOSED_LOOP, COLLECTION)
+    num_wait_steps: int = marked(10, CLOSED_LOOP, COLLECTION)
+    closed_loop_seed: int = marked(7, CLOSED_LOOP)
     # The closed loop's seeds (each an environment seed and the root of the policy's noise seeds); []: the
     # one eval.closed_loop_seed, which a list must start with. Success is pooled over them, each beside it.
-    seeds: list[int] = field(default_factory=list)
+    seeds: list[int] = marked([], CLOSED_LOOP)
     # The closed loop's episodes again under each perturbation (docs/robustness.md): a name (its default
     # strength) or {name: NAME, strength: S}, names and strengths in PERTURBATIONS; []: openpi's protocol alone.
-    perturbations: list[Any] = field(default_factory=list)
+    perturbations: list[Any] = marked([], CLOSED_LOOP)
     # Images are resized with padding to this square size before they reach the policy (openpi).
-    resize_size: int = 224
+    resize_size: int = marked(224, CLOSED_LOOP, COLLECTION)
     # Step limit of every episode; 0: openpi's limit of each suite (220/280/300/520, libero_90 400).
-    max_steps: int = 0
+    max_steps: int = marked(0, CLOSED_LOOP)
     # Task ids evaluated in each suite; empty: every task.
-    task_ids: list[int] = field(default_factory=list)
-    # Environment worker processes; 0: one per core available to the stage.
+    task_ids: list[int] = marked([], CLOSED_LOOP)
+    # Environment worker processes; 0: one per core available to the stage. Like
+    # policy_batch_wait_ms and policy_devices it changes how fast, not what (pisft.policy.fixed_shape).
     num_envs: int = 0
     # The rows of every policy forward: up to this many waiting requests share one, which is padded
     # to it when fewer wait (1: one at a time). A forward rounds by its rows, so results depend on
     # this and on nothing of the timing (pisft.policy.fixed_shape).
-    policy_batch: int = 2
+    policy_batch: int = marked(2, CLOSED_LOOP, COLLECTION)
     # How long a batch that could still grow (environments still simulating) is held: 0 measured
     # (pisft.policy.batching), a positive number of ms set by hand.
     policy_batch_wait_ms: float = 0.0
     # Policy replicas, one per accelerator (0: every visible device of `device`'s kind; the CPU: one).
     policy_devices: int = 0
     # An MP4 (agent view | wrist camera) of the first episode of each task.
-    videos: bool = True
+    videos: bool = marked(True, CLOSED_LOOP)
     # Classifier-free guidance of an advantage-conditioned policy (RLinf's cfgrl_guidance_scale):
     # 1.0 prompts with the positive tag alone; w > 1 blends v = (1 - w) v_uncond + w v_cond.
-    cfg_scale: float = 1.0
+    cfg_scale: float = marked(1.0, OFFLINE_EVAL, CLOSED_LOOP, COLLECTION)
     # The action chunk compiled and graph-captured per batch-size bucket (pisft.policy.compiled), in
     # evaluate, closed_loop and collect_rollouts (serve --compile): true, false, or null (the default):
-    # on where it measured faster than eager (pisft.policy.compiled.MEASURED_FASTER).
-    compile: bool | None = None
+    # on where it measured faster than eager (pisft.policy.compiled.MEASURED_FASTER). The same
+    # actions within its tolerance, not the same bits.
+    compile: bool | None = marked(None, OFFLINE_EVAL, CLOSED_LOOP, COLLECTION)
     # Inference precision: bf16 (openpi's: fp32 only where openpi keeps it), fp32, or auto (bf16 on an
     # accelerator; on the CPU, the precision the model directory records).
-    precision: str = "auto"
-    rtc: RtcConfig = field(default_factory=RtcConfig)
+    precision: str = marked("auto", OFFLINE_EVAL, CLOSED_LOOP, COLLECTION)
+    rtc: RtcConfig = marked(RtcConfig, CLOSED_LOOP)
 
 
 THRESHOLD_SCOPES = ("global", "task")
@@ -287,54 +357,61 @@ class RecapConfig:
     policy k-1 out, trains a value model on the pool, labels advantages, retrains, evaluates."""
 
     # Iterations after the SFT run (iteration 0); 0 runs the SFT pipeline alone.
-    iterations: int = 0
+    iterations: int = marked(0, DAG_SHAPE)
     # collect_rollouts: LIBERO suite and task ids rolled out, episodes per task, step limit
     # (0: the suite's limit). Collection starts from initial states after the evaluation's
     # (state eval.trials_per_task + i for episode i) and seeds from collect_seed.
-    suite: str = "libero_10"
-    task_ids: list[int] = field(default_factory=lambda: [0])
-    episodes_per_task: int = 2
-    max_steps: int = 0
-    collect_seed: int = 1000
-    # Returns as RLinf computes them: -1 per step, 0 (success) or failure_reward at the end.
-    gamma: float = 1.0
-    failure_reward: float = -300.0
+    suite: str = marked("libero_10", COLLECTION)
+    task_ids: list[int] = marked([0], COLLECTION)
+    episodes_per_task: int = marked(2, COLLECTION)
+    max_steps: int = marked(0, COLLECTION)
+    collect_seed: int = marked(1000, COLLECTION)
+    # Returns as RLinf computes them: -1 per step, 0 (success) or failure_reward at the end; written
+    # beside the converted dataset (returns.parquet).
+    gamma: float = marked(1.0, CONVERSION, ADVANTAGE)
+    failure_reward: float = marked(-300.0, CONVERSION)
     # train_value: the distributional value model (bins on [-1, 0]).
-    value_bins: int = 201
-    value_steps: int = 50
-    value_lr: float = 5e-5
-    value_head_lr: float = 1e-4
-    value_global_batch_size: int = 0  # 0: train.global_batch_size
-    # advantages: N-step lookahead, the positive fraction, where the threshold is taken.
-    lookahead: int = 10
-    positive_quantile: float = 0.3
-    threshold_scope: str = "global"
+    value_bins: int = marked(201, VALUE, VALUE_RUN)
+    value_steps: int = marked(50, VALUE, VALUE_RUN)
+    value_lr: float = marked(5e-5, VALUE, VALUE_RUN)
+    value_head_lr: float = marked(1e-4, VALUE, VALUE_RUN)
+    # 0: train.global_batch_size (the value run's fingerprint holds the batch it resolves to)
+    value_global_batch_size: int = marked(0, VALUE)
+    # advantages: N-step lookahead, the positive fraction, where the threshold is taken (not
+    # eval.batch_size, train.num_workers: they change how fast, not what).
+    lookahead: int = marked(10, ADVANTAGE)
+    positive_quantile: float = marked(0.3, ADVANTAGE)
+    threshold_scope: str = marked("global", ADVANTAGE)
     # The fraction of the pool's episodes (per task) held out from the value model to measure it
     # (held-out rho, bin accuracy), at iteration k >= 1; the retrained policy trains on every
     # episode of the pool either way. 0: the value model trains on the whole pool too (RLinf) and
     # its held-out figures are skipped.
     holdout_fraction: float = 0.0
     # Retraining at iteration k starts from the base model or from policy k-1.
-    init: str = "previous"
+    init: str = marked("previous", RETRAINING, DAG_SHAPE)
     # What the value model of iteration k starts from: the base model (RLinf's value model starts
-    # from its pretrained backbone) or policy k-1 (`pisft.layout.value_init_model`).
-    value_init: str = "base"
+    # from its pretrained backbone) or policy k-1 (`pisft.layout.value_init_model`); the value run's
+    # fingerprint holds the content of the model it names too.
+    value_init: str = marked("base", VALUE, VALUE_RUN, DAG_SHAPE)
     # Optimizer steps of the retraining at iteration k >= 1; 0: train.steps (the SFT run's).
-    policy_steps: int = 0
+    policy_steps: int = marked(0, RETRAINING)
     # What of the value model trains: all | no_vision (SigLIP frozen) | head (the VLM prefix frozen,
     # the read-out token and bin head train: RLinf's value-model freeze_vlm) | lora (adapters on the
     # VLM part of train.lora_targets, the read-out token and head in full).
-    value_trainable: str = "all"
+    value_trainable: str = marked("all", VALUE, VALUE_RUN)
 
 
 @dataclass
 class PisftConfig:
-    device: str = "auto"
+    device: str = marked("auto", DAG_SHAPE)
     results_dir: str = "results"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    # `model` and `data` enter both run fingerprints whole (a key added there is covered by
+    # default), their INPUT keys excepted; the value model reads all of `train` (the process layout,
+    # micro batch, precision, seed and schedule shape).
+    model: ModelConfig = marked(ModelConfig, POLICY_RUN, VALUE_RUN)
+    data: DataConfig = marked(DataConfig, POLICY_RUN, VALUE_RUN)
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainConfig = marked(TrainConfig, VALUE)
     eval: EvalConfig = field(default_factory=EvalConfig)
     recap: RecapConfig = field(default_factory=RecapConfig)
 
@@ -411,6 +488,47 @@ def all_keys(schema: type = PisftConfig, prefix: str = "") -> list[str]:
         else:
             keys.append(dotted)
     return keys
+
+
+@functools.cache
+def _marks() -> dict[str, tuple[str, ...]]:
+    """Every key and section of the schema (`train`, `train.lr`), in its order, with its marks."""
+    out: dict[str, tuple[str, ...]] = {}
+
+    def walk(schema: type, prefix: str) -> None:
+        for f in fields(schema):
+            dotted = f"{prefix}{f.name}"
+            out[dotted] = tuple(f.metadata.get(_ROLES_FIELD, ()))
+            sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            if is_dataclass(sub):
+                walk(type(sub), dotted + ".")
+
+    walk(PisftConfig, "")
+    return out
+
+
+def roles_of(key: str) -> tuple[str, ...]:
+    """The marks of a dotted key or a section (`ROLES`); KeyError for a key the schema lacks."""
+    return _marks()[key]
+
+
+def keys_marked(role: str) -> tuple[str, ...]:
+    """Every key and section marked `role`, in the schema's order (config/config.yaml's)."""
+    if role not in ROLES:
+        raise ValueError(f"keys_marked: unknown role {role!r}; the roles are {', '.join(ROLES)}")
+    return tuple(key for key, roles in _marks().items() if role in roles)
+
+
+def fingerprint_keys(run: str) -> tuple[str, ...]:
+    """The dotted keys in `run`'s fingerprint (POLICY_RUN or VALUE_RUN): every key marked with it,
+    and every key under a section marked with it less those marked INPUT."""
+    if run not in (POLICY_RUN, VALUE_RUN):
+        raise ValueError(f"fingerprint_keys: {run!r} is not a run fingerprint ({POLICY_RUN}, {VALUE_RUN})")
+    marks = _marks()
+    leaves = [key for key in marks if not any(other.startswith(key + ".") for other in marks)]
+    sections = [key for key in keys_marked(run) if key not in leaves]
+    return tuple(key for key in leaves if run in marks[key] or (
+        INPUT not in marks[key] and any(key.startswith(section + ".") for section in sections)))
 
 
 def nearest_key(key: str) -> str | None:
@@ -627,6 +745,8 @@ def number_problems(cfg: PisftConfig) -> list[str]:
     return problems
 
 
+# The keys of `data.columns`: the canonical LIBERO inputs (pisft.data.libero names their columns
+# in every known layout by them).
 COLUMN_KEYS = ("image", "wrist_image", "state", "actions")
 
 

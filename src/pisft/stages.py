@@ -13,131 +13,33 @@ invalidation of downstream outputs. A test checks that the rules write exactly t
 listed here. Adding a stage: its row here, its function, and what it reads in
 workflow/rules/stages.smk.
 
-Keys: a section (`model`) or a dotted key (`data.success_only`); Snakemake reruns a stage
-exactly when one of its keys changes, and `dvc.yaml` lists the same keys as params.
+Keys: a section (`model`) or a dotted key (`data.success_only`), read off the keys' marks in
+pisft.config (a key's roles are marks on its field); Snakemake reruns a stage exactly when one of
+its keys changes, and `dvc.yaml` lists the same keys as params.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pisft import config
 from pisft.config import lookup  # noqa: F401 - the rules' parse-time helpers read keys through it
 
-DEMO_KEYS = (
-    "data.demo_episodes_per_task",
-    "data.demo_episode_length",
-    "data.demo_failure_fraction",
-    "data.demo_image_size",
-    "data.demo_seed",
-)
-CONVERT_KEYS = (
-    "data.recap_dir",
-    "data.balance_source_weights",  # recorded in the dataset (meta/source_sampling.json), read by training
-    "data.success_only",
-    "data.tasks",
-    "data.advantage_tag",
-    "data.positive_only_conditional",
-    "data.unconditional_prob",  # recorded in the dataset (meta/prompt_conditioning.json), read by training
-    "data.columns",
-    "data.image_size",
-    "data.eval_fraction",
-    "data.split_seed",
-    "recap.gamma",  # the returns written beside the dataset (returns.parquet)
-    "recap.failure_reward",
-)
+# The keys each stage reads, read off their marks in the schema (pisft.config: a key's roles are
+# marks on its field), in the schema's order.
+DEMO_KEYS = config.keys_marked(config.DEMO)
+CONVERT_KEYS = config.keys_marked(config.CONVERSION)
 # What a training step does (not how long the run is): a change reruns the smoke test.
-TRAIN_STEP_KEYS = (
-    "train.nproc_per_node",
-    "train.micro_batch_size",
-    "train.global_batch_size",
-    "train.precision",
-    "train.seed",
-    "train.lr",
-    "train.weight_decay",
-    "train.grad_clip",
-    "train.activation_checkpointing",
-    "train.peak_flops",
-    "train.num_workers",
-    "train.fsdp_min_unit_params",  # the FSDP layout the smoke run measures
-    "train.log_every",  # host syncs per step: the smoke run's step time and projection
-    "train.deterministic",  # numerics and speed of every step (train_8card reads all of `train`)
-    "train.trainable",  # what trains: the step's gradients, optimizer state and memory
-    "train.lora_targets",
-    "train.lora_rank",
-    "train.lora_alpha",
-    "train.compile",  # the blocks compiled or not: the step's time, memory and last bits
-    "data.augment",  # the images every step trains on (read by the training loaders only)
-)
-
-EVAL_KEYS = (
-    "eval.max_episodes",
-    "eval.batch_size",
-    "eval.frame_stride",
-    "eval.seed",
-    "eval.bootstrap_samples",
-    "eval.cfg_scale",
-    "eval.precision",  # the numbers' precision (pisft.policy.precision)
-    "eval.compile",  # the compiled chunk: the same actions within its tolerance, not the same bits
-)
-# The RECAP value model (train_value) and the advantage labelling (advantages).
-CLOSED_LOOP_KEYS = (
-    "eval.closed_loop",
-    "eval.libero_suites",
-    "eval.trials_per_task",
-    "eval.replan_steps",
-    "eval.num_wait_steps",
-    "eval.closed_loop_seed",
-    "eval.seeds",  # the same episodes at each seed (pisft.evaluate.robustness)
-    "eval.perturbations",  # and under each perturbation (pisft.rollout.perturb)
-    "eval.resize_size",
-    "eval.max_steps",
-    "eval.task_ids",
-    "eval.videos",
-    "eval.cfg_scale",
-    "eval.policy_batch",  # the rows of every policy forward, whose rounding the actions follow
-    "eval.precision",
-    "eval.compile",
-    "eval.rtc",  # the inference delay and real-time chunking (pisft.rollout.chunking)
-    # not eval.num_envs, eval.policy_batch_wait_ms, eval.policy_devices: they change how fast, not
-    # what (pisft.policy.fixed_shape)
-)
-# The RECAP loop's stages (iteration k >= 1; README, "The RECAP loop").
-COLLECT_KEYS = (
-    "recap.suite",
-    "recap.task_ids",
-    "recap.episodes_per_task",
-    "recap.max_steps",
-    "recap.collect_seed",
-    "eval.trials_per_task",  # collection starts from the initial states after the evaluation's
-    "eval.num_wait_steps",
-    "eval.replan_steps",
-    "eval.resize_size",
-    "eval.cfg_scale",
-    "eval.policy_batch",  # the rows of every policy forward (as closed_loop)
-    "eval.precision",
-    "eval.compile",
-)
-VALUE_KEYS = (
-    "train",  # the process layout, micro batch, precision, seed and schedule shape
-    "recap.value_bins",
-    "recap.value_steps",
-    "recap.value_lr",
-    "recap.value_head_lr",
-    "recap.value_global_batch_size",
-    "recap.value_trainable",
-    "data.augment",  # the value model trains with the policy's switch
-    "recap.value_init",  # the model it starts from: the base model or policy k-1
-)
-ADVANTAGE_KEYS = (
-    "recap.gamma",
-    "recap.lookahead",
-    "recap.positive_quantile",
-    "recap.threshold_scope",
-    "train.precision",  # the value model's inference precision
-    # not eval.batch_size, train.num_workers: they change how fast, not what
-)
+TRAIN_STEP_KEYS = config.keys_marked(config.TRAIN_STEP)
+EVAL_KEYS = config.keys_marked(config.OFFLINE_EVAL)
+CLOSED_LOOP_KEYS = config.keys_marked(config.CLOSED_LOOP)
+# The RECAP loop's stages (iteration k >= 1; README, "The RECAP loop"): the rollouts, the value
+# model (smoke_value, train_value), the advantage labelling.
+COLLECT_KEYS = config.keys_marked(config.COLLECTION)
+VALUE_KEYS = config.keys_marked(config.VALUE)
+ADVANTAGE_KEYS = config.keys_marked(config.ADVANTAGE)
 # What retraining at iteration k reads besides `train`: where it starts, how labels become prompts.
-RETRAIN_KEYS = ("recap.init", "recap.policy_steps", "data.positive_only_conditional", "data.unconditional_prob")
+RETRAIN_KEYS = config.keys_marked(config.RETRAINING)
 
 # The code a stage depends on (`code_deps`) is what it runs, read from the imports
 # (pisft.code_graph): its function's module and everything that one imports, inside functions too;

@@ -42,7 +42,8 @@ import pyarrow.parquet as pq
 
 from pisft import layout
 from pisft import device
-from pisft.config import DataConfig, DataSource, PisftConfig, data_sources, write_resolved
+from pisft.config import (CONVERSION, INPUT, DataConfig, DataSource, PisftConfig, data_sources, keys_marked,
+                          roles_of, write_resolved)
 from pisft.data import images as imgs
 from pisft.data import dataset_stats as st
 from pisft.data.libero import ACTION_DIM, CAMERAS, OUTPUT_NAMES, STATE_DIM, SUCCESS_COLUMNS
@@ -60,9 +61,11 @@ STATE_NAMES = ["eef_x", "eef_y", "eef_z", "eef_ax", "eef_ay", "eef_az", "gripper
 ACTION_NAMES = ["dx", "dy", "dz", "dax", "day", "daz", "gripper"]
 
 
-# The data.* keys a conversion reads (`Options.data`); its report's "options" records them.
-CONVERSION_KEYS = ("success_only", "tasks", "advantage_tag", "positive_only_conditional", "unconditional_prob",
-                   "columns", "image_size", "eval_fraction", "split_seed", "balance_source_weights")
+# The data.* keys a conversion reads (`Options.data`); its report's "options" records them. Read off
+# the keys' marks (pisft.config): the data keys a change of which reruns the conversion, less the
+# input it converts (`data.recap_dir`).
+CONVERSION_KEYS = tuple(key.removeprefix("data.") for key in keys_marked(CONVERSION)
+                        if key.startswith("data.") and INPUT not in roles_of(key))
 
 
 class Options:

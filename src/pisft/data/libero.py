@@ -51,8 +51,9 @@ OUTPUT_NAMES = {
 #   compute_advantages.py (`KEY_MAPPINGS["libero"]`, which names no action column: both spellings
 #   are accepted).
 #
-# Each entry lists the accepted column names of a canonical key; a naming matches when every
-# canonical key has exactly one of its names among the features.
+# Each entry lists the accepted column names of a canonical key (`pisft.config.COLUMN_KEYS`, the keys
+# of `data.columns`); a naming matches when every canonical key has exactly one of its names among
+# the features.
 NAMINGS: dict[str, dict[str, tuple[str, ...]]] = {
     "recap": {"image": ("image",), "wrist_image": ("wrist_image",), "state": ("state",),
               "actions": ("actions",)},
@@ -63,7 +64,6 @@ NAMINGS: dict[str, dict[str, tuple[str, ...]]] = {
     "observation_flat": {"image": ("observation.image",), "wrist_image": ("observation.wrist_image",),
                          "state": ("observation.state",), "actions": ("action", "actions")},
 }
-INPUT_KEYS = ("image", "wrist_image", "state", "actions")  # the keys of `data.columns`
 
 
 def naming_columns(naming: str) -> dict[str, str]:

@@ -18,12 +18,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pisft.config import COLUMN_KEYS
 from pisft.data import images as imgs
 from pisft.data.libero import (
     ACTION_DIM,
     CAMERAS,
     INDEX_COLUMNS,
-    INPUT_KEYS,
     NAMINGS,
     ROLLOUT_COLUMNS,
     STATE_DIM,
@@ -178,7 +178,7 @@ class RecapSource:
         """data.columns, and for the keys it leaves out the one known name the dataset has."""
         where = self.where(self.info_path)
         names: dict[str, str] = {}
-        for canon in INPUT_KEYS:
+        for canon in COLUMN_KEYS:
             if canon in columns:
                 col = columns[canon]
                 if col not in self.features:

@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pisft import disk_space, layout
-from pisft.config import PisftConfig, lookup, to_dict
+from pisft.config import POLICY_RUN, PisftConfig, fingerprint_keys, lookup, to_dict
 from pisft.errors import PisftError
 from pisft.io import sha256_file
 from pisft.layout import SPLIT_FILE
@@ -462,51 +462,33 @@ def _sha256_of(paths: list[Path], listed: list[Path] = ()) -> str | None:
     return h.hexdigest() if seen else None
 
 
-# Settings that change what training computes, beyond the files hashed above. Not in it (a run
-# resumes across them): the world size and everything that only splits the same computation
-# differently (train.nproc_per_node, nnodes, micro_batch_size -> accumulation; the global batch
-# is in), the device, how often values are fetched or saved (log_every, save_every, keep_last),
-# data-loader workers (each sample is drawn from (seed, step, position), not from worker order),
-# peak_flops, tensorboard, deterministic (kernel choice, not the math) and activation
-# checkpointing (recomputes the same forward with the same RNG state: same values).
-# `model` and `data` enter whole (a key added there is covered by default), except the data
-# path (its content is hashed) and the demo generator's keys (they only make the input data).
-FINGERPRINT_SECTIONS = ("model", "data")
+# The trained parameters' names: a checkpoint of separate q/k/v (before the fused projections,
+# pisft.model.lerobot_internals 12.) belongs to another run.
 PARAMETER_LAYOUT = "fused qkv_proj, gate_up_proj"
-FINGERPRINT_EXCLUDED = ("data.recap_dir", "data.demo_")
-FINGERPRINT_KEYS = (
-    "train.global_batch_size", "train.steps", "train.seed", "train.lr", "train.warmup_steps",
-    "train.decay_lr", "train.weight_decay", "train.grad_clip", "train.precision",
-    "train.trainable", "train.lora_targets", "train.lora_rank", "train.lora_alpha",
-    "train.ema_decay",
-)
 
 
 def run_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
     """What a checkpoint must share with the current run to be resumed (world size excluded).
 
-    Every setting that changes what training computes (FINGERPRINT_SECTIONS, FINGERPRINT_KEYS)
-    and the content of
-    its inputs: the base model (its sha256 MANIFEST: weights, tokenizer, config) and the
-    dataset (split, features, statistics, prompt conditioning, episode index, data files).
+    Every setting that changes what training computes (the keys marked POLICY_RUN in
+    pisft.config: `model` and `data` whole but their input keys, and the `train` keys listed
+    there with why the others stay out) and the content of its inputs: the base model (its
+    sha256 MANIFEST: weights, tokenizer, config) and the dataset (split, features, statistics,
+    prompt conditioning, episode index, data files).
     """
     labels = layout.training_labels(cfg)
     # a RECAP iteration's run: which iteration, where it starts, and its labels
     recap = ({"iteration": cfg.iteration, "recap.init": cfg.recap.init, "labels": _sha256_of([labels])}
              if labels is not None else {})
-    return {**settings_fingerprint(cfg, FINGERPRINT_KEYS), **inputs_fingerprint(cfg, layout.init_model(cfg)), **recap,
-            # the trained parameters' names: a checkpoint of separate q/k/v (before the fused
-            # projections, pisft.model.lerobot_internals 12.) belongs to another run
+    return {**settings_fingerprint(cfg, POLICY_RUN), **inputs_fingerprint(cfg, layout.init_model(cfg)), **recap,
             "parameter_layout": PARAMETER_LAYOUT}
 
 
-def settings_fingerprint(cfg: PisftConfig, keys: tuple[str, ...]) -> dict[str, Any]:
-    """FINGERPRINT_SECTIONS whole (less FINGERPRINT_EXCLUDED) and the dotted `keys`."""
+def settings_fingerprint(cfg: PisftConfig, run: str) -> dict[str, Any]:
+    """The values of the keys in `run`'s fingerprint (`pisft.config.fingerprint_keys`: POLICY_RUN or
+    VALUE_RUN), by dotted key."""
     values = to_dict(cfg)
-    sections = {f"{section}.{key}": value for section in FINGERPRINT_SECTIONS
-                for key, value in values[section].items()
-                if not f"{section}.{key}".startswith(FINGERPRINT_EXCLUDED)}
-    return {**sections, **{key: lookup(values, key) for key in keys}}
+    return {key: lookup(values, key) for key in fingerprint_keys(run)}
 
 
 def inputs_fingerprint(cfg: PisftConfig, base: Path | None = None) -> dict[str, Any]:

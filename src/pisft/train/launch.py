@@ -31,7 +31,7 @@ from pathlib import Path
 
 from pisft import disk_space, layout, records
 from pisft import device as devices
-from pisft.config import PisftConfig, flatten, resolved
+from pisft.config import SMOKE_MEASURED, PisftConfig, flatten, keys_marked, resolved
 from pisft.errors import PisftError, Terminated
 from pisft.stages import STAGES
 from pisft.train import guard
@@ -40,11 +40,12 @@ from pisft.train.worker_errors import ConsoleHold
 # Free space a training run needs before it starts, at the least: its logs and small files (the
 # checkpoints and the export ask for their own room before they write, pisft.disk_space).
 START_ROOM = 1 << 20
-# Settings of the smoke run that must match the training run for its report to be meaningful:
-# the keys whose change makes the drivers rerun smoke_1card (its row in the stage table: the
-# device and what a training step does, TRAIN_STEP_KEYS, train.trainable included), less its own
-# `smoke` section, and the model it measured (the drivers follow that through base_model).
-SMOKE_MUST_MATCH = ("model.source", "model.preset",
+# Settings of the smoke run that must match the training run for its report to be meaningful,
+# read off the keys' marks (pisft.config): the model it measured (SMOKE_MEASURED; the drivers
+# follow that through base_model) and the keys whose change makes the drivers rerun smoke_1card
+# (its row in the stage table: the device and every key marked TRAIN_STEP), less its own `smoke`
+# section. A key that reruns the smoke gate is one the report must match.
+SMOKE_MUST_MATCH = (*keys_marked(SMOKE_MEASURED),
                     *(key for key in STAGES["smoke_1card"].keys if key != "smoke"))
 
 

@@ -12,29 +12,20 @@ from pathlib import Path
 from typing import Any
 
 from pisft import layout
-from pisft.config import PisftConfig
+from pisft.config import VALUE_RUN, PisftConfig
 from pisft.io import sha256_file
 from pisft.train import checkpoint
 from pisft.train.checkpoint import inputs_fingerprint, run_folder, settings_fingerprint
 
-# Settings that change what the value run computes (with the model and data sections and the
-# inputs' content); the world size, the micro batch and everything that only splits or speeds up
-# the same computation are left out, as for the policy (pisft.train.checkpoint).
-FINGERPRINT_KEYS = (
-    "recap.value_bins", "recap.value_steps", "recap.value_lr", "recap.value_head_lr",
-    "train.seed", "train.warmup_steps", "train.lr", "train.decay_lr",
-    "train.weight_decay", "train.grad_clip", "train.precision",
-    "recap.value_trainable", "train.lora_targets", "train.lora_rank", "train.lora_alpha",
-    "recap.value_init",  # with the content of the model it names (value_fingerprint)
-)
-
 
 def value_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
-    """What a value checkpoint must share with the current run to be resumed: the settings above,
-    the model it starts from (`layout.value_init_model`: the base model or policy k-1), the
-    dataset and the returns file (sha256)."""
+    """What a value checkpoint must share with the current run to be resumed: its settings (the keys
+    marked VALUE_RUN in pisft.config; the world size, the micro batch and everything that only
+    splits or speeds up the same computation are left out, as for the policy), the model it starts
+    from (`layout.value_init_model`: the base model or policy k-1), the dataset and the returns
+    file (sha256)."""
     returns = layout.iteration(cfg).returns
-    return {**settings_fingerprint(cfg, FINGERPRINT_KEYS), **inputs_fingerprint(cfg, layout.value_init_model(cfg)),
+    return {**settings_fingerprint(cfg, VALUE_RUN), **inputs_fingerprint(cfg, layout.value_init_model(cfg)),
             "value_global_batch_size": cfg.value_global_batch_size,  # 0 in the config: train's
             "returns": sha256_file(returns) if returns.is_file() else None}
 

@@ -69,9 +69,9 @@ def _local(path_text: str) -> bool:
     return bool(text) and text not in NAMED and not text.startswith(HF_PREFIX)
 
 
-# The keys the shape is made of (`shape`): config_check depends on them, so a change runs it.
-SHAPE_KEYS = ("device", "model.source", "model.tokenizer", "eval.closed_loop", "recap.iterations", "recap.init",
-              "recap.value_init", "data.recap_dir")
+# The keys the shape is made of (`shape`), read off their marks (pisft.config.DAG_SHAPE): config_check
+# depends on them, so a change runs it.
+SHAPE_KEYS = pisft_config.keys_marked(pisft_config.DAG_SHAPE)
 CHECK_STAGE = "config_check"
 CHECK_FILE = "dvc_check.txt"  # under results_dir: what config_check writes and every stage depends on
 CHECK_TEXT = "dvc.yaml matches the shape of config/config.yaml (config_check, python -m pisft.workflow.drivers)\n"
