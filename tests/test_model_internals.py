@@ -59,6 +59,45 @@ def test_tiny_policy_has_the_expected_module_tree(tiny):
     assert core.time_mlp_in.weight.shape == (arch.expert.width, arch.expert.width)
 
 
+def test_each_named_part_is_lerobots_module_of_that_kind(tiny):
+    """pi0.5's parts by name (lerobot_internals 13.): each path reaches the module it names, from
+    the policy and from its core, and every name a parameter of the policy has starts at one."""
+    from lerobot.policies.pi05.modeling_pi05 import PaliGemmaWithExpertModel, PI05Pytorch
+    from lerobot.policies.pi_gemma import PaliGemmaForConditionalGenerationWithPiGemma, PiGemmaForCausalLM
+
+    kinds = {internals.CORE: PI05Pytorch, internals.PALIGEMMA_WITH_EXPERT: PaliGemmaWithExpertModel,
+             internals.PALIGEMMA: PaliGemmaForConditionalGenerationWithPiGemma, internals.EXPERT: PiGemmaForCausalLM}
+    for path, kind in kinds.items():
+        assert type(internals.part(tiny, path)) is kind, path
+    assert type(internals.part(tiny, internals.VISION_MODEL)).__name__ == "SiglipVisionTransformer"
+    assert type(internals.part(tiny, internals.VLM_MODEL)).__name__ == "PaliGemmaModelWithPiGemma"
+    arch = PRESETS["tiny"].arch
+    assert len(internals.part(tiny, internals.VLM_LAYERS)) == arch.vlm.depth
+    assert len(internals.part(tiny, internals.EXPERT_LAYERS)) == arch.expert.depth
+    expert_layers = internals.part(tiny, internals.EXPERT_LAYERS)
+    assert internals.part(tiny.model, internals.EXPERT_LAYERS, core=True) is expert_layers
+    names = dict(tiny.named_parameters())
+    assert internals.EXPERT_HEAD in names
+    assert any(n.startswith(internals.VISION_TOWER + ".") for n in names)
+    assert any(n.startswith(internals.PROJECTOR + ".") for n in names)
+    assert internals.below(internals.VISION_TOWER, internals.PALIGEMMA_WITH_EXPERT) == "paligemma.model.vision_tower"
+    with pytest.raises(ValueError, match="is not below"):
+        internals.below(internals.EXPERT, internals.PALIGEMMA)
+
+
+def test_no_other_module_spells_pi05s_module_paths():
+    """pi0.5's structure lives in lerobot_internals: training, the value model, the estimate and
+    the benches ask it for a part (13.) instead of spelling LeRobot's module paths."""
+    import re
+    from pathlib import Path
+
+    src = Path(internals.__file__).resolve().parents[1]
+    spelled = re.compile(r"paligemma_with_expert|gemma_expert|vision_tower|language_model\.layers")
+    found = sorted(str(f.relative_to(src)) for f in src.rglob("*.py")
+                   if f.name != "lerobot_internals.py" and spelled.search(f.read_text()))
+    assert found == []
+
+
 def test_no_tensor_of_the_tiny_model_inherits_a_hard_coded_lerobot_size(tiny):
     banned = {257152, 4304, 2048, 1152, 16384}
     for name, tensor in tiny.state_dict().items():

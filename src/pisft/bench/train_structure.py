@@ -290,11 +290,14 @@ class UnshardTracker:
 def decoder_q_projs(policy: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The query projection of every decoder layer (VLM and action expert; `q_proj`, or fused
     `qkv_proj`), by layer name."""
+    from pisft.model import lerobot_internals as internals
     from pisft.model.lerobot_internals import query_projection
 
+    layers = (f".{internals.below(internals.VLM_LAYERS, internals.VLM_MODEL)}.",
+              f".{internals.below(internals.EXPERT_LAYERS, internals.PALIGEMMA_WITH_EXPERT)}.")
     out = {}
     for name, module in policy.named_modules():
-        if name.endswith(".self_attn") and (".language_model.layers." in name or ".gemma_expert.model.layers." in name):
+        if name.endswith(".self_attn") and any(inside in name for inside in layers):
             out[name.removesuffix(".self_attn")] = query_projection(module)
     return out
 
@@ -464,8 +467,10 @@ def worker(spec_path: str, out_dir: str) -> int:
     for s in measured:
         sites.update(counter.by_step[s])
     vision_layers = len(vision_names)
-    pairs = min(sum(".language_model." in n for n in decoder_names),
-                sum(".gemma_expert." in n for n in decoder_names))
+    from pisft.model import lerobot_internals as internals
+
+    vlm = f".{internals.below(internals.LANGUAGE_MODEL, internals.VLM_MODEL)}."
+    pairs = min(sum(vlm in n for n in decoder_names), sum(f".{internals.EXPERT_NAME}." in n for n in decoder_names))
     result = {
         "rank": rank,
         "world_size": world,

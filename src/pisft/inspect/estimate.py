@@ -510,8 +510,10 @@ def _dummy_inputs(config, micro_batch: int, device: str):
 
 
 def _prefix_tokens(policy) -> int:
+    from pisft.model import lerobot_internals as internals
+
     cfg = policy.config
-    vision = policy.model.paligemma_with_expert.paligemma.config.vision_config
+    vision = internals.part(policy, internals.PALIGEMMA).config.vision_config
     per_image = (cfg.image_resolution[0] // vision.patch_size) ** 2
     n_cams = len([k for k in cfg.input_features if k.startswith("observation.images.")])
     return n_cams * per_image + cfg.tokenizer_max_length

@@ -142,6 +142,10 @@ changes underneath. Nothing else in pisft patches or inspects LeRobot's private 
     to `compute_layer_complete`, so no module holds a block there. The last VLM layer's output
     projection and MLP are not run (its output reaches only the VLM's final norm, which no loss
     reads); the cameras go through SigLIP in one batch (`_embed_images`).
+12. Fused projections (`fuse_decoder_projections`, `split_name`): see its section below.
+13. pi0.5's parts by name (`VISION_TOWER`, `VLM_LAYERS`, `EXPERT_LAYERS`, ..., `part`): LeRobot's
+    module paths inside a `PI05Policy`, written here once; training, the value model, the
+    estimate and the benches ask for a part instead of spelling its path.
 """
 
 from __future__ import annotations
@@ -300,9 +304,6 @@ def tie_vlm_embeddings(policy) -> None:
 def vlm_embeddings_tied(policy) -> bool:
     lm_head, embed = vlm_embedding_pair(policy)
     return lm_head.weight is embed.weight
-
-
-EXPERT_HEAD = "model.paligemma_with_expert.gemma_expert.lm_head.weight"
 
 
 def enable_layer_checkpointing(policy) -> None:
@@ -1271,3 +1272,41 @@ def split_rows(module_of, name: str) -> list[tuple[str, int, int]] | None:
         out.append((plain, start, start + size))
         start += size
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# 13. pi0.5's parts by name: LeRobot's module paths inside a PI05Policy (`modeling_pi05`:
+# `PI05Policy.model` is the `PI05Pytorch` core, its `paligemma_with_expert` the
+# `PaliGemmaWithExpertModel` holding PaliGemma and the action expert `gemma_expert`).
+
+CORE = "model"
+PALIGEMMA_WITH_EXPERT = f"{CORE}.paligemma_with_expert"
+PALIGEMMA = f"{PALIGEMMA_WITH_EXPERT}.paligemma"  # the VLM (LeRobot's train_expert_only freezes it)
+VLM_MODEL = f"{PALIGEMMA}.model"  # transformers' PaliGemmaModel
+VISION_TOWER = f"{VLM_MODEL}.vision_tower"  # SigLIP (LeRobot's freeze_vision_encoder freezes it)
+VISION_MODEL = f"{VISION_TOWER}.vision_model"  # embeddings, encoder.layers, post_layernorm
+PROJECTOR = f"{VLM_MODEL}.multi_modal_projector"
+LANGUAGE_MODEL = f"{VLM_MODEL}.language_model"
+VLM_LAYERS = f"{LANGUAGE_MODEL}.layers"
+EXPERT = f"{PALIGEMMA_WITH_EXPERT}.gemma_expert"
+EXPERT_LAYERS = f"{EXPERT}.model.layers"
+EXPERT_HEAD = f"{EXPERT}.lm_head.weight"  # the expert's unused LM head (5. above)
+EXPERT_NAME = EXPERT.rsplit(".", 1)[1]  # the expert's own name, as patterns match it at any depth
+
+
+def in_core(path: str) -> str:
+    """A path above, relative to the `PI05Pytorch` core (`policy.model`)."""
+    return path.removeprefix(CORE + ".")
+
+
+def below(path: str, parent: str) -> str:
+    """`path` relative to `parent`, a path above it: below(VISION_TOWER, PALIGEMMA_WITH_EXPERT) is
+    `paligemma.model.vision_tower`."""
+    if not path.startswith(parent + "."):
+        raise ValueError(f"{path} is not below {parent}")
+    return path[len(parent) + 1:]
+
+
+def part(root: Any, path: str, *, core: bool = False) -> Any:
+    """The module at `path` (above) in a PI05Policy `root`, or in a PI05Pytorch core with `core`."""
+    return functools.reduce(getattr, (in_core(path) if core else path).split("."), root)

@@ -231,5 +231,5 @@ def install(policy, choice: CompileChoice, *, on_fallback: Callable[[str], None]
 
 def tolerance(policy) -> float:
     """`ACTIONS_ATOL` of the policy's precision (its VLM's weights)."""
-    q = policy.model.paligemma_with_expert.paligemma.model.language_model.layers[0].self_attn.q_proj.weight
+    q = internals.part(policy, internals.VLM_LAYERS)[0].self_attn.q_proj.weight
     return ACTIONS_ATOL[q.dtype]

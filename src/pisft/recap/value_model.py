@@ -149,11 +149,10 @@ class ValueModel(nn.Module):
         read-out token, the head and the tied embedding stay in the root."""
         from pisft.train import fsdp
 
-        prefix = "policy.model.paligemma_with_expert.paligemma.model"
-        pg = self.policy.model.paligemma_with_expert.paligemma.model
-        units = fsdp.prefix_units(self, pg, prefix)
-        units += [fsdp.Unit(f"{prefix}.language_model.layers.{i}", "decoder", (layer,))
-                  for i, layer in enumerate(pg.language_model.layers)]
+        prefix = f"policy.{internals.VLM_MODEL}"
+        units = fsdp.prefix_units(self, internals.part(self.policy, internals.VLM_MODEL), prefix)
+        units += [fsdp.Unit(f"policy.{internals.VLM_LAYERS}.{i}", "decoder", (layer,))
+                  for i, layer in enumerate(internals.part(self.policy, internals.VLM_LAYERS))]
         return units
 
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from pisft.model.lerobot_internals import attention_projections, prefix_frozen, query_width
+from pisft.model import lerobot_internals as internals
+from pisft.model.lerobot_internals import attention_projections, part, prefix_frozen, query_width
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class _Shape:
     """The modules and token counts both counts read off a PI05Policy."""
 
     core: nn.Module  # PI05Pytorch: the action/time projections
-    pg: nn.Module  # PaliGemma's model: vision tower, projector, language model
+    projector: nn.Module  # PaliGemma's multi-modal projector (image features -> VLM width)
     vision: nn.Module  # the SigLIP vision model
     patch: int
     p_tokens: int  # patches per image
@@ -51,15 +52,12 @@ class _Shape:
 
 
 def _shape(policy: nn.Module, *, lang_tokens: int) -> _Shape:
-    core = policy.model
-    pwe = core.paligemma_with_expert
-    pg = pwe.paligemma.model
-    vcfg = pg.vision_tower.config
+    vcfg = part(policy, internals.VISION_TOWER).config
     p_tokens = (vcfg.image_size // vcfg.patch_size) ** 2
     n_images = len(policy.config.image_features)
-    return _Shape(core, pg, pg.vision_tower.vision_model, vcfg.patch_size, p_tokens, vcfg.hidden_size, n_images,
-                  pg.language_model.layers, pwe.gemma_expert.model.layers, n_images * p_tokens + lang_tokens,
-                  policy.config.chunk_size)
+    return _Shape(part(policy, internals.CORE), part(policy, internals.PROJECTOR), part(policy, internals.VISION_MODEL),
+                  vcfg.patch_size, p_tokens, vcfg.hidden_size, n_images, part(policy, internals.VLM_LAYERS),
+                  part(policy, internals.EXPERT_LAYERS), n_images * p_tokens + lang_tokens, policy.config.chunk_size)
 
 
 def _linear_macs(module: nn.Module) -> int:
@@ -70,13 +68,14 @@ def _pi05_parts(policy: nn.Module, *, lang_tokens: int) -> dict:
     """The pieces both counts are made of: FLOPs of the vision tower, multiply-adds of the
     decoder layers and projections, and the token counts."""
     sh = _shape(policy, lang_tokens=lang_tokens)
-    core, pg, vision, patch, p_tokens, n_images = sh.core, sh.pg, sh.vision, sh.patch, sh.p_tokens, sh.n_images
+    core, projector, vision = sh.core, sh.projector, sh.vision
+    patch, p_tokens, n_images = sh.patch, sh.p_tokens, sh.n_images
 
     conv = vision.embeddings.patch_embedding
     conv_macs = p_tokens * conv.in_channels * patch * patch * conv.out_channels
     enc_macs = sum(_linear_macs(layer) for layer in vision.encoder.layers) * p_tokens
     enc_attn = len(vision.encoder.layers) * 2 * p_tokens * p_tokens * sh.d_vision
-    proj_macs = _linear_macs(pg.multi_modal_projector) * p_tokens
+    proj_macs = _linear_macs(projector) * p_tokens
     vision_flops = 2 * n_images * (conv_macs + enc_macs + enc_attn + proj_macs)
 
     def layer_macs(layer: nn.Module, tokens: int) -> int:
@@ -166,7 +165,7 @@ def _walk_training_step(policy: nn.Module, *, lang_tokens: int) -> _StepFlops:
     """The parts of `pi05_forward_flops`, in the forward's order, with a flag carried along: does
     something before this point train (then the gradient of this point's input is needed)."""
     sh = _shape(policy, lang_tokens=lang_tokens)
-    core, pg, vision, p_tokens = sh.core, sh.pg, sh.vision, sh.p_tokens
+    core, vision, p_tokens = sh.core, sh.vision, sh.p_tokens
     t_all = sh.t_prefix + sh.t_suffix
     walk = _StepFlops()
 
@@ -185,7 +184,7 @@ def _walk_training_step(policy: nn.Module, *, lang_tokens: int) -> _StepFlops:
         images.attention(4.0 * p_tokens * p_tokens * sh.d_vision, up)
         up = images.linears(attn.out_proj, p_tokens, up)
         up = images.linears(layer.mlp, p_tokens, _trains(layer.layer_norm2) or up)
-    up = images.linears(pg.multi_modal_projector, p_tokens, _trains(vision.post_layernorm) or up)
+    up = images.linears(sh.projector, p_tokens, _trains(vision.post_layernorm) or up)
     walk.forward += sh.n_images * images.forward
     walk.total += sh.n_images * images.total
 
@@ -216,7 +215,7 @@ def _walk_training_step(policy: nn.Module, *, lang_tokens: int) -> _StepFlops:
     # them, and with a frozen VLM (its prefix alone, `lerobot_internals` 8.) not the prefix's own
     # attention of that layer either.
     frozen = prefix_frozen(policy)
-    up_p = up or _trains(pg.language_model.embed_tokens)
+    up_p = up or _trains(part(policy, internals.LANGUAGE_MODEL).embed_tokens)
     up_s = walk.linears(core.action_in_proj, sh.t_suffix, False)
     up_s = walk.linears(core.time_mlp_in, 1, False) or up_s
     up_s = walk.linears(core.time_mlp_out, 1, up_s) or up_s

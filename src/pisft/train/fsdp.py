@@ -46,6 +46,7 @@ microseconds; what the units save there is memory).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -57,6 +58,7 @@ from torch.distributed.tensor import DTensor
 
 from pisft.model import host_memory
 from pisft.train import blocks
+from pisft.model import lerobot_internals as internals
 from pisft.model.lerobot_internals import prefix_frozen
 
 # Modules whose parameters stay in the root unit: they are never called (unused LM heads).
@@ -89,7 +91,7 @@ class Unit:
 
 def _pi05_core(model: nn.Module) -> nn.Module | None:
     core = getattr(model, "model", None)
-    if core is not None and hasattr(core, "paligemma_with_expert"):
+    if core is not None and hasattr(core, internals.in_core(internals.PALIGEMMA_WITH_EXPERT)):
         return core
     return None
 
@@ -110,28 +112,26 @@ def pi05_units(policy: nn.Module) -> list[Unit]:
     core = _pi05_core(policy)
     if core is None:
         raise TypeError(f"{type(policy).__name__} is not a LeRobot PI05Policy")
-    pwe = core.paligemma_with_expert
-    prefix = "model.paligemma_with_expert.paligemma.model"
     frozen = prefix_frozen(policy)
-    units = prefix_units(policy, pwe.paligemma.model, prefix, frozen=frozen)
-    lm = pwe.paligemma.model.language_model
+    units = prefix_units(policy, internals.part(policy, internals.VLM_MODEL), internals.VLM_MODEL, frozen=frozen)
+    vlm_layers = internals.part(policy, internals.VLM_LAYERS)
     # Called before the decoder (embed_suffix) and after it (action_out_proj): one small unit.
     action = Unit("model.action_time_projections", "action",
                   tuple(getattr(core, n) for n in ("action_in_proj", "time_mlp_in", "time_mlp_out",
                                                    "action_out_proj")))
-    expert_layers = pwe.gemma_expert.model.layers
+    expert_layers = internals.part(policy, internals.EXPERT_LAYERS)
     if frozen:
         # The frozen-prefix forward (lerobot_internals 8.) runs every VLM layer over the prefix
         # first, without grad, then the expert's layers over the suffix: one unit per layer, in
         # that order, each gathered once and freed after its forward (the VLM's have no backward).
-        units += [Unit(f"{prefix}.language_model.layers.{i}", "vlm_decoder", (layer,), anchors=(layer,))
-                  for i, layer in enumerate(lm.layers)]
+        units += [Unit(f"{internals.VLM_LAYERS}.{i}", "vlm_decoder", (layer,), anchors=(layer,))
+                  for i, layer in enumerate(vlm_layers)]
         units.append(action)
-        units += [Unit(f"model.paligemma_with_expert.gemma_expert.model.layers.{i}", "decoder", (layer,),
+        units += [Unit(f"{internals.EXPERT_LAYERS}.{i}", "decoder", (layer,),
                        anchors=(layer,)) for i, layer in enumerate(expert_layers)]
         return units
     units.append(action)
-    for i, (vlm_layer, expert_layer) in enumerate(zip(lm.layers, expert_layers, strict=True)):
+    for i, (vlm_layer, expert_layer) in enumerate(zip(vlm_layers, expert_layers, strict=True)):
         units.append(Unit(f"decoder_pair.{i}", "decoder", (vlm_layer, expert_layer), anchors=(vlm_layer,)))
     return units
 
@@ -144,8 +144,9 @@ def prefix_units(model: nn.Module, pg: nn.Module, prefix: str, *, frozen: bool =
     tied (pisft ties it to the unused lm_head: then it stays in the root). `frozen`: the prefix
     runs without grad (lerobot_internals 8.), so the vision units have no backward and are freed
     after their forward."""
-    vision = pg.vision_tower.vision_model
-    vp = f"{prefix}.vision_tower.vision_model"
+    inside = functools.partial(internals.below, parent=internals.VLM_MODEL)  # a part's path in `pg`
+    vision = internals.part(pg, inside(internals.VISION_MODEL))
+    vp = f"{prefix}.{inside(internals.VISION_MODEL)}"
     free = frozen  # reshard after forward: only when there is no backward to keep it for
     units = [Unit(f"{vp}.embeddings", "vision", (vision.embeddings,), reshard_after_forward=free)]
     layers = list(vision.encoder.layers)
@@ -153,12 +154,12 @@ def prefix_units(model: nn.Module, pg: nn.Module, prefix: str, *, frozen: bool =
         group = tuple(layers[i:i + VISION_LAYERS_PER_UNIT])
         name = f"{vp}.encoder.layers.{i}" + (f"..{i + len(group) - 1}" if len(group) > 1 else "")
         units.append(Unit(name, "vision", group, reshard_after_forward=free, compiled_modules=group))
-    head = tuple(m for m in (getattr(vision, "post_layernorm", None), pg.multi_modal_projector)
+    head = tuple(m for m in (getattr(vision, "post_layernorm", None), internals.part(pg, inside(internals.PROJECTOR)))
                  if m is not None)
-    units.append(Unit(f"{prefix}.multi_modal_projector", "vision", head, reshard_after_forward=free))
-    lm = pg.language_model
+    units.append(Unit(f"{prefix}.{inside(internals.PROJECTOR)}", "vision", head, reshard_after_forward=free))
+    lm = internals.part(pg, inside(internals.LANGUAGE_MODEL))
     if not _is_tied(model, lm.embed_tokens):
-        units.append(Unit(f"{prefix}.language_model.embed_tokens", "embed", (lm.embed_tokens,)))
+        units.append(Unit(f"{prefix}.{inside(internals.LANGUAGE_MODEL)}.embed_tokens", "embed", (lm.embed_tokens,)))
     return units
 
 

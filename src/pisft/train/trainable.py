@@ -56,23 +56,23 @@ from typing import TYPE_CHECKING, Any
 from pisft.config import LORA_TARGETS
 from pisft.config import TRAINABLE_MODES as MODES
 from pisft.config import VALUE_TRAINABLE_MODES as VALUE_MODES
+from pisft.model import lerobot_internals as internals
 
 __all__ = ["LORA_TARGETS", "MODES", "VALUE_MODES"]
 
-if TYPE_CHECKING:  # torch is imported where it is used (this module's rules stay cheap to import)
+if TYPE_CHECKING:
     from torch import nn
 
 # Name fragments (dotted module paths inside a LeRobot PI05Policy, or the value model's `policy.`).
-_VLM = ".paligemma_with_expert.paligemma."  # LeRobot: `self.paligemma.parameters()` (train_expert_only)
-_VISION = ".paligemma_with_expert.paligemma.model.vision_tower."  # LeRobot: freeze_vision_encoder
+_VLM = f".{internals.in_core(internals.PALIGEMMA)}."  # LeRobot: `self.paligemma.parameters()` (train_expert_only)
+_VISION = f".{internals.in_core(internals.VISION_TOWER)}."  # LeRobot: freeze_vision_encoder
 _LORA_PARAM = re.compile(r"\.lora_(A|B)\.")
 _VALUE_HEAD = re.compile(r"^(readout|head)\.")
 
 # The parameters LeRobot keeps in float32 when a pi0.5 is built in bfloat16
 # (`PaliGemmaWithExpertModel.to_bfloat16_for_selected_params`, `params_to_keep_float32`): frozen
 # parameters are held in bf16 under train.precision=bf16 (`hold_frozen_in`), except these.
-KEEP_FP32 = ("vision_tower", "multi_modal_projector", "input_layernorm", "post_attention_layernorm",
-             "model.norm")
+KEEP_FP32 = internals.LEROBOT_FP32
 
 
 # ------------------------------------------------------------------------------- LoRA presets
@@ -80,11 +80,12 @@ KEEP_FP32 = ("vision_tower", "multi_modal_projector", "input_layernorm", "post_a
 # q/kv/qkv_einsum + attn_vec_einsum are q/k/v/o_proj, its FeedForward gating_einsum + linear are
 # gate/up/down_proj).
 _GEMMA_LINEARS = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
-_VLM_LAYERS = r"paligemma_with_expert\.paligemma\.model\.language_model\.layers\.\d+\."
-_EXPERT_LAYERS = r"paligemma_with_expert\.gemma_expert\.model\.layers\.\d+\."
+_VLM_LAYERS = re.escape(internals.in_core(internals.VLM_LAYERS)) + r"\.\d+\."
+_EXPERT_LAYERS = re.escape(internals.in_core(internals.EXPERT_LAYERS)) + r"\.\d+\."
+_EXPERT_ANYWHERE = rf".*{internals.EXPERT_NAME}\..*"  # a module of the action expert, at any depth
 _PROJECTION_MODULES = ("model.action_in_proj", "model.action_out_proj", "model.time_mlp_in", "model.time_mlp_out")
 # RLinf's target list (`rlinf/models/__init__.py`): proj, qkv, fc1, fc2, q, kv, fc3, out_proj,
-# q_proj ... down_proj, lm_head, applied to `paligemma_with_expert.paligemma` only. Of these,
+# q_proj ... down_proj, lm_head, applied to PaliGemma (`internals.PALIGEMMA`) only. Of these,
 # PaliGemma (transformers 5.5.4) has q/k/v/o_proj and gate/up/down_proj (Gemma), q/k/v/out_proj and
 # fc1/fc2 (SigLIP); proj, qkv, q, kv, fc3 name no module of it. lm_head is left out: pi0.5 never
 # calls the VLM's LM head (tied to the token embedding), so its adapter would get no gradient.
@@ -138,7 +139,7 @@ RLINF_RANK = 32  # RLinf's seed config (`actor.model.lora_rank: 32`); lora_alpha
 def lerobot_targets() -> str:
     """LeRobot 0.6.1's pi0.5 default targets (`PI05Policy._get_default_peft_targets`), read from it.
 
-    `.*\\.gemma_expert\\..*\\.self_attn\\.(q|v)_proj` and `model\\.(state_proj|action_in_proj|
+    the action expert's attention q and v projections and `model\\.(state_proj|action_in_proj|
     action_out_proj|action_time_mlp_in|action_time_mlp_out)`: of the projections only
     action_in_proj and action_out_proj exist in pi0.5 (state_proj and action_time_mlp_* are pi0's
     names; pi0.5's time_mlp_in/out are not matched). `modules_to_save` is empty: nothing else trains.
@@ -174,18 +175,20 @@ def lora_spec(targets: str, rank: int = 0, alpha: float = 0.0, *, value_model: b
         vlm_rank = rank or OPENPI_VLM_RANK
         expert_rank = rank or OPENPI_EXPERT_RANK
         layers = _VLM_LAYERS if value_model else f"({_VLM_LAYERS}|{_EXPERT_LAYERS})"
-        rank_pattern = {} if value_model or rank else {r".*gemma_expert\..*": expert_rank}
+        rank_pattern = {} if value_model or rank else {_EXPERT_ANYWHERE: expert_rank}
         alpha_pattern = ({} if value_model or alpha or rank
-                         else {r".*gemma_expert\..*": float(expert_rank)})
-        full = ("paligemma.model.vision_tower", "paligemma.model.multi_modal_projector",
+                         else {_EXPERT_ANYWHERE: float(expert_rank)})
+        full = (*(internals.below(path, internals.PALIGEMMA_WITH_EXPERT)
+                  for path in (internals.VISION_TOWER, internals.PROJECTOR)),
                 *(() if value_model else _PROJECTION_MODULES))
         return LoraSpec("openpi", f"{lead}{layers}{_GEMMA_LINEARS}", vlm_rank, alpha or float(vlm_rank),
                         rank_pattern, alpha_pattern, init="openpi", full_modules=full)
     # rlinf: get_peft_model on paligemma only (r = alpha = lora_rank, gaussian init, no dropout);
     # the action expert and the projections keep requires_grad and train in full.
     r = rank or RLINF_RANK
-    full = () if value_model else ("paligemma_with_expert.gemma_expert", *_PROJECTION_MODULES)
-    return LoraSpec("rlinf", rf"{lead}paligemma_with_expert\.paligemma\..*\.{_RLINF_SUFFIXES}", r,
+    full = () if value_model else (internals.in_core(internals.EXPERT), *_PROJECTION_MODULES)
+    vlm = re.escape(internals.in_core(internals.PALIGEMMA))
+    return LoraSpec("rlinf", rf"{lead}{vlm}\..*\.{_RLINF_SUFFIXES}", r,
                     alpha or float(r), init="gaussian", full_modules=full)
 
 
@@ -239,7 +242,7 @@ class Applied:
 
 def _pwe(model: nn.Module, value_model: bool) -> nn.Module:
     policy = model.policy if value_model else model
-    return policy.model.paligemma_with_expert
+    return internals.part(policy, internals.PALIGEMMA_WITH_EXPERT)
 
 
 def inject_lora(model: nn.Module, spec: LoraSpec, *, seed: int) -> None:
