@@ -20,7 +20,8 @@ SRC = ROOT / "src"
 # (what a user or torchrun starts) sit on top (docs/development.md, "Layout").
 LAYERS = (
     ("pisft", "pisft.errors", "pisft.io", "pisft.integrity", "pisft.disk_space", "pisft.logs", "pisft.device",
-     "pisft.config", "pisft.layout", "pisft.stages", "pisft.code_graph", "pisft.records"),
+     "pisft.config", "pisft.layout", "pisft.stages", "pisft.code_graph", "pisft.records",
+     "pisft.tensors"),
     ("pisft.data", "pisft.model"),
     ("pisft.policy", "pisft.rollout"),  # the inference wing and the rollout engine on it
     ("pisft.train", "pisft.evaluate", "pisft.serve"),

@@ -380,6 +380,12 @@ def reset_peak_memory(kind: str) -> None:
         accel.reset_peak_memory_stats()
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is the device running out of memory: torch's OutOfMemoryError (CUDA), or an
+    error whose text says so (torch_npu raises a RuntimeError with "out of memory" in it)."""
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
 def peak_memory_bytes(kind: str) -> int:
     """Peak device memory allocated by this process (CPU: peak resident set size)."""
     accel = _accel(kind)

@@ -61,9 +61,11 @@ def tensor_bytes(obj: Any, _seen: set | None = None) -> int:
     once); a DTensor counts its local shard."""
     import torch
 
+    from pisft.tensors import local_shard
+
     seen = set() if _seen is None else _seen
     if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        local = local_shard(obj)
         n = local.numel() * local.element_size()
         key = (local.device.type, local.untyped_storage().data_ptr(), local.storage_offset(), n)
         if n and key in seen:

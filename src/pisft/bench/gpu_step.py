@@ -84,10 +84,6 @@ DESCRIPTIONS = {ADAMW: "AdamW (the training's optimizer step)",
                 SIGN_DESCENT: "AdamW's first step without AdamW's state (sign descent, as the smoke stage)"}
 
 
-def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-
-
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "aclopCompileAndExecute",
                 "aclnnExecute")  # the host's kernel-launch calls in a profile (CUDA; Ascend's ACL)
 
@@ -283,7 +279,7 @@ def _measure_setting(args, out, kind, dev, mesh, peak, mode: str, checkpointing:
             largest = micro
             print(json.dumps({k: v for k, v in res.items() if k != "step_times_s"}), flush=True)
         except Exception as exc:
-            if not _is_oom(exc):
+            if not devices.out_of_memory(exc):
                 raise
             out["runs"].append({"micro_batch_size": micro, **setting, "oom": True})
             print(f"{mode}, micro batch {micro}, checkpointing {checkpointing}, compile {compiler.mode}: "

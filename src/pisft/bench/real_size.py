@@ -83,10 +83,11 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
 
     from pisft import device as devices
     from pisft.inspect.estimate import StepMemory
-    from pisft.inspect.measure import local_bytes, optimizer_state_tensors
+    from pisft.inspect.measure import optimizer_state_tensors
     from pisft.inspect.synthetic import synthetic_batch
     from pisft.model.policy import save_model
     from pisft.model.tokenizer import save_tiny_tokenizer
+    from pisft.tensors import local_bytes
     from pisft.train import fsdp, optim
     from pisft.train.attention import fused_joint_attention
     from pisft.train.checkpoint import CheckpointManager

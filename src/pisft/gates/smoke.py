@@ -29,28 +29,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from pisft import layout
 from pisft import config as config_mod
 from pisft import device as devices
 from pisft.data.augment import make_augment
-from pisft.device import hccl_buffer_bytes
+from pisft.device import hccl_buffer_bytes, out_of_memory
 from pisft.io import atomic_dir, write_json_atomic
+from pisft.tensors import local_bytes
 from pisft.train import loop
 from pisft.train.batches import StepDataset
 from pisft.train.job import Context, build, env_summary, make_sampler, peak_flops
 
 SMOKE_FAILED_EXIT = 3
-
-
-def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-
-
-def _local_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return local.numel() * local.element_size()
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -63,11 +54,11 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     total = 0
     for p in model.parameters():
         has_grad = id(p) in stepped if stepped else p.requires_grad
-        total += _local_bytes(p) * (2 if has_grad else 1)
+        total += local_bytes(p) * (2 if has_grad else 1)
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                total += _local_bytes(value)
+                total += local_bytes(value)
     return total
 
 
@@ -245,12 +236,12 @@ def _run_steps(ctx: Context, report: dict[str, Any]) -> SmokeRun:
         try:
             report["host_ops"] = _host_ops(ctx, run.built, batch)
         except Exception as exc:  # a measurement of a step that ran: the gate's verdict stands without it
-            if _is_oom(exc):
+            if out_of_memory(exc):
                 raise
             ctx.log(f"note: the operations of a micro-step were not counted ({type(exc).__name__}: {exc})")
             report["host_ops"] = {"error": f"{type(exc).__name__}: {exc}"}
     except Exception as exc:
-        if not _is_oom(exc):
+        if not out_of_memory(exc):
             raise
         run.failure = (f"out of device memory at micro batch {t.micro_batch_size} on one device "
                        f"({type(exc).__name__}). To fit: {_advice(cfg)}.")
@@ -404,9 +395,9 @@ def tensors_vs_estimate(policy: torch.nn.Module, optimizer: torch.optim.Optimize
     shows in both."""
     from pisft.train.trainable import count_parameters
 
-    params = sum(_local_bytes(p) for p in policy.parameters())
-    moments = sum(_local_bytes(v) for st in optimizer.state.values() for v in st.values()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0)
+    params = local_bytes(policy.parameters())
+    moments = local_bytes(v for st in optimizer.state.values() for v in st.values()
+                          if isinstance(v, torch.Tensor) and v.dim() > 0)
     out: dict[str, Any] = {"measured_params_bytes": params, "measured_optimizer_bytes": moments,
                            "params": count_parameters(policy)}
     one = (estimate or {}).get("1", {}).get("state_bytes") if isinstance(estimate, dict) else None

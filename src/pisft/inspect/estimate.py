@@ -69,6 +69,7 @@ from torch.utils._pytree import tree_flatten
 from pisft import layout
 from pisft.config import PisftConfig
 from pisft.model import policy as policy_mod
+from pisft.tensors import local_bytes, local_numel, local_shard
 
 GIB = 1 << 30
 CATEGORIES = ("params", "optimizer", "grads", "gathered", "activations", "ema")
@@ -119,7 +120,7 @@ class StepMemory(TorchDispatchMode):
         """Storages that exist already (in the baseline, not events); their allocation ids."""
         out = set()
         for t in tensors:
-            storage = _local(t).untyped_storage()
+            storage = local_shard(t).untyped_storage()
             key = storage._cdata
             if key not in self.current:
                 self._new(storage)
@@ -127,7 +128,7 @@ class StepMemory(TorchDispatchMode):
         return out
 
     def alloc_id(self, t: torch.Tensor) -> int | None:
-        entry = self.current.get(_local(t).untyped_storage()._cdata)
+        entry = self.current.get(local_shard(t).untyped_storage()._cdata)
         return entry[0] if entry else None
 
     def peak(self, held: set[int] = frozenset()) -> tuple[int, dict[int, int], str | None]:
@@ -175,12 +176,12 @@ class StepMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         # A DTensor's memory is its local tensor's (the wrapper's storage is not memory).
-        inputs = {_local(t).untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
+        inputs = {local_shard(t).untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
-            storage = _local(t).untyped_storage()
+            storage = local_shard(t).untyped_storage()
             key = storage._cdata
             if key in self.current or key in inputs:  # a view, an in-place or out= result
                 continue
@@ -189,11 +190,6 @@ class StepMemory(TorchDispatchMode):
                 self.in_fsdp.add(alloc)
             self._record(alloc, self.current[key][1])
         return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor that holds its memory); any other tensor itself."""
-    return getattr(t, "_local_tensor", t)
 
 
 def _called_from_fsdp_collectives(depth: int = 12) -> bool:
@@ -291,10 +287,6 @@ def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batc
     }
 
 
-def _nbytes(tensors) -> int:
-    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
-
-
 def _tracked_step(policy, mesh, micro_batch: int, precision: str,
                   min_unit_params: int = 0) -> dict[str, Any]:
     """Shard, then forward, backward, clip, AdamW and zero_grad under a StepMemory tracker.
@@ -315,8 +307,8 @@ def _tracked_step(policy, mesh, micro_batch: int, precision: str,
     batch, rand = synthetic_batch(policy, micro_batch, cpu, seed=0)
     policy.train()
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    out: dict[str, Any] = {"params_bytes": _nbytes(policy.parameters()),
-                           "ema_bytes": sum(_local(p).numel() * 4 for p in trainable)}
+    out: dict[str, Any] = {"params_bytes": local_bytes(policy.parameters()),
+                           "ema_bytes": sum(local_numel(p) for p in trainable) * 4}
     tracker = StepMemory()
     out["param_ids"] = tracker.register_existing(policy.parameters())
     with fused_joint_attention(), tracker:
@@ -326,7 +318,7 @@ def _tracked_step(policy, mesh, micro_batch: int, precision: str,
         loss.backward()
         grads = [p.grad for p in trainable if p.grad is not None]
         out["grad_ids"] = {tracker.alloc_id(g) for g in grads} - {None}
-        out["grads_bytes"] = _nbytes(grads)
+        out["grads_bytes"] = local_bytes(grads)
         out["params_trained"] = sum(p.numel() for p in trainable if p.grad is not None)
         del grads, loss
         tracker.phase = "clip + optimizer"
@@ -337,7 +329,7 @@ def _tracked_step(policy, mesh, micro_batch: int, precision: str,
         state = [v for st in optimizer.state.values() for v in st.values()
                  if isinstance(v, torch.Tensor) and v.dim() > 0]
         out["opt_ids"] = {tracker.alloc_id(v) for v in state} - {None}
-        out["opt_bytes"] = _nbytes(state)
+        out["opt_bytes"] = local_bytes(state)
         del state
         optimizer.zero_grad(set_to_none=True)
     return out | {"tracker": tracker}

@@ -50,16 +50,6 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def local_bytes(tensors) -> int:
-    from torch.distributed.tensor import DTensor
-
-    total = 0
-    for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        total += local.numel() * local.element_size()
-    return total
-
-
 def optimizer_state_tensors(optimizer) -> list:
     import torch
 
@@ -86,6 +76,7 @@ def measure(preset: str, micro_batch: int, checkpointing: bool, precision: str =
     from pisft import device as devices
     from pisft.inspect.estimate import StepMemory
     from pisft.inspect.synthetic import build_random_policy, synthetic_batch
+    from pisft.tensors import local_bytes
     from pisft.train import fsdp, optim
     from pisft.train.attention import fused_joint_attention
     from pisft.train.policy_task import PolicyTask

@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from pisft.tensors import local_shard
 
 
 class WeightsEMA:
@@ -45,7 +42,7 @@ class WeightsEMA:
         bool tensor) False leaves the average as it is (the step was skipped)."""
         weight: float | torch.Tensor = 1.0 - self.decay
         for name, p in self._params.items():
-            e, w = _local(self.shadow[name]), _local(p)
+            e, w = local_shard(self.shadow[name]), local_shard(p)
             if applied is not None:
                 weight = (1.0 - self.decay) * applied.to(device=e.device, dtype=torch.float32)
             e.lerp_(w.to(torch.float32), weight)
@@ -61,10 +58,10 @@ class WeightsEMA:
         params = dict(model.named_parameters())
         for name, e in self.shadow.items():
             p = params[name]
-            _local(p).copy_(_local(e).to(p.dtype))
+            local_shard(p).copy_(local_shard(e).to(p.dtype))
 
     def numel_local(self) -> int:
-        return sum(_local(e).numel() for e in self.shadow.values())
+        return sum(local_shard(e).numel() for e in self.shadow.values())
 
 
 def ema_record(ema: WeightsEMA | None) -> dict:

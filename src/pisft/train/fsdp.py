@@ -57,6 +57,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from pisft.model import host_memory
+from pisft.tensors import local_numel
 from pisft.train import blocks
 from pisft.model import lerobot_internals as internals
 from pisft.model.lerobot_internals import prefix_frozen
@@ -323,24 +324,20 @@ def distribute(model: nn.Module, mesh: DeviceMesh, precision: str, device: torch
     return units
 
 
-def _local_numel(t: torch.Tensor) -> int:
-    return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
-
-
 def sharding_report(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     units: Iterable[Unit]) -> dict:
     """What this rank holds: local vs global numbers of parameters and optimizer-state elements,
     and which parameters the units (not the root) cover, per group."""
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
-    local = sum(_local_numel(p) for p in params)
+    local = sum(local_numel(p) for p in params)
     opt_total = opt_local = 0
     if optimizer is not None:
         for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     opt_total += value.numel()
-                    opt_local += _local_numel(value)
+                    opt_local += local_numel(value)
     covered: dict[str, int] = {}
     unit_count: dict[str, int] = {}
     in_units = 0

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from pisft.tensors import local_shard
+
 # Device kinds whose fused AdamW kernel honours `found_inf` (torch's CPU and CUDA kernels).
 # torch_npu's `_fused_adamw_` (Ascend/op-plugin, op_plugin/ops/opapi/FusedAdamWKernelNpuOpApi.cpp)
 # takes `found_inf` in its signature but never reads it: on an NPU the step would be applied.
@@ -98,8 +100,7 @@ def _zero_nonfinite_grads(params: list[torch.Tensor], finite: torch.Tensor) -> N
     bad = ~finite
     for p in params:
         if p.grad is not None:
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            grad.masked_fill_(bad, 0.0)
+            local_shard(p.grad).masked_fill_(bad, 0.0)
 
 
 def skip_if_nonfinite_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor, kind: str,
