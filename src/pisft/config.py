@@ -477,29 +477,17 @@ def data_sources(cfg: PisftConfig) -> list[DataSource]:
     return out
 
 
-def all_keys(schema: type = PisftConfig, prefix: str = "") -> list[str]:
-    """Every dotted key the schema knows, e.g. `train.micro_batch_size`."""
-    keys: list[str] = []
-    for f in fields(schema):
-        dotted = f"{prefix}{f.name}"
-        sub = f.default_factory() if f.default_factory is not field().default_factory else None  # type: ignore[misc]
-        if sub is not None and is_dataclass(sub):
-            keys.extend(all_keys(type(sub), dotted + "."))
-        else:
-            keys.append(dotted)
-    return keys
-
-
 @functools.cache
-def _marks() -> dict[str, tuple[str, ...]]:
-    """Every key and section of the schema (`train`, `train.lr`), in its order, with its marks."""
-    out: dict[str, tuple[str, ...]] = {}
+def _schema() -> dict[str, tuple[bool, tuple[str, ...]]]:
+    """Every key and section of the schema (`train`, `train.lr`), in its order: whether it is a
+    section (a config dataclass), and its marks."""
+    out: dict[str, tuple[bool, tuple[str, ...]]] = {}
 
     def walk(schema: type, prefix: str) -> None:
         for f in fields(schema):
             dotted = f"{prefix}{f.name}"
-            out[dotted] = tuple(f.metadata.get(_ROLES_FIELD, ()))
             sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            out[dotted] = (is_dataclass(sub), tuple(f.metadata.get(_ROLES_FIELD, ())))
             if is_dataclass(sub):
                 walk(type(sub), dotted + ".")
 
@@ -507,16 +495,21 @@ def _marks() -> dict[str, tuple[str, ...]]:
     return out
 
 
+def all_keys() -> list[str]:
+    """Every dotted key the schema knows, e.g. `train.micro_batch_size` (no sections)."""
+    return [key for key, (section, _) in _schema().items() if not section]
+
+
 def roles_of(key: str) -> tuple[str, ...]:
     """The marks of a dotted key or a section (`ROLES`); KeyError for a key the schema lacks."""
-    return _marks()[key]
+    return _schema()[key][1]
 
 
 def keys_marked(role: str) -> tuple[str, ...]:
     """Every key and section marked `role`, in the schema's order (config/config.yaml's)."""
     if role not in ROLES:
         raise ValueError(f"keys_marked: unknown role {role!r}; the roles are {', '.join(ROLES)}")
-    return tuple(key for key, roles in _marks().items() if role in roles)
+    return tuple(key for key, (_, roles) in _schema().items() if role in roles)
 
 
 def fingerprint_keys(run: str) -> tuple[str, ...]:
@@ -524,11 +517,10 @@ def fingerprint_keys(run: str) -> tuple[str, ...]:
     and every key under a section marked with it less those marked INPUT."""
     if run not in (POLICY_RUN, VALUE_RUN):
         raise ValueError(f"fingerprint_keys: {run!r} is not a run fingerprint ({POLICY_RUN}, {VALUE_RUN})")
-    marks = _marks()
-    leaves = [key for key in marks if not any(other.startswith(key + ".") for other in marks)]
-    sections = [key for key in keys_marked(run) if key not in leaves]
-    return tuple(key for key in leaves if run in marks[key] or (
-        INPUT not in marks[key] and any(key.startswith(section + ".") for section in sections)))
+    schema = _schema()
+    sections = [key for key, (section, roles) in schema.items() if section and run in roles]
+    return tuple(key for key in all_keys() if run in schema[key][1] or (
+        INPUT not in schema[key][1] and any(key.startswith(section + ".") for section in sections)))
 
 
 def nearest_key(key: str) -> str | None:
