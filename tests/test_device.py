@@ -223,3 +223,17 @@ def test_a_workers_c_level_output_to_a_pipe_is_not_lost():
             "exit_process(0)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stdout) == (0, "from C\n"), proc.stderr
+
+
+def test_intra_op_threads_gives_the_callers_count_back_also_when_the_inside_fails():
+    from pisft import device as device_mod
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(RuntimeError, match="the model did not load"), device_mod.intra_op_threads(1):
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("the model did not load")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -13,13 +13,14 @@ Rules (docs/ascend.md, "Running on an Ascend 910B node (8 cards)"):
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
 from pathlib import Path
 import resource
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import NoReturn
@@ -265,6 +266,18 @@ def threads_per_process(nproc_per_node: int, base: Mapping[str, str] | None = No
         except ValueError:
             raise DeviceError(f"{THREADS_ENV}={base[THREADS_ENV]!r}: must be a whole number of threads") from None
     return max(1, usable_cores() // max(1, nproc_per_node))
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op CPU threads at `threads` inside, the caller's count back after (also when
+    what runs inside fails). Threads started inside keep the count they started with."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def process_env(kind: str, base: Mapping[str, str] | None = None, *,

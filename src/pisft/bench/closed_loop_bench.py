@@ -41,6 +41,7 @@ import numpy as np
 from pisft import rollout
 from pisft.bench.stand_in_simulator import StandInSimulator
 from pisft.policy.replicas import PolicyPool, policy_threads
+from pisft.device import intra_op_threads
 from pisft.rollout.workers import ProcessWorker
 
 WAIT_MS = 50.0  # eval.policy_batch_wait_ms of the hand-set runs
@@ -157,37 +158,34 @@ def _same_bits(runs: list[dict]) -> bool:
 
 def run(work: Path, *, num_envs: int = NUM_ENVS, episodes_per_env: int = 2, max_steps: int = 40,
         slow_step_s: float = SLOW_STEP_S) -> dict:
-    import torch
-
     from pisft.policy.libero import LiberoPolicy
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(policy_threads())
-    policy = LiberoPolicy.from_model_dir(write_tiny_model(Path(work) / "tiny_model", trained_like=True), device="cpu")
-    half = max(1, num_envs // 2)
-    workers: list = []
-    try:
-        workers = _workers(functools.partial(StandInSimulator, num_envs), num_envs, "bench")
-        kw = {"episodes_per_env": episodes_per_env, "max_steps": max_steps}
-        _pass(policy, workers, policy_batch=0, episodes_per_env=1, max_steps=10)  # warm-up (not reported)
-        sequential, seq_chunks = _pass(policy, workers, policy_batch=1, **kw)
-        no_hold, no_hold_chunks = _pass(policy, workers, policy_batch=0, hold=False, **kw)
-        batched, batch_chunks = _pass(policy, workers, policy_batch=0, **kw)
-        waiting, wait_chunks = _pass(policy, workers, policy_batch=0, wait_ms=WAIT_MS, **kw)
-        fixed, fixed_chunks = _pass(policy, workers, policy_batch=num_envs, rows=num_envs, **kw)
-        fixed_waiting, fixed_wait_chunks = _pass(policy, workers, policy_batch=num_envs, rows=num_envs,
-                                                 wait_ms=WAIT_MS, **kw)
-        fixed_half, _ = _pass(policy, workers, policy_batch=half, rows=half, **kw)
-        for w in workers:
-            w.close()
-        workers = _workers(functools.partial(StandInSimulator, num_envs, slow_step_s), num_envs, "bench-slow")
-        slow_no_hold, _ = _pass(policy, workers, policy_batch=0, hold=False, **kw)
-        slow_default, _ = _pass(policy, workers, policy_batch=0, **kw)
-        slow_fixed, slow_fixed_chunks = _pass(policy, workers, policy_batch=num_envs, rows=num_envs, **kw)
-    finally:
-        for w in workers:
-            w.close()
-        torch.set_num_threads(threads)
+    with intra_op_threads(policy_threads()):
+        model = write_tiny_model(Path(work) / "tiny_model", trained_like=True)
+        policy = LiberoPolicy.from_model_dir(model, device="cpu")
+        half = max(1, num_envs // 2)
+        workers: list = []
+        try:
+            workers = _workers(functools.partial(StandInSimulator, num_envs), num_envs, "bench")
+            kw = {"episodes_per_env": episodes_per_env, "max_steps": max_steps}
+            _pass(policy, workers, policy_batch=0, episodes_per_env=1, max_steps=10)  # warm-up (not reported)
+            sequential, seq_chunks = _pass(policy, workers, policy_batch=1, **kw)
+            no_hold, no_hold_chunks = _pass(policy, workers, policy_batch=0, hold=False, **kw)
+            batched, batch_chunks = _pass(policy, workers, policy_batch=0, **kw)
+            waiting, wait_chunks = _pass(policy, workers, policy_batch=0, wait_ms=WAIT_MS, **kw)
+            fixed, fixed_chunks = _pass(policy, workers, policy_batch=num_envs, rows=num_envs, **kw)
+            fixed_waiting, fixed_wait_chunks = _pass(policy, workers, policy_batch=num_envs, rows=num_envs,
+                                                     wait_ms=WAIT_MS, **kw)
+            fixed_half, _ = _pass(policy, workers, policy_batch=half, rows=half, **kw)
+            for w in workers:
+                w.close()
+            workers = _workers(functools.partial(StandInSimulator, num_envs, slow_step_s), num_envs, "bench-slow")
+            slow_no_hold, _ = _pass(policy, workers, policy_batch=0, hold=False, **kw)
+            slow_default, _ = _pass(policy, workers, policy_batch=0, **kw)
+            slow_fixed, slow_fixed_chunks = _pass(policy, workers, policy_batch=num_envs, rows=num_envs, **kw)
+        finally:
+            for w in workers:
+                w.close()
     arrival = (batch_chunks, wait_chunks, no_hold_chunks)
     return {
         "model": "tiny pi0.5-architecture (random init, zero-initialised parameters filled as training leaves "

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from pisft import config as config_mod
+from pisft.device import intra_op_threads
 from pisft.errors import PisftError
 from pisft.train.policy_task import TOKENS_KEY
 
@@ -265,9 +266,7 @@ def run(cfg: config_mod.PisftConfig, work: Path, *, episodes_per_task: int = 1, 
     micro = micro_batch or cfg.train.micro_batch_size
     dataset, data_info = build_dataset(work, episodes_per_task=episodes_per_task, length=length,
                                        image_size=image_size)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with intra_op_threads(1):
         ld = _Loader(dataset, preset, micro, cfg.train.seed)
         timed = time_loader(ld, warmup_batches, timed_batches, rounds)
         split = split_parts(ld, warmup_batches + rounds * timed_batches, split_batches)
@@ -275,8 +274,6 @@ def run(cfg: config_mod.PisftConfig, work: Path, *, episodes_per_task: int = 1, 
         decode = decode_cost(dataset, decode_images)
         resize = host_resize_cost(timed["last_batch"], tuple(ld.config.image_resolution), repeats=5)
         est = consumption(ld, timed["last_batch"], cfg)  # at the tokens the loader produced
-    finally:
-        torch.set_num_threads(threads)
     rs = timed["rounds"]
     samples = sum(r["samples"] for r in rs)
     cpu_s = sum(r["cpu_s"] for r in rs)

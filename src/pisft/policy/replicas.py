@@ -260,43 +260,34 @@ def open_policy_pool(cfg: config_mod.PisftConfig, given: Any, *, model_dir: Path
     def fixed(policy: Any) -> Any:
         return FixedShape(policy, rows, name=stage) if isinstance(policy, Policy) else policy
 
-    threads_before = None  # the caller's intra-op thread count, given back on exit
-    if given is not None:
-        pool = PolicyPool([fixed(given)], max_batch=rows, wait_ms=wait_ms, devices=["given"])
-    else:
-        import torch
+    with contextlib.ExitStack() as stack:
+        if given is not None:
+            pool = PolicyPool([fixed(given)], max_batch=rows, wait_ms=wait_ms, devices=["given"])
+        else:
+            from pisft.model.guidance import check_scale
+            from pisft.policy.libero import LiberoPolicy
+            from pisft.policy.rtc import RtcSettings
 
-        from pisft.model.guidance import check_scale
-        from pisft.policy.libero import LiberoPolicy
-        from pisft.policy.rtc import RtcSettings
-
-        threads_before = torch.get_num_threads()
-        torch.set_num_threads(policy_threads())
-        scale = check_scale(cfg.eval.cfg_scale, "eval.cfg_scale")
-        devices = policy_devices(cfg)
-        kind = device_mod.resolve_kind(cfg.device)
-        settings = RtcSettings.from_config(cfg.eval.rtc) if rtc else None
-        replicas = [fixed(LiberoPolicy.from_model_dir(model_dir, device=kind, device_index=i, seed=seed,
-                                                      trained_on=trained_on, cfg_scale=scale,
-                                                      precision=cfg.eval.precision, compiled=cfg.eval.compile,
-                                                      rtc=settings,
-                                                      note=lambda line: print(f"{stage}: {line}", flush=True)))
-                    for i in range(len(devices))]
-        if len(devices) > 1:
-            print(f"{stage}: {len(devices)} policy replicas, one per device ({', '.join(devices)})", flush=True)
-        select = None if kind == "cpu" else functools.partial(device_mod.local_device, kind)
-        pool = PolicyPool(replicas, max_batch=rows, wait_ms=wait_ms, devices=devices, select_device=select)
-    try:
+            stack.enter_context(device_mod.intra_op_threads(policy_threads()))
+            scale = check_scale(cfg.eval.cfg_scale, "eval.cfg_scale")
+            devices = policy_devices(cfg)
+            kind = device_mod.resolve_kind(cfg.device)
+            settings = RtcSettings.from_config(cfg.eval.rtc) if rtc else None
+            replicas = [fixed(LiberoPolicy.from_model_dir(model_dir, device=kind, device_index=i, seed=seed,
+                                                          trained_on=trained_on, cfg_scale=scale,
+                                                          precision=cfg.eval.precision, compiled=cfg.eval.compile,
+                                                          rtc=settings,
+                                                          note=lambda line: print(f"{stage}: {line}", flush=True)))
+                        for i in range(len(devices))]
+            if len(devices) > 1:
+                print(f"{stage}: {len(devices)} policy replicas, one per device ({', '.join(devices)})", flush=True)
+            select = None if kind == "cpu" else functools.partial(device_mod.local_device, kind)
+            pool = PolicyPool(replicas, max_batch=rows, wait_ms=wait_ms, devices=devices, select_device=select)
         with pool:
             guided = guidance_of(pool)
             if guided is not None and (guided["note"] or guided["guided"]):
                 print(f"{stage}: {'note: ' + guided['note'] if guided['note'] else guided['describe']}", flush=True)
             yield pool
-    finally:
-        if threads_before is not None:
-            import torch
-
-            torch.set_num_threads(threads_before)
 
 
 def _torch_threads() -> int:
