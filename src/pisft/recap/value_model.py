@@ -149,8 +149,7 @@ class ValueModel(nn.Module):
         read-out token, the head and the tied embedding stay in the root."""
         from pisft.train import fsdp
 
-        prefix = f"policy.{internals.VLM_MODEL}"
-        units = fsdp.prefix_units(self, internals.part(self.policy, internals.VLM_MODEL), prefix)
+        units = fsdp.prefix_units(self, "policy.")
         units += [fsdp.Unit(f"policy.{internals.VLM_LAYERS}.{i}", "decoder", (layer,))
                   for i, layer in enumerate(internals.part(self.policy, internals.VLM_LAYERS))]
         return units

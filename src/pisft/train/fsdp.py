@@ -46,7 +46,6 @@ microseconds; what the units save there is memory).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -114,7 +113,7 @@ def pi05_units(policy: nn.Module) -> list[Unit]:
     if core is None:
         raise TypeError(f"{type(policy).__name__} is not a LeRobot PI05Policy")
     frozen = prefix_frozen(policy)
-    units = prefix_units(policy, internals.part(policy, internals.VLM_MODEL), internals.VLM_MODEL, frozen=frozen)
+    units = prefix_units(policy, frozen=frozen)
     vlm_layers = internals.part(policy, internals.VLM_LAYERS)
     # Called before the decoder (embed_suffix) and after it (action_out_proj): one small unit.
     action = Unit("model.action_time_projections", "action",
@@ -137,17 +136,16 @@ def pi05_units(policy: nn.Module) -> list[Unit]:
     return units
 
 
-def prefix_units(model: nn.Module, pg: nn.Module, prefix: str, *, frozen: bool = False) -> list[Unit]:
-    """The units of PaliGemma's vision-language prefix (`pg`: the PaliGemma model, named `prefix`
-    in `model`): the SigLIP embeddings, the encoder layers (`VISION_LAYERS_PER_UNIT` to a unit) and
-    the post-layernorm + projector (gathered once per forward, see the module docstring), and the
-    token embedding when it is not
-    tied (pisft ties it to the unused lm_head: then it stays in the root). `frozen`: the prefix
+def prefix_units(model: nn.Module, lead: str = "", *, frozen: bool = False) -> list[Unit]:
+    """The units of PaliGemma's vision-language prefix of the PI05Policy at `lead` in `model` (""
+    for the policy itself, "policy." in the RECAP value model): the SigLIP embeddings, the encoder
+    layers (`VISION_LAYERS_PER_UNIT` to a unit) and the post-layernorm + projector (gathered once
+    per forward, see the module docstring), and the token embedding when it is not tied (pisft ties
+    it to the unused lm_head: then it stays in the root). `frozen`: the prefix
     runs without grad (lerobot_internals 8.), so the vision units have no backward and are freed
     after their forward."""
-    inside = functools.partial(internals.below, parent=internals.VLM_MODEL)  # a part's path in `pg`
-    vision = internals.part(pg, inside(internals.VISION_MODEL))
-    vp = f"{prefix}.{inside(internals.VISION_MODEL)}"
+    vp = lead + internals.VISION_MODEL
+    vision = internals.part(model, vp)
     free = frozen  # reshard after forward: only when there is no backward to keep it for
     units = [Unit(f"{vp}.embeddings", "vision", (vision.embeddings,), reshard_after_forward=free)]
     layers = list(vision.encoder.layers)
@@ -155,12 +153,12 @@ def prefix_units(model: nn.Module, pg: nn.Module, prefix: str, *, frozen: bool =
         group = tuple(layers[i:i + VISION_LAYERS_PER_UNIT])
         name = f"{vp}.encoder.layers.{i}" + (f"..{i + len(group) - 1}" if len(group) > 1 else "")
         units.append(Unit(name, "vision", group, reshard_after_forward=free, compiled_modules=group))
-    head = tuple(m for m in (getattr(vision, "post_layernorm", None), internals.part(pg, inside(internals.PROJECTOR)))
+    head = tuple(m for m in (getattr(vision, "post_layernorm", None), internals.part(model, lead + internals.PROJECTOR))
                  if m is not None)
-    units.append(Unit(f"{prefix}.{inside(internals.PROJECTOR)}", "vision", head, reshard_after_forward=free))
-    lm = internals.part(pg, inside(internals.LANGUAGE_MODEL))
-    if not _is_tied(model, lm.embed_tokens):
-        units.append(Unit(f"{prefix}.{inside(internals.LANGUAGE_MODEL)}.embed_tokens", "embed", (lm.embed_tokens,)))
+    units.append(Unit(lead + internals.PROJECTOR, "vision", head, reshard_after_forward=free))
+    embed = internals.part(model, lead + internals.LANGUAGE_MODEL).embed_tokens
+    if not _is_tied(model, embed):
+        units.append(Unit(f"{lead}{internals.LANGUAGE_MODEL}.embed_tokens", "embed", (embed,)))
     return units
 
 
