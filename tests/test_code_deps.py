@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pisft import code_graph
 from pisft import stages as stage_table
 from pisft.workflow.scratch import copy_project
 from pisft.workflow.snakemake_rules import load_rules
@@ -59,8 +60,8 @@ def _dvc_changed(project: Path) -> set[str]:
 
 def test_each_stage_depends_on_the_files_its_entry_point_imports():
     """Computed from the imports (deterministic): a report is the evaluation's, not the collection's."""
-    deps = {name: stage_table.code_deps(name, "cpu") for name in stage_table.STAGES}
-    assert deps == {name: stage_table.code_deps(name, "cpu") for name in stage_table.STAGES}
+    deps = {name: code_graph.code_deps(name, "cpu") for name in stage_table.STAGES}
+    assert deps == {name: code_graph.code_deps(name, "cpu") for name in stage_table.STAGES}
     for name, files in deps.items():
         module = stage_table.STAGES[name].run.partition(":")[0]
         assert "src/" + module.replace(".", "/") + ".py" in files, name

@@ -11,7 +11,7 @@ from pisft import config as config_mod
 from pisft.data.convert import Options
 from pisft.data.split import stratified_split
 from pisft.evaluate import offline
-from pisft.stages import EVAL_OUTPUTS, STAGES
+from pisft.stages import EVALUATE, STAGES
 
 
 def test_eval_fraction_zero_holds_nothing_out_and_is_valid():
@@ -45,7 +45,7 @@ def test_evaluate_without_held_out_episodes_writes_every_output_as_not_run(tmp_p
         json.dumps({"step": s, "loss": 1.0 / s, "lr": 1e-3}) + "\n" for s in (1, 2, 3)))
     metrics = offline.run(cfg)
     assert metrics == {"evaluated": False, "note": offline.NO_HELD_OUT}
-    for rel in EVAL_OUTPUTS:  # every output the workflow declares
+    for rel in (out.path for out in EVALUATE.outputs):  # every output the workflow declares
         assert (tmp_path / rel).is_file() and (tmp_path / rel).stat().st_size > 0, rel
     assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["evaluated"] is False
     assert "not run" in (tmp_path / "eval" / "report.md").read_text()

@@ -85,3 +85,22 @@ def test_no_stage_spells_a_results_path():
     assert sorted(set(spelling) - NOT_YET_CONVERTED) == [], (
         "these files spell a path under results_dir by hand (cfg.results(...)); name it through "
         "pisft.layout (layout.iteration(cfg).<folder>, layout.base_model(cfg), ...), adding the name there")
+
+
+def test_the_writer_of_a_folder_is_read_off_the_stage_rows(tmp_path):
+    """Which stage (and iteration) wrote a folder, from where it lies (integrity's messages for a
+    manifest that does not say): the rows' folder outputs, and a folder directly in one."""
+    from pisft import integrity
+    from pisft.stages import CONVERT_RECAP, FETCH_BASE, TRAIN_8CARD, TRAIN_VALUE
+
+    results = tmp_path / "results"
+    assert layout.writer_of(results / "base_model") == (FETCH_BASE, 0)
+    assert layout.writer_of(results / "train" / "model") == (TRAIN_8CARD, 0)
+    assert layout.writer_of(results / "recap" / "iter_2" / "train" / "model") == (TRAIN_8CARD, 2)
+    assert layout.writer_of(results / "recap" / "iter_2" / "value" / "model") == (TRAIN_VALUE, 2)
+    assert layout.writer_of(results / "recap" / "iter_1" / "dataset") == (CONVERT_RECAP, 1)
+    assert layout.writer_of(results / "recap" / "iter_1" / "base_model") == (FETCH_BASE, 0)  # shared
+    assert layout.writer_of(tmp_path / "my_data") is None
+    assert integrity.writer_of(results / "recap" / "iter_2" / "value" / "model") == (
+        "train_value_2", "python -m pisft launch train_value --iteration 2")
+    assert integrity.writer_of(results / "dataset") == ("convert_recap", "python -m pisft convert_recap")

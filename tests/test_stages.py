@@ -4,6 +4,8 @@ package's imports flow one way (no module imports itself back through others).""
 from __future__ import annotations
 
 import ast
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -91,7 +93,7 @@ def test_the_rules_run_the_tables_commands_and_write_its_outputs(tmp_path):
         log = f"results/logs/{name}.log"
         assert rule.cmd == STAGES[stage].command_at(k).replace("{params.config}", rule.config_file).replace(
             "{log}", log)
-        assert sorted(rule.outputs.values()) == sorted(str(layout.results(cfg.at_iteration(k), o))
+        assert sorted(rule.outputs.values()) == sorted(str(layout.results(cfg.at_iteration(k), o.path))
                                                        for o in STAGES[stage].outputs), name
 
 
@@ -216,6 +218,77 @@ def test_every_gate_is_a_one_process_training_stage_that_writes_one_report():
     assert gated == {"train_8card": "smoke_1card", "train_value": "smoke_value"}
     for gate in gated.values():
         row = STAGES[gate]
-        assert row.training and row.one_process and row.outputs[0].endswith("report.json"), gate
+        assert row.training and row.one_process and row.outputs[0].path.endswith("report.json"), gate
     assert {n for n, s in STAGES.items() if s.one_process} == set(gated.values())
     assert {n for n, s in STAGES.items() if s.resumable} == set(gated)
+
+
+THROWAWAY_ROW = '''
+THROWAWAY = _row(Stage(
+    "throwaway", "pisft.evaluate.throwaway:run", ("eval.seed",),
+    (file("throwaway/summary.json", "metrics", metric=True),), "a throwaway stage (tests)",
+    reads=(Read("evaluate", "metrics"),)))
+'''
+THROWAWAY_FUNCTION = '''"""A throwaway stage (tests): how many figures the evaluation wrote."""
+import json
+
+from pisft import layout
+from pisft.stages import STAGES
+
+
+def run(cfg):
+    figures = json.loads(layout.iteration(cfg).eval_metrics.read_text())
+    out = layout.output(cfg, STAGES["throwaway"], "metrics")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"figures": len(figures)}))
+'''
+
+
+@pytest.mark.integration
+def test_a_new_stage_is_one_row_and_one_function(tmp_path):
+    """docs/development.md, "Adding a stage", followed on a copy of the project: a row in the table
+    and a function, nothing else; the CLI runs it, and Snakemake and DVC both plan it after the
+    evaluation it reads, with its key, its metric and its command."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from pisft.workflow.scratch import copy_project
+
+    project = copy_project(ROOT, tmp_path / "project", git=True)
+    table = project / "src" / "pisft" / "stages.py"
+    text = table.read_text()
+    assert text.count("\nTRAINING_STAGES = ") == 1
+    table.write_text(text.replace("\nTRAINING_STAGES = ", THROWAWAY_ROW + "TRAINING_STAGES = "))
+    (project / "src" / "pisft" / "evaluate" / "throwaway.py").write_text(THROWAWAY_FUNCTION)
+
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PYTHONPATH": str(project / "src"),
+           "PATH": os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])}
+
+    def run(*cmd: str) -> str:
+        proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout + proc.stderr
+
+    run(sys.executable, "-m", "pisft", "dvc-yaml")
+    stage = yaml.safe_load((project / "dvc.yaml").read_text())["stages"]["throwaway"]
+    assert stage["cmd"].endswith("python -m pisft throwaway --config config/config.yaml "
+                                 "--log ${results_dir}/logs/throwaway.log")
+    assert "${results_dir}/eval/metrics.json" in stage["deps"]
+    assert "src/pisft/evaluate/throwaway.py" in stage["deps"]
+    assert stage["params"] == [{"config/config.yaml": ["eval.seed"]}]
+    assert stage["metrics"] == ["${results_dir}/throwaway/summary.json"]
+
+    plan = run(str(bin_dir / "snakemake"), "throwaway", "-n", "--quiet", "rules")
+    assert re.search(r"^throwaway\s+1$", plan, re.M) and re.search(r"^evaluate\s+1$", plan, re.M), plan
+    assert "throwaway" in run(str(bin_dir / "dvc"), "status")
+
+    # the CLI runs it by its name, on an evaluation it reads
+    metrics = project / "results" / "eval" / "metrics.json"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text(json.dumps({"a": 1, "b": 2}))
+    run(sys.executable, "-m", "pisft", "throwaway", "--config", "config/config.yaml")
+    assert json.loads((project / "results" / "throwaway" / "summary.json").read_text()) == {"figures": 2}

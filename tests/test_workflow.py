@@ -16,7 +16,7 @@ from pisft.workflow import dvc_yaml
 from pisft.workflow.drivers import WRAPPER
 from pisft.workflow.snakemake_rules import load_workflow
 from pisft import stages as stage_table
-from pisft.stages import code_deps
+from pisft.code_graph import code_deps
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = list(stage_table.STAGES)  # the one table of stages; the rules must follow it, in its order
@@ -72,7 +72,8 @@ def test_dvc_stages_mirror_the_rules(monkeypatch):
     assert stages["evaluate"]["metrics"] == ["${results_dir}/eval/metrics.json"]
     assert "${results_dir}/base_model" in stages["fetch_base"]["outs"]  # tiny: small, cached
     assert "${results_dir}/eval/per_step.csv" in stages["evaluate"]["outs"]  # drawn by top-level plots
-    assert {next(iter(p)) for p in doc["plots"]} == set(dvc_yaml.PLOTS)
+    assert {next(iter(p)) for p in doc["plots"]} == {o.name for o in stage_table.EVALUATE.outputs
+                                                     if isinstance(o.plot, stage_table.Table)}
     # what DVC reads: the templates filled in from config/config.yaml are the rules' paths
     resolved = yaml.safe_load(dvc_yaml.resolve((ROOT / "dvc.yaml").read_text(), workflow.config))
     assert resolved["stages"]["convert_recap"]["deps"][0] == workflow.config["data"]["recap_dir"]

@@ -25,7 +25,7 @@ from pisft.errors import PisftError, Terminated, restore_handlers, stop_on_termi
 from pisft.logs import tee_output
 from pisft.workflow.drivers import pin_threads
 from pisft.workflow.invalidate import invalidate_downstream
-from pisft.stages import STAGES, TRAINING_STAGES, rule_name
+from pisft.stages import STAGES, TRAINING_STAGES
 
 # The stages this process runs itself (the training stages run under torchrun).
 IN_PROCESS = {name: stage for name, stage in STAGES.items() if not stage.training}
@@ -121,7 +121,9 @@ def _summary(cfg: config_mod.PisftConfig) -> int:
               + (f" ({base / tuned:.1f}x lower)" if base and tuned else ""))
     recap = layout.recap_metrics(cfg)
     if cfg.recap.iterations and recap.is_file():
-        rates = [(it["k"], it["closed_loop"]) for it in json.loads(recap.read_text())["iterations"]]
+        from pisft.recap.summary import CLOSED
+
+        rates = [(it["k"], it[CLOSED]) for it in json.loads(recap.read_text())["iterations"]]
         print("closed-loop success per RECAP iteration: " + ", ".join(
             f"k={k} {c['successes']}/{c['episodes']}" for k, c in rates))
     return 0
@@ -248,13 +250,13 @@ def _storage_error_line(exc: OSError) -> str:
     return f"error: {where}: {_STORAGE_ERRNOS[exc.errno]}; {todo}"
 
 
-def _writing_as(stage: str, k: int, *, launch: bool = False):
-    """The manifests this stage writes name its rule and command (`pisft.integrity`)."""
+def _writing_as(stage: str, k: int):
+    """The manifests this stage writes name its rule and command (`pisft.integrity`), from its row."""
     from pisft.integrity import writing_as
 
-    command = f"python -m pisft {'launch ' if launch else ''}{stage}" + (f" --iteration {k}" if k else "")
-    _RESULTS_DIR[1] = command
-    return writing_as(rule_name(stage, k), command)
+    row = STAGES[stage]
+    _RESULTS_DIR[1] = row.invocation(k)
+    return writing_as(row.rule(k), row.invocation(k))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -273,7 +275,7 @@ def _run(args: argparse.Namespace) -> int:
         cfg = config_mod.load(args.config, args.overrides).at_iteration(args.iteration)
         _RESULTS_DIR[0] = str(cfg.results_dir)
         if args.command in IN_PROCESS:
-            invalidate_downstream(rule_name(args.command, cfg.iteration), cfg.results_dir)
+            invalidate_downstream(STAGES[args.command].rule(cfg.iteration), cfg.results_dir)
             pin_threads()  # the same CPU threads under Snakemake and DVC
             with _writing_as(args.command, cfg.iteration):
                 resolve(IN_PROCESS[args.command].run)(cfg)
@@ -282,8 +284,8 @@ def _run(args: argparse.Namespace) -> int:
             from pisft.train import launch
 
             launch.preflight(args.stage, cfg)  # a refused launch removes nothing downstream
-            invalidate_downstream(rule_name(args.stage, cfg.iteration), cfg.results_dir)
-            with _writing_as(args.stage, cfg.iteration, launch=True):
+            invalidate_downstream(STAGES[args.stage].rule(cfg.iteration), cfg.results_dir)
+            with _writing_as(args.stage, cfg.iteration):
                 return launch.main(args.stage, cfg, args.config, args.overrides)
         if args.command == "estimate":
             from pisft.inspect import estimate

@@ -1,7 +1,7 @@
 """Which of pisft's source files a module runs: its imports, read from the source (nothing imported).
 
 A stage's code dependencies are the files its entry point reaches through imports
-(`pisft.stages.code_deps`), so an edit reruns the stages that run the edited file and no other,
+(`code_deps`, from its row in `pisft.stages`), so an edit reruns the stages that run the edited file and no other,
 and the list follows the code as it moves. Every `import` counts, inside functions too (a
 function's import is code the stage may run); the package `__init__.py` files above a module run
 when it is imported, so they count as well. Each file is read with `ast` once per process, when
@@ -17,6 +17,8 @@ from __future__ import annotations
 import ast
 from functools import cache
 from pathlib import Path
+
+from pisft.stages import STAGES
 
 SRC = Path(__file__).resolve().parents[1]  # the folder that holds the pisft package
 
@@ -101,3 +103,34 @@ def files_of(modules: set[str], src: Path = SRC) -> list[str]:
     files = _files(src)
     root = src.parent
     return sorted(files[m].relative_to(root).as_posix() for m in modules if m in files)
+
+
+# The code a stage depends on (`code_deps`) is what it runs, read from the imports: its function's
+# module (its row's `run`) and everything that one imports, inside functions too; what starts it
+# (`python -m pisft`, the DVC wrapper: their module-level imports); for a training stage the
+# launcher and the torchrun worker; and the dependency lock. An edit reruns exactly the stages
+# whose code reaches the edited file, and the list follows the code when it moves. (Here, not in
+# pisft.stages: every module may read the stage table, and no stage runs this module.)
+RUNNERS = ("pisft.__main__", "pisft.cli", "pisft.workflow.drivers")  # module level: they dispatch
+TRAINING_RUNNERS = ("pisft.train.launch", "pisft.train.__main__")  # what they run, whole
+LOCKS = {"npu": "workflow/envs/ascend-aarch64.lock.txt"}
+DEFAULT_LOCK = "workflow/envs/cpu-cuda.lock.txt"
+
+
+def lock_of(device: str) -> str:
+    """The dependency lock a run on `device` installs from (a code dependency of every stage)."""
+    return LOCKS.get(device, DEFAULT_LOCK)
+
+
+def code_modules(stage: str) -> set[str]:
+    """The pisft modules `stage` runs (see RUNNERS above)."""
+    row = STAGES[stage]
+    modules = reach((row.run.partition(":")[0],)) | reach(RUNNERS, top_level=True)
+    if row.training:
+        modules |= reach(TRAINING_RUNNERS)
+    return modules
+
+
+def code_deps(stage: str, device: str) -> list[str]:
+    """The source files `stage` runs (sorted, relative to the project root) and the dependency lock."""
+    return [*files_of(code_modules(stage)), lock_of(device)]

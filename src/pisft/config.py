@@ -20,7 +20,6 @@ from typing import Any, ClassVar, NamedTuple
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from pisft import layout
 from pisft.errors import PisftError
 
 DEFAULT_CONFIG = Path("config/config.yaml")
@@ -447,10 +446,6 @@ class PisftConfig:
         if k and self.recap.policy_steps:  # the retraining's own length (RLinf's CFG run has its own)
             out.train = dataclasses.replace(self.train, steps=self.recap.policy_steps)
         return out
-
-    @property
-    def uses_demo_data(self) -> bool:
-        return any(Path(s.path) == layout.demo_data(self) for s in data_sources(self))
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pisft import layout
 from pisft.errors import PisftError
 
 MANIFEST_FILE = "MANIFEST.json"
@@ -128,27 +129,15 @@ def _listed_files(root: Path) -> set[str]:
             if not p.is_dir() and p.name not in WORKFLOW_MARKERS and p.relative_to(root).as_posix() != MANIFEST_FILE}
 
 
-# Which stage writes the directories that are read (their place under results_dir; the stage
-# table's outputs, pisft.stages, a layer above this module): (stage, run by torchrun).
-_WRITERS = {("base_model",): ("fetch_base", False), ("demo_recap",): ("demo_recap", False),
-            ("dataset",): ("convert_recap", False), ("rollouts",): ("collect_rollouts", False),
-            ("advantages",): ("advantages", False), ("value", "model"): ("train_value", True),
-            ("train", "model"): ("train_8card", True)}
-
-
 def writer_of(root: Path) -> tuple[str, str] | None:
     """(rule, command) of the stage whose output `root` is, from where it lies under results_dir
-    (`recap/iter_K/value/model` -> train_value_K): for a manifest that is missing or does not say."""
-    parts = Path(root).parts
-    for tail, (name, training) in _WRITERS.items():
-        if parts[len(parts) - len(tail):] != tail:
-            continue
-        head = parts[:len(parts) - len(tail)]
-        k = int(head[-1][5:]) if len(head) >= 2 and head[-2] == "recap" and head[-1].startswith("iter_") \
-            and head[-1][5:].isdigit() else 0
-        verb = f"launch {name}" if training else name
-        return (f"{name}_{k}" if k else name), f"python -m pisft {verb}" + (f" --iteration {k}" if k else "")
-    return None
+    (`recap/iter_K/value/model` -> train_value_K; the stage table's outputs, `pisft.layout.writer_of`):
+    for a manifest that is missing or does not say."""
+    found = layout.writer_of(root)
+    if found is None:
+        return None
+    stage, k = found
+    return stage.rule(k), stage.invocation(k)
 
 
 def _writer_text(manifest: dict[str, Any], root: Path, stage: str | None) -> tuple[str, str]:
@@ -168,7 +157,7 @@ def _writer_text(manifest: dict[str, Any], root: Path, stage: str | None) -> tup
 def verify_read(root: str | Path, *, what: str, required: bool | None = None, stage: str | None = None) -> None:
     """Stop (IntegrityError) unless every file of `root` is the one its MANIFEST.json lists.
 
-    `what`: the reader, named in the message ("train_8card's base model"). `required` True: a
+    `what`: the reader, named in the message ("loading the value model DIR"). `required` True: a
     missing MANIFEST.json is an error; False: nothing is checked then (a directory from
     elsewhere, e.g. the user's own data); None (the default): required when the directory holds
     `pisft_config.json`, which every stage writes into its outputs (so a directory pisft wrote

@@ -1,20 +1,24 @@
 """The results layout: every path under `results_dir`, named by what it is.
 
-Each stage writes one folder of `results_dir` (README, "The stages"). The folders of one RECAP
-iteration (`ITERATION_FOLDERS`: its rollouts, converted pool, value model, advantages, policy,
-checkpoints, evaluations and logs) are at iteration 0 (the SFT run) those of `results_dir`
-itself and at iteration k >= 1 those of `results_dir/recap/iter_<k>/`; the rest is shared by
-every iteration: the base model, the demo data, the smoke report, the rules' benchmarks (one
-file per rule), the benchmark report and the RECAP summary.
+Each stage writes one folder of `results_dir` (README, "The stages"), and its row in the stage
+table (`pisft.stages`) says which and what is in it: the names here are read off the rows. The
+folders of one RECAP iteration (`ITERATION_FOLDERS`: those of the stages that are not `shared`
+— its rollouts, converted pool, value model, advantages, policy, evaluations — and its
+checkpoints and logs) are at iteration 0 (the SFT run) those of `results_dir` itself and at
+iteration k >= 1 those of `results_dir/recap/iter_<k>/`; the rest is shared by every iteration:
+the base model, the demo data, the smoke report, the rules' benchmarks (one file per rule), the
+benchmark report and the RECAP summary.
 
     layout.base_model(cfg)                      results/base_model
     layout.iteration(cfg).trained_model         results[/recap/iter_<k>]/train/model
     layout.iteration(cfg, 2).rollouts           results/recap/iter_2/rollouts
+    layout.output(cfg, stages.CLOSED_LOOP, "metrics")   any stage's output, by its name
     layout.policy(cfg, k - 1)                   the policy RECAP iteration k starts from
+    layout.writer_of(path)                      the stage (and iteration) that wrote a folder
 
-A stage names its paths here and never spells them. This module sits on the ground floor
-beside `pisft.config` and imports no pisft module: it reads a run's configuration (a
-`pisft.config.PisftConfig`) through the few attributes `Run` lists, so the config can import it.
+A stage names its paths here and never spells them. This module sits on the ground floor: it
+reads the stage table and a run's configuration (a `pisft.config.PisftConfig`) through the few
+attributes `Run` lists.
 """
 
 from __future__ import annotations
@@ -23,10 +27,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from pisft.config import data_sources, lookup, to_dict
+from pisft.stages import (ADVANTAGES, CLOSED_LOOP, COLLECT_ROLLOUTS, CONVERT_RECAP, DEMO_RECAP, EVALUATE, FETCH_BASE,
+                          Output, RECAP_SUMMARY, SMOKE_1CARD, SMOKE_VALUE, STAGES, TRAIN_8CARD, TRAIN_VALUE,
+                          Stage)
+
+CHECKPOINTS_FOLDER = "checkpoints"  # the training stages' run folders (persistent: no stage's output)
+LOGS_FOLDER = "logs"  # the stages' own logs
 # The folders of one RECAP iteration: at iteration k >= 1 they live in results/recap/iter_<k>/.
-ITERATION_FOLDERS = ("rollouts", "dataset", "value_smoke", "value", "advantages", "train", "checkpoints",
-                     "closed_loop", "eval", "logs")
-RECAP_FOLDER = "recap"  # the RECAP summary, and the iterations k >= 1 beside it (iter_<k>)
+ITERATION_FOLDERS = (*(s.folder for s in STAGES.values() if not s.shared), CHECKPOINTS_FOLDER, LOGS_FOLDER)
+RECAP_FOLDER = RECAP_SUMMARY.folder  # the RECAP summary, and the iterations k >= 1 beside it (iter_<k>)
+ITERATION_PREFIX = "iter_"
 
 # Files inside a stage's folder that more than one module names.
 SPLIT_FILE = "split.json"  # in a converted dataset: the train/eval episode split
@@ -35,6 +46,7 @@ LABELS_FILE = "labels.parquet"  # in the advantages folder: each frame's advanta
 METRICS_FILE = "metrics.json"  # an evaluation's (eval, closed_loop) and the RECAP summary's figures
 TRAIN_METRICS_FILE = "metrics.jsonl"  # a training run's per-step metrics
 REPORT_FILE = "report.json"  # a smoke gate's report (smoke_1card, smoke_value)
+VALUE_MODEL_FOLDER = "model"  # in train_value's folder: the value model's export
 
 
 class Run(Protocol):
@@ -47,6 +59,16 @@ class Run(Protocol):
     def at_iteration(self, k: int) -> Run: ...
 
 
+def _in_iteration(stage: Stage, *inside: str, name: str | None = None) -> property:
+    """An iteration's path of `stage`: its folder, one of its outputs (`name`), or a path inside
+    its folder; the row says where."""
+    assert not stage.shared, f"{stage.name} writes results_dir's folder, shared by every iteration"
+
+    def path(self: Iteration) -> Path:
+        return self.root.joinpath(stage.output(name).path if name is not None else stage.folder, *inside)
+    return property(path, doc=f"{stage.name}: {stage.help}" if not inside and name is None else None)
+
+
 @dataclass(frozen=True)
 class Iteration:
     """The folders and files of one RECAP iteration `k` (0: the SFT run), under `root`."""
@@ -55,102 +77,48 @@ class Iteration:
     root: Path  # results_dir at k = 0; results_dir/recap/iter_<k> at k >= 1
 
     # ---- what the iteration's stages write, in pipeline order ----
-    @property
-    def rollouts(self) -> Path:
-        """collect_rollouts: the episodes policy k-1 played (a RECAP dataset)."""
-        return self.root / "rollouts"
+    rollouts = _in_iteration(COLLECT_ROLLOUTS)  # the episodes policy k-1 played (a RECAP dataset)
+    dataset = _in_iteration(CONVERT_RECAP)  # the pi0.5-ready LeRobot dataset (at k >= 1, the pool)
+    split = _in_iteration(CONVERT_RECAP, SPLIT_FILE)
+    returns = _in_iteration(CONVERT_RECAP, RETURNS_FILE)
+    value_smoke = _in_iteration(SMOKE_VALUE)  # the value model's gate
+    value_smoke_report = _in_iteration(SMOKE_VALUE, name="")
+    value = _in_iteration(TRAIN_VALUE)  # the value model's export folder
+    value_model = _in_iteration(TRAIN_VALUE, VALUE_MODEL_FOLDER)
+    advantages = _in_iteration(ADVANTAGES)  # the frames' advantage labels and their report
+    advantage_labels = _in_iteration(ADVANTAGES, LABELS_FILE)
+    train = _in_iteration(TRAIN_8CARD)  # the training run's export folder
+    trained_model = _in_iteration(TRAIN_8CARD, name="model")  # the exported policy (LeRobot layout)
+    train_metrics = _in_iteration(TRAIN_8CARD, name="metrics")
+    closed_loop = _in_iteration(CLOSED_LOOP)  # the LIBERO rollouts' metrics, episodes and videos
+    closed_loop_metrics = _in_iteration(CLOSED_LOOP, name="metrics")
+    eval = _in_iteration(EVALUATE)  # the offline evaluation's metrics, plots and report
+    eval_metrics = _in_iteration(EVALUATE, name="metrics")
 
-    @property
-    def dataset(self) -> Path:
-        """convert_recap: the pi0.5-ready LeRobot dataset (at k >= 1, the pool)."""
-        return self.root / "dataset"
-
-    @property
-    def split(self) -> Path:
-        return self.dataset / SPLIT_FILE
-
-    @property
-    def returns(self) -> Path:
-        return self.dataset / RETURNS_FILE
-
-    @property
-    def value_smoke(self) -> Path:
-        """smoke_value: the value model's gate report."""
-        return self.root / "value_smoke"
-
-    @property
-    def value_smoke_report(self) -> Path:
-        return self.value_smoke / REPORT_FILE
-
-    @property
-    def value(self) -> Path:
-        """train_value: the value model's export folder."""
-        return self.root / "value"
-
-    @property
-    def value_model(self) -> Path:
-        return self.value / "model"
-
-    @property
-    def advantages(self) -> Path:
-        """advantages: the frames' advantage labels and their report."""
-        return self.root / "advantages"
-
-    @property
-    def advantage_labels(self) -> Path:
-        return self.advantages / LABELS_FILE
-
-    @property
-    def train(self) -> Path:
-        """train_8card: the training run's export folder."""
-        return self.root / "train"
-
-    @property
-    def trained_model(self) -> Path:
-        """The exported policy (LeRobot layout)."""
-        return self.train / "model"
-
-    @property
-    def train_metrics(self) -> Path:
-        return self.train / TRAIN_METRICS_FILE
-
+    # ---- what the stages keep beside their outputs ----
     @property
     def checkpoints(self) -> Path:
         """The training stages' run folders (persistent: never removed by a rerun)."""
-        return self.root / "checkpoints"
+        return self.root / CHECKPOINTS_FOLDER
+
+    def checkpoints_of(self, stage: Stage) -> Path:
+        """A resuming training stage's run folders, one per run fingerprint
+        (`pisft.train.checkpoint.run_folder`): named as its output folder."""
+        assert stage.resumable, stage.name
+        return self.checkpoints / stage.folder
 
     @property
     def policy_checkpoints(self) -> Path:
-        """train_8card's run folders, one per run fingerprint (`pisft.train.checkpoint.run_folder`)."""
-        return self.checkpoints / "train"
+        return self.checkpoints_of(TRAIN_8CARD)
 
     @property
     def value_checkpoints(self) -> Path:
-        """train_value's run folders, one per run fingerprint."""
-        return self.checkpoints / "value"
-
-    @property
-    def closed_loop(self) -> Path:
-        """closed_loop: the LIBERO rollouts' metrics, episodes and videos."""
-        return self.root / "closed_loop"
-
-    @property
-    def closed_loop_metrics(self) -> Path:
-        return self.closed_loop / METRICS_FILE
-
-    @property
-    def eval(self) -> Path:
-        """evaluate: the offline evaluation's metrics, plots and report."""
-        return self.root / "eval"
-
-    @property
-    def eval_metrics(self) -> Path:
-        return self.eval / METRICS_FILE
+        return self.checkpoints_of(TRAIN_VALUE)
 
     @property
     def logs(self) -> Path:
         """The stages' own logs (one folder per stage)."""
-        return self.root / "logs"
+        return self.root / LOGS_FOLDER
 
     def stage_logs(self, stage: str) -> Path:
         """One stage's logs (a launched stage: one folder per start; smoke_1card: its report too,
@@ -168,7 +136,7 @@ def iteration(cfg: Run, k: int | None = None) -> Iteration:
     """The folders of RECAP iteration k (default: the one cfg's stages run for). An iteration
     the config does not have (k > recap.iterations) is refused (`PisftConfig.at_iteration`)."""
     k = cfg.iteration if k is None else cfg.at_iteration(k).iteration
-    root = Path(cfg.results_dir, RECAP_FOLDER, f"iter_{k}") if k else Path(cfg.results_dir)
+    root = Path(cfg.results_dir, RECAP_FOLDER, f"{ITERATION_PREFIX}{k}") if k else Path(cfg.results_dir)
     return Iteration(k, root)
 
 
@@ -180,24 +148,44 @@ def results(cfg: Run, *parts: str) -> Path:
     return Path(cfg.results_dir, *parts)
 
 
+def output(cfg: Run, stage: Stage, name: str = "", k: int | None = None) -> Path:
+    """Where `stage`'s output `name` ("" for its only one) lies for cfg's iteration (or k): in
+    results_dir for a shared stage, else in the iteration's folder."""
+    return _placed(cfg, stage, stage.output(name).path, k)
+
+
+def outputs(cfg: Run, stage: Stage, k: int | None = None) -> list[tuple[Output, Path]]:
+    """Every output of `stage` with where it lies for cfg's iteration (or k), in the row's order."""
+    return [(out, _placed(cfg, stage, out.path, k)) for out in stage.outputs]
+
+
+def _placed(cfg: Run, stage: Stage, path: str, k: int | None) -> Path:
+    return Path(cfg.results_dir, path) if stage.shared else iteration(cfg, k).root / path
+
+
 # ---- shared by every iteration ----
 def base_model(cfg: Run) -> Path:
     """fetch_base: the model every run starts from (LeRobot layout)."""
-    return Path(cfg.results_dir, "base_model")
+    return output(cfg, FETCH_BASE)
 
 
 def demo_data(cfg: Run) -> Path:
     """demo_recap: the synthetic RECAP dataset (data.recap_dir's default)."""
-    return Path(cfg.results_dir, "demo_recap")
+    return output(cfg, DEMO_RECAP)
+
+
+def uses_demo_data(cfg: Any) -> bool:
+    """Whether `data.recap_dir` names the demo folder (alone or among its sources)."""
+    return any(Path(s.path) == demo_data(cfg) for s in data_sources(cfg))
 
 
 def smoke(cfg: Run) -> Path:
     """smoke_1card: the gate's output folder."""
-    return Path(cfg.results_dir, "smoke")
+    return Path(cfg.results_dir, SMOKE_1CARD.folder)
 
 
 def smoke_report(cfg: Run) -> Path:
-    return smoke(cfg) / REPORT_FILE
+    return output(cfg, SMOKE_1CARD)
 
 
 def benchmarks(cfg: Run) -> Path:
@@ -233,11 +221,11 @@ def effective_config(cfg: Run) -> Path:
 
 def recap_summary(cfg: Run) -> Path:
     """recap_summary: the RECAP loop's figures across iterations (beside the iterations' folders)."""
-    return Path(cfg.results_dir, RECAP_FOLDER)
+    return Path(cfg.results_dir, RECAP_SUMMARY.folder)
 
 
 def recap_metrics(cfg: Run) -> Path:
-    return recap_summary(cfg) / METRICS_FILE
+    return output(cfg, RECAP_SUMMARY, "metrics")
 
 
 # ---- what an iteration's training starts from ----
@@ -253,6 +241,12 @@ def _start_model(cfg: Run, choice: str) -> Path:
     return base_model(cfg)
 
 
+def start_model(cfg: Any, key: str) -> Path:
+    """The weights a training starts from as the config key `key` chooses (`base`, `previous`):
+    `recap.init`, `recap.value_init` (a row's `pisft.stages.StartModel`)."""
+    return _start_model(cfg, lookup(to_dict(cfg), key))
+
+
 def init_model(cfg: Run) -> Path:
     """The weights training starts from (`recap.init`)."""
     return _start_model(cfg, cfg.recap.init)
@@ -266,3 +260,30 @@ def value_init_model(cfg: Run) -> Path:
 def training_labels(cfg: Run) -> Path | None:
     """At RECAP iteration k >= 1 the frames' advantage labels the policy trains on; else None."""
     return iteration(cfg).advantage_labels if cfg.iteration else None
+
+
+# ---- which stage wrote a folder ----
+def writer_of(path: str | Path) -> tuple[Stage, int] | None:
+    """The stage, and the iteration, that wrote the folder `path`, from where it lies: one of a
+    stage's folder outputs, or a folder directly inside one (`.../recap/iter_2/value/model` ->
+    train_value at iteration 2). For a manifest that does not name its writer (`pisft.integrity`);
+    None for a folder no stage writes."""
+    parts = Path(path).parts
+    for inside in (0, 1):  # the output itself before a folder in one
+        for stage in STAGES.values():
+            for out in stage.outputs:
+                tail = tuple(out.path.split("/"))
+                end = len(parts) - inside
+                if not out.folder or end - len(tail) < 0 or parts[end - len(tail):end] != tail:
+                    continue
+                head = parts[:end - len(tail)]
+                return stage, (0 if stage.shared else _iteration_of(head))
+    return None
+
+
+def _iteration_of(head: tuple[str, ...]) -> int:
+    """k for a folder under `.../recap/iter_<k>/`, else 0."""
+    if len(head) >= 2 and head[-2] == RECAP_FOLDER and head[-1].startswith(ITERATION_PREFIX):
+        k = head[-1][len(ITERATION_PREFIX):]
+        return int(k) if k.isdigit() else 0
+    return 0

@@ -27,12 +27,13 @@ from pisft import layout
 from pisft import config as config_mod
 from pisft.errors import PisftError
 from pisft.io import write_json_atomic
+from pisft.stages import CLOSED_LOOP, CONVERT_RECAP
 from pisft.workflow.scratch import copy_project
 
 # name -> "module:function"; each takes (cfg, workdir) and returns a JSON-able dict.
 COMPONENT_BENCHES = {
-    "closed_loop": "pisft.bench.closed_loop_bench:run",
-    "convert_recap": "pisft.bench.convert_bench:run",
+    CLOSED_LOOP.name: "pisft.bench.closed_loop_bench:run",
+    CONVERT_RECAP.name: "pisft.bench.convert_bench:run",
     "train_loop": "pisft.bench.train_bench:run",
     "train_structure": "pisft.bench.train_structure:run",
     "data_loader": "pisft.bench.data_loader_bench:run",

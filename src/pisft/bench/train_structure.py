@@ -355,6 +355,7 @@ def worker(spec_path: str, out_dir: str) -> int:
     from pisft import config as config_mod
     from pisft import device as devices
     from pisft.inspect import collective_audit as ca
+    from pisft.stages import TRAIN_8CARD
     from pisft.train import loop
     from pisft.train.batches import make_loader
     from pisft.train.run import loop_settings, lr_scheduler
@@ -366,7 +367,7 @@ def worker(spec_path: str, out_dir: str) -> int:
     dist.init_process_group(BACKEND)
     rank, world = dist.get_rank(), dist.get_world_size()
     info = devices.DeviceInfo(kind="cpu", backend=BACKEND, device=torch.device("cpu"), name="cpu")
-    ctx = Context(cfg, "train_8card", info, rank, world)
+    ctx = Context(cfg, TRAIN_8CARD.name, info, rank, world)
     t = cfg.train
     t0 = time.perf_counter()
     if rank == 0:  # inputs made once, by rank 0, while rank 1 waits

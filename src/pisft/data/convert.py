@@ -56,6 +56,7 @@ from pisft.data.validate import check_episode
 from pisft.errors import DataError
 from pisft.io import atomic_dir, write_json_atomic, write_manifest
 from pisft.layout import RETURNS_FILE, SPLIT_FILE
+from pisft.stages import CONVERT_RECAP
 
 STATE_NAMES = ["eef_x", "eef_y", "eef_z", "eef_ax", "eef_ay", "eef_az", "gripper_left", "gripper_right"]
 ACTION_NAMES = ["dx", "dy", "dz", "dax", "day", "daz", "gripper"]
@@ -496,7 +497,7 @@ def _open_source(source: DataSource, opts: Options
 
     # A source pisft wrote (demo_recap, collect_rollouts) is checked against its MANIFEST.json;
     # the user's own data (no pisft_config.json) as it is.
-    verify_read(source.path, what=f"convert_recap's source {source.path}")
+    verify_read(source.path, what=f"{CONVERT_RECAP.name}'s source {source.path}")
     src = RecapSource.open(source.path, opts.data.columns)
     lowdim: dict[int, dict[str, np.ndarray]] = {}
     for ref in src.episodes:

@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 
 from pisft.data.libero import REPO_ID
 from pisft.errors import DataError
+from pisft.stages import CONVERT_RECAP
 
 SPLITS = ("train", "eval")
 
@@ -45,7 +46,7 @@ def verify_dataset(dataset_dir: str | Path) -> None:
     from pisft.integrity import verify_read
 
     _require(Path(dataset_dir), "meta/info.json")  # not a dataset at all: that message first
-    verify_read(dataset_dir, what=f"reading the dataset {dataset_dir}", required=True, stage="convert_recap")
+    verify_read(dataset_dir, what=f"reading the dataset {dataset_dir}", required=True, stage=CONVERT_RECAP.name)
 
 
 def load_stats(dataset_dir: str | Path) -> dict[str, dict[str, np.ndarray]]:
@@ -62,7 +63,7 @@ def split_episodes(dataset_dir: str | Path) -> dict[str, list[int]]:
     from pisft import records
 
     path = _require(Path(dataset_dir), "split.json")
-    split = records.read(path, dict.fromkeys(SPLITS, (list, int)), writer="convert_recap", required=SPLITS)
+    split = records.read(path, dict.fromkeys(SPLITS, (list, int)), writer=CONVERT_RECAP.name, required=SPLITS)
     return {name: list(split[name]) for name in SPLITS}
 
 
@@ -71,9 +72,9 @@ def _episodes(dataset_dir: str | Path) -> list[dict]:
     from pisft import records
 
     path = _require(Path(dataset_dir), "conversion_report.json")
-    report = records.read(path, {"episodes": (list, dict)}, writer="convert_recap", required=("episodes",))
+    report = records.read(path, {"episodes": (list, dict)}, writer=CONVERT_RECAP.name, required=("episodes",))
     return [records.check(e, {"episode_index": int, "task": str, "success": (None, bool)}, path=f"{path} (episodes)",
-                          writer="convert_recap", required=("episode_index", "task")) for e in report["episodes"]]
+                          writer=CONVERT_RECAP.name, required=("episode_index", "task")) for e in report["episodes"]]
 
 
 def episode_tasks(dataset_dir: str | Path) -> dict[int, str]:

@@ -207,7 +207,7 @@ def build(out_dir: Path, *, episodes_per_task: int, length: int, image_size: int
 
 def output_dir(cfg: PisftConfig) -> Path:
     """results/demo_recap (`data.recap_dir` names it, alone or among its sources, when the demo
-    is used: `PisftConfig.uses_demo_data`)."""
+    is used: `layout.uses_demo_data`)."""
     return layout.demo_data(cfg)
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from pisft.data.libero import advantage_prompt, has_advantage, strip_advantage
+from pisft.stages import ADVANTAGES
 
 CONDITIONING_FILE = "prompt_conditioning.json"
 # How RLinf evaluates a model trained with advantage prompts (guidance_type: positive, scale 1).
@@ -186,7 +187,7 @@ class LabelledPrompts:
             raise DataError(f"{path}: missing; the advantages stage writes it (run it first)")
         from pisft.integrity import verify_read
 
-        verify_read(path.parent, what=f"reading the advantage labels {path}", stage="advantages")
+        verify_read(path.parent, what=f"reading the advantage labels {path}", stage=ADVANTAGES.name)
         table = pq.read_table(path, columns=["episode_index", "frame_index", "advantage"])
         ep = table.column("episode_index").to_numpy().astype(np.int64)
         fr = table.column("frame_index").to_numpy().astype(np.int64)

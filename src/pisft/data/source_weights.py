@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from pisft.errors import DataError
+from pisft.stages import CONVERT_RECAP
 
 SAMPLING_FILE = "meta/source_sampling.json"
 RULE = ("RLinf ReCapMixtureDataset (rlinf/data/datasets/recap/common.py): P(source) proportional to "
@@ -90,7 +91,7 @@ class SourceSampling:
         from pisft import records
 
         fields = {"balance_source_weights": bool, "weights": (list, float), "episode_source": (list, int)}
-        d = records.read(path, fields, writer="convert_recap", required=tuple(fields))
+        d = records.read(path, fields, writer=CONVERT_RECAP.name, required=tuple(fields))
         return cls(d["balance_source_weights"], tuple(float(w) for w in d["weights"]), tuple(d["episode_source"]))
 
     def frames_per_source(self, episode_index: np.ndarray) -> list[int]:

@@ -101,6 +101,11 @@ from pisft.rollout.scheduler import (
 )
 from pisft.rollout.scheduler import stats as _stats
 from pisft.rollout.settings import Settings
+from pisft.stages import CLOSED_LOOP
+
+# Its name (the stage table's row): its settings, logs and progress lines, and metrics.json's flag of whether
+# it ran its episodes (eval.closed_loop), which `evaluate` and the RECAP summary read.
+STAGE = CLOSED_LOOP.name
 
 CONFIDENCE = 0.95
 
@@ -164,7 +169,7 @@ def summarize(results: list[EpisodeResult]) -> dict:
 def expectation(cfg: config_mod.PisftConfig, settings: Settings) -> str | None:
     """What a reader should expect of these numbers, when the run is the embedded default."""
     notes = []
-    if cfg.model.source == "tiny" and cfg.uses_demo_data:
+    if cfg.model.source == "tiny" and layout.uses_demo_data(cfg):
         notes.append(
             f"This model is the embedded default: the tiny pi0.5-architecture model (random init), "
             f"fine-tuned for {cfg.train.steps} steps on synthetic LIBERO-like data whose images and "
@@ -289,7 +294,7 @@ def write_not_run(cfg: config_mod.PisftConfig) -> dict:
     """The stage with eval.closed_loop off (a DVC pipeline keeps the stage whatever the config
     says): an explicit "not run" output, never numbers; `evaluate` ignores it while the key is
     off and refuses it when the key is on (`offline.closed_loop_results`)."""
-    metrics = {"closed_loop": False, "note": OFF_NOTE}
+    metrics = {STAGE: False, "note": OFF_NOTE}
     with atomic_dir(layout.iteration(cfg).closed_loop) as out:
         (out / VIDEO_DIR).mkdir()
         write_json_atomic(out / "metrics.json", metrics)
@@ -309,7 +314,7 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
     """
     if not cfg.eval.closed_loop:
         return write_not_run(cfg)
-    settings = Settings.for_evaluation(cfg, stage="closed_loop")
+    settings = Settings.for_evaluation(cfg, stage=STAGE)
     model_dir = layout.iteration(cfg).trained_model
     factory = simulator if simulator is not None else libero_sim.LiberoSimulator
     sim = factory()  # SimulatorUnavailable with the install line when LIBERO is not installed
@@ -320,7 +325,7 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
         episodes = robustness.plan(cfg, sim, settings, out, specs)
         with open_policy_pool(cfg, policy, model_dir=model_dir, trained_on=layout.iteration(cfg).dataset,
                               seed=settings.seed, rows=settings.forward_rows(len(specs)),
-                              wait_ms=settings.policy_batch_wait_ms, stage="closed_loop", rtc=settings.rtc) as pool:
+                              wait_ms=settings.policy_batch_wait_ms, stage=STAGE, rtc=settings.rtc) as pool:
             predictor = getattr(pool.replicas[0], "predictor", None)
             if predictor is not None and settings.delay_steps + settings.replan_steps > predictor.chunk_size:
                 raise PisftError(f"eval.rtc.delay_steps ({settings.delay_steps}) + eval.replan_steps "
@@ -328,7 +333,7 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
                                  "actions (a chunk after the first starts delay_steps in); lower one of them")
             metrics, run_timing = _evaluate(cfg, settings, pool, out, episodes, languages, factory=factory, sim=sim,
                                             sim_info=sim_info, inline=inline, model_dir=model_dir)
-    write_json_atomic(layout.iteration(cfg).timing("closed_loop"), run_timing)
+    write_json_atomic(layout.iteration(cfg).timing(STAGE), run_timing)
     t = run_timing
     print(f"closed_loop: success rate {metrics['success_rate']:.3f} over {metrics['episodes']} "
           f"episodes in {t['wall_time_s']:.1f} s ({_num(t['simulator_steps_per_s'], '.2f')} simulator steps/s per "
@@ -359,13 +364,13 @@ def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool,
     same config, model and thread count), report.md, and the run's timing record beside the
     logs (`layout.Iteration.timing`); (the metrics, the timing record)."""
     specs = episodes.specs
-    num_envs = env_count(settings, specs, stage="closed_loop")
+    num_envs = env_count(settings, specs, stage=STAGE)
     print(f"closed_loop: {len(specs)} episodes in {sim_info.get('package')} "
           f"{sim_info.get('version') or ''}, {num_envs} environment "
           f"{'(inline)' if inline else 'processes'}", flush=True)
-    record = progress("closed_loop", len(specs), lambda r: f"{r.suite} task {r.task_id} trial {r.trial}")
+    record = progress(STAGE, len(specs), lambda r: f"{r.suite} task {r.task_id} trial {r.trial}")
 
-    mujoco_logs = logs_mod.mujoco_log_dir("closed_loop", layout.iteration(cfg).logs)
+    mujoco_logs = logs_mod.mujoco_log_dir(STAGE, layout.iteration(cfg).logs)
     (out / VIDEO_DIR).mkdir(exist_ok=True)  # the workers write into it (a declared output, also when videos are off)
     plain = None
     if settings.rtc:  # the unperturbed episodes with plain chunking at the same delay first (no videos)
@@ -377,14 +382,14 @@ def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool,
                             num_envs=num_envs, inline=inline, languages=languages,
                             on_episode=progress("closed_loop (plain)", len(plain_specs), lambda r: f"plain {r.suite} "
                                                 f"task {r.task_id} trial {r.trial}"),
-                            name="closed_loop", log_dir=mujoco_logs)
+                            name=STAGE, log_dir=mujoco_logs)
         print(f"closed_loop: real-time chunking (LeRobot's RTC) at a delay of {settings.delay_steps} steps",
               flush=True)
     all_results, wall = roll_out(specs, pool, settings, factory=factory, simulator=sim, num_envs=num_envs,
-                                 inline=inline, languages=languages, on_episode=record, name="closed_loop",
+                                 inline=inline, languages=languages, on_episode=record, name=STAGE,
                                  log_dir=mujoco_logs)
     results = episodes.unperturbed(all_results)  # every seed's: openpi's protocol (all of them by default)
-    mujoco_note(mujoco_logs, "closed_loop")
+    mujoco_note(mujoco_logs, STAGE)
     for r in results:
         if r.video:  # a page per video for `snakemake --report`, which plays no bare MP4
             write_text_atomic(out / Path(r.video).with_suffix(".html"), video_mod.html_page(
@@ -397,7 +402,7 @@ def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool,
     with open(out / "episodes.jsonl", "w") as fh:
         for line in episodes.outcomes(all_results):
             fh.write(json.dumps(line) + "\n")
-    metrics = {"closed_loop": True, **summarize(results)}
+    metrics = {STAGE: True, **summarize(results)}
     metrics["simulator"] = sim_info
     metrics["settings"] = settings.record()
     metrics["model_dir"] = str(model_dir)

@@ -46,6 +46,7 @@ from pisft.evaluate import plots, report, run_info, summary, train_log
 from pisft.evaluate.action_error import ErrorAccumulator
 from pisft.policy.predictor import ChunkPredictor, frame_noise, quantile_normalize
 from pisft.io import atomic_dir, write_json_atomic, write_text_atomic
+from pisft.stages import CLOSED_LOOP, FETCH_BASE, TRAIN_8CARD
 
 # LIBERO's 7-D action: end-effector delta position, delta rotation (axis-angle), gripper.
 ACTION_NAMES = ["x", "y", "z", "roll", "pitch", "yaw", "gripper"]
@@ -113,8 +114,8 @@ def evaluate_models(cfg: config_mod.PisftConfig, *, progress: bool = True,
     model_dirs = {"base": layout.base_model(cfg), "finetuned": layout.iteration(cfg).trained_model}
     if not dataset_dir.is_dir():
         raise DataError(f"{dataset_dir}: not found; run the convert_recap stage first")
-    _require_dir(model_dirs["base"], "fetch_base")
-    _require_dir(model_dirs["finetuned"], "train_8card")
+    _require_dir(model_dirs["base"], FETCH_BASE.name)
+    _require_dir(model_dirs["finetuned"], TRAIN_8CARD.name)
     device = _device(cfg.device)
     stats = data.load_stats(dataset_dir)
     # One model at a time (pi0.5: 13.4 GB each in fp32): its chunk size and action dim first
@@ -223,10 +224,10 @@ def closed_loop_results(cfg: config_mod.PisftConfig) -> dict | None:
         raise PisftError(f"evaluate: eval.closed_loop is on but {path} is missing; run the "
                          "`closed_loop` stage first (snakemake/dvc repro run it before evaluate)")
     results = json.loads(path.read_text())
-    if results.get("closed_loop") is False:  # written by the stage while the key was off
+    if results.get(CLOSED_LOOP.name) is False:  # its flag, written by the stage while the key was off
         raise PisftError(f"evaluate: eval.closed_loop is on but {path} says closed-loop evaluation "
                          "was not run (it was off then); rerun the `closed_loop` stage")
-    timing = layout.iteration(cfg).timing("closed_loop")
+    timing = layout.iteration(cfg).timing(CLOSED_LOOP.name)
     if timing.is_file():
         results["timing"] = json.loads(timing.read_text())
     return results

@@ -68,24 +68,24 @@ def recap_entry(metrics: dict) -> dict:
     return out
 
 
-def recap_lines(iterations: list[dict]) -> list[str]:
-    """recap_summary's table: success under each perturbation per iteration, with the relative drop."""
-    keys = list(dict.fromkeys(k for it in iterations for k in it["closed_loop"].get("robustness", {})))
+def recap_lines(closed_loop: dict[int, dict]) -> list[str]:
+    """recap_summary's table: success under each perturbation per iteration, with the relative drop
+    (`closed_loop`: each iteration k's closed-loop entry, `recap_entry`'s figures among them)."""
+    keys = list(dict.fromkeys(key for e in closed_loop.values() for key in e.get("robustness", {})))
     if not keys:
         return []
     lines = ["", "## Robustness per iteration", "",
              "Success under each perturbation (the same episodes as the row above it, docs/robustness.md) and, in "
              "brackets, the relative drop from the iteration's unperturbed success: does RECAP training make the "
              "policy more or less robust?", "",
-             "| perturbation | " + " | ".join(f"k = {it['k']}" for it in iterations) + " |",
-             "|---|" + "---:|" * len(iterations),
-             "| unperturbed | " + " | ".join(_pct(it["closed_loop"]["success_rate"]) for it in iterations) + " |"]
+             "| perturbation | " + " | ".join(f"k = {k}" for k in closed_loop) + " |",
+             "|---|" + "---:|" * len(closed_loop),
+             "| unperturbed | " + " | ".join(_pct(e["success_rate"]) for e in closed_loop.values()) + " |"]
     for key in keys:
-        label = next(it["closed_loop"]["robustness"][key]["label"] for it in iterations
-                     if key in it["closed_loop"].get("robustness", {}))
+        label = next(e["robustness"][key]["label"] for e in closed_loop.values() if key in e.get("robustness", {}))
         cells = []
-        for it in iterations:
-            e = it["closed_loop"].get("robustness", {}).get(key)
+        for entry in closed_loop.values():
+            e = entry.get("robustness", {}).get(key)
             cells.append("—" if e is None else f"{_pct(e['success_rate'])} ({_pct(e['relative_drop'])})")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines

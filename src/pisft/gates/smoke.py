@@ -36,6 +36,7 @@ from pisft import device as devices
 from pisft.data.augment import make_augment
 from pisft.device import hccl_buffer_bytes, out_of_memory
 from pisft.io import atomic_dir, write_json_atomic
+from pisft.stages import SMOKE_1CARD
 from pisft.tensors import local_bytes
 from pisft.train import loop
 from pisft.train.batches import StepDataset
@@ -201,7 +202,7 @@ class SmokeRun:
 def _report_head(ctx: Context) -> dict[str, Any]:
     cfg, t = ctx.cfg, ctx.cfg.train
     return {
-        "stage": "smoke_1card",
+        "stage": SMOKE_1CARD.name,
         "device": {"kind": ctx.info.kind, "name": ctx.info.name, "backend": ctx.info.backend},
         "micro_batch_size": t.micro_batch_size,
         "precision": t.precision,
@@ -447,7 +448,7 @@ def _write_and_judge(ctx: Context, report: dict[str, Any]) -> int:
     with atomic_dir(layout.smoke(cfg)) as tmp:
         write_json_atomic(tmp / layout.REPORT_FILE, report)
         write_json_atomic(tmp / "pisft_config.json", config_mod.resolved(cfg))
-    write_json_atomic(layout.iteration(cfg).stage_logs("smoke_1card") / layout.REPORT_FILE, report)
+    write_json_atomic(layout.iteration(cfg).stage_logs(SMOKE_1CARD.name) / layout.REPORT_FILE, report)
     if report["passed"]:
         ctx.log(f"passed: step {report['step_time_s']:.4g} s, projected wall time on {n_target} "
                 f"device(s) {report['projected_wall_time_s'][str(n_target)]:.0f} s; "

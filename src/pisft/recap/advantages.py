@@ -61,6 +61,7 @@ from pisft.recap.value_data import (
     read_returns,
 )
 from pisft.recap.value_task import ValueTask
+from pisft.stages import TRAIN_VALUE
 
 SUMMARY_FILE = "summary.json"
 
@@ -221,7 +222,7 @@ def predict_values(cfg: PisftConfig, model: value_model.ValueModel, base: Path, 
 def _require(cfg: PisftConfig) -> tuple[Path, Path]:
     data, model_dir = layout.iteration(cfg).dataset, layout.iteration(cfg).value_model
     for path, producer in ((data / SPLIT_FILE, "the pool's conversion"),
-                           (model_dir / value_model.CONFIG_FILE, "train_value")):
+                           (model_dir / value_model.CONFIG_FILE, TRAIN_VALUE.name)):
         if not path.is_file():
             raise PisftError(f"advantages: {path} not found; run {producer} first "
                              "(snakemake --cores all advantages runs what is missing)")

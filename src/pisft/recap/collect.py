@@ -62,6 +62,9 @@ from pisft.policy.replicas import PolicyPool, open_policy_pool, policy_record
 from pisft.rollout import libero_sim
 from pisft.rollout import recording as episode_recording
 from pisft.rollout.workers import EpisodeSpec
+from pisft.stages import COLLECT_ROLLOUTS
+
+STAGE = COLLECT_ROLLOUTS.name  # its settings, logs, progress lines (the stage table's row)
 
 log = logging.getLogger("pisft.collect_rollouts")
 
@@ -158,7 +161,7 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
     if k < 1:
         raise PisftError(f"collect_rollouts runs at a RECAP iteration k >= 1 (it rolls out policy k-1); "
                          f"got iteration {k}: pass --iteration K")
-    settings = settings_for(cfg, stage="collect_rollouts")
+    settings = settings_for(cfg, stage=STAGE)
     model_dir = layout.policy(cfg, k - 1)
     if policy is None and not (model_dir / "config.json").is_file():
         raise PisftError(f"{model_dir}: policy {k - 1} (the model iteration {k - 1} exported) is missing; "
@@ -171,10 +174,10 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
         specs, languages = rollout.plan_episodes(sim, settings, None, record_dir=out / RECORDINGS)
         with open_policy_pool(cfg, policy, model_dir=model_dir, trained_on=layout.iteration(cfg, k - 1).dataset,
                               seed=settings.seed, rows=settings.forward_rows(len(specs)),
-                              wait_ms=settings.policy_batch_wait_ms, stage="collect_rollouts") as pool:
+                              wait_ms=settings.policy_batch_wait_ms, stage=STAGE) as pool:
             collection, run_timing = _collect(cfg, k, settings, pool, out, specs, languages, factory=factory,
                                               sim=sim, sim_info=sim_info, inline=inline, model_dir=model_dir)
-    write_json_atomic(layout.iteration(cfg).timing("collect_rollouts"), run_timing)
+    write_json_atomic(layout.iteration(cfg).timing(STAGE), run_timing)
     print(f"collect_rollouts: {len(specs)} episodes, {collection['frames']} frames, "
           f"{collection['successes']} successes in {run_timing['wall_time_s']:.1f} s -> {final}", flush=True)
     return collection
@@ -186,24 +189,24 @@ def _collect(cfg: config_mod.PisftConfig, k: int, settings: rollout.Settings, po
     """The rollouts into `out` (the same bytes for the same config, model and thread count); (the
     collection record, the run's timing record)."""
     final = layout.iteration(cfg).rollouts
-    num_envs = rollout.env_count(settings, specs, stage="collect_rollouts")
+    num_envs = rollout.env_count(settings, specs, stage=STAGE)
     print(f"collect_rollouts: iteration {k}, policy {model_dir}: {len(specs)} episodes in "
           f"{sim_info.get('package')} {sim_info.get('version') or ''}, {num_envs} environment "
           f"{'(inline)' if inline else 'processes'}", flush=True)
     record = rollout.progress(  # plan_episodes: episode i of a task starts from first_init_state + i
-        "collect_rollouts", len(specs),
+        STAGE, len(specs),
         lambda r: f"{r.suite} task {r.task_id} initial state {settings.first_init_state + r.trial}", logger=log)
 
-    mujoco_logs = logs_mod.mujoco_log_dir("collect_rollouts", layout.iteration(cfg).logs)
+    mujoco_logs = logs_mod.mujoco_log_dir(STAGE, layout.iteration(cfg).logs)
     (out / RECORDINGS).mkdir()  # the workers record into it
     try:
         results, wall = rollout.roll_out(specs, pool, settings, factory=factory, simulator=sim,
                                          num_envs=num_envs, inline=inline, languages=languages,
-                                         on_episode=record, name="collect_rollouts", log_dir=mujoco_logs)
+                                         on_episode=record, name=STAGE, log_dir=mujoco_logs)
     except rollout.EpisodeErrors as exc:
         raise CollectionError(_crash_message(exc, final)) from None
     finally:
-        rollout.mujoco_note(mujoco_logs, "collect_rollouts")
+        rollout.mujoco_note(mujoco_logs, STAGE)
     tasks = list(dict.fromkeys(r.task for r in results))  # LeRobot's task_index: order of first appearance
     write_recap_dataset(out, _dataset_episodes(specs, results, {t: i for i, t in enumerate(tasks)}), tasks,
                         version=DATASET_VERSION, naming="recap", fps=FPS, robot_type=ROBOT_TYPE,

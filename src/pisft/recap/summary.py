@@ -24,7 +24,11 @@ from pisft.config import PisftConfig, write_resolved
 from pisft.errors import PisftError
 from pisft.evaluate import robustness_report
 from pisft.io import write_json_atomic, write_text_atomic
+from pisft.stages import ADVANTAGES, CLOSED_LOOP, COLLECT_ROLLOUTS, TRAIN_VALUE
 
+# An iteration's entry in metrics.json holds the figures of its stages' folders, each under the
+# folder's name (the stage table's rows): rollouts, value, advantages, closed_loop.
+ROLLOUTS, VALUE, LABELS, CLOSED = (s.folder for s in (COLLECT_ROLLOUTS, TRAIN_VALUE, ADVANTAGES, CLOSED_LOOP))
 
 
 def _read(path: Path, producer: str) -> dict:
@@ -48,21 +52,21 @@ def closed_loop_entry(metrics: dict) -> dict[str, Any]:
 
 
 def _rollouts_entry(folder: Path) -> dict[str, Any]:
-    collection = _read(folder / "collection.json", "collect_rollouts")
+    collection = _read(folder / "collection.json", COLLECT_ROLLOUTS.name)
     episodes = collection.get("episodes", [])
     return {"episodes": len(episodes), "frames": int(sum(e.get("frames", 0) for e in episodes)),
             "successes": int(sum(bool(e.get("success")) for e in episodes))}
 
 
 def _value_entry(folder: Path) -> dict[str, Any]:
-    metrics = _read(folder / "metrics.json", "train_value")
+    metrics = _read(folder / "metrics.json", TRAIN_VALUE.name)
     keep = ("spearman_heldout", "bin_accuracy_heldout", "loss_first", "loss_last", "steps", "frames_heldout")
     return {k: metrics[k] for k in keep if k in metrics}
 
 
 def _advantages_entry(folder: Path) -> dict[str, Any]:
     """The labelling's figures, from `advantages/summary.json` (pisft.recap.advantages)."""
-    summary = _read(folder / "summary.json", "advantages")
+    summary = _read(folder / "summary.json", ADVANTAGES.name)
     return {"positive_fraction": summary["positive_fraction"], "frames": summary["frames"],
             "positive": summary["positive"], "positive_by_value": summary.get("positive_by_value"),
             "threshold_scope": summary["scope"], "thresholds": summary.get("thresholds"),
@@ -79,14 +83,14 @@ def collect(cfg: PisftConfig) -> dict[str, Any]:
         at = layout.iteration(cfg, k)
         entry: dict[str, Any] = {"k": k}
         if k:
-            entry["rollouts"] = _rollouts_entry(at.rollouts)
-            entry["value"] = _value_entry(at.value)
-            entry["advantages"] = _advantages_entry(at.advantages)
-        metrics = _read(at.closed_loop_metrics, "closed_loop" if k == 0 else f"closed_loop_{k}")
-        if not metrics.get("closed_loop", True):
+            entry[ROLLOUTS] = _rollouts_entry(at.rollouts)
+            entry[VALUE] = _value_entry(at.value)
+            entry[LABELS] = _advantages_entry(at.advantages)
+        metrics = _read(at.closed_loop_metrics, CLOSED_LOOP.rule(k))
+        if not metrics.get(CLOSED_LOOP.name, True):  # its flag: whether it ran (eval.closed_loop)
             raise PisftError("recap_summary: the closed-loop evaluation is off (eval.closed_loop: false); the "
                              "RECAP loop compares iterations by it: set eval.closed_loop: true")
-        entry["closed_loop"] = closed_loop_entry(metrics)
+        entry[CLOSED] = closed_loop_entry(metrics)
         iterations.append(entry)
     return {"iterations": iterations,
             "evaluation": {"suites": list(cfg.eval.libero_suites), "task_ids": list(cfg.eval.task_ids),
@@ -101,13 +105,13 @@ def success_plot(iterations: list[dict], path: Path) -> Path:
 
     ks = [it["k"] for it in iterations]
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    tasks = sorted({t for it in iterations for t in it["closed_loop"]["per_task"]})
+    tasks = sorted({t for it in iterations for t in it[CLOSED]["per_task"]})
     for task in tasks:
-        rates = [it["closed_loop"]["per_task"].get(task, {}).get("success_rate") for it in iterations]
+        rates = [it[CLOSED]["per_task"].get(task, {}).get("success_rate") for it in iterations]
         ax.plot(ks, rates, marker=".", linewidth=0.8, alpha=0.5, label=f"task {task}")
-    rate = [it["closed_loop"]["success_rate"] for it in iterations]
-    low = [r - it["closed_loop"]["ci_low"] for r, it in zip(rate, iterations, strict=True)]
-    high = [it["closed_loop"]["ci_high"] - r for r, it in zip(rate, iterations, strict=True)]
+    rate = [it[CLOSED]["success_rate"] for it in iterations]
+    low = [r - it[CLOSED]["ci_low"] for r, it in zip(rate, iterations, strict=True)]
+    high = [it[CLOSED]["ci_high"] - r for r, it in zip(rate, iterations, strict=True)]
     ax.errorbar(ks, rate, yerr=[low, high], marker="o", linewidth=2, capsize=4, color="black",
                 label="all tasks (95% Wilson)")
     ax.set_xticks(ks)
@@ -135,26 +139,26 @@ def render_report(summary: dict) -> str:
              "value ρ (held out) | positive fraction |",
              "|---:|---:|---|---:|---:|---|---:|---:|"]
     for it in its:
-        cl = it["closed_loop"]
-        ro = it.get("rollouts")
+        cl = it[CLOSED]
+        ro = it.get(ROLLOUTS)
         rollouts = f"{ro['successes']} / {ro['episodes']}, {ro['frames']}" if ro else "—"
-        rho = it.get("value", {}).get("spearman_heldout")
-        pos = it.get("advantages", {}).get("positive_fraction")
+        rho = it.get(VALUE, {}).get("spearman_heldout")
+        pos = it.get(LABELS, {}).get("positive_fraction")
         lines.append(f"| {it['k']} | {_pct(cl['success_rate'])} | {_pct(cl['ci_low'])} – {_pct(cl['ci_high'])} | "
                      f"{cl['episodes']} | {cl['errors']} | {rollouts} | "
                      f"{'—' if rho is None else f'{rho:.3f}'} | {_pct(pos)} |")
     lines += ["", "## Per task", "", "| task | " + " | ".join(f"k = {it['k']}" for it in its) + " |",
               "|---|" + "---:|" * len(its)]
-    tasks = sorted({t for it in its for t in it["closed_loop"]["per_task"]})
+    tasks = sorted({t for it in its for t in it[CLOSED]["per_task"]})
     for task in tasks:
-        cells = [_pct(it["closed_loop"]["per_task"].get(task, {}).get("success_rate")) for it in its]
-        name = next(it["closed_loop"]["per_task"][task]["task"] for it in its if task in it["closed_loop"]["per_task"])
+        cells = [_pct(it[CLOSED]["per_task"].get(task, {}).get("success_rate")) for it in its]
+        name = next(it[CLOSED]["per_task"][task]["task"] for it in its if task in it[CLOSED]["per_task"])
         lines.append(f"| {task}: {name} | " + " | ".join(cells) + " |")
     for it in its[1:]:
         lines += ["", f"## Iteration {it['k']}: value model and advantages", ""]
         lines += ["- value model: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                                  for k, v in it["value"].items())]
-        adv = it["advantages"]
+                                                  for k, v in it[VALUE].items())]
+        adv = it[LABELS]
         per_task = adv.get("positive_fraction_per_task", {})
         per_source = adv.get("positive_fraction_per_source", {})
         lines += [f"- positive fraction {_pct(adv.get('positive_fraction'))} (scope {adv.get('threshold_scope')}, "
@@ -162,10 +166,11 @@ def render_report(summary: dict) -> str:
                   + ", ".join(f"{t} {_pct(v)}" for t, v in per_task.items())
                   + "; per source: " + ", ".join(f"{s} {_pct(v)}" for s, v in per_source.items())]
         plot = (f" (calibration plot `recap/iter_{it['k']}/value/calibration.png`)"
-                if it["value"].get("frames_heldout") else " (no held-out episodes: recap.holdout_fraction 0)")
+                if it[VALUE].get("frames_heldout") else " (no held-out episodes: recap.holdout_fraction 0)")
         lines += [f"- details: `recap/iter_{it['k']}/value/metrics.json`{plot}, "
                   f"`recap/iter_{it['k']}/advantages/summary.json`"]
-    lines += robustness_report.recap_lines(its)  # success under each perturbation per iteration (eval.perturbations)
+    # success under each perturbation per iteration (eval.perturbations)
+    lines += robustness_report.recap_lines({it["k"]: it[CLOSED] for it in its})
     lines += ["", "## Reading these figures", "",
               "A success rate over a handful of episodes has a wide interval: compare iterations by their "
               "intervals, not their point values. The embedded default (the tiny model, a few rollouts, a "
@@ -186,6 +191,6 @@ def run(cfg: PisftConfig) -> Path:
     write_json_atomic(layout.recap_metrics(cfg), summary)
     write_resolved(cfg, out / "pisft_config.json")
     write_text_atomic(out / "report.md", render_report(summary))
-    rates = ", ".join(f"k={it['k']} {_pct(it['closed_loop']['success_rate'])}" for it in summary["iterations"])
+    rates = ", ".join(f"k={it['k']} {_pct(it[CLOSED]['success_rate'])}" for it in summary["iterations"])
     print(f"recap_summary: closed-loop success {rates} -> {out}/report.md", flush=True)
     return out

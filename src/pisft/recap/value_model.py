@@ -53,6 +53,7 @@ from torch import nn
 from pisft.errors import ModelLoadError
 from pisft.model import lerobot_internals as internals
 from pisft.model.sources import WEIGHTS_FILE
+from pisft.stages import TRAIN_VALUE
 
 V_MIN, V_MAX = -1.0, 0.0
 CONFIG_FILE = "value_model.json"
@@ -185,7 +186,7 @@ class ValueModelConfig:
         from pisft.integrity import writer_of
 
         found = writer_of(path.parent.absolute())
-        writer = f"{found[0]} ({found[1]})" if found else "train_value"
+        writer = f"{found[0]} ({found[1]})" if found else TRAIN_VALUE.name
         raw = records.read(path, records.fields_of(cls), writer=writer,
                            required=tuple(f.name for f in fields(cls) if f.default is MISSING))
         known = {f.name for f in fields(cls)}
@@ -239,7 +240,7 @@ def load(model_dir: Path, *, device: str | torch.device = "cpu") -> tuple[ValueM
     from pisft.integrity import verify_read
 
     model_dir = Path(model_dir)
-    verify_read(model_dir, what=f"loading the value model {model_dir}", required=True, stage="train_value")
+    verify_read(model_dir, what=f"loading the value model {model_dir}", required=True, stage=TRAIN_VALUE.name)
     config = ValueModelConfig.read(model_dir / CONFIG_FILE)
     base = Path(config.base_model)
     if not (base / POLICY_CONFIG).is_file():

@@ -58,6 +58,7 @@ from pisft.recap import value_metrics, value_model
 from pisft.train.run_folders import latest_checkpoint_text, value_fingerprint
 from pisft.recap.value_data import PromptCollate, ReturnRange, ValueFrames, read_returns
 from pisft.recap.value_task import ValueTask
+from pisft.stages import CONVERT_RECAP, FETCH_BASE, TRAIN_8CARD
 from pisft.train import fsdp, optim
 from pisft.base_identity import base_record
 from pisft.train.checkpoint import run_folder
@@ -68,10 +69,10 @@ def require_value_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
     """The model the value model starts from (`layout.value_init_model`: the base model, or
     policy k-1 with `recap.value_init: previous`) and the pool, both present."""
     base, data, k = layout.value_init_model(cfg), layout.iteration(cfg).dataset, cfg.iteration
-    policy = "train_8card" if k <= 1 else f"train_8card_{k - 1}"  # the rule that writes policy k-1
+    policy = TRAIN_8CARD.rule(max(k - 1, 0))  # the rule that writes policy k-1
     start = f"the value model's start, recap.value_init: {cfg.recap.value_init}"
-    for path, producer, what in ((base / "config.json", "fetch_base" if base == layout.base_model(cfg) else policy,
-                                  f" ({start})"), (data / SPLIT_FILE, "convert_recap", "")):
+    for path, producer, what in ((base / "config.json", FETCH_BASE.name if base == layout.base_model(cfg) else policy,
+                                  f" ({start})"), (data / SPLIT_FILE, CONVERT_RECAP.name, "")):
         if not path.is_file():
             raise PisftError(f"{stage}: {path} not found{what}; run the `{producer}` stage first "
                              f"(snakemake --cores all {stage} runs what is missing)")

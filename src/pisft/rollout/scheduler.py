@@ -43,6 +43,7 @@ from pisft.rollout.chunking import ChunkSchedule
 from pisft.rollout.plan import chunk_seed, episode_seed, video_name
 from pisft.rollout.settings import Settings
 from pisft.rollout.workers import EpisodeOutcome, EpisodeSpec, InlineWorker, ProcessWorker, WorkerDied
+from pisft.stages import CLOSED_LOOP
 
 log = logging.getLogger("pisft.closed_loop")
 
@@ -191,7 +192,7 @@ class Scheduler:
     def __init__(self, specs: list[EpisodeSpec], pool: PolicyPool, settings: Settings, *, workers: list,
                  respawn: Callable[[int], Any] | None, languages: dict[tuple[str, int], str],
                  on_episode: Callable[[EpisodeResult], None] | None = None,
-                 attempts: int = EPISODE_ATTEMPTS, stage: str = "closed_loop") -> None:
+                 attempts: int = EPISODE_ATTEMPTS, stage: str = CLOSED_LOOP.name) -> None:
         self.specs, self.pool, self.settings = specs, pool, settings
         self.workers, self.respawn, self.languages = workers, respawn, languages
         self.on_episode, self.attempts, self.stage = on_episode, attempts, stage
@@ -365,7 +366,7 @@ def run_episodes(specs: list[EpisodeSpec], policy: Any, settings: Settings, *,
                  workers: list, respawn: Callable[[int], Any] | None = None,
                  languages: dict[tuple[str, int], str],
                  on_episode: Callable[[EpisodeResult], None] | None = None,
-                 attempts: int = EPISODE_ATTEMPTS, stage: str = "closed_loop") -> list[EpisodeResult]:
+                 attempts: int = EPISODE_ATTEMPTS, stage: str = CLOSED_LOOP.name) -> list[EpisodeResult]:
     """`Scheduler(...).run()`; `policy`: a `PolicyPool`, or one policy, then pooled here with
     `settings.forward_rows` and `settings.policy_batch_wait_ms` (a model's forwards then have that
     many rows, `FixedShape`; a pool made here is closed here; a given pool, by its owner). Every
@@ -404,7 +405,7 @@ def roll_out(specs: list[EpisodeSpec], policy: Any, settings: Settings, *,
              factory: Callable[[], libero_sim.Simulator], simulator: libero_sim.Simulator, num_envs: int,
              inline: bool, languages: dict[tuple[str, int], str],
              on_episode: Callable[[EpisodeResult], None] | None = None,
-             name: str = "closed_loop", log_dir: Path | None = None) -> tuple[list[EpisodeResult], float]:
+             name: str = CLOSED_LOOP.name, log_dir: Path | None = None) -> tuple[list[EpisodeResult], float]:
     """Run `specs` in `num_envs` workers (spawned processes built by `factory`, or, `inline`, in
     this process, the first on `simulator`); (results in the order of `specs`, wall seconds).
     Workers are closed whatever happens; one whose episode ended in an error is replaced by a

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from pisft.errors import PisftError
+from pisft.stages import TRAIN_8CARD
 
 LAUNCHER_PID_ENV = "PISFT_LAUNCHER_PID"
 LOCK_NAME = ".trainer.lock"
@@ -111,7 +112,7 @@ class RunLock:
         self.path = self.folder / LOCK_NAME
         self._fd: int | None = None
 
-    def acquire(self, stage: str = "train_8card") -> None:
+    def acquire(self, stage: str = TRAIN_8CARD.name) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         fd = _open_lock_file(self.path, stage, create=True)
         assert fd is not None
@@ -169,7 +170,7 @@ def _open_lock_file(path: Path, stage: str, *, create: bool) -> int | None:
         raise
 
 
-def lock_holder(folder: Path, stage: str = "train_8card") -> str | None:
+def lock_holder(folder: Path, stage: str = TRAIN_8CARD.name) -> str | None:
     """Who holds `<folder>/.trainer.lock` now (a description, as `RunLockHeld` words it), or None
     when nobody does. Only looks: creates nothing and leaves the lock free."""
     fd = _open_lock_file(Path(folder) / LOCK_NAME, stage, create=False)

@@ -24,6 +24,7 @@ from pisft import device as devices
 from pisft import layout
 from pisft.config import PisftConfig
 from pisft.errors import PisftError
+from pisft.stages import ADVANTAGES, CONVERT_RECAP, FETCH_BASE, SMOKE_1CARD, TRAIN_8CARD
 from pisft.train import blocks, fsdp, optim
 from pisft.train.metrics import peak_flops_for
 from pisft.train.policy_task import PolicyTask
@@ -77,11 +78,11 @@ class Built:
 
 def require_inputs(cfg: PisftConfig, stage: str) -> tuple[Path, Path]:
     base, data = layout.init_model(cfg), layout.iteration(cfg).dataset
-    needed = [(base / "config.json", "train_8card" if cfg.iteration and base != layout.base_model(cfg)
-               else "fetch_base"), (layout.iteration(cfg).split, "convert_recap")]
+    needed = [(base / "config.json", TRAIN_8CARD.name if cfg.iteration and base != layout.base_model(cfg)
+               else FETCH_BASE.name), (layout.iteration(cfg).split, CONVERT_RECAP.name)]
     labels = layout.training_labels(cfg)
-    if labels is not None and stage == "train_8card":  # the policy's retraining (not the value model's)
-        needed.append((labels, "advantages"))
+    if labels is not None and stage == TRAIN_8CARD.name:  # the policy's retraining (not the value model's)
+        needed.append((labels, ADVANTAGES.name))
     for path, producer in needed:
         if not path.is_file():
             raise PisftError(f"{stage}: {path} not found; run the `{producer}` stage first "
@@ -167,7 +168,7 @@ def build(ctx: Context) -> Built:
         # FSDP2 on N processes; one process trains unsharded, except the smoke (it measures the
         # sharded layout's memory). Moves the parameters and buffers to the device.
         units = fsdp.distribute(policy, mesh, cfg.train.precision, ctx.info.device,
-                                keep_sharded=ctx.stage == "smoke_1card",
+                                keep_sharded=ctx.stage == SMOKE_1CARD.name,
                                 min_params=cfg.train.fsdp_min_unit_params, compiler=compiler)
         return policy, applied, units
 

@@ -33,7 +33,7 @@ from pisft import disk_space, layout, records
 from pisft import device as devices
 from pisft.config import SMOKE_MEASURED, PisftConfig, flatten, keys_marked, resolved
 from pisft.errors import PisftError, Terminated
-from pisft.stages import STAGES
+from pisft.stages import SMOKE_1CARD, STAGES, TRAIN_8CARD
 from pisft.train import guard
 from pisft.train.worker_errors import ConsoleHold
 
@@ -46,7 +46,7 @@ START_ROOM = 1 << 20
 # (its row in the stage table: the device and every key marked TRAIN_STEP), less its own `smoke`
 # section. A key that reruns the smoke gate is one the report must match.
 SMOKE_MUST_MATCH = (*keys_marked(SMOKE_MEASURED),
-                    *(key for key in STAGES["smoke_1card"].keys if key != "smoke"))
+                    *(key for key in SMOKE_1CARD.keys if key != "smoke"))
 
 
 @dataclass
@@ -102,7 +102,7 @@ def torchrun_command(stage: str, cfg: PisftConfig, config_path: str, overrides: 
 
 def gate_report(cfg: PisftConfig, gate: str) -> Path:
     """The report a smoke gate writes: its stage's (only) output."""
-    return layout.results(cfg, STAGES[gate].outputs[0])
+    return layout.output(cfg, STAGES[gate])
 
 
 def check_gate_report(cfg: PisftConfig, stage: str) -> dict:
@@ -125,7 +125,7 @@ def check_gate_report(cfg: PisftConfig, stage: str) -> dict:
 def check_smoke_report(cfg: PisftConfig) -> None:
     """train_8card needs a passing smoke report made with the same model and micro batch."""
     path = layout.smoke_report(cfg)
-    report = check_gate_report(cfg, "train_8card")
+    report = check_gate_report(cfg, TRAIN_8CARD.name)
     then = flatten(report.get("pisft_config") or {})
     now = flatten(resolved(cfg))
     stale = [f"{k}: smoke {then.get(k)!r}, now {now.get(k)!r}" for key in SMOKE_MUST_MATCH
@@ -169,7 +169,7 @@ def _describe_exit(code: str) -> str:
             3: "smoke check failed (exit code 3)"}.get(n, f"exit code {n}")
 
 
-def _latest_checkpoint(cfg: PisftConfig, stage: str = "train_8card") -> str:
+def _latest_checkpoint(cfg: PisftConfig, stage: str = TRAIN_8CARD.name) -> str:
     from pisft.train.checkpoint import CheckpointsDamaged, latest_complete
     from pisft.train.run_folders import stage_checkpoint_root
 
@@ -283,7 +283,7 @@ def preflight(stage: str, cfg: PisftConfig) -> str:
     if kind != "cpu" and devices.device_count(kind) < nproc:
         raise PisftError(f"{stage}: {nproc} processes need {nproc} {kind} devices but "
                          f"{devices.device_count(kind)} are visible; lower train.nproc_per_node")
-    if stage == "train_8card":
+    if stage == TRAIN_8CARD.name:
         check_smoke_report(cfg)
     elif STAGES[stage].gate:
         check_gate_report(cfg, stage)
@@ -330,7 +330,7 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
         lines.append(f"Rerun the same command (`snakemake --cores all {stage}`, `dvc repro "
                      f"{stage}` or `python -m pisft launch {stage} ...`) to resume.")
     else:
-        report = (layout.iteration(cfg).stage_logs(stage) / layout.REPORT_FILE if stage == "smoke_1card"
+        report = (layout.iteration(cfg).stage_logs(stage) / layout.REPORT_FILE if stage == SMOKE_1CARD.name
                   else gate_report(cfg, stage))
         lines.append(f"smoke report (if written): {report}")
     print("error: " + "\n  ".join(lines), file=sys.stderr, flush=True)

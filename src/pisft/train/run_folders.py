@@ -14,6 +14,7 @@ from typing import Any
 from pisft import layout
 from pisft.config import VALUE_RUN, PisftConfig
 from pisft.io import sha256_file
+from pisft.stages import TRAIN_VALUE
 from pisft.train import checkpoint
 from pisft.train.checkpoint import inputs_fingerprint, run_folder, settings_fingerprint
 
@@ -36,7 +37,7 @@ def value_checkpoint_root(cfg: PisftConfig) -> Path:
 
 def stage_checkpoint_root(stage: str, cfg: PisftConfig) -> Path:
     """The run folder of `stage` (train_8card or train_value) for this config."""
-    return value_checkpoint_root(cfg) if stage == "train_value" else checkpoint.checkpoint_root(cfg)
+    return value_checkpoint_root(cfg) if stage == TRAIN_VALUE.name else checkpoint.checkpoint_root(cfg)
 
 
 def latest_checkpoint_text(cfg: PisftConfig, stage: str) -> str:

@@ -18,13 +18,14 @@ which it does before running a stage's command. DVC runs each command through
 `pisft.workflow.drivers`, which checks the shape again (`dvc repro -s` skips config_check) and
 keeps Snakemake's records in step (docs/workflow.md, "Both drivers agree").
 
-Everything DVC-only lives here, not in the Snakemake rules (where a changed value would rerun
-the rule):
-- an output named `metrics` ending in `.json` is a DVC metric; `.png` outputs are DVC plots;
-- the CSV tables are outs, drawn by the top-level `plots:` below (`PLOTS`: x/y columns,
+What is DVC's alone is read from the stage table's rows (`pisft.stages.Output`), not passed to
+the Snakemake rules (where a changed value would be a param that reruns the rule):
+- an output marked `metric` is a DVC metric; an image marked `plot` is a DVC plot;
+- the CSV tables are outs, drawn by the top-level `plots:` (their `Table`: x/y columns,
   template), since DVC cannot plot JSON lines;
-- base weights linked from a local or hub source are outs with `cache: false` (the source is
-  the copy of record: DVC's cache would be a second copy of several GB);
+- an output marked `linked_weights` (the base weights, linked from a local or hub source) is an
+  out with `cache: false` unless the model is built here (`tiny`): the source is the copy of
+  record, DVC's cache would be a second copy of several GB;
 - a local model source or tokenizer is one folder dep (Snakemake gets its files as inputs);
 - `params.code` (the source folders, shared modules and lock a stage runs) are deps; the
   rules' inputs under them (Snakemake's file-by-file view of the same code) are left out;
@@ -42,7 +43,10 @@ from pathlib import Path
 import yaml
 
 from pisft import config as pisft_config
+from pisft import layout
 from pisft.stages import DVC_WRAPPER as WRAPPER
+from pisft.stages import MODEL_SOURCE, STAGES, Output, Table, stage_of
+from pisft.code_graph import lock_of
 from pisft.workflow.snakemake_rules import RuleSpec, load_workflow
 
 VARS_FILE = pisft_config.DEFAULT_CONFIG.as_posix()
@@ -51,14 +55,6 @@ HEADER = (
     "# Paths come from config/config.yaml (vars); a test fails when this file is stale.\n"
 )
 SHAPE_PREFIX = "# shape: "
-# How `dvc plots show` draws the evaluation tables: plot id -> evaluate's output name and options.
-PLOTS = {
-    "per_step": {"output": "per_step", "x": "step",
-                 "y": ["base_action_mse_norm", "finetuned_action_mse_norm"]},
-    "per_task": {"output": "per_task", "x": "task", "y": ["base_action_mse", "finetuned_action_mse"],
-                 "template": "bar_horizontal"},
-    "per_dim": {"output": "per_dim", "x": "dim", "y": ["base_action_mse", "finetuned_action_mse"]},
-}
 
 
 def _local(path_text: str) -> bool:
@@ -80,9 +76,7 @@ CHECK_TEXT = "dvc.yaml matches the shape of config/config.yaml (config_check, py
 def shape(cfg: pisft_config.PisftConfig) -> str:
     """What of the config changes dvc.yaml's structure (the results and model paths do not: they
     are templates)."""
-    from pisft.stages import code_deps
-
-    lock = code_deps("fetch_base", cfg.device)[-1]
+    lock = lock_of(cfg.device)
     sources = ",".join(Templater(cfg).path(s.path.rstrip("/")) for s in pisft_config.data_sources(cfg))
     return (f"model.source={'local' if _local(cfg.model.source) else cfg.model.source.split(':')[0]} "
             f"model.tokenizer={'local' if _local(cfg.model.tokenizer) else 'other'} "
@@ -135,6 +129,14 @@ class Templater:
         return None
 
 
+def _outputs(rule: RuleSpec, cfg: pisft_config.PisftConfig) -> list[tuple[str, Output]]:
+    """The rule's outputs, each with its row's `pisft.stages.Output` (what DVC makes of it)."""
+    name, k = stage_of(rule.name)
+    row = STAGES[name]
+    marks = {str(path): out for out, path in layout.outputs(cfg, row, k)}
+    return [(path, marks[path]) for path in rule.outputs.values()]
+
+
 def stage_for(rule: RuleSpec, cfg: pisft_config.PisftConfig) -> dict:
     t = Templater(cfg)
     stage: dict = {"cmd": f"{WRAPPER} {rule.name} -- {t.cmd(rule.cmd)}"}
@@ -143,8 +145,8 @@ def stage_for(rule: RuleSpec, cfg: pisft_config.PisftConfig) -> dict:
         dep = t.under_folder(path) or t.dep(path)
         if dep not in deps:
             deps.append(dep)
-    if rule.name == "fetch_base":  # a local model folder is a dep by shape, present yet or not
-        deps.extend(d for d in t.model_folders() if d not in deps)
+    if MODEL_SOURCE in STAGES[stage_of(rule.name)[0]].reads:  # a local model folder is a dep by shape,
+        deps.extend(d for d in t.model_folders() if d not in deps)  # present yet or not
     deps.append(t.path(str(Path(cfg.results_dir, CHECK_FILE))))  # after config_check (module docstring)
     stage["deps"] = [*deps, *rule.code]
     if rule.tracked_keys:
@@ -152,13 +154,13 @@ def stage_for(rule: RuleSpec, cfg: pisft_config.PisftConfig) -> dict:
     outs: list = []
     metrics: list = []
     plots: list = []
-    uncached = rule.name == "fetch_base" and cfg.model.source.strip() != "tiny"
-    for name, path in rule.outputs.items():
-        if name == "metrics" and path.endswith(".json"):
+    built_here = cfg.model.source.strip() == "tiny"
+    for path, out in _outputs(rule, cfg):
+        if out.metric:
             metrics.append(t.path(path))
-        elif path.endswith(".png"):
+        elif out.plot is True:
             plots.append(t.path(path))
-        elif uncached and path in rule.directories:
+        elif out.linked_weights and not built_here:
             outs.append({t.path(path): {"cache": False}})
         else:
             outs.append(t.path(path))
@@ -169,17 +171,18 @@ def stage_for(rule: RuleSpec, cfg: pisft_config.PisftConfig) -> dict:
 
 
 def top_level_plots(rules: list[RuleSpec], cfg: pisft_config.PisftConfig) -> list:
-    """How `dvc plots show` draws each evaluation table (x, y columns, template)."""
+    """How `dvc plots show` draws each table an output's `Table` describes (x, y columns,
+    template), under the output's name."""
     t = Templater(cfg)
-    outputs = {name: path for rule in rules for name, path in rule.outputs.items()}
     plots = []
-    for plot_id, spec in PLOTS.items():
-        if spec["output"] not in outputs:
-            continue
-        props = {"x": spec["x"], "y": {t.path(outputs[spec["output"]]): list(spec["y"])}}
-        if "template" in spec:
-            props["template"] = spec["template"]
-        plots.append({plot_id: props})
+    for rule in rules:
+        for path, out in _outputs(rule, cfg):
+            if not isinstance(out.plot, Table):
+                continue
+            props: dict = {"x": out.plot.x, "y": {t.path(path): list(out.plot.y)}}
+            if out.plot.template:
+                props["template"] = out.plot.template
+            plots.append({out.name: props})
     return plots
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import yaml
 
+from pisft.stages import FETCH_BASE
+
 
 def _out_paths(entries: list) -> list[tuple[str, bool]]:
     paths = []
@@ -91,8 +93,8 @@ def downstream_outputs(stage: str, dag: dict[str, dict]) -> list[str]:
 
 def _results_dir_of(dag: dict[str, dict]) -> str | None:
     """The results folder dvc.yaml was generated for (where fetch_base writes base_model)."""
-    for path, _ in dag.get("fetch_base", {}).get("outs", []):
-        if Path(path).name == "base_model":
+    for path, _ in dag.get(FETCH_BASE.name, {}).get("outs", []):
+        if Path(path).name == FETCH_BASE.folder:
             return str(Path(path).parent)
     return None
 

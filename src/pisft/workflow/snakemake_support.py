@@ -13,7 +13,8 @@ import yaml
 from pisft import layout
 from pisft import config as pisft_config
 from pisft.io import WORKFLOW_MARKERS, write_text_atomic
-from pisft.stages import STAGES, code_deps
+from pisft.stages import DATA_SOURCES, MODEL_SOURCE, STAGES, Read, Stage, StartModel, rules
+from pisft.code_graph import code_deps
 
 DEFAULT_FILE = pisft_config.DEFAULT_CONFIG.as_posix()
 
@@ -93,6 +94,40 @@ def tracked_params(config: dict, stage: str, k: int = 0) -> dict:
             node = node[part]
         values[key] = node
     return values
+
+
+def stage_rules(cfg: pisft_config.PisftConfig) -> list[tuple[Stage, int]]:
+    """The rules of this config as (stage, iteration), in order (`pisft.stages.rules`), less the
+    ones it switches off (`Stage.sft_only_if`: iteration 0's closed loop without eval.closed_loop)."""
+    values = pisft_config.to_dict(cfg)
+    return [(stage, k) for stage, k in rules(cfg.recap.iterations) if not stage.switched_off(k, values)]
+
+
+def stage_inputs(cfg: pisft_config.PisftConfig, stage: Stage, k: int) -> list[str]:
+    """What iteration k's rule of `stage` reads besides its code, as paths, from its row: its
+    reads in order (another stage's outputs at the iterations `Read.at` names, the data sources,
+    the model it starts from), then its gate's report."""
+    values = pisft_config.to_dict(cfg)
+    paths: list[str] = []
+    for read in stage.reads_at(k):
+        if read == MODEL_SOURCE:
+            paths.extend(model_source_inputs(cfg))
+        elif read == DATA_SOURCES:
+            paths.extend(source_inputs(cfg))
+        elif isinstance(read, StartModel):
+            paths.append(str(layout.start_model(cfg.at_iteration(k), read.key)))
+        else:
+            assert isinstance(read, Read), read
+            writer = STAGES[read.stage]
+            for j in read.iterations(k, cfg.recap.iterations):
+                if not (writer.shared or writer.runs_at(j)):
+                    raise ValueError(f"{stage.rule(k)} reads {writer.name} at iteration {j}, where it does not run "
+                                     "(the stage table, pisft.stages)")
+                if not writer.switched_off(j, values):  # an optional stage the config leaves out
+                    paths.append(str(layout.output(cfg, writer, read.output, j)))
+    if stage.gate:
+        paths.append(str(layout.output(cfg, STAGES[stage.gate], k=k)))
+    return paths
 
 
 def every_output(workflow) -> list[str]:
@@ -245,7 +280,7 @@ def accelerator_resources(cfg: pisft_config.PisftConfig, nproc: int) -> dict:
 
 
 def source_inputs(cfg: pisft_config.PisftConfig) -> list[str]:
-    """convert_recap's data sources as Snakemake inputs: a folder outside results_dir (no rule
+    """The data sources the conversion (convert_recap) reads, as Snakemake inputs: a folder outside results_dir (no rule
     writes it) as every file in it (Snakemake compares a folder by its own time stamp, which a
     changed or added file deep inside does not move: a source whose data changed was "Nothing to
     be done"); a folder under results_dir (the demo, a stage's output) as the folder."""
