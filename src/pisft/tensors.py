@@ -3,7 +3,8 @@
 FSDP2 holds every sharded parameter, gradient and optimizer moment as a DTensor whose `numel()`
 is the global one; the memory a process holds is its local shard's. Every count of "this
 process's bytes" (the smoke gate, the sharding report, the EMA, the memory estimate and its
-measurement, the checkpoint-size check) asks here.
+measurement, the checkpoint-size check) asks here, and so does every count of an optimizer's state
+(`optimizer_state`).
 
 The shard is the DTensor's own local tensor (`DTensor._local_tensor`, what `DTensor.to_local()`
 returns with autograd off: torch 2.11 `torch/distributed/tensor/_api.py`), taken without a call
@@ -35,3 +36,10 @@ def local_bytes(tensors: torch.Tensor | Iterable[torch.Tensor]) -> int:
     if isinstance(tensors, torch.Tensor):
         tensors = (tensors,)
     return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, *, scalars: bool = False) -> list[torch.Tensor]:
+    """The tensors an optimizer keeps for its parameters (AdamW's two moments per parameter), in
+    its order; with `scalars`, its 0-d ones too (AdamW's step counts)."""
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor) and (scalars or v.dim() > 0)]

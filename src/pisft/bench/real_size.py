@@ -83,11 +83,10 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
 
     from pisft import device as devices
     from pisft.inspect.estimate import StepMemory
-    from pisft.inspect.measure import optimizer_state_tensors
     from pisft.inspect.synthetic import synthetic_batch
     from pisft.model.policy import save_model
     from pisft.model.tokenizer import save_tiny_tokenizer
-    from pisft.tensors import local_bytes
+    from pisft.tensors import local_bytes, optimizer_state
     from pisft.train import fsdp, optim
     from pisft.train.attention import fused_joint_attention
     from pisft.train.checkpoint import CheckpointManager
@@ -148,7 +147,7 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
             step_peak = tracker.peak()[0]
             del tracker
         out["params_bytes"] = local_bytes(policy.parameters())
-        out["optimizer_bytes"] = local_bytes(optimizer_state_tensors(optimizer))
+        out["optimizer_bytes"] = local_bytes(optimizer_state(optimizer))
         out["measured_step_peak_bytes"] = step_peak
         out["measured_bytes"] = out["params_bytes"] + out["optimizer_bytes"] + step_peak
         note("tracked step done")

@@ -37,7 +37,7 @@ from pisft.data.augment import make_augment
 from pisft.device import hccl_buffer_bytes, out_of_memory
 from pisft.io import atomic_dir, write_json_atomic
 from pisft.stages import SMOKE_1CARD
-from pisft.tensors import local_bytes
+from pisft.tensors import local_bytes, optimizer_state
 from pisft.train import loop
 from pisft.train.batches import StepDataset
 from pisft.train.job import Context, build, env_summary, make_sampler, peak_flops
@@ -56,11 +56,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     for p in model.parameters():
         has_grad = id(p) in stepped if stepped else p.requires_grad
         total += local_bytes(p) * (2 if has_grad else 1)
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                total += local_bytes(value)
-    return total
+    return total + local_bytes(optimizer_state(optimizer, scalars=True))
 
 
 def _estimate(cfg: Any) -> Any:
@@ -397,8 +393,7 @@ def tensors_vs_estimate(policy: torch.nn.Module, optimizer: torch.optim.Optimize
     from pisft.train.trainable import count_parameters
 
     params = local_bytes(policy.parameters())
-    moments = local_bytes(v for st in optimizer.state.values() for v in st.values()
-                          if isinstance(v, torch.Tensor) and v.dim() > 0)
+    moments = local_bytes(optimizer_state(optimizer))
     out: dict[str, Any] = {"measured_params_bytes": params, "measured_optimizer_bytes": moments,
                            "params": count_parameters(policy)}
     one = (estimate or {}).get("1", {}).get("state_bytes") if isinstance(estimate, dict) else None

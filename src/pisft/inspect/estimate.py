@@ -69,7 +69,7 @@ from torch.utils._pytree import tree_flatten
 from pisft import layout
 from pisft.config import PisftConfig
 from pisft.model import policy as policy_mod
-from pisft.tensors import local_bytes, local_numel, local_shard
+from pisft.tensors import local_bytes, local_numel, local_shard, optimizer_state
 
 GIB = 1 << 30
 CATEGORIES = ("params", "optimizer", "grads", "gathered", "activations", "ema")
@@ -326,8 +326,7 @@ def _tracked_step(policy, mesh, micro_batch: int, precision: str,
         # The first step creates AdamW's moments; in every later step they exist throughout.
         # They are counted as held from the start (steady state), their creation left out.
         optimizer.step()
-        state = [v for st in optimizer.state.values() for v in st.values()
-                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+        state = optimizer_state(optimizer)
         out["opt_ids"] = {tracker.alloc_id(v) for v in state} - {None}
         out["opt_bytes"] = local_bytes(state)
         del state

@@ -50,13 +50,6 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def optimizer_state_tensors(optimizer) -> list:
-    import torch
-
-    return [v for s in optimizer.state.values() for v in s.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0]
-
-
 def training_step(policy, optimizer, task, batch: dict, rand: dict, grad_clip: float = 1.0) -> Any:
     """The training's optimizer step (pisft.train.step) on one micro-batch; its loss (on the device)."""
     import torch
@@ -76,7 +69,7 @@ def measure(preset: str, micro_batch: int, checkpointing: bool, precision: str =
     from pisft import device as devices
     from pisft.inspect.estimate import StepMemory
     from pisft.inspect.synthetic import build_random_policy, synthetic_batch
-    from pisft.tensors import local_bytes
+    from pisft.tensors import local_bytes, optimizer_state
     from pisft.train import fsdp, optim
     from pisft.train.attention import fused_joint_attention
     from pisft.train.policy_task import PolicyTask
@@ -109,7 +102,7 @@ def measure(preset: str, micro_batch: int, checkpointing: bool, precision: str =
                 "activation_checkpointing": checkpointing, "world_size": 1,
                 "step_peak_bytes": step_peak,
                 "params_bytes": local_bytes(policy.parameters()),
-                "optimizer_bytes": local_bytes(optimizer_state_tensors(optimizer)),
+                "optimizer_bytes": local_bytes(optimizer_state(optimizer)),
                 "rss_step_peak_bytes": (peak - before) * 1024,
                 "rss_before_step_bytes": before * 1024, "loss": loss}
     finally:

@@ -56,7 +56,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from pisft.model import host_memory
-from pisft.tensors import local_numel
+from pisft.tensors import local_numel, optimizer_state
 from pisft.train import blocks
 from pisft.model import lerobot_internals as internals
 from pisft.model.lerobot_internals import prefix_frozen
@@ -331,11 +331,9 @@ def sharding_report(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     local = sum(local_numel(p) for p in params)
     opt_total = opt_local = 0
     if optimizer is not None:
-        for state in optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    opt_total += value.numel()
-                    opt_local += local_numel(value)
+        for value in optimizer_state(optimizer):
+            opt_total += value.numel()
+            opt_local += local_numel(value)
     covered: dict[str, int] = {}
     unit_count: dict[str, int] = {}
     in_units = 0
