@@ -53,6 +53,28 @@ class IntegrityError(PisftError):
 
 
 @contextlib.contextmanager
+def stage_output(final: str | Path, cfg: Any = None) -> Iterator[Path]:
+    """A stage's output folder, written whole or not at all: the caller fills a temporary sibling
+    (`pisft.io.atomic_dir`); on success the run's resolved config goes in beside what it wrote
+    (`pisft_config.json`, when `cfg` is given), then `MANIFEST.json`, which lists both and names the
+    rule and command writing it (`written_by`) and which every reader checks (`verify_read`), then
+    the folder replaces `final` in one rename. On an error nothing of it is left."""
+    from pisft.config import write_resolved
+    from pisft.io import atomic_dir, write_manifest
+
+    with atomic_dir(final) as tmp:
+        yield tmp
+        if cfg is not None:
+            write_resolved(cfg, tmp / "pisft_config.json")
+        write_manifest(tmp)
+
+
+def manifest_files(root: str | Path) -> dict[str, dict]:
+    """The files `root`'s MANIFEST.json lists: name -> {"sha256", "size"}."""
+    return json.loads(Path(root, MANIFEST_FILE).read_text())["files"]
+
+
+@contextlib.contextmanager
 def writing_as(rule: str, command: str) -> Iterator[None]:
     """Within: this process's environment (so torchrun's workers inherit it) names the rule and
     command running, and the manifests they write record them. Restored on exit."""

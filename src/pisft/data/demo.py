@@ -39,11 +39,12 @@ from pathlib import Path
 import numpy as np
 
 from pisft import layout
-from pisft.config import PisftConfig, write_resolved
+from pisft.config import PisftConfig
 from pisft.data.libero import ACTION_DIM, FPS, LIBERO_10_TASKS, STATE_DIM
 from pisft.data import rlinf_recap
 from pisft.data.recap_layout import RecapEpisode, write_recap_dataset
-from pisft.io import atomic_dir, write_manifest
+from pisft.integrity import stage_output
+from pisft.io import write_manifest
 
 SIDE_TAG = "demo"
 FAILURE_REWARD = -300.0  # RLinf's recap_compute_returns.yaml
@@ -214,11 +215,9 @@ def output_dir(cfg: PisftConfig) -> Path:
 def run(cfg: PisftConfig) -> Path:
     d = cfg.data
     out = output_dir(cfg)
-    with atomic_dir(out) as tmp:
+    with stage_output(out, cfg) as tmp:  # convert_recap checks the demo data against its manifest
         build(tmp, episodes_per_task=d.demo_episodes_per_task, length=d.demo_episode_length,
               image_size=d.demo_image_size, failure_fraction=d.demo_failure_fraction, seed=d.demo_seed)
-        write_resolved(cfg, tmp / "pisft_config.json")
-        write_manifest(tmp)  # convert_recap checks the demo data against it (pisft.integrity)
     n = d.demo_episodes_per_task * len(LIBERO_10_TASKS)
     print(f"demo_recap: {n} episodes x {d.demo_episode_length} frames "
           f"({d.demo_image_size}px, 2 cameras), unlabelled as RLinf's collection -> {out}")

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from pisft import layout
-from pisft.config import PisftConfig, write_resolved
+from pisft.config import PisftConfig
 from pisft.errors import ModelLoadError
-from pisft.io import atomic_dir, verify_manifest, write_json_atomic, write_manifest
+from pisft.integrity import manifest_files, stage_output
+from pisft.io import verify_manifest, write_json_atomic
 from pisft.model import policy as policy_mod
 from pisft.model import sources, weights
 from pisft.model.lerobot_internals import vlm_embedding_pair
@@ -357,7 +358,7 @@ def _fetch_directory(cfg: PisftConfig, source: sources.Source, out: Path) -> dic
 def run(cfg: PisftConfig) -> Path:
     source = sources.parse_source(cfg.model.source)
     final = layout.base_model(cfg)
-    with atomic_dir(final) as out:
+    with stage_output(final, cfg) as out:
         if source.kind == "tiny":
             record = _fetch_tiny(cfg, out)
         elif source.kind == "random":
@@ -377,8 +378,7 @@ def run(cfg: PisftConfig) -> Path:
         for name in ignored_warnings(record):
             print(f"fetch_base: warning: {name}")
         write_json_atomic(out / "SOURCE.json", record)
-        write_resolved(cfg, out / "pisft_config.json")
-        weights_sha = write_manifest(out)[policy_mod.WEIGHTS_FILE]["sha256"]
+    weights_sha = manifest_files(final)[policy_mod.WEIGHTS_FILE]["sha256"]
     print(f"fetch_base: {cfg.model.preset} model from {source.text} -> {final} "
           f"(model.safetensors sha256 {weights_sha[:12]}…, {record['verified']})")
     return final

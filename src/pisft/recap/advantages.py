@@ -44,13 +44,13 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from pisft import layout
-from pisft import config as config_mod
 from pisft import device as devices
 from pisft.config import PisftConfig
 from pisft.data import rlinf_recap
 from pisft.data.dataset import episode_tasks
 from pisft.errors import PisftError
-from pisft.io import atomic_dir, write_json_atomic, write_manifest
+from pisft.integrity import stage_output
+from pisft.io import write_json_atomic
 from pisft.layout import LABELS_FILE, SPLIT_FILE
 from pisft.recap import value_metrics, value_model
 from pisft.recap.value_data import (
@@ -261,11 +261,10 @@ def run(cfg: PisftConfig) -> Path:
                    positive_quantile=r.positive_quantile, scope=r.threshold_scope, tasks=task_text)
     result.summary.update({"value_model": str(model_dir), "device": str(device),
                            "inference_s": t_infer, "wall_time_s": time.perf_counter() - t0})
-    with atomic_dir(layout.iteration(cfg).advantages) as tmp:
+    # train_8card checks the labels against its manifest
+    with stage_output(layout.iteration(cfg).advantages, cfg) as tmp:
         result.labels.to_parquet(tmp / LABELS_FILE, index=False)
         write_json_atomic(tmp / SUMMARY_FILE, result.summary)
-        config_mod.write_resolved(cfg, tmp / "pisft_config.json")
-        write_manifest(tmp)  # train_8card checks the labels against it (pisft.integrity)
     s = result.summary
     print(f"advantages: {s['positive']}/{s['frames']} frames positive ({s['positive_fraction']:.1%}; "
           f"{s['scope']} threshold(s), {s['sft_forced_positive']} sft frames forced), "

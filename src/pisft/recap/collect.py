@@ -57,7 +57,8 @@ from pisft import logs as logs_mod
 from pisft.data.libero import FPS
 from pisft.data.recap_layout import RecapEpisode, write_recap_dataset
 from pisft.errors import PisftError
-from pisft.io import atomic_dir, write_json_atomic, write_manifest
+from pisft.integrity import stage_output
+from pisft.io import write_json_atomic
 from pisft.policy.replicas import PolicyPool, open_policy_pool, policy_record
 from pisft.rollout import libero_sim
 from pisft.rollout import recording as episode_recording
@@ -170,7 +171,7 @@ def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inli
     sim = factory()  # SimulatorUnavailable with the install line when LIBERO is not installed
     sim_info = rollout.simulator_info(sim)
     final = layout.iteration(cfg).rollouts
-    with atomic_dir(final) as out:
+    with stage_output(final, cfg) as out:  # convert_recap checks the rollouts against its manifest
         specs, languages = rollout.plan_episodes(sim, settings, None, record_dir=out / RECORDINGS)
         with open_policy_pool(cfg, policy, model_dir=model_dir, trained_on=layout.iteration(cfg, k - 1).dataset,
                               seed=settings.seed, rows=settings.forward_rows(len(specs)),
@@ -217,6 +218,4 @@ def _collect(cfg: config_mod.PisftConfig, k: int, settings: rollout.Settings, po
     collection.update(policy_record(pool))
     collection["settings"] = settings.record()
     write_json_atomic(out / "collection.json", collection)
-    config_mod.write_resolved(cfg, out / "pisft_config.json")
-    write_manifest(out)  # convert_recap checks the rollouts against it (pisft.integrity)
     return collection, rollout.timing(results, wall, num_envs, pool, settings)
