@@ -155,6 +155,78 @@ def test_value_model_modes():
         tr.lora_spec("lerobot", value_model=True)
 
 
+# ------------------------------------------------------------------------------ the mode table
+def test_every_entry_of_the_mode_table_is_well_formed_and_every_list_of_modes_is_read_off_it():
+    from pisft import config
+    from pisft.bench import real_size
+
+    assert set(tr._FROZEN_PARTS) == set(config.FROZEN_PARTS)  # each part has its rule
+    for name, mode in config.TRAINABLE_MODE_TABLE.items():
+        assert mode.models and set(mode.models) <= set(config.TRAINABLE_MODELS), name
+        assert mode.frozen in config.FROZEN_PARTS, name
+        assert mode.lerobot_flag in ("", *config.LEROBOT_FREEZE_FLAGS), name
+        assert ("policy" in mode.models) == (mode.bench_rank is not None), name
+    # the order users see (messages, docs, bench rows) as it was when the table was made
+    assert tr.MODES == config.TRAINABLE_MODES == ("all", "expert", "no_vision", "lora")
+    assert tr.VALUE_MODES == config.VALUE_TRAINABLE_MODES == ("all", "no_vision", "head", "lora")
+    assert real_size.MODES == real_size.bench_order() == ("expert", "lora", "no_vision", "all")
+
+
+def _frozen_vlm_entry():
+    """A mode the table does not have: the VLM frozen, for the policy and the value model."""
+    from pisft import config
+
+    return config.TrainableMode(("policy", "value"), "vlm", bench_rank=-1, lerobot_flag="train_expert_only")
+
+
+def test_a_new_mode_is_one_entry_of_the_table(tmp_path_factory, monkeypatch):
+    """A throwaway entry makes the config check accept the mode for both keys and list it, and the
+    rule, its application, the LoRA specs and the benchmark's rows follow it: no other site names
+    the modes."""
+    from pisft import config
+    from pisft.bench import real_size
+    from pisft.model.policy import build_policy
+    from pisft.recap.value_model import ValueModel
+
+    both = {"train": {"trainable": "frozen_vlm"}, "recap": {"value_trainable": "frozen_vlm"}}
+    with pytest.raises(config.ConfigError, match="'frozen_vlm' is not one of"):
+        config.from_dict(both)
+    monkeypatch.setitem(config.TRAINABLE_MODE_TABLE, "frozen_vlm", _frozen_vlm_entry())
+    monkeypatch.setitem(config.TRAINABLE_MODE_TABLE, "lora_too",
+                        config.TrainableMode(("policy",), "base", bench_rank=9, lora=True))
+    cfg = config.from_dict(both)
+    assert tr.spec_for(cfg) is None and tr.spec_for(cfg, value_model=True) is None
+    with pytest.raises(config.ConfigError, match="one of all, expert, no_vision, lora, frozen_vlm, lora_too"):
+        config.from_dict({"train": {"trainable": "nope"}})
+    with pytest.raises(config.ConfigError, match="one of all, no_vision, head, lora, frozen_vlm"):
+        config.from_dict({"recap": {"value_trainable": "lora_too"}})
+    lora_cfg = config.from_dict({"train": {"trainable": "lora_too", "lora_rank": 4, "lora_targets": "rlinf"}})
+    assert tr.spec_for(lora_cfg).rank == 4 and tr.spec_for_mode("lora_too", "rlinf").preset == "rlinf"
+    assert real_size.bench_order() == ("frozen_vlm", "expert", "lora", "no_vision", "all", "lora_too")
+
+    assert not tr.is_trainable("model.paligemma_with_expert.paligemma.model.language_model.norm.weight", "frozen_vlm")
+    assert tr.is_trainable("model.action_in_proj.weight", "frozen_vlm")
+    ours, expert = _tiny(tmp_path_factory), _tiny(tmp_path_factory)
+    applied = tr.apply_mode(ours, "frozen_vlm")
+    tr.apply_mode(expert, "expert")
+    assert applied.mode == "frozen_vlm" and _trained(ours) == _trained(expert)
+    assert internals.prefix_frozen(ours) and ours.model.paligemma_with_expert.train_expert_only
+    value, head = (ValueModel(build_policy("tiny", seed=0), bins=11) for _ in range(2))
+    tr.apply_mode(value, "frozen_vlm", value_model=True)
+    tr.apply_mode(head, "head", value_model=True)
+    assert _trained(value) == _trained(head) == {"readout.weight", "head.weight", "head.bias"}
+    lora = _tiny(tmp_path_factory)
+    tr.apply_mode(lora, "lora_too", tr.lora_spec("rlinf"))
+    assert any(".lora_A." in n for n in _trained(lora))
+
+
+def test_an_entry_whose_rule_leaves_the_prefix_trainable_is_refused(tmp_path_factory, monkeypatch):
+    """The entry's prefix fact (what the frozen-prefix forward and the FSDP units will find) is
+    checked against what the mode's rule froze."""
+    monkeypatch.setitem(tr._FROZEN_PARTS, "vlm", tr._FROZEN_PARTS["vision"])  # a wrong rule
+    with pytest.raises(RuntimeError, match="its entry says the VLM prefix is frozen"):
+        tr.apply_mode(_tiny(tmp_path_factory), "expert")
+
 def test_frozen_parameters_are_held_in_bf16_except_what_lerobot_keeps_in_fp32(tmp_path_factory):
     policy = _tiny(tmp_path_factory)
     tr.apply_mode(policy, "expert")

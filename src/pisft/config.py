@@ -29,9 +29,7 @@ PRESETS = ("tiny", "small", "pi05")
 PRECISIONS = ("fp32", "bf16")
 # train.compile (pisft.train.blocks): auto chooses by device (off on the CPU, layers on an accelerator)
 TRAIN_COMPILE = ("auto", "off", "layers")
-# train.trainable, recap.value_trainable, train.lora_targets (pisft.train.trainable applies them).
-TRAINABLE_MODES = ("all", "expert", "no_vision", "lora")
-VALUE_TRAINABLE_MODES = ("all", "no_vision", "head", "lora")
+# train.lora_targets (pisft.train.trainable applies them).
 LORA_TARGETS = ("lerobot", "openpi", "rlinf")
 # data.augment: the training loaders' image augmentation (pisft.data.augment applies it).
 AUGMENTS = ("none", "openpi")
@@ -60,6 +58,88 @@ PERTURBATIONS = {
     "language": PerturbationRange("0 or 1", 1.0, 0.0, 1.0),  # 1: LIBERO-Pro's paraphrase
     "obs_noise": PerturbationRange("std / 255", 0.05, 0.0, 1.0),  # camera pixels' Gaussian noise, std s x 255
 }
+
+
+# ----------------------------------------------------------------------- the trainable modes
+# train.trainable (the policy) and recap.value_trainable (the RECAP value model): what a training run
+# trains. pisft.train.trainable applies a mode from its entry here; the config check, the training
+# job and the benchmarks read the entries too. Adding a mode is one entry (plus, for a part no entry
+# freezes yet, its rule in pisft.train.trainable's `_FROZEN_PARTS`).
+TRAINABLE_MODELS = {"policy": "train.trainable", "value": "recap.value_trainable"}  # the model -> its key
+# What a mode freezes: "" nothing | "vision" the SigLIP vision tower | "vlm" the whole PaliGemma VLM (the
+# prefix) | "base" every parameter of the base model (what trains is what the mode adds: LoRA adapters,
+# a preset's fully trained modules, the value model's read-out token and bin head, which always train).
+FROZEN_PARTS = ("", "vision", "vlm", "base")
+# LeRobot's PaliGemmaWithExpertModel flags that freeze a part (`_set_requires_grad`, and its `train()`
+# keeps that part in eval mode): a mode that freezes the same part sets its flag, and pisft checks that
+# LeRobot froze at least what pisft's rule freezes.
+LEROBOT_FREEZE_FLAGS = ("freeze_vision_encoder", "train_expert_only")
+
+
+@dataclass(frozen=True)
+class TrainableMode:
+    """One trainable mode: which models take it, what it freezes, and how it is applied."""
+
+    models: tuple[str, ...]  # of TRAINABLE_MODELS
+    frozen: str  # of FROZEN_PARTS
+    # A policy mode's place in bench real_size's rows (`python -m pisft bench --only real_size`): the
+    # fewest parameters trained first. None for a value-model mode.
+    bench_rank: int | None = None
+    lora: bool = False  # LoRA adapters through peft on train.lora_targets' modules (pisft.train.trainable.lora_spec)
+    lerobot_flag: str = ""  # of LEROBOT_FREEZE_FLAGS: LeRobot's own flag for the part frozen, "" none
+    other_model_hint: str = ""  # said when the mode is set for a model that does not take it
+
+    @property
+    def trains_everything(self) -> bool:
+        return self.frozen == "" and not self.lora
+
+    @property
+    def prefix_frozen(self) -> bool | None:
+        """Whether every parameter of the VLM prefix is frozen (the frozen-prefix forward and FSDP units
+        follow it, `lerobot_internals.prefix_frozen`); None: as the LoRA target preset says (`lerobot`'s
+        adapters and fully trained modules are all outside the VLM)."""
+        return None if self.lora else self.frozen in ("vlm", "base")
+
+
+# In the order the keys' messages and docs list them.
+TRAINABLE_MODE_TABLE: dict[str, TrainableMode] = {
+    # every parameter (the full fine-tune)
+    "all": TrainableMode(("policy", "value"), "", bench_rank=3),
+    # LeRobot's train_expert_only: the PaliGemma VLM frozen, the action expert and projections train
+    "expert": TrainableMode(("policy",), "vlm", bench_rank=0, lerobot_flag="train_expert_only",
+                            other_model_hint="the value model has no action expert: `head` trains the read-out "
+                                             "and head alone"),
+    # LeRobot's freeze_vision_encoder: SigLIP frozen
+    "no_vision": TrainableMode(("policy", "value"), "vision", bench_rank=2, lerobot_flag="freeze_vision_encoder"),
+    # the value model's VLM prefix frozen, its read-out token and bin head train (RLinf's freeze_vlm)
+    "head": TrainableMode(("value",), "base", lerobot_flag="train_expert_only"),
+    # LoRA adapters on train.lora_targets' modules (the value model: their VLM part), the rest frozen
+    "lora": TrainableMode(("policy", "value"), "base", bench_rank=1, lora=True),
+}
+
+
+def trainable_modes(model: str = "policy") -> tuple[str, ...]:
+    """The modes `model` (policy | value) takes, in the table's order (read when called)."""
+    return tuple(name for name, mode in TRAINABLE_MODE_TABLE.items() if model in mode.models)
+
+
+def trainable_mode(name: str, model: str = "policy") -> TrainableMode:
+    """The entry of mode `name` for `model`; a ValueError naming the model's modes if it takes no such mode."""
+    mode = TRAINABLE_MODE_TABLE.get(name)
+    if mode is None or model not in mode.models:
+        raise ValueError(f"unknown trainable mode {name!r} for the {'value model' if model == 'value' else model}; "
+                         f"one of {', '.join(trainable_modes(model))}")
+    return mode
+
+
+def is_lora_mode(name: str, model: str = "policy") -> bool:
+    """Whether `name` is a LoRA mode of `model` (False for a mode it does not take)."""
+    mode = TRAINABLE_MODE_TABLE.get(name)
+    return mode is not None and model in mode.models and mode.lora
+
+
+TRAINABLE_MODES = trainable_modes("policy")
+VALUE_TRAINABLE_MODES = trainable_modes("value")
 
 
 # ------------------------------------------------------------------------ what a key does: its marks
@@ -245,10 +325,10 @@ class TrainConfig:
     # Deterministic training: torch.use_deterministic_algorithms(True), HCCL_DETERMINISTIC=true on
     # Ascend, CUBLAS_WORKSPACE_CONFIG=:4096:8 on CUDA. Slower; config/README.md has the costs.
     deterministic: bool = marked(False, TRAIN_STEP)
-    # What trains (pisft.train.trainable): all | expert (LeRobot's train_expert_only: the PaliGemma
-    # VLM frozen, the action expert and the action/time projections train) | no_vision (LeRobot's
-    # freeze_vision_encoder) | lora (LoRA adapters through peft on train.lora_targets' modules).
-    # The step's gradients, optimizer state and memory follow it.
+    # What trains (pisft.train.trainable; the modes' table: TRAINABLE_MODE_TABLE): all | expert
+    # (LeRobot's train_expert_only: the PaliGemma VLM frozen, the action expert and the action/time
+    # projections train) | no_vision (LeRobot's freeze_vision_encoder) | lora (LoRA adapters through
+    # peft on train.lora_targets' modules). The step's gradients, optimizer state and memory follow it.
     trainable: str = marked("all", TRAIN_STEP, POLICY_RUN)
     # train.trainable: lora (or recap.value_trainable: lora): the target preset, lerobot (LeRobot's
     # pi0.5 defaults) | openpi (gemma_2b_lora + gemma_300m_lora) | rlinf (RLinf's is_lora list).
@@ -394,9 +474,9 @@ class RecapConfig:
     value_init: str = marked("base", VALUE, VALUE_RUN, DAG_SHAPE)
     # Optimizer steps of the retraining at iteration k >= 1; 0: train.steps (the SFT run's).
     policy_steps: int = marked(0, RETRAINING)
-    # What of the value model trains: all | no_vision (SigLIP frozen) | head (the VLM prefix frozen,
-    # the read-out token and bin head train: RLinf's value-model freeze_vlm) | lora (adapters on the
-    # VLM part of train.lora_targets, the read-out token and head in full).
+    # What of the value model trains (TRAINABLE_MODE_TABLE): all | no_vision (SigLIP frozen) | head
+    # (the VLM prefix frozen, the read-out token and bin head train: RLinf's value-model freeze_vlm) |
+    # lora (adapters on the VLM part of train.lora_targets, the read-out token and head in full).
     value_trainable: str = marked("all", VALUE, VALUE_RUN)
 
 
@@ -793,28 +873,29 @@ def _choice_problems(cfg: PisftConfig) -> list[str]:
 
 def _trainable_problems(cfg: PisftConfig) -> list[str]:
     """train.trainable, recap.value_trainable and the LoRA keys (pisft.train.trainable)."""
-    MODES, VALUE_MODES = TRAINABLE_MODES, VALUE_TRAINABLE_MODES  # noqa: N806
     t, r = cfg.train, cfg.recap
+    chosen = {"policy": t.trainable, "value": r.value_trainable}
     problems: list[str] = []
-    if t.trainable not in MODES:
-        problems.append(f"train.trainable: '{t.trainable}' is not one of {', '.join(MODES)}")
-    if r.value_trainable not in VALUE_MODES:
-        hint = " (the value model has no action expert: `head` trains the read-out and head alone)" \
-            if r.value_trainable == "expert" else ""
-        problems.append(f"recap.value_trainable: '{r.value_trainable}' is not one of "
-                        f"{', '.join(VALUE_MODES)}{hint}")
+    for model, key in TRAINABLE_MODELS.items():
+        name = chosen[model]
+        if name not in trainable_modes(model):
+            entry = TRAINABLE_MODE_TABLE.get(name)
+            hint = f" ({entry.other_model_hint})" if entry is not None and entry.other_model_hint else ""
+            problems.append(f"{key}: '{name}' is not one of {', '.join(trainable_modes(model))}{hint}")
     if t.lora_targets not in LORA_TARGETS:
         problems.append(f"train.lora_targets: '{t.lora_targets}' is not one of {', '.join(LORA_TARGETS)}")
-    uses_lora = "lora" in (t.trainable, r.value_trainable)
+    uses_lora = any(is_lora_mode(name, model) for model, name in chosen.items())
     set_keys = [k for k, v, default in (("train.lora_rank", t.lora_rank, 0), ("train.lora_alpha", t.lora_alpha, 0.0),
                                          ("train.lora_targets", t.lora_targets, "openpi")) if v != default]
     if set_keys and not uses_lora:
-        problems.append(f"{', '.join(set_keys)}: only meaningful with train.trainable: lora (or "
-                        f"recap.value_trainable: lora); train.trainable is '{t.trainable}' and "
+        lora = {model: " | ".join(n for n in trainable_modes(model) if is_lora_mode(n, model))
+                for model in TRAINABLE_MODELS}
+        problems.append(f"{', '.join(set_keys)}: only meaningful with train.trainable: {lora['policy']} (or "
+                        f"recap.value_trainable: {lora['value']}); train.trainable is '{t.trainable}' and "
                         f"recap.value_trainable '{r.value_trainable}': remove them or set a lora mode")
-    if r.value_trainable == "lora" and t.lora_targets == "lerobot":
-        problems.append("recap.value_trainable: lora with train.lora_targets: lerobot adapts only the action "
-                        "expert and the action projections, which the value model does not have; set "
+    if is_lora_mode(r.value_trainable, "value") and t.lora_targets == "lerobot":
+        problems.append(f"recap.value_trainable: {r.value_trainable} with train.lora_targets: lerobot adapts only "
+                        "the action expert and the action projections, which the value model does not have; set "
                         "train.lora_targets: openpi or rlinf")
     return problems
 

@@ -16,9 +16,10 @@ fused AdamW) on a synthetic batch at micro batch 1:
   estimate_bytes     the same from `pisft.inspect.estimate.simulate_step` (fake tensors, same mode)
   checkpoint_bytes   bytes on disk of one checkpoint as the training writes it (CheckpointManager)
   export_s           gathering the full state dict and writing the LeRobot model directory
-In `expert` mode the same step also runs through the joint forward (`frozen_prefix=False`:
-every VLM layer recomputed in backward) for the before/after ratio (`joint_forward_s`,
-`joint_step_s`).
+In a mode whose entry freezes the whole VLM prefix (`expert`; `pisft.config.TRAINABLE_MODE_TABLE`)
+the same step also runs through the joint forward (`frozen_prefix=False`: every VLM layer
+recomputed in backward) for the before/after ratio (`joint_forward_s`, `joint_step_s`).
+The modes run in `bench_order` (the fewest parameters trained first).
 
 Modes whose estimated step does not fit the host's memory budget (`--max-gib`, default 24:
 this 2-core host) are not run; the output says so with the estimate. Every output lives in a
@@ -41,7 +42,17 @@ from pathlib import Path
 from typing import Any
 
 GIB = 1 << 30
-MODES = ("expert", "lora", "no_vision", "all")
+
+
+def bench_order() -> tuple[str, ...]:
+    """train.trainable's modes in the order this benchmark runs them: the fewest parameters trained
+    first (each mode's `bench_rank` in `pisft.config.TRAINABLE_MODE_TABLE`)."""
+    from pisft.config import TRAINABLE_MODE_TABLE, trainable_modes
+
+    return tuple(sorted(trainable_modes("policy"), key=lambda m: TRAINABLE_MODE_TABLE[m].bench_rank))
+
+
+MODES = bench_order()
 DEFAULT_MAX_GIB = 24.0
 TIMED_STEPS = 2
 
@@ -82,6 +93,7 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
     from torch.distributed.device_mesh import init_device_mesh
 
     from pisft import device as devices
+    from pisft.config import trainable_mode
     from pisft.inspect.estimate import StepMemory
     from pisft.inspect.synthetic import synthetic_batch
     from pisft.model.policy import save_model
@@ -99,6 +111,7 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
         t0 = time.perf_counter()
         policy, applied = build_policy_for_mode(preset, mode, precision=precision, checkpointing=checkpointing,
                                                 seed=seed, lora_targets=lora_targets)
+        prefix_frozen = trainable_mode(mode).prefix_frozen  # the mode's entry: the whole VLM prefix frozen
         fsdp.shard(policy, init_device_mesh("cpu", (1,)), precision)
         optimizer = optim.build_optimizer(policy.parameters(), lr=1e-4, weight_decay=1e-10,
                                           fused=devices.fused_adamw_supported("cpu"))
@@ -134,7 +147,7 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
             out["step_s"] = round(sum(t[1] for t in timed) / len(timed), 3)
             out["step_over_forward"] = round(out["step_s"] / out["forward_s"], 3)
             out["loss"] = timed[-1][2]
-            if mode == "expert":
+            if prefix_frozen:
                 joint = [step(frozen_prefix=False) for _ in range(timed_steps)]
                 note(f"joint-path steps {[tuple(round(x, 2) for x in t[:2]) for t in joint]}")
                 out["joint_forward_s"] = round(sum(t[0] for t in joint) / len(joint), 3)

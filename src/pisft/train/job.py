@@ -199,11 +199,11 @@ def build(ctx: Context) -> Built:
 def frozen_in_bf16(cfg: PisftConfig, *, value_model: bool = False, prefix: str = ""):
     """The parameters (policy names; `prefix` + name is the trained model's) that `apply_trainable`
     will freeze and `hold_frozen_in` cast to bf16, as a predicate for `load_policy(hold_bf16=)`:
-    they are loaded straight into bf16. None when nothing is held in bf16 (fp32, or mode all)."""
+    they are loaded straight into bf16. None when nothing is held in bf16 (fp32, or a mode that trains everything)."""
     from pisft.train import trainable
 
     mode = cfg.recap.value_trainable if value_model else cfg.train.trainable
-    if cfg.train.precision != "bf16" or mode == "all":
+    if cfg.train.precision != "bf16" or trainable.mode_of(mode, value_model=value_model).trains_everything:
         return None
     spec = trainable.spec_for(cfg, value_model=value_model)
 
@@ -225,7 +225,7 @@ def apply_trainable(ctx: Context, model: nn.Module, *, value_model: bool = False
     applied, cast = trainable.apply_training_layout(model, mode, trainable.spec_for(cfg, value_model=value_model),
                                                     precision=cfg.train.precision, seed=cfg.train.seed,
                                                     value_model=value_model)
-    if mode != "all":
+    if not trainable.mode_of(mode, value_model=value_model).trains_everything:
         ctx.log(f"{'recap.value_trainable' if value_model else 'train.trainable'}: {mode}: "
                 f"{applied.trainable:,} of {applied.total:,} parameters train"
                 + (f"; {cast:,} frozen ones held in bf16" if cast else ""))

@@ -35,6 +35,11 @@ read-out token and the head are left), `lora` (the VLM part of `train.lora_targe
 the read-out token and head trained in full, as RLinf keeps `value_head` trainable under LoRA,
 `rlinf/models/__init__.py`).
 
+Each mode is an entry of `pisft.config.TRAINABLE_MODE_TABLE` (which models take it, what part it
+freezes, whether it is LoRA, LeRobot's flag for it); the code here follows the entry and never
+branches on a mode's name, so a mode that freezes a part some entry already freezes is one entry
+there, and one freezing a new part adds that part's rule to `_FROZEN_PARTS` here.
+
 `is_trainable` is the pure rule (a parameter name -> trained or not); `apply_mode` applies a mode
 to a policy (on the meta device too, so the memory estimate can count the trainable parameters of
 pi0.5 without allocating them: `count_parameters`).
@@ -53,7 +58,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pisft.config import LORA_TARGETS
+from pisft.config import LEROBOT_FREEZE_FLAGS, LORA_TARGETS, TrainableMode, is_lora_mode, trainable_mode
 from pisft.config import TRAINABLE_MODES as MODES
 from pisft.config import VALUE_TRAINABLE_MODES as VALUE_MODES
 from pisft.model import lerobot_internals as internals
@@ -68,6 +73,14 @@ _VLM = f".{internals.in_core(internals.PALIGEMMA)}."  # LeRobot: `self.paligemma
 _VISION = f".{internals.in_core(internals.VISION_TOWER)}."  # LeRobot: freeze_vision_encoder
 _LORA_PARAM = re.compile(r"\.lora_(A|B)\.")
 _VALUE_HEAD = re.compile(r"^(readout|head)\.")
+
+# The rule of each part a mode freezes (`pisft.config.FROZEN_PARTS`): whether a dotted name lies in it.
+_FROZEN_PARTS = {
+    "": lambda _dotted: False,
+    "vision": lambda dotted: _VISION in dotted,
+    "vlm": lambda dotted: _VLM in dotted,
+    "base": lambda _dotted: True,  # all but what the mode adds (adapters, the value model's head)
+}
 
 # The parameters LeRobot keeps in float32 when a pi0.5 is built in bfloat16
 # (`PaliGemmaWithExpertModel.to_bfloat16_for_selected_params`, `params_to_keep_float32`): frozen
@@ -193,26 +206,25 @@ def lora_spec(targets: str, rank: int = 0, alpha: float = 0.0, *, value_model: b
 
 
 # ---------------------------------------------------------------------------- the pure rule
+def mode_of(mode: str, *, value_model: bool = False) -> TrainableMode:
+    """`mode`'s entry in `pisft.config.TRAINABLE_MODE_TABLE` for the policy (or the value model); a
+    ValueError naming the modes that model takes if it takes no such mode."""
+    return trainable_mode(mode, "value" if value_model else "policy")
+
+
 def is_trainable(name: str, mode: str, spec: LoraSpec | None = None, *, value_model: bool = False) -> bool:
     """Whether parameter `name` (of a PI05Policy, or with `value_model` of the RECAP value model,
-    after `apply_mode`'s adapter injection for `lora`) is trained in `mode`."""
+    after `apply_mode`'s adapter injection for a LoRA mode) is trained in `mode`."""
     dotted = "." + name
     if value_model and _VALUE_HEAD.match(name):
         return True  # the read-out token and the bin head: new, always trained
-    if mode == "all":
-        return True
-    if mode == "no_vision":
-        return _VISION not in dotted
-    if mode == "expert" and not value_model:
-        return _VLM not in dotted
-    if mode == "head" and value_model:
-        return False
-    if mode == "lora":
+    entry = mode_of(mode, value_model=value_model)
+    if entry.lora:
         if spec is None:
-            raise ValueError("mode lora needs its LoraSpec")
-        return bool(_LORA_PARAM.search(dotted)) or spec.trains_in_full(name)
-    raise ValueError(f"unknown trainable mode {mode!r} for the {'value model' if value_model else 'policy'}; "
-                     f"one of {', '.join(VALUE_MODES if value_model else MODES)}")
+            raise ValueError(f"mode {mode} needs its LoraSpec")
+        if _LORA_PARAM.search(dotted) or spec.trains_in_full(name):
+            return True
+    return not _FROZEN_PARTS[entry.frozen](dotted)
 
 
 def trainable_names(names: Iterable[str], mode: str, spec: LoraSpec | None = None, *,
@@ -268,29 +280,33 @@ def apply_mode(model: nn.Module, mode: str, spec: LoraSpec | None = None, *, see
     `requires_grad` by `is_trainable`, and keep frozen sub-models in eval mode the way LeRobot does
     (its `train_expert_only` / `freeze_vision_encoder` flags on `PaliGemmaWithExpertModel`, whose
     own `train()` puts them back in eval mode). Before sharding (FSDP2 keeps requires_grad)."""
-    if mode not in (VALUE_MODES if value_model else MODES):
-        is_trainable("", mode, spec, value_model=value_model)  # raises, naming the modes
+    entry = mode_of(mode, value_model=value_model)  # raises, naming the modes
     pwe = _pwe(model, value_model)
-    if mode == "lora":
+    if entry.lora:
         if spec is None:
-            raise ValueError("mode lora needs its LoraSpec (trainable.lora_spec)")
+            raise ValueError(f"mode {mode} needs its LoraSpec (trainable.lora_spec)")
         inject_lora(model, spec, seed=seed)
     # LeRobot's flags, as the mode says (a model directory's config.json must not leak its own).
-    pwe.freeze_vision_encoder = mode == "no_vision"
-    pwe.train_expert_only = (mode == "expert") or (value_model and mode == "head")
-    if mode in ("expert", "no_vision", "head"):
+    for flag in LEROBOT_FREEZE_FLAGS:
+        setattr(pwe, flag, flag == entry.lerobot_flag)
+    if entry.lerobot_flag:
         pwe._set_requires_grad()  # noqa: SLF001 - LeRobot's own freezing (and eval) of the VLM / vision tower
     trained = total = 0
     for name, p in model.named_parameters():
         want = is_trainable(name, mode, spec, value_model=value_model)
-        if mode in ("expert", "no_vision", "head") and not want and p.requires_grad:
+        if entry.lerobot_flag and not want and p.requires_grad:
             raise RuntimeError(f"{name}: LeRobot's _set_requires_grad left it trainable but pisft's rule "
                                f"freezes it in mode {mode} (LeRobot changed?)")
         p.requires_grad_(want)
         total += p.numel()
         trained += p.numel() if want else 0
-    if mode == "lora" and not any(_LORA_PARAM.search("." + n) for n, _ in model.named_parameters()):
+    if entry.lora and not any(_LORA_PARAM.search("." + n) for n, _ in model.named_parameters()):
         raise RuntimeError(f"train.lora_targets: {spec.preset}: no module matched {spec.target_modules}")
+    frozen = internals.prefix_frozen(model.policy if value_model else model)
+    if entry.prefix_frozen is not None and frozen != entry.prefix_frozen:
+        raise RuntimeError(f"mode {mode}: its entry says the VLM prefix is {'' if entry.prefix_frozen else 'not '}"
+                           f"frozen, but {'every' if frozen else 'some'} VLM parameter is "
+                           f"{'frozen' if frozen else 'trainable'} (pisft.config.TRAINABLE_MODE_TABLE)")
     model.train(model.training)  # LeRobot's train(): frozen sub-models back in eval mode
     return Applied(mode, spec, trained, total)
 
@@ -343,15 +359,16 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
 
 
 def spec_for_mode(mode: str, targets: str) -> LoraSpec | None:
-    """The LoraSpec of `mode` with the target preset `targets` at its own rank and alpha, or None
-    when the mode is not lora (the benchmarks, which take a mode and a preset, not a config)."""
-    return lora_spec(targets) if mode == "lora" else None
+    """The LoraSpec of the policy's `mode` with the target preset `targets` at its own rank and alpha,
+    or None when the mode is not a LoRA mode (the benchmarks, which take a mode and a preset, not a
+    config)."""
+    return lora_spec(targets) if is_lora_mode(mode, "policy") else None
 
 
 def spec_for(cfg, *, value_model: bool = False) -> LoraSpec | None:
-    """The LoraSpec of a config (train.lora_*), or None when the mode is not lora."""
+    """The LoraSpec of a config (train.lora_*), or None when the mode is not a LoRA mode."""
     mode = cfg.recap.value_trainable if value_model else cfg.train.trainable
-    if mode != "lora":
+    if not is_lora_mode(mode, "value" if value_model else "policy"):
         return None
     t = cfg.train
     return lora_spec(t.lora_targets, t.lora_rank, t.lora_alpha, value_model=value_model)
