@@ -315,6 +315,23 @@ def test_output_is_deterministic(tmp_path):
     assert "_timing" not in rep
 
 
+def test_the_v30_writers_layout_is_lerobots():
+    """pisft's v3.0 writer spells LeRobot's layout without importing LeRobot (the demo does not
+    pay for it): the same paths, chunk size, data file size and next (chunk, file) index."""
+    from lerobot.datasets import utils as lr
+
+    from pisft.data import v30_writer as v3
+
+    assert v3.DATA_PATH == lr.DEFAULT_DATA_PATH
+    assert v3.VIDEO_PATH == lr.DEFAULT_VIDEO_PATH
+    assert v3.EPISODES_PATH == lr.DEFAULT_EPISODES_PATH
+    assert v3.TASKS_PATH == lr.DEFAULT_TASKS_PATH
+    assert v3.CHUNK_SIZE == lr.DEFAULT_CHUNK_SIZE
+    assert v3.DATA_FILE_SIZE_IN_MB == lr.DEFAULT_DATA_FILE_SIZE_IN_MB
+    for chunk, file in ((0, 0), (0, 998), (0, 999), (3, 999), (2, 5)):
+        assert v3.next_chunk_file(chunk, file) == lr.update_chunk_file_indices(chunk, file, lr.DEFAULT_CHUNK_SIZE)
+
+
 def test_decoded_episodes_in_memory_are_bounded_by_the_window():
     """The conversion's memory does not follow the number of episodes: at most `window` decoded
     episodes exist at once (submitted and not yet consumed), whatever the dataset's size."""
