@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pisft.data import images as imgs
+from pisft.data.dataset_stats import aggregate_simple, simple_stats
 from pisft.data.libero import ACTION_DIM, CAMERAS, FPS, NAMINGS, STATE_DIM, naming_columns
 from pisft.data.v30_writer import CHUNK_SIZE, DATA_FILE_SIZE_IN_MB, DATA_PATH, VIDEO_PATH, V30Writer
 
@@ -122,42 +123,6 @@ def arrow_schema(features: dict) -> pa.Schema:
             hf[key] = {"feature": {"dtype": ft["dtype"], "_type": "Value"}, "length": shape[0], "_type": "List"}
     meta = {"huggingface": json.dumps({"info": {"features": hf}})}
     return pa.schema(fields, metadata=meta)
-
-
-def simple_stats(values: np.ndarray, image: bool = False) -> dict[str, list]:
-    """min/max/mean/std/count as in a LeRobot v2.1 `episodes_stats.jsonl` (images: per channel,
-    (3, 1, 1), scaled to [0, 1])."""
-    if image:  # (T, H, W, 3) uint8 -> channel rows, reduced along contiguous memory
-        ch = np.ascontiguousarray(np.asarray(values).reshape(-1, 3).T)
-        x = ch.astype(np.float32)
-        mean = x.mean(1, dtype=np.float64)
-        std = np.sqrt(((x - mean[:, None].astype(np.float32)) ** 2).mean(1, dtype=np.float64))
-        out = {"min": ch.min(1) / 255.0, "max": ch.max(1) / 255.0, "mean": mean / 255.0, "std": std / 255.0}
-        out = {k: np.asarray(x, dtype=np.float64).reshape(3, 1, 1).tolist() for k, x in out.items()}
-    else:
-        v = np.asarray(values, dtype=np.float64)
-        if v.ndim == 1:
-            v = v[:, None]
-        out = {"min": v.min(0).tolist(), "max": v.max(0).tolist(), "mean": v.mean(0).tolist(),
-               "std": v.std(0).tolist()}
-    out["count"] = [int(np.asarray(values).shape[0])]
-    return out
-
-
-def aggregate_simple(per_episode: list[dict]) -> dict:
-    """Dataset stats (v2.0 `stats.json`) from per-episode simple stats."""
-    out = {}
-    for key in per_episode[0]:
-        counts = np.array([ep[key]["count"][0] for ep in per_episode], dtype=np.float64)
-        means = np.array([ep[key]["mean"] for ep in per_episode])
-        stds = np.array([ep[key]["std"] for ep in per_episode])
-        w = counts.reshape((-1,) + (1,) * (means.ndim - 1))
-        mean = (means * w).sum(0) / counts.sum()
-        var = ((stds**2 + (means - mean) ** 2) * w).sum(0) / counts.sum()
-        out[key] = {"min": np.min([ep[key]["min"] for ep in per_episode], 0).tolist(),
-                    "max": np.max([ep[key]["max"] for ep in per_episode], 0).tolist(),
-                    "mean": mean.tolist(), "std": np.sqrt(var).tolist(), "count": [int(counts.sum())]}
-    return out
 
 
 def _png_column(frames: np.ndarray, pool: ThreadPoolExecutor | None) -> list[dict]:
