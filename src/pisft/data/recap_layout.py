@@ -34,9 +34,6 @@ from pisft.data.v30_writer import CHUNK_SIZE, DATA_FILE_SIZE_IN_MB, DATA_PATH, V
 VERSIONS = ("v2.0", "v2.1", "v3.0")
 V2_DATA_PATH = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
 V2_VIDEO_PATH = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"
-V3_DATA_PATH = DATA_PATH
-V3_VIDEO_PATH = VIDEO_PATH
-CHUNKS_SIZE = CHUNK_SIZE
 
 
 @dataclass
@@ -229,7 +226,7 @@ class _V2Writer:
         if self.features is None:
             self.features = input_features(tuple(ep.images[CAMERAS[0]].shape[1:]), self.naming, self.video,
                                            self.fps, self.success_column)
-        chunk = ep.episode_index // CHUNKS_SIZE
+        chunk = ep.episode_index // CHUNK_SIZE
         path = self.root / V2_DATA_PATH.format(episode_chunk=chunk, episode_index=ep.episode_index)
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(episode_table(ep, self.first, self.features, self.naming, self.video, self.pool, self.fps),
@@ -252,7 +249,7 @@ class _V2Writer:
         info = {
             "codebase_version": self.version, "robot_type": self.robot_type, "total_episodes": n,
             "total_frames": self.first, "total_tasks": len(self.tasks), "total_videos": n * 2 if self.video else 0,
-            "total_chunks": self.max_episode // CHUNKS_SIZE + 1, "chunks_size": CHUNKS_SIZE, "fps": self.fps,
+            "total_chunks": self.max_episode // CHUNK_SIZE + 1, "chunks_size": CHUNK_SIZE, "fps": self.fps,
             "splits": {"train": f"0:{n}"}, "data_path": V2_DATA_PATH,
             "video_path": V2_VIDEO_PATH if self.video else None, "features": self.features,
         }
@@ -287,7 +284,7 @@ class _V3Writer:
             self.features = input_features(shape, self.naming, self.video, self.fps, self.success_column)
             if self.video:
                 for cam in CAMERAS:
-                    path = self.root / V3_VIDEO_PATH.format(video_key=names[cam], chunk_index=0, file_index=0)
+                    path = self.root / VIDEO_PATH.format(video_key=names[cam], chunk_index=0, file_index=0)
                     self.videos[cam] = imgs.Mp4Writer(path, self.fps, shape[1], shape[0])
         first = self.writer.total_frames if self.writer is not None else 0
         table = episode_table(ep, first, self.features, self.naming, self.video, self.pool, self.fps)
@@ -316,10 +313,10 @@ class _V3Writer:
         n = len(self.writer.episode_rows)
         info = {
             "codebase_version": "v3.0", "robot_type": self.robot_type, "total_episodes": n,
-            "total_frames": self.writer.total_frames, "total_tasks": len(self.tasks), "chunks_size": CHUNKS_SIZE,
+            "total_frames": self.writer.total_frames, "total_tasks": len(self.tasks), "chunks_size": CHUNK_SIZE,
             "data_files_size_in_mb": DATA_FILE_SIZE_IN_MB, "video_files_size_in_mb": 200, "fps": self.fps,
-            "splits": {"train": f"0:{n}"}, "data_path": V3_DATA_PATH,
-            "video_path": V3_VIDEO_PATH if self.video else None, "features": feats,
+            "splits": {"train": f"0:{n}"}, "data_path": DATA_PATH,
+            "video_path": VIDEO_PATH if self.video else None, "features": feats,
         }
         meta = self.root / "meta"
         _write_json(meta / "info.json", info)
