@@ -315,6 +315,50 @@ def test_output_is_deterministic(tmp_path):
     assert "_timing" not in rep
 
 
+def test_the_v30_writers_layout_is_lerobots():
+    """pisft's v3.0 writer spells LeRobot's layout without importing LeRobot (the demo does not
+    pay for it): the same paths, chunk size, data file size and next (chunk, file) index."""
+    from lerobot.datasets import utils as lr
+
+    from pisft.data import v30_writer as v3
+
+    assert v3.DATA_PATH == lr.DEFAULT_DATA_PATH
+    assert v3.VIDEO_PATH == lr.DEFAULT_VIDEO_PATH
+    assert v3.EPISODES_PATH == lr.DEFAULT_EPISODES_PATH
+    assert v3.TASKS_PATH == lr.DEFAULT_TASKS_PATH
+    assert v3.CHUNK_SIZE == lr.DEFAULT_CHUNK_SIZE
+    assert v3.DATA_FILE_SIZE_IN_MB == lr.DEFAULT_DATA_FILE_SIZE_IN_MB
+    for chunk, file in ((0, 0), (0, 998), (0, 999), (3, 999), (2, 5)):
+        assert v3.next_chunk_file(chunk, file) == lr.update_chunk_file_indices(chunk, file, lr.DEFAULT_CHUNK_SIZE)
+
+
+def test_the_v30_writer_starts_a_new_data_file_past_its_size(tmp_path):
+    """A data file takes episodes until their payload reaches `data_files_size_in_mb`; the next
+    episode opens the next file, and each episode row names its file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pisft.data.v30_writer import V30Writer
+
+    features = {"x": {"dtype": "float32", "shape": [1]}, "frame_index": {"dtype": "int64", "shape": [1]}}
+    schema = pa.schema([("x", pa.float32()), ("frame_index", pa.int64())])
+    writer = V30Writer(tmp_path, schema, features, data_files_size_in_mb=1)
+    n = 100_000  # 1.2 MB of payload an episode (4 + 8 bytes a frame)
+    for _ in range(3):
+        writer.add_episode({"x": np.zeros(n), "frame_index": np.arange(n)}, ["task"], {})
+    writer.finish(["task"])
+    files = [(r["data/chunk_index"], r["data/file_index"]) for r in writer.episode_rows]
+    assert files == [(0, 0), (0, 1), (0, 2)]
+    assert [r["dataset_from_index"] for r in writer.episode_rows] == [0, n, 2 * n]
+    for chunk, file in files:
+        assert pq.read_metadata(tmp_path / f"data/chunk-{chunk:03d}/file-{file:03d}.parquet").num_rows == n
+    one = V30Writer(tmp_path / "one", schema, features, data_files_size_in_mb=None)
+    for _ in range(3):
+        one.add_episode({"x": np.zeros(n), "frame_index": np.arange(n)}, ["task"], {})
+    one.finish(["task"])
+    assert {(r["data/chunk_index"], r["data/file_index"]) for r in one.episode_rows} == {(0, 0)}
+
+
 def test_decoded_episodes_in_memory_are_bounded_by_the_window():
     """The conversion's memory does not follow the number of episodes: at most `window` decoded
     episodes exist at once (submitted and not yet consumed), whatever the dataset's size."""

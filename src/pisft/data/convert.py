@@ -51,7 +51,7 @@ from pisft.data.prompts import CONDITIONING_FILE, PromptConditioning
 from pisft.data.recap_reader import EpisodeRef, RecapSource
 from pisft.data.source_weights import SourceSampling
 from pisft.data.split import stratified_split
-from pisft.data.v30_writer import V30Writer
+from pisft.data.v30_writer import V30Writer, recorder_layout, write_recorder_meta
 from pisft.data.validate import check_episode
 from pisft.errors import DataError
 from pisft.io import atomic_dir, write_json_atomic, write_manifest
@@ -604,13 +604,15 @@ def convert_recap(sources: str | Path | DataSource | list, out_dir: Path, opts: 
     out = Path(out_dir)
     first_src = opened[0][1]
     with atomic_dir(out) as tmp:
-        writer = V30Writer(tmp, _output_features(out_shape), fps, robot_type=first_src.info.get("robot_type"))
+        features, info, schema = recorder_layout(_output_features(out_shape), fps,
+                                                 robot_type=first_src.info.get("robot_type"))
+        writer = V30Writer(tmp, schema, features)
         workers = opts.n_workers()
         per_episode_stats, numeric_all = _write_episodes(writer, fps, kept, opts, prompt_index, workers,
                                                          set(split["train"]))
         tasks_out = sorted(prompt_index, key=prompt_index.get)
         stats = st.dataset_stats({k: np.concatenate(v) for k, v in numeric_all.items()}, per_episode_stats)
-        writer.finish(tasks_out, stats)
+        write_recorder_meta(writer, info, tasks_out, stats)
         t_write = time.perf_counter()
         sampling = SourceSampling(opts.data.balance_source_weights, tuple(s.weight for s in pool),
                                   tuple(k.source for k in kept))

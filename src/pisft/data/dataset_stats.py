@@ -10,6 +10,13 @@ episodes differ (e.g. one task's state range never overlaps another's, so the av
 far inside the real 1% tail). For numeric features we therefore compute the quantiles over all
 frames at once with LeRobot's `get_feature_stats` (its RunningQuantileStats histogram); camera
 statistics are aggregated from the per-episode ones as LeRobot does.
+
+The RECAP inputs pisft writes (`recap_layout`: the demo generator, the rollout collection) carry
+the statistics of a LeRobot v2.1 `episodes_stats.jsonl` instead, `simple_stats` per episode (min,
+max, mean, std, count; cameras over every frame) and `aggregate_simple` for a dataset's
+`stats.json`: the numbers those layouts have always held, computed with numpy only. LeRobot is
+imported by the functions that use it, not by this module, so the demo stage does not pay the
+import of LeRobot/torch.
 """
 
 from __future__ import annotations
@@ -17,19 +24,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from lerobot.datasets.compute_stats import (
-    DEFAULT_QUANTILES,
-    aggregate_stats,
-    get_feature_stats,
-    sample_indices,
-)
 
 
-QUANTILE_KEYS = [f"q{int(q * 100):02d}" for q in DEFAULT_QUANTILES]
+def quantiles() -> dict[str, float]:
+    """LeRobot's quantiles by their stats key (q01, q10, q50, q90, q99)."""
+    from lerobot.datasets.compute_stats import DEFAULT_QUANTILES
+
+    return {f"q{int(q * 100):02d}": q for q in DEFAULT_QUANTILES}
 
 
 def image_sample_indices(num_frames: int) -> list[int]:
     """The frames LeRobot samples from an episode for camera statistics."""
+    from lerobot.datasets.compute_stats import sample_indices
+
     return sample_indices(num_frames)
 
 
@@ -50,7 +57,8 @@ def stats_from_histograms(hist: np.ndarray, frames: int) -> dict[str, np.ndarray
     """LeRobot-layout camera stats ((C, 1, 1) in [0, 1]; count = frames) from summed histograms."""
     hist = np.asarray(hist, dtype=np.float64)
     values = np.arange(256, dtype=np.float64)
-    out: dict[str, list] = {k: [] for k in ("min", "max", "mean", "std", *QUANTILE_KEYS)}
+    qs = quantiles()
+    out: dict[str, list] = {k: [] for k in ("min", "max", "mean", "std", *qs)}
     for h in hist:
         n = h.sum()
         nz = np.flatnonzero(h)
@@ -60,7 +68,7 @@ def stats_from_histograms(hist: np.ndarray, frames: int) -> dict[str, np.ndarray
         out["mean"].append(mean)
         out["std"].append(float(np.sqrt(max(0.0, (h * (values - mean) ** 2).sum() / n))))
         cum = np.cumsum(h)
-        for key, q in zip(QUANTILE_KEYS, DEFAULT_QUANTILES, strict=True):
+        for key, q in qs.items():
             out[key].append(float(np.searchsorted(cum, q * n, side="left")))
     stats = {k: (np.asarray(v, dtype=np.float64) / 255.0).reshape(len(hist), 1, 1) for k, v in out.items()}
     stats["count"] = np.array([frames])
@@ -81,6 +89,8 @@ def image_stats(frames: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
 
 def numeric_stats(values: np.ndarray) -> dict[str, np.ndarray]:
     """Stats of a (frames,) or (frames, dim) array, LeRobot layout ((1,) or (dim,))."""
+    from lerobot.datasets.compute_stats import get_feature_stats
+
     values = np.asarray(values)
     if values.dtype == np.bool_:
         values = values.astype(np.float32)
@@ -96,6 +106,8 @@ def episode_stats(numeric: dict[str, np.ndarray], sampled_images: dict[str, Sequ
 
 def dataset_stats(all_numeric: dict[str, np.ndarray], per_episode: list[dict]) -> dict:
     """Dataset stats: exact-over-all-frames for numeric features, aggregated for cameras."""
+    from lerobot.datasets.compute_stats import aggregate_stats
+
     image_keys = sorted({k for ep in per_episode for k in ep if k not in all_numeric})
     out: dict = {}
     if image_keys:
@@ -111,3 +123,39 @@ def dataset_stats(all_numeric: dict[str, np.ndarray], per_episode: list[dict]) -
 def to_jsonable(stats: dict) -> dict:
     """np arrays -> nested lists (the layout of LeRobot's stats.json / episodes_stats.jsonl)."""
     return {k: to_jsonable(v) if isinstance(v, dict) else np.asarray(v).tolist() for k, v in stats.items()}
+
+
+def simple_stats(values: np.ndarray, image: bool = False) -> dict[str, list]:
+    """min/max/mean/std/count as in a LeRobot v2.1 `episodes_stats.jsonl` (images: per channel,
+    (3, 1, 1), scaled to [0, 1])."""
+    if image:  # (T, H, W, 3) uint8 -> channel rows, reduced along contiguous memory
+        ch = np.ascontiguousarray(np.asarray(values).reshape(-1, 3).T)
+        x = ch.astype(np.float32)
+        mean = x.mean(1, dtype=np.float64)
+        std = np.sqrt(((x - mean[:, None].astype(np.float32)) ** 2).mean(1, dtype=np.float64))
+        out = {"min": ch.min(1) / 255.0, "max": ch.max(1) / 255.0, "mean": mean / 255.0, "std": std / 255.0}
+        out = {k: np.asarray(x, dtype=np.float64).reshape(3, 1, 1).tolist() for k, x in out.items()}
+    else:
+        v = np.asarray(values, dtype=np.float64)
+        if v.ndim == 1:
+            v = v[:, None]
+        out = {"min": v.min(0).tolist(), "max": v.max(0).tolist(), "mean": v.mean(0).tolist(),
+               "std": v.std(0).tolist()}
+    out["count"] = [int(np.asarray(values).shape[0])]
+    return out
+
+
+def aggregate_simple(per_episode: list[dict]) -> dict:
+    """Dataset stats (v2.0 `stats.json`) from per-episode simple stats."""
+    out = {}
+    for key in per_episode[0]:
+        counts = np.array([ep[key]["count"][0] for ep in per_episode], dtype=np.float64)
+        means = np.array([ep[key]["mean"] for ep in per_episode])
+        stds = np.array([ep[key]["std"] for ep in per_episode])
+        w = counts.reshape((-1,) + (1,) * (means.ndim - 1))
+        mean = (means * w).sum(0) / counts.sum()
+        var = ((stds**2 + (means - mean) ** 2) * w).sum(0) / counts.sum()
+        out[key] = {"min": np.min([ep[key]["min"] for ep in per_episode], 0).tolist(),
+                    "max": np.max([ep[key]["max"] for ep in per_episode], 0).tolist(),
+                    "mean": mean.tolist(), "std": np.sqrt(var).tolist(), "count": [int(counts.sum())]}
+    return out

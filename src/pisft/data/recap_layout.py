@@ -23,19 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pisft.data import images as imgs
+from pisft.data.dataset_stats import aggregate_simple, simple_stats
 from pisft.data.libero import ACTION_DIM, CAMERAS, FPS, NAMINGS, STATE_DIM, naming_columns
+from pisft.data.v30_writer import CHUNK_SIZE, DATA_FILE_SIZE_IN_MB, DATA_PATH, VIDEO_PATH, V30Writer
 
 VERSIONS = ("v2.0", "v2.1", "v3.0")
 V2_DATA_PATH = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
 V2_VIDEO_PATH = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"
-V3_DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
-V3_VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
-CHUNKS_SIZE = 1000
 
 
 @dataclass
@@ -122,42 +120,6 @@ def arrow_schema(features: dict) -> pa.Schema:
             hf[key] = {"feature": {"dtype": ft["dtype"], "_type": "Value"}, "length": shape[0], "_type": "List"}
     meta = {"huggingface": json.dumps({"info": {"features": hf}})}
     return pa.schema(fields, metadata=meta)
-
-
-def simple_stats(values: np.ndarray, image: bool = False) -> dict[str, list]:
-    """min/max/mean/std/count as in a LeRobot v2.1 `episodes_stats.jsonl` (images: per channel,
-    (3, 1, 1), scaled to [0, 1])."""
-    if image:  # (T, H, W, 3) uint8 -> channel rows, reduced along contiguous memory
-        ch = np.ascontiguousarray(np.asarray(values).reshape(-1, 3).T)
-        x = ch.astype(np.float32)
-        mean = x.mean(1, dtype=np.float64)
-        std = np.sqrt(((x - mean[:, None].astype(np.float32)) ** 2).mean(1, dtype=np.float64))
-        out = {"min": ch.min(1) / 255.0, "max": ch.max(1) / 255.0, "mean": mean / 255.0, "std": std / 255.0}
-        out = {k: np.asarray(x, dtype=np.float64).reshape(3, 1, 1).tolist() for k, x in out.items()}
-    else:
-        v = np.asarray(values, dtype=np.float64)
-        if v.ndim == 1:
-            v = v[:, None]
-        out = {"min": v.min(0).tolist(), "max": v.max(0).tolist(), "mean": v.mean(0).tolist(),
-               "std": v.std(0).tolist()}
-    out["count"] = [int(np.asarray(values).shape[0])]
-    return out
-
-
-def aggregate_simple(per_episode: list[dict]) -> dict:
-    """Dataset stats (v2.0 `stats.json`) from per-episode simple stats."""
-    out = {}
-    for key in per_episode[0]:
-        counts = np.array([ep[key]["count"][0] for ep in per_episode], dtype=np.float64)
-        means = np.array([ep[key]["mean"] for ep in per_episode])
-        stds = np.array([ep[key]["std"] for ep in per_episode])
-        w = counts.reshape((-1,) + (1,) * (means.ndim - 1))
-        mean = (means * w).sum(0) / counts.sum()
-        var = ((stds**2 + (means - mean) ** 2) * w).sum(0) / counts.sum()
-        out[key] = {"min": np.min([ep[key]["min"] for ep in per_episode], 0).tolist(),
-                    "max": np.max([ep[key]["max"] for ep in per_episode], 0).tolist(),
-                    "mean": mean.tolist(), "std": np.sqrt(var).tolist(), "count": [int(counts.sum())]}
-    return out
 
 
 def _png_column(frames: np.ndarray, pool: ThreadPoolExecutor | None) -> list[dict]:
@@ -264,7 +226,7 @@ class _V2Writer:
         if self.features is None:
             self.features = input_features(tuple(ep.images[CAMERAS[0]].shape[1:]), self.naming, self.video,
                                            self.fps, self.success_column)
-        chunk = ep.episode_index // CHUNKS_SIZE
+        chunk = ep.episode_index // CHUNK_SIZE
         path = self.root / V2_DATA_PATH.format(episode_chunk=chunk, episode_index=ep.episode_index)
         path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(episode_table(ep, self.first, self.features, self.naming, self.video, self.pool, self.fps),
@@ -287,7 +249,7 @@ class _V2Writer:
         info = {
             "codebase_version": self.version, "robot_type": self.robot_type, "total_episodes": n,
             "total_frames": self.first, "total_tasks": len(self.tasks), "total_videos": n * 2 if self.video else 0,
-            "total_chunks": self.max_episode // CHUNKS_SIZE + 1, "chunks_size": CHUNKS_SIZE, "fps": self.fps,
+            "total_chunks": self.max_episode // CHUNK_SIZE + 1, "chunks_size": CHUNK_SIZE, "fps": self.fps,
             "splits": {"train": f"0:{n}"}, "data_path": V2_DATA_PATH,
             "video_path": V2_VIDEO_PATH if self.video else None, "features": self.features,
         }
@@ -302,16 +264,17 @@ class _V2Writer:
 
 
 class _V3Writer:
+    """The v3.0 layout through `V30Writer`: one data file (and one MP4 per camera) for the whole
+    dataset, the episodes' own indices, their rows' `meta/episodes/*` columns first."""
+
     def __init__(self, root, tasks, naming, video, fps, pool, version,  # noqa: ARG002 - the v2.1 writer's signature
                  robot_type, success_column):
         self.root, self.tasks, self.naming, self.video, self.fps = root, tasks, naming, video, fps
         self.pool, self.robot_type = pool, robot_type
         self.success_column = success_column
-        self.first = 0
-        self.rows: list[dict] = []
         self.all_stats: list[dict] = []
         self.features: dict | None = None
-        self.writer: pq.ParquetWriter | None = None
+        self.writer: V30Writer | None = None
         self.videos: dict[str, imgs.Mp4Writer] = {}
 
     def add(self, ep: RecapEpisode) -> None:
@@ -319,55 +282,42 @@ class _V3Writer:
         if self.features is None:
             shape = tuple(ep.images[CAMERAS[0]].shape[1:])
             self.features = input_features(shape, self.naming, self.video, self.fps, self.success_column)
-            data_path = self.root / V3_DATA_PATH.format(chunk_index=0, file_index=0)
-            data_path.parent.mkdir(parents=True, exist_ok=True)
             if self.video:
                 for cam in CAMERAS:
-                    path = self.root / V3_VIDEO_PATH.format(video_key=names[cam], chunk_index=0, file_index=0)
+                    path = self.root / VIDEO_PATH.format(video_key=names[cam], chunk_index=0, file_index=0)
                     self.videos[cam] = imgs.Mp4Writer(path, self.fps, shape[1], shape[0])
-        table = episode_table(ep, self.first, self.features, self.naming, self.video, self.pool, self.fps)
+        first = self.writer.total_frames if self.writer is not None else 0
+        table = episode_table(ep, first, self.features, self.naming, self.video, self.pool, self.fps)
         if self.writer is None:
-            self.writer = pq.ParquetWriter(self.root / V3_DATA_PATH.format(chunk_index=0, file_index=0), table.schema)
-        self.writer.write_table(table)
+            self.writer = V30Writer(self.root, table.schema, data_files_size_in_mb=None, meta_columns_first=True)
         for cam, vw in self.videos.items():
             vw.write(ep.images[cam])
-        ep_stats = _episode_stats(ep, self.first, self.naming, self.fps, self.features)
+        ep_stats = _episode_stats(ep, first, self.naming, self.fps, self.features)
         self.all_stats.append(ep_stats)
-        row = {"episode_index": ep.episode_index, "tasks": [self.tasks[ep.task_index]], "length": ep.length,
-               "data/chunk_index": 0, "data/file_index": 0, "dataset_from_index": self.first,
-               "dataset_to_index": self.first + ep.length, "meta/episodes/chunk_index": 0,
-               "meta/episodes/file_index": 0}
+        extra = {}
         if self.video:
             for cam in CAMERAS:
-                row[f"videos/{names[cam]}/chunk_index"] = 0
-                row[f"videos/{names[cam]}/file_index"] = 0
-                row[f"videos/{names[cam]}/from_timestamp"] = self.first / self.fps
-                row[f"videos/{names[cam]}/to_timestamp"] = (self.first + ep.length) / self.fps
-        for key, val in ep_stats.items():
-            for stat, v in val.items():
-                row[f"stats/{key}/{stat}"] = v
-        self.rows.append(row)
-        self.first += ep.length
+                extra[f"videos/{names[cam]}/chunk_index"] = 0
+                extra[f"videos/{names[cam]}/file_index"] = 0
+                extra[f"videos/{names[cam]}/from_timestamp"] = first / self.fps
+                extra[f"videos/{names[cam]}/to_timestamp"] = (first + ep.length) / self.fps
+        self.writer.add_table(table, [self.tasks[ep.task_index]], ep_stats, episode_index=ep.episode_index,
+                              extra=extra)
 
     def close(self) -> None:
-        self.writer.close()
+        assert self.writer is not None and self.features is not None, "no episode to write"
         for vw in self.videos.values():
             vw.close()
-        meta = self.root / "meta"
-        ep_dir = meta / "episodes" / "chunk-000"
-        ep_dir.mkdir(parents=True, exist_ok=True)
-        pq.write_table(pa.Table.from_pylist(self.rows), ep_dir / "file-000.parquet")
-        # As LeRobot writes it: a pandas frame indexed by the task string.
-        pd.DataFrame({"task_index": np.arange(len(self.tasks), dtype=np.int64)},
-                     index=pd.Index(list(self.tasks), name="task")).to_parquet(meta / "tasks.parquet")
+        self.writer.finish(self.tasks)
         feats = {k: ({**v, "fps": self.fps} if v["dtype"] != "video" else v) for k, v in self.features.items()}
-        n = len(self.rows)
+        n = len(self.writer.episode_rows)
         info = {
             "codebase_version": "v3.0", "robot_type": self.robot_type, "total_episodes": n,
-            "total_frames": self.first, "total_tasks": len(self.tasks), "chunks_size": CHUNKS_SIZE,
-            "data_files_size_in_mb": 100, "video_files_size_in_mb": 200, "fps": self.fps,
-            "splits": {"train": f"0:{n}"}, "data_path": V3_DATA_PATH,
-            "video_path": V3_VIDEO_PATH if self.video else None, "features": feats,
+            "total_frames": self.writer.total_frames, "total_tasks": len(self.tasks), "chunks_size": CHUNK_SIZE,
+            "data_files_size_in_mb": DATA_FILE_SIZE_IN_MB, "video_files_size_in_mb": 200, "fps": self.fps,
+            "splits": {"train": f"0:{n}"}, "data_path": DATA_PATH,
+            "video_path": VIDEO_PATH if self.video else None, "features": feats,
         }
+        meta = self.root / "meta"
         _write_json(meta / "info.json", info)
         _write_json(meta / "stats.json", aggregate_simple(self.all_stats))
