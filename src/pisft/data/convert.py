@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 from pisft import layout
 from pisft import device
 from pisft.config import (CONVERSION, INPUT, DataConfig, DataSource, PisftConfig, data_sources, keys_marked,
-                          roles_of, write_resolved)
+                          roles_of)
 from pisft.data import images as imgs
 from pisft.data import dataset_stats as st
 from pisft.data.libero import ACTION_DIM, CAMERAS, OUTPUT_NAMES, STATE_DIM, SUCCESS_COLUMNS
@@ -54,7 +54,8 @@ from pisft.data.split import stratified_split
 from pisft.data.v30_writer import V30Writer, recorder_layout, write_recorder_meta
 from pisft.data.validate import check_episode
 from pisft.errors import DataError
-from pisft.io import atomic_dir, write_json_atomic, write_manifest
+from pisft.integrity import stage_output
+from pisft.io import write_json_atomic
 from pisft.layout import RETURNS_FILE, SPLIT_FILE
 from pisft.stages import CONVERT_RECAP
 
@@ -603,7 +604,7 @@ def convert_recap(sources: str | Path | DataSource | list, out_dir: Path, opts: 
             prompt_index.setdefault(p, len(prompt_index))
     out = Path(out_dir)
     first_src = opened[0][1]
-    with atomic_dir(out) as tmp:
+    with stage_output(out, cfg) as tmp:  # every reader checks the dataset against its manifest
         features, info, schema = recorder_layout(_output_features(out_shape), fps,
                                                  robot_type=first_src.info.get("robot_type"))
         writer = V30Writer(tmp, schema, features)
@@ -623,9 +624,6 @@ def convert_recap(sources: str | Path | DataSource | list, out_dir: Path, opts: 
         _write_returns(tmp / RETURNS_FILE, kept, [s.type for s in pool], returns or Returns())
         # how the prompts were conditioned; the export copies it next to the trained model
         (opts.conditioning if opts.data.advantage_tag else PromptConditioning()).write(tmp / "meta" / CONDITIONING_FILE)
-        if cfg is not None:
-            write_resolved(cfg, tmp / "pisft_config.json")
-        write_manifest(tmp)  # every reader checks the dataset against it (pisft.integrity)
     frames_out = report["out"]["frames"]
     total = time.perf_counter() - t0
     report["_timing"] = {"total_s": total, "metadata_s": t_meta - t0, "frames_s": t_write - t_meta,
