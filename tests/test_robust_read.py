@@ -305,8 +305,32 @@ def test_every_stage_output_that_a_stage_reads_carries_a_manifest(converted_sour
                                           ROOT / "src/pisft/recap/advantages.py", ROOT / "src/pisft/train/export.py",
                                           ROOT / "src/pisft/recap/value_model.py", ROOT / "src/pisft/model/fetch.py",
                                           ROOT / "src/pisft/data/convert.py")}
-    assert all("write_manifest(" in text for text in sources.values()), [p for p, t in sources.items()
-                                                                         if "write_manifest(" not in t]
+    # each writes through integrity.stage_output (the stages' one writer) or, for a model folder inside
+    # its output, write_manifest itself
+    writes = ("stage_output(", "write_manifest(")
+    assert all(any(w in text for w in writes) for text in sources.values()), [
+        p for p, t in sources.items() if not any(w in t for w in writes)]
+
+
+def test_the_stage_output_writer_adds_the_config_and_a_manifest_naming_the_rule(tmp_path):
+    """integrity.stage_output: what the stage wrote, its resolved config and MANIFEST.json, which lists
+    both and names the rule and command; an error inside leaves nothing."""
+    from pisft import config as config_mod
+    from pisft.integrity import stage_output, verify_read, writing_as
+
+    cfg = config_mod.load(ROOT / "config" / "config.yaml", [f"results_dir={tmp_path}"])
+    final = tmp_path / "labels"
+    with writing_as("advantages_1", "python -m pisft advantages --iteration 1"), stage_output(final, cfg) as out:
+        (out / "labels.parquet").write_bytes(b"labels")
+    manifest = json.loads((final / "MANIFEST.json").read_text())
+    assert set(manifest["files"]) == {"labels.parquet", "pisft_config.json"}
+    assert manifest["written_by"] == {"stage": "advantages_1", "command": "python -m pisft advantages --iteration 1"}
+    assert json.loads((final / "pisft_config.json").read_text()) == config_mod.resolved(cfg)
+    verify_read(final, what="the test", required=True)
+    with pytest.raises(RuntimeError, match="half"), stage_output(tmp_path / "broken", cfg) as out:
+        (out / "labels.parquet").write_bytes(b"half")
+        raise RuntimeError("half written")
+    assert not (tmp_path / "broken").exists() and not [p for p in tmp_path.iterdir() if "broken" in p.name]
 
 
 def test_serve_refuses_a_damaged_model_before_listening(policy_dir):
