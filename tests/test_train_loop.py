@@ -343,7 +343,8 @@ def test_checkpoint_damaged_in_place_is_skipped_for_the_previous_one(tmp_path):
     for step in (2, 4):
         mgr.save(step, model, opt, sched)
     meta = json.loads((root / "step_000004" / "COMPLETE.json").read_text())
-    assert set(meta["sha256"]) == set(meta["files"]) and "dcp/.metadata" in meta["sha256"]
+    assert "dcp/.metadata" in meta["files"] and "sha256" not in meta  # MANIFEST.json's record
+    assert all(set(entry) == {"sha256", "size"} for entry in meta["files"].values())
     assert ckpt_mod.verify(root / "step_000004") is None
     shard = _zero_64k_in_a_shard(root / "step_000004")
     skipped = []
@@ -355,6 +356,78 @@ def test_checkpoint_damaged_in_place_is_skipped_for_the_previous_one(tmp_path):
     # sizes alone do not see it: that is why the content is hashed
     assert ckpt_mod.verify(root / "step_000004", content=False) is None
 
+
+
+def test_the_marker_holds_the_manifest_record_and_its_writer(tmp_path, monkeypatch):
+    """COMPLETE.json's files are MANIFEST.json's record (pisft.io.build_manifest's), plus the step and the
+    stage writing it; the folder is compared with it by the function MANIFEST.json's readers use."""
+    from pisft import io as io_mod
+
+    monkeypatch.setenv(io_mod.STAGE_ENV, "train")
+    monkeypatch.setenv(io_mod.COMMAND_ENV, "python -m pisft launch train")
+    root = tmp_path / "ckpt"
+    model, opt, sched = _big_toy()
+    step_dir = _manager(root).save(2, model, opt, sched)
+    meta = json.loads((step_dir / "COMPLETE.json").read_text())
+    assert meta["step"] == 2
+    assert meta["written_by"] == {"stage": "train", "command": "python -m pisft launch train"}
+    assert meta["files"] == io_mod.build_manifest(step_dir, exclude=("COMPLETE.json",))
+    assert io_mod.compare_files(step_dir, meta["files"], sha256=lambda rel: io_mod.sha256_file(step_dir / rel)) == []
+    shard = _zero_64k_in_a_shard(step_dir)
+    rel = shard.relative_to(step_dir).as_posix()
+    assert io_mod.compare_files(step_dir, meta["files"], sha256=lambda r: io_mod.sha256_file(step_dir / r)) == [
+        io_mod.FileProblem(rel, "sha256")]
+
+
+def _to_the_earlier_layout(step_dir: Path) -> None:
+    """Rewrite a checkpoint's COMPLETE.json as pisft wrote it before issue 48 (files: relpath -> size,
+    sha256: relpath -> hex), as a checkpoint saved by that code holds it."""
+    marker = step_dir / "COMPLETE.json"
+    meta = json.loads(marker.read_text())
+    marker.write_text(json.dumps({"step": meta["step"],
+                                  "files": {rel: e["size"] for rel, e in meta["files"].items()},
+                                  "sha256": {rel: e["sha256"] for rel, e in meta["files"].items()}},
+                                 indent=2, sort_keys=True) + "\n")
+
+
+def test_a_checkpoint_with_the_earlier_marker_is_verified_and_resumed(tmp_path):
+    root = tmp_path / "ckpt"
+    model, opt, sched = _big_toy()
+    mgr = _manager(root, keep_last=5)
+    for step in (2, 4, 6):
+        mgr.save(step, model, opt, sched)
+    for step in (2, 4, 6):
+        _to_the_earlier_layout(root / ckpt_mod.step_dir_name(step))
+    assert "sha256" in json.loads((root / "step_000006" / "COMPLETE.json").read_text())
+    assert all(ckpt_mod.verify(f.path) is None for f in ckpt_mod.list_checkpoints(root))
+    # damage is still seen in it: altered bytes at step 6, a truncated file at step 4
+    shard = _zero_64k_in_a_shard(root / "step_000006")
+    meta4 = root / "step_000004" / "trainer_state.json"
+    meta4.write_text(meta4.read_text()[:-3])
+    skipped = []
+    found = CheckpointManager(root, keep_last=5, rank=0, world_size=1, fingerprint={"train.lr": 0.01},
+                              config={}, log=skipped.append).find_resume()
+    assert found.step == 2
+    assert "content damaged" in skipped[0] and shard.relative_to(root / "step_000006").as_posix() in skipped[0]
+    assert "trainer_state.json has" in skipped[1] and "truncated" in skipped[1]
+    # and it resumes: the model, optimizer and scheduler of step 2
+    model2, opt2, sched2 = _big_toy()
+    with torch.no_grad():
+        for p in model2.parameters():
+            p.add_(1.0)
+    state = _manager(root, keep_last=5).load(found, model2, opt2, sched2)
+    assert state["step"] == 2
+    for k, v in weights(model).items():
+        assert torch.equal(weights(model2)[k], v), k
+    # a marker of the oldest layout (sizes only): complete, but its content cannot be checked
+    marker = root / "step_000002" / "COMPLETE.json"
+    meta = json.loads(marker.read_text())
+    marker.write_text(json.dumps({"step": 2, "files": meta["files"]}))
+    assert ckpt_mod.verify(root / "step_000002", content=False) is None
+    assert "no content checksums" in ckpt_mod.verify(root / "step_000002")
+    # pruning counts the earlier layouts' checkpoints as complete (step 4, truncated, is not: kept as it is)
+    _manager(root, keep_last=1).prune()
+    assert [f.step for f in ckpt_mod.list_checkpoints(root)] == [4, 6]
 
 def test_run_stops_when_every_checkpoint_is_damaged(tmp_path):
     root = tmp_path / "ckpt"

@@ -146,7 +146,7 @@ def _filename(exc: BaseException) -> str | None:
 
 def resume_command() -> str:
     """The command running (recorded by `python -m pisft`), to rerun after freeing space."""
-    from pisft.integrity import current_writer
+    from pisft.io import current_writer
 
     writer = current_writer()
     if writer and writer.get("command"):

@@ -42,10 +42,12 @@ from typing import Any
 
 from pisft import layout
 from pisft.errors import PisftError
+# STAGE_ENV, COMMAND_ENV: the names the manifests' writer is read from (`pisft.io.current_writer`)
+from pisft import io
+from pisft.io import COMMAND_ENV, STAGE_ENV, FileProblem, compare_files, listed_files
 
 MANIFEST_FILE = "MANIFEST.json"
 CACHE_ENV = "PISFT_VERIFY_CACHE"  # a folder, or "off"
-from pisft.io import COMMAND_ENV, STAGE_ENV  # noqa: E402 - the names the manifests' writer is read from
 
 
 class IntegrityError(PisftError):
@@ -89,13 +91,6 @@ def writing_as(rule: str, command: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def current_writer() -> dict[str, str] | None:
-    rule = os.environ.get(STAGE_ENV)
-    if not rule:
-        return None
-    return {"stage": rule, "command": os.environ.get(COMMAND_ENV, "")}
 
 
 def _identity(st: os.stat_result) -> list[int]:
@@ -144,13 +139,6 @@ def _write_cache(path: Path | None, root: Path, manifest_sha: str, files: dict[s
         pass  # a read-only or full home: the next read hashes again
 
 
-def _listed_files(root: Path) -> set[str]:
-    from pisft.io import WORKFLOW_MARKERS
-
-    return {p.relative_to(root).as_posix() for p in root.rglob("*")
-            if not p.is_dir() and p.name not in WORKFLOW_MARKERS and p.relative_to(root).as_posix() != MANIFEST_FILE}
-
-
 def writer_of(root: Path) -> tuple[str, str] | None:
     """(rule, command) of the stage whose output `root` is, from where it lies under results_dir
     (`recap/iter_K/value/model` -> train_value_K; the stage table's outputs, `pisft.layout.writer_of`):
@@ -174,6 +162,15 @@ def _writer_text(manifest: dict[str, Any], root: Path, stage: str | None) -> tup
     how = f"snakemake --cores all --forcerun {rule} (or dvc repro --force {rule}"
     how += f", or {command} --config FILE)" if command else ")"
     return rule, how
+
+
+def _problem_text(path: Path, problem: FileProblem) -> str:
+    return f"{path}: " + {
+        "unlisted": f"present but not listed in {MANIFEST_FILE}",
+        "missing": f"listed in {MANIFEST_FILE} but missing",
+        "size": f"{problem.size} bytes, {MANIFEST_FILE} lists {problem.recorded}",
+        "sha256": f"sha256 differs from {MANIFEST_FILE} (same size: damaged or changed in place)",
+    }[problem.kind]
 
 
 def verify_read(root: str | Path, *, what: str, required: bool | None = None, stage: str | None = None) -> None:
@@ -209,30 +206,21 @@ def verify_read(root: str | Path, *, what: str, required: bool | None = None, st
     manifest_sha = hashlib.sha256(raw).hexdigest()
     cache_path = _cache_file(root)
     cached = _read_cache(cache_path, manifest_sha)
-    problems: list[str] = []
     good: dict[str, list[int]] = {}
-    for rel in sorted(_listed_files(root) - expected.keys()):
-        problems.append(f"{root / rel}: present but not listed in {MANIFEST_FILE}")
-    for rel, meta in sorted(expected.items()):
+
+    def content(rel: str) -> str:  # the file's sha256, or the recorded one when its verdict is cached
         path = root / rel
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            problems.append(f"{path}: listed in {MANIFEST_FILE} but missing")
-            continue
-        if st.st_size != meta.get("size", st.st_size):
-            problems.append(f"{path}: {st.st_size} bytes, {MANIFEST_FILE} lists {meta['size']}")
-            continue
-        ident = _identity(st)
+        ident = _identity(path.stat())
         if cached.get(rel) == ident:
             good[rel] = ident
-            continue
-        from pisft.io import sha256_file
+            return expected[rel].get("sha256")
+        digest = io.sha256_file(path)  # looked up at the call (tests count the hashing)
+        if digest == expected[rel].get("sha256"):
+            good[rel] = ident
+        return digest
 
-        if sha256_file(path) != meta.get("sha256"):
-            problems.append(f"{path}: sha256 differs from {MANIFEST_FILE} (same size: damaged or changed in place)")
-            continue
-        good[rel] = ident
+    listed = listed_files(root, exclude=(MANIFEST_FILE,))
+    problems = [_problem_text(root / p.rel, p) for p in compare_files(root, expected, sha256=content, present=listed)]
     if problems:
         more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:4])})" if len(problems) > 1 else ""
         raise IntegrityError(f"{what}: {problems[0]}{more}; {root} is not what {rule} wrote, so it is not used; "

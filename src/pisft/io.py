@@ -9,7 +9,8 @@ import os
 import shutil
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -135,17 +136,66 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 WORKFLOW_MARKERS = frozenset({".snakemake_timestamp"})
 
 
+def listed_files(root: str | Path, exclude: tuple[str, ...] = ("MANIFEST.json",)) -> set[str]:
+    """The relative paths of the files under root (links followed) that a manifest lists: all
+    but `exclude` (relative paths) and Snakemake's directory markers (`WORKFLOW_MARKERS`)."""
+    root = Path(root)
+    return {rel for path in root.rglob("*")
+            if not path.is_dir() and (rel := path.relative_to(root).as_posix()) not in exclude
+            and path.name not in WORKFLOW_MARKERS}
+
+
 def build_manifest(root: str | Path, exclude: tuple[str, ...] = ("MANIFEST.json",)) -> dict[str, dict]:
     """sha256 and size of every file under root (links followed), keyed by relative path;
     Snakemake's directory markers (`WORKFLOW_MARKERS`) are left out."""
     root = Path(root)
-    files: dict[str, dict] = {}
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root).as_posix()
-        if path.is_dir() or rel in exclude or path.name in WORKFLOW_MARKERS:
+    return {rel: {"sha256": sha256_file(root / rel), "size": (root / rel).stat().st_size}
+            for rel in sorted(listed_files(root, exclude))}
+
+
+@dataclass(frozen=True)
+class FileProblem:
+    """One way a folder differs from a files record; each verifier words it for its reader."""
+
+    rel: str  # the file, relative to the folder
+    kind: str  # "unlisted" (present, not recorded), "missing", "size" or "sha256"
+    size: int | None = None  # kind "size": the file's size now
+    recorded: int | None = None  # kind "size": the size recorded
+
+
+def compare_files(root: str | Path, recorded: Mapping[str, Mapping[str, Any]], *,
+                  sha256: Mapping[str, str] | Callable[[str], str | None] | None = None,
+                  present: Iterable[str] | None = None) -> list[FileProblem]:
+    """How the files under root differ from `recorded` (relative path -> {"sha256", "size"}: the
+    `files` of a MANIFEST.json and of a training checkpoint's COMPLETE.json); empty: they match.
+
+    The one comparison of a folder with its record (`verify_manifest`, `pisft.integrity.verify_read`,
+    `pisft.train.checkpoint.verify`). In order: the files of `present` (those found under root,
+    `listed_files`; None: not checked) that are not recorded, sorted; then, for each recorded
+    file in sorted order, the first of: missing, another size than recorded (a record without
+    a size skips that), another sha256. Content is compared only when `sha256` is given, and
+    only for the files present with their recorded size: a mapping relative path -> sha256
+    (computed by the caller, e.g. by a checkpoint's ranks together) or a callable returning the
+    sha256 of one relative path (which may answer from a verdict cache). A recorded file
+    without a sha256 differs in content.
+    """
+    root = Path(root)
+    problems = [FileProblem(rel, "unlisted") for rel in sorted(set(present or ()) - recorded.keys())]
+    for rel, entry in sorted(recorded.items()):
+        try:
+            size = (root / rel).stat().st_size
+        except (FileNotFoundError, NotADirectoryError):
+            problems.append(FileProblem(rel, "missing"))
             continue
-        files[rel] = {"sha256": sha256_file(path), "size": path.stat().st_size}
-    return files
+        if entry.get("size", size) != size:
+            problems.append(FileProblem(rel, "size", size=size, recorded=entry["size"]))
+            continue
+        if sha256 is None:
+            continue
+        actual = sha256.get(rel) if isinstance(sha256, Mapping) else sha256(rel)
+        if actual is None or actual != entry.get("sha256"):
+            problems.append(FileProblem(rel, "sha256"))
+    return problems
 
 
 # The rule whose command runs in this process and the command (set by `python -m pisft` through
@@ -154,31 +204,40 @@ STAGE_ENV = "PISFT_STAGE"
 COMMAND_ENV = "PISFT_STAGE_COMMAND"
 
 
+def current_writer() -> dict[str, str] | None:
+    """The rule and command running in this process (`written_by` of what it writes), or None
+    outside a stage."""
+    rule = os.environ.get(STAGE_ENV)
+    if not rule:
+        return None
+    return {"stage": rule, "command": os.environ.get(COMMAND_ENV, "")}
+
+
 def write_manifest(root: str | Path) -> dict[str, dict]:
     """Write root/MANIFEST.json: every file's sha256 and size, and the rule and command writing it
     (`written_by`, when a stage runs: `pisft.integrity`, which checks it where it is read)."""
     files = build_manifest(root)
     manifest: dict[str, Any] = {"files": files}
-    if os.environ.get(STAGE_ENV):
-        manifest["written_by"] = {"stage": os.environ[STAGE_ENV], "command": os.environ.get(COMMAND_ENV, "")}
+    if writer := current_writer():
+        manifest["written_by"] = writer
     write_json_atomic(Path(root, "MANIFEST.json"), manifest)
     return files
 
 
 def verify_manifest(root: str | Path) -> list[str]:
-    """Problems found comparing root with its MANIFEST.json (empty list: all good)."""
+    """Problems found comparing root with its MANIFEST.json (empty list: all good): the files
+    that differ (`compare_files`), then those not listed."""
     root = Path(root)
     manifest_path = root / "MANIFEST.json"
     if not manifest_path.is_file():
         return [f"{manifest_path}: missing"]
     expected = json.loads(manifest_path.read_text())["files"]
-    actual = build_manifest(root)
-    problems = []
-    for rel, meta in expected.items():
-        if rel not in actual:
-            problems.append(f"{root / rel}: listed in MANIFEST.json but missing")
-        elif actual[rel]["sha256"] != meta["sha256"]:
-            problems.append(f"{root / rel}: sha256 differs from MANIFEST.json")
-    for rel in actual.keys() - expected.keys():
-        problems.append(f"{root / rel}: present but not listed in MANIFEST.json")
-    return problems
+    found = compare_files(root, expected, sha256=lambda rel: sha256_file(root / rel), present=listed_files(root))
+    text = {
+        "missing": "listed in MANIFEST.json but missing",
+        "sha256": "sha256 differs from MANIFEST.json",
+        "unlisted": "present but not listed in MANIFEST.json",
+    }
+    return [f"{root / p.rel}: " + (f"{p.size} bytes, MANIFEST.json lists {p.recorded}" if p.kind == "size"
+                                   else text[p.kind])
+            for p in sorted(found, key=lambda p: p.kind == "unlisted")]

@@ -10,17 +10,26 @@ Layout of one checkpoint, `<root>/step_XXXXXX/`:
                            model the checkpoint applies to (its directory and MANIFEST.json sha256)
   rng/rank_XXXXX.json      each rank's torch / numpy / python RNG state
   pisft_config.json        the resolved config that wrote it
-  COMPLETE.json            written last: step, the size and the sha256 of every file above
+  COMPLETE.json            written last: the commit marker (its presence means the save
+                           finished): {"step", "files": {relpath: {"sha256", "size"}} of every
+                           file above, "written_by": {"stage", "command"} when a stage runs}, the
+                           files record of a stage output's MANIFEST.json (`pisft.io.write_manifest`),
+                           compared with the folder by the same function (`pisft.io.compare_files`).
+                           A marker written before that record (issue 48: "files" relpath -> size
+                           and "sha256" relpath -> hex beside it) is read too: such checkpoints are
+                           still found, verified and resumed
 
 Save: every rank writes into `<root>/.step_XXXXXX.tmp/`; after a barrier the ranks hash the
 files (each rank a share, balanced by size), rank 0 writes COMPLETE.json (fsync) and renames
 the directory into place, then prunes to the last K. A crash at any moment leaves either a
 temporary directory (ignored and removed later) or a complete checkpoint. Load: the newest
 checkpoint whose COMPLETE.json exists, whose files all exist with the recorded sizes and whose
-content matches the recorded sha256 (the ranks again share the hashing); a damaged one (bytes
-altered without a size change, truncated, a file missing) is reported and skipped for the
-previous one, and when checkpoints exist but every one is damaged the run stops instead of
-silently starting over. The checkpoint folder must be on a filesystem that every node sees.
+content matches the recorded sha256 (the ranks again share the hashing, then
+`pisft.io.compare_files` compares what they computed with the record; files it does not list
+are not looked at); a damaged one (bytes altered without a size change, truncated, a file
+missing) is reported and skipped for the previous one, and when checkpoints exist but every
+one is damaged the run stops instead of silently starting over. The checkpoint folder must be
+on a filesystem that every node sees.
 
 Why sha256: measured on this project's 2-core host (hashlib/zlib over 384 MiB in memory, 8 MiB
 updates, best of 3, two runs on a host shared with other jobs, load 4-6): sha256 0.45-0.76 GB/s
@@ -59,7 +68,7 @@ from torch.distributed.checkpoint.state_dict import (
 from pisft import disk_space, layout
 from pisft.config import POLICY_RUN, PisftConfig, fingerprint_keys, lookup, to_dict
 from pisft.errors import PisftError
-from pisft.io import sha256_file
+from pisft.io import FileProblem, compare_files, current_writer, sha256_file
 from pisft.layout import SPLIT_FILE
 from pisft.base_identity import base_id, same_base
 
@@ -132,14 +141,34 @@ def _file_sizes(root: Path) -> dict[str, int]:
 INCOMPLETE = "the save did not finish"
 
 
+def _record(meta: dict) -> dict[str, dict]:
+    """The marker's files record, relpath -> {"size", "sha256"} (the latter where recorded), from
+    either layout: today's (MANIFEST.json's `files`) or the one before it ("files": relpath ->
+    size, "sha256": relpath -> hex; absent in the oldest markers)."""
+    files = meta["files"]
+    if not isinstance(files, dict):
+        raise TypeError("files is not a mapping")
+    old_sums = meta.get("sha256") if isinstance(meta.get("sha256"), dict) else {}
+    record = {}
+    for rel, entry in files.items():
+        if isinstance(entry, dict):
+            size, digest = entry.get("size"), entry.get("sha256")
+        else:  # the earlier layout
+            size, digest = entry, old_sums.get(rel)
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise TypeError(f"no size recorded for {rel}")
+        record[rel] = {"size": size, **({"sha256": digest} if isinstance(digest, str) else {})}
+    return record
+
+
 def _marker(path: Path) -> tuple[dict | None, str | None]:
+    """(the marker with its files record in today's layout (`_record`), None) or (None, why not)."""
     marker = path / MARKER
     if not marker.is_file():
         return None, f"no {MARKER} ({INCOMPLETE})"
     try:
         meta = json.loads(marker.read_text())
-        if not isinstance(meta["files"], dict):
-            raise TypeError("files is not a mapping")
+        meta["files"] = _record(meta)
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         return None, f"{MARKER} unreadable ({exc})"
     return meta, None
@@ -188,27 +217,32 @@ def verify(path: Path, content: bool = True, rank: int = 0, world_size: int = 1)
         problem = flag[0]
     if problem is not None:
         return problem
-    recorded = meta.get("sha256")
-    if not isinstance(recorded, dict) or set(recorded) != set(meta["files"]):
+    record = meta["files"]
+    if any("sha256" not in entry for entry in record.values()):
         return f"no content checksums recorded in {MARKER} (written by an older pisft)"
-    actual = checksums(path, meta["files"], rank, world_size)
-    bad = sorted(rel for rel in recorded if actual.get(rel) != recorded[rel])
+    actual = checksums(path, {rel: entry["size"] for rel, entry in record.items()}, rank, world_size)
+    found = compare_files(path, record, sha256=actual)
+    bad = [p.rel for p in found if p.kind == "sha256"]
+    if len(bad) < len(found):  # a file removed or resized since the sizes were checked
+        return _problem_text(next(p for p in found if p.kind != "sha256"))
     if bad:
         return (f"content damaged: sha256 of {', '.join(bad[:5])}"
                 f"{' …' if len(bad) > 5 else ''} differs from {MARKER} (same size, altered bytes)")
     return None
 
 
-def _verify_sizes(path: Path, files: dict[str, int]) -> str | None:
-    if "dcp/.metadata" not in files:
+def _problem_text(problem: FileProblem) -> str:
+    if problem.kind == "missing":
+        return f"{problem.rel} is missing"
+    return f"{problem.rel} has {problem.size} bytes, {problem.recorded} recorded (truncated or altered)"
+
+
+def _verify_sizes(path: Path, record: dict[str, dict]) -> str | None:
+    """The first file of the record missing or of another size (`compare_files` without content)."""
+    if "dcp/.metadata" not in record:
         return "no DCP metadata recorded"
-    for rel, size in files.items():
-        f = path / rel
-        if not f.is_file():
-            return f"{rel} is missing"
-        if f.stat().st_size != size:
-            return f"{rel} has {f.stat().st_size} bytes, {size} recorded (truncated or altered)"
-    return None
+    found = compare_files(path, record)
+    return _problem_text(found[0]) if found else None
 
 
 class CheckpointsDamaged(PisftError):
@@ -245,8 +279,6 @@ def latest_complete(root: Path, log=print, content: bool = True, rank: int = 0,
         if INCOMPLETE not in problem:
             damaged.append(f"{found.path.name}: {problem}")
     if damaged:
-        from pisft.integrity import current_writer
-
         writer = (current_writer() or {}).get("stage") or "the training stage"
         raise CheckpointsDamaged(
             f"no usable checkpoint in {root}: every complete one differs from what {writer} wrote "
@@ -352,7 +384,12 @@ class CheckpointManager:
             files = _file_sizes(tmp)
             sums = {**shared_sums, **checksums(tmp, {k: v for k, v in files.items()
                                                      if k not in shared_sums})}
-            _write_json_synced(tmp / MARKER, {"step": step, "files": files, "sha256": sums})
+            # MANIFEST.json's record (pisft.io.write_manifest), with the step: the commit marker.
+            marker: dict[str, Any] = {"step": step, "files": {rel: {"sha256": sums[rel], "size": size}
+                                                              for rel, size in files.items()}}
+            if writer := current_writer():
+                marker["written_by"] = writer
+            _write_json_synced(tmp / MARKER, marker)
             _fsync_dir(tmp)
             if final.exists():
                 shutil.rmtree(final)
