@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from pisft.config import data_sources, lookup, to_dict
+from pisft.config import data_sources
 from pisft.stages import (ADVANTAGES, CLOSED_LOOP, COLLECT_ROLLOUTS, CONVERT_RECAP, DEMO_RECAP, EVALUATE, FETCH_BASE,
                           Output, RECAP_SUMMARY, SMOKE_1CARD, SMOKE_VALUE, STAGES, TRAIN_8CARD, TRAIN_VALUE,
                           Stage)
@@ -234,27 +234,23 @@ def policy(cfg: Run, k: int) -> Path:
     return iteration(cfg, k).trained_model
 
 
-def _start_model(cfg: Run, choice: str) -> Path:
-    """`base`: the base model; `previous`: at RECAP iteration k >= 1 the exported policy of k - 1."""
+def start_model(cfg: Run, choice: str) -> Path:
+    """The weights a training starts from, as `recap.init` or `recap.value_init` chooses (a row's
+    `pisft.stages.StartModel` names the key): `base`, the base model; `previous`, at RECAP
+    iteration k >= 1 the exported policy of k - 1."""
     if cfg.iteration and choice == "previous":
         return policy(cfg, cfg.iteration - 1)
     return base_model(cfg)
 
 
-def start_model(cfg: Any, key: str) -> Path:
-    """The weights a training starts from as the config key `key` chooses (`base`, `previous`):
-    `recap.init`, `recap.value_init` (a row's `pisft.stages.StartModel`)."""
-    return _start_model(cfg, lookup(to_dict(cfg), key))
-
-
 def init_model(cfg: Run) -> Path:
     """The weights training starts from (`recap.init`)."""
-    return _start_model(cfg, cfg.recap.init)
+    return start_model(cfg, cfg.recap.init)
 
 
 def value_init_model(cfg: Run) -> Path:
     """The weights the value model (train_value, smoke_value) starts from (`recap.value_init`)."""
-    return _start_model(cfg, cfg.recap.value_init)
+    return start_model(cfg, cfg.recap.value_init)
 
 
 def training_labels(cfg: Run) -> Path | None:

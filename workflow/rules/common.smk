@@ -59,7 +59,7 @@ def stage_rule(row, k):
             rule_id
         input:
             *support.stage_code_files(CFG, row.name),
-            *support.stage_inputs(CFG, row, k),
+            *support.stage_inputs(CFG, CFG_VALUES, row, k),
         output:
             *unnamed,
             **named,

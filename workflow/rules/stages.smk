@@ -13,5 +13,5 @@
 # clean-up of a failed job never deletes them, and rerunning the target resumes from the latest.
 
 
-for row, k in support.stage_rules(CFG):
+for row, k in support.stage_rules(CFG, CFG_VALUES):
     stage_rule(row, k)

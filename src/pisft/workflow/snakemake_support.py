@@ -96,18 +96,18 @@ def tracked_params(config: dict, stage: str, k: int = 0) -> dict:
     return values
 
 
-def stage_rules(cfg: pisft_config.PisftConfig) -> list[tuple[Stage, int]]:
-    """The rules of this config as (stage, iteration), in order (`pisft.stages.rules`), less the
-    ones it switches off (`Stage.sft_only_if`: iteration 0's closed loop without eval.closed_loop)."""
-    values = pisft_config.to_dict(cfg)
+def stage_rules(cfg: pisft_config.PisftConfig, values: dict) -> list[tuple[Stage, int]]:
+    """The rules of this config (`values`: the same as a mapping, `pisft.config.to_dict`) as (stage,
+    iteration), in order (`pisft.stages.rules`), less the ones it switches off (`Stage.sft_only_if`:
+    iteration 0's closed loop without eval.closed_loop)."""
     return [(stage, k) for stage, k in rules(cfg.recap.iterations) if not stage.switched_off(k, values)]
 
 
-def stage_inputs(cfg: pisft_config.PisftConfig, stage: Stage, k: int) -> list[str]:
+def stage_inputs(cfg: pisft_config.PisftConfig, values: dict, stage: Stage, k: int) -> list[str]:
     """What iteration k's rule of `stage` reads besides its code, as paths, from its row: its
     reads in order (another stage's outputs at the iterations `Read.at` names, the data sources,
-    the model it starts from), then its gate's report."""
-    values = pisft_config.to_dict(cfg)
+    the model it starts from), then its gate's report. `values`: the config as a mapping
+    (`pisft.config.to_dict`, made once per parse: it takes tens of milliseconds)."""
     paths: list[str] = []
     for read in stage.reads_at(k):
         if read == MODEL_SOURCE:
@@ -115,7 +115,7 @@ def stage_inputs(cfg: pisft_config.PisftConfig, stage: Stage, k: int) -> list[st
         elif read == DATA_SOURCES:
             paths.extend(source_inputs(cfg))
         elif isinstance(read, StartModel):
-            paths.append(str(layout.start_model(cfg.at_iteration(k), read.key)))
+            paths.append(str(layout.start_model(cfg.at_iteration(k), pisft_config.lookup(values, read.key))))
         else:
             assert isinstance(read, Read), read
             writer = STAGES[read.stage]
