@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,25 @@ def started_stages(text: str) -> list[str]:
 def finished_stages(text: str) -> list[str]:
     """The stages a terminal output says finished, in order."""
     return FINISH.findall(text)
+
+
+# Linux stamps a file's mtime from its coarse real-time clock (fs/inode.c `current_time` ->
+# `ktime_get_coarse_real_ts64`), which lags `time.time()` by up to one tick (4 ms at HZ=250): a log
+# written a moment after `time.time()` was read can carry an mtime before it. CLOCK_REALTIME_COARSE
+# is 5 in linux/include/uapi/linux/time.h; Python's `time` module does not name it.
+CLOCK_REALTIME_COARSE = 5
+
+
+def file_clock_now() -> float:
+    """Now, on the clock the kernel stamps a file's mtime with: a file written after this call has
+    an mtime no earlier than what it returns (`time.time()` where there is no coarse clock)."""
+    now = time.time()
+    if sys.platform.startswith("linux"):
+        try:
+            return min(now, time.clock_gettime(CLOCK_REALTIME_COARSE))
+        except OSError:
+            pass
+    return now
 
 
 def _now() -> str:
@@ -88,7 +108,7 @@ class ConsoleView(logging.Filter):
         self.started: dict[Any, tuple[str, float]] = {}  # job id -> (rule, start time)
         self.finished: list[tuple[str, float]] = []  # since the last progress record
         self.cores: int | None = None
-        self.since = time.time()  # a log older than this is a previous run's
+        self.since = file_clock_now()  # a log older than this is a previous run's
 
     def _line(self, record: logging.LogRecord, text: str) -> logging.LogRecord:
         copy = logging.makeLogRecord(record.__dict__)
