@@ -40,13 +40,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pisft import layout
+from pisft import io, layout
+from pisft.config import write_resolved
 from pisft.errors import PisftError
 # STAGE_ENV, COMMAND_ENV: the names the manifests' writer is read from (`pisft.io.current_writer`)
-from pisft import io
-from pisft.io import COMMAND_ENV, STAGE_ENV, FileProblem, compare_files, listed_files
+from pisft.io import (COMMAND_ENV, MANIFEST_FILE, STAGE_ENV, atomic_dir, compare_files, listed_files,
+                      manifest_problem, write_manifest)
 
-MANIFEST_FILE = "MANIFEST.json"
 CACHE_ENV = "PISFT_VERIFY_CACHE"  # a folder, or "off"
 
 
@@ -61,9 +61,6 @@ def stage_output(final: str | Path, cfg: Any = None) -> Iterator[Path]:
     (`pisft_config.json`, when `cfg` is given), then `MANIFEST.json`, which lists both and names the
     rule and command writing it (`written_by`) and which every reader checks (`verify_read`), then
     the folder replaces `final` in one rename. On an error nothing of it is left."""
-    from pisft.config import write_resolved
-    from pisft.io import atomic_dir, write_manifest
-
     with atomic_dir(final) as tmp:
         yield tmp
         if cfg is not None:
@@ -164,15 +161,6 @@ def _writer_text(manifest: dict[str, Any], root: Path, stage: str | None) -> tup
     return rule, how
 
 
-def _problem_text(path: Path, problem: FileProblem) -> str:
-    return f"{path}: " + {
-        "unlisted": f"present but not listed in {MANIFEST_FILE}",
-        "missing": f"listed in {MANIFEST_FILE} but missing",
-        "size": f"{problem.size} bytes, {MANIFEST_FILE} lists {problem.recorded}",
-        "sha256": f"sha256 differs from {MANIFEST_FILE} (same size: damaged or changed in place)",
-    }[problem.kind]
-
-
 def verify_read(root: str | Path, *, what: str, required: bool | None = None, stage: str | None = None) -> None:
     """Stop (IntegrityError) unless every file of `root` is the one its MANIFEST.json lists.
 
@@ -220,7 +208,7 @@ def verify_read(root: str | Path, *, what: str, required: bool | None = None, st
         return digest
 
     listed = listed_files(root, exclude=(MANIFEST_FILE,))
-    problems = [_problem_text(root / p.rel, p) for p in compare_files(root, expected, sha256=content, present=listed)]
+    problems = [manifest_problem(root, p) for p in compare_files(root, expected, sha256=content, present=listed)]
     if problems:
         more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:4])})" if len(problems) > 1 else ""
         raise IntegrityError(f"{what}: {problems[0]}{more}; {root} is not what {rule} wrote, so it is not used; "

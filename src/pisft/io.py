@@ -134,9 +134,10 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 # Snakemake touches this file in every directory() output after the job; it is not content, so
 # a model folder made by the workflow still matches its manifest when used as a model source.
 WORKFLOW_MARKERS = frozenset({".snakemake_timestamp"})
+MANIFEST_FILE = "MANIFEST.json"  # a stage output's files record (`write_manifest`)
 
 
-def listed_files(root: str | Path, exclude: tuple[str, ...] = ("MANIFEST.json",)) -> set[str]:
+def listed_files(root: str | Path, exclude: tuple[str, ...] = (MANIFEST_FILE,)) -> set[str]:
     """The relative paths of the files under root (links followed) that a manifest lists: all
     but `exclude` (relative paths) and Snakemake's directory markers (`WORKFLOW_MARKERS`)."""
     root = Path(root)
@@ -145,7 +146,7 @@ def listed_files(root: str | Path, exclude: tuple[str, ...] = ("MANIFEST.json",)
             and path.name not in WORKFLOW_MARKERS}
 
 
-def build_manifest(root: str | Path, exclude: tuple[str, ...] = ("MANIFEST.json",)) -> dict[str, dict]:
+def build_manifest(root: str | Path, exclude: tuple[str, ...] = (MANIFEST_FILE,)) -> dict[str, dict]:
     """sha256 and size of every file under root (links followed), keyed by relative path;
     Snakemake's directory markers (`WORKFLOW_MARKERS`) are left out."""
     root = Path(root)
@@ -155,7 +156,8 @@ def build_manifest(root: str | Path, exclude: tuple[str, ...] = ("MANIFEST.json"
 
 @dataclass(frozen=True)
 class FileProblem:
-    """One way a folder differs from a files record; each verifier words it for its reader."""
+    """One way a folder differs from a files record, worded by its reader (`manifest_problem` for a
+    MANIFEST.json, `pisft.train.checkpoint` for a checkpoint marker)."""
 
     rel: str  # the file, relative to the folder
     kind: str  # "unlisted" (present, not recorded), "missing", "size" or "sha256"
@@ -198,6 +200,17 @@ def compare_files(root: str | Path, recorded: Mapping[str, Mapping[str, Any]], *
     return problems
 
 
+def manifest_problem(root: str | Path, problem: FileProblem) -> str:
+    """One way `root` differs from its MANIFEST.json, in words (`verify_manifest`,
+    `pisft.integrity.verify_read`)."""
+    return f"{Path(root) / problem.rel}: " + {
+        "unlisted": f"present but not listed in {MANIFEST_FILE}",
+        "missing": f"listed in {MANIFEST_FILE} but missing",
+        "size": f"{problem.size} bytes, {MANIFEST_FILE} lists {problem.recorded}",
+        "sha256": f"sha256 differs from {MANIFEST_FILE} (same size: damaged or changed in place)",
+    }[problem.kind]
+
+
 # The rule whose command runs in this process and the command (set by `python -m pisft` through
 # `pisft.integrity.writing_as`, inherited by torchrun's workers): recorded in every manifest.
 STAGE_ENV = "PISFT_STAGE"
@@ -220,7 +233,7 @@ def write_manifest(root: str | Path) -> dict[str, dict]:
     manifest: dict[str, Any] = {"files": files}
     if writer := current_writer():
         manifest["written_by"] = writer
-    write_json_atomic(Path(root, "MANIFEST.json"), manifest)
+    write_json_atomic(Path(root, MANIFEST_FILE), manifest)
     return files
 
 
@@ -228,16 +241,9 @@ def verify_manifest(root: str | Path) -> list[str]:
     """Problems found comparing root with its MANIFEST.json (empty list: all good): the files
     that differ (`compare_files`), then those not listed."""
     root = Path(root)
-    manifest_path = root / "MANIFEST.json"
+    manifest_path = root / MANIFEST_FILE
     if not manifest_path.is_file():
         return [f"{manifest_path}: missing"]
     expected = json.loads(manifest_path.read_text())["files"]
     found = compare_files(root, expected, sha256=lambda rel: sha256_file(root / rel), present=listed_files(root))
-    text = {
-        "missing": "listed in MANIFEST.json but missing",
-        "sha256": "sha256 differs from MANIFEST.json",
-        "unlisted": "present but not listed in MANIFEST.json",
-    }
-    return [f"{root / p.rel}: " + (f"{p.size} bytes, MANIFEST.json lists {p.recorded}" if p.kind == "size"
-                                   else text[p.kind])
-            for p in sorted(found, key=lambda p: p.kind == "unlisted")]
+    return [manifest_problem(root, p) for p in sorted(found, key=lambda p: p.kind == "unlisted")]
