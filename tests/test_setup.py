@@ -81,12 +81,20 @@ def _setup_tree(tmp_path: Path) -> Path:
     py.write_text(f'#!/bin/bash\necho "$*" >> "{work}/calls.log"\n'
                   f'[ "$1" = -c ] && exec "{REAL_PY312}" "$@"\nexit 0\n')
     py.chmod(0o755)
+    uv = py.with_name("uv")  # logs its call; fails when the test asks (FAKE_UV_FAILS)
+    uv.write_text(f'#!/bin/bash\necho "uv $*" >> "{work}/calls.log"\n[ -z "$FAKE_UV_FAILS" ]\n')
+    uv.chmod(0o755)
     return work
+
+
+LOCK_BY_UV = "uv pip install --python .venv/bin/python --quiet -r workflow/envs/cpu-cuda.lock.txt"
+LOCK_BY_PIP = "-m pip install --quiet -r workflow/envs/cpu-cuda.lock.txt"
 
 
 def test_make_setup_twice_does_no_work(tmp_path):
     work = _setup_tree(tmp_path)
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "DEVICE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "DEVICE",
+                                                            "UV_INDEX_URL", "PIP_INDEX_URL")}
     real_stamp = ROOT / ".venv/.pisft-setup"
     before = real_stamp.stat().st_mtime_ns if real_stamp.exists() else None
 
@@ -100,7 +108,7 @@ def test_make_setup_twice_does_no_work(tmp_path):
         return log.read_text().splitlines() if log.exists() else []
 
     first = setup()
-    assert "-m pip install --quiet -r workflow/envs/cpu-cuda.lock.txt" in calls(), calls()
+    assert LOCK_BY_UV in calls() and LOCK_BY_PIP not in calls(), calls()
     assert first.stdout.strip().endswith("setup: done")
     n = len(calls())
     second = setup()
@@ -110,6 +118,21 @@ def test_make_setup_twice_does_no_work(tmp_path):
     with (work / "workflow/envs/cpu-cuda.lock.txt").open("a") as lock:
         lock.write("# changed\n")
     setup()
-    assert calls()[n:].count("-m pip install --quiet -r workflow/envs/cpu-cuda.lock.txt") == 1
+    assert calls()[n:].count(LOCK_BY_UV) == 1 and LOCK_BY_PIP not in calls()[n:]
     after = real_stamp.stat().st_mtime_ns if real_stamp.exists() else None
     assert after == before, "the project's own .venv was set up again"
+
+
+def test_make_setup_installs_the_lock_with_pip_when_uv_fails(tmp_path):
+    """uv is the fast path, not a new way to fail: when it cannot install the lock (an index it
+    cannot reach, a platform it does not know), pip installs it as before, with one line."""
+    work = _setup_tree(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "DEVICE",
+                                                            "UV_INDEX_URL", "PIP_INDEX_URL")}
+    out = subprocess.run(["make", "-s", "setup"], cwd=work, capture_output=True, text=True,
+                         env={**env, "FAKE_UV_FAILS": "1", "PIP_INDEX_URL": "https://mirror.invalid/simple"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    calls = (work / "calls.log").read_text().splitlines()
+    uv_call = LOCK_BY_UV.replace("--quiet ", "--quiet --index-url https://mirror.invalid/simple ")
+    assert calls.index(uv_call) < calls.index(LOCK_BY_PIP), calls  # pip's index handed to uv, then pip
+    assert "uv could not install workflow/envs/cpu-cuda.lock.txt" in out.stdout
