@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,19 @@ def tool_env() -> dict:
 def copy_project(dest: Path, *, git: bool = False) -> Path:
     """A working copy of the workflow files (the library comes from the installed package)."""
     return scratch.copy_project(ROOT, dest, git=git)
+
+
+@contextmanager
+def reverted(path: Path):
+    """The file at `path` as it was (bytes, access and modification times) after the block: one
+    copy of a finished run serves several planning cases, each edit put back before the next
+    (an edit left behind shows as extra jobs in the next case's plan)."""
+    saved, times = path.read_bytes(), path.stat()
+    try:
+        yield path
+    finally:
+        path.write_bytes(saved)
+        os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
 
 
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, run, tool_env
+from conftest import BIN, reverted, run, tool_env
 from dvc_fixtures import CHECK, RAN, STAGES  # dvc_run: the session's DVC run (tests/dvc_fixtures.py)
 
 from pisft.train.guard import LOCK_NAME
@@ -247,6 +247,14 @@ def test_a_dvc_repro_beside_a_training_snakemake_is_refused_and_leaves_one_train
     assert steps == list(range(1, 9)), "one trainer: every step once, in order"
 
 
+@pytest.fixture(scope="module")
+def dvc_finished(dvc_run, tmp_path_factory) -> Path:
+    """One copy of the DVC run for the status cases, up to date; each edits it under `reverted`."""
+    work = clone_run(dvc_run, tmp_path_factory.mktemp("dvc_status") / "w")
+    assert _changed_stages(work) == set()
+    return work
+
+
 def _changed_stages(work: Path) -> set[str]:
     status = json.loads(run(["dvc", "status", "--json"], work).stdout or "{}")
     return {name.split(":")[-1] for name in status}
@@ -261,11 +269,11 @@ def _changed_stages(work: Path) -> set[str]:
          {"fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card", "evaluate"}),
     ],
 )
-def test_dvc_sees_edited_code(dvc_run, tmp_path, edited, expected):
-    work = clone_run(dvc_run, tmp_path / "w")
-    with (work / edited).open("a") as fh:
-        fh.write("\n# edited\n")
-    assert _changed_stages(work) == expected
+def test_dvc_sees_edited_code(dvc_finished, edited, expected):
+    with reverted(dvc_finished / edited) as path:
+        with path.open("a") as fh:
+            fh.write("\n# edited\n")
+        assert _changed_stages(dvc_finished) == expected
 
 
 def test_a_new_data_folder_regenerates_dvc_yaml_before_any_stage(dvc_run, tmp_path):

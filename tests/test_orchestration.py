@@ -14,7 +14,7 @@ import psutil
 import pytest
 import yaml
 
-from conftest import BIN, run, tool_env, wait_for
+from conftest import BIN, reverted, run, tool_env, wait_for
 from pisft.workflow.console import started_stages
 
 pytestmark = pytest.mark.integration
@@ -26,6 +26,16 @@ def clone_run(src: Path, dest: Path) -> Path:
     """A copy of a finished run (results + Snakemake metadata), timestamps preserved."""
     shutil.copytree(src, dest, symlinks=True)
     return dest
+
+
+@pytest.fixture(scope="module")
+def finished(default_pipeline, tmp_path_factory) -> Path:
+    """One copy of the finished run for the planning cases, its plan empty. Each case edits it
+    under `reverted` (the bytes and times put back), so the copy and the baseline plan are made
+    once; an edit left behind would show as extra jobs in the next case's plan."""
+    work = clone_run(default_pipeline, tmp_path_factory.mktemp("orchestration") / "w")
+    assert planned_jobs(work) == set()
+    return work
 
 
 def set_key(work: Path, dotted: str, value) -> None:
@@ -64,11 +74,10 @@ LOOP = {"collect_rollouts_1", "convert_recap_1", "smoke_value_1", "train_value_1
                                           "closed_loop_1", "recap_summary"}),
     ],
 )
-def test_snakemake_reruns_exactly_what_reads_a_changed_key(default_pipeline, tmp_path, key, value, expected):
-    work = clone_run(default_pipeline, tmp_path / "w")
-    assert planned_jobs(work) == set()
-    set_key(work, key, value)
-    assert planned_jobs(work) == expected
+def test_snakemake_reruns_exactly_what_reads_a_changed_key(finished, key, value, expected):
+    with reverted(finished / "config/config.yaml"):
+        set_key(finished, key, value)
+        assert planned_jobs(finished) == expected
 
 
 def _complete_checkpoints(work: Path) -> list[Path]:
@@ -167,18 +176,20 @@ def test_killed_snakemake_is_recovered_with_unlock_and_rerun_incomplete(default_
         ("src/pisft/workflow/dvc_yaml.py", set()),
     ],
 )
-def test_snakemake_reruns_what_runs_edited_code(default_pipeline, tmp_path, edited, expected):
-    work = clone_run(default_pipeline, tmp_path / "w")
-    assert planned_jobs(work) == set()
-    with (work / edited).open("a") as fh:
-        fh.write("\n# edited\n")
-    assert planned_jobs(work) == expected
+def test_snakemake_reruns_what_runs_edited_code(finished, edited, expected):
+    with reverted(finished / edited) as path:
+        with path.open("a") as fh:
+            fh.write("\n# edited\n")
+        assert planned_jobs(finished) == expected
 
 
-def test_a_missing_intermediate_is_rebuilt_with_what_follows(default_pipeline, tmp_path):
+def test_a_missing_intermediate_is_rebuilt_with_what_follows(finished, tmp_path):
     """`rule all` asks for every stage's outputs (the Snakemake idiom), so a removed model is
     retrained and everything after it rerun, though the evaluation is still there."""
-    work = clone_run(default_pipeline, tmp_path / "w")
-    shutil.rmtree(work / "results/train/model")
-    assert (work / "results/eval/metrics.json").is_file()
-    assert planned_jobs(work) == {"train_8card", "closed_loop", "evaluate"} | LOOP
+    model, aside = finished / "results/train/model", tmp_path / "model"
+    model.rename(aside)  # a rename keeps the folder's times for its return
+    try:
+        assert (finished / "results/eval/metrics.json").is_file()
+        assert planned_jobs(finished) == {"train_8card", "closed_loop", "evaluate"} | LOOP
+    finally:
+        aside.rename(model)
