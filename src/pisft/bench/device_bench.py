@@ -18,8 +18,8 @@ row, `failed` or `timed out`, and the rest still run), one after the other on th
   smoke_gate           the real `smoke_1card` stage on this device with the device's profile
                        (config/profiles/cuda-8gpu.yaml or ascend-8card.yaml: its train.* and smoke.*)
                        and `train.compile: auto`, pi0.5 with random weights (`model.source: random`)
-                       on the embedded demo data; what its report.json decided is reported, whatever
-                       fields it has (`SMOKE_FIELDS` and every field named like a decision)
+                       on the embedded demo data; its report.json is kept whole, whatever fields it
+                       has, and the table shows every field but the bulky ones (`SMOKE_BULK`)
 
 The smoke gate's inputs (fetch_base writing pi0.5's random weights, demo_recap, convert_recap) are
 prepared on the host's CPU from the start, beside the device jobs, on `PREP_THREADS` threads, so
@@ -56,11 +56,9 @@ TIMEOUTS_S = {"gpu_infer_openpi": 110.0, "gpu_infer_lerobot": 40.0, "gpu_step_al
               "gpu_step_expert_off": 35.0, "gpu_step_all_layers": 70.0, "gpu_step_expert_layers": 60.0,
               "smoke_gate": 150.0}
 CHECK_TIMEOUT_S = 600.0  # --check on a loaded 2-core host: the tiny model, every job
-# The smoke report's fields shown when present (the gate's decisions and what they rest on); any
-# other top-level field whose name says it is a decision is shown too (`_decision_field`).
-SMOKE_FIELDS = ("passed", "compile", "compiled", "micro_batch_size", "activation_checkpointing", "trainable",
-                "precision", "optimizer", "step_time_s", "peak_memory_bytes", "capacity_bytes", "memory_headroom",
-                "target_world_size", "messages")
+# The smoke report's fields left out of device.md's table (bulky, or not a decision: the config, the
+# environment, the estimate's breakdown, per-step series); device.json keeps the whole report.
+SMOKE_BULK = ("pisft_config", "environment", "estimate", "losses", "grad_norms", "host_ops", "stage")
 # issue 54's targets on an H200
 TARGETS = {"all_micro32_samples_per_s": 45.0, "expert_micro32_samples_per_s": 100.0,
            "device_busy_fraction_from_micro16": 0.85, "chunk_batch1_ms": 30.0, "chunk_batch32_ms": 150.0}
@@ -211,7 +209,7 @@ def collect(job: Job, record: dict[str, Any], jobs_dir: Path) -> None:
         if not report.is_file():
             report = Path(job.cwd or "") / "results" / "logs" / "smoke_1card" / "report.json"
         if report.is_file():
-            record["result"] = smoke_decisions(json.loads(report.read_text()))
+            record["result"] = json.loads(report.read_text())
             record["report"] = str(report)
         return
     out = jobs_dir / f"{job.name}.json"
@@ -223,13 +221,9 @@ def collect(job: Job, record: dict[str, Any], jobs_dir: Path) -> None:
         record["result"] = {"runs": partial, "partial": True}
 
 
-def _decision_field(name: str) -> bool:
-    return any(w in name for w in ("decision", "decided", "chose", "choice", "auto"))
-
-
 def smoke_decisions(report: dict[str, Any]) -> dict[str, Any]:
-    """What the smoke report decided and rests on: `SMOKE_FIELDS` and every decision-named field, as they are."""
-    return {k: v for k, v in report.items() if k in SMOKE_FIELDS or _decision_field(k)}
+    """What the smoke report decided and what that rests on: every field but `SMOKE_BULK`, as it is."""
+    return {k: v for k, v in report.items() if k not in SMOKE_BULK}
 
 
 def targets(results: dict[str, dict]) -> dict[str, Any]:
@@ -380,7 +374,7 @@ def markdown(out: dict[str, Any]) -> str:
                              f"{_fmt(r.get('actions_max_abs_diff', {}).get(batch))} | {_fmt(r.get('actions_atol'))} |")
     lines += ["", "## Smoke gate (`smoke_1card`, `train.compile: auto`): what its report decided", "",
               "| field | value |", "|---|---|"]
-    smoke = (jobs.get("smoke_gate") or {}).get("result") or {}
+    smoke = smoke_decisions((jobs.get("smoke_gate") or {}).get("result") or {})
     for key, value in smoke.items():
         text = json.dumps(value) if isinstance(value, (dict, list)) else _fmt(value)
         lines.append(f"| {key} | {text.replace('|', '/')} |")
