@@ -246,4 +246,6 @@ def test_bf16_as_openpi_runs_it_moves_the_figures_less_than_their_interval(resul
     assert vision == 128 * 3 * 16 * 16 + 128 + 16 * 128  # the tiny SigLIP's patch and position embeddings
     assert "paligemma_with_expert.paligemma.model.multi_modal_projector" not in kept["float32_parameters"]
     assert fp32_info["inference"]["base"]["precision"]["layout"] == "float32"
-    assert fp32_info["inference"]["base"]["compile"]["compiled"] is False  # eval.compile null: eager on the CPU
+    compile_record = fp32_info["inference"]["base"]["compile"]  # eval.compile null: eager on the CPU, no trial
+    assert (compile_record["compiled"], compile_record["decided_by"]) == (False, "no trial")
+    assert fp32_info["inference"]["base"]["precision"]["decided_by"] == "setting"  # eval.precision fp32 given

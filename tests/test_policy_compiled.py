@@ -54,9 +54,13 @@ def test_choose_and_buckets():
     assert (cuda.enabled, cuda.backend, cuda.mode) == (True, "inductor", "reduce-overhead")
     cpu = compiled.choose(True, "cpu")
     assert (cpu.backend, cpu.mode) == ("inductor", None)
-    # null: what was measured (the CPU: eager, the compile costs more than it saves); not measured: eager
-    assert not compiled.choose(None, "cpu").enabled and "eager on cpu" in compiled.choose(None, "cpu").why
-    assert "not yet measured" in compiled.choose(None, "cuda").why
+    # null: on the CPU eager without a trial (the compile costs more than it saves); on an accelerator the
+    # stage's first chunk decides (the compiled path prepared, the decision not yet made)
+    cpu_default = compiled.choose(None, "cpu")
+    assert (cpu_default.enabled, cpu_default.decided_by, cpu_default.why) == (False, "no trial", compiled.CPU_DEFAULT)
+    cuda_default = compiled.choose(None, "cuda")
+    assert (cuda_default.enabled, cuda_default.trial, cuda_default.mode) == (True, True, "reduce-overhead")
+    assert cuda_default.record()["compiled"] is None and "first chunk decides" in cuda_default.why
     # without torch_npu, asking for it on an NPU falls back with the reason in one line
     npu = compiled.choose(True, "npu")
     assert not npu.enabled and "falling back" in npu.why and "\n" not in npu.why
@@ -107,6 +111,79 @@ def test_a_compile_that_fails_falls_back_to_eager_with_one_line(two_step_model):
     assert chunk.fallen_back and "no code generator" in chunk.fallen_back
 
 
+def _trial(backend) -> compiled.CompileChoice:
+    """eval.compile null's choice on an accelerator, with `backend` (the CPU's default runs no trial)."""
+    return compiled.CompileChoice(True, backend=backend, why="eval.compile null: the first chunk decides",
+                                  decided_by="trial")
+
+
+@pytest.fixture
+def one_rep(monkeypatch):
+    """The trial with no warm-up and one timed call of each path: the decision's mechanism, cheaply."""
+    monkeypatch.setattr(compiled, "TRIAL_WARMUP", 0)
+    monkeypatch.setattr(compiled, "TRIAL_REPS", 1)
+
+
+def test_the_default_on_the_cpu_runs_no_trial_and_the_record_says_why(two_step_model):
+    predictor = ChunkPredictor.load(two_step_model, compiled=None, note=lambda line: None)
+    assert predictor.compiled_chunk is None  # nothing compiled, nothing traced
+    record = predictor.describe()
+    assert record["compile"] == {"compiled": False, "backend": None, "mode": None, "why": compiled.CPU_DEFAULT,
+                                 "decided_by": "no trial"}
+    assert {k: record["precision"][k] for k in ("setting", "dtype", "decided_by")} == {
+        "setting": "auto", "dtype": "float32", "decided_by": "rule"}  # the tiny model's own, by the rule
+
+
+def test_a_trial_whose_compile_fails_chooses_eager_with_one_line(two_step_model, one_rep):
+    def broken(gm, example_inputs):
+        raise RuntimeError("no code generator for this device")
+
+    batch, noise = _inputs(2)
+    reference = ChunkPredictor.load(two_step_model).predict(batch, noise)
+    lines: list[str] = []
+    predictor = ChunkPredictor.load(two_step_model, compiled=_trial(broken), note=lines.append)
+    assert torch.equal(predictor.predict(batch, noise), reference)  # the first chunk is answered eagerly
+    assert torch.equal(predictor.predict(batch, noise), reference)
+    decided = [line for line in lines if "eager, the compiled chunk failed" in line]
+    assert len(decided) == 1 and "no code generator" in decided[0] and "\n" not in decided[0]
+    record = predictor.describe()["compile"]
+    assert (record["compiled"], record["decided_by"], record["trial"]["chose"]) == (False, "trial", "eager")
+    assert "compiled_ms" not in record["trial"] and record["trial"]["eager_ms"]["median"] > 0
+
+
+def test_a_trial_whose_actions_disagree_chooses_eager_for_every_replica_and_records_it(two_step_model, one_rep):
+    """A compiled chunk that computes other actions (a backend that shifts them by 0.5) is not used. The
+    stage's replicas share the trial: the second replica follows the decision without measuring. The
+    decision is in the stage's output (policy_record); its figures, which vary run to run, in the timing."""
+    from pisft.policy.libero import LiberoPolicy
+    from pisft.policy.replicas import PolicyPool, inference_timing, policy_record
+
+    def shifted(gm, example_inputs):
+        def run(*args):
+            return [out + 0.5 for out in gm(*args)]
+        return run
+
+    batch, noise = _inputs(2)
+    reference = ChunkPredictor.load(two_step_model).predict(batch, noise)
+    lines: list[str] = []
+    shared = compiled.Trial()
+    first, second = (ChunkPredictor.load(two_step_model, compiled=_trial(shifted), note=lines.append, trial=shared)
+                     for _ in range(2))
+    assert torch.equal(first.predict(batch, noise), reference)
+    decided = [line for line in lines if "differ from eager's by more than 0.0001" in line]
+    assert len(decided) == 1 and "\n" not in decided[0]
+    assert torch.equal(second.predict(batch, noise), reference)
+    assert second.compiled_chunk.compile_s == {}  # never compiled: it followed the decision
+    assert len([line for line in lines if "eval.compile null: eager" in line]) == 1
+    trial = first.describe()["compile"]["trial"]
+    assert trial["chose"] == "eager" and trial["actions_max_abs_diff"] > trial["actions_atol"] == 1e-4
+    with PolicyPool([LiberoPolicy(second)], max_batch=2) as pool:
+        output, timing = policy_record(pool)["inference"]["compile"], inference_timing(pool)["compile"]
+    assert (output["compiled"], output["decided_by"]) == (False, "trial") and "differ from eager" in output["why"]
+    assert "trial" not in output and "first_call_s" not in output
+    assert timing["trial"] == trial
+
+
 @pytest.mark.integration  # ~30-45 s: a fresh interpreter traces the chunk and its RTC pieces
 def test_on_an_npu_the_chunk_is_one_npugraph_ex_graph(two_step_model):
     """torch_npu 2.11.0 registers the `npugraph_ex` backend (ACLGraph capture and replay) on import;
@@ -143,7 +220,7 @@ def test_on_an_npu_the_chunk_is_one_npugraph_ex_graph(two_step_model):
     assert result["backend"] == "npugraph_ex" and result["enabled"] and result["fell_back"] is None
     assert result["whole"] == 1 and result["all"] == 4  # the chunk; then embedding, prefix pass, step
     assert result["plain"] <= 1e-4 and result["rtc"] <= 1e-4
-    assert "eager on npu" in result["default"] and "not yet measured" in result["default"]
+    assert "npugraph_ex" in result["default"] and "first chunk decides" in result["default"]
 
 
 def test_rtc_is_refused_for_a_model_of_relative_actions():

@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.add_argument("--only", action="append", metavar="NAME",
                    help="run only this part (pipeline, convert_recap, train_loop, train_structure, "
-                        "data_loader, closed_loop; repeatable) and update its section of bench.json")
+                        "data_loader, closed_loop, real_size, inference, host_overhead, device: the "
+                        "accelerator figures, at most 6 minutes; repeatable) and update its section of bench.json")
     return parser
 
 

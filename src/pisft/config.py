@@ -415,8 +415,9 @@ class EvalConfig:
     cfg_scale: float = marked(1.0, OFFLINE_EVAL, CLOSED_LOOP, COLLECTION)
     # The action chunk compiled and graph-captured per batch-size bucket (pisft.policy.compiled), in
     # evaluate, closed_loop and collect_rollouts (serve --compile): true, false, or null (the default):
-    # on where it measured faster than eager (pisft.policy.compiled.MEASURED_FASTER). The same
-    # actions within its tolerance, not the same bits.
+    # on an accelerator the stage's first chunk runs eager and compiled and the faster is chosen
+    # (actions within tolerance; recorded in the stage's output), on the CPU eager without a trial
+    # (pisft.policy.compiled.Trial, CPU_DEFAULT). The same actions within its tolerance, not the same bits.
     compile: bool | None = marked(None, OFFLINE_EVAL, CLOSED_LOOP, COLLECTION)
     # Inference precision: bf16 (openpi's: fp32 only where openpi keeps it), fp32, or auto (bf16 on an
     # accelerator; on the CPU, the precision the model directory records).

@@ -18,11 +18,13 @@ Three runs, one model each, one after the other on the device:
                        CUDA graphs; on an NPU the `npugraph_ex` backend), `compile_s` its first call
                        per batch size (the compile and the graph capture)
 
-Each: `p50_ms`/`p99_ms` per batch size, `actions_max_abs_diff` of compiled against eager beside the
-stated tolerance. With `--profile` (the default on an accelerator), the kernels launched by one
-chunk at batch 1, eager and compiled (the profiler's `cudaLaunchKernel`/`cuLaunchKernelEx` calls,
-or every device kernel on an NPU). `targets` compares with issue 46's: batch 1 <= 80 ms, batch 32
-<= 300 ms, compiled actions within the tolerance. Output: JSON on stdout and in --out.
+`--runs` picks some of them (`bench --only device` runs each in a process of its own,
+`pisft.bench.device_bench`). Each: `p50_ms`/`p99_ms` per batch size, `actions_max_abs_diff` of
+compiled against eager beside the stated tolerance. With `--profile` (the default on an
+accelerator), the kernels launched by one chunk at batch 1, eager and compiled (the profiler's
+`cudaLaunchKernel`/`cuLaunchKernelEx` calls, or every device kernel on an NPU). `targets`
+compares with issue 46's: batch 1 <= 80 ms, batch 32 <= 300 ms, compiled actions within the
+tolerance. Output: JSON on stdout and in --out.
 
 Not yet run on a GPU (docs/what-has-run-where.md); tests/test_bench_inference.py runs the dry run.
 """
@@ -42,6 +44,8 @@ from pisft import device as devices
 from pisft.bench import inference_bench
 
 TARGETS_MS = {"1": 80.0, "32": 300.0}  # issue 46, an H200, real size, bf16
+# The runs (module docstring): name -> (bf16 layout, whether the chunk is compiled after the eager timing).
+RUNS = {"lerobot_bf16_eager": ("lerobot", False), "openpi_bf16": ("openpi", True)}
 
 
 def count_launches(predictor, kind: str) -> int:
@@ -65,8 +69,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"device_kind": kind, "device": devices.device_name(kind, torch.device(dev)),
                            "preset": args.preset, "torch": torch.__version__, "batches": list(args.batches),
                            "chunks": args.chunks, "runs": {}}
-    plan = [("lerobot_bf16_eager", "lerobot", False), ("openpi_bf16", "openpi", True)]
-    for name, layout, compiled in plan:
+    for name in args.runs:
+        layout, compiled = RUNS[name]
         print(f"gpu_infer: {name} on {dev}", flush=True)
         with tempfile.TemporaryDirectory(prefix="pisft-gpu-infer-") as tmp:
             predictor = inference_bench.build_predictor(args.preset, "bf16", dev, Path(tmp), layout=layout,
@@ -87,7 +91,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 result["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated())
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-    best = out["runs"]["openpi_bf16"]
+    best = out["runs"].get("openpi_bf16")
+    if best is None:  # only LeRobot's layout measured (--runs): no compiled figures to hold to the targets
+        return out
     compiled_ms = {b: best["p50_ms"][b]["compiled"] for b in best["p50_ms"]}
     out["targets"] = {f"batch{b}_p50_ms_le_{ms:g}": compiled_ms[b] is not None and compiled_ms[b] <= ms
                       for b, ms in TARGETS_MS.items() if b in compiled_ms}
@@ -100,6 +106,14 @@ def _batches(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"batch sizes >= 1, comma-separated, got {text!r}")
     return values
+
+
+def _runs(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in RUNS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: each run one of {', '.join(RUNS)}")
+    return names
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -117,6 +131,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-backend", default=None,
                    help="a torch.compile backend instead of the device's (the dry run: eager, dynamo's capture "
                         "run as captured, without inductor's code generation)")
+    p.add_argument("--runs", type=_runs, default=list(RUNS),
+                   help=f"which runs, comma-separated, in order (default: {','.join(RUNS)}; "
+                        f"`bench --only device` runs each in a process of its own)")
     p.add_argument("--out", type=Path, default=Path("results/bench/gpu_infer.json"))
     args = p.parse_args(argv)
     if args.profile is None:

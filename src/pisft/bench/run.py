@@ -40,6 +40,8 @@ COMPONENT_BENCHES = {
     "real_size": "pisft.bench.real_size:run",
     "inference": "pisft.bench.inference_bench:run",
     "host_overhead": "pisft.bench.host_overhead:run",
+    # the accelerator figures (issue 54), each a process of its own; without an accelerator it says so
+    "device": "pisft.bench.device_bench:run",
 }
 PIPELINE = "pipeline"
 

@@ -35,15 +35,31 @@ the range: eager and compiled round different intermediates to bf16 on the way t
 action projection, and the ten steps carry it on (measured: 5e-3 on the tiny model, 1.35e-2 on
 pi0.5 at real size, batch 1, on the CPU).
 
-**The default** (`eval.compile: null`): compiled where it measured faster than eager
-(`MEASURED_FASTER`, from `python -m pisft bench --only inference`), eager where it measured
-slower or was not measured; the stage says which in one line. A compile that fails falls back to
-eager with one line (the chunk is recomputed eagerly, so the request is still answered).
+**The default** (`eval.compile: null`): decided on the node by the stage's first chunk (`Trial`).
+On an accelerator the first chunk a stage asks for runs eagerly and compiled from the same inputs
+and noise, each `TRIAL_WARMUP` times and then `TRIAL_REPS` times timed (the compiled one after its
+first call, the compile and on CUDA the capture): actions further apart than `ACTIONS_ATOL`, or a
+compile that fails, choose eager with one line; else compiled when its median is at least
+`TRIAL_MIN_GAIN` below eager's, eager otherwise. The chunk is answered by the chosen path, so what a
+stage records is what that path computes, as if the choice had been set by hand; the stage's
+replicas share one trial (`Trial`: the first chunk of any replica measures, the others wait for the
+decision and follow it). The decision is in the stage's output (`compiled`, `why`, `decided_by`);
+its figures (`trial`: both medians, the compile's seconds, the actions' difference) vary run to run
+and go where the compile times go (the timing record of closed_loop and collect_rollouts). On the
+CPU the default does not pay a compile to learn what is known (`CPU_DEFAULT`: a bucket compiles in
+about a minute for the tiny model and 17 for pi0.5, more than a stage's chunks save): eager, and
+the record says why no trial ran. Determinism: two runs on an accelerator can decide differently
+when the two paths are near a tie, and compiled and eager agree within the tolerance, not to the
+bit; `eval.compile: true` or `false` pins it (docs/serving.md).
+A compile that fails later (another bucket) falls back to eager with one line (the chunk is
+recomputed eagerly, so the request is still answered).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,15 +69,21 @@ import torch
 
 from pisft.model import lerobot_internals as internals
 
-# eval.compile null: whether a stage runs faster with the compiled chunk than eager on this kind of
-# device, its compile included (None: not measured there; eager). The CPU (docs/benchmarks.md,
-# "Inference"; `python -m pisft bench --only inference`, 2 shared cores): a compiled chunk is faster
-# once compiled, but a bucket compiles in about a minute for the tiny model, more than the default
-# pipeline's few hundred chunks save (tens of ms each); pi0.5 at real size, batch 1: 68 s a chunk
-# compiled against 144 s eager, after a 17-minute compile and near 10 GiB: eager by default there
-# too (`eval.compile: true` pays back after about 14 chunks of one bucket). CUDA and NPU: not yet
-# measured (`python -m pisft.bench.gpu_infer` is the prepared run).
-MEASURED_FASTER: dict[str, bool | None] = {"cpu": False, "cuda": None, "npu": None}
+# eval.compile null on the CPU: eager without a trial (docs/benchmarks.md, "Inference"; `python -m
+# pisft bench --only inference`, 2 shared cores): a compiled chunk is faster once compiled, but a
+# bucket compiles in about a minute for the tiny model, more than the default pipeline's few hundred
+# chunks save (tens of ms each); pi0.5 at real size, batch 1: 68 s a chunk compiled against 144 s
+# eager, after a 17-minute compile and near 10 GiB (`eval.compile: true` pays back after about 14
+# chunks of one bucket). A trial would pay that compile to learn it.
+CPU_DEFAULT = ("eval.compile null: eager on the CPU, no trial run: a bucket's compile here (about a minute for the "
+               "tiny model, 17 minutes for pi0.5) costs more than a stage's chunks save (docs/benchmarks.md, "
+               "Inference); eval.compile: true compiles")
+# The trial (`Trial`): calls of each path before the timed ones, timed calls of each (their median
+# decides), and how much faster the compiled chunk must be to be chosen: a near tie stays eager, the
+# path whose bits do not depend on a compiler, and a tie cannot flip the choice from run to run.
+TRIAL_WARMUP = 2
+TRIAL_REPS = 3
+TRIAL_MIN_GAIN = 0.05
 # Normalised action units (module docstring).
 ACTIONS_ATOL = {torch.float32: 1e-4, torch.bfloat16: 2.0 ** -6}
 NPU_BACKEND = "npugraph_ex"
@@ -73,40 +95,65 @@ RECOMPILE_LIMIT = 64
 
 @dataclass(frozen=True)
 class CompileChoice:
-    """Whether the chunk is compiled, how, and the one line that says so."""
+    """Whether the chunk is compiled, how, and the one line that says so. `decided_by`: "setting"
+    (`eval.compile` true or false, or a choice made by hand), "trial" (null on an accelerator: the
+    stage's first chunk decides, `Trial`; `enabled` is then whether the compiled path is prepared,
+    not yet whether it runs) or "no trial" (null where no trial runs: the CPU, `CPU_DEFAULT`; an NPU
+    without torch_npu's backend)."""
 
     enabled: bool
     backend: str = "inductor"
     mode: str | None = None
     why: str = ""
+    decided_by: str = "setting"
+
+    @property
+    def trial(self) -> bool:
+        return self.decided_by == "trial"
 
     def record(self) -> dict[str, Any]:
-        return {"compiled": self.enabled, "backend": self.backend if self.enabled else None,
-                "mode": self.mode if self.enabled else None, "why": self.why}
+        backend = getattr(self.backend, "__name__", self.backend)  # a test's backend is a function
+        if self.trial:  # not yet decided (no chunk asked for yet): CompiledChunk.record after
+            return {"compiled": None, "backend": backend, "mode": self.mode, "why": self.why,
+                    "decided_by": "trial"}
+        return {"compiled": self.enabled, "backend": backend if self.enabled else None,
+                "mode": self.mode if self.enabled else None, "why": self.why, "decided_by": self.decided_by}
 
 
 def choose(setting: bool | None, kind: str) -> CompileChoice:
-    """`eval.compile` (True, False, None: `MEASURED_FASTER`) on a device of `kind`."""
+    """`eval.compile` (True, False, None: the stage's first chunk decides, `Trial`; on the CPU eager,
+    `CPU_DEFAULT`) on a device of `kind`."""
     backend, mode = {"cuda": ("inductor", CUDA_MODE), "npu": (NPU_BACKEND, None)}.get(kind, ("inductor", None))
     how = f"{backend}" + (f", mode {mode}" if mode else "") + ", one graph per batch-size bucket"
     if setting is False:
         return CompileChoice(False, why="eval.compile false: eager")
-    if setting is None:
-        measured = MEASURED_FASTER.get(kind)
-        if measured is None:
-            return CompileChoice(False, why=f"eval.compile null: eager on {kind} (the compiled chunk is not yet "
-                                            f"measured there: python -m pisft.bench.gpu_infer; set "
-                                            f"eval.compile: true to use it)")
-        if not measured:
-            return CompileChoice(False, why=f"eval.compile null: eager on {kind} (a stage ran faster eager there, "
-                                            f"the compile included)")
-        return CompileChoice(True, backend, mode, f"eval.compile null: compiled on {kind}, where it measured "
-                                                  f"faster ({how})")
+    if setting is None and kind == "cpu":
+        return CompileChoice(False, why=CPU_DEFAULT, decided_by="no trial")
+    asked = "true" if setting else "null"
     if kind == "npu":
         missing = _npu_backend_missing()
         if missing:
-            return CompileChoice(False, why=f"eval.compile true: eager on npu, falling back: {missing}")
+            return CompileChoice(False, why=f"eval.compile {asked}: eager on npu, falling back: {missing}",
+                                 decided_by="setting" if setting else "no trial")
+    if setting is None:
+        return CompileChoice(True, backend, mode, f"eval.compile null: eager against compiled ({how}) on the "
+                                                  f"stage's first chunk decides", decided_by="trial")
     return CompileChoice(True, backend, mode, f"eval.compile true: compiled ({how})")
+
+
+@dataclass
+class Trial:
+    """`eval.compile` null's measurement, one per stage: shared by its replicas, so that the first
+    chunk of any of them decides for all (a replica that answered eagerly beside one that answered
+    compiled would make an episode's bits depend on which replica took its chunk)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    compiled: bool | None = None  # the decision; None: not yet
+    why: str = ""
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def decide(self, compiled: bool, why: str, figures: dict[str, Any]) -> None:
+        self.compiled, self.why, self.figures = compiled, why, figures
 
 
 def _npu_backend_missing() -> str | None:
@@ -145,11 +192,14 @@ class CompiledChunk:
     policy: Any
     choice: CompileChoice
     on_fallback: Callable[[str], None] = print
+    trial: Trial | None = None  # choice.trial: the stage's shared measurement
     # (variant, bucket) -> seconds of its first call (the compile and, on CUDA, the capture)
     compile_s: dict[str, float] = field(default_factory=dict)
     fallen_back: str | None = None
 
     def __post_init__(self) -> None:
+        if self.choice.trial and self.trial is None:
+            self.trial = Trial()
         self.eager = internals.lerobot_sample_actions(self.policy)
         self.whole = self._compile(self.eager)
         self.pieces = {name: self._compile(fn) for name, fn in internals.rtc_pieces(self.policy).items()}
@@ -170,9 +220,45 @@ class CompiledChunk:
         if self.choice.mode == CUDA_MODE:  # each chunk starts a new generation of CUDA graph outputs
             torch.compiler.cudagraph_mark_step_begin()
 
-    def __call__(self, images, img_masks, tokens, masks, noise=None, num_steps=None, **kwargs):
+    @property
+    def runs_compiled(self) -> bool:
+        """Whether chunks run compiled now (False: fallen back, or the trial chose eager)."""
+        return not self.fallen_back and (self.trial is None or self.trial.compiled is not False)
+
+    def record(self) -> dict[str, Any]:
+        """`choice.record()` with what happened since: the trial's decision and figures, a fallback."""
+        out = self.choice.record()
+        if self.trial is not None and self.trial.compiled is not None:
+            out.update(compiled=self.trial.compiled, why=self.trial.why, trial=dict(self.trial.figures))
         if self.fallen_back:
+            out["compiled"] = False
+        return out
+
+    def __call__(self, images, img_masks, tokens, masks, noise=None, num_steps=None, **kwargs):
+        def eager():
             return self.eager(images, img_masks, tokens, masks, noise=noise, num_steps=num_steps, **kwargs)
+
+        if self.trial is not None and self.trial.compiled is None:
+            with self.trial.lock:  # another replica's first chunk may be measuring: wait for its decision
+                if self.trial.compiled is None:
+                    return self._measure(eager, images, img_masks, tokens, masks, noise, num_steps, kwargs)
+        if not self.runs_compiled:
+            return eager()
+        start = time.perf_counter()
+        try:
+            key, first, out = self._compiled(images, img_masks, tokens, masks, noise, num_steps, kwargs)
+        except Exception as exc:  # noqa: BLE001 - a compile that fails falls back to eager (below)
+            self.fallen_back = _reason(exc)
+            self.on_fallback(f"eval.compile: the compiled chunk failed ({self.fallen_back}); falling back to "
+                             f"eager for this model")
+            return eager()
+        if first:
+            _synchronize(out)  # the first call's compile and capture have ended on the device too
+            self.compile_s[key] = time.perf_counter() - start
+        return out
+
+    def _compiled(self, images, img_masks, tokens, masks, noise, num_steps, kwargs) -> tuple[str, bool, Any]:
+        """One compiled chunk: (its variant@bucket, whether that was its first call, the actions)."""
         n = tokens.shape[0]
         size = bucket(n)
         padded = [_pad_rows(x, n, size) for x in (images, img_masks, tokens, masks, noise)]
@@ -181,25 +267,78 @@ class CompiledChunk:
         variant = f"{'rtc' if with_rtc else 'chunk'}{'_guided' if internals.velocity_hooked(self.policy) else ''}"
         key = f"{variant}@{size}"
         first = key not in self.compile_s
+        self._mark_step()
+        if with_rtc:
+            with internals.pieces_installed(self.policy, self.pieces):
+                out = self.eager(*padded[:4], noise=padded[4], num_steps=num_steps, **rtc)
+        else:
+            out = self.whole(*padded[:4], noise=padded[4], num_steps=num_steps, **rtc)
+        return key, first, out[:n].clone()  # a CUDA graph's output is overwritten by its next replay
+
+    def _measure(self, eager: Callable, images, img_masks, tokens, masks, noise, num_steps, kwargs) -> Any:
+        """The trial (module docstring) on this chunk; the chunk's actions from the chosen path."""
+        def compiled():
+            return self._compiled(images, img_masks, tokens, masks, noise, num_steps, kwargs)[2]
+
+        eager_ms, eager_out = _timed(eager)
+        figures: dict[str, Any] = {"batch": int(tokens.shape[0]), "warmup": TRIAL_WARMUP, "reps": TRIAL_REPS,
+                                   "eager_ms": eager_ms}
         start = time.perf_counter()
         try:
-            self._mark_step()
-            if with_rtc:
-                with internals.pieces_installed(self.policy, self.pieces):
-                    out = self.eager(*padded[:4], noise=padded[4], num_steps=num_steps, **rtc)
-            else:
-                out = self.whole(*padded[:4], noise=padded[4], num_steps=num_steps, **rtc)
-        except Exception as exc:  # noqa: BLE001 - a compile that fails falls back to eager (below)
-            out = self.eager(images, img_masks, tokens, masks, noise=noise, num_steps=num_steps, **kwargs)
+            key, _, first = self._compiled(images, img_masks, tokens, masks, noise, num_steps, kwargs)
+            _synchronize(first)
+            self.compile_s[key] = figures["compile_s"] = time.perf_counter() - start
+            figures["compiled_ms"], compiled_out = _timed(compiled)
+        except Exception as exc:  # noqa: BLE001 - a compile that fails chooses eager (one line)
             self.fallen_back = _reason(exc)
-            self.on_fallback(f"eval.compile: the compiled chunk failed ({self.fallen_back}); falling back to "
-                             f"eager for this model")
-            return out
-        if first:
-            if out.device.type == "cuda":  # the first call's compile and capture have ended on the device too
-                torch.cuda.synchronize(out.device)
-            self.compile_s[key] = time.perf_counter() - start
-        return out[:n].clone()  # a CUDA graph's output is overwritten by its next replay
+            return self._decide(False, f"eval.compile null: eager, the compiled chunk failed on the stage's first "
+                                       f"chunk ({self.fallen_back})", figures, eager_out)
+        diff = float((compiled_out.float() - eager_out.float()).abs().max())
+        atol = tolerance(self.policy)
+        figures.update(actions_max_abs_diff=diff, actions_atol=atol)
+        if not diff <= atol:  # NaN too
+            return self._decide(False, f"eval.compile null: eager, the compiled chunk's actions differ from eager's "
+                                       f"by more than {atol:g} (normalised units) on the stage's first chunk",
+                                figures, eager_out)
+        median_c, median_e = figures["compiled_ms"]["median"], eager_ms["median"]
+        if median_c <= (1 - TRIAL_MIN_GAIN) * median_e:
+            return self._decide(True, "eval.compile null: compiled, faster than eager on the stage's first chunk "
+                                      "(trial: both figures)", figures, compiled_out)
+        return self._decide(False, f"eval.compile null: eager, the compiled chunk was not {TRIAL_MIN_GAIN:.0%} "
+                                   f"faster on the stage's first chunk (trial: both figures)", figures, eager_out)
+
+    def _decide(self, compiled: bool, why: str, figures: dict[str, Any], out: Any) -> Any:
+        """Record the trial's decision, say it in one line, and answer the chunk with `out`."""
+        figures["chose"] = "compiled" if compiled else "eager"
+        self.trial.decide(compiled, why, figures)
+        e, c = figures["eager_ms"]["median"], figures.get("compiled_ms", {}).get("median")
+        measured = f"eager {e:.1f} ms" + (f", compiled {c:.1f} ms" if c is not None else "")
+        detail = f" (batch {figures['batch']}: {measured}, medians of {TRIAL_REPS})"
+        self.on_fallback(why + detail)
+        if not compiled:  # the compiled programs (and, on CUDA, their graphs' memory) are not needed
+            self.whole, self.pieces = None, {}
+        return out
+
+
+def _synchronize(out: Any) -> None:
+    kind = out.device.type if isinstance(out, torch.Tensor) else "cpu"
+    if kind == "cuda":
+        torch.cuda.synchronize(out.device)
+    elif kind == "npu":
+        torch.npu.synchronize()  # torch_npu's torch.npu mirrors torch.cuda's synchronize
+
+
+def _timed(fn: Callable) -> tuple[dict[str, Any], Any]:
+    """`TRIAL_WARMUP` calls of `fn`, then `TRIAL_REPS` timed to the device's end: ms (each, median), the last output."""
+    for _ in range(TRIAL_WARMUP):
+        out = fn()
+    times = []
+    for _ in range(TRIAL_REPS):
+        start = time.perf_counter()
+        out = fn()
+        _synchronize(out)
+        times.append(1000.0 * (time.perf_counter() - start))
+    return {"each": times, "median": statistics.median(times)}, out
 
 
 def _reason(exc: BaseException) -> str:
@@ -217,14 +356,16 @@ def _reason(exc: BaseException) -> str:
     return line(exc) if inner is exc else f"{line(exc)} ({line(inner)})"
 
 
-def install(policy, choice: CompileChoice, *, on_fallback: Callable[[str], None] = print) -> CompiledChunk | None:
-    """Compile `policy`'s chunk as `choice` says (None when it says eager)."""
+def install(policy, choice: CompileChoice, *, on_fallback: Callable[[str], None] = print,
+            trial: Trial | None = None) -> CompiledChunk | None:
+    """Compile `policy`'s chunk as `choice` says (None when it says eager); `trial`: the stage's shared
+    one when `choice.trial` (None: this chunk's own)."""
     if not choice.enabled:
         return None
     from torch._dynamo import config as dynamo_config
 
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-    chunk = CompiledChunk(policy, choice, on_fallback=on_fallback)
+    chunk = CompiledChunk(policy, choice, on_fallback=on_fallback, trial=trial if choice.trial else None)
     internals.install_sample_actions(policy, chunk)
     return chunk
 

@@ -132,18 +132,19 @@ class LiberoPolicy:
                        trained_on: str | Path | None = None,
                        limits: observations.Limits | None = None,
                        cfg_scale: float = 1.0, precision: str = "auto", compiled: bool | None = False,
-                       rtc: rtc_mod.RtcSettings | None = None, note=print) -> LiberoPolicy:
+                       rtc: rtc_mod.RtcSettings | None = None, note=print, trial=None) -> LiberoPolicy:
         """`trained_on`: the converted dataset the model was fine-tuned on, whose prompt
         conditioning applies when the model directory records none. `cfg_scale`: the
         classifier-free guidance scale (module docstring). `device_index`: which device of
         `device`'s kind (closed_loop's replicas, one per device). `precision`, `compiled`:
-        `eval.precision`, `eval.compile` (`ChunkPredictor.load`); `rtc`: real-time chunking on."""
+        `eval.precision`, `eval.compile` (`ChunkPredictor.load`; `trial`: the stage's shared
+        `compiled.Trial`, one for its replicas); `rtc`: real-time chunking on."""
         requested = guidance.check_scale(cfg_scale, "cfg_scale")  # before the model loads
         stats = _dataset_stats(Path(dataset_dir)) if dataset_dir is not None else None
         kind = device_mod.resolve_kind(device)
         dev = str(device_mod.local_device(kind, device_index)) if kind != "cpu" else "cpu"
         predictor = ChunkPredictor.load(model_dir, device=dev, dataset_stats=stats, precision=precision,
-                                        compiled=compiled, note=note)
+                                        compiled=compiled, note=note, trial=trial)
         return cls(predictor, seed=seed, conditioning=prompts.for_model(model_dir, trained_on=trained_on),
                    limits=limits, cfg_scale=requested, rtc=rtc)
 

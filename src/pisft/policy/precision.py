@@ -15,6 +15,11 @@
   the precision the model directory records (`config.json` `dtype`: a fine-tuned model float32,
   `model.source: random` bf16), so the CPU's figures stay those of the model as trained.
 
+`auto` is a rule, not a measurement: bf16 and float32 compute different actions (beyond the compiled
+chunk's tolerance), so a choice that followed timing would make a stage's figures follow it too. It
+is recorded as `eval.compile`'s decision is (`apply`'s record, in every stage's output and in what
+`serve` prints): the setting, what it chose, why, and `decided_by` (`rule` for auto).
+
 `layout="lerobot"` keeps LeRobot's own bf16 layout instead of openpi's: only to measure what the
 change moves (tests/test_eval_offline.py, `bench --only inference`).
 """
@@ -36,6 +41,7 @@ class PrecisionChoice:
     dtype: str  # what `load_policy` builds: "bfloat16" or "float32"
     layout: str  # bf16: "openpi" or "lerobot"; float32: "float32"
     why: str
+    setting: str = "bf16"  # eval.precision as given (auto, bf16, fp32)
 
     @property
     def bf16(self) -> bool:
@@ -58,13 +64,15 @@ def choose(setting: str, kind: str, model_dtype: str, *, layout: str = "openpi")
         dtype = "bfloat16" if setting == "bf16" else "float32"
         why = f"eval.precision {setting}"
     if dtype == "float32":
-        return PrecisionChoice("float32", "float32", why)
-    return PrecisionChoice("bfloat16", layout, why + ("" if layout == "openpi" else "; LeRobot's bf16 layout"))
+        return PrecisionChoice("float32", "float32", why, setting)
+    return PrecisionChoice("bfloat16", layout, why + ("" if layout == "openpi" else "; LeRobot's bf16 layout"),
+                           setting)
 
 
 def apply(policy, choice: PrecisionChoice) -> dict[str, Any]:
     """Lay a policy built in `choice.dtype` out as `choice` says; what runs in float32 (a record)."""
     if choice.bf16 and choice.layout == "openpi":
         internals.openpi_bf16(policy)
-    return {"dtype": choice.dtype, "layout": choice.layout, "why": choice.why,
+    return {"setting": choice.setting, "dtype": choice.dtype, "layout": choice.layout, "why": choice.why,
+            "decided_by": "rule" if choice.setting == "auto" else "setting",
             "float32_parameters": internals.float32_parts(policy)}

@@ -64,14 +64,16 @@ class ChunkPredictor:
 
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str = "cpu", dataset_stats=None,
-             dtype: str | None = None, precision: str = "auto", compiled: bool | None = False,
-             layout: str = "openpi", note=print) -> ChunkPredictor:
+             dtype: str | None = None, precision: str = "auto", compiled=False,
+             layout: str = "openpi", note=print, trial=None) -> ChunkPredictor:
         """Load `model_dir` strictly; stats: the model's own, else `dataset_stats`.
 
         `precision`: `eval.precision` (`pisft.policy.precision`; `dtype`, when given, is that
         precision instead: "bfloat16" or "float32"); `compiled`: `eval.compile`
-        (`pisft.policy.compiled`: True, False, None for the measured default); `note` says in one
-        line what was chosen when the chunk is compiled or a choice fell back."""
+        (`pisft.policy.compiled`: True, False, None for the default the stage's first chunk decides
+        on an accelerator, or a `CompileChoice` made by hand); `trial`: the stage's shared
+        `compiled.Trial` (its replicas decide once); `note` says in one line what was chosen when
+        the chunk is compiled, measured, or a choice fell back."""
         from pisft import device as device_mod
         from pisft.model import policy as model_policy
         from pisft.model.norm_stats import STATS_FILE
@@ -94,11 +96,11 @@ class ChunkPredictor:
         pre, post = model_policy.make_processors(policy, model_dir,
                                                  None if has_stats else dataset_stats)
         return cls.of_policy(policy, pre, post, device=device, model_dir=model_dir, precision=choice,
-                             compiled=compiled, note=note)
+                             compiled=compiled, note=note, trial=trial)
 
     @classmethod
     def of_policy(cls, policy, preprocessor, postprocessor, *, device: str, model_dir: Path, precision,
-                  compiled: bool | None = False, note=print) -> ChunkPredictor:
+                  compiled=False, note=print, trial=None) -> ChunkPredictor:
         """A predictor of a policy built in `precision.dtype` (`pisft.policy.precision.PrecisionChoice`;
         `load` reads one from a model directory, the benchmarks build one with random weights), laid
         out for inference and its chunk compiled as `compiled` says."""
@@ -109,10 +111,12 @@ class ChunkPredictor:
         policy.eval()
         policy.requires_grad_(False)  # inference only: no autograd graph, also under RTC's enable_grad
         record = precision_mod.apply(policy, precision)
-        how = compiled_mod.choose(compiled, device_mod.resolve_kind(str(device).split(":")[0]))
-        if how.enabled or compiled is True:  # compiled, or asked for and fell back; the default is recorded
+        how = (compiled if isinstance(compiled, compiled_mod.CompileChoice)
+               else compiled_mod.choose(compiled, device_mod.resolve_kind(str(device).split(":")[0])))
+        if how.enabled or compiled is True:  # compiled, measured, or asked for and fell back; the default is recorded
             note(f"{Path(model_dir).name}: {how.why}")
-        chunk = compiled_mod.install(policy, how, on_fallback=note)
+        name = Path(model_dir).name
+        chunk = compiled_mod.install(policy, how, on_fallback=lambda line: note(f"{name}: {line}"), trial=trial)
         return cls(policy=policy, preprocessor=preprocessor, postprocessor=postprocessor, device=device,
                    model_dir=Path(model_dir), precision=record, compiled_chunk=chunk, compile_choice=how)
 
@@ -127,8 +131,11 @@ class ChunkPredictor:
     def describe(self) -> dict:
         """How this model runs: precision, the compiled chunk (and its compile times), RTC."""
         choice = self.compile_choice
-        out = {"precision": self.precision,
-               "compile": choice.record() if choice is not None else {"compiled": False},
+        if self.compiled_chunk is not None:  # with the trial's decision and figures, once it ran
+            compile_record = self.compiled_chunk.record()
+        else:
+            compile_record = choice.record() if choice is not None else {"compiled": False}
+        out = {"precision": self.precision, "compile": compile_record,
                "rtc": self.rtc.record() if self.rtc is not None else {"enabled": False}}
         if self.compiled_chunk is not None:
             out["compile"]["first_call_s"] = dict(self.compiled_chunk.compile_s)

@@ -265,6 +265,7 @@ def open_policy_pool(cfg: config_mod.PisftConfig, given: Any, *, model_dir: Path
             pool = PolicyPool([fixed(given)], max_batch=rows, wait_ms=wait_ms, devices=["given"])
         else:
             from pisft.model.guidance import check_scale
+            from pisft.policy.compiled import Trial
             from pisft.policy.libero import LiberoPolicy
             from pisft.policy.rtc import RtcSettings
 
@@ -273,10 +274,11 @@ def open_policy_pool(cfg: config_mod.PisftConfig, given: Any, *, model_dir: Path
             devices = policy_devices(cfg)
             kind = device_mod.resolve_kind(cfg.device)
             settings = RtcSettings.from_config(cfg.eval.rtc) if rtc else None
+            trial = Trial()  # eval.compile null on an accelerator: one decision for every replica
             replicas = [fixed(LiberoPolicy.from_model_dir(model_dir, device=kind, device_index=i, seed=seed,
                                                           trained_on=trained_on, cfg_scale=scale,
                                                           precision=cfg.eval.precision, compiled=cfg.eval.compile,
-                                                          rtc=settings,
+                                                          rtc=settings, trial=trial,
                                                           note=lambda line: print(f"{stage}: {line}", flush=True)))
                         for i in range(len(devices))]
             if len(devices) > 1:
@@ -324,8 +326,9 @@ def policy_record(pool: PolicyPool) -> dict:
     return out
 
 
-# What the compiled chunk records of how long it took: the timing record's (`inference_timing`), not the output's.
-COMPILE_TIMING = ("first_call_s",)
+# What the compiled chunk records of how long it took (its compiles; eval.compile null's trial, whose
+# decision stays in the output): the timing record's (`inference_timing`), not the output's.
+COMPILE_TIMING = ("first_call_s", "trial")
 
 
 def inference_timing(pool: PolicyPool) -> dict:

@@ -66,7 +66,9 @@ server's decoding and queueing.
 
 Inference at robot speed (docs/serving.md, "Inference at robot speed"): `--precision` and
 `--compile` are `eval.precision` and `eval.compile` (the compiled chunk: one graph per batch-size
-bucket, the first chunk of each compiles). `--rtc` turns on real-time chunking (LeRobot's RTC,
+bucket, the first chunk of each compiles; `auto`: on an accelerator the first request's chunk decides,
+`pisft.policy.compiled.Trial`). The ready line says what each chose and why; the trial's decision is
+printed when the first chunk has made it. `--rtc` turns on real-time chunking (LeRobot's RTC,
 `pisft.policy.rtc`) per connection: the server keeps the chunk it answered last on each
 connection; a request that carries `"rtc/executed_steps": n` (where the robot was in that chunk
 when it took this observation: the index of its next action, the d actions a chunk started after
@@ -446,8 +448,12 @@ class PolicyServer:
     @property
     def metadata(self) -> dict:
         """What a client gets on connecting: the policy's metadata, with this server's message
-        limit (--max-message-mib) beside the policy's own limits in `limits`."""
+        limit (--max-message-mib) beside the policy's own limits in `limits`, and how the model runs
+        as of this connection (`inference`: `--compile auto`'s decision once a first chunk made it)."""
         meta = dict(self._policy.metadata)
+        predictor = getattr(self._policy, "predictor", None)
+        if predictor is not None and "inference" in meta:  # as of now: eval.compile's trial decides on a first chunk
+            meta["inference"] = predictor.describe()
         meta["limits"] = {**meta.get("limits", {}), "max_message_bytes": self.max_message_bytes}
         return meta
 
@@ -630,8 +636,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "it), fp32, auto (default: bf16 on an accelerator, the model's own on the CPU)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="the action chunk compiled and graph-captured per batch-size bucket, the config's "
-                        "eval.compile: on, off, auto (default: where it measured faster; the first chunk of each "
-                        "bucket compiles)")
+                        "eval.compile: on, off, auto (default: on an accelerator the first request's chunk runs "
+                        "eager and compiled and the faster is chosen, said in one line; on the CPU eager; the "
+                        "first chunk of each bucket compiles)")
     p.add_argument("--rtc", action="store_true",
                    help="real-time chunking per connection (LeRobot's RTC): a request with 'rtc/executed_steps' "
                         "and 'rtc/delay_steps' gets a chunk that agrees with the rest of the connection's last one "
@@ -741,6 +748,10 @@ def main(argv: list[str] | None = None) -> int:
 
         from pisft import device as device_mod
 
+        predictor = getattr(policy, "predictor", None)
+        if predictor is not None:  # eval.precision's and eval.compile's choices, as a stage's metrics record them
+            how = predictor.describe()
+            batching += f"; {how['precision']['why']}; {how['compile']['why']}"
         if device_mod.resolve_kind(args.device) == "cpu":
             # the model thread's intra-op threads: the CPU latency, and (with torch's default of
             # one per core) the float32 bits of a reply, depend on them (module docstring)
