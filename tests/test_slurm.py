@@ -190,7 +190,7 @@ def _training_workers(work: Path) -> list[psutil.Process]:
         if (p.info["cwd"] == str(work) and "torch.distributed.run" in cmd and "--nproc-per-node" in cmd
                 and p.info["status"] not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)):
             try:
-                workers = p.children()
+                workers = [w for w in p.children() if "pisft.train" in " ".join(w.cmdline())]
             except psutil.Error:
                 continue
             if len(workers) == int(cmd[cmd.index("--nproc-per-node") + 1]):
