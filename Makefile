@@ -104,8 +104,10 @@ run-pi05-cpu: setup
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
+# --durations=30: CI's output (.ci/run calls `make test`) lists the 30 slowest set-ups, tests and
+# tear-downs, so each round starts from measured test times.
 test: setup
-	$(PYTEST)
+	$(PYTEST) --durations=30
 
 test-fast: setup
 	$(PYTEST) -m "not integration"

@@ -28,12 +28,13 @@ def test_cpu_seconds_include_the_child_processes():
 def test_lerobot_runs_under_its_own_accelerate_launch_ours_under_torchrun(tmp_path):
     cmds = train_bench.launch_commands(tmp_path / "root", tmp_path, micro=4, warmup=10, steps=20,
                                        lr=1e-3, log_every=10, seed=0)
-    ours, lerobot = cmds["ours"](tmp_path / "o.json"), cmds["lerobot"](tmp_path / "l.json")
+    ours, lerobot = cmds["ours"](tmp_path / "o.json", 40001), cmds["lerobot"](tmp_path / "l.json", 40002)
     assert ours[1:4] == ["-m", "torch.distributed.run", "--standalone"]
     assert "--nproc-per-node" in ours and ours[ours.index("--nproc-per-node") + 1] == "2"
     assert Path(lerobot[0]).name == "accelerate" and lerobot[1] == "launch"
     assert lerobot[lerobot.index("--num_processes") + 1] == "2"
-    layers = cmds["ours_layer_units"](tmp_path / "u.json")
+    assert lerobot[lerobot.index("--main_process_port") + 1] == "40002"  # the port held while it runs
+    layers = cmds["ours_layer_units"](tmp_path / "u.json", 40003)
     for cmd, variant in ((ours, "ours"), (lerobot, "lerobot"), (layers, "ours")):
         assert cmd[cmd.index("--variant") + 1] == variant
         assert cmd[cmd.index("--warmup") + 1] == "10" and cmd[cmd.index("--steps") + 1] == "20"

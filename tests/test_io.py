@@ -80,12 +80,17 @@ def test_a_line_printed_in_two_writes_reaches_the_shared_console_whole(tmp_path)
     "...-> results/recap/iter_1/datasetevaluate: base model: 96/200 frames")."""
     log, console = tmp_path / "stage.log", tmp_path / "console.txt"
     code = (
-        "import os, time\n"
+        "import array, fcntl, os, termios, time\n"
         "from pisft.logs import tee_output\n"
+        "def unread(fd):\n"  # bytes in the pipe behind fd that no one has read yet
+        "    n = array.array('i', [0]); fcntl.ioctl(fd, termios.FIONREAD, n); return n[0]\n"
         "other_stage = os.dup(1)\n"  # the same terminal, as a stage running beside this one has it
         f"with tee_output({str(log)!r}):\n"
         "    os.write(1, b'convert_recap: done -> results/dataset')\n"
-        "    time.sleep(0.3)\n"  # the pump has read the first half by now
+        "    deadline = time.monotonic() + 50\n"
+        "    while unread(1):\n"  # until the pump has read the first half (a bound, not a verdict)
+        "        assert time.monotonic() < deadline, 'the pump never read the first half'\n"
+        "        time.sleep(0.005)\n"
         "    os.write(other_stage, b'evaluate: 96/200 frames\\n')\n"
         "    os.write(1, b'\\n')\n"
         "    os.write(1, b'a prompt with no newline')\n"

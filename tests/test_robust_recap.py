@@ -13,7 +13,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -48,9 +47,17 @@ def kill_snakemake_during(work: Path, rule: str, started) -> list[str]:
     that has ended has none to read)."""
     proc = subprocess.Popen([str(BIN / "snakemake"), "--cores", "2", rule], cwd=work, env=tool_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def at_work():
+        below = descendants(proc.pid)
+        if started(below):
+            return below
+        # the run ended before the stage was seen at work: fail now, not at the bound
+        assert proc.poll() is None, f"snakemake {rule} ended ({proc.returncode}) before it was seen at work"
+        return None
+
     try:
-        below = wait_for(lambda: (lambda p: p if started(p) else None)(descendants(proc.pid)), 600,
-                         f"{rule} at work")
+        below = wait_for(at_work, 600, f"{rule} at work")
         cmdlines = _cmdlines(below)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
@@ -73,13 +80,24 @@ def recover(work: Path, rule: str) -> subprocess.CompletedProcess:
 
 
 def _cmdlines(procs: list[psutil.Process]) -> list[str]:
+    return [c for _, c in _procs_cmdlines(procs)]
+
+
+def _procs_cmdlines(procs: list[psutil.Process]) -> list[tuple[psutil.Process, str]]:
     out = []
     for p in procs:
         try:
-            out.append(" ".join(p.cmdline()))
+            out.append((p, " ".join(p.cmdline())))
         except psutil.Error:
             continue
     return out
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
+        return None
 
 
 def test_train_value_killed_with_snakemake_resumes_to_the_same_bytes(default_pipeline, tmp_path):
@@ -107,10 +125,13 @@ def test_advantages_killed_with_snakemake_reruns_to_the_same_bytes(default_pipel
     labels = ITER / "advantages/labels.parquet"
     reference = sha(work / labels)
     shutil.rmtree(work / ITER / "advantages")
-    begun = time.time()
 
-    def labelling(procs) -> bool:  # the stage process has been at work a few seconds (loading, inferring V)
-        return any("pisft advantages" in c for c in _cmdlines(procs)) and time.time() - begun > 12
+    def labelling(procs) -> bool:
+        """The stage infers V: its process has a child with its own command line, the DataLoader
+        worker of `value_metrics.predict` (train.num_workers -1: one on the CPU), which lives only
+        while V is inferred (and the labels, then the output, come after it)."""
+        stage = {p.pid: c for p, c in _procs_cmdlines(procs) if "pisft advantages" in c}
+        return any(_parent(p) in stage and stage[_parent(p)] == stage[p] for p in stage)
 
     kill_snakemake_during(work, "advantages_1", labelling)
     assert not (work / ITER / "advantages").exists()

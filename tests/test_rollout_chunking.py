@@ -143,6 +143,7 @@ def test_the_delay_must_fit_the_chunk_and_the_steps_per_chunk():
         schedule.payload(0, np.zeros((8, 7)), lambda c: c[:5])
 
 
+@pytest.mark.integration  # the session's whole default pipeline
 def test_rtc_lowers_the_jerk_of_the_trained_model_at_chunk_boundaries(default_pipeline, tmp_path):
     """The default pipeline's fine-tuned tiny model (smooth chunks: it learned the demo's smooth
     actions) in the stand-in simulator at a delay of 3 steps: RTC (LeRobot's) agrees with the

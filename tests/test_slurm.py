@@ -170,18 +170,6 @@ def test_slurm_run_equals_the_local_run_and_both_drivers_agree(slurm_run, dvc_ru
     assert "up to date" in run(["dvc", "status"], work).stdout.lower()
 
 
-def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc.poll() is not None:
-            raise AssertionError(f"snakemake ended ({proc.returncode}) before {what}:\n{proc.communicate()[0][-4000:]}")
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _checkpoints(work: Path) -> list[int]:
     return sorted(int(p.parent.name.removeprefix("step_"))
                   for p in (work / "results/checkpoints/train").glob("run-*/step_*/COMPLETE.json"))
@@ -194,16 +182,41 @@ def _train_job(cluster: Cluster) -> str | None:
                 None)
 
 
-def _freeze_training(work: Path) -> list[psutil.Process]:
-    """SIGSTOP the training workers of `work` (in the Slurm job, on this node): the job is then
-    in the middle of train_8card for as long as Slurm lets it run, whatever this machine's speed."""
-    workers = [p for p in psutil.process_iter(["cmdline", "cwd"])
-               if p.info["cwd"] == str(work) and "pisft.train" in " ".join(p.info["cmdline"] or [])
-               and "torch.distributed.run" not in (p.info["cmdline"] or [])]
-    assert workers, "no training workers of this run"
-    for w in workers:
-        w.send_signal(signal.SIGSTOP)
-    return workers
+def _training_workers(work: Path) -> list[psutil.Process]:
+    """The training workers of `work` (in the Slurm job, on this node: the children of its running
+    torchrun), once all that it starts (`--nproc-per-node`) are there; [] before."""
+    for p in psutil.process_iter(["cmdline", "cwd", "status"]):
+        cmd = p.info["cmdline"] or []
+        if (p.info["cwd"] == str(work) and "torch.distributed.run" in cmd and "--nproc-per-node" in cmd
+                and p.info["status"] not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)):
+            try:
+                workers = [w for w in p.children() if "pisft.train" in " ".join(w.cmdline())]
+            except psutil.Error:
+                continue
+            if len(workers) == int(cmd[cmd.index("--nproc-per-node") + 1]):
+                return workers
+    return []
+
+
+def _freeze_training_when(work: Path, proc: subprocess.Popen, ready, what: str,
+                          timeout: float = 900) -> list[psutil.Process]:
+    """SIGSTOP the training workers of `work` as soon as `ready()` (progress: a checkpoint, the
+    resume) holds: the job is then in the middle of train_8card for as long as Slurm lets it run,
+    whatever this machine's speed. The workers are found while they start, so only a file check
+    stands between seeing the progress and the signal (milliseconds, against the optimizer steps,
+    checkpoints and export left). Bounded: fails at once if snakemake ends first."""
+    deadline = time.monotonic() + timeout
+    workers: list[psutil.Process] = []
+    while True:
+        workers = workers or _training_workers(work)
+        if workers and ready():
+            for w in workers:
+                w.send_signal(signal.SIGSTOP)
+            return workers
+        if proc.poll() is not None:
+            raise AssertionError(f"snakemake ended ({proc.returncode}) before {what}:\n{proc.communicate()[0][-4000:]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def _start(work: Path, cluster: Cluster, *args: str) -> subprocess.Popen:
@@ -226,7 +239,8 @@ def test_slurm_ending_train_8card_then_the_next_run_resumes(slurm_cluster, slurm
     """Over its time limit (TIMEOUT), then `scancel` (CANCELLED): each time the next
     `snakemake --profile profiles/slurm` resumes from the latest complete checkpoint, and the
     weights in the end are the uninterrupted run's. The workers are stopped (SIGSTOP) once the
-    job is where Slurm should end it, so that training cannot finish first on a fast machine."""
+    job is where Slurm should end it (found while they start, stopped the moment the progress shows),
+    so that training cannot finish first on a fast machine."""
     reference, _, _ = slurm_run
     work = tmp_path / "w"
     shutil.copytree(reference, work, symlinks=True)
@@ -237,10 +251,10 @@ def test_slurm_ending_train_8card_then_the_next_run_resumes(slurm_cluster, slurm
     #    (SIGTERM, then SIGKILL after KillWait) at the minute or, past it already, at its next check
     start = time.monotonic()
     proc = _start(work, slurm_cluster, "--forcerun", "train_8card")
-    _wait_for(lambda: _checkpoints(work), 900, "a first checkpoint", proc)
+    _freeze_training_when(work, proc, lambda: _checkpoints(work), "a first checkpoint")
+    assert _checkpoints(work) == [save_every], f"training outran the freeze: {_checkpoints(work)}"
     job = _train_job(slurm_cluster)
     assert job, "train_8card is not running"
-    _freeze_training(work)
     slurm_cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=1")
     text = _finish(proc, 300)
     assert proc.returncode != 0, text[-3000:]
@@ -255,10 +269,10 @@ def test_slurm_ending_train_8card_then_the_next_run_resumes(slurm_cluster, slurm
     proc = _start(work, slurm_cluster)
     log = work / "results/logs/train_8card.log"
     resumed = re.compile(rf"resum\w* from .*step_{save_every:06d}")
-    _wait_for(lambda: log.is_file() and resumed.search(log.read_text()), 900, "the resume", proc)
+    _freeze_training_when(work, proc, lambda: log.is_file() and resumed.search(log.read_text()), "the resume")
+    assert not (work / "results/train/model").exists(), "training outran the freeze"
     job = _train_job(slurm_cluster)
     assert job, "train_8card is not running"
-    _freeze_training(work)
     slurm_cluster.run("scancel", job)
     text = _finish(proc, 300)
     assert proc.returncode != 0, text[-3000:]

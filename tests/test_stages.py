@@ -23,7 +23,7 @@ SRC = ROOT / "src"
 LAYERS = (
     ("pisft", "pisft.errors", "pisft.io", "pisft.integrity", "pisft.disk_space", "pisft.logs", "pisft.device",
      "pisft.config", "pisft.layout", "pisft.stages", "pisft.code_graph", "pisft.records",
-     "pisft.tensors"),
+     "pisft.tensors", "pisft.ports"),
     ("pisft.data", "pisft.model"),
     ("pisft.policy", "pisft.rollout"),  # the inference wing and the rollout engine on it
     ("pisft.train", "pisft.evaluate", "pisft.serve"),

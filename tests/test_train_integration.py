@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from pisft.ports import held_port
 from train_fixtures import ROOT, launch, launch_cmd, launch_env, read_jsonl, results_dir, kill_rank1_after_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -36,12 +37,6 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
 
 def _weights(results: Path) -> dict[str, torch.Tensor]:
     return load_file(results / "train" / "model" / "model.safetensors")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +73,13 @@ def one_process(tmp_path_factory, smoke):
 def two_nodes(tmp_path_factory, smoke):
     """2 nodes x 1 process on localhost: world size 2, rendezvous at node 0."""
     res = _with_smoke(tmp_path_factory, "two", smoke, "train.nproc_per_node=1", LAYER_UNITS)
-    endpoint = f"127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen(
-        launch_cmd("train_8card", res, *RUN, "train.nproc_per_node=1", "train.nnodes=2", LAYER_UNITS,
-                   f"train.node_rank={node}", f"train.rdzv_endpoint={endpoint}"),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=launch_env())
-        for node in (0, 1)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    with held_port() as port:  # node 0's torchrun binds it for the rendezvous; nothing else can meanwhile
+        procs = [subprocess.Popen(
+            launch_cmd("train_8card", res, *RUN, "train.nproc_per_node=1", "train.nnodes=2", LAYER_UNITS,
+                       f"train.node_rank={node}", f"train.rdzv_endpoint=127.0.0.1:{port}"),
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=launch_env())
+            for node in (0, 1)]
+        outs = [p.communicate(timeout=300)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
     return res

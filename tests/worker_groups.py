@@ -11,6 +11,11 @@ pytest 9.2 no longer allows (xdist 3.8.0 sets `item._nodeid`; pytest 9.2's `Node
 reads `_id`), so its groups silently fall apart into single tests. The group of a test is
 therefore computed from its node id by the scheduler below, and the workers check that the
 table matches the fixtures the tests ask for.
+
+Every process that collects (a worker, or a run without xdist) also checks the `integration`
+mark: a test that asks for a fixture of PIPELINE_FIXTURES, directly or through another fixture,
+without the mark fails before the fixture is built, naming the test and the fix, because
+`make test-fast` (`-m "not integration"`) would otherwise run a whole pipeline.
 """
 
 from __future__ import annotations
@@ -27,8 +32,18 @@ PIPELINE_TESTS = {
     ),
     "dvc_run": ("tests/test_dvc.py", "tests/test_slurm.py"),  # test_slurm compares its Slurm run with it
 }
+# Fixtures that run the workflow's drivers over the DAG (minutes each): the tests that use them carry
+# @pytest.mark.integration. Fixture -> the test files it serves ("tests/": any, a session fixture).
+PIPELINE_FIXTURES = {
+    "default_pipeline": "tests/",  # conftest.py: the whole pipeline through Snakemake
+    "dvc_run": "tests/",  # dvc_fixtures.py: the small SFT DAG through `dvc repro`
+    "slurm_cluster": "tests/",  # slurm_fixtures.py: a one-node Slurm cluster (installs, daemons)
+    "slurm_run": "tests/test_slurm.py",  # the small SFT DAG, every rule a Slurm job
+    "project": "tests/test_robust_drivers.py",  # `dvc repro convert_recap` on the small settings
+}
 DISTRIBUTED = ("load", "loadscope", "loadfile", "loadgroup")  # xdist's modes this grouping replaces
 MISPLACED = pytest.StashKey[str]()  # why a test is not placed with its pipeline (it then fails)
+UNMARKED = pytest.StashKey[str]()  # why a test must carry the integration mark (it then fails)
 
 
 def group_of(nodeid: str) -> str:
@@ -43,10 +58,27 @@ def group_of(nodeid: str) -> str:
     return path
 
 
+def unmarked_pipeline_test(item) -> str | None:
+    """Why `item` fails: it uses a fixture of PIPELINE_FIXTURES without the integration mark."""
+    if item.get_closest_marker("integration") is not None:
+        return None
+    used = [name for name, where in PIPELINE_FIXTURES.items()
+            if name in item.fixturenames and item.nodeid.startswith(where)]
+    if not used:
+        return None
+    return (f"{item.nodeid} uses {', '.join(used)} (a whole pipeline run, minutes) without "
+            "@pytest.mark.integration, so `make test-fast` (-m \"not integration\") would run it: add "
+            "@pytest.mark.integration to the test (or pytestmark = pytest.mark.integration to its module); "
+            "the fixtures are PIPELINE_FIXTURES in tests/worker_groups.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """On a worker: mark a pipeline test that the table does not place with its pipeline (it
-    fails, saying so), then put the pipeline groups first (a stable sort: every file keeps its
-    order)."""
+    """Mark a pipeline test without the integration mark (it fails, saying so). On a worker also:
+    mark a pipeline test that the table does not place with its pipeline (it fails, saying so),
+    then put the pipeline groups first (a stable sort: every file keeps its order)."""
+    for item in items:
+        if problem := unmarked_pipeline_test(item):
+            item.stash[UNMARKED] = problem
     if not hasattr(config, "workerinput"):
         return
     for item in items:
@@ -59,9 +91,11 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: group_of(item.nodeid) not in PIPELINE_TESTS)
 
 
+@pytest.hookimpl(tryfirst=True)  # before the runner's own set-up builds the fixtures
 def pytest_runtest_setup(item):
-    if MISPLACED in item.stash:
-        pytest.fail(item.stash[MISPLACED], pytrace=False)
+    for problem in (UNMARKED, MISPLACED):
+        if problem in item.stash:
+            pytest.fail(item.stash[problem], pytrace=False)
 
 
 class PipelineScheduling:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from torch.utils.data import default_collate
 
 from pisft import config as config_mod
 from pisft import device as devices
+from pisft.ports import held_port
 from pisft.train import fsdp, loop, optim
 from pisft.train.batches import StepDataset, make_loader, resolve_workers, split_rand
 from pisft.train.metrics import MetricsLog
@@ -313,14 +313,10 @@ DIST_WORKER = Path(__file__).with_name("train_dist.py")
 DIST_WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_commands(root: Path, work: Path, *, micro: int, warmup: int, steps: int, lr: float,
-                    log_every: int, seed: int) -> dict[str, Callable[[Path], list[str]]]:
+                    log_every: int, seed: int) -> dict[str, Callable[[Path, int], list[str]]]:
+    """Each variant's command, of its result file and a rendezvous port (`pisft.ports.held_port`,
+    held while it runs; torchrun's --standalone picks its own)."""
     work.mkdir(parents=True, exist_ok=True)
     accelerate = Path(sys.executable).with_name("accelerate")
 
@@ -334,14 +330,14 @@ def launch_commands(root: Path, work: Path, *, micro: int, warmup: int, steps: i
                 "--nproc-per-node", str(DIST_WORLD), *worker_args]
 
     return {
-        "ours": lambda out: torchrun(*args("ours", out)),
+        "ours": lambda out, _port: torchrun(*args("ours", out)),
         # the same, with the layer units an accelerator trains with (train.fsdp_min_unit_params=0):
         # what merging the units buys on the CPU
-        "ours_layer_units": lambda out: torchrun(*args("ours", out, "--min-unit-params", "0")),
-        "lerobot": lambda out: [str(accelerate), "launch", "--multi_gpu", "--num_processes", str(DIST_WORLD),
-                                "--num_machines", "1", "--mixed_precision", "no",
-                                "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1",
-                                "--main_process_port", str(_free_port()), *args("lerobot", out)],
+        "ours_layer_units": lambda out, _port: torchrun(*args("ours", out, "--min-unit-params", "0")),
+        "lerobot": lambda out, port: [str(accelerate), "launch", "--multi_gpu", "--num_processes",
+                                      str(DIST_WORLD), "--num_machines", "1", "--mixed_precision", "no",
+                                      "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1",
+                                      "--main_process_port", str(port), *args("lerobot", out)],
     }
 
 
@@ -361,8 +357,9 @@ def _two_process(setup_root: Path, work: Path, cfg: config_mod.PisftConfig, *, w
             if name in failures:
                 continue
             out = work / f"{name}_{r}.json"
-            cmd = launchers[name](out)
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            with held_port() as port:
+                cmd = launchers[name](out, port)
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
             if proc.returncode != 0 or not out.is_file():
                 failures[name] = f"{' '.join(cmd[:4])} … exit {proc.returncode}: {proc.stderr[-1500:]}"
                 continue

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,14 +21,10 @@ from typing import Any
 
 import torch
 
+from pisft.ports import held_port
+
 TIMEOUT_S = 120  # init and every collective; HCCL links between 8 cards take seconds, not minutes
 CPU_PROCESSES = 2  # gloo on the CPU: two processes, so the bytes really travel
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ops(rank: int, world: int, device: torch.device) -> list[str]:
@@ -93,8 +88,8 @@ def run(kind: str, world: int, deterministic: bool = False) -> tuple[bool, str]:
     passed, a one-line summary)."""
     from pisft import device as devices
 
-    port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="pisft-doctor-") as out:
+    # rank 0's init_process_group binds the rendezvous port; held until the workers are done
+    with held_port() as port, tempfile.TemporaryDirectory(prefix="pisft-doctor-") as out:
         procs = [subprocess.Popen([sys.executable, "-m", "pisft.doctor.collectives", str(r), kind,
                                    str(world), str(port), out, str(int(deterministic))],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
