@@ -495,7 +495,8 @@ def test_changed_input_content_starts_a_fresh_run(tmp_path):
 
     cfg = _cfg_with(tmp_path)
     base, data = tmp_path / "base_model", tmp_path / "dataset"
-    for f, text in ((base / "MANIFEST.json", "{}"), (data / "split.json", "{}"),
+    weights = '{"files": {"model.safetensors": {"sha256": "%s", "size": 1}}}'
+    for f, text in ((base / "MANIFEST.json", weights % "a"), (data / "split.json", "{}"),
                     (data / "meta" / "prompt_conditioning.json", '{"p": 0.1}'),
                     (data / "data" / "chunk-000" / "file-000.parquet", "x" * 10)):
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -505,6 +506,6 @@ def test_changed_input_content_starts_a_fresh_run(tmp_path):
     roots.add(checkpoint_root(cfg))
     (data / "data" / "chunk-000" / "file-000.parquet").write_text("x" * 11)
     roots.add(checkpoint_root(cfg))
-    (base / "MANIFEST.json").write_text('{"files": {}}')
+    (base / "MANIFEST.json").write_text(weights % "b")  # another weights file
     roots.add(checkpoint_root(cfg))
     assert len(roots) == 4

@@ -7,7 +7,7 @@ Layout of one checkpoint, `<root>/step_XXXXXX/`:
                            parameters (train.trainable other than `all`) are not in it: they are
                            the base model's, which trainer_state.json names (`base`)
   trainer_state.json       step, scheduler state, world size, fingerprint of the run, the base
-                           model the checkpoint applies to (its directory and MANIFEST.json sha256)
+                           model the checkpoint applies to (`pisft.base_identity.base_record`)
   rng/rank_XXXXX.json      each rank's torch / numpy / python RNG state
   pisft_config.json        the resolved config that wrote it
   COMPLETE.json            written last: the commit marker (its presence means the save
@@ -70,7 +70,7 @@ from pisft.config import POLICY_RUN, PisftConfig, fingerprint_keys, lookup, to_d
 from pisft.errors import PisftError
 from pisft.io import FileProblem, compare_files, current_writer, sha256_file
 from pisft.layout import SPLIT_FILE
-from pisft.base_identity import base_id, same_base
+from pisft.base_identity import base_id, identity_sha256, same_base
 
 MARKER = "COMPLETE.json"
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -509,9 +509,10 @@ def run_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
 
     Every setting that changes what training computes (the keys marked POLICY_RUN in
     pisft.config: `model` and `data` whole but their input keys, and the `train` keys listed
-    there with why the others stay out) and the content of its inputs: the base model (its
-    sha256 MANIFEST: weights, tokenizer, config) and the dataset (split, features, statistics,
-    prompt conditioning, episode index, data files).
+    there with why the others stay out) and the content of its inputs: the model it starts from
+    (`pisft.base_identity.model_identity`: its files' sha256 and its source, not the config that
+    wrote it) and the dataset (split, features, statistics, prompt conditioning, episode index,
+    data files).
     """
     labels = layout.training_labels(cfg)
     # a RECAP iteration's run: which iteration, where it starts, and its labels
@@ -529,12 +530,12 @@ def settings_fingerprint(cfg: PisftConfig, run: str) -> dict[str, Any]:
 
 
 def inputs_fingerprint(cfg: PisftConfig, base: Path | None = None) -> dict[str, Any]:
-    """The content of the model training starts from (`base`; the base model by default) and of
-    the dataset (see `_sha256_of`)."""
+    """The identity of the model training starts from (`base`; the base model by default:
+    `pisft.base_identity.identity_sha256`) and the content of the dataset (see `_sha256_of`)."""
     base = base or layout.base_model(cfg)
     data = layout.iteration(cfg).dataset
     return {
-        "base_model": _sha256_of([base / "MANIFEST.json", base / "config.json"]),
+        "base_model": identity_sha256(base),
         "dataset": _sha256_of([data / SPLIT_FILE, data / "meta" / "info.json",
                                data / "meta" / "stats.json", data / "meta" / "prompt_conditioning.json",
                                data / "meta" / "tasks.parquet",
