@@ -8,7 +8,8 @@ Layout of one checkpoint, `<root>/step_XXXXXX/`:
                            the base model's, which trainer_state.json names (`base`)
   trainer_state.json       step, scheduler state, world size, fingerprint of the run, the base
                            model the checkpoint applies to (`pisft.base_identity.base_record`)
-  rng/rank_XXXXX.json      each rank's torch / numpy / python RNG state
+  rng/rank_XXXXX.json      each rank's torch / numpy / python RNG state (seeded per rank from
+                           train.seed, `seed_host_generators`: equal runs write equal bytes)
   pisft_config.json        the resolved config that wrote it
   COMPLETE.json            written last: the commit marker (its presence means the save
                            finished): {"step", "files": {relpath: {"sha256", "size"}} of every
@@ -58,6 +59,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -288,6 +291,29 @@ def latest_complete(root: Path, log=print, content: bool = True, rank: int = 0,
     return None
 
 
+def seed_host_generators(seed: int, rank: int) -> None:
+    """Seed Python's `random` and NumPy's global generator for one rank from the run's seed
+    (train.seed), as torch's is (`pisft.train.job.build`): a checkpoint saves all three
+    (`rng/rank_XXXXX.json`), and unseeded ones start from the OS's entropy, so two identical
+    runs wrote different checkpoint bytes (issue 56). Per rank: (seed, rank) through NumPy's
+    SeedSequence, so no two ranks draw alike and the same rank of a rerun draws the same."""
+    words = np.random.SeedSequence([seed, rank]).generate_state(4)  # 4 uint32 words
+    random.seed(int.from_bytes(words.tobytes(), "little"))
+    np.random.seed(words)
+
+
+class _CheckpointWriter(FileSystemWriter):
+    """DCP's file writer (the one `dcp.save(checkpoint_id=...)` makes), whose `.metadata` records
+    neither the random save id it draws per save (uuid4) nor the absolute path it wrote to (the
+    temporary folder, renamed right after): with them, equal checkpoints had different bytes.
+    Nothing reads them back: torch 2.11's `_FileSystemWriter.storage_meta` writes them into
+    `Metadata.storage_meta`, which a reader only gives its own load id
+    (torch/distributed/checkpoint/filesystem.py)."""
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta()
+
+
 def _rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     return {
@@ -365,7 +391,7 @@ class CheckpointManager:
         named = {"what": f"checkpoint of step {step}", "needed": room[0], "kept": self.kept_text}
         disk_space.require_room(self.root, room[0], free=room[1], what=named["what"], kept=self.kept_text)
         with disk_space.named_full_disk(self.root, **named):
-            dcp.save(pieces, checkpoint_id=str(tmp / "dcp"))
+            dcp.save(pieces, storage_writer=_CheckpointWriter(str(tmp / "dcp")))
         _write_json_synced(tmp / "rng" / f"rank_{self.rank:05d}.json", _rng_state())
         dist.barrier()
         # Every rank hashes a share of what the ranks wrote (rank 0 adds its own files below).
