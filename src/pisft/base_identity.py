@@ -52,7 +52,8 @@ def model_identity(model_dir: str | Path) -> dict[str, Any] | None:
     manifest = model_dir / MANIFEST_FILE
     if manifest.is_file():
         listed = json.loads(manifest.read_text()).get("files", {})
-        files = {rel: entry["sha256"] for rel, entry in listed.items() if rel not in RECORD_FILES}
+        files = {rel: entry.get("sha256") if isinstance(entry, dict) else entry
+                 for rel, entry in listed.items() if rel not in RECORD_FILES}
     else:
         files = {name: sha256_file(model_dir / name) for name in UNLISTED_FILES if (model_dir / name).is_file()}
     source_file = model_dir / "SOURCE.json"
