@@ -222,3 +222,33 @@ def test_light_source_file_list_names_the_stats_file():
     from pisft.model import sources
 
     assert STATS_FILE in sources.LOCAL_SOURCE_FILES
+
+
+def test_the_base_models_identity_is_its_weights_and_source_not_the_config_that_fetched_it(tmp_path, src):
+    """Issue 56: the run fingerprint hashed the base folder's MANIFEST.json, which lists
+    pisft_config.json (every key): a fetch_base rerun after an unrelated change started a fresh
+    training run, and the checkpoint's base record would have called it another model."""
+    from pisft.base_identity import base_record, same_base
+    from pisft.train.checkpoint import checkpoint_root, run_fingerprint
+
+    def cfg(**eval_keys):
+        return from_dict({"results_dir": str(tmp_path / "results"), "model": {"source": str(src)},
+                          "eval": eval_keys})
+
+    out = fetch.run(cfg())
+    before = (run_fingerprint(cfg()), checkpoint_root(cfg()), base_record(out),
+              (out / "MANIFEST.json").read_bytes())
+    fetch.run(cfg(batch_size=3))  # a key fetch_base does not read; the rule reruns on any config
+    assert (out / "MANIFEST.json").read_bytes() != before[3]  # the record of the config changed...
+    assert json.loads((out / "pisft_config.json").read_text())["eval"]["batch_size"] == 3
+    assert run_fingerprint(cfg()) == before[0] and checkpoint_root(cfg()) == before[1]  # ...the model not
+    assert same_base(before[2], base_record(out))
+    # one weight of the source changes: another model, another run
+    tensors = load_file(src / "model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1.0
+    save_file(tensors, str(src / "model.safetensors"))
+    fetch.run(cfg())
+    assert run_fingerprint(cfg())["base_model"] != before[0]["base_model"]
+    assert checkpoint_root(cfg()) != before[1]
+    assert not same_base(before[2], base_record(out))

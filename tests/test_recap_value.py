@@ -328,7 +328,7 @@ def test_a_value_model_whose_base_became_another_model_is_refused_by_name(inputs
     tensors[name] = tensors[name] + 1.0
     save_file(tensors, base / "model.safetensors", metadata={"format": "pt"})
     write_manifest(base)  # as a new fetch_base writes it: a consistent, other model
-    with pytest.raises(ModelLoadError, match=rf"read from {base}, which held MANIFEST.json sha256 .* "
+    with pytest.raises(ModelLoadError, match=rf"read from {base}, which held model sha256 .* "
                                              r"now \(another model\); run the train_value stage again"):
         value_model.load(out)
 

@@ -161,6 +161,32 @@ def test_changed_source_data_is_seen_by_both_drivers_and_an_unnamed_source_is_re
     assert refused.returncode != 0 and f"{other} -> ${{results_dir}}/demo_recap,{other},{third}" in refused.stderr
 
 
+@pytest.mark.integration
+def test_a_source_inside_results_without_a_manifest_is_watched_by_both_drivers(project, tmp_path):
+    """Issue 56: a source placed inside results/ that no stage writes was given to Snakemake as its
+    folder (whose time stamp a file changed deep inside does not move): "Nothing to be done", and
+    the run's dvc commit then recorded the changed source as converted, so DVC missed it too."""
+    work = Path(shutil.copytree(project, tmp_path / "w", symlinks=True))
+    mine = Path(shutil.copytree(work / "results/demo_recap", work / "results/mine",
+                                ignore=shutil.ignore_patterns(".snakemake_timestamp", "MANIFEST.json",
+                                                              "pisft_config.json")))
+    set_sources(work, ["results/mine"])
+    run(["python", "-m", "pisft", "dvc-yaml"], work)
+    run(["dvc", "repro", "convert_recap"], work)
+    assert planned(work) == set() and "up to date" in run(["dvc", "status", "convert_recap"], work).stdout.lower()
+    scaled = sorted((mine / "data").rglob("*.parquet"))[0]
+    scale_actions(scaled)
+    assert reasons(work) == {"convert_recap": f"Updated input files: {scaled.relative_to(work)}"}
+    changed = run(["dvc", "status", "convert_recap"], work).stdout
+    assert "results/mine" in changed and "modified" in changed
+    # a Snakemake run converts the changed data; its dvc commit then records what it converted
+    dataset = work / "results" / "dataset" / "MANIFEST.json"
+    before = dataset.read_bytes()
+    run(["snakemake", "convert_recap", "--cores", "1"], work)
+    assert dataset.read_bytes() != before
+    assert planned(work) == set() and "up to date" in run(["dvc", "status", "convert_recap"], work).stdout.lower()
+
+
 def scale_actions(path: Path, factor: float = 2.0) -> None:
     """An episode's actions multiplied by `factor`, written back in place (a hand edit of the data)."""
     import numpy as np

@@ -390,6 +390,75 @@ def _to_the_earlier_layout(step_dir: Path) -> None:
                                  indent=2, sort_keys=True) + "\n")
 
 
+# One short training process as a stage starts it (`pisft.train.job.setup_process`: the process
+# group, the run's seeds), three AdamW steps on a small model, one checkpoint saved.
+_SHORT_RUN = """
+import sys
+import torch
+from pisft import config
+from pisft.train import optim
+from pisft.train.checkpoint import CheckpointManager
+from pisft.train.job import setup_process
+
+root, seed = sys.argv[1], int(sys.argv[2])
+cfg = config.from_dict({"device": "cpu", "results_dir": root, "train": {"seed": seed, "nproc_per_node": 1}})
+ctx = setup_process(cfg, "train_8card", 1)
+torch.manual_seed(seed)  # as job.build does
+model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+opt = optim.build_optimizer(model.parameters(), lr=1e-2, weight_decay=0.01, fused=False)
+sched = optim.build_scheduler(opt, lr=1e-2, warmup_steps=1, decay_lr=1e-3, steps=3)
+x = torch.linspace(-1, 1, 24).reshape(4, 6)
+for _ in range(3):
+    model(x).square().mean().backward()
+    opt.step(); sched.step(); opt.zero_grad()
+CheckpointManager(root + "/ckpt", keep_last=1, rank=ctx.rank, world_size=1, fingerprint={"train.seed": seed},
+                  config={"train": {"seed": seed}}, log=lambda _m: None).save(3, model, opt, sched)
+"""
+
+
+def _short_runs(tmp_path: Path, seeds: list[int]) -> list[dict[str, bytes]]:
+    """`_SHORT_RUN` once per seed, each a fresh process (whose unseeded generators start from the
+    OS's entropy), side by side; each checkpoint's files by relative path."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    procs = []
+    for i, seed in enumerate(seeds):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+               "LOCAL_RANK": "0", "WORLD_SIZE": "1", "PISFT_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-c", _SHORT_RUN, str(tmp_path / f"run{i}"), str(seed)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-3000:]
+    runs = []
+    for i in range(len(seeds)):
+        step = tmp_path / f"run{i}" / "ckpt" / ckpt_mod.step_dir_name(3)
+        runs.append({p.relative_to(step).as_posix(): p.read_bytes() for p in sorted(step.rglob("*")) if p.is_file()})
+    return runs
+
+
+def test_two_identical_short_runs_write_byte_identical_checkpoints(tmp_path):
+    """Issue 56: Python's and NumPy's generators were never seeded, so the RNG states a checkpoint
+    saves (rng/rank_XXXXX.json) differed between two identical runs; DCP's .metadata held a
+    random save id and the temporary folder's path. Now every file is the same bytes."""
+    first, second = _short_runs(tmp_path, [0, 0])
+    assert {"rng/rank_00000.json", "dcp/.metadata", "trainer_state.json", "COMPLETE.json"} <= set(first)
+    assert [name for name in first if first[name] != second.get(name)] == [] and set(first) == set(second)
+    # the states come from the seed, per rank
+    states = []
+    for seed, rank in ((0, 0), (0, 0), (1, 0), (0, 1)):
+        ckpt_mod.seed_host_generators(seed, rank)
+        states.append(ckpt_mod._rng_state())  # what a checkpoint saves
+    assert states[0] == states[1] and states[0]["numpy"] != states[2]["numpy"] != states[3]["numpy"]
+    assert states[0]["python"] != states[2]["python"] != states[3]["python"]
+
+
 def test_a_checkpoint_with_the_earlier_marker_is_verified_and_resumed(tmp_path):
     root = tmp_path / "ckpt"
     model, opt, sched = _big_toy()
@@ -495,7 +564,8 @@ def test_changed_input_content_starts_a_fresh_run(tmp_path):
 
     cfg = _cfg_with(tmp_path)
     base, data = tmp_path / "base_model", tmp_path / "dataset"
-    for f, text in ((base / "MANIFEST.json", "{}"), (data / "split.json", "{}"),
+    weights = '{"files": {"model.safetensors": {"sha256": "%s", "size": 1}}}'
+    for f, text in ((base / "MANIFEST.json", weights % "a"), (data / "split.json", "{}"),
                     (data / "meta" / "prompt_conditioning.json", '{"p": 0.1}'),
                     (data / "data" / "chunk-000" / "file-000.parquet", "x" * 10)):
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -505,6 +575,6 @@ def test_changed_input_content_starts_a_fresh_run(tmp_path):
     roots.add(checkpoint_root(cfg))
     (data / "data" / "chunk-000" / "file-000.parquet").write_text("x" * 11)
     roots.add(checkpoint_root(cfg))
-    (base / "MANIFEST.json").write_text('{"files": {}}')
+    (base / "MANIFEST.json").write_text(weights % "b")  # another weights file
     roots.add(checkpoint_root(cfg))
     assert len(roots) == 4

@@ -320,3 +320,23 @@ def test_a_source_reached_through_results_dotdot_or_a_link_is_read_where_it_lead
     cfg = pisft_config.from_dict({"results_dir": str(tmp_path / "results"),
                                   "data": {"recap_dir": [str(dotdot), str(link)]}})
     assert source_inputs(cfg) == [(dotdot / "sub" / "episode.parquet").as_posix(), str(link)]
+
+
+def test_a_source_inside_results_dir_that_no_rule_writes_is_read_file_by_file(tmp_path):
+    """Issue 56: a source placed inside results/ was given to Snakemake as its folder, as the demo's
+    is, so a file changed deep inside it went unseen (and the run's dvc commit recorded it)."""
+    from pisft import config as pisft_config
+    from pisft.workflow.snakemake_support import source_inputs
+
+    mine = tmp_path / "results" / "mine"
+    (mine / "data").mkdir(parents=True)
+    (mine / "data" / "episode.parquet").write_bytes(b"x")
+    (mine / "meta").mkdir()
+    (mine / "meta" / "info.json").write_text("{}")
+    demo = tmp_path / "results" / "demo_recap"  # written by demo_recap: the folder
+    demo.mkdir()
+    (demo / "data.parquet").write_bytes(b"x")
+    cfg = pisft_config.from_dict({"results_dir": str(tmp_path / "results"),
+                                  "data": {"recap_dir": [str(mine), str(demo)]}})
+    assert source_inputs(cfg) == [(mine / "data" / "episode.parquet").as_posix(),
+                                  (mine / "meta" / "info.json").as_posix(), str(demo)]

@@ -243,8 +243,9 @@ def consumption(ld: _Loader, batch: dict[str, Any], cfg: config_mod.PisftConfig)
             f"consumption = peak FLOP/s x MFU / training FLOPs per sample; MFU {MFU_ASSUMED} assumed "
             "(not measured on a 910B)",
             f"peak: {source} ({peak / 1e12:.0f} TFLOP/s dense bf16)",
-            "training FLOPs per sample: pisft.train.flops (3 x forward, model FLOPs, recompute not "
-            f"counted) of the {ld.policy.pisft_model_info['preset']} preset at "
+            "training FLOPs per sample: pisft.train.flops (model FLOPs, each part's backward as its "
+            "requires_grad leaves it to do, recompute not counted) of the "
+            f"{ld.policy.pisft_model_info['preset']} preset at "
             f"{int(batch[TOKENS_KEY].shape[1])} prompt tokens (the loader's "
             f"padding), chunk {ld.config.chunk_size}, "
             f"{len(ld.config.image_features)} images at {ld.config.image_resolution[0]} px",

@@ -167,7 +167,7 @@ class ValueModelConfig:
     base_config_sha256: str = ""  # of the base model's config.json when the model was trained
     prompt: str = "task"  # the plain task text, advantage label stripped
     # The model the frozen tensors are read from (`pisft.base_identity.base_record`: its
-    # directory and MANIFEST.json's sha256); None: every tensor is in the model's own file.
+    # directory and identity); None: every tensor is in the model's own file.
     frozen_from: dict[str, Any] | None = None
     frozen_dtype: str = "float32"  # what training held the frozen tensors in (bfloat16 or float32)
     v_min: float = V_MIN

@@ -7,8 +7,9 @@ Layout of one checkpoint, `<root>/step_XXXXXX/`:
                            parameters (train.trainable other than `all`) are not in it: they are
                            the base model's, which trainer_state.json names (`base`)
   trainer_state.json       step, scheduler state, world size, fingerprint of the run, the base
-                           model the checkpoint applies to (its directory and MANIFEST.json sha256)
-  rng/rank_XXXXX.json      each rank's torch / numpy / python RNG state
+                           model the checkpoint applies to (`pisft.base_identity.base_record`)
+  rng/rank_XXXXX.json      each rank's torch / numpy / python RNG state (seeded per rank from
+                           train.seed, `seed_host_generators`: equal runs write equal bytes)
   pisft_config.json        the resolved config that wrote it
   COMPLETE.json            written last: the commit marker (its presence means the save
                            finished): {"step", "files": {relpath: {"sha256", "size"}} of every
@@ -58,6 +59,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -70,7 +73,7 @@ from pisft.config import POLICY_RUN, PisftConfig, fingerprint_keys, lookup, to_d
 from pisft.errors import PisftError
 from pisft.io import FileProblem, compare_files, current_writer, sha256_file
 from pisft.layout import SPLIT_FILE
-from pisft.base_identity import base_id, same_base
+from pisft.base_identity import base_id, identity_sha256, same_base
 
 MARKER = "COMPLETE.json"
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -288,6 +291,29 @@ def latest_complete(root: Path, log=print, content: bool = True, rank: int = 0,
     return None
 
 
+def seed_host_generators(seed: int, rank: int) -> None:
+    """Seed Python's `random` and NumPy's global generator for one rank from the run's seed
+    (train.seed), as torch's is (`pisft.train.job.build`): a checkpoint saves all three
+    (`rng/rank_XXXXX.json`), and unseeded ones start from the OS's entropy, so two identical
+    runs wrote different checkpoint bytes (issue 56). Per rank: (seed, rank) through NumPy's
+    SeedSequence, so no two ranks draw alike and the same rank of a rerun draws the same."""
+    words = np.random.SeedSequence([seed, rank]).generate_state(4)  # 4 uint32 words
+    random.seed(int.from_bytes(words.tobytes(), "little"))
+    np.random.seed(words)
+
+
+class _CheckpointWriter(FileSystemWriter):
+    """DCP's file writer (the one `dcp.save(checkpoint_id=...)` makes), whose `.metadata` records
+    neither the random save id it draws per save (uuid4) nor the absolute path it wrote to (the
+    temporary folder, renamed right after): with them, equal checkpoints had different bytes.
+    Nothing reads them back: torch 2.11's `_FileSystemWriter.storage_meta` writes them into
+    `Metadata.storage_meta`, which a reader only gives its own load id
+    (torch/distributed/checkpoint/filesystem.py)."""
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta()
+
+
 def _rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     return {
@@ -365,7 +391,7 @@ class CheckpointManager:
         named = {"what": f"checkpoint of step {step}", "needed": room[0], "kept": self.kept_text}
         disk_space.require_room(self.root, room[0], free=room[1], what=named["what"], kept=self.kept_text)
         with disk_space.named_full_disk(self.root, **named):
-            dcp.save(pieces, checkpoint_id=str(tmp / "dcp"))
+            dcp.save(pieces, storage_writer=_CheckpointWriter(str(tmp / "dcp")))
         _write_json_synced(tmp / "rng" / f"rank_{self.rank:05d}.json", _rng_state())
         dist.barrier()
         # Every rank hashes a share of what the ranks wrote (rank 0 adds its own files below).
@@ -509,9 +535,10 @@ def run_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
 
     Every setting that changes what training computes (the keys marked POLICY_RUN in
     pisft.config: `model` and `data` whole but their input keys, and the `train` keys listed
-    there with why the others stay out) and the content of its inputs: the base model (its
-    sha256 MANIFEST: weights, tokenizer, config) and the dataset (split, features, statistics,
-    prompt conditioning, episode index, data files).
+    there with why the others stay out) and the content of its inputs: the model it starts from
+    (`pisft.base_identity.model_identity`: its files' sha256 and its source, not the config that
+    wrote it) and the dataset (split, features, statistics, prompt conditioning, episode index,
+    data files).
     """
     labels = layout.training_labels(cfg)
     # a RECAP iteration's run: which iteration, where it starts, and its labels
@@ -529,12 +556,12 @@ def settings_fingerprint(cfg: PisftConfig, run: str) -> dict[str, Any]:
 
 
 def inputs_fingerprint(cfg: PisftConfig, base: Path | None = None) -> dict[str, Any]:
-    """The content of the model training starts from (`base`; the base model by default) and of
-    the dataset (see `_sha256_of`)."""
+    """The identity of the model training starts from (`base`; the base model by default:
+    `pisft.base_identity.identity_sha256`) and the content of the dataset (see `_sha256_of`)."""
     base = base or layout.base_model(cfg)
     data = layout.iteration(cfg).dataset
     return {
-        "base_model": _sha256_of([base / "MANIFEST.json", base / "config.json"]),
+        "base_model": identity_sha256(base),
         "dataset": _sha256_of([data / SPLIT_FILE, data / "meta" / "info.json",
                                data / "meta" / "stats.json", data / "meta" / "prompt_conditioning.json",
                                data / "meta" / "tasks.parquet",

@@ -26,6 +26,7 @@ from pisft.config import PisftConfig
 from pisft.errors import PisftError
 from pisft.stages import ADVANTAGES, CONVERT_RECAP, FETCH_BASE, SMOKE_1CARD, TRAIN_8CARD
 from pisft.train import blocks, fsdp, optim
+from pisft.train.checkpoint import seed_host_generators
 from pisft.train.metrics import peak_flops_for
 from pisft.train.policy_task import PolicyTask
 from pisft.train.sampler import SourceMixture, StepLayout, StepSampler
@@ -233,7 +234,8 @@ def apply_trainable(ctx: Context, model: nn.Module, *, value_model: bool = False
 
 
 def setup_process(cfg: PisftConfig, stage: str, expected_world_size: int) -> Context:
-    """Device, determinism and the process group; refuses a world of the wrong size."""
+    """Device, determinism and the process group; refuses a world of the wrong size; Python's and
+    NumPy's generators seeded for this rank from train.seed (`checkpoint.seed_host_generators`)."""
     info = devices.setup(cfg.device)
     if cfg.train.deterministic:  # before HCCL communicator creation and the first operator
         devices.enable_determinism(info.kind)
@@ -246,6 +248,7 @@ def setup_process(cfg: PisftConfig, stage: str, expected_world_size: int) -> Con
         raise PisftError(f"{stage}: started with {ctx.world_size} processes but the config asks for "
                          f"{expected_world_size} (train.nproc_per_node × train.nnodes); start it through "
                          "`python -m pisft launch` or the workflow")
+    seed_host_generators(cfg.train.seed, ctx.rank)  # a checkpoint saves their states
     return ctx
 
 

@@ -280,18 +280,29 @@ def accelerator_resources(cfg: pisft_config.PisftConfig, nproc: int) -> dict:
 
 
 def source_inputs(cfg: pisft_config.PisftConfig) -> list[str]:
-    """The data sources the conversion (convert_recap) reads, as Snakemake inputs: a folder outside results_dir (no rule
-    writes it) as every file in it (Snakemake compares a folder by its own time stamp, which a
-    changed or added file deep inside does not move: a source whose data changed was "Nothing to
-    be done"); a folder under results_dir (the demo, a stage's output) as the folder."""
-    results = Path(cfg.results_dir).resolve()  # `results/../data` and a link into results/: where they lead
+    """The data sources the conversion (convert_recap) reads, as Snakemake inputs: a folder a rule
+    of this config writes (the demo, a stage's output: `rule_folders`) as the folder, which ties
+    the conversion to that rule; any other folder as every file in it, wherever it lies, inside
+    results_dir or not. Snakemake compares a folder by its own time stamp, which a changed or
+    added file deep inside does not move: a source whose data changed was "Nothing to be done",
+    and the run's `dvc commit` (`record_in_dvc`) then recorded the changed source as converted,
+    so DVC did not see it either (issue 56: a source placed inside results/ was taken for a
+    stage's output by where it lay)."""
+    written = rule_folders(cfg)
     inputs: list[str] = []
     for source in pisft_config.data_sources(cfg):
         folder = Path(source.path)
-        files = [] if folder.resolve().is_relative_to(results) or not folder.is_dir() else sorted(
+        # `results/../data` and a link into results/: where they lead
+        files = [] if folder.resolve() in written or not folder.is_dir() else sorted(
             p.as_posix() for p in folder.rglob("*") if p.is_file() and p.name not in WORKFLOW_MARKERS)
         inputs.extend(files or [source.path])
     return inputs
+
+
+def rule_folders(cfg: pisft_config.PisftConfig) -> set[Path]:
+    """Every folder output of this config's rules (`pisft.stages.rules`), resolved."""
+    return {path.resolve() for stage, k in rules(cfg.recap.iterations)
+            for out, path in layout.outputs(cfg, stage, k) if out.folder}
 
 
 def model_source_inputs(cfg: pisft_config.PisftConfig) -> list[str]:
