@@ -130,11 +130,13 @@ def test_a_list_of_sources_under_the_old_dvc_yaml_stops_before_any_stage(project
 
 @pytest.mark.integration
 def test_changed_source_data_is_seen_by_both_drivers_and_an_unnamed_source_is_refused(project, tmp_path):
+    """Sources outside results/ and inside it (issue 56: one placed inside results/ that no stage
+    writes was given to Snakemake as its folder, taken for a stage's output by where it lay)."""
     work = Path(shutil.copytree(project, tmp_path / "w", symlinks=True))
-    other = Path(shutil.copytree(work / "results/demo_recap", tmp_path / "more",
-                                 ignore=shutil.ignore_patterns(".snakemake_timestamp", "MANIFEST.json",
-                                                               "pisft_config.json")))
-    set_sources(work, ["results/demo_recap", str(other)])
+    plain = shutil.ignore_patterns(".snakemake_timestamp", "MANIFEST.json", "pisft_config.json")
+    other = Path(shutil.copytree(work / "results/demo_recap", tmp_path / "more", ignore=plain))
+    mine = Path(shutil.copytree(work / "results/demo_recap", work / "results/mine", ignore=plain))
+    set_sources(work, ["results/demo_recap", str(other), "results/mine"])
     run(["python", "-m", "pisft", "dvc-yaml"], work)
     run(["dvc", "repro", "convert_recap"], work)
     assert planned(work) == set() and "up to date" in run(["dvc", "status", "convert_recap"], work).stdout.lower()
@@ -148,43 +150,31 @@ def test_changed_source_data_is_seen_by_both_drivers_and_an_unnamed_source_is_re
     assert str(other) in changed and "modified" in changed
     shutil.copy2(original, scaled)  # put back, bytes and time stamp: nothing to do again
     assert reasons(work) == {} and "up to date" in run(["dvc", "status", "convert_recap"], work).stdout.lower()
-    # a file added to it, even one with an old time stamp (a copy that kept it)
-    added = other / "meta" / "notes.txt"
-    added.write_text("added\n")
-    os.utime(added, (0, 0))
-    assert reasons(work) == {"convert_recap": "Set of input files has changed since last execution"}
-    assert "modified" in run(["dvc", "status", "convert_recap"], work).stdout
-    # a third source the regenerated dvc.yaml does not name: refused before any stage
-    third = Path(shutil.copytree(other, tmp_path / "third"))
-    set_sources(work, ["results/demo_recap", str(other), str(third)])
-    refused = run(["dvc", "repro", "convert_recap"], work, check=False)
-    assert refused.returncode != 0 and f"{other} -> ${{results_dir}}/demo_recap,{other},{third}" in refused.stderr
-
-
-@pytest.mark.integration
-def test_a_source_inside_results_without_a_manifest_is_watched_by_both_drivers(project, tmp_path):
-    """Issue 56: a source placed inside results/ that no stage writes was given to Snakemake as its
-    folder (whose time stamp a file changed deep inside does not move): "Nothing to be done", and
-    the run's dvc commit then recorded the changed source as converted, so DVC missed it too."""
-    work = Path(shutil.copytree(project, tmp_path / "w", symlinks=True))
-    mine = Path(shutil.copytree(work / "results/demo_recap", work / "results/mine",
-                                ignore=shutil.ignore_patterns(".snakemake_timestamp", "MANIFEST.json",
-                                                              "pisft_config.json")))
-    set_sources(work, ["results/mine"])
-    run(["python", "-m", "pisft", "dvc-yaml"], work)
-    run(["dvc", "repro", "convert_recap"], work)
-    assert planned(work) == set() and "up to date" in run(["dvc", "status", "convert_recap"], work).stdout.lower()
+    # the same inside results/: before, "Nothing to be done", and the Snakemake run's dvc commit then
+    # recorded the changed source as converted, so DVC missed it too
     scaled = sorted((mine / "data").rglob("*.parquet"))[0]
     scale_actions(scaled)
     assert reasons(work) == {"convert_recap": f"Updated input files: {scaled.relative_to(work)}"}
     changed = run(["dvc", "status", "convert_recap"], work).stdout
     assert "results/mine" in changed and "modified" in changed
-    # a Snakemake run converts the changed data; its dvc commit then records what it converted
     dataset = work / "results" / "dataset" / "MANIFEST.json"
     before = dataset.read_bytes()
-    run(["snakemake", "convert_recap", "--cores", "1"], work)
+    run(["snakemake", "convert_recap", "--cores", "1"], work)  # converts it; its dvc commit records that
     assert dataset.read_bytes() != before
     assert planned(work) == set() and "up to date" in run(["dvc", "status", "convert_recap"], work).stdout.lower()
+    # a file added to the outside one, even one with an old time stamp (a copy that kept it)
+    added = other / "meta" / "notes.txt"
+    added.write_text("added\n")
+    os.utime(added, (0, 0))
+    assert reasons(work) == {"convert_recap": "Set of input files has changed since last execution"}
+    assert "modified" in run(["dvc", "status", "convert_recap"], work).stdout
+    # a fourth source the regenerated dvc.yaml does not name: refused before any stage
+    third = Path(shutil.copytree(other, tmp_path / "third"))
+    set_sources(work, ["results/demo_recap", str(other), "results/mine", str(third)])
+    refused = run(["dvc", "repro", "convert_recap"], work, check=False)
+    assert refused.returncode != 0, refused.stderr[-2000:]
+    assert (f"${{results_dir}}/mine -> ${{results_dir}}/demo_recap,{other},${{results_dir}}/mine,{third}"
+            in refused.stderr), refused.stderr[-2000:]
 
 
 def scale_actions(path: Path, factor: float = 2.0) -> None:
