@@ -98,7 +98,10 @@ def test_set_reads_values_alike_and_names_a_value_used_as_a_section():
 def write_config(tmp_path: Path, **sections) -> Path:
     raw = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     for section, keys in sections.items():
-        raw[section].update(keys)
+        if isinstance(keys, dict):
+            raw[section].update(keys)
+        else:
+            raw[section] = keys
     raw["results_dir"] = str(tmp_path / "results")
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -116,6 +119,8 @@ REFUSED_BY_THE_CLOSED_LOOP = [
      r"eval.replan_steps \(11\) \+ eval.rtc.delay_steps \(0\) exceed model.preset tiny's chunk of 10"),
     ({"eval": {"closed_loop": True, "trials_per_task": 51}},
      r"eval.trials_per_task: 51 episodes per task need as many initial states; LIBERO keeps 50"),
+    ({"device": "cpu", "eval": {"closed_loop": True, "policy_devices": 2}},
+     r"eval.policy_devices: 2 policy replicas asked for, but the policy runs on the CPU, where it is one"),
 ]
 
 

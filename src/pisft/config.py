@@ -1033,10 +1033,21 @@ def chunk_problems(replan_steps: int, delay_steps: int, chunk_size: int, chunk_f
             "replan_steps of it); lower one of them"]
 
 
+def cpu_replicas_problem(wanted: int) -> str | None:
+    """eval.policy_devices on the CPU, where the closed loop's policy is one replica (the environments
+    take the cores): the config check (device: cpu) and `pisft.policy.replicas` (the device resolved) ask it."""
+    if wanted <= 1:
+        return None
+    return (f"eval.policy_devices: {wanted} policy replicas asked for, but the policy runs on the CPU, where it "
+            "is one (the environments take the cores); set eval.policy_devices: 0, or run on accelerators "
+            "(device: cuda or npu)")
+
+
 def _closed_loop_problems(cfg: PisftConfig) -> list[str]:
     """What the closed loop would refuse, before any rollout, that the config alone decides: the
     model's chunk against the steps executed of it (model.preset's chunk, unless the model keeps its
-    source's, model.follow_source_chunk_size), LIBERO's initial states per task."""
+    source's, model.follow_source_chunk_size), the policy's replicas on the CPU (device: cpu; `auto`
+    is decided on the node), LIBERO's initial states per task."""
     e = cfg.eval
     if not e.closed_loop:
         return []
@@ -1044,6 +1055,8 @@ def _closed_loop_problems(cfg: PisftConfig) -> list[str]:
     chunk = PRESET_CHUNK_SIZES.get(cfg.model.preset)
     if chunk is not None and not cfg.model.follow_source_chunk_size:
         problems += chunk_problems(e.replan_steps, e.rtc.delay_steps, chunk, f"model.preset {cfg.model.preset}'s")
+    if cfg.device == "cpu" and cpu_replicas_problem(e.policy_devices):
+        problems.append(cpu_replicas_problem(e.policy_devices))
     if e.trials_per_task > LIBERO_INIT_STATES:
         problems.append(f"eval.trials_per_task: {e.trials_per_task} episodes per task need as many initial states; "
                         f"LIBERO keeps {LIBERO_INIT_STATES} per task (openpi's protocol runs all 50): lower it")
