@@ -84,6 +84,15 @@ def test_what_is_refused_at_snakemakes_parse_names_the_config_entry(capsys):
     assert "language at strength 1 does not apply to libero_90" in err
 
 
+def test_a_number_yaml_1_1_reads_as_text_is_named_with_how_to_write_it():
+    with pytest.raises(C.ConfigError, match=r"strength '1e1' is not a number .* \('1e1' was read as text: YAML 1.1 "
+                                            r"reads an exponent as a number only with a dot and a sign, so write 10 "
+                                            r"or 1.0e\+01\)"):
+        C.load(ROOT / "config/config.yaml", ["eval.perturbations=[{name: camera, strength: 1e1}]"])
+    with pytest.raises(C.ConfigError, match=r"strength '5' is not a number .* \('5' is text: write the number"):
+        C.load(ROOT / "config/config.yaml", ["eval.perturbations=[{name: camera, strength: '5'}]"])
+
+
 def test_set_reads_values_alike_and_names_a_value_used_as_a_section():
     cfg = C.load(ROOT / "config/config.yaml", ["eval.perturbations=[{name: camera, strength: 5}]", "eval.compile=null",
                                                "train.compile=off"])

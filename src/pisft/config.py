@@ -1063,6 +1063,20 @@ def _closed_loop_problems(cfg: PisftConfig) -> list[str]:
     return problems
 
 
+def _text_number_hint(value: Any) -> str:
+    """For a number YAML 1.1 (Snakemake's reading, and `--set`'s) took for text, such as `1e1`: how to write it."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    if "e" not in value.lower() or not math.isfinite(number):
+        return f" ({value!r} is text: write the number without quotes)"
+    return (f" ({value!r} was read as text: YAML 1.1 reads an exponent as a number only with a dot and a sign, "
+            f"so write {number:g} or {number:.1e})")
+
+
 def _robustness_problems(e: EvalConfig) -> list[str]:
     """eval.seeds and eval.perturbations (docs/robustness.md)."""
     problems: list[str] = []
@@ -1099,7 +1113,8 @@ def _robustness_problems(e: EvalConfig) -> list[str]:
         number = isinstance(strength, int | float) and not isinstance(strength, bool)
         if not number or not math.isfinite(strength) or not r.low <= strength <= r.high:
             problems.append(f"{where}: {name}'s strength {strength!r} is not a number in [{r.low:g}, {r.high:g}]"
-                            + (f" ({r.unit})" if r.unit else "") + f"; e.g. {{name: {name}, strength: {r.default:g}}}")
+                            + (f" ({r.unit})" if r.unit else "") + f"; e.g. {{name: {name}, strength: {r.default:g}}}"
+                            + _text_number_hint(strength))
             continue
         if name == "language" and strength not in (0, 1):
             problems.append(f"{where}: language's strength {strength!r} must be 0 (the task's own instruction) or 1 "
