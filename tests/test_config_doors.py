@@ -198,6 +198,21 @@ def test_a_list_of_seeds_has_a_bound_checked_before_the_schema_reads_it(monkeypa
             C.from_dict({section: {key: [7] * 10**6}})
 
 
+def test_a_config_file_too_long_for_any_config_is_refused_before_it_is_parsed(tmp_path, monkeypatch, capsys):
+    """A file of 10^5 seeds took both YAML readers 30 s before the list's bound was seen."""
+    import yaml as pyyaml
+
+    path = write_config(tmp_path, eval={"seeds": list(range(7, 7 + 10**5))})
+    assert path.stat().st_size > C.MAX_CONFIG_BYTES
+
+    def parse(*args, **kwargs):
+        raise AssertionError("parsed")
+
+    monkeypatch.setattr(pyyaml, "load", parse)
+    assert cli.main(["validate", str(path)]) == 2
+    assert f"{path}: {path.stat().st_size // 1024} KiB of YAML; a run config is a few KiB" in capsys.readouterr().err
+
+
 def test_the_facts_the_config_check_keeps_agree_with_their_owners():
     """The suites LIBERO-Pro paraphrases, and each preset's chunk (LeRobot's PI05Config default for pi05)."""
     from lerobot.policies.pi05.configuration_pi05 import PI05Config

@@ -1227,6 +1227,7 @@ LIBERO_INIT_STATES = 50
 MAX_SEEDS = 100
 MAX_PERTURBATIONS = 100
 MAX_LIST_ITEMS = 1000  # a list key without a bound of its own (data.tasks, data.recap_dir)
+MAX_CONFIG_BYTES = 128 << 10  # a config file's text (yaml_text), refused before it is parsed: 28x config.yaml
 LIST_LIMITS: dict[str, tuple[int, str]] = {
     "eval.seeds": (MAX_SEEDS, "each seed runs the whole closed-loop evaluation again (openpi's protocol: "
                               "2000 episodes per seed)"),
@@ -1345,6 +1346,10 @@ def yaml_text(text: str, source: str, *, both_readings: bool = True) -> Any:
     how to write it so both drivers plan the same run."""
     import yaml
 
+    if len(text) > MAX_CONFIG_BYTES:  # before either reader: 10^5 seeds took them 30 s, 10^6 minutes
+        raise ConfigError(f"{source}: {len(text) // 1024} KiB of YAML; a run config is a few KiB (config/config.yaml: "
+                          f"about 5), at most {MAX_CONFIG_BYTES // 1024}: no key takes a list that long (eval.seeds: "
+                          f"at most {MAX_SEEDS} seeds)")
     try:
         one = yaml.load(text, Loader=_pyyaml_loader())  # a SafeLoader subclass
     except yaml.YAMLError as exc:
