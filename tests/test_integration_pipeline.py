@@ -39,8 +39,9 @@ def test_snakemake_runs_the_whole_dag_and_it_learns(default_pipeline):
 
 
 def test_the_trained_model_carries_lerobots_processor_files_readable_by_everyone(default_pipeline):
-    """LeRobot's make_pre_post_processors loads results/train/model from the project root (issue 47):
-    the files are in its manifest and, as every other file of the export, readable by others."""
+    """LeRobot's make_pre_post_processors loads results/train/model (issue 47), from any working directory
+    (issue 56: the tokenizer is its step's state in the model folder): the files are in its manifest and,
+    as every other file of the export, readable by others."""
     import os
     import stat
 
@@ -57,14 +58,9 @@ def test_the_trained_model_carries_lerobots_processor_files_readable_by_everyone
     os.umask(mask)
     assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in model.rglob("*") if p.is_file()
             and stat.S_IMODE(p.stat().st_mode) != 0o666 & ~mask} == {}
-    before = os.getcwd()
-    os.chdir(default_pipeline)
-    try:
-        pre, post = make_pre_post_processors(read_config(model / "config.json")[0], pretrained_path=str(model))
-    finally:
-        os.chdir(before)
+    pre, post = make_pre_post_processors(read_config(model / "config.json")[0], pretrained_path=str(model))
     assert [type(s).__name__ for s in pre.steps][-3:-1] == ["Pi05PrepareStateTokenizerProcessorStep",
-                                                             "TokenizerProcessorStep"]
+                                                             "ModelTokenizerStep"]
 
 
 def test_the_embedded_default_checks_the_closed_loop_in_the_real_simulator(default_pipeline):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def umask():
 
 def export(project: Path, *, state_in_prompt: bool) -> Path:
     """A tiny model written as train_8card's export writes it (save_model, then LeRobot's processor
-    files named as the default results_dir places them), under `project`."""
+    files, the tokenizer inside them), under `project`."""
     tok = project / "tokenizer-src"
     save_tiny_tokenizer(tok)
     policy = build_policy("tiny", seed=0)
@@ -46,7 +47,7 @@ def export(project: Path, *, state_in_prompt: bool) -> Path:
     model = project / "results" / "train" / "model"
     model.mkdir(parents=True)
     save_model(policy, model, tokenizer_dir=tok, dataset_stats=SERVE_STATS)
-    write_processors(model, tokenizer_name="results/train/model/tokenizer")
+    write_processors(model)
     return model
 
 
@@ -77,7 +78,7 @@ def test_lerobots_processors_from_the_export_give_serves_actions(tmp_path, monke
     from lerobot.policies.factory import make_pre_post_processors
 
     model = export(tmp_path, state_in_prompt=state_in_prompt)
-    monkeypatch.chdir(tmp_path)  # the project root: where the files' tokenizer path starts
+    monkeypatch.chdir(tmp_path)  # the project root
     served = LiberoPolicy.from_model_dir(model, device="cpu", seed=0)
     batch = served.prepare(libero_request(3))
     expected = served.predict(batch, served.new_noise(5))["actions"]
@@ -109,3 +110,44 @@ def test_lerobots_processors_from_the_export_give_serves_actions(tmp_path, monke
         monkeypatch.setitem(sys.modules, "pisft.model.lerobot_processors", None)
         with pytest.raises(ImportError, match="pisft.model.lerobot_processors"):
             make_pre_post_processors(policy.config, pretrained_path=str(model))
+
+
+def test_the_processors_find_the_models_tokenizer_from_any_working_directory(tmp_path, monkeypatch):
+    """The files named the tokenizer `results/train/model/tokenizer`, read from the working directory:
+    from another project's root LeRobot loaded that project's tokenizer without a word. The tokenizer is
+    the tokenizer step's state, which LeRobot reads from the model folder itself; moved, the model still
+    gives serve's actions, and the files name no path."""
+    from lerobot.policies.factory import make_pre_post_processors
+    from lerobot.utils.constants import OBS_LANGUAGE_TOKENS
+
+    from pisft.model.lerobot_processors import ModelTokenizerStep
+
+    model = export(tmp_path / "project", state_in_prompt=True)
+    served = LiberoPolicy.from_model_dir(model, device="cpu", seed=0)
+    batch = served.prepare(libero_request(3))
+    expected = served.predict(batch, served.new_noise(5))["actions"]
+    moved = tmp_path / "elsewhere" / "model"
+    moved.parent.mkdir()
+    model.rename(moved)
+    other = tmp_path / "other-project"  # another project's root, with a tokenizer of its own at that path
+    (other / "results/train/model/tokenizer").mkdir(parents=True)
+    (other / "results/train/model/tokenizer/tokenizer_config.json").write_text('{"tokenizer_class": "NoSuch"}')
+    monkeypatch.chdir(other)
+
+    text = (moved / PREPROCESSOR_FILE).read_text()
+    assert "results/" not in text and "tokenizer_name" not in text
+    [step] = [s for s in json.loads(text)["steps"] if "Tokenizer" in s.get("class", s.get("registry_name", ""))]
+    assert step["class"] == "pisft.model.lerobot_processors.ModelTokenizerStep" and "state_file" in step
+    policy = load_policy(moved)
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(moved))
+    assert any(isinstance(s, ModelTokenizerStep) for s in pre.steps)
+    noise = torch.randn((1, policy.config.chunk_size, policy.config.max_action_dim), generator=served.new_noise(5))
+    with torch.no_grad():
+        tokens = pre(dict(batch))
+        got = post(policy.predict_action_chunk(tokens, noise=noise)).numpy()[0]
+    np.testing.assert_array_equal(got, expected)
+    assert tokens[OBS_LANGUAGE_TOKENS].shape[-1] == policy.config.tokenizer_max_length
+
+    (moved / step["state_file"]).unlink()  # the tokenizer gone from the folder: named, not looked for elsewhere
+    with pytest.raises(FileNotFoundError, match=f"{re.escape(step['state_file'])}.* at '{re.escape(str(moved))}"):
+        make_pre_post_processors(policy.config, pretrained_path=str(moved))

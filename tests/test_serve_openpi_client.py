@@ -279,6 +279,52 @@ def test_rtc_per_connection_agrees_with_the_previous_chunk_and_plain_chunks_with
         assert isinstance(reply, str) and reply.startswith("bad request:") and "--rtc" in reply
 
 
+def test_every_malformed_rtc_field_is_a_bad_request_with_or_without_a_chunk_to_agree_with(tiny_model):
+    """Issue 56, item 3, over the real protocol: an `rtc/executed_steps` array was an internal TypeError
+    with a traceback; a delay past the rest of the last chunk was answered as an RTC chunk, though its
+    first d actions cannot agree with fewer than d; a bad delay went unchecked when there was no chunk to
+    agree with (a connection's first request, or the last chunk executed whole). Each is a bad request
+    naming the field, the connection is kept, and what is well formed is answered as documented."""
+    from websockets.sync.client import connect
+
+    from pisft.policy.rtc import RtcSettings
+
+    rtc_policy = LiberoPolicy.from_model_dir(tiny_model, device="cpu", seed=3, rtc=RtcSettings())
+    chunk = rtc_policy.predictor.chunk_size  # 10
+    request = libero_request()
+
+    def refused(ws, executed, delay, *words):
+        reply = _ask(ws, {**request, "rtc/executed_steps": executed, "rtc/delay_steps": delay})
+        assert isinstance(reply, str) and reply.startswith("bad request:"), reply
+        assert "Traceback" not in reply and "internal" not in reply and all(w in reply for w in words), reply
+
+    with served(rtc_policy) as url, connect(url, compression=None, max_size=None) as ws:
+        ws.recv()
+        # no chunk to agree with yet: the fields are checked all the same
+        refused(ws, np.array([1, 2]), 2, "'rtc/executed_steps' must be a whole number >= 0")
+        refused(ws, np.array([3]), 2, "'rtc/executed_steps'")
+        refused(ws, 0, -1, "'rtc/delay_steps' must be a whole number of control steps in 0..10")
+        refused(ws, 0, chunk + 1, "'rtc/delay_steps'", "in 0..10")
+        refused(ws, 0, np.array([2, 3]), "'rtc/delay_steps'")
+        refused(ws, 0, 2.0, "'rtc/delay_steps'")
+        refused(ws, 0, True, "'rtc/delay_steps'")
+        first = _ask(ws, {**request, "rtc/executed_steps": 0, "rtc/delay_steps": 2})
+        assert "rtc" not in first and first["actions"].shape == (chunk, 7)  # nothing to agree with: plain
+        # a chunk to agree with: the delay fits in the actions left after executed_steps
+        refused(ws, 8, 3, "'rtc/delay_steps' is 3, more than the 2 actions left of the last chunk after "
+                          "'rtc/executed_steps' 8")
+        refused(ws, chunk + 1, 0, "'rtc/executed_steps' is 11, past the end of the last chunk")
+        refused(ws, np.array([1, 2]), 2, "'rtc/executed_steps' must be a whole number")
+        # executed whole: a plain chunk, and still a checked delay
+        refused(ws, chunk, -1, "'rtc/delay_steps'")
+        refused(ws, chunk, "2", "'rtc/delay_steps'")
+        refused(ws, chunk, chunk + 1, "'rtc/delay_steps'")
+        whole = _ask(ws, {**request, "rtc/executed_steps": chunk, "rtc/delay_steps": 3})
+        assert "rtc" not in whole
+        fits = _ask(ws, {**request, "rtc/executed_steps": np.int64(8), "rtc/delay_steps": np.int32(2)})
+        assert fits["rtc"] == {"delay_steps": 2, "prev_steps": 2}  # NumPy integers, as msgpack-numpy sends them
+
+
 def test_a_long_prompt_is_cut_before_tokenization_without_changing_the_tokens(tiny_policy):
     pre = tiny_policy.predictor.preprocessor
     budget = tiny_policy.prompt_budget

@@ -26,6 +26,9 @@ DEFAULT_CONFIG = Path("config/config.yaml")
 
 DEVICES = ("auto", "npu", "cuda", "cpu")
 PRESETS = ("tiny", "small", "pi05")
+# Each preset's action chunk (PI05Config.chunk_size; pisft.model.presets sets tiny's and small's from
+# here, pi05's is LeRobot's PI05Config default, which a test holds to this).
+PRESET_CHUNK_SIZES = {"tiny": 10, "small": 10, "pi05": 50}
 PRECISIONS = ("fp32", "bf16")
 # train.compile (pisft.train.blocks): auto chooses by device (off on the CPU, layers on an accelerator)
 TRAIN_COMPILE = ("auto", "off", "layers")
@@ -41,12 +44,14 @@ RTC_SCHEDULES = ("ZEROS", "ONES", "LINEAR", "EXP")
 
 class PerturbationRange(NamedTuple):
     """What a strength of one `eval.perturbations` entry means and may be (pisft.rollout.perturb applies
-    it; docs/robustness.md): the unit, the strength a bare name gets, the lowest and highest allowed."""
+    it; docs/robustness.md): the unit, the strength a bare name gets, the lowest and highest allowed, and
+    the LIBERO suites it applies to (empty: every suite)."""
 
     unit: str
     default: float
     low: float
     high: float
+    suites: tuple[str, ...] = ()
 
 
 # eval.perturbations: the names and their strengths; strength 0 leaves an episode exactly as it is.
@@ -55,7 +60,10 @@ PERTURBATIONS = {
     "lighting": PerturbationRange("intensity change", 0.5, -0.9, 4.0),  # every light's intensity x (1 + s)
     "robot_init": PerturbationRange("rad", 0.1, 0.0, 1.0),  # the arm's 7 joints moved by this norm
     "object_position": PerturbationRange("m", 0.03, 0.0, 0.15),  # each movable object slid this far
-    "language": PerturbationRange("0 or 1", 1.0, 0.0, 1.0),  # 1: LIBERO-Pro's paraphrase
+    # 1: LIBERO-Pro's paraphrase, which exists for the tasks of these four suites alone (LIBERO-90 has none;
+    # pisft.rollout.paraphrases holds them, and a test holds its suites to these)
+    "language": PerturbationRange("0 or 1", 1.0, 0.0, 1.0,
+                                  ("libero_spatial", "libero_object", "libero_goal", "libero_10")),
     "obs_noise": PerturbationRange("std / 255", 0.05, 0.0, 1.0),  # camera pixels' Gaussian noise, std s x 255
 }
 
@@ -983,18 +991,91 @@ def closed_loop_seeds(e: EvalConfig) -> list[int]:
 
 
 def perturbation_key(name: str, strength: float) -> str:
-    """A perturbation's name in metrics.json and its videos' folder: `camera_10`, `lighting_-0.5`."""
-    return f"{name}_{strength:g}"
+    """A perturbation's name in metrics.json and its videos' folder: `camera_10`, `lighting_-0.5`.
+    Strengths equal as numbers have one key: -0.0 is `camera_0` (adding 0.0 turns -0.0 into 0.0, IEEE 754)."""
+    return f"{name}_{float(strength) + 0.0:g}"
 
 
 def perturbation_conditions(e: EvalConfig) -> list[tuple[str, float]]:
     """eval.perturbations as (name, strength) pairs in the order given: a bare name, or an entry whose
-    strength is empty (YAML's null), gets its default."""
+    strength is empty (YAML's null), gets its default; -0.0 is 0.0 (the same condition, recorded alike)."""
     out = []
     for item in e.perturbations:
         name, strength = (item, None) if isinstance(item, str) else (item["name"], item.get("strength"))
-        out.append((name, float(PERTURBATIONS[name].default if strength is None else strength)))
+        out.append((name, float(PERTURBATIONS[name].default if strength is None else strength) + 0.0))
     return out
+
+
+def perturbation_suite_problems(conditions: list[tuple[str, float]], suites: list[str] | tuple[str, ...],
+                                where: str = "eval.perturbations") -> list[str]:
+    """A perturbation at a strength other than 0 on a suite it does not apply to (`PerturbationRange.suites`:
+    `language` on LIBERO-90, which LIBERO-Pro does not paraphrase). The config check and the closed loop
+    (`pisft.evaluate.robustness`, before any rollout) both ask this."""
+    problems = []
+    for name, strength in dict.fromkeys((n, s) for n, s in conditions if s != 0):
+        covered = PERTURBATIONS[name].suites
+        outside = [suite for suite in suites if covered and suite not in covered]
+        if outside:
+            problems.append(f"{where}: {name} at strength {strength:g} does not apply to {', '.join(outside)}: it "
+                            f"exists for {', '.join(covered)} alone (docs/robustness.md); leave {name} out, or "
+                            f"evaluate eval.libero_suites without {', '.join(outside)}")
+    return problems
+
+
+def chunk_problems(replan_steps: int, delay_steps: int, chunk_size: int, chunk_from: str) -> list[str]:
+    """The closed loop executes eval.replan_steps actions of each chunk, a chunk after an episode's first
+    from index eval.rtc.delay_steps on: both must fit in the model's chunk (`chunk_from` says whose
+    chunk it is). The config check (model.preset's chunk) and the closed loop (the loaded model's) both
+    ask this."""
+    if replan_steps + delay_steps <= chunk_size:
+        return []
+    return [f"eval.replan_steps ({replan_steps}) + eval.rtc.delay_steps ({delay_steps}) exceed {chunk_from} chunk of "
+            f"{chunk_size} actions (a chunk after an episode's first is executed from index delay_steps on, "
+            "replan_steps of it); lower one of them"]
+
+
+def cpu_replicas_problem(wanted: int) -> str | None:
+    """eval.policy_devices on the CPU, where the closed loop's policy is one replica (the environments
+    take the cores): the config check (device: cpu) and `pisft.policy.replicas` (the device resolved) ask it."""
+    if wanted <= 1:
+        return None
+    return (f"eval.policy_devices: {wanted} policy replicas asked for, but the policy runs on the CPU, where it "
+            "is one (the environments take the cores); set eval.policy_devices: 0, or run on accelerators "
+            "(device: cuda or npu)")
+
+
+def _closed_loop_problems(cfg: PisftConfig) -> list[str]:
+    """What the closed loop would refuse, before any rollout, that the config alone decides: the
+    model's chunk against the steps executed of it (model.preset's chunk, unless the model keeps its
+    source's, model.follow_source_chunk_size), the policy's replicas on the CPU (device: cpu; `auto`
+    is decided on the node), LIBERO's initial states per task."""
+    e = cfg.eval
+    if not e.closed_loop:
+        return []
+    problems: list[str] = []
+    chunk = PRESET_CHUNK_SIZES.get(cfg.model.preset)
+    if chunk is not None and not cfg.model.follow_source_chunk_size:
+        problems += chunk_problems(e.replan_steps, e.rtc.delay_steps, chunk, f"model.preset {cfg.model.preset}'s")
+    if cfg.device == "cpu" and cpu_replicas_problem(e.policy_devices):
+        problems.append(cpu_replicas_problem(e.policy_devices))
+    if e.trials_per_task > LIBERO_INIT_STATES:
+        problems.append(f"eval.trials_per_task: {e.trials_per_task} episodes per task need as many initial states; "
+                        f"LIBERO keeps {LIBERO_INIT_STATES} per task (openpi's protocol runs all 50): lower it")
+    return problems
+
+
+def _text_number_hint(value: Any) -> str:
+    """For a number YAML 1.1 (Snakemake's reading, and `--set`'s) took for text, such as `1e1`: how to write it."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    if "e" not in value.lower() or not math.isfinite(number):
+        return f" ({value!r} is text: write the number without quotes)"
+    return (f" ({value!r} was read as text: YAML 1.1 reads an exponent as a number only with a dot and a sign, "
+            f"so write {number:g} or {number:.1e})")
 
 
 def _robustness_problems(e: EvalConfig) -> list[str]:
@@ -1011,6 +1092,7 @@ def _robustness_problems(e: EvalConfig) -> list[str]:
                         f"eval.closed_loop_seed: {seeds[0]}")
     known = ", ".join(PERTURBATIONS)
     seen: set[str] = set()
+    before = len(problems)
     for i, item in enumerate(e.perturbations):
         where = f"eval.perturbations[{i}]"
         if isinstance(item, dict):
@@ -1032,7 +1114,8 @@ def _robustness_problems(e: EvalConfig) -> list[str]:
         number = isinstance(strength, int | float) and not isinstance(strength, bool)
         if not number or not math.isfinite(strength) or not r.low <= strength <= r.high:
             problems.append(f"{where}: {name}'s strength {strength!r} is not a number in [{r.low:g}, {r.high:g}]"
-                            + (f" ({r.unit})" if r.unit else "") + f"; e.g. {{name: {name}, strength: {r.default:g}}}")
+                            + (f" ({r.unit})" if r.unit else "") + f"; e.g. {{name: {name}, strength: {r.default:g}}}"
+                            + _text_number_hint(strength))
             continue
         if name == "language" and strength not in (0, 1):
             problems.append(f"{where}: language's strength {strength!r} must be 0 (the task's own instruction) or 1 "
@@ -1040,10 +1123,12 @@ def _robustness_problems(e: EvalConfig) -> list[str]:
             continue
         key = perturbation_key(name, float(strength))
         if key in seen:
-            problems.append(f"{where}: {name} at strength {strength:g} is listed twice (strengths equal to six "
-                            f"significant digits share the key {key!r} in metrics.json and its videos); each "
-                            "perturbation and strength once")
+            problems.append(f"{where}: {name} at strength {strength:g} is listed twice (strengths equal as numbers, "
+                            f"0 and -0.0 too, or to six significant digits share the key {key!r} in metrics.json "
+                            "and its videos); each perturbation and strength once")
         seen.add(key)
+    if len(problems) == before:  # every entry well formed: where they apply
+        problems += perturbation_suite_problems(perturbation_conditions(e), list(e.libero_suites))
     return problems
 
 
@@ -1136,6 +1221,34 @@ def _recap_problems(cfg: PisftConfig) -> list[str]:
 
 LIBERO_INIT_STATES = 50
 
+# The longest list each list key takes, and why; checked before the schema reads the config (OmegaConf
+# makes a node per item: 10^5 seeds took 35 s to be read, 10^6 minutes), so an absurd list is refused at
+# once. Each seed and each perturbation is the whole closed-loop evaluation again (openpi's protocol:
+# 2000 episodes), hence their bounds.
+MAX_SEEDS = 100
+MAX_PERTURBATIONS = 100
+MAX_LIST_ITEMS = 1000  # a list key without a bound of its own (data.tasks, data.recap_dir)
+MAX_CONFIG_BYTES = 128 << 10  # a config file's text (yaml_text), refused before it is parsed: 28x config.yaml
+LIST_LIMITS: dict[str, tuple[int, str]] = {
+    "eval.seeds": (MAX_SEEDS, "each seed runs the whole closed-loop evaluation again (openpi's protocol: "
+                              "2000 episodes per seed)"),
+    "eval.perturbations": (MAX_PERTURBATIONS, "each runs the whole closed-loop evaluation again, at every seed"),
+    "eval.libero_suites": (len(LIBERO_SUITES), "each suite once"),
+    "eval.task_ids": (max(LIBERO_SUITES.values()), "distinct task ids of a suite"),
+    "recap.task_ids": (max(LIBERO_SUITES.values()), "distinct task ids of a suite"),
+}
+
+
+def _check_list_lengths(raw: dict, source: str) -> None:
+    """A list longer than its key takes (`LIST_LIMITS`), refused before the schema reads it."""
+    for key, value in flatten(raw).items():
+        if not isinstance(value, list | tuple):
+            continue
+        limit, why = LIST_LIMITS.get(key, (MAX_LIST_ITEMS, "no list key needs more"))
+        if len(value) > limit:
+            raise ConfigError(f"{source}: {key}: a list of {len(value)} items, more than the {limit} it takes "
+                              f"({why}); shorten it")
+
 
 def _cross_check(cfg: PisftConfig, source: str) -> None:
     """Every problem of a schema-valid config at once: values, ranges, their combinations."""
@@ -1144,7 +1257,7 @@ def _cross_check(cfg: PisftConfig, source: str) -> None:
         raise ConfigError(f"{source}: invalid configuration:\n  - " + "\n  - ".join(numbers))
     problems = _choice_problems(cfg) + _layout_problems(cfg) + _smoke_and_data_problems(cfg)
     problems += _value_problems(cfg) + _eval_problems(cfg.eval) + _source_problems(cfg.data) + _recap_problems(cfg)
-    problems += _robustness_problems(cfg.eval)
+    problems += _robustness_problems(cfg.eval) + _closed_loop_problems(cfg)
     if problems:
         raise ConfigError(f"{source}: invalid configuration:\n  - " + "\n  - ".join(problems))
 
@@ -1155,6 +1268,7 @@ def from_dict(raw: dict | None, source: str = "<config>") -> PisftConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(raw).__name__}")
     _check_unknown_keys(raw, source)
+    _check_list_lengths(raw, source)
     schema = OmegaConf.structured(PisftConfig)
     OmegaConf.set_struct(schema, True)
     for dotted in MAPPING_KEYS:  # the user's own keys (validated by the cross-checks)
@@ -1233,6 +1347,10 @@ def yaml_text(text: str, source: str, *, both_readings: bool = True) -> Any:
     how to write it so both drivers plan the same run."""
     import yaml
 
+    if len(text) > MAX_CONFIG_BYTES:  # before either reader: 10^5 seeds took them 30 s, 10^6 minutes
+        raise ConfigError(f"{source}: {len(text) // 1024} KiB of YAML; a run config is a few KiB (config/config.yaml: "
+                          f"about 5), at most {MAX_CONFIG_BYTES // 1024}: no key takes a list that long (eval.seeds: "
+                          f"at most {MAX_SEEDS} seeds)")
     try:
         one = yaml.load(text, Loader=_pyyaml_loader())  # a SafeLoader subclass
     except yaml.YAMLError as exc:
@@ -1269,10 +1387,63 @@ def read_yaml(path: str | Path, *, missing: str, both_readings: bool = True) -> 
     return yaml_text(path.read_text(), str(path), both_readings=both_readings)
 
 
-def load(path: str | Path = DEFAULT_CONFIG, overrides: list[str] | None = None) -> PisftConfig:
-    """Load and validate a YAML config file (safe loader), with optional `key=value` overrides."""
+def _command_line_loader():
+    """The loader of a value typed on a command line (`--set KEY=VALUE`, Snakemake's `--config
+    KEY=VALUE`): `_pyyaml_loader` (YAML 1.1 as Snakemake reads config.yaml, a repeated key refused),
+    with a flag only `true`/`false` (any case): YAML 1.1's yes/no/on/off/y/n stay text, as YAML 1.2
+    (DVC) reads them, so `train.compile=off` is the mode `off`, not False (a flag still takes the
+    text: OmegaConf reads "off" as false)."""
+    base = _pyyaml_loader()
+
+    class Loader(base):
+        def construct_yaml_bool(self, node):
+            text = self.construct_scalar(node)
+            return text.lower() == "true" if text.lower() in ("true", "false") else text
+
+    Loader.add_constructor("tag:yaml.org,2002:bool", Loader.construct_yaml_bool)
+    return Loader
+
+
+def read_value(text: str, source: str) -> Any:
+    """A value typed on a command line, read as config.yaml is (`_command_line_loader`): `5` a
+    number, `null` or nothing None, `{name: camera, strength: 5}` a mapping of a name and a number.
+    ConfigError naming `source` (e.g. `--set eval.seeds=[7`) when it is not valid YAML."""
     import yaml
 
+    try:
+        return yaml.load(text, Loader=_command_line_loader())  # a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {' '.join(str(exc).split())}") from None
+
+
+def merge_into(base: dict, more: dict) -> dict:
+    """`more` merged into `base` in place, key by key into mappings on both sides (a list or a
+    value replaces), as Snakemake merges `--config` and `--configfile` onto config.yaml."""
+    for key, value in more.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            merge_into(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def command_line_values(entries: list[str], flag: str) -> dict:
+    """Snakemake's `--config KEY=VALUE ...` (`flag`) as pisft reads it: each KEY a top-level key
+    (Snakemake's rule), each VALUE through `read_value`, later entries merged onto earlier ones.
+    Snakemake's own reading of a nested value keeps every number and `null` as text (PyYAML's
+    BaseLoader: `strength: 5` is '5'); this one reads them as config.yaml and `--set` do."""
+    out: dict = {}
+    for entry in entries:
+        if "=" not in entry:
+            raise ConfigError(f"{flag} {entry}: expected KEY=VALUE, e.g. {flag} 'train={{steps: 10}}'")
+        key, value = entry.split("=", 1)
+        merge_into(out, {key: read_value(value, f"{flag} {entry}")})
+    return out
+
+
+def load(path: str | Path = DEFAULT_CONFIG, overrides: list[str] | None = None) -> PisftConfig:
+    """Load and validate a YAML config file (safe loader), with optional `key=value` overrides
+    (each value read by `read_value`)."""
     path = Path(path)
     raw = read_yaml(path, missing=f"config file not found; pass --config PATH (default {DEFAULT_CONFIG})")
     if raw is None:
@@ -1284,12 +1455,12 @@ def load(path: str | Path = DEFAULT_CONFIG, overrides: list[str] | None = None) 
         key, value = item.split("=", 1)
         node = raw
         parts = key.split(".")
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
-        parsed = yaml.safe_load(value)
-        if isinstance(parsed, bool) and value.strip().lower() not in ("true", "false"):
-            parsed = value.strip()  # YAML 1.1's yes/no/on/off: text, as YAML 1.2 (DVC) reads it (train.compile=off)
-        node[parts[-1]] = parsed
+            if not isinstance(node, dict):
+                where = ".".join(parts[:i + 1])
+                raise ConfigError(f"--set {item}: '{where}' is a value, not a section; set it as --set {where}=VALUE")
+        node[parts[-1]] = read_value(value, f"--set {item}")
     return from_dict(raw, str(path))
 
 

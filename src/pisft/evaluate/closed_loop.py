@@ -327,10 +327,10 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
                               seed=settings.seed, rows=settings.forward_rows(len(specs)),
                               wait_ms=settings.policy_batch_wait_ms, stage=STAGE, rtc=settings.rtc) as pool:
             predictor = getattr(pool.replicas[0], "predictor", None)
-            if predictor is not None and settings.delay_steps + settings.replan_steps > predictor.chunk_size:
-                raise PisftError(f"eval.rtc.delay_steps ({settings.delay_steps}) + eval.replan_steps "
-                                 f"({settings.replan_steps}) exceed the model's chunk of {predictor.chunk_size} "
-                                 "actions (a chunk after the first starts delay_steps in); lower one of them")
+            problems = [] if predictor is None else config_mod.chunk_problems(
+                settings.replan_steps, settings.delay_steps, predictor.chunk_size, f"the model's ({model_dir})")
+            if problems:  # the config check asks the same of model.preset's chunk
+                raise PisftError(problems[0])
             metrics, run_timing = _evaluate(cfg, settings, pool, out, episodes, languages, factory=factory, sim=sim,
                                             sim_info=sim_info, inline=inline, model_dir=model_dir)
     write_json_atomic(layout.iteration(cfg).timing(STAGE), run_timing)

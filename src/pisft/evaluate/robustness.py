@@ -122,7 +122,11 @@ def plan(cfg: config_mod.PisftConfig, simulator: libero_sim.Simulator, settings:
 
 
 def _check(simulator: libero_sim.Simulator, settings: Settings, perturbations: list[perturb.Perturbation]) -> None:
-    """Refuse, before any rollout, what a perturbation cannot do here."""
+    """Refuse, before any rollout, what a perturbation cannot do here: what the config check refuses too
+    (`config.perturbation_suite_problems`), then what this simulator decides."""
+    problems = config_mod.perturbation_suite_problems([(p.name, p.strength) for p in perturbations], settings.suites)
+    if problems:
+        raise PisftError("; ".join(problems))
     for p in perturbations:
         if not p.active:
             continue

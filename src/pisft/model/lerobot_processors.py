@@ -12,11 +12,16 @@ lerobot/policies/pi05/processor_pi05.py `make_pi05_pre_post_processors`, on the 
 tokenizer and statistics), so LeRobot's processors built from the files compute what `serve` does.
 
 Two places differ from a checkpoint LeRobot writes itself:
-- the tokenizer step names the model's own tokenizer folder (`tokenizer_name`) by its path as the
-  run's config gives it (`results/train/model/tokenizer` for the default `results_dir`), where
-  LeRobot names PaliGemma's hub repository; a tiny model's tokenizer exists nowhere else. From
-  another working directory, or after moving the model, pass
-  `preprocessor_overrides={"tokenizer_processor": {"tokenizer_name": "<model>/tokenizer"}}`.
+- the tokenizer step is `ModelTokenizerStep` below, LeRobot's `TokenizerProcessorStep` on the model's
+  own tokenizer carried in the step's state file inside the model folder, where LeRobot names
+  PaliGemma's hub repository (a tiny model's tokenizer exists nowhere else). A step's state file is
+  the one thing LeRobot 0.6.1's loader reads from the model folder itself, whatever the working
+  directory (`DataProcessorPipeline._load_step_state`: `base_path / state_file`, the hub for a hub
+  model); a step's config is handed to its constructor as written, and `TokenizerProcessorStep`
+  gives `tokenizer_name` to `AutoTokenizer.from_pretrained`, so a path there is read from the working
+  directory: `results/train/model/tokenizer`, as written before, was another project's tokenizer when
+  run from that project's root, without a word. The files name the step by its import path, so
+  LeRobot reads it where pisft is installed and refuses it elsewhere, naming the class.
 - a model trained without the state in its prompt (`model.state_in_prompt: false`, openpi's
   `discrete_state_input=False`) gets `PromptWithoutStateStep` below in place of LeRobot's
   `Pi05PrepareStateTokenizerProcessorStep`, which always writes the state. The files name it by
@@ -27,7 +32,7 @@ Two places differ from a checkpoint LeRobot writes itself:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +73,73 @@ class PromptWithoutStateStep(ProcessorStep):
         return features
 
 
-def write_processors(model_dir: str | Path, *, tokenizer_name: str) -> list[Path]:
+@dataclass
+class ModelTokenizerStep(TokenizerProcessorStep):
+    """LeRobot's tokenizer step (lerobot/processor/tokenizer_processor.py, LeRobot 0.6.1) on the model's
+    own tokenizer, whose files are the step's state (`state_dict`: one uint8 tensor per file of the
+    model's `tokenizer/`), saved beside the pipeline's JSON in the model folder and read back from there
+    by LeRobot's loader (`load_state_dict`), wherever the process runs. Its config names no tokenizer."""
+
+    # TokenizerProcessorStep's registry name is inherited otherwise, and the files would name LeRobot's step
+    _registry_name = None
+    files: dict[str, bytes] = field(default_factory=dict, repr=False)  # the tokenizer's files, by name
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is None and self.tokenizer_name is None:
+            self.input_tokenizer = None  # made from the state file (load_state_dict)
+            return
+        super().__post_init__()
+
+    @classmethod
+    def from_folder(cls, tokenizer_dir: Path, step: TokenizerProcessorStep) -> ModelTokenizerStep:
+        """The step `step` (LeRobot's, as pi0.5's processors make it) on the tokenizer in `tokenizer_dir`."""
+        from pisft.model.tokenizer import load_tokenizer
+
+        files = {p.relative_to(tokenizer_dir).as_posix(): p.read_bytes()
+                 for p in sorted(tokenizer_dir.rglob("*")) if p.is_file()}
+        return cls(tokenizer=load_tokenizer(tokenizer_dir), max_length=step.max_length, task_key=step.task_key,
+                   padding_side=step.padding_side, padding=step.padding, truncation=step.truncation, files=files)
+
+    def get_config(self) -> dict[str, Any]:
+        return {k: v for k, v in super().get_config().items() if k != "tokenizer_name"}
+
+    def state_dict(self) -> dict[str, Any]:
+        import torch
+
+        return {name: torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
+                else torch.zeros(0, dtype=torch.uint8) for name, data in self.files.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import tempfile
+
+        from pisft.model.tokenizer import load_tokenizer
+
+        files = {name: bytes(tensor.numpy().tobytes()) for name, tensor in state.items()}
+        if not files:
+            raise ValueError(f"{type(self).__name__}: its state file holds no tokenizer files; the model folder's "
+                             "processor files are damaged: export the model again")
+        with tempfile.TemporaryDirectory(prefix="pisft-tokenizer-") as tmp:
+            for name, data in files.items():
+                path = Path(tmp, name)
+                if not path.resolve().is_relative_to(Path(tmp).resolve()):
+                    raise ValueError(f"{type(self).__name__}: a tokenizer file named {name!r} lies outside its folder")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+            self.input_tokenizer = load_tokenizer(tmp)  # read whole: nothing refers to the folder after this
+        self.files = files
+
+    def observation(self, observation: Any) -> Any:
+        if self.input_tokenizer is None:
+            raise ValueError(f"{type(self).__name__} has no tokenizer: it is the step's state, read from its state "
+                             "file in the model folder by DataProcessorPipeline.from_pretrained (LeRobot's "
+                             "make_pre_post_processors(pretrained_path=<model folder>))")
+        return super().observation(observation)
+
+
+def write_processors(model_dir: str | Path) -> list[Path]:
     """Save the pre- and post-processor of the model written in `model_dir` (its config.json,
-    pisft_model.json, tokenizer and statistics) in LeRobot's layout beside it; `tokenizer_name`:
-    how the files name the tokenizer folder. Returns the files written (with the user's file mode)."""
+    pisft_model.json, tokenizer and statistics) in LeRobot's layout beside it, the tokenizer inside
+    the step's state file (`ModelTokenizerStep`). Returns the files written (with the user's file mode)."""
     from lerobot.policies.pi05.processor_pi05 import Pi05PrepareStateTokenizerProcessorStep
 
     from pisft.model import policy as policy_mod
@@ -86,7 +154,7 @@ def write_processors(model_dir: str | Path, *, tokenizer_name: str) -> list[Path
                                 load_tokenizer(model_dir / policy_mod.TOKENIZER_DIR), state_in_prompt=True)
     for i, step in enumerate(pre.steps):
         if isinstance(step, TokenizerProcessorStep):
-            step.tokenizer_name, step.tokenizer = tokenizer_name, None  # named in the file, still loaded
+            pre.steps[i] = ModelTokenizerStep.from_folder(model_dir / policy_mod.TOKENIZER_DIR, step)
         elif isinstance(step, Pi05PrepareStateTokenizerProcessorStep) and not state:
             pre.steps[i] = PromptWithoutStateStep(task_key=step.task_key)
     before = set(model_dir.iterdir())

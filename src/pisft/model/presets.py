@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pisft.config import PRESET_CHUNK_SIZES
 from pisft.model.lerobot_internals import Arch, GemmaSize, VisionSize
 from pisft.model.tokenizer import tiny_vocab_size
 
@@ -53,8 +54,8 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         name="tiny",
         config={
-            "chunk_size": 10,
-            "n_action_steps": 10,
+            "chunk_size": PRESET_CHUNK_SIZES["tiny"],
+            "n_action_steps": PRESET_CHUNK_SIZES["tiny"],
             "image_resolution": (64, 64),
             "tokenizer_max_length": 48,
             "num_inference_steps": 10,
@@ -64,15 +65,15 @@ PRESETS: dict[str, Preset] = {
     "small": Preset(
         name="small",
         config={
-            "chunk_size": 10,
-            "n_action_steps": 10,
+            "chunk_size": PRESET_CHUNK_SIZES["small"],
+            "n_action_steps": PRESET_CHUNK_SIZES["small"],
             "image_resolution": (128, 128),
             "tokenizer_max_length": 48,
             "num_inference_steps": 10,
         },
         arch=_small_arch(),
     ),
-    # LeRobot's pi0.5 defaults (gemma_2b + gemma_300m, 224 px, chunk 50, 200 prompt tokens).
+    # LeRobot's pi0.5 defaults (gemma_2b + gemma_300m, 224 px, chunk 50: PRESET_CHUNK_SIZES, 200 prompt tokens).
     "pi05": Preset(name="pi05", config={}, arch=None),
 }
 

@@ -184,16 +184,16 @@ class LiberoPolicy:
             raise observations.ObservationError(f"real-time chunking needs both '{RTC_PREV_KEY}' and "
                                                 f"'{RTC_DELAY_KEY}', got one")
         delay = obs[RTC_DELAY_KEY]
-        if isinstance(delay, bool) or not hasattr(delay, "__index__") or not 0 <= int(delay) <= p.chunk_size:
-            raise observations.ObservationError(f"'{RTC_DELAY_KEY}' must be a whole number of control steps in "
-                                                f"0..{p.chunk_size}, got {delay!r}")
+        problem = rtc_mod.delay_problem(delay, p.chunk_size, RTC_DELAY_KEY)
+        if problem:  # an array here was int()'s TypeError (issue 56)
+            raise observations.ObservationError(problem)
         prev = np.asarray(obs[RTC_PREV_KEY])
         if (prev.ndim != 2 or not 1 <= prev.shape[0] <= p.chunk_size or prev.shape[1] != p.action_dim
                 or not np.issubdtype(prev.dtype, np.number) or not np.isfinite(prev).all()):
             raise observations.ObservationError(
                 f"'{RTC_PREV_KEY}' must be finite numbers of shape (1..{p.chunk_size}, {p.action_dim}), got "
                 f"shape {prev.shape}, dtype {prev.dtype}")
-        return torch.as_tensor(prev, dtype=torch.float32), int(delay)
+        return torch.as_tensor(prev, dtype=torch.float32), rtc_mod.whole_steps(delay)
 
     def forward_group(self, batch: dict) -> Any:
         """Which prepared requests one forward can hold: those of one real-time chunking group

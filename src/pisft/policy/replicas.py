@@ -234,10 +234,9 @@ def policy_devices(cfg: config_mod.PisftConfig) -> list[str]:
     kind = device_mod.resolve_kind(cfg.device)
     wanted = cfg.eval.policy_devices
     if kind == "cpu":
-        if wanted > 1:
-            raise PisftError(f"eval.policy_devices: {wanted} policy replicas asked for, but the policy runs on "
-                             "the CPU, where it is one (the environments take the cores); set "
-                             "eval.policy_devices: 0, or run on accelerators (device: cuda or npu)")
+        problem = config_mod.cpu_replicas_problem(wanted)  # the config check asks it of device: cpu
+        if problem:
+            raise PisftError(problem)
         return ["cpu"]
     count = device_mod.device_count(kind)
     if wanted > count:

@@ -104,6 +104,26 @@ def chunk_kwargs(predictor, prev_actions: torch.Tensor, delay: int) -> dict[str,
             "prev_chunk_left_over": normalized(predictor, prev).to(predictor.device)}
 
 
+def whole_steps(value: Any) -> int | None:
+    """A request's count of control steps (`rtc/delay_steps`, serve's `rtc/executed_steps`) as an int:
+    a whole number (Python's int or a NumPy integer scalar, as msgpack-numpy decodes them); None for
+    anything else, a flag, an array (a 1-element one too) or a float included."""
+    import numpy as np
+
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        return None
+    return int(value)
+
+
+def delay_problem(delay: Any, chunk_size: int, key: str) -> str | None:
+    """What is wrong with a request's inference delay `delay` (sent as `key`) for a model of
+    `chunk_size` actions, or None: a whole number of control steps in 0..chunk_size."""
+    steps = whole_steps(delay)
+    if steps is None or not 0 <= steps <= chunk_size:
+        return f"'{key}' must be a whole number of control steps in 0..{chunk_size}, got {delay!r}"
+    return None
+
+
 def group_key(prev: Any, delay: int) -> tuple[int, int] | None:
     """Rows with the same key share one forward: None (no leftover: a plain chunk), else (delay,
     the leftover's length)."""

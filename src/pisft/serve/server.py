@@ -77,7 +77,10 @@ counted, so a chunk executed from index d with m actions done has n = d + m) and
 is answered with a chunk inpainted to agree with that chunk's actions from n on, and the reply says
 so (`"rtc": {"delay_steps": d, "prev_steps": ...}`). A request without them gets a plain chunk, as
 does the first of a connection (or after a reset: there is no previous chunk) and one whose previous
-chunk is all executed. The robot then executes the new chunk from index d on.
+chunk is all executed. The robot then executes the new chunk from index d on. A malformed field is a
+bad request, whether or not there is a chunk to agree with: n a whole number in 0..len(last chunk),
+d one in 0..chunk_size and at most the actions left after n (the robot cannot execute more of them
+while it waits).
 
 The port is bound before the model loads, so "port in use" is reported at once.
 """
@@ -143,11 +146,16 @@ class _Session:
 RTC_EXECUTED_KEY = "rtc/executed_steps"
 
 
-def _rtc_request(obs: dict, last: Any, enabled: bool) -> tuple[dict, int | None]:
+def _rtc_request(obs: dict, last: Any, enabled: bool, chunk_size: int | None = None) -> tuple[dict, int | None]:
     """The request with the previous chunk's unexecuted actions in place of `rtc/executed_steps`
     (`LiberoPolicy`'s `RTC_PREV_KEY`), and how many there are; the request as sent when it asks for
-    no real-time chunking or there is nothing left to agree with (a plain chunk)."""
+    no real-time chunking or there is nothing left to agree with (a plain chunk). Every malformed
+    field is an ObservationError (a bad request), whether or not there is a chunk to agree with:
+    `rtc/executed_steps` a whole number in 0..len(last chunk), `rtc/delay_steps` one in
+    0..`chunk_size` (the model's) and at most the actions left of the last chunk, which the robot
+    executes while it waits (docs/serving.md: the reply's first d actions agree with them)."""
     from pisft.policy.libero import RTC_DELAY_KEY, RTC_PREV_KEY
+    from pisft.policy.rtc import delay_problem, whole_steps
 
     if RTC_PREV_KEY in obs:
         raise ObservationError(f"'{RTC_PREV_KEY}' is the server's: it keeps the chunk it answered last on "
@@ -162,15 +170,34 @@ def _rtc_request(obs: dict, last: Any, enabled: bool) -> tuple[dict, int | None]
     if not enabled:
         raise ObservationError(f"'{RTC_EXECUTED_KEY}': this server runs without real-time chunking (start it "
                                "with --rtc); send requests without the rtc/ keys for plain chunks")
-    executed = obs[RTC_EXECUTED_KEY]
-    if isinstance(executed, bool) or not hasattr(executed, "__index__") or int(executed) < 0:
-        raise ObservationError(f"'{RTC_EXECUTED_KEY}' must be an index >= 0 in the last chunk, got {executed!r}")
+    executed, raw = whole_steps(obs[RTC_EXECUTED_KEY]), obs[RTC_EXECUTED_KEY]
+    if executed is None or executed < 0:  # an array here was an internal TypeError (issue 56)
+        raise ObservationError(f"'{RTC_EXECUTED_KEY}' must be a whole number >= 0, the index in the last chunk "
+                               f"of your next action, got {raw!r}")
+    if last is not None and executed > len(last):
+        raise ObservationError(f"'{RTC_EXECUTED_KEY}' is {executed}, past the end of the last chunk answered on this "
+                               f"connection ({len(last)} actions: {len(last)} means all of it executed)")
     if RTC_DELAY_KEY not in obs:
         raise ObservationError(f"real-time chunking needs '{RTC_DELAY_KEY}' with '{RTC_EXECUTED_KEY}'")
+    delay = obs[RTC_DELAY_KEY]
+    if chunk_size is None:  # a policy without a predictor: the model's chunk is unknown here
+        steps = whole_steps(delay)
+        problem = None if steps is not None and steps >= 0 else (
+            f"'{RTC_DELAY_KEY}' must be a whole number of control steps >= 0, got {delay!r}")
+    else:
+        problem = delay_problem(delay, chunk_size, RTC_DELAY_KEY)
+    if problem:  # checked whether or not there is a chunk to agree with
+        raise ObservationError(problem)
     rest = {k: v for k, v in obs.items() if k != RTC_EXECUTED_KEY}
-    if last is None or int(executed) >= len(last):  # nothing of a previous chunk left: a plain chunk
+    if last is None or executed == len(last):  # nothing of a previous chunk left: a plain chunk
         return {k: v for k, v in rest.items() if k != RTC_DELAY_KEY}, None
-    left = np.asarray(last)[int(executed):]
+    left = np.asarray(last)[executed:]
+    if whole_steps(delay) > len(left):
+        raise ObservationError(
+            f"'{RTC_DELAY_KEY}' is {delay}, more than the {len(left)} actions left of the last chunk after "
+            f"'{RTC_EXECUTED_KEY}' {executed}: the robot cannot execute {delay} of them while it waits for this "
+            f"reply, whose first {delay} actions would agree with them; send the delay you will wait, at most "
+            f"{len(left)}, or '{RTC_EXECUTED_KEY}': {len(last)} (all executed) for a plain chunk")
     return {**rest, RTC_PREV_KEY: left}, len(left)
 
 
@@ -253,6 +280,7 @@ class PolicyServer:
         self._policy = policy
         # real-time chunking per connection (--rtc): the policy's model has it on
         self.rtc = getattr(getattr(policy, "predictor", None), "rtc", None) is not None
+        self.chunk_size = getattr(getattr(policy, "predictor", None), "chunk_size", None)  # the longest delay
         self.batch_window_s = float(batch_window_s)
         self.max_batch = max_batch
         # the one batching rule (pisft.policy.batching) with this server's hand-set window: a server
@@ -296,7 +324,7 @@ class PolicyServer:
         if not isinstance(obs, dict):
             raise ObservationError(
                 f"a request must be a map of observation keys, got {type(obs).__name__}")
-        obs, prev_steps = _rtc_request(obs, last, self.rtc)
+        obs, prev_steps = _rtc_request(obs, last, self.rtc, self.chunk_size)
         return self._policy.prepare(obs), prev_steps
 
     def _predict(self, prepared: Any, noise: Any) -> tuple[dict, float, float]:

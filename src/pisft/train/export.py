@@ -30,7 +30,7 @@ from pisft.data.prompts import CONDITIONING_FILE
 from pisft.io import atomic_dir, dir_bytes, write_json_atomic, write_manifest
 from pisft.model.lerobot_processors import write_processors
 from pisft.model.norm_stats import STATS_FILE
-from pisft.model.policy import TOKENIZER_DIR, WEIGHTS_FILE
+from pisft.model.policy import WEIGHTS_FILE
 from pisft.train import export_weights
 from pisft.train.run_folders import latest_checkpoint_text
 
@@ -73,8 +73,8 @@ def export_model(ctx: Any, built: Any, metrics_log: Any, summary: dict, resolved
         elif (built.dataset_dir / "meta" / CONDITIONING_FILE).is_file():
             shutil.copy2(built.dataset_dir / "meta" / CONDITIONING_FILE, model_dir / CONDITIONING_FILE)
         (model_dir / "pisft_config.json").write_text(json.dumps(resolved, indent=2, sort_keys=True) + "\n")
-        if (model_dir / STATS_FILE).is_file():  # LeRobot's processor files, named as the run's config places them
-            write_processors(model_dir, tokenizer_name=str(layout.iteration(ctx.cfg).trained_model / TOKENIZER_DIR))
+        if (model_dir / STATS_FILE).is_file():  # LeRobot's processor files, the tokenizer inside them
+            write_processors(model_dir)
         write_manifest(model_dir)
         shutil.copy2(metrics_log.path, tmp / "metrics.jsonl")
         write_json_atomic(tmp / "train_summary.json", summary)

@@ -21,7 +21,41 @@ DEFAULT_FILE = pisft_config.DEFAULT_CONFIG.as_posix()
 
 def _source_name(workflow) -> str:
     files = [str(f) for f in getattr(workflow, "configfiles", [])] or [DEFAULT_FILE]
-    return " + ".join(files)
+    entries = _config_entries(workflow)
+    return " + ".join(files) + (f" + --config {' '.join(entries)}" if entries else "")
+
+
+def _config_entries(workflow) -> list[str]:
+    """The `--config KEY=VALUE` entries as typed (Snakemake 9 keeps them, `ConfigSettings.config_args`,
+    to pass on to the jobs it spawns); [] when there are none, or when the config was given through
+    Snakemake's API as values rather than typed (then `config_args` is Snakemake's repr of them)."""
+    settings = getattr(workflow, "config_settings", None)
+    entries = getattr(settings, "config_args", None)
+    if not entries or not isinstance(entries, list | tuple) or not all(isinstance(e, str) for e in entries):
+        return []
+    from snakemake.cli import parse_config
+
+    try:
+        typed = parse_config(entries) == dict(settings.config)
+    except Exception:  # noqa: BLE001 - not entries Snakemake's command line would take
+        return []
+    return list(entries) if typed else []
+
+
+def workflow_config(config: dict, workflow) -> dict:
+    """Snakemake's merged config (`config`: config.yaml, `--configfile`, `--config`) with the
+    `--config` values read as config.yaml and `--set` read theirs (`pisft.config.command_line_values`).
+    Snakemake reads a nested `--config` value with PyYAML's BaseLoader (snakemake/cli.py
+    `parse_config`, Snakemake 9.27.1), which keeps every scalar as text: `eval={perturbations: [{name:
+    camera, strength: 5}]}` gave the strength '5', and `eval={compile: null}` the text 'null'. Read
+    again from the entries as typed and merged on top, as Snakemake merges them."""
+    entries = _config_entries(workflow)
+    if not entries:
+        return dict(config)
+    import copy
+
+    return pisft_config.merge_into(copy.deepcopy(dict(config)),
+                                   pisft_config.command_line_values(entries, "--config"))
 
 
 def check_config_files(workflow, default: str = DEFAULT_FILE) -> None:
@@ -54,7 +88,8 @@ def validated_config(config: dict, workflow) -> tuple[pisft_config.PisftConfig, 
     writes when the run starts (`onstart`: nothing is written by `snakemake -n` or `--lint`).
     """
     try:
-        cfg = pisft_config.from_dict(dict(config), _source_name(workflow))
+        config = workflow_config(config, workflow)
+        cfg = pisft_config.from_dict(config, _source_name(workflow))
     except pisft_config.ConfigError as exc:
         sys.stderr.write(f"error: {exc}\n")
         raise SystemExit(2) from None
@@ -160,8 +195,9 @@ def record_in_dvc(workflow, config_file: str) -> list[str]:
     from pisft.workflow import dvc_yaml
     from pisft.workflow.snakemake_rules import specs_of
 
+    config = workflow_config(dict(workflow.config), workflow)
     dvc_file = Path("dvc.yaml")
-    if not dvc_file.is_file() or dvc_file.read_text() != dvc_yaml.render(specs_of(workflow), dict(workflow.config)):
+    if not dvc_file.is_file() or dvc_file.read_text() != dvc_yaml.render(specs_of(workflow), config):
         _dvc_say("not updated: dvc.yaml does not match the workflow rules; run `python -m pisft dvc-yaml`")
         return []
     dag = workflow.dag
@@ -170,7 +206,7 @@ def record_in_dvc(workflow, config_file: str) -> list[str]:
     if not done:
         return []
     if dvc_yaml.CHECK_STAGE in stages:  # dvc.yaml matches these rules and this config (checked above)
-        cfg = pisft_config.from_dict(dict(workflow.config))
+        cfg = pisft_config.from_dict(config)
         write_text_atomic(Path(cfg.results_dir, dvc_yaml.CHECK_FILE), dvc_yaml.CHECK_TEXT)
         done = [dvc_yaml.CHECK_STAGE, *done]
     dvc = Path(sys.executable).with_name("dvc")
