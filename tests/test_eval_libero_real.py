@@ -259,9 +259,9 @@ class SeededPolicy:
 
 
 # make test-all only (docs/development.md, "Tiers"): make test holds the same invariance with the
-# stand-in simulator, which carries state across resets as LIBERO does
-# (test_eval_closed_loop.py::test_results_do_not_depend_on_the_number_of_environment_processes,
-# test_rollout_determinism.py::test_the_closed_loop_gives_the_same_metrics_episodes_and_videos_whatever_its_environments)
+# stand-in simulator, which carries state across resets as LIBERO does (test_eval_closed_loop.py's
+# test_results_do_not_depend_on_the_number_of_environment_processes, test_rollout_determinism.py's
+# test_the_closed_loop_gives_the_same_metrics_episodes_and_videos_whatever_its_environments)
 @pytest.mark.extended
 def test_results_do_not_depend_on_the_number_of_environment_processes(tmp_path):
     """One task, 2 trials, a few steps, in 1 and in 2 spawned LIBERO environment processes: the
