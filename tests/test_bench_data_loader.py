@@ -53,7 +53,15 @@ def test_data_loader_bench_figures_are_consistent(tmp_path):
     assert out["goal_samples_per_core_s"] == 20 and out["goal_samples_per_card_s"] == 13
     assert out["meets_goal"] == (out["samples_per_core_s"] >= 20)
     est = out["training_consumption_estimate"]
-    assert est["training_flops_per_sample"] > 0 and est["peak_flops"] > 0
+    # the analytic training FLOPs of the tiny model at the prompt's tokens, and the peak table's 910B
+    # row (the 910B3 figure): what the estimate divides, exactly
+    from pisft.model.policy import build_policy
+    from pisft.train.flops import pi05_training_flops_per_sample
+    from pisft.train.metrics import peak_flops_for
+
+    assert est["training_flops_per_sample"] == pi05_training_flops_per_sample(
+        build_policy("tiny", seed=0, device="meta"), lang_tokens=out["prompt_tokens"])
+    assert (est["peak_flops"], est["peak_flops_source"]) == peak_flops_for(data_loader_bench.CARD, "npu")
     assert est["samples_per_card_s"] == pytest.approx(
         est["peak_flops"] * est["mfu_assumed"] / est["training_flops_per_sample"], rel=0.01)
     assert all(isinstance(a, str) for a in est["assumptions"]) and est["assumptions"]

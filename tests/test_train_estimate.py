@@ -205,8 +205,12 @@ def test_estimate_matches_a_measured_cpu_step(tmp_path, preset, micro, precision
                         micro_batch=micro, precision=precision, checkpointing=True)
     if preset == "small":
         assert est["params_total"] >= 100_000_000
-    ratio = est["step_peak_bytes"] / measured["step_peak_bytes"]
-    assert 0.85 < ratio < 1.15, (preset, est["step_peak_bytes"], measured)
+    # The estimate runs the step on fake tensors (docs/memory.md, "How far it is checked"): the
+    # measured peak to the byte, less the two float32 scalars the training step (pisft.train.step)
+    # holds through its backward and the simulated one does not make: its loss sum and the
+    # `loss / accum` the backward starts from (with both added the simulation meets it exactly).
+    # (An estimate that forgot the per-layer checkpointing was 1.30 x.)
+    assert measured["step_peak_bytes"] - est["step_peak_bytes"] == 2 * 4, (preset, est["step_peak_bytes"], measured)
     assert measured["rss_step_peak_bytes"] > 0  # information only
     assert measured["params_bytes"] == est["state_bytes"]["params"]
     assert measured["optimizer_bytes"] == est["state_bytes"]["optimizer"]
