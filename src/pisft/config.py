@@ -27,7 +27,8 @@ DEFAULT_CONFIG = Path("config/config.yaml")
 DEVICES = ("auto", "npu", "cuda", "cpu")
 PRESETS = ("tiny", "small", "pi05")
 PRECISIONS = ("fp32", "bf16")
-# train.compile (pisft.train.blocks): auto chooses by device (off on the CPU, layers on an accelerator)
+# train.compile (pisft.train.blocks): auto is decided by the smoke gate on the run's device
+# (pisft.gates.compile_trial: compiled only where it ran, agreed with eager and was faster)
 TRAIN_COMPILE = ("auto", "off", "layers")
 # train.lora_targets (pisft.train.trainable applies them).
 LORA_TARGETS = ("lerobot", "openpi", "rlinf")
@@ -340,9 +341,10 @@ class TrainConfig:
     lora_alpha: float = marked(0.0, TRAIN_STEP, POLICY_RUN, VALUE_RUN)
     # torch.compile of the training step's repeated blocks (pisft.train.blocks): off | layers (each
     # decoder layer pair and SigLIP encoder layer compiled, as torchtitan compiles each block) | auto
-    # (off on the CPU, where compiling costs more than it saves in the embedded default's runs; layers
-    # on CUDA and on an NPU through torchair). Compiled code is cached under results/cache/inductor.
-    # The step's time, memory and last bits follow it.
+    # (decided by smoke_1card on the run's device: the smoke steps eager and compiled, compiled kept
+    # only when it ran, agreed with eager and was faster, pisft.gates.compile_trial; on the CPU eager
+    # without a trial). Compiled code is cached under results/cache/inductor. The step's time, memory
+    # and last bits follow it.
     compile: str = marked("auto", TRAIN_STEP)
 
 

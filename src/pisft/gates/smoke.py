@@ -14,6 +14,12 @@ parameters, gradients and optimizer state are sharded N ways; the report gives t
 (N-1)/N of the model state that sharding removes), and the headroom check applies to the latter.
 CPU has no fixed capacity: the headroom check is skipped there, with a note.
 
+The gate also decides, on this device, what the run it guards executes where the config says
+`auto` (the report's `decisions`, pisft.train.decisions; train_8card's workers follow it):
+`train.compile: auto` runs the smoke steps eagerly, then compiled from the same start, and keeps
+the compiled blocks only when they ran, agreed with eager and were faster (pisft.gates.compile_trial;
+on the CPU the trial is skipped, with the reason). The report's step figures are the chosen mode's.
+
 `results/smoke/report.json` is written even when a check fails (a copy also goes to
 `results/logs/smoke_1card/report.json`, which survives a workflow's cleanup of failed outputs);
 the process then exits with status 3 and an actionable message.
@@ -21,6 +27,7 @@ the process then exits with status 3 and an actionable message.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import statistics
@@ -35,11 +42,13 @@ from pisft import config as config_mod
 from pisft import device as devices
 from pisft.data.augment import make_augment
 from pisft.device import hccl_buffer_bytes, out_of_memory
+from pisft.gates import compile_trial
 from pisft.io import atomic_dir, write_json_atomic
 from pisft.stages import SMOKE_1CARD
 from pisft.tensors import local_bytes, optimizer_state
-from pisft.train import loop
+from pisft.train import blocks, loop
 from pisft.train.batches import StepDataset
+from pisft.train.decisions import COMPILE, DECISIONS, with_train
 from pisft.train.job import Context, build, env_summary, make_sampler, peak_flops
 
 SMOKE_FAILED_EXIT = 3
@@ -216,20 +225,27 @@ def _run_steps(ctx: Context, report: dict[str, Any]) -> SmokeRun:
     """Build the stage and run the smoke steps; an out-of-memory is a failure, not a crash."""
     cfg, t = ctx.cfg, ctx.cfg.train
     run = SmokeRun()
+    trial = compile_trial.wants_trial(t.compile, ctx.info.kind)
+    report[DECISIONS] = {COMPILE: compile_trial.as_written(t.compile)}
     try:
         gate_inputs = {  # read before the model exists: what this card really has for it
             "free": devices.free_memory_bytes(ctx.info.kind, ctx.info.device),
             "capacity": devices.capacity_bytes(ctx.info.kind, ctx.info.device),
             "hccl": hccl_buffer_bytes(ctx.info.kind)}
-        run.built = build(ctx)
+        first = compile_trial.first_mode(t.compile)  # auto: eager first, then the trial
+        run.built = build(ctx if first == t.compile else
+                          dataclasses.replace(ctx, cfg=with_train(cfg, compile=first)))
         fits, report["optimizer"], report["one_card_gate"] = _adamw_fits_one_device(
             cfg, report["estimate"], gate_inputs)
         if not fits:
             run.built.optimizer = SignDescent(run.built.model.parameters(), lr=t.lr,
                                               weight_decay=t.weight_decay)
         peak, report["peak_flops_source"] = peak_flops(ctx)
+        start = compile_trial.snapshot(run.built.model) if trial else None
         run.records, batch = _steps(ctx, run.built, peak)
         run.peak_memory_bytes = devices.peak_memory_bytes(ctx.info.kind)
+        if trial:
+            report[DECISIONS][COMPILE] = _compile_trial(ctx, run, peak, start)
         try:
             report["host_ops"] = _host_ops(ctx, run.built, batch)
         except Exception as exc:  # a measurement of a step that ran: the gate's verdict stands without it
@@ -243,6 +259,28 @@ def _run_steps(ctx: Context, report: dict[str, Any]) -> SmokeRun:
         run.failure = (f"out of device memory at micro batch {t.micro_batch_size} on one device "
                        f"({type(exc).__name__}). To fit: {_advice(cfg)}.")
     return run
+
+
+def _compile_trial(ctx: Context, run: SmokeRun, peak: float | None, start: list) -> dict[str, Any]:
+    """train.compile: auto on this device: the smoke steps again with the blocks compiled, from the
+    same start (pisft.gates.compile_trial); the run's figures become the chosen mode's."""
+    cfg, built, kind = ctx.cfg, run.built, ctx.info.kind
+    compiled: dict[str, Any] = {}
+
+    def steps() -> tuple[list, int]:
+        ctx.log("train.compile: auto: the same steps with the blocks compiled (the trial)")
+        compiled["records"], _ = _steps(ctx, built, peak)
+        compiled["peak"] = devices.peak_memory_bytes(kind)
+        return compiled["records"], compiled["peak"]
+
+    entry = compile_trial.run_trial(
+        built.compiler, lambda: blocks.compiler_for("layers", kind, layout.compile_cache(cfg), ctx.log), steps,
+        compile_trial.figures(run.records, run.peak_memory_bytes), cfg.train.precision,
+        lambda: compile_trial.restore(built.model, start, built.optimizer))
+    ctx.log(f"train.compile: auto -> {entry['chosen']}: {entry['line']}")
+    if entry["chosen"] == "layers":
+        run.records, run.peak_memory_bytes = compiled["records"], compiled["peak"]
+    return entry
 
 
 def _steps(ctx: Context, built: Any, peak: float | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -7,6 +7,7 @@ for any `RunPlan`: the RECAP value model (`pisft.recap.value_training`) trains t
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from pisft import layout
 from pisft import config as config_mod
 from pisft.errors import PisftError
-from pisft.train import loop, optim
+from pisft.train import decisions, loop, optim
 from pisft.base_identity import base_record
 from pisft.train.checkpoint import CheckpointManager, checkpoint_root, other_runs, run_fingerprint
 from pisft.train.batches import make_loader, resolve_workers
@@ -90,6 +91,9 @@ def policy_plan(ctx: Context) -> RunPlan:
 
 
 def run_training(ctx: Context) -> int:
+    """train_8card: what the smoke gate decided for `auto` keys (its report, pisft.train.decisions),
+    then the plan."""
+    ctx = dataclasses.replace(ctx, cfg=decisions.for_training(ctx.cfg, ctx.log))
     return run_plan(ctx, policy_plan(ctx))
 
 
