@@ -148,3 +148,54 @@ def test_training_follows_the_reports_choice(tmp_path):
     with pytest.raises(ValueError, match="resolved"):
         blocks.compiler_for("auto", "cuda", tmp_path, print)
 
+
+def _report_choosing(cfg, chosen: str) -> None:
+    report = layout.smoke_report(cfg)
+    report.parent.mkdir(parents=True, exist_ok=True)
+    entry = compile_trial.as_written(chosen)
+    entry["setting"] = "auto"
+    report.write_text(json.dumps({"passed": True, "decisions": {decisions.COMPILE: entry}}))
+
+
+def test_the_compile_mode_a_run_executes_is_its_identity(tmp_path):
+    """A finished eager run is not resumed by a compiled one (issue 56): the mode the steps run in,
+    `auto` as the gate decided it, is in the run fingerprint, hence the run folder."""
+    from pisft.train import run_folders
+    from pisft.train.checkpoint import run_fingerprint
+
+    auto = config_mod.load(CONFIG, [f"results_dir={tmp_path}"])
+    off = config_mod.load(CONFIG, [f"results_dir={tmp_path}", "train.compile=off"])
+    layers = config_mod.load(CONFIG, [f"results_dir={tmp_path}", "train.compile=layers"])
+    folder = {name: run_folders.stage_checkpoint_root("train_8card", c)
+              for name, c in (("off", off), ("layers", layers))}
+    assert folder["off"] != folder["layers"]
+    assert run_fingerprint(layers)["train.compile"] == "layers"
+    _report_choosing(auto, "off")
+    assert run_folders.stage_checkpoint_root("train_8card", auto) == folder["off"]
+    assert run_fingerprint(decisions.for_training(auto, print))["train.compile"] == "off"
+    _report_choosing(auto, "layers")
+    assert run_folders.stage_checkpoint_root("train_8card", auto) == folder["layers"]
+
+
+def test_a_resume_under_other_settings_is_recorded_and_said_in_one_line():
+    from pisft.train import step_record
+
+    cfg = config_mod.load(CONFIG, [])
+    four = step_record.settings(cfg, 2, "off")
+    assert step_record.before(None, 0) == [] and step_record.mixed_line([], four, 0) is None
+    first = step_record.upto([], four, 0, 50)
+    assert first == [{"first_step": 1, "last_step": 50, **four}]
+    same = step_record.before({"step_settings": first}, 50)
+    assert step_record.mixed_line(same, four, 50) is None
+    assert step_record.upto(same, four, 50, 150)[-1] == {"first_step": 51, "last_step": 150, **four}
+    eight = step_record.settings(decisions.with_train(cfg, micro_batch_size=8), 1, "off")
+    line = step_record.mixed_line(same, eight, 50)
+    assert line is not None and "\n" not in line
+    assert "steps 1-50: " in line and "train.micro_batch_size 4" in line and "train.micro_batch_size 8" in line
+    record = step_record.upto(same, eight, 50, 150)
+    assert [(e["first_step"], e["last_step"], e["train.micro_batch_size"]) for e in record] == [
+        (1, 50, 4), (51, 150, 8)]
+    # a checkpoint written before the record: its steps are said to be unrecorded
+    old = step_record.before({"step": 50}, 50)
+    assert old == [{"first_step": 1, "last_step": 50, "recorded": False}]
+    assert "not recorded" in step_record.mixed_line(old, four, 50)

@@ -279,9 +279,13 @@ class TrainConfig:
     (nproc_per_node, nnodes, micro_batch_size -> accumulation; the global batch is in), how often
     values are fetched or saved (log_every, save_every, keep_last), data-loader workers (each sample
     is drawn from (seed, step, position), not from worker order), peak_flops, tensorboard,
-    deterministic (kernel choice, not the math), compile, and activation checkpointing (recomputes
-    the same forward with the same RNG state: same values). The value run has its own steps,
-    learning rates, batch and mode (`recap.value_*`)."""
+    deterministic (kernel choice, not the math), and activation checkpointing (recomputes the same
+    forward with the same RNG state: same values). `compile` is in the policy's: compiled blocks
+    compute in another order (the CPU's fp32 losses leave eager's in the 7th digit, docs/ascend.md),
+    and the fingerprint holds the mode the run executes, `auto` as the smoke gate decided it
+    (pisft.train.decisions). Each checkpoint and the export record which steps ran under which
+    micro batch, checkpointing and world size (pisft.train.step_record). The value run has its own
+    steps, learning rates, batch and mode (`recap.value_*`)."""
 
     nproc_per_node: int = marked(2, TRAIN_STEP)
     nnodes: int = 1
@@ -344,8 +348,8 @@ class TrainConfig:
     # (decided by smoke_1card on the run's device: the smoke steps eager and compiled, compiled kept
     # only when it ran, agreed with eager and was faster, pisft.gates.compile_trial; on the CPU eager
     # without a trial). Compiled code is cached under results/cache/inductor. The step's time, memory
-    # and last bits follow it.
-    compile: str = marked("auto", TRAIN_STEP)
+    # and last bits follow it; the mode the run executes is in its fingerprint.
+    compile: str = marked("auto", TRAIN_STEP, POLICY_RUN)
 
 
 @dataclass

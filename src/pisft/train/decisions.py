@@ -93,3 +93,12 @@ def for_training(cfg: PisftConfig, log: Callable[[str], None]) -> PisftConfig:
                 f"{decisions[key].get('line')})")
     return with_train(cfg, **values)
 
+
+def resolved_for_folders(cfg: PisftConfig) -> PisftConfig:
+    """`for_training`'s config where the smoke report says; `cfg` as it is where there is no report
+    to read (its launch is refused then: pisft.train.launch.check_smoke_report). For finding the run
+    folder outside the workers (the CLI's lock check, the launcher's advice), never for training."""
+    try:
+        return for_training(cfg, log=lambda _line: None)
+    except PisftError:
+        return cfg

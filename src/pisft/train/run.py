@@ -19,7 +19,7 @@ import torch.distributed as dist
 from pisft import layout
 from pisft import config as config_mod
 from pisft.errors import PisftError
-from pisft.train import decisions, loop, optim
+from pisft.train import decisions, loop, optim, step_record
 from pisft.base_identity import base_record
 from pisft.train.checkpoint import CheckpointManager, checkpoint_root, other_runs, run_fingerprint
 from pisft.train.batches import make_loader, resolve_workers
@@ -140,6 +140,7 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
     resumed_from = None
     ema = make_ema(built.model, plan.ema_decay)  # the loaded weights, before any step (openpi)
     found = ckpt.find_resume()
+    state = None
     if found is not None:
         state = ckpt.load(found, built.model, built.optimizer, scheduler, ema=ema)
         start_step = int(state["step"])
@@ -149,6 +150,12 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
                 f"{state.get('world_size')} processes; now {ctx.world_size})")
     else:
         ctx.log(f"starting from step 0; checkpoints go to {ckpt_root}")
+    # which steps ran under which settings (pisft.train.step_record): a mix is said in one line
+    earlier, now = step_record.before(state, start_step), step_record.settings(
+        cfg, ctx.world_size, built.compiler.mode if built.compiler is not None else "off")
+    mixed = step_record.mixed_line(earlier, now, start_step)
+    if mixed is not None:
+        ctx.log(f"note: {mixed}")
     others = other_runs(cfg, ckpt_root)
     if others and ctx.is_main:
         ctx.log(f"checkpoints of {len(others)} earlier run(s) this one cannot resume (other settings, inputs or "
@@ -200,7 +207,8 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
                 tb.write(record)
 
     def save(step: int) -> None:
-        path = ckpt.save(step, built.model, built.optimizer, scheduler, ema=ema)
+        path = ckpt.save(step, built.model, built.optimizer, scheduler, ema=ema,
+                         extra={"step_settings": step_record.upto(earlier, now, start_step, step)})
         ctx.log(f"checkpoint {path}")
 
     settings = loop_settings(ctx, peak, steps=plan.steps, global_batch=plan.global_batch)
@@ -231,6 +239,8 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
         "peak_flops_source": peak_source,
         "sharding_rank0": report,
         "environment": env_summary(),
+        "step_settings": step_record.upto(earlier, now, start_step, plan.steps),
+        "mixed_settings": mixed,
     }
     if ema is not None:  # the exported model is the average (openpi's checkpoints hand it out)
         ema.copy_to(built.model)
@@ -239,6 +249,8 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
     if hasattr(built.model, "pisft_model_info"):  # the policy's pisft_model.json says which
         built.model.pisft_model_info["weights"] = ema_record(ema)
         built.model.pisft_model_info["augment"] = augment_record(augment)
+        built.model.pisft_model_info["step_settings"] = summary["step_settings"]
+        built.model.pisft_model_info["mixed_settings"] = mixed
     plan.export(ctx, built, metrics_log, summary, resolved)
     dist.barrier()
     ctx.log(f"done: {plan.output}")
