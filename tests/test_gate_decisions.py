@@ -10,6 +10,7 @@ same arithmetic through a traced graph), so no test waits for inductor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -199,3 +200,129 @@ def test_a_resume_under_other_settings_is_recorded_and_said_in_one_line():
     old = step_record.before({"step": 50}, 50)
     assert old == [{"first_step": 1, "last_step": 50, "recorded": False}]
     assert "not recorded" in step_record.mixed_line(old, four, 50)
+
+
+# ------------------------------------------------------------------ micro batch and checkpointing
+GIB = 2**30
+
+
+def _sizing(needs: dict[tuple[int, bool], float], limit_gib: float):
+    """The gate's search over a table of per-device needs in GiB (state 0, one process): the rule
+    alone; the measurement on the tiny model is the tests below."""
+    from pisft.gates import micro_batch
+
+    def measure(m, ckpt):
+        n = needs.get((m, ckpt))
+        return None if n is None else (int(n * GIB), 0)
+    return micro_batch.Sizing(measure, 1, 0, int(limit_gib * GIB))
+
+
+def test_auto_takes_the_largest_micro_batch_that_fits_and_checkpoints_only_where_it_must():
+    from pisft.gates import micro_batch
+
+    assert micro_batch.candidates([16], 2) == [1, 2, 4, 8]
+    assert micro_batch.candidates([16, 24], 2) == [1, 2, 4]  # the value model's batch too (RECAP)
+    off = {(1, False): 3, (2, False): 5, (4, False): 9, (8, False): 17}
+    on = {(1, True): 2, (2, True): 3, (4, True): 5, (8, True): 8}
+    sizes = [1, 2, 4, 8]
+    assert micro_batch.decide("auto", False, sizes, _sizing(off, 10))["chosen"] == (4, False)
+    # checkpointing auto: off while it fits, on where only it lets a larger micro batch fit
+    assert micro_batch.decide("auto", "auto", sizes, _sizing({**off, **on}, 10))["chosen"] == (8, True)
+    assert micro_batch.decide("auto", "auto", sizes, _sizing({**off, **on}, 20))["chosen"] == (8, False)
+    assert micro_batch.decide(4, "auto", sizes, _sizing({**off, **on}, 8))["chosen"] == (4, True)
+    # out of memory stops the search like a miss
+    short = _sizing({(1, False): 3, (2, False): 5}, 10)
+    assert micro_batch.decide("auto", False, sizes, short)["chosen"] == (2, False)
+
+
+def test_an_explicit_micro_batch_that_does_not_fit_names_the_largest_that_does():
+    from pisft.gates import micro_batch
+
+    sizing = _sizing({(1, False): 3, (2, False): 5, (4, False): 9, (8, False): 17}, 10)
+    result = micro_batch.decide(8, False, [1, 2, 4, 8], sizing)
+    assert result["chosen"] is None and result["largest_fitting"] == 4
+    entry, _ = micro_batch.entries(8, False, result, sizing, free=11 * GIB, capacity=20 * GIB, margin=GIB, hccl=0)
+    assert "micro batch 8 does not fit" in entry["line"] and "the largest that fits is 4" in entry["line"]
+    assert [m["need_bytes"] for m in entry["measured"]] == [17 * GIB, 3 * GIB, 5 * GIB, 9 * GIB]
+
+
+def _capped_gate(ctx, monkeypatch, cap: int, **train):
+    monkeypatch.setenv(devices.MEMORY_CAP_ENV, str(cap))
+    report = {"estimate": None}
+    run = smoke._run_steps(dataclasses.replace(ctx, cfg=decisions.with_train(ctx.cfg, **train)), report)
+    return run, report[decisions.DECISIONS]
+
+
+@pytest.mark.integration  # ~30-60 s on 2 cores: a step of the tiny model per candidate, then the smoke steps
+def test_with_the_devices_memory_capped_auto_picks_a_micro_batch_that_fits(ctx, monkeypatch):
+    """The CPU given a capacity (device.MEMORY_CAP_ENV): the gate measures each candidate's peak (the
+    process's peak resident set size on the CPU) and keeps the largest whose need fits."""
+    cap = 64 * GIB  # the tiny model fits at every candidate
+    run, found = _capped_gate(ctx, monkeypatch, cap, micro_batch_size="auto", activation_checkpointing="auto")
+    assert run.failure is None
+    entry, ckpt = found[decisions.MICRO_BATCH], found[decisions.CHECKPOINTING]
+    assert entry["setting"] == "auto" and entry["fits"] and entry["limit_bytes"] < cap
+    assert entry["chosen"] == 8 and ckpt["chosen"] is False  # 16 over 2 processes: 8 at most, off fits
+    assert all(m["need_bytes"] <= entry["limit_bytes"] for m in entry["measured"])
+    assert [m["micro_batch_size"] for m in entry["measured"]] == [1, 2, 4, 8]
+    assert run.ctx.cfg.train.micro_batch_size == 8 and len(run.records) == 2  # the smoke steps ran at it
+    # a budget below what the process already holds: no micro batch fits, and the gate says so
+    run, found = _capped_gate(ctx, monkeypatch, 2**20, micro_batch_size="auto", activation_checkpointing=False)
+    assert run.failure is not None and "no micro batch fits" in run.failure and "none fits" in run.failure
+    assert found[decisions.MICRO_BATCH]["chosen"] is None and not run.records  # no smoke step ran
+
+
+def test_a_micro_batch_that_does_not_fit_is_refused_before_torchrun(tmp_path, monkeypatch):
+    """train_8card's launcher reads the gate's failed report and stops before torchrun starts."""
+    import subprocess as sp
+
+    from pisft.gates import micro_batch
+    from pisft.train import launch
+
+    cfg = config_mod.load(CONFIG, [f"results_dir={tmp_path}", "train.micro_batch_size=8"])
+    sizing = _sizing({(1, False): 3, (2, False): 5, (4, False): 9, (8, False): 17}, 10)
+    entry, ckpt = micro_batch.entries(8, False, micro_batch.decide(8, False, [1, 2, 4, 8], sizing), sizing,
+                                      free=11 * GIB, capacity=20 * GIB, margin=GIB, hccl=0)
+    report = layout.smoke_report(cfg)
+    report.parent.mkdir(parents=True)
+    report.write_text(json.dumps({  # as run_smoke writes a failed fit (its failure message is the line)
+        "passed": False, "messages": [smoke.failure_message(cfg, {
+            "name": "fits_in_memory", "passed": False, "detail": f"{decisions.MICRO_BATCH}: {entry['line']}"})],
+        "pisft_config": config_mod.resolved(cfg),
+        "decisions": {decisions.COMPILE: compile_trial.as_written("auto"), decisions.MICRO_BATCH: entry,
+                      decisions.CHECKPOINTING: ckpt}}))
+
+    def no_torchrun(*args, **kwargs):
+        raise AssertionError("torchrun started")
+
+    monkeypatch.setattr(sp, "Popen", no_torchrun)
+    with pytest.raises(PisftError, match="micro batch 8 does not fit.*the largest that fits is 4"):
+        launch.main("train_8card", cfg, str(CONFIG), [])
+
+
+def test_auto_passes_validation_and_needs_a_memory_figure(tmp_path):
+    from pisft.gates import micro_batch
+
+    cfg = config_mod.load(CONFIG, [f"results_dir={tmp_path}", "train.micro_batch_size=auto",
+                                   "train.activation_checkpointing=auto"])
+    assert cfg.grad_accum_steps is None and config_mod.resolved(cfg)["derived"]["grad_accum_steps"] is None
+    assert "PISFT_DEVICE_MEMORY_BYTES" in micro_batch.NO_FIGURE
+    with pytest.raises(config_mod.ConfigError, match="not divisible by the world size 2"):
+        config_mod.load(CONFIG, [f"results_dir={tmp_path}", "train.micro_batch_size=auto",
+                                 "train.global_batch_size=15"])
+    with pytest.raises(config_mod.ConfigError, match="must be a number of samples or auto"):
+        config_mod.load(CONFIG, [f"results_dir={tmp_path}", "train.micro_batch_size=most"])
+    # training follows the gate's choice, and refuses one that does not split the global batch
+    report = layout.smoke_report(cfg)
+    report.parent.mkdir(parents=True)
+    made = {decisions.COMPILE: compile_trial.as_written("auto"),
+            decisions.MICRO_BATCH: {"setting": "auto", "chosen": 8, "line": "micro batch 8"},
+            decisions.CHECKPOINTING: {"setting": "auto", "chosen": False, "line": "off fits"}}
+    report.write_text(json.dumps({"passed": True, "decisions": made}))
+    run_cfg = decisions.for_training(cfg, print)
+    assert (run_cfg.train.micro_batch_size, run_cfg.train.activation_checkpointing, run_cfg.grad_accum_steps) == \
+        (8, False, 1)
+    made[decisions.MICRO_BATCH]["chosen"] = 3
+    report.write_text(json.dumps({"passed": True, "decisions": made}))
+    with pytest.raises(PisftError, match="train.global_batch_size: 16 is not divisible"):
+        decisions.for_training(cfg, print)

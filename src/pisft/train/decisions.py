@@ -1,16 +1,21 @@
 """What the smoke gate decided for the run it guards, and how training follows it.
 
-`train.compile: auto` is decided by `smoke_1card` on the run's device (pisft.gates.compile_trial):
-its report (`results/smoke/report.json`) holds a `decisions` section, one entry per decided key:
+`train.compile: auto` (pisft.gates.compile_trial), `train.micro_batch_size: auto` and
+`train.activation_checkpointing: auto` (pisft.gates.micro_batch) are decided by `smoke_1card` on the
+run's device: its report (`results/smoke/report.json`) holds a `decisions` section, one entry per decided key:
 
     "decisions": {"train.compile": {"setting": "auto", "chosen": "off", "line": "why, in one line",
                                     ...the figures behind it}}
 
 `setting` is the key as the config has it, `chosen` what the run executes. A key set explicitly is
 run as written (`chosen` equals `setting`). `train_8card`'s workers read the report and run the
-chosen values (`for_training`); the launcher refused the run before if the report is missing,
-failed or was made with other settings (pisft.train.launch.check_smoke_report). The chosen compile
-mode is part of the run's identity (pisft.train.checkpoint.run_fingerprint, `resolved_compile`).
+chosen values (`for_training`), and so do the RECAP value model's stages, which train a smaller
+model (the policy's VLM prefix with a head) on the same device after it; the launcher refused the
+run before if the report is missing, failed or was made with other settings
+(pisft.train.launch.check_smoke_report). The chosen compile mode is part of the run's identity
+(pisft.train.checkpoint.run_fingerprint, `resolved_compile`); the micro batch and checkpointing
+are recorded per step range (pisft.train.step_record), and a resumed `auto` run keeps the micro
+batch it started with where it fits (pisft.train.run).
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from pisft.config import PisftConfig
 from pisft.errors import PisftError
 
 COMPILE = "train.compile"
+MICRO_BATCH = "train.micro_batch_size"
+CHECKPOINTING = "train.activation_checkpointing"
 AUTO = "auto"
 DECISIONS = "decisions"  # the smoke report's section
 # The train keys the gate decides, by their field in TrainConfig.
-DECIDED = {COMPILE: "compile"}
+DECIDED = {COMPILE: "compile", MICRO_BATCH: "micro_batch_size", CHECKPOINTING: "activation_checkpointing"}
 
 
 def decision(setting: Any, chosen: Any, line: str, **figures: Any) -> dict[str, Any]:
@@ -43,13 +50,13 @@ def read_decisions(cfg: PisftConfig) -> dict[str, Any]:
     try:
         report = json.loads(path.read_text())
     except FileNotFoundError:
-        raise PisftError(f"{path} not found: train.compile: auto is decided by the smoke gate on this node; run "
+        raise PisftError(f"{path} not found: `auto` train keys are decided by the smoke gate on this node; run "
                          "smoke_1card first (python -m pisft launch smoke_1card, or let the workflow do it)") from None
     except (OSError, ValueError) as exc:
         raise PisftError(f"{path}: unreadable ({exc}); rerun smoke_1card") from None
     found = report.get(DECISIONS) if isinstance(report, dict) else None
     if not isinstance(found, dict):
-        raise PisftError(f"{path} records no decisions (written before the gate decided train.compile: auto); "
+        raise PisftError(f"{path} records no decisions (written before the gate decided `auto` train keys); "
                          "rerun smoke_1card")
     return found
 
@@ -91,7 +98,17 @@ def for_training(cfg: PisftConfig, log: Callable[[str], None]) -> PisftConfig:
             values[field] = chosen_value(cfg, key, decisions)
             log(f"{key}: auto -> {values[field]} (the smoke gate's decision on this node: "
                 f"{decisions[key].get('line')})")
-    return with_train(cfg, **values)
+    out = with_train(cfg, **values)
+    if "micro_batch_size" in values:  # the gate chose among divisors: a report of another batch is refused
+        per_step = out.train.micro_batch_size * out.world_size
+        batches = [("train.global_batch_size", out.train.global_batch_size)]
+        if out.recap.iterations:
+            batches.append(("recap.value_global_batch_size", out.value_global_batch_size))
+        for key, batch in batches:
+            if batch % per_step:
+                raise PisftError(f"{key}: {batch} is not divisible by the smoke gate's micro batch "
+                                 f"{out.train.micro_batch_size} x world size {out.world_size}; rerun smoke_1card")
+    return out
 
 
 def resolved_for_folders(cfg: PisftConfig) -> PisftConfig:

@@ -56,6 +56,7 @@ class RunPlan:
     export: Callable[[Context, Built, MetricsLog, dict, dict], None]  # collective; rank 0 writes
     nonfinite_advice: str  # what to change when a loss or gradient is not finite
     ema_decay: float = 0.0  # train.ema_decay for the policy (pisft.train.ema); 0: no EMA
+    keeps_micro_batch: bool = False  # train.micro_batch_size was auto: a resume keeps the one it started with
 
 
 def lr_scheduler(cfg, optimizer):
@@ -93,8 +94,9 @@ def policy_plan(ctx: Context) -> RunPlan:
 def run_training(ctx: Context) -> int:
     """train_8card: what the smoke gate decided for `auto` keys (its report, pisft.train.decisions),
     then the plan."""
+    auto = ctx.cfg.train.micro_batch_size == decisions.AUTO
     ctx = dataclasses.replace(ctx, cfg=decisions.for_training(ctx.cfg, ctx.log))
-    return run_plan(ctx, policy_plan(ctx))
+    return run_plan(ctx, dataclasses.replace(policy_plan(ctx), keeps_micro_batch=auto))
 
 
 def run_plan(ctx: Context, plan: RunPlan) -> int:
@@ -114,6 +116,26 @@ def run_plan(ctx: Context, plan: RunPlan) -> int:
         return _train(ctx, plan, built, scheduler, resolved, ckpt, t_start)
     finally:
         lock.release()
+
+
+def _keep_micro_batch(ctx: Context, started: Any, global_batch: int) -> Context:
+    """train.micro_batch_size: auto, resumed: the micro batch the run started with, where it fits this
+    device (not above the gate's choice, the largest that fits) and splits the global batch over this
+    world size; else the gate's, saying why."""
+    chosen = ctx.cfg.train.micro_batch_size
+    if not isinstance(started, int) or started == chosen:
+        return ctx
+    if started > chosen:
+        why = f"it does not fit this device (the smoke gate's largest that fits is {chosen})"
+    elif global_batch % (started * ctx.world_size):
+        why = f"it does not split the global batch {global_batch} over {ctx.world_size} process(es)"
+    else:
+        ctx.log(f"train.micro_batch_size: auto: keeps {started}, the micro batch this run started with "
+                f"(the smoke gate chose {chosen} on this device)")
+        return dataclasses.replace(ctx, cfg=decisions.with_train(ctx.cfg, micro_batch_size=started))
+    ctx.log(f"train.micro_batch_size: auto: cannot keep {started}, the micro batch this run started with: {why}; "
+            f"continues at {chosen}")
+    return ctx
 
 
 def _lock_run_folder(ctx: Context, ckpt_root: Path) -> RunLock:
@@ -150,8 +172,13 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
                 f"{state.get('world_size')} processes; now {ctx.world_size})")
     else:
         ctx.log(f"starting from step 0; checkpoints go to {ckpt_root}")
+    earlier = step_record.before(state, start_step)
+    if plan.keeps_micro_batch and earlier:
+        ctx = _keep_micro_batch(ctx, earlier[-1].get("train.micro_batch_size"), plan.global_batch)
+        cfg, t = ctx.cfg, ctx.cfg.train
+        resolved = ckpt.config = config_mod.resolved(cfg)  # what the checkpoints and the export record
     # which steps ran under which settings (pisft.train.step_record): a mix is said in one line
-    earlier, now = step_record.before(state, start_step), step_record.settings(
+    now = step_record.settings(
         cfg, ctx.world_size, built.compiler.mode if built.compiler is not None else "off")
     mixed = step_record.mixed_line(earlier, now, start_step)
     if mixed is not None:
