@@ -1,5 +1,11 @@
-"""The smoke gate decides `train.compile: auto` on the run's device (pisft.gates.compile_trial), and
-training follows the report (pisft.train.decisions).
+"""The smoke gate decides `train.compile: auto` (pisft.gates.compile_trial), and
+`train.micro_batch_size: auto` / `train.activation_checkpointing: auto` (pisft.gates.micro_batch), on
+the run's device, and training follows the report (pisft.train.decisions), recording which steps ran
+under which settings (pisft.train.step_record).
+
+The memory decisions run on the CPU given a capacity (`device.MEMORY_CAP_ENV`, a stand-in): the
+CPU's peak is the process's peak resident set size, so a cap far above it lets every candidate fit
+and one below it none; the rule between is tested on a table of needs.
 
 The trial runs in the gate's own process on the tiny model: its smoke steps eagerly, then again
 compiled. On the CPU it is skipped unless forced (`compile_trial.FORCE_ENV`); the tests force it
@@ -326,3 +332,47 @@ def test_auto_passes_validation_and_needs_a_memory_figure(tmp_path):
     report.write_text(json.dumps({"passed": True, "decisions": made}))
     with pytest.raises(PisftError, match="train.global_batch_size: 16 is not divisible"):
         decisions.for_training(cfg, print)
+
+
+def test_a_resumed_auto_run_keeps_its_micro_batch_where_it_fits():
+    from pisft.train import run as run_mod
+
+    cfg = decisions.with_train(config_mod.load(CONFIG, []), micro_batch_size=4)
+    info = devices.DeviceInfo(kind="cpu", backend="gloo", device=torch.device("cpu"), name="cpu")
+    ctx = Context(cfg, "train_8card", info, 1, 2)  # rank 1: no log lines
+    assert run_mod._keep_micro_batch(ctx, 2, 16).cfg.train.micro_batch_size == 2  # started at 2: kept
+    assert run_mod._keep_micro_batch(ctx, 8, 16).cfg.train.micro_batch_size == 4  # above the gate's: not
+    assert run_mod._keep_micro_batch(ctx, 2, 12).cfg.train.micro_batch_size == 2
+    assert run_mod._keep_micro_batch(ctx, 3, 16).cfg.train.micro_batch_size == 4  # 16 over 2 x 3: not
+    assert run_mod._keep_micro_batch(ctx, None, 16) is ctx  # no record: the gate's
+
+
+@pytest.mark.integration  # ~3-5 min on 2 cores: smoke_1card, then train_8card on 2 processes, by the launcher
+def test_train_8card_runs_what_the_gate_decided(tmp_path_factory):
+    """The real launcher: smoke_1card on a CPU given a capacity decides the micro batch, checkpointing
+    and compile mode; train_8card's workers run them and record them."""
+    import os
+    import subprocess
+
+    from train_fixtures import ROOT, launch_cmd, launch_env
+
+    res = results_dir(tmp_path_factory, "gate_follows")
+    run = ["train.steps=2", "train.save_every=2", "train.warmup_steps=1", "smoke.steps=2",
+           "train.micro_batch_size=auto", "train.activation_checkpointing=auto"]
+    env = {**launch_env(), devices.MEMORY_CAP_ENV: str(64 * GIB)}
+    env.pop(compile_trial.FORCE_ENV, None)
+    for stage in ("smoke_1card", "train_8card"):
+        proc = subprocess.run(launch_cmd(stage, res, *run), cwd=ROOT, capture_output=True, text=True,
+                              timeout=900, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((res / "smoke" / "report.json").read_text())
+    made = {key: entry["chosen"] for key, entry in report["decisions"].items()}
+    assert made == {"train.compile": "off", "train.micro_batch_size": 8, "train.activation_checkpointing": False}
+    assert report["micro_batch_size"] == 8 and report["pisft_config"]["train"]["micro_batch_size"] == "auto"
+    summary = json.loads((res / "train" / "train_summary.json").read_text())
+    assert summary["step_settings"] == [{"first_step": 1, "last_step": 2, "train.compile": "off",
+                                         "train.micro_batch_size": 8, "train.activation_checkpointing": False,
+                                         "world_size": 2}]
+    exported = json.loads((res / "train" / "pisft_config.json").read_text())
+    assert exported["train"]["micro_batch_size"] == 8 and exported["derived"]["grad_accum_steps"] == 1
+    assert os.environ.get(devices.MEMORY_CAP_ENV) is None  # the test's env only
