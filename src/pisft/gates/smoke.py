@@ -231,12 +231,16 @@ def _report_head(ctx: Context) -> dict[str, Any]:
         "target_world_size": cfg.world_size,
         "environment": env_summary(),
         "estimate": _estimate(_estimated(cfg)),
+        # the settings the estimate is made at (`auto` ones as 1 and off: `_estimated`)
+        "estimate_at": {"micro_batch_size": _estimated(cfg).train.micro_batch_size,
+                        "activation_checkpointing": _estimated(cfg).train.activation_checkpointing},
     }
 
 
 def _estimated(cfg: Any) -> Any:
     """The config the estimate is made for: `auto` micro batch and checkpointing as 1 and off (the
-    estimate then gives the sizing its FSDP buffers, which do not depend on them; `estimate_at`)."""
+    estimate then gives the sizing its FSDP buffers, which do not depend on them; the report's
+    `estimate_at`)."""
     t = cfg.train
     if AUTO not in (t.micro_batch_size, t.activation_checkpointing):
         return cfg
