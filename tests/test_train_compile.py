@@ -81,18 +81,19 @@ def test_the_compiled_step_equals_the_eager_one(mode, precision):
     assert compiled["ops"]["total"] < 0.6 * eager["ops"]["total"]
 
 
-def test_auto_is_off_on_the_cpu_and_a_missing_backend_falls_back_in_one_line(monkeypatch, tmp_path):
+def test_a_missing_backend_falls_back_in_one_line(monkeypatch, tmp_path):
+    """(`auto` is the smoke gate's to decide: tests/test_gate_decisions.py)"""
     lines: list[str] = []
-    assert not blocks.compiler_for("auto", "cpu", tmp_path, lines.append).enabled
+    assert not blocks.compiler_for("off", "cpu", tmp_path, lines.append).enabled
     assert blocks.compiler_for("layers", "cpu", tmp_path, lines.append).mode == "layers"
-    assert blocks.compiler_for("auto", "cuda", tmp_path, lines.append).mode == "layers"
+    assert blocks.compiler_for("layers", "cuda", tmp_path, lines.append).mode == "layers"
     assert lines == []
 
     def missing(kind):
         raise ImportError("No module named 'torchair'")
 
     monkeypatch.setitem(blocks.COMPILE_BACKENDS, "npu", missing)
-    compiler = blocks.compiler_for("auto", "npu", tmp_path, lines.append)
+    compiler = blocks.compiler_for("layers", "npu", tmp_path, lines.append)
     assert not compiler.enabled and len(lines) == 1
     assert "torchair" in lines[0] and "runs eagerly" in lines[0]
     assert not blocks.compiler_for("layers", "mps", tmp_path, lines.append).enabled
@@ -144,7 +145,7 @@ def test_an_npu_compiles_through_torchairs_backend(monkeypatch, tmp_path):
                          ("torch_npu.dynamo.torchair", torchair)):
         module.__spec__ = importlib.machinery.ModuleSpec(name, None)
         monkeypatch.setitem(sys.modules, name, module)
-    compiler = blocks.compiler_for("auto", "npu", tmp_path, print)
+    compiler = blocks.compiler_for("layers", "npu", tmp_path, print)
     assert compiler.mode == "layers" and compiler.describe() == "compiled per block (torchair)"
     layer = policy.model.paligemma_with_expert.paligemma.model.language_model.layers[0]
     rotary = policy.model.paligemma_with_expert.paligemma.model.language_model.rotary_emb

@@ -115,6 +115,13 @@ def test_world_size_invariance(one_process, two_nodes):
     # trained on augmented images, and says so
     assert info["augment"] == summary["augment"] and summary["augment"]["kind"] == "openpi"
     assert summary["augment"]["cropped_and_rotated"] == ["observation.images.base_0_rgb"]
+    # which steps ran under which settings: train.compile: auto as the gate decided it on the CPU
+    assert info["step_settings"] == summary["step_settings"] == [
+        {"first_step": 1, "last_step": 10, "train.compile": "off", "train.micro_batch_size": 4,
+         "train.activation_checkpointing": False, "world_size": 2}]
+    assert summary["mixed_settings"] is None and info["mixed_settings"] is None
+    config = json.loads((two_nodes / "train" / "pisft_config.json").read_text())
+    assert config["train"]["compile"] == "off"  # what ran, not `auto`
 
 
 def test_each_rank_holds_half_and_units_cover_the_model(two_nodes):
@@ -168,6 +175,10 @@ def test_resume_on_a_different_number_of_processes(tmp_path_factory, smoke, two_
     _ok(launch("train_8card", res, *RUN, "train.nproc_per_node=1"))
     summary = json.loads((res / "train" / "train_summary.json").read_text())
     assert summary["resumed_from"] == {"path": str(dst / "step_000005"), "step": 5, "world_size": 2}
+    # the steps before the resume ran on 2 processes: recorded, and said in one line
+    assert [(e["first_step"], e["last_step"], e["world_size"]) for e in summary["step_settings"]] == [(1, 5, 2),
+                                                                                                    (6, 10, 1)]
+    assert "this run mixes settings: steps 1-5: " in summary["mixed_settings"]
     ref = read_jsonl(two_nodes / "train" / "metrics.jsonl")
     got = read_jsonl(res / "train" / "metrics.jsonl")
     steps = [r["step"] for r in ref]

@@ -134,14 +134,21 @@ def test_too_few_devices_fails_before_starting(tmp_path, monkeypatch):
         launch.main("train_8card", cfg, "c.yaml", [])
 
 
-def _write_report(cfg, *, passed, **config_changes):
+def _write_report(cfg, *, passed, decided=True, **config_changes):
+    """A smoke report as the gate writes it on the CPU (train.compile: auto decided eager, no trial)."""
+    from pisft.gates.compile_trial import as_written
+    from pisft.train.decisions import COMPILE, DECISIONS
+
     resolved = config_mod.resolved(cfg)
     for key, value in config_changes.items():
         section, leaf = key.split("__")
         resolved[section][leaf] = value
     path = layout.results(cfg, "smoke", "report.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"passed": passed, "messages": ["loss is NaN"], "pisft_config": resolved}))
+    report = {"passed": passed, "messages": ["loss is NaN"], "pisft_config": resolved}
+    if decided:
+        report[DECISIONS] = {COMPILE: as_written(cfg.train.compile)}
+    path.write_text(json.dumps(report))
 
 
 def test_smoke_gate(tmp_path):
@@ -153,6 +160,9 @@ def test_smoke_gate(tmp_path):
         launch.check_smoke_report(cfg)
     _write_report(cfg, passed=True, train__micro_batch_size=2)
     with pytest.raises(PisftError, match="train.micro_batch_size: smoke 2, now 4"):
+        launch.check_smoke_report(cfg)
+    _write_report(cfg, passed=True, decided=False)  # a report from before the gate decided train.compile: auto
+    with pytest.raises(PisftError, match="records no decisions .*rerun smoke_1card"):
         launch.check_smoke_report(cfg)
     _write_report(cfg, passed=True)
     launch.check_smoke_report(cfg)

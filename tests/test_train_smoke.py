@@ -52,6 +52,9 @@ def test_memory_headroom_below_minimum_fails_with_advice(ctx, monkeypatch, capsy
     for hint in ("train.micro_batch_size", "train.precision: bf16",
                  "train.activation_checkpointing: true", "more devices"):
         assert hint in err
+    # the smaller micro batches measured too (every peak reads 1.99 GiB here): none fits, and it says so
+    assert "train.micro_batch_size: micro batch 4 does not fit" in err and "none fits" in err
+    assert [m["micro_batch_size"] for m in report["decisions"]["train.micro_batch_size"]["measured"]] == [1]
     assert layout.results(ctx.cfg, "logs", "smoke_1card", "report.json").is_file()
     assert report["projected_wall_time_s"]["1"] > 0 and report["losses"]
     assert report["host_ops"]["ops_per_micro_step"] > 1000 and report["compile_s"] == 0.0  # eager on the CPU

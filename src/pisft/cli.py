@@ -264,8 +264,11 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "validate":
             cfg = config_mod.load(args.file)
-            print(f"{args.file}: OK (world size {cfg.world_size}, "
-                  f"gradient accumulation {cfg.grad_accum_steps})")
+            accum = cfg.grad_accum_steps
+            split = (f"{accum}" if accum is not None else "from the micro batch smoke_1card chooses "
+                     "(train.micro_batch_size: auto: a divisor of each process's share of the global batch, "
+                     "which is kept)")
+            print(f"{args.file}: OK (world size {cfg.world_size}, gradient accumulation {split})")
             return 0
         if args.command == "dvc-yaml":
             from pisft.workflow import dvc_yaml

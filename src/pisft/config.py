@@ -30,8 +30,12 @@ PRESETS = ("tiny", "small", "pi05")
 # here, pi05's is LeRobot's PI05Config default, which a test holds to this).
 PRESET_CHUNK_SIZES = {"tiny": 10, "small": 10, "pi05": 50}
 PRECISIONS = ("fp32", "bf16")
-# train.compile (pisft.train.blocks): auto chooses by device (off on the CPU, layers on an accelerator)
+# train.compile (pisft.train.blocks): auto is decided by the smoke gate on the run's device
+# (pisft.gates.compile_trial: compiled only where it ran, agreed with eager and was faster)
 TRAIN_COMPILE = ("auto", "off", "layers")
+# The value of a train key the smoke gate decides on the run's device (train.compile,
+# train.micro_batch_size, train.activation_checkpointing; pisft.train.decisions).
+AUTO = "auto"
 # train.lora_targets (pisft.train.trainable applies them).
 LORA_TARGETS = ("lerobot", "openpi", "rlinf")
 # data.augment: the training loaders' image augmentation (pisft.data.augment applies it).
@@ -286,15 +290,21 @@ class TrainConfig:
     (nproc_per_node, nnodes, micro_batch_size -> accumulation; the global batch is in), how often
     values are fetched or saved (log_every, save_every, keep_last), data-loader workers (each sample
     is drawn from (seed, step, position), not from worker order), peak_flops, tensorboard,
-    deterministic (kernel choice, not the math), compile, and activation checkpointing (recomputes
-    the same forward with the same RNG state: same values). The value run has its own steps,
-    learning rates, batch and mode (`recap.value_*`)."""
+    deterministic (kernel choice, not the math), and activation checkpointing (recomputes the same
+    forward with the same RNG state: same values). `compile` is in the policy's: compiled blocks
+    compute in another order (the CPU's fp32 losses leave eager's in the 7th digit, docs/ascend.md),
+    and the fingerprint holds the mode the run executes, `auto` as the smoke gate decided it
+    (pisft.train.decisions). Each checkpoint and the export record which steps ran under which
+    micro batch, checkpointing and world size (pisft.train.step_record). The value run has its own
+    steps, learning rates, batch and mode (`recap.value_*`)."""
 
     nproc_per_node: int = marked(2, TRAIN_STEP)
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""
-    micro_batch_size: int = marked(4, TRAIN_STEP)
+    # A number, or `auto`: the largest that fits the device, chosen by smoke_1card from measured
+    # peaks (pisft.gates.micro_batch); train_8card (and the RECAP value model) run the report's choice.
+    micro_batch_size: int | str = marked(4, TRAIN_STEP)
     global_batch_size: int = marked(16, TRAIN_STEP, POLICY_RUN)
     steps: int = marked(150, POLICY_RUN)
     save_every: int = 50
@@ -310,7 +320,8 @@ class TrainConfig:
     # EMA of the trained weights (pisft.train.ema; openpi's ema_decay): 0 or null is off; on, the
     # exported model is the average, and every checkpoint carries it.
     ema_decay: float | None = marked(0.0, POLICY_RUN)
-    activation_checkpointing: bool = marked(False, TRAIN_STEP)
+    # true | false | auto: off where the memory allows it at the chosen micro batch (smoke_1card decides).
+    activation_checkpointing: bool | str = marked(False, TRAIN_STEP)
     # Peak dense bf16 FLOP/s of one device for MFU; 0 looks the device up in a table.
     peak_flops: float = marked(0.0, TRAIN_STEP)
     # Data-loader worker processes per training process; -1 chooses from the cores
@@ -348,10 +359,11 @@ class TrainConfig:
     lora_alpha: float = marked(0.0, TRAIN_STEP, POLICY_RUN, VALUE_RUN)
     # torch.compile of the training step's repeated blocks (pisft.train.blocks): off | layers (each
     # decoder layer pair and SigLIP encoder layer compiled, as torchtitan compiles each block) | auto
-    # (off on the CPU, where compiling costs more than it saves in the embedded default's runs; layers
-    # on CUDA and on an NPU through torchair). Compiled code is cached under results/cache/inductor.
-    # The step's time, memory and last bits follow it.
-    compile: str = marked("auto", TRAIN_STEP)
+    # (decided by smoke_1card on the run's device: the smoke steps eager and compiled, compiled kept
+    # only when it ran, agreed with eager and was faster, pisft.gates.compile_trial; on the CPU eager
+    # without a trial). Compiled code is cached under results/cache/inductor. The step's time, memory
+    # and last bits follow it; the mode the run executes is in its fingerprint.
+    compile: str = marked("auto", TRAIN_STEP, POLICY_RUN)
 
 
 @dataclass
@@ -519,7 +531,10 @@ class PisftConfig:
         return self.recap.value_global_batch_size or self.train.global_batch_size
 
     @property
-    def grad_accum_steps(self) -> int:
+    def grad_accum_steps(self) -> int | None:
+        """None while train.micro_batch_size is `auto` (the smoke gate chooses it)."""
+        if self.train.micro_batch_size == AUTO:
+            return None
         return accumulation_steps(self.train.global_batch_size, self.train.micro_batch_size, self.world_size)
 
     def at_iteration(self, k: int) -> PisftConfig:
@@ -877,6 +892,13 @@ def _choice_problems(cfg: PisftConfig) -> list[str]:
         problems.append(f"train.precision: '{cfg.train.precision}' is not one of {', '.join(PRECISIONS)}")
     if cfg.train.compile not in TRAIN_COMPILE:
         problems.append(f"train.compile: '{cfg.train.compile}' is not one of {', '.join(TRAIN_COMPILE)}")
+    t = cfg.train
+    if isinstance(t.micro_batch_size, str) and t.micro_batch_size != AUTO:
+        problems.append(f"train.micro_batch_size: '{t.micro_batch_size}' must be a number of samples or auto "
+                        "(the largest that fits the device, chosen by smoke_1card)")
+    if isinstance(t.activation_checkpointing, str) and t.activation_checkpointing != AUTO:
+        problems.append(f"train.activation_checkpointing: '{t.activation_checkpointing}' must be true, false or "
+                        "auto (off where the memory allows it, chosen by smoke_1card)")
     return problems + _trainable_problems(cfg)
 
 
@@ -917,6 +939,15 @@ def _layout_problems(cfg: PisftConfig) -> list[str]:
         problems.append(f"train.node_rank: must be in [0, train.nnodes), got {t.node_rank}")
     if t.nnodes > 1 and not t.rdzv_endpoint:
         problems.append("train.rdzv_endpoint: required when train.nnodes > 1 (host:port of node 0)")
+    if t.micro_batch_size == AUTO:
+        # smoke_1card chooses among the micro batches that divide a process's share of the global
+        # batch: the division below holds by construction for its choice
+        if cfg.world_size >= 1 and t.global_batch_size % cfg.world_size:
+            problems.append(f"train.global_batch_size: {t.global_batch_size} is not divisible by the world size "
+                            f"{cfg.world_size}, so no micro batch (train.micro_batch_size: auto) splits it evenly")
+        return problems
+    if not isinstance(t.micro_batch_size, int):
+        return problems
     per_step = t.micro_batch_size * max(cfg.world_size, 1)
     if t.micro_batch_size >= 1 and cfg.world_size >= 1 and t.global_batch_size % per_step:
         example = per_step * max(1, round(t.global_batch_size / per_step))
@@ -1200,7 +1231,9 @@ def _recap_problems(cfg: PisftConfig) -> list[str]:
         problems.append(f"recap.value_init: '{r.value_init}' is not one of {', '.join(VALUE_INITS)} (base: the "
                         "value model starts from the base model, as RLinf's from its pretrained backbone; "
                         "previous: from the policy of iteration k - 1)")
-    per_step = cfg.train.micro_batch_size * max(cfg.world_size, 1)
+    # train.micro_batch_size: auto: checked against the gate's choice where the value model trains
+    micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 0
+    per_step = micro * max(cfg.world_size, 1)
     if r.iterations and per_step >= 1 and cfg.value_global_batch_size % per_step:
         problems.append(f"recap.value_global_batch_size: {cfg.value_global_batch_size} is not divisible by "
                         f"train.micro_batch_size × world size = {per_step}; pick a multiple of {per_step}")

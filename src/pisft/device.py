@@ -430,23 +430,46 @@ def empty_cache(kind: str) -> None:
         accel.empty_cache()
 
 
+# A stand-in capacity in bytes: the device (the CPU too) reports at most this much memory, total and
+# free. For the tests of what the smoke gate decides from memory (the CPU has no fixed capacity),
+# and for a CPU run that must keep within a budget; an accelerator's own figures still bound it.
+MEMORY_CAP_ENV = "PISFT_DEVICE_MEMORY_BYTES"
+
+
+def _memory_cap() -> int | None:
+    raw = os.environ.get(MEMORY_CAP_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        return max(0, int(float(raw)))
+    except ValueError:
+        raise ValueError(f"{MEMORY_CAP_ENV}={raw!r}: give a number of bytes") from None
+
+
+def _capped(value: int | None) -> int | None:
+    cap = _memory_cap()
+    return value if cap is None else (cap if value is None else min(value, cap))
+
+
 def capacity_bytes(kind: str, device: torch.device) -> int | None:
-    """Total memory of the device; None on CPU (no fixed capacity to check against)."""
+    """Total memory of the device; None on CPU (no fixed capacity to check against), unless
+    MEMORY_CAP_ENV gives one."""
     accel = _accel(kind)
     if accel is None:
-        return None
-    return int(accel.get_device_properties(device.index or 0).total_memory)
+        return _capped(None)
+    return _capped(int(accel.get_device_properties(device.index or 0).total_memory))
 
 
 def free_memory_bytes(kind: str, device: torch.device) -> int | None:
     """The memory the device reports free now (`mem_get_info`: the driver's view, after the
     runtime context, other processes and this process's allocator); None on the CPU, or when
-    the device's runtime cannot say."""
+    the device's runtime cannot say. MEMORY_CAP_ENV bounds it (on the CPU it is then the cap:
+    the process's whole budget, as its peak resident set size counts the process whole)."""
     accel = _accel(kind)
     if accel is None or not hasattr(accel, "mem_get_info"):
-        return None
+        return _capped(None)
     free, _total = accel.mem_get_info(device.index or 0)
-    return int(free)
+    return _capped(int(free))
 
 
 def fused_adamw_supported(kind: str) -> bool:

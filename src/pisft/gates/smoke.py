@@ -14,6 +14,14 @@ parameters, gradients and optimizer state are sharded N ways; the report gives t
 (N-1)/N of the model state that sharding removes), and the headroom check applies to the latter.
 CPU has no fixed capacity: the headroom check is skipped there, with a note.
 
+The gate also decides, on this device, what the run it guards executes where the config says
+`auto` (the report's `decisions`, pisft.train.decisions; train_8card's workers follow it):
+`train.compile: auto` runs the smoke steps eagerly, then compiled from the same start, and keeps
+the compiled blocks only when they ran, agreed with eager and were faster (pisft.gates.compile_trial;
+on the CPU the trial is skipped, with the reason). The report's step figures are the chosen mode's.
+`train.micro_batch_size: auto` and `train.activation_checkpointing: auto` are sized first, from a
+measured step per candidate (pisft.gates.micro_batch); the smoke steps then run at the choice.
+
 `results/smoke/report.json` is written even when a check fails (a copy also goes to
 `results/logs/smoke_1card/report.json`, which survives a workflow's cleanup of failed outputs);
 the process then exits with status 3 and an actionable message.
@@ -21,6 +29,7 @@ the process then exits with status 3 and an actionable message.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import statistics
@@ -35,11 +44,14 @@ from pisft import config as config_mod
 from pisft import device as devices
 from pisft.data.augment import make_augment
 from pisft.device import hccl_buffer_bytes, out_of_memory
+from pisft.gates import compile_trial, micro_batch
+from pisft.model import lerobot_internals as internals
 from pisft.io import atomic_dir, write_json_atomic
 from pisft.stages import SMOKE_1CARD
 from pisft.tensors import local_bytes, optimizer_state
-from pisft.train import loop
+from pisft.train import blocks, loop
 from pisft.train.batches import StepDataset
+from pisft.train.decisions import AUTO, CHECKPOINTING, COMPILE, DECISIONS, MICRO_BATCH, decision, with_train
 from pisft.train.job import Context, build, env_summary, make_sampler, peak_flops
 
 SMOKE_FAILED_EXIT = 3
@@ -148,13 +160,13 @@ def _adamw_fits_one_device(cfg: Any, estimate: Any, gate_inputs: dict[str, Any])
 def _advice(cfg: Any) -> str:
     t = cfg.train
     tips = []
-    if t.micro_batch_size > 1:
+    if t.micro_batch_size == AUTO or t.micro_batch_size > 1:
         tips.append(f"lower train.micro_batch_size (now {t.micro_batch_size}; the global batch "
                     "stays the same through more accumulation steps)")
     if t.precision != "bf16":
         tips.append("set train.precision: bf16")
-    if not t.activation_checkpointing:
-        tips.append("set train.activation_checkpointing: true")
+    if t.activation_checkpointing is False:
+        tips.append("set train.activation_checkpointing: true (or auto)")
     tips.append(f"use more devices (train.nproc_per_node / train.nnodes, now {cfg.world_size}): "
                 "parameters, gradients and optimizer state are sharded across them")
     return "; or ".join(tips)
@@ -162,9 +174,13 @@ def _advice(cfg: Any) -> str:
 
 def run_smoke(ctx: Context) -> int:
     """Run the smoke steps, check them, project memory and wall time, write the report."""
-    cfg = ctx.cfg
+    written = ctx.cfg
     report = _report_head(ctx)
     run = _run_steps(ctx, report)
+    ctx = run.ctx or ctx  # the micro batch and checkpointing the gate decided (`auto`), as measured
+    cfg = ctx.cfg
+    report["micro_batch_size"] = ctx.cfg.train.micro_batch_size
+    report["activation_checkpointing"] = ctx.cfg.train.activation_checkpointing
     compiler = getattr(run.built, "compiler", None)
     report["compiled"] = bool(compiler is not None and compiler.enabled)
     report.update(_step_figures(ctx, run, report["compiled"]))
@@ -178,11 +194,13 @@ def run_smoke(ctx: Context) -> int:
                                      report["capacity_bytes"], cfg.world_size,
                                      cfg.smoke.min_memory_headroom))
         report["memory_headroom"] = checks[-1].pop("headroom")
+        if not checks[-1]["passed"] and isinstance(cfg.train.micro_batch_size, int) and cfg.train.micro_batch_size > 1:
+            checks[-1]["detail"] += f"; {MICRO_BATCH}: {_name_largest_fitting(ctx, run, report)}"
     report.update(wall_time_projection(cfg, report["step_time_s"]))
     report["checks"] = checks
     report["passed"] = all(c["passed"] for c in checks)
     report["messages"] = [failure_message(cfg, c) for c in checks if not c["passed"]]
-    report["pisft_config"] = config_mod.resolved(cfg)
+    report["pisft_config"] = config_mod.resolved(written)  # as written: train_8card's must match it
     return _write_and_judge(ctx, report)
 
 
@@ -193,6 +211,10 @@ class SmokeRun:
     built: Any = None  # the stage's Built (model, optimizer), None if building ran out of memory
     failure: str | None = None  # the out-of-memory message, if the steps did not fit
     peak_memory_bytes: int | None = None  # the steps' peak, read before the operation count's micro-step
+    ctx: Any = None  # the stage's Context with `auto` micro batch and checkpointing as decided (None: failed)
+    gate_inputs: dict[str, Any] = field(default_factory=dict)  # free memory, capacity, HCCL's buffers
+    peak_flops: float | None = None
+    start: list | None = None  # the weights before the first step (a host copy), when a search needs them
 
 
 def _report_head(ctx: Context) -> dict[str, Any]:
@@ -208,28 +230,56 @@ def _report_head(ctx: Context) -> dict[str, Any]:
         "smoke_steps": cfg.smoke.steps,
         "target_world_size": cfg.world_size,
         "environment": env_summary(),
-        "estimate": _estimate(cfg),
+        "estimate": _estimate(_estimated(cfg)),
+        # the settings the estimate is made at (`auto` ones as 1 and off: `_estimated`)
+        "estimate_at": {"micro_batch_size": _estimated(cfg).train.micro_batch_size,
+                        "activation_checkpointing": _estimated(cfg).train.activation_checkpointing},
     }
+
+
+def _estimated(cfg: Any) -> Any:
+    """The config the estimate is made for: `auto` micro batch and checkpointing as 1 and off (the
+    estimate then gives the sizing its FSDP buffers, which do not depend on them; the report's
+    `estimate_at`)."""
+    t = cfg.train
+    if AUTO not in (t.micro_batch_size, t.activation_checkpointing):
+        return cfg
+    return with_train(cfg, micro_batch_size=1 if t.micro_batch_size == AUTO else t.micro_batch_size,
+                      activation_checkpointing=False if t.activation_checkpointing == AUTO
+                      else t.activation_checkpointing)
 
 
 def _run_steps(ctx: Context, report: dict[str, Any]) -> SmokeRun:
     """Build the stage and run the smoke steps; an out-of-memory is a failure, not a crash."""
     cfg, t = ctx.cfg, ctx.cfg.train
     run = SmokeRun()
+    trial = compile_trial.wants_trial(t.compile, ctx.info.kind)
+    report[DECISIONS] = {COMPILE: compile_trial.as_written(t.compile)}
     try:
         gate_inputs = {  # read before the model exists: what this card really has for it
             "free": devices.free_memory_bytes(ctx.info.kind, ctx.info.device),
             "capacity": devices.capacity_bytes(ctx.info.kind, ctx.info.device),
             "hccl": hccl_buffer_bytes(ctx.info.kind)}
-        run.built = build(ctx)
+        first = compile_trial.first_mode(t.compile)  # auto: eager first, then the trial
+        # `auto` checkpointing is built off and switched when sized (lerobot_internals.set_layer_checkpointing)
+        run.built = build(dataclasses.replace(ctx, cfg=_estimated(with_train(cfg, compile=first))))
         fits, report["optimizer"], report["one_card_gate"] = _adamw_fits_one_device(
             cfg, report["estimate"], gate_inputs)
         if not fits:
             run.built.optimizer = SignDescent(run.built.model.parameters(), lr=t.lr,
                                               weight_decay=t.weight_decay)
         peak, report["peak_flops_source"] = peak_flops(ctx)
+        sizes = gate_inputs["capacity"] is not None
+        start = compile_trial.snapshot(run.built.model) if trial or sizes else None
+        run.gate_inputs, run.peak_flops, run.start = gate_inputs, peak, start
+        sized = _size(ctx, run, report, gate_inputs, peak, start)
+        if sized is None:
+            return run
+        run.ctx = ctx = sized
         run.records, batch = _steps(ctx, run.built, peak)
         run.peak_memory_bytes = devices.peak_memory_bytes(ctx.info.kind)
+        if trial:
+            report[DECISIONS][COMPILE] = _compile_trial(ctx, run, peak, start)
         try:
             report["host_ops"] = _host_ops(ctx, run.built, batch)
         except Exception as exc:  # a measurement of a step that ran: the gate's verdict stands without it
@@ -240,14 +290,118 @@ def _run_steps(ctx: Context, report: dict[str, Any]) -> SmokeRun:
     except Exception as exc:
         if not out_of_memory(exc):
             raise
-        run.failure = (f"out of device memory at micro batch {t.micro_batch_size} on one device "
-                       f"({type(exc).__name__}). To fit: {_advice(cfg)}.")
+        run.failure = (f"out of device memory at micro batch {ctx.cfg.train.micro_batch_size} on one device "
+                       f"({type(exc).__name__}). To fit: {_advice(ctx.cfg)}.")
     return run
 
 
-def _steps(ctx: Context, built: Any, peak: float | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """smoke.steps optimizer steps on the run's first micro-batch at the peak learning rate; their
-    records and that micro-batch (collated)."""
+def _sizing(ctx: Context, run: SmokeRun, report: dict[str, Any], gate_inputs: dict[str, Any],
+            peak: float | None, start: list | None) -> tuple[micro_batch.Sizing, dict[str, int], list[int]]:
+    """The search of pisft.gates.micro_batch on the built model: one optimizer step of the smoke batch
+    per (micro batch, checkpointing) measured, the weights (`start`; else only the optimizer state)
+    restored after; the figures it fits against; the candidates."""
+    cfg, t, kind = ctx.cfg, ctx.cfg.train, ctx.info.kind
+    capacity = gate_inputs["capacity"]
+    free = gate_inputs["free"] if gate_inputs["free"] is not None else capacity
+    figures = {"free": free, "capacity": capacity, "margin": int(cfg.smoke.min_memory_headroom * capacity),
+               "hccl": int(gate_inputs["hccl"])}
+
+    def measure(m: int, checkpointing: bool) -> tuple[int, int] | None:
+        internals.set_layer_checkpointing(run.built.model, checkpointing)
+        sized = dataclasses.replace(ctx, cfg=with_train(cfg, micro_batch_size=m,
+                                                        activation_checkpointing=checkpointing))
+        devices.reset_peak_memory(kind)
+        try:
+            _steps(sized, run.built, peak, steps=1)
+            got = (devices.peak_memory_bytes(kind), model_state_bytes(run.built.model, run.built.optimizer))
+        except Exception as exc:
+            if not out_of_memory(exc):
+                raise
+            got = None
+        if start is not None:
+            compile_trial.restore(run.built.model, start, run.built.optimizer)
+        else:
+            run.built.optimizer.zero_grad(set_to_none=True)
+            run.built.optimizer.state.clear()
+        devices.empty_cache(kind)
+        return got
+
+    sizing = micro_batch.Sizing(measure, cfg.world_size, micro_batch.extra_n(report["estimate"], cfg.world_size),
+                                free - figures["margin"] - figures["hccl"])
+    batches = [t.global_batch_size, *([cfg.value_global_batch_size] if cfg.recap.iterations else [])]
+    return sizing, figures, micro_batch.candidates(batches, cfg.world_size)
+
+
+def _size(ctx: Context, run: SmokeRun, report: dict[str, Any], gate_inputs: dict[str, Any], peak: float | None,
+          start: list | None) -> Context | None:
+    """`auto` train.micro_batch_size and train.activation_checkpointing on this device
+    (pisft.gates.micro_batch): the Context the smoke steps then run with, or None with `run.failure`
+    said. Explicit values run as written (the smoke steps and the headroom check measure them;
+    `_name_largest_fitting` names the largest that fits when they do not)."""
+    t = ctx.cfg.train
+    if AUTO not in (t.micro_batch_size, t.activation_checkpointing):
+        line = ("as written; measured by the smoke steps (memory_headroom)" if gate_inputs["capacity"] is not None
+                else "as written (no device memory figure to fit: the CPU)")
+        report[DECISIONS][MICRO_BATCH] = decision(t.micro_batch_size, t.micro_batch_size, line)
+        report[DECISIONS][CHECKPOINTING] = decision(t.activation_checkpointing, t.activation_checkpointing, line)
+        return ctx
+    if gate_inputs["capacity"] is None:
+        run.failure = micro_batch.NO_FIGURE
+        return None
+    sizing, figures, sizes = _sizing(ctx, run, report, gate_inputs, peak, start)
+    result = micro_batch.decide(t.micro_batch_size, t.activation_checkpointing, sizes, sizing)
+    entry, ckpt_entry = micro_batch.entries(t.micro_batch_size, t.activation_checkpointing, result, sizing,
+                                            **figures)
+    report[DECISIONS][MICRO_BATCH], report[DECISIONS][CHECKPOINTING] = entry, ckpt_entry
+    if result["chosen"] is None:
+        run.failure = f"{MICRO_BATCH}: {entry['line']}. To fit: {_advice(ctx.cfg)}."
+        return None
+    m, checkpointing = result["chosen"]
+    internals.set_layer_checkpointing(run.built.model, checkpointing)
+    ctx.log(f"{MICRO_BATCH}: {m}, {CHECKPOINTING}: {str(checkpointing).lower()} "
+            f"({entry['line']}; {ckpt_entry['line']})")
+    return dataclasses.replace(ctx, cfg=with_train(ctx.cfg, micro_batch_size=m,
+                                                   activation_checkpointing=checkpointing))
+
+
+def _name_largest_fitting(ctx: Context, run: SmokeRun, report: dict[str, Any]) -> str:
+    """An explicit micro batch failed the headroom check: the largest smaller one that fits, measured
+    (the decision entry records it; train_8card's launcher refuses the failed report before torchrun)."""
+    t = ctx.cfg.train
+    sizing, figures, sizes = _sizing(ctx, run, report, run.gate_inputs, run.peak_flops, run.start)
+    smaller = [m for m in sizes if m < t.micro_batch_size]
+    result = {"chosen": None, "largest_fitting": sizing.largest(smaller, bool(t.activation_checkpointing))}
+    entry, _ = micro_batch.entries(t.micro_batch_size, t.activation_checkpointing, result, sizing, **figures)
+    report[DECISIONS][MICRO_BATCH] = entry
+    return entry["line"]
+
+
+def _compile_trial(ctx: Context, run: SmokeRun, peak: float | None, start: list) -> dict[str, Any]:
+    """train.compile: auto on this device: the smoke steps again with the blocks compiled, from the
+    same start (pisft.gates.compile_trial); the run's figures become the chosen mode's."""
+    cfg, built, kind = ctx.cfg, run.built, ctx.info.kind
+    compiled: dict[str, Any] = {}
+
+    def steps() -> tuple[list, int]:
+        ctx.log("train.compile: auto: the same steps with the blocks compiled (the trial)")
+        compiled["records"], _ = _steps(ctx, built, peak)
+        compiled["peak"] = devices.peak_memory_bytes(kind)
+        return compiled["records"], compiled["peak"]
+
+    entry = compile_trial.run_trial(
+        built.compiler, lambda: blocks.compiler_for("layers", kind, layout.compile_cache(cfg), ctx.log), steps,
+        compile_trial.figures(run.records, run.peak_memory_bytes), cfg.train.precision,
+        lambda: compile_trial.restore(built.model, start, built.optimizer))
+    ctx.log(f"train.compile: auto -> {entry['chosen']}: {entry['line']}")
+    if entry["chosen"] == "layers":
+        run.records, run.peak_memory_bytes = compiled["records"], compiled["peak"]
+    return entry
+
+
+def _steps(ctx: Context, built: Any, peak: float | None,
+           steps: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """smoke.steps (or `steps`) optimizer steps on the run's first micro-batch at the peak learning
+    rate; their records and that micro-batch (collated)."""
     from torch.utils.data import default_collate
 
     cfg, t = ctx.cfg, ctx.cfg.train
@@ -258,7 +412,7 @@ def _steps(ctx: Context, built: Any, peak: float | None) -> tuple[list[dict[str,
     batches = (dict(fixed) for _ in itertools.count())
     scheduler = torch.optim.lr_scheduler.LambdaLR(built.optimizer, lambda _: 1.0)
     settings = loop.LoopSettings(
-        steps=cfg.smoke.steps, accum=1, global_batch=t.micro_batch_size, grad_clip=t.grad_clip,
+        steps=steps or cfg.smoke.steps, accum=1, global_batch=t.micro_batch_size, grad_clip=t.grad_clip,
         kind=ctx.info.kind, device=ctx.info.device, world_size=1, rank=0, peak_flops=peak,
         stop_on_nonfinite=False, log_every=t.log_every)
 
@@ -442,7 +596,7 @@ def _write_and_judge(ctx: Context, report: dict[str, Any]) -> int:
     cfg, n_target = ctx.cfg, ctx.cfg.world_size
     with atomic_dir(layout.smoke(cfg)) as tmp:
         write_json_atomic(tmp / layout.REPORT_FILE, report)
-        write_json_atomic(tmp / "pisft_config.json", config_mod.resolved(cfg))
+        write_json_atomic(tmp / "pisft_config.json", report["pisft_config"])
     write_json_atomic(layout.iteration(cfg).stage_logs(SMOKE_1CARD.name) / layout.REPORT_FILE, report)
     if report["passed"]:
         ctx.log(f"passed: step {report['step_time_s']:.4g} s, projected wall time on {n_target} "

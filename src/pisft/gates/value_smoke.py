@@ -7,6 +7,7 @@ with `smoke_1card` (`pisft.gates.smoke.training_checks`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from typing import Any
@@ -19,7 +20,7 @@ from pisft.gates.smoke import training_checks
 from pisft.io import atomic_dir, write_json_atomic
 from pisft.recap.value_task import ValueTask
 from pisft.recap.value_training import _optimizer, _pieces
-from pisft.train import loop
+from pisft.train import decisions, loop
 from pisft.train.batches import StepDataset
 from pisft.train.job import Context, apply_trainable, make_sampler
 
@@ -63,6 +64,8 @@ def run_value_smoke(ctx: Context) -> int:
     device, before `train_value` takes every device (as smoke_1card gates train_8card). Writes
     `value_smoke/report.json` (losses, gradient norms, the checks, `passed`); exit 3 when a check
     fails, with what failed."""
+    # `auto` micro batch and checkpointing as the policy's smoke gate decided them (pisft.train.decisions)
+    ctx = dataclasses.replace(ctx, cfg=decisions.for_training(ctx.cfg, ctx.log))
     cfg = ctx.cfg
     t0 = time.perf_counter()
     result = smoke_value_steps(ctx)

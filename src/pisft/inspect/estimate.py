@@ -450,8 +450,14 @@ def estimate_memory(cfg: PisftConfig, *, world_size: int | None = None) -> dict[
 
     from pisft.train import trainable
 
-    make, model_from = _estimate_policy(cfg)
     t = cfg.train
+    if "auto" in (t.micro_batch_size, t.activation_checkpointing):
+        from pisft.errors import PisftError
+
+        raise PisftError("train.micro_batch_size / train.activation_checkpointing: auto is decided by smoke_1card "
+                         "on the device from measured peaks; estimate a given setting (--set "
+                         "train.micro_batch_size=N --set train.activation_checkpointing=true|false)")
+    make, model_from = _estimate_policy(cfg)
     make = with_mode(make, t.trainable, trainable.spec_for(cfg), t.precision, seed=t.seed)
     kind = devices.resolve_kind("auto") if cfg.device == "auto" else cfg.device
     smallest = min_unit_params(kind, t.fsdp_min_unit_params)

@@ -313,6 +313,13 @@ def enable_layer_checkpointing(policy) -> None:
     core.paligemma_with_expert.gemma_expert.model.gradient_checkpointing = True
 
 
+def set_layer_checkpointing(policy, on: bool) -> None:
+    """Per-layer checkpointing on or off on a policy prepared for training (the flag `run_block`
+    reads at every forward: the smoke gate measures both settings on one built model)."""
+    policy.model.gradient_checkpointing_enabled = False
+    policy.model.paligemma_with_expert.gemma_expert.model.gradient_checkpointing = bool(on)
+
+
 def prepare_for_training(policy, *, checkpointing: bool) -> None:
     """The training structure of 5. above: per-layer checkpointing, no expert lm_head."""
     if checkpointing:

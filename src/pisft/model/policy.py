@@ -236,7 +236,9 @@ def read_config(path: str | Path, *, tolerate_unknown: bool = False):
 
 # pisft_model.json's fields and their types (`_attach_info` and the exports write them).
 MODEL_INFO_FIELDS = {"format_version": int, "preset": str, "arch": (None, dict), STATE_IN_PROMPT_KEY: bool,
-                     "augment": dict, "trainable": dict, "weights": dict}
+                     "augment": dict, "trainable": dict, "weights": dict,
+                     # which steps ran under which settings (pisft.train.step_record)
+                     "step_settings": list, "mixed_settings": (None, str)}
 
 
 def _model_writer(model_dir: str | Path) -> str:

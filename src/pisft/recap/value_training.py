@@ -36,6 +36,7 @@ The `smoke_value` gate before it: `pisft.gates.value_smoke`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -59,7 +60,7 @@ from pisft.train.run_folders import latest_checkpoint_text, value_fingerprint
 from pisft.recap.value_data import PromptCollate, ReturnRange, ValueFrames, read_returns
 from pisft.recap.value_task import ValueTask
 from pisft.stages import CONVERT_RECAP, FETCH_BASE, TRAIN_8CARD
-from pisft.train import fsdp, optim
+from pisft.train import decisions, fsdp, optim
 from pisft.base_identity import base_record
 from pisft.train.checkpoint import run_folder
 from pisft.train.run import RunPlan, run_plan
@@ -173,8 +174,12 @@ def value_plan(ctx: Context) -> RunPlan:
 
 
 def run_value_training(ctx: Context) -> int:
-    """The train_value stage in one torchrun process."""
-    return run_plan(ctx, value_plan(ctx))
+    """The train_value stage in one torchrun process: `auto` micro batch and checkpointing as the
+    policy's smoke gate decided them on this device (the value model, the policy's VLM prefix with
+    a head, is the smaller one; pisft.train.decisions)."""
+    auto = ctx.cfg.train.micro_batch_size == decisions.AUTO
+    ctx = dataclasses.replace(ctx, cfg=decisions.for_training(ctx.cfg, ctx.log))
+    return run_plan(ctx, dataclasses.replace(value_plan(ctx), keeps_micro_batch=auto))
 
 
 # ----------------------------------------------------------------------------------------- export

@@ -63,9 +63,6 @@ def _torchair(kind: str) -> Any:  # noqa: ARG001
 
 
 COMPILE_BACKENDS: dict[str, Callable[[str], Any]] = {"cpu": _inductor, "cuda": _inductor, "npu": _torchair}
-# train.compile: auto, by device kind: off on the CPU (compiling the tiny model takes longer than the
-# embedded default's whole training, docs/benchmarks.md), the blocks compiled on an accelerator.
-AUTO = {"cpu": "off", "cuda": "layers", "npu": "layers"}
 # Every block kind runs through the same code object (`checkpointed`), compiled once per kind, per
 # shape (dynamic=False) and per last-layer flag: dynamo's default limit of 8 compilations of one code
 # object is reached by a few kinds at two micro batches, and past it a block runs eagerly, silently.
@@ -79,10 +76,23 @@ class Compiler:
     mode: str = "off"
     kind: str = "cpu"
     compiled: dict[Any, Callable] = field(default_factory=dict)
+    modules: list[nn.Module] = field(default_factory=list)  # the blocks called as modules (`install`)
 
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    def set_mode(self, mode: str) -> None:
+        """Run the installed blocks `mode` (off | layers) from the next call on: the smoke gate's
+        trial of the compiled step on the model it has just run eagerly (pisft.gates.compile_trial).
+        The anchors' runners ask this Compiler at every call; the blocks called as modules get their
+        compiled forward, or their class's back."""
+        self.mode = mode
+        for module in self.modules:
+            if self.enabled:
+                module.forward = self(type(module).forward.__get__(module))
+            elif "forward" in vars(module):
+                delattr(module, "forward")
 
     def describe(self) -> str:
         return f"compiled per block ({'torchair' if self.kind == 'npu' else 'inductor'})" if self.enabled else "eager"
@@ -100,11 +110,17 @@ class Compiler:
 
 
 def compiler_for(mode: str, kind: str, cache_dir: Any, log: Callable[[str], None]) -> Compiler:
-    """The run's Compiler for train.compile `mode` on devices of `kind`: `auto` resolved, the
-    backend checked (a device without one runs eagerly, saying so in one line), the compiled code
-    cached in `cache_dir` (unless TORCHINDUCTOR_CACHE_DIR is set: by the user, by the launcher for the
-    training stages' workers, `layout.COMPILE_CACHE_ENV`, or by torch itself once it has used its cache)."""
-    chosen = AUTO.get(kind, "off") if mode == "auto" else mode
+    """The run's Compiler for train.compile `mode` (off | layers) on devices of `kind`: the backend
+    checked (a device without one runs eagerly, saying so in one line), the compiled code cached in
+    `cache_dir` (unless TORCHINDUCTOR_CACHE_DIR is set: by the user, by the launcher for the training
+    stages' workers, `layout.COMPILE_CACHE_ENV`, or by torch itself once it has used its cache).
+
+    `auto` is decided by the smoke gate on the run's device (pisft.gates.compile_trial) and reaches
+    training as the mode it chose (pisft.train.decisions); it never arrives here."""
+    if mode not in ("off", "layers"):
+        raise ValueError(f"compiler_for: train.compile {mode!r} must be resolved to off or layers first "
+                         "(the smoke gate decides auto: pisft.train.decisions)")
+    chosen = mode
     if chosen == "off":
         return Compiler("off", kind)
     if kind not in COMPILE_BACKENDS:
@@ -153,6 +169,7 @@ def install(units: Iterable[Any], compiler: Compiler) -> int:
                 register_fsdp_forward_method(anchor, BLOCK_RUNNER)
             blocks += 1
         for module in unit.compiled_modules:
+            compiler.modules.append(module)
             if compiler.enabled:
                 module.forward = compiler(type(module).forward.__get__(module))
             blocks += 1

@@ -539,6 +539,10 @@ def run_fingerprint(cfg: PisftConfig) -> dict[str, Any]:
     (`pisft.base_identity.model_identity`: its files' sha256 and its source, not the config that
     wrote it) and the dataset (split, features, statistics, prompt conditioning, episode index,
     data files).
+
+    `train.compile` enters as `cfg` has it: train_8card's workers (and `run_folders.stage_checkpoint_root`)
+    pass the config with `auto` replaced by the smoke gate's choice (pisft.train.decisions), so the
+    fingerprint holds the mode the steps ran in: a run of the other mode is another run folder.
     """
     labels = layout.training_labels(cfg)
     # a RECAP iteration's run: which iteration, where it starts, and its labels

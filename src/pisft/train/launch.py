@@ -34,7 +34,7 @@ from pisft import device as devices
 from pisft.config import SMOKE_MEASURED, PisftConfig, flatten, keys_marked, resolved
 from pisft.errors import PisftError, Terminated
 from pisft.stages import SMOKE_1CARD, STAGES, TRAIN_8CARD
-from pisft.train import guard
+from pisft.train import decisions, guard
 from pisft.train.worker_errors import ConsoleHold
 
 # Free space a training run needs before it starts, at the least: its logs and small files (the
@@ -135,6 +135,7 @@ def check_smoke_report(cfg: PisftConfig) -> None:
                          "so what it measured (memory, step time) is not this run's step: rerun smoke_1card with "
                          "the current config (python -m pisft launch smoke_1card, or snakemake --cores all / "
                          "dvc repro, which rerun it)")
+    decisions.for_training(cfg, log=lambda _line: None)  # what the gate decided for `auto`, there to follow
 
 
 def _under(flat: dict, key: str) -> list[str]:

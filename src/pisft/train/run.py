@@ -7,6 +7,7 @@ for any `RunPlan`: the RECAP value model (`pisft.recap.value_training`) trains t
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from pisft import layout
 from pisft import config as config_mod
 from pisft.errors import PisftError
-from pisft.train import loop, optim
+from pisft.train import decisions, loop, optim, step_record
 from pisft.base_identity import base_record
 from pisft.train.checkpoint import CheckpointManager, checkpoint_root, other_runs, run_fingerprint
 from pisft.train.batches import make_loader, resolve_workers
@@ -55,6 +56,7 @@ class RunPlan:
     export: Callable[[Context, Built, MetricsLog, dict, dict], None]  # collective; rank 0 writes
     nonfinite_advice: str  # what to change when a loss or gradient is not finite
     ema_decay: float = 0.0  # train.ema_decay for the policy (pisft.train.ema); 0: no EMA
+    keeps_micro_batch: bool = False  # train.micro_batch_size was auto: a resume keeps the one it started with
 
 
 def lr_scheduler(cfg, optimizer):
@@ -90,7 +92,11 @@ def policy_plan(ctx: Context) -> RunPlan:
 
 
 def run_training(ctx: Context) -> int:
-    return run_plan(ctx, policy_plan(ctx))
+    """train_8card: what the smoke gate decided for `auto` keys (its report, pisft.train.decisions),
+    then the plan."""
+    auto = ctx.cfg.train.micro_batch_size == decisions.AUTO
+    ctx = dataclasses.replace(ctx, cfg=decisions.for_training(ctx.cfg, ctx.log))
+    return run_plan(ctx, dataclasses.replace(policy_plan(ctx), keeps_micro_batch=auto))
 
 
 def run_plan(ctx: Context, plan: RunPlan) -> int:
@@ -110,6 +116,26 @@ def run_plan(ctx: Context, plan: RunPlan) -> int:
         return _train(ctx, plan, built, scheduler, resolved, ckpt, t_start)
     finally:
         lock.release()
+
+
+def _keep_micro_batch(ctx: Context, started: Any, global_batch: int) -> Context:
+    """train.micro_batch_size: auto, resumed: the micro batch the run started with, where it fits this
+    device (not above the gate's choice, the largest that fits) and splits the global batch over this
+    world size; else the gate's, saying why."""
+    chosen = ctx.cfg.train.micro_batch_size
+    if not isinstance(started, int) or started == chosen:
+        return ctx
+    if started > chosen:
+        why = f"it does not fit this device (the smoke gate's largest that fits is {chosen})"
+    elif global_batch % (started * ctx.world_size):
+        why = f"it does not split the global batch {global_batch} over {ctx.world_size} process(es)"
+    else:
+        ctx.log(f"train.micro_batch_size: auto: keeps {started}, the micro batch this run started with "
+                f"(the smoke gate chose {chosen} on this device)")
+        return dataclasses.replace(ctx, cfg=decisions.with_train(ctx.cfg, micro_batch_size=started))
+    ctx.log(f"train.micro_batch_size: auto: cannot keep {started}, the micro batch this run started with: {why}; "
+            f"continues at {chosen}")
+    return ctx
 
 
 def _lock_run_folder(ctx: Context, ckpt_root: Path) -> RunLock:
@@ -136,6 +162,7 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
     resumed_from = None
     ema = make_ema(built.model, plan.ema_decay)  # the loaded weights, before any step (openpi)
     found = ckpt.find_resume()
+    state = None
     if found is not None:
         state = ckpt.load(found, built.model, built.optimizer, scheduler, ema=ema)
         start_step = int(state["step"])
@@ -145,6 +172,17 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
                 f"{state.get('world_size')} processes; now {ctx.world_size})")
     else:
         ctx.log(f"starting from step 0; checkpoints go to {ckpt_root}")
+    earlier = step_record.before(state, start_step)
+    if plan.keeps_micro_batch and earlier:
+        ctx = _keep_micro_batch(ctx, earlier[-1].get("train.micro_batch_size"), plan.global_batch)
+        cfg, t = ctx.cfg, ctx.cfg.train
+        resolved = ckpt.config = config_mod.resolved(cfg)  # what the checkpoints and the export record
+    # which steps ran under which settings (pisft.train.step_record): a mix is said in one line
+    now = step_record.settings(
+        cfg, ctx.world_size, built.compiler.mode if built.compiler is not None else "off")
+    mixed = step_record.mixed_line(earlier, now, start_step)
+    if mixed is not None:
+        ctx.log(f"note: {mixed}")
     others = other_runs(cfg, ckpt_root)
     if others and ctx.is_main:
         ctx.log(f"checkpoints of {len(others)} earlier run(s) this one cannot resume (other settings, inputs or "
@@ -196,7 +234,8 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
                 tb.write(record)
 
     def save(step: int) -> None:
-        path = ckpt.save(step, built.model, built.optimizer, scheduler, ema=ema)
+        path = ckpt.save(step, built.model, built.optimizer, scheduler, ema=ema,
+                         extra={"step_settings": step_record.upto(earlier, now, start_step, step)})
         ctx.log(f"checkpoint {path}")
 
     settings = loop_settings(ctx, peak, steps=plan.steps, global_batch=plan.global_batch)
@@ -227,6 +266,8 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
         "peak_flops_source": peak_source,
         "sharding_rank0": report,
         "environment": env_summary(),
+        "step_settings": step_record.upto(earlier, now, start_step, plan.steps),
+        "mixed_settings": mixed,
     }
     if ema is not None:  # the exported model is the average (openpi's checkpoints hand it out)
         ema.copy_to(built.model)
@@ -235,6 +276,8 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
     if hasattr(built.model, "pisft_model_info"):  # the policy's pisft_model.json says which
         built.model.pisft_model_info["weights"] = ema_record(ema)
         built.model.pisft_model_info["augment"] = augment_record(augment)
+        built.model.pisft_model_info["step_settings"] = summary["step_settings"]
+        built.model.pisft_model_info["mixed_settings"] = mixed
     plan.export(ctx, built, metrics_log, summary, resolved)
     dist.barrier()
     ctx.log(f"done: {plan.output}")

@@ -15,7 +15,7 @@ from pisft import layout
 from pisft.config import VALUE_RUN, PisftConfig
 from pisft.io import sha256_file
 from pisft.stages import TRAIN_VALUE
-from pisft.train import checkpoint
+from pisft.train import checkpoint, decisions
 from pisft.train.checkpoint import inputs_fingerprint, run_folder, settings_fingerprint
 
 
@@ -36,8 +36,11 @@ def value_checkpoint_root(cfg: PisftConfig) -> Path:
 
 
 def stage_checkpoint_root(stage: str, cfg: PisftConfig) -> Path:
-    """The run folder of `stage` (train_8card or train_value) for this config."""
-    return value_checkpoint_root(cfg) if stage == TRAIN_VALUE.name else checkpoint.checkpoint_root(cfg)
+    """The run folder of `stage` (train_8card or train_value) for this config; the policy's with
+    `auto` as the smoke gate decided it (`decisions.resolved_for_folders`)."""
+    if stage == TRAIN_VALUE.name:
+        return value_checkpoint_root(cfg)
+    return checkpoint.checkpoint_root(decisions.resolved_for_folders(cfg))
 
 
 def latest_checkpoint_text(cfg: PisftConfig, stage: str) -> str:
