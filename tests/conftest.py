@@ -20,6 +20,12 @@ BIN = Path(sys.executable).parent
 # The verdicts of pisft.integrity go to a folder of this session, not the user's cache (the tests'
 # stages and their subprocesses inherit it).
 os.environ.setdefault("PISFT_VERIFY_CACHE", str(Path(tempfile.gettempdir()) / f"pisft-verify-cache-{os.getpid()}"))
+# One inductor cache for the whole run, both xdist workers and every stage a test starts (the
+# launcher leaves a set TORCHINDUCTOR_CACHE_DIR alone): a block or chunk one test compiled is loaded,
+# not compiled again, by the next that compiles the same code (inductor keys its entries on the graph,
+# torch's version and its config). Without it each test's results folder held a cache of its own.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "pisft-tests-inductor-{}".format(
+    os.environ.get("PYTEST_XDIST_TESTRUNUID") or os.getpid())))
 TERMINAL = ".snakemake/pisft-terminal.txt"  # the default pipeline's stdout, then its stderr
 def tool_env() -> dict:
     env = dict(os.environ)
