@@ -180,7 +180,7 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
     # which steps ran under which settings (pisft.train.step_record): a mix is said in one line
     now = step_record.settings(
         cfg, ctx.world_size, built.compiler.mode if built.compiler is not None else "off")
-    mixed = step_record.mixed_line(earlier, now, start_step)
+    mixed = step_record.mixed_line(earlier, now, start_step) if start_step < plan.steps else None  # steps to run
     if mixed is not None:
         ctx.log(f"note: {mixed}")
     others = other_runs(cfg, ckpt_root)
