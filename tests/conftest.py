@@ -56,6 +56,16 @@ def reverted(path: Path):
         os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
 
 
+@contextmanager
+def appended_comment(path: Path):
+    """`path` with a comment line appended (an edit that changes no behaviour) for the block, then
+    as it was (`reverted`)."""
+    with reverted(path):
+        with path.open("a") as fh:
+            fh.write("\n# edited\n")
+        yield path
+
+
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
     """`predicate()`'s first truthy value; a bound on waiting (an AssertionError naming `what`),
     never a verdict on speed."""

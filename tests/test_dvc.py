@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, reverted, run, tool_env
+from conftest import BIN, appended_comment, run, tool_env
 from dvc_fixtures import CHECK, RAN, STAGES  # dvc_run: the session's DVC run (tests/dvc_fixtures.py)
 
 from pisft.train.guard import LOCK_NAME
@@ -270,9 +270,7 @@ def _changed_stages(work: Path) -> set[str]:
     ],
 )
 def test_dvc_sees_edited_code(dvc_finished, edited, expected):
-    with reverted(dvc_finished / edited) as path:
-        with path.open("a") as fh:
-            fh.write("\n# edited\n")
+    with appended_comment(dvc_finished / edited):
         assert _changed_stages(dvc_finished) == expected
 
 

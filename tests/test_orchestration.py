@@ -14,7 +14,7 @@ import psutil
 import pytest
 import yaml
 
-from conftest import BIN, reverted, run, tool_env, wait_for
+from conftest import BIN, appended_comment, reverted, run, tool_env, wait_for
 from pisft.workflow.console import started_stages
 
 pytestmark = pytest.mark.integration
@@ -177,9 +177,7 @@ def test_killed_snakemake_is_recovered_with_unlock_and_rerun_incomplete(default_
     ],
 )
 def test_snakemake_reruns_what_runs_edited_code(finished, edited, expected):
-    with reverted(finished / edited) as path:
-        with path.open("a") as fh:
-            fh.write("\n# edited\n")
+    with appended_comment(finished / edited):
         assert planned_jobs(finished) == expected
 
 
