@@ -99,7 +99,8 @@ def train(config: str, results_dir: str, ckpt_dir: str) -> dict:
     overrides = [f"results_dir={results_dir}", f"data.recap_dir={results_dir}/demo_recap",
                  "device=cpu", "train.nproc_per_node=2", "train.micro_batch_size=2",
                  "train.global_batch_size=8", "train.steps=2", "train.warmup_steps=1",
-                 "train.save_every=50", "train.num_workers=0"]
+                 "train.save_every=50", "train.num_workers=0",
+                 "train.compile=off"]  # build() runs what the launcher resolved: no `auto` here
     cfg = config_mod.load(config, overrides)
     dist.init_process_group("hccl")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -548,6 +548,7 @@ def bench_config(cfg: Any, work: Path) -> dict:
     train.update(nproc_per_node=NPROC, nnodes=1, node_rank=0, rdzv_endpoint="",
                  micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * ACCUM * NPROC,
                  steps=STEPS, warmup_steps=1, activation_checkpointing=True, precision="fp32",
+                 compile="off",  # the eager step, as written (build() takes no `auto`: pisft.train.decisions)
                  num_workers=0, tensorboard=False,
                  fsdp_min_unit_params=min_unit_params(LAYOUT_OF))  # the accelerator's layout
     if "log_every" in train:

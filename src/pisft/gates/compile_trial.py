@@ -41,8 +41,8 @@ TRIAL_BOUND_S = 1200.0  # the compiled smoke steps, compilation included
 # relative tolerance of every step's (loss, gradient norm), compiled against eager, by train.precision
 TOLERANCE = {"fp32": (1e-4, 1e-3), "bf16": (2e-2, 5e-2)}
 MIN_GAIN = 0.02  # compiled is chosen when its step is more than 2% faster than eager's
-CPU_SKIP = ("trial skipped on the CPU: compiling the blocks costs more than the embedded default's whole "
-            "training saves (docs/benchmarks.md); eager. train.compile: layers compiles them")
+CPU_SKIP = ("no trial on the CPU: compiling costs more than the default's training saves "
+            "(docs/benchmarks.md); train.compile: layers compiles")
 
 
 class TrialTimeout(Exception):

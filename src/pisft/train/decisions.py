@@ -96,8 +96,7 @@ def for_training(cfg: PisftConfig, log: Callable[[str], None]) -> PisftConfig:
     for key, field in DECIDED.items():
         if getattr(cfg.train, field) == AUTO:
             values[field] = chosen_value(cfg, key, decisions)
-            log(f"{key}: auto -> {values[field]} (the smoke gate's decision on this node: "
-                f"{decisions[key].get('line')})")
+            log(f"{key}: auto -> {values[field]} (smoke gate: {decisions[key].get('line')})")
     out = with_train(cfg, **values)
     if "micro_batch_size" in values:  # the gate chose among divisors: a report of another batch is refused
         per_step = out.train.micro_batch_size * out.world_size
