@@ -95,13 +95,7 @@ def _identity(st: os.stat_result) -> list[int]:
 
 
 def cache_dir() -> Path | None:
-    where = os.environ.get(CACHE_ENV)
-    if where and where.strip().lower() == "off":
-        return None
-    if where:
-        return Path(where)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pisft" / "verified"
+    return io.user_cache_dir(CACHE_ENV, "verified")
 
 
 def _cache_file(root: Path) -> Path | None:

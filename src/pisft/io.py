@@ -123,6 +123,17 @@ def dir_bytes(root: str | Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
 
 
+def user_cache_dir(env: str, leaf: str) -> Path | None:
+    """A cache folder of pisft's: `$<env>` when set ("off": None, no cache), else
+    `$XDG_CACHE_HOME/pisft/<leaf>`, else `~/.cache/pisft/<leaf>`."""
+    where = os.environ.get(env)
+    if where and where.strip().lower() == "off":
+        return None
+    if where:
+        return Path(where)
+    return Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "pisft" / leaf
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:

@@ -68,6 +68,7 @@ from torch.utils._pytree import tree_flatten
 
 from pisft import layout
 from pisft.config import PisftConfig
+from pisft.inspect import estimate_cache
 from pisft.model import policy as policy_mod
 from pisft.tensors import local_bytes, local_numel, local_shard, optimizer_state
 
@@ -377,19 +378,32 @@ def _estimate_policy(cfg: PisftConfig) -> tuple[Callable[[], Any], str]:
     if present and of the config's preset, else the preset (a base fetched for another preset, e.g.
     the embedded default's tiny one before `--set model.preset=pi05`, is not the model asked about:
     it is named on stderr and left aside)."""
-    base = layout.base_model(cfg)
-    if (base / policy_mod.CONFIG_FILE).is_file():
+    base = _base_of_preset(cfg)
+    if base is not None:
         info = policy_mod.read_model_info(base)
-        if info.get("preset") == cfg.model.preset:
-            def make():
-                config, _ = policy_mod.read_config(base / policy_mod.CONFIG_FILE)
-                return policy_mod.policy_from_config(config, info, device="meta", dtype="float32")
-            return make, str(base)
+
+        def make():
+            config, _ = policy_mod.read_config(base / policy_mod.CONFIG_FILE)
+            return policy_mod.policy_from_config(config, info, device="meta", dtype="float32")
+        return make, str(base)
+    return (lambda: policy_mod.build_policy(cfg.model.preset, seed=0, device="meta", dtype="float32"),
+            f"preset {cfg.model.preset}")
+
+
+def _base_of_preset(cfg: PisftConfig, *, quiet: bool = False) -> Any:
+    """The fetched base model's folder when it holds a model of the config's preset, else None
+    (named on stderr unless `quiet` when it holds another preset's)."""
+    base = layout.base_model(cfg)
+    if not (base / policy_mod.CONFIG_FILE).is_file():
+        return None
+    info = policy_mod.read_model_info(base)
+    if info.get("preset") == cfg.model.preset:
+        return base
+    if not quiet:
         print(f"estimate: {base} holds a {info.get('preset')} model, the config asks for model.preset "
               f"{cfg.model.preset}: estimating the preset's model (fetch_base makes the config's base)",
               file=sys.stderr)
-    return (lambda: policy_mod.build_policy(cfg.model.preset, seed=0, device="meta", dtype="float32"),
-            f"preset {cfg.model.preset}")
+    return None
 
 
 def with_mode(make: Callable[[], Any], mode: str, spec: Any, precision: str, seed: int = 0) -> Callable[[], Any]:
@@ -416,10 +430,18 @@ _ELSEWHERE: dict[tuple[str, int], dict[str, Any]] = {}
 def _simulate_elsewhere(cfg: PisftConfig, world: int) -> dict[str, Any]:
     """The estimate from a fresh process (this one has a process group; the simulation needs its
     own). One process computes the asked world size, 1 and the configured one (what the smoke
-    stage asks for); the answers are kept for this process."""
+    stage asks for); the answers are kept for this process, and in pisft.inspect.estimate_cache
+    for later ones (read back with this run's model folder as `model`)."""
     from pisft import config as config_mod
 
     raw = json.dumps(config_mod.to_dict(cfg), sort_keys=True)
+    base = _base_of_preset(cfg, quiet=True)
+    model_files = [] if base is None else [base / policy_mod.CONFIG_FILE, base / policy_mod.MODEL_INFO_FILE]
+    label = f"preset {cfg.model.preset}" if base is None else str(base)
+    keys = {w: estimate_cache.key(json.loads(raw), w, model_files, label) for w in sorted({world, 1, cfg.world_size})}
+    for w, cache_key in keys.items():  # kept by an earlier smoke run of the same step (estimate_cache)
+        if (raw, w) not in _ELSEWHERE and (kept := estimate_cache.read(cache_key)) is not None:
+            _ELSEWHERE[(raw, w)] = {**kept, "model": label}
     if (raw, world) not in _ELSEWHERE:
         worlds = sorted({world, 1, cfg.world_size})
         cmd = [sys.executable, "-m", "pisft.inspect.estimate", "--config-json", "-",
@@ -432,6 +454,7 @@ def _simulate_elsewhere(cfg: PisftConfig, world: int) -> dict[str, Any]:
             raise RuntimeError(f"memory estimate in a subprocess failed: {out.stderr[-2000:]}")
         for w, est in zip(worlds, json.loads(out.stdout.strip().splitlines()[-1]), strict=True):
             _ELSEWHERE[(raw, w)] = est
+            estimate_cache.write(keys[w], est)
     return _ELSEWHERE[(raw, world)]
 
 
