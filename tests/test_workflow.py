@@ -340,3 +340,21 @@ def test_a_source_inside_results_dir_that_no_rule_writes_is_read_file_by_file(tm
                                   "data": {"recap_dir": [str(mine), str(demo)]}})
     assert source_inputs(cfg) == [(mine / "data" / "episode.parquet").as_posix(),
                                   (mine / "meta" / "info.json").as_posix(), str(demo)]
+
+
+def test_training_over_several_nodes_asks_slurm_for_them_with_one_task_each(tmp_path):
+    """train.nnodes 2, no endpoint: the training rules ask for 2 nodes, a task each, and `mpi` (the
+    command starts its own tasks); the smoke gate, one node, and the by-hand rendezvous ask for none."""
+    from pisft.workflow.snakemake_support import node_resources
+
+    def cfg(*sets):
+        return pisft_config.load(ROOT / "config/config.yaml", [f"results_dir={tmp_path}", *sets])
+
+    two = cfg("train.nnodes=2")
+    training = [s for s in stage_table.STAGES.values() if s.training and not s.one_process]
+    assert stage_table.TRAIN_8CARD in training
+    for stage in training:
+        assert node_resources(two, stage) == {"nodes": 2, "tasks": 2, "mpi": "srun"}, stage.name
+    assert node_resources(two, stage_table.SMOKE_1CARD) == {}
+    assert node_resources(cfg(), stage_table.TRAIN_8CARD) == {}
+    assert node_resources(cfg("train.nnodes=2", "train.rdzv_endpoint=10.0.0.1:29500"), stage_table.TRAIN_8CARD) == {}
