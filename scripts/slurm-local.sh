@@ -34,7 +34,9 @@
 #     one-node cluster's munged on munge's default socket; ports from PISFT_SLURM_PORT, default
 #     16827 (+0..3), clear of the one-node cluster's.
 #   - `stop` also ends what is left in each namespace (a job's processes), then deletes the
-#     namespaces, the veth pairs and the bridge.
+#     namespaces, the veth pairs and the bridge. `start-node I` starts node I's slurmd again (a
+#     test that killed it: SlurmdTimeout=10 makes the node DOWN and its jobs NODE_FAIL in seconds;
+#     ReturnToService=2 makes it idle again once its slurmd registers).
 set -euo pipefail
 
 DIR="${PISFT_SLURM_DIR:-/tmp/pisft-slurm}"
@@ -165,7 +167,7 @@ start_node() {
 }
 
 write_config() {
-  local host node nodes ctld slurmd_files auth dbd_auth i
+  local host node nodes ctld slurmd_files auth dbd_auth node_timeout i
   host="$(hostname -s)"
   # this host's real topology and memory, as slurmd sees it
   node="$(slurmd -C | head -n 1)"
@@ -178,6 +180,7 @@ SlurmdPidFile=$DIR/run/slurmd.pid
 SlurmdLogFile=$DIR/log/slurmd.log"
     auth=""
     dbd_auth=""
+    node_timeout=""
   else
     # every node the host's cores and memory (they share them), at its namespace's address
     nodes=""
@@ -193,6 +196,8 @@ SlurmdLogFile=$DIR/log/slurmd-%n.log"
     # the socket for the daemons and commands (AuthInfo), and for the connections to slurmdbd
     # (AccountingStoragePass: slurm.conf(5), "the alternate socket name for use with a Munge daemon")
     auth="AuthInfo=socket=$MUNGE_SOCKET"
+    # a node whose slurmd stops answering is DOWN after 10 s (default 300), its jobs NODE_FAIL
+    node_timeout="SlurmdTimeout=10"
     dbd_auth="AccountingStoragePass=$MUNGE_SOCKET"
   fi
   cat >"$DIR/etc/slurm.conf" <<EOF
@@ -210,6 +215,7 @@ SlurmctldPidFile=$DIR/run/slurmctld.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
 $slurmd_files
 $auth
+$node_timeout
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/linux
@@ -356,6 +362,14 @@ stop_all() {
 case "${1:-}" in
   start) start ;;
   stop) stop_all ;;
+  start-node)
+    # start-node I: the i-th node's slurmd again (after a test killed it), until every node is idle
+    [ "$NODES" != 1 ] && [[ "${2:-}" =~ ^[1-9]$ ]] && [ "${2:-0}" -le "$NODES" ] \
+      || die "usage: PISFT_SLURM_NODES=N $0 start-node I (1 <= I <= N, N > 1)"
+    export PATH="$PATH:/usr/sbin:/sbin" SLURM_CONF="$DIR/etc/slurm.conf"
+    start_node "$2"
+    wait_for "the $NODES nodes to be idle in sinfo" 120 "slurmd-$(node_name "$2")" node_idle
+    ;;
   env) echo "export SLURM_CONF=$DIR/etc/slurm.conf" ;;
-  *) echo "usage: $0 start|stop|env" >&2; exit 2 ;;
+  *) echo "usage: $0 start|stop|env|start-node I" >&2; exit 2 ;;
 esac

@@ -27,10 +27,19 @@ class Cluster:
     partition: str
     start_s: float  # how long `slurm-local.sh start` took, installs included
     nodes: tuple[str, ...] = ()  # the node names of a multi-node cluster
+    script_env: dict[str, str] | None = None  # what scripts/slurm-local.sh needs to find this cluster
 
     def env(self, **extra: str) -> dict[str, str]:
         """The tests' tool environment with Slurm's clients pointed at this cluster."""
         return {**tool_env(), "SLURM_CONF": str(self.conf), **extra}
+
+    def script(self, *args: str) -> str:
+        """scripts/slurm-local.sh ARGS on this cluster (start-node I); its stderr."""
+        proc = subprocess.run([str(SCRIPT), *args], env=self.script_env, capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise AssertionError(f"{SCRIPT} {' '.join(args)} failed ({proc.returncode}): {proc.stderr[-3000:]}")
+        return proc.stderr
 
     def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run(list(cmd), env=self.env(), capture_output=True, text=True, timeout=120)
@@ -50,7 +59,7 @@ def _cluster(root: Path, nodes: int, port: int):
             raise AssertionError(f"{SCRIPT} start failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         print(f"\nslurm-local.sh start ({nodes} node(s)): {took:.1f} s; {proc.stderr.strip().splitlines()[-1]}")
         names = tuple(f"{NETNS}-n{i}" for i in range(1, nodes + 1)) if nodes > 1 else ()
-        yield Cluster(root, root / "etc" / "slurm.conf", PARTITION, took, names)
+        yield Cluster(root, root / "etc" / "slurm.conf", PARTITION, took, names, env)
     finally:
         subprocess.run([str(SCRIPT), "stop"], env=env, capture_output=True, text=True, timeout=300)
 

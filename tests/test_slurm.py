@@ -21,7 +21,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import BIN, copy_project, run
+from conftest import BIN, copy_project, run, wait_for
 from slurm_fixtures import Cluster
 from dvc_fixtures import SMALL, STAGES
 
@@ -384,3 +384,67 @@ def test_two_nodes_train_as_one_slurm_job_and_match_one_node_bit_for_bit(slurm_t
     dry = run(["snakemake", "-n", "--cores", "2"], work)
     assert NOTHING in dry.stdout + dry.stderr, dry.stdout[-3000:]
 
+
+def test_a_node_lost_mid_training_fails_the_job_and_its_requeued_run_resumes(slurm_two_nodes, two_node_run, tmp_path):
+    """Node 2 lost while train_8card trains on both nodes (its slurmd and the job's processes there
+    killed, after the first checkpoint; the workers on both nodes stopped first, so training cannot
+    finish before): Slurm records the job NODE_FAIL, ends its processes on node 1 and, as Slurm does
+    by default (JobRequeue=1; the plugin passes no --no-requeue), requeues it. Snakemake waits for
+    it; once the node is back the job runs again on both nodes, resumes from the latest complete
+    checkpoint, and ends with the uninterrupted run's weights."""
+    reference, _, _ = two_node_run
+    work = tmp_path / "w"
+    shutil.copytree(reference, work, symlinks=True,
+                    ignore=lambda folder, names: {"train"} & set(names)
+                    if Path(folder) == reference / "results/checkpoints" else set())
+    save_every = SMALL[("train", "save_every")]
+    lost = slurm_two_nodes.nodes[1]
+    start = time.monotonic()
+    proc = _start(work, slurm_two_nodes, "--forcerun", "train_8card", env=ONE_THREAD)
+    try:
+        _freeze_training_when(work, proc, lambda: _checkpoints(work), "a first checkpoint", agents=2)
+        assert _checkpoints(work) == [save_every], f"training outran the freeze: {_checkpoints(work)}"
+        job = _train_job(slurm_two_nodes)
+        assert job, "train_8card is not running"
+        # the node's slurmd, then everything left in its namespace: slurmstepd, torchrun, the worker
+        os.kill(int((slurm_two_nodes.root / "pids" / f"slurmd-{lost}").read_text()), signal.SIGKILL)
+        pids = subprocess.run(["ip", "netns", "pids", lost], capture_output=True, text=True,
+                              check=True).stdout.split()
+        assert pids, f"no process left in {lost}'s namespace"
+        for pid in map(int, pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        def records() -> list[str]:  # the job's states, one per run of it (-D: the requeued ones too)
+            return slurm_two_nodes.run("sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State").stdout.split()
+
+        states = wait_for(lambda: "NODE_FAIL" in records() and records(), 120, "Slurm to record NODE_FAIL")
+        print(f"\nnode lost ({time.monotonic() - start:.0f} s): job {job} {states}; checkpoints {_checkpoints(work)}")
+        wait_for(lambda: not any(p.info["cwd"] == str(work) and "pisft.train" in " ".join(p.info["cmdline"] or [])
+                                 for p in psutil.process_iter(["cmdline", "cwd"])),
+                 120, "the job's processes on the first node to end")
+        assert _checkpoints(work) == [save_every] and not (work / "results/train/model").exists()
+        assert proc.poll() is None, "Snakemake stopped: the requeued job is still Slurm's"
+        # Slurm's still: COMPLETING while the lost node has not confirmed its end, then PENDING
+        held = slurm_two_nodes.run("squeue", "-h", "-j", job, "-o", "%T").stdout.strip()
+        assert held in ("COMPLETING", "PENDING"), held
+
+        # the node back (its slurmd started again: ReturnToService=2); the requeued job runs
+        slurm_two_nodes.script("start-node", "2")
+        text = _finish(proc, 900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.communicate(timeout=120)
+    print(f"requeued, resumed to the end: {time.monotonic() - start:.0f} s in all; {records()}")
+    assert proc.returncode == 0, text[-4000:]
+    assert records() == ["NODE_FAIL", "COMPLETED"], records()
+    log = (work / "results/logs/train_8card.log").read_text()
+    assert re.search(rf"resum\w* from .*step_{save_every:06d}", log), log[-3000:]
+    assert re.search(rf"× 2 node\(s\) \(Slurm job {job}: ", log), log[-3000:]
+    a, b = weights(work), weights(reference)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    steps = [json.loads(line)["step"] for line in (work / "results/train/metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, SMALL[("train", "steps")] + 1))
