@@ -282,7 +282,15 @@ def test_slurm_profile_asks_for_a_whole_node_of_accelerators(tmp_path):
                     "config/config.yaml", str(npu), cwd=work).stdout
     train = out[out.index("rule train_8card:"):]
     resources = next(line for line in train.splitlines() if "resources:" in line)
-    assert "gres=npu:8" in resources and "accelerators=8" in resources and "nodes=1" in resources
+    assert "gres=npu:8" in resources and "accelerators=8" in resources and "nodes=" not in resources  # one node
+    # train.nnodes 2: both nodes' accelerators (gres is per node), a task per node; the profile keeps them
+    npu.write_text(npu.read_text().replace("train:\n", "train:\n  nnodes: 2\n").replace(
+        "global_batch_size: 16", "global_batch_size: 32"))
+    out = snakemake("train_8card", "--profile", "profiles/slurm", "-n", "--configfile",
+                    "config/config.yaml", str(npu), cwd=work).stdout
+    train = out[out.index("rule train_8card:"):]
+    resources = next(line for line in train.splitlines() if "resources:" in line)
+    assert all(f in resources for f in ("gres=npu:8", "nodes=2", "tasks=2", "mpi=srun")), resources
 
 
 def test_non_training_stages_take_their_threads_from_one_place(monkeypatch):

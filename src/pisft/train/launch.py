@@ -328,7 +328,10 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
              if nodes else "")
     print(f"[launch] {stage}: {nproc} process(es) × {1 if one_process(stage) else cfg.train.nnodes} "
           f"node(s){where} on {kind}; logs in {log_dir}", file=sys.stderr, flush=True)
-    rc, output, console = _run_tee(cmd, env, log_dir / "launcher.log", workers_check_launcher=nodes is None)
+    if nodes is None:
+        rc, output, console = _run_tee(cmd, env, log_dir / "launcher.log")
+    else:  # srun between this launcher and the torchruns
+        rc, output, console = _run_tee(cmd, env, log_dir / "launcher.log", workers_check_launcher=False)
     if rc == 0:
         console.release()  # lines held after an error line the run then got past: the console shows them
         return 0
