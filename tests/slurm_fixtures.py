@@ -1,5 +1,6 @@
-"""A one-node Slurm cluster on this host for the tests of profiles/slurm (scripts/slurm-local.sh),
-started once per session and stopped after it."""
+"""Slurm clusters on this host for the tests of profiles/slurm (scripts/slurm-local.sh), each
+started once per session and stopped after it: one node (this host), and two nodes (each a slurmd
+in a network namespace of its own, for the multi-node jobs)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from conftest import ROOT, tool_env
 
 SCRIPT = ROOT / "scripts" / "slurm-local.sh"
 PARTITION = "pisft"  # the script's default partition
+NETNS = "pisft"  # the script's default prefix of the nodes' namespaces and names
+ONE_NODE_PORT, TWO_NODES_PORT = 16817, 16827  # the script's defaults: each its own ports
 
 
 @dataclass
@@ -23,10 +26,20 @@ class Cluster:
     conf: Path
     partition: str
     start_s: float  # how long `slurm-local.sh start` took, installs included
+    nodes: tuple[str, ...] = ()  # the node names of a multi-node cluster
+    script_env: dict[str, str] | None = None  # what scripts/slurm-local.sh needs to find this cluster
 
     def env(self, **extra: str) -> dict[str, str]:
         """The tests' tool environment with Slurm's clients pointed at this cluster."""
         return {**tool_env(), "SLURM_CONF": str(self.conf), **extra}
+
+    def script(self, *args: str) -> str:
+        """scripts/slurm-local.sh ARGS on this cluster (start-node I); its stderr."""
+        proc = subprocess.run([str(SCRIPT), *args], env=self.script_env, capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise AssertionError(f"{SCRIPT} {' '.join(args)} failed ({proc.returncode}): {proc.stderr[-3000:]}")
+        return proc.stderr
 
     def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run(list(cmd), env=self.env(), capture_output=True, text=True, timeout=120)
@@ -35,18 +48,29 @@ class Cluster:
         return proc
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory):
-    """munged, MariaDB, slurmdbd, slurmctld and slurmd for the session (needs root, as CI has)."""
-    root = tmp_path_factory.mktemp("slurm")
-    env = {**os.environ, "PISFT_SLURM_DIR": str(root), "PISFT_SLURM_PARTITION": PARTITION}
+def _cluster(root: Path, nodes: int, port: int):
+    env = {**os.environ, "PISFT_SLURM_DIR": str(root), "PISFT_SLURM_PARTITION": PARTITION,
+           "PISFT_SLURM_NODES": str(nodes), "PISFT_SLURM_PORT": str(port)}
     start = time.monotonic()
     proc = subprocess.run([str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=1200)
     took = time.monotonic() - start
     try:
         if proc.returncode != 0:
             raise AssertionError(f"{SCRIPT} start failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        print(f"\nslurm-local.sh start: {took:.1f} s; {proc.stderr.strip().splitlines()[-1]}")
-        yield Cluster(root, root / "etc" / "slurm.conf", PARTITION, took)
+        print(f"\nslurm-local.sh start ({nodes} node(s)): {took:.1f} s; {proc.stderr.strip().splitlines()[-1]}")
+        names = tuple(f"{NETNS}-n{i}" for i in range(1, nodes + 1)) if nodes > 1 else ()
+        yield Cluster(root, root / "etc" / "slurm.conf", PARTITION, took, names, env)
     finally:
         subprocess.run([str(SCRIPT), "stop"], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """munged, MariaDB, slurmdbd, slurmctld and slurmd for the session (needs root, as CI has)."""
+    yield from _cluster(tmp_path_factory.mktemp("slurm"), 1, ONE_NODE_PORT)
+
+
+@pytest.fixture(scope="session")
+def slurm_two_nodes(tmp_path_factory):
+    """The same daemons with two slurmds, each in a network namespace of its own (needs root)."""
+    yield from _cluster(tmp_path_factory.mktemp("slurm2"), 2, TWO_NODES_PORT)

@@ -92,7 +92,7 @@ def test_global_batch_must_divide_by_micro_times_world(tmp_path):
         ({"device": "tpu"}, "device: 'tpu'"),
         ({"model": {"preset": "pi0"}}, "model.preset"),
         ({"train": {"precision": "fp16"}}, "train.precision"),
-        ({"train": {"nnodes": 2}}, "train.rdzv_endpoint"),
+        ({"train": {"nnodes": 2, "node_rank": 2}}, "train.node_rank: must be in [0, train.nnodes), got 2"),
         ({"data": {"eval_fraction": 1.5}}, "data.eval_fraction"),
         ({"smoke": {"steps": 1}}, "smoke.steps"),
         ({"train": {"log_every": 0}}, "train.log_every: must be at least 1, got 0"),

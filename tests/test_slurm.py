@@ -21,7 +21,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import BIN, copy_project, run
+from conftest import BIN, copy_project, run, wait_for
 from slurm_fixtures import Cluster
 from dvc_fixtures import SMALL, STAGES
 
@@ -33,7 +33,7 @@ NOTHING = "Nothing to be done"
 DEFAULT = {"runtime": 10, "mem_mb": 1500, "cpus_per_task": 1}
 REQUESTS = {
     "smoke_1card": {"runtime": 10, "cpus_per_task": 2, "mem_mb": 3000},
-    "train_8card": {"nodes": 1, "runtime": 15, "cpus_per_task": 2, "mem_mb": 6000},
+    "train_8card": {"runtime": 15, "cpus_per_task": 2, "mem_mb": 6000},
     "evaluate": {"runtime": 10, "cpus_per_task": 1, "mem_mb": 3000},
 }
 # The plugin waits 40 s before its first status query and after a query that saw a job end, and
@@ -45,6 +45,7 @@ SNAKEMAKE = [str(BIN / "python"), str(Path(__file__).with_name("slurm_polls.py")
 # Outputs that record wall times or throughput (they differ between any two runs)
 TIMED = {"results/smoke/report.json", "results/train/metrics.jsonl", "results/eval/eval_info.json",
          "results/eval/report.md", "results/eval/throughput.png"}
+ONE_THREAD = {"PISFT_NUM_THREADS": "1"}  # two nodes on this 2-core host: a thread per process, as dvc_run's 2
 SACCT_FIELDS = ("JobID", "JobName", "Comment", "State", "AllocCPUS", "ReqMem", "Timelimit", "NNodes",
                 "ExitCode")
 
@@ -60,9 +61,10 @@ def fit_profile(work: Path, cluster: Cluster) -> dict:
 
 
 def slurm_snakemake(work: Path, cluster: Cluster, *args: str, timeout: float = 1800,
-                    check: bool = True) -> subprocess.CompletedProcess:
+                    check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [*SNAKEMAKE, *args]
-    proc = subprocess.run(cmd, cwd=work, env=cluster.env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=work, env=cluster.env(**(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode})\n{proc.stdout[-6000:]}\n"
                              f"{proc.stderr[-6000:]}")
@@ -182,24 +184,29 @@ def _train_job(cluster: Cluster) -> str | None:
                 None)
 
 
-def _training_workers(work: Path) -> list[psutil.Process]:
-    """The training workers of `work` (in the Slurm job, on this node: the children of its running
-    torchrun), once all that it starts (`--nproc-per-node`) are there; [] before."""
+def _training_workers(work: Path, agents: int = 1) -> list[psutil.Process]:
+    """The training workers of `work` (in the Slurm job: the children of its running torchrun, one
+    per node, `agents` of them), once all that each starts (`--nproc-per-node`) are there; [] before.
+    torchrun is `python -m torch.distributed.run`, a worker `python -m pisft.train` (not the srun
+    that starts torchrun on several nodes, whose command line holds both)."""
+    found: list[psutil.Process] = []
+    complete = 0
     for p in psutil.process_iter(["cmdline", "cwd", "status"]):
         cmd = p.info["cmdline"] or []
-        if (p.info["cwd"] == str(work) and "torch.distributed.run" in cmd and "--nproc-per-node" in cmd
+        if (p.info["cwd"] == str(work) and cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node" in cmd
                 and p.info["status"] not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)):
             try:
-                workers = [w for w in p.children() if "pisft.train" in " ".join(w.cmdline())]
+                workers = [w for w in p.children() if "-m pisft.train " in " ".join(w.cmdline()[:4]) + " "]
             except psutil.Error:
                 continue
             if len(workers) == int(cmd[cmd.index("--nproc-per-node") + 1]):
-                return workers
-    return []
+                found += workers
+                complete += 1
+    return found if complete == agents else []
 
 
 def _freeze_training_when(work: Path, proc: subprocess.Popen, ready, what: str,
-                          timeout: float = 900) -> list[psutil.Process]:
+                          timeout: float = 900, agents: int = 1) -> list[psutil.Process]:
     """SIGSTOP the training workers of `work` as soon as `ready()` (progress: a checkpoint, the
     resume) holds: the job is then in the middle of train_8card for as long as Slurm lets it run,
     whatever this machine's speed. The workers are found while they start, so only a file check
@@ -208,7 +215,7 @@ def _freeze_training_when(work: Path, proc: subprocess.Popen, ready, what: str,
     deadline = time.monotonic() + timeout
     workers: list[psutil.Process] = []
     while True:
-        workers = workers or _training_workers(work)
+        workers = workers or _training_workers(work, agents)
         if workers and ready():
             for w in workers:
                 w.send_signal(signal.SIGSTOP)
@@ -219,9 +226,9 @@ def _freeze_training_when(work: Path, proc: subprocess.Popen, ready, what: str,
         time.sleep(0.01)
 
 
-def _start(work: Path, cluster: Cluster, *args: str) -> subprocess.Popen:
+def _start(work: Path, cluster: Cluster, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([*SNAKEMAKE, *args], cwd=work,
-                            env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=cluster.env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
 
@@ -312,3 +319,132 @@ def test_an_accelerator_request_the_node_lacks_is_refused_at_submission(slurm_cl
     call = re.search(r"^\s*(sbatch --parsable .*)$", text, re.M).group(1)
     assert "--ntasks-per-gpu" not in call and "--cpus-per-task=2" in call, call  # one task: the launcher
     assert "Requested node configuration is not available" in text, text[-4000:]
+
+
+# ---- Several nodes: the two-node cluster (scripts/slurm-local.sh with PISFT_SLURM_NODES=2) ----
+
+@pytest.fixture(scope="module")
+def two_node_run(slurm_two_nodes, dvc_run, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, float]:
+    """The small DAG of `dvc_run` (1 node x 2 processes) set to 2 nodes x 1 process, run through
+    the two-node cluster: smoke_1card (its settings changed), train_8card as one job of both nodes,
+    evaluate. Each process has one thread, as each of dvc_run's two has on this 2-core host
+    (PISFT_NUM_THREADS; the nodes here share those cores)."""
+    work = tmp_path_factory.mktemp("slurm_nodes") / "w"
+    # Not dvc_run's checkpoints: the run's fingerprint leaves out the world size (the same
+    # computation), so train_8card would resume at its last step and train nothing. Nor its DVC
+    # cache: the run's `dvc commit` (record_in_dvc) would link an output of the same bytes to the
+    # cache's older copy (cache type hardlink), whose older time Snakemake then takes for the
+    # output's, and plan it again.
+    shutil.copytree(dvc_run, work, symlinks=True,
+                    ignore=lambda folder, names: {"train", "cache"} & set(names)
+                    if Path(folder) in (dvc_run / "results/checkpoints", dvc_run / ".dvc") else set())
+    cfg = yaml.safe_load((work / "config/config.yaml").read_text())
+    cfg["train"].update(nproc_per_node=1, nnodes=2)
+    (work / "config/config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    fit_profile(work, slurm_two_nodes)
+    run(["git", "commit", "-qam", "2 nodes x 1 process; the test cluster's partition and sizes"], work)
+    start = time.monotonic()
+    proc = slurm_snakemake(work, slurm_two_nodes, env=ONE_THREAD)
+    return work, proc, time.monotonic() - start
+
+
+def test_two_nodes_train_as_one_slurm_job_and_match_one_node_bit_for_bit(slurm_two_nodes, two_node_run, dvc_run):
+    """train.nnodes: 2 under profiles/slurm: train_8card is one Slurm job of both nodes, srun starts
+    a torchrun on each, the rendezvous is at the first node (from the allocation, nothing typed);
+    the losses and the weights are those of 1 node x 2 processes, bit for bit; nothing left to do."""
+    work, proc, took = two_node_run
+    out = proc.stdout + proc.stderr
+    jobs = submitted(out)
+    assert set(jobs) == {"smoke_1card", "train_8card", "evaluate"}, out[-4000:]
+    job = jobs["train_8card"]
+    print(f"\ntwo nodes: smoke, train, evaluate through Slurm {took:.0f} s; cluster start "
+          f"{slurm_two_nodes.start_s:.1f} s")
+    row = sacct(slurm_two_nodes, job)[job]
+    assert row["State"] == "COMPLETED" and row["NNodes"] == "2" and row["Comment"] == "rule_train_8card", row
+    # the job's steps: the batch step on the first node, and srun's step on both
+    fields = ("JobID", "NodeList", "NNodes", "NTasks", "State")
+    steps = [dict(zip(fields, line.split("|"), strict=True)) for line in slurm_two_nodes.run(
+        "sacct", "-n", "-P", "-j", job, "-o", ",".join(fields)).stdout.splitlines() if line]
+    print("  " + "\n  ".join(" ".join(f"{k}={v}" for k, v in s.items()) for s in steps))
+    nodes = f"{slurm_two_nodes.nodes[0][:-1]}[1-2]"
+    assert {"NodeList": nodes, "NNodes": "2"}.items() <= steps[0].items(), steps
+    assert any(s["JobID"] == f"{job}.batch" and s["NodeList"] == slurm_two_nodes.nodes[0] for s in steps), steps
+    srun_step = [s for s in steps if s["JobID"] == f"{job}.0"]
+    assert srun_step and srun_step[0]["NodeList"] == nodes and srun_step[0]["NTasks"] == "2", steps
+    log = (work / "results/logs/train_8card.log").read_text()
+    assert "resum" not in log, log[-3000:]  # trained from step 0, on both nodes
+    assert re.search(rf"1 process\(es\) × 2 node\(s\) \(Slurm job {job}: {', '.join(slurm_two_nodes.nodes)}; "
+                     r"rendezvous at 10\.213\.57\.11:\d+\)", log), log[-3000:]
+    # 2 nodes x 1 process = 1 node x 2 processes, bit for bit
+    assert losses(work) == losses(dvc_run)
+    a, b = weights(work), weights(dvc_run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+    assert (work / "results/eval/metrics.json").read_bytes() == (dvc_run / "results/eval/metrics.json").read_bytes()
+    # written once, by global rank 0, to the shared results folder; then nothing to do
+    dry = run(["snakemake", "-n", "--cores", "2"], work)
+    assert NOTHING in dry.stdout + dry.stderr, dry.stdout[-3000:]
+
+
+def test_a_node_lost_mid_training_fails_the_job_and_its_requeued_run_resumes(slurm_two_nodes, two_node_run, tmp_path):
+    """Node 2 lost while train_8card trains on both nodes (its slurmd and the job's processes there
+    killed, after the first checkpoint; the workers on both nodes stopped first, so training cannot
+    finish before): Slurm records the job NODE_FAIL, ends its processes on node 1 and, as Slurm does
+    by default (JobRequeue=1; the plugin passes no --no-requeue), requeues it. Snakemake waits for
+    it; once the node is back the job runs again on both nodes, resumes from the latest complete
+    checkpoint, and ends with the uninterrupted run's weights."""
+    reference, _, _ = two_node_run
+    work = tmp_path / "w"
+    shutil.copytree(reference, work, symlinks=True,
+                    ignore=lambda folder, names: {"train"} & set(names)
+                    if Path(folder) == reference / "results/checkpoints" else set())
+    save_every = SMALL[("train", "save_every")]
+    lost = slurm_two_nodes.nodes[1]
+    start = time.monotonic()
+    proc = _start(work, slurm_two_nodes, "--forcerun", "train_8card", env=ONE_THREAD)
+    try:
+        _freeze_training_when(work, proc, lambda: _checkpoints(work), "a first checkpoint", agents=2)
+        assert _checkpoints(work) == [save_every], f"training outran the freeze: {_checkpoints(work)}"
+        job = _train_job(slurm_two_nodes)
+        assert job, "train_8card is not running"
+        # the node's slurmd, then everything left in its namespace: slurmstepd, torchrun, the worker
+        os.kill(int((slurm_two_nodes.root / "pids" / f"slurmd-{lost}").read_text()), signal.SIGKILL)
+        pids = subprocess.run(["ip", "netns", "pids", lost], capture_output=True, text=True,
+                              check=True).stdout.split()
+        assert pids, f"no process left in {lost}'s namespace"
+        for pid in map(int, pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        def records() -> list[str]:  # the job's states, one per run of it (-D: the requeued ones too)
+            return slurm_two_nodes.run("sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State").stdout.split()
+
+        states = wait_for(lambda: "NODE_FAIL" in records() and records(), 120, "Slurm to record NODE_FAIL")
+        print(f"\nnode lost ({time.monotonic() - start:.0f} s): job {job} {states}; checkpoints {_checkpoints(work)}")
+        wait_for(lambda: not any(p.info["cwd"] == str(work) and "pisft.train" in " ".join(p.info["cmdline"] or [])
+                                 for p in psutil.process_iter(["cmdline", "cwd"])),
+                 120, "the job's processes on the first node to end")
+        assert _checkpoints(work) == [save_every] and not (work / "results/train/model").exists()
+        assert proc.poll() is None, "Snakemake stopped: the requeued job is still Slurm's"
+        # Slurm's still: COMPLETING while the lost node has not confirmed its end, then PENDING
+        held = slurm_two_nodes.run("squeue", "-h", "-j", job, "-o", "%T").stdout.strip()
+        assert held in ("COMPLETING", "PENDING"), held
+
+        # the node back (its slurmd started again: ReturnToService=2); the requeued job runs
+        slurm_two_nodes.script("start-node", "2")
+        text = _finish(proc, 900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.communicate(timeout=120)
+    print(f"requeued, resumed to the end: {time.monotonic() - start:.0f} s in all; {records()}")
+    assert proc.returncode == 0, text[-4000:]
+    assert records() == ["NODE_FAIL", "COMPLETED"], records()
+    log = (work / "results/logs/train_8card.log").read_text()
+    assert re.search(rf"resum\w* from .*step_{save_every:06d}", log), log[-3000:]
+    assert re.search(rf"× 2 node\(s\) \(Slurm job {job}: ", log), log[-3000:]
+    a, b = weights(work), weights(reference)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    steps = [json.loads(line)["step"] for line in (work / "results/train/metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, SMALL[("train", "steps")] + 1))

@@ -68,6 +68,47 @@ def test_multi_node_and_smoke_commands(tmp_path):
         launch.split_endpoint("10.0.0.1")
 
 
+def test_slurm_job_command_starts_one_torchrun_per_node_with_a_c10d_rendezvous(tmp_path, monkeypatch):
+    """train.nnodes 2 and no endpoint in a Slurm job: srun, one task per node, each a torchrun that
+    meets the others at the first node's address; no rank or endpoint typed. The smoke gate stays
+    one process on one node."""
+    monkeypatch.setattr(launch.slurm_nodes.shutil, "which", lambda name: f"/usr/bin/{name}")
+    cfg = _cfg(tmp_path, "train.nnodes=2", "train.nproc_per_node=8", "train.global_batch_size=128")
+    nodes = launch.slurm_nodes.Allocation("1234", ("n1", "n2"), "10.1.0.11")
+    cmd = launch.torchrun_command("train_8card", cfg, "c.yaml", [], tmp_path, nodes)
+    run_at = cmd.index(sys.executable)
+    assert cmd[:run_at] == ["/usr/bin/srun", "--jobid", "1234", "--nodes", "2", "--ntasks", "2",
+                            "--ntasks-per-node", "1", "--kill-on-bad-exit=1"]
+    assert cmd[run_at:run_at + 3] == [sys.executable, "-m", "torch.distributed.run"]
+    for flag, value in (("--nnodes", "2"), ("--rdzv-backend", "c10d"), ("--rdzv-endpoint", "10.1.0.11:29734"),
+                        ("--rdzv-id", "1234"), ("--nproc-per-node", "8")):
+        assert cmd[cmd.index(flag) + 1] == value
+    assert not {"--standalone", "--node-rank", "--master-addr"} & set(cmd)
+    assert launch.allocation("smoke_1card", cfg) is None
+    smoke = launch.torchrun_command("smoke_1card", cfg, "c.yaml", [], tmp_path)
+    assert smoke[0] == sys.executable and "--standalone" in smoke
+
+
+def test_several_nodes_without_slurm_or_endpoint_is_refused_naming_both_ways(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    cfg = _cfg(tmp_path, "train.nnodes=2", "train.global_batch_size=32")
+    with pytest.raises(PisftError) as err:
+        launch.allocation("train_8card", cfg)
+    assert "profiles/slurm" in str(err.value) and "train.rdzv_endpoint=" in str(err.value)
+    assert "train.node_rank=" in str(err.value)
+    # the by-hand rendezvous is what it was, in a Slurm job or not
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    by_hand = _cfg(tmp_path, "train.nnodes=2", "train.rdzv_endpoint=10.0.0.1:29500", "train.global_batch_size=32")
+    assert launch.allocation("train_8card", by_hand) is None
+
+
+def test_scontrol_oneliner_fields():
+    line = ("JobId=12 JobName=x UserId=root(0) JobState=RUNNING Reason=None NodeList=pisft-n[1-2] "
+            "BatchHost=pisft-n1 NumNodes=2 NumCPUs=4 Command=(null)\n")
+    fields = launch.slurm_nodes._fields(line)
+    assert fields["NodeList"] == "pisft-n[1-2]" and fields["NumNodes"] == "2" and fields["JobId"] == "12"
+
+
 def test_failure_report_names_rank_signal_and_log(tmp_path):
     log = tmp_path / "run-id_x" / "attempt_0" / "1" / "stderr.log"
     log.parent.mkdir(parents=True)

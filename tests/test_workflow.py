@@ -282,7 +282,15 @@ def test_slurm_profile_asks_for_a_whole_node_of_accelerators(tmp_path):
                     "config/config.yaml", str(npu), cwd=work).stdout
     train = out[out.index("rule train_8card:"):]
     resources = next(line for line in train.splitlines() if "resources:" in line)
-    assert "gres=npu:8" in resources and "accelerators=8" in resources and "nodes=1" in resources
+    assert "gres=npu:8" in resources and "accelerators=8" in resources and "nodes=" not in resources  # one node
+    # train.nnodes 2: both nodes' accelerators (gres is per node), a task per node; the profile keeps them
+    npu.write_text(npu.read_text().replace("train:\n", "train:\n  nnodes: 2\n").replace(
+        "global_batch_size: 16", "global_batch_size: 32"))
+    out = snakemake("train_8card", "--profile", "profiles/slurm", "-n", "--configfile",
+                    "config/config.yaml", str(npu), cwd=work).stdout
+    train = out[out.index("rule train_8card:"):]
+    resources = next(line for line in train.splitlines() if "resources:" in line)
+    assert all(f in resources for f in ("gres=npu:8", "nodes=2", "tasks=2", "mpi=srun")), resources
 
 
 def test_non_training_stages_take_their_threads_from_one_place(monkeypatch):
@@ -340,3 +348,21 @@ def test_a_source_inside_results_dir_that_no_rule_writes_is_read_file_by_file(tm
                                   "data": {"recap_dir": [str(mine), str(demo)]}})
     assert source_inputs(cfg) == [(mine / "data" / "episode.parquet").as_posix(),
                                   (mine / "meta" / "info.json").as_posix(), str(demo)]
+
+
+def test_training_over_several_nodes_asks_slurm_for_them_with_one_task_each(tmp_path):
+    """train.nnodes 2, no endpoint: the training rules ask for 2 nodes, a task each, and `mpi` (the
+    command starts its own tasks); the smoke gate, one node, and the by-hand rendezvous ask for none."""
+    from pisft.workflow.snakemake_support import node_resources
+
+    def cfg(*sets):
+        return pisft_config.load(ROOT / "config/config.yaml", [f"results_dir={tmp_path}", *sets])
+
+    two = cfg("train.nnodes=2")
+    training = [s for s in stage_table.STAGES.values() if s.training and not s.one_process]
+    assert stage_table.TRAIN_8CARD in training
+    for stage in training:
+        assert node_resources(two, stage) == {"nodes": 2, "tasks": 2, "mpi": "srun"}, stage.name
+    assert node_resources(two, stage_table.SMOKE_1CARD) == {}
+    assert node_resources(cfg(), stage_table.TRAIN_8CARD) == {}
+    assert node_resources(cfg("train.nnodes=2", "train.rdzv_endpoint=10.0.0.1:29500"), stage_table.TRAIN_8CARD) == {}

@@ -70,6 +70,7 @@ def stage_rule(row, k):
         threads: workflow.cores if row.all_cores else 1
         resources:
             **(support.accelerator_resources(CFG, nproc) if row.training else {}),
+            **(support.node_resources(CFG, row) if row.training else {}),
         params:
             code=support.stage_code(CFG, row.name),
             config=CONFIG_FILE,

@@ -13,9 +13,12 @@ the same command resumes from the latest complete checkpoint; when every failed 
 an error the user can act on (exit 2: a damaged input, a full disk, a refused setting), it prints
 that message once instead, as one line, without torchrun's traceback (`worker_errors`).
 
-Single node: `torchrun --standalone` (a free port is picked). Several nodes: run the same
-command on every node with `train.nnodes`, `train.node_rank` and `train.rdzv_endpoint`
-(host:port of node 0) set; the results and checkpoint folders must be on storage all nodes share.
+Single node: `torchrun --standalone` (a free port is picked). Several nodes in a Slurm job
+(`train.nnodes` > 1, `train.rdzv_endpoint` empty: `snakemake --profile profiles/slurm`): this
+launcher runs once and starts one torchrun per node through srun, the nodes and the rendezvous
+from the allocation (`pisft.train.slurm_nodes`). Several nodes by hand: run the same command on
+every node with `train.nnodes`, `train.node_rank` and `train.rdzv_endpoint` (host:port of node 0)
+set. Either way the results and checkpoint folders must be on storage all nodes share.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from pisft import device as devices
 from pisft.config import SMOKE_MEASURED, PisftConfig, flatten, keys_marked, resolved
 from pisft.errors import PisftError, Terminated
 from pisft.stages import SMOKE_1CARD, STAGES, TRAIN_8CARD
-from pisft.train import decisions, guard
+from pisft.train import decisions, guard, slurm_nodes
 from pisft.train.worker_errors import ConsoleHold
 
 # Free space a training run needs before it starts, at the least: its logs and small files (the
@@ -80,11 +83,22 @@ def world_size_for(stage: str, cfg: PisftConfig) -> int:
     return 1 if one_process(stage) else cfg.world_size
 
 
+def allocation(stage: str, cfg: PisftConfig) -> slurm_nodes.Allocation | None:
+    """The Slurm job's nodes a multi-node stage trains on (None: one node, or the by-hand rendezvous)."""
+    if one_process(stage):
+        return None
+    return slurm_nodes.for_training(cfg.train.nnodes, cfg.train.rdzv_endpoint, stage)
+
+
 def torchrun_command(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str],
-                     log_dir: Path) -> list[str]:
+                     log_dir: Path, nodes: slurm_nodes.Allocation | None = None) -> list[str]:
+    """torchrun's command on this node; with `nodes` (a Slurm job's), srun's command that starts
+    it on each of them."""
     t = cfg.train
     cmd = [sys.executable, "-m", "torch.distributed.run"]
-    if one_process(stage) or t.nnodes == 1:
+    if nodes is not None:
+        cmd = [*nodes.srun(), *cmd, *nodes.rendezvous()]
+    elif one_process(stage) or t.nnodes == 1:
         cmd += ["--standalone", "--nnodes", "1"]
     else:
         host, port = split_endpoint(t.rdzv_endpoint)
@@ -220,20 +234,26 @@ def console_line(line: str) -> str:
     return line[len(RANK0_PREFIX):] if line.startswith(RANK0_PREFIX) else line
 
 
-def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path) -> tuple[int, str, ConsoleHold]:
+def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path,
+             workers_check_launcher: bool = True) -> tuple[int, str, ConsoleHold]:
     """Run torchrun, copying its output to the console (through `ConsoleHold`: held from a
     worker's error line on) and to `log_file`.
 
     torchrun's agent gets SIGTERM when this launcher dies (it then stops its workers), and each
     worker gets SIGKILL when the agent dies (`pisft.train.guard`): a killed driver leaves no
-    orphaned trainer behind.
+    orphaned trainer behind. `workers_check_launcher` False (srun between the launcher and the
+    agents: `pisft.train.slurm_nodes`): the workers are not told this launcher's pid.
     """
     lines: list[str] = []
     me = os.getpid()
     log = _open_log(log_file)
     console = ConsoleHold(_to_console)
     guard._prctl()  # noqa: SLF001 - loaded here, not in the forked child
-    env = {**env, guard.LAUNCHER_PID_ENV: str(me), "PYTHONUNBUFFERED": "1"}
+    env = {**env, "PYTHONUNBUFFERED": "1"}
+    if workers_check_launcher:
+        env[guard.LAUNCHER_PID_ENV] = str(me)
+    else:
+        env.pop(guard.LAUNCHER_PID_ENV, None)
     with subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             bufsize=1, preexec_fn=lambda: guard.die_with_parent(signal.SIGTERM, me)) as proc:
@@ -290,6 +310,7 @@ def preflight(stage: str, cfg: PisftConfig) -> str:
         check_gate_report(cfg, stage)
     disk_space.require_room(cfg.results_dir, START_ROOM, what=f"{stage}'s logs",
                             kept=lambda: _kept(cfg, stage))
+    allocation(stage, cfg)  # a multi-node stage: in a Slurm job of train.nnodes nodes, or by hand
     return kind
 
 
@@ -299,12 +320,18 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
     stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     log_dir = layout.iteration(cfg).stage_logs(stage) / stamp
     log_dir.mkdir(parents=True, exist_ok=True)
-    cmd = torchrun_command(stage, cfg, config_path, overrides, log_dir)
+    nodes = allocation(stage, cfg)
+    cmd = torchrun_command(stage, cfg, config_path, overrides, log_dir, nodes)
     env = devices.process_env(kind, nproc_per_node=nproc, force_threads=True)
     env.setdefault(layout.COMPILE_CACHE_ENV, str(layout.compile_cache(cfg).absolute()))  # train.compile's cache
+    where = (f" (Slurm job {nodes.job_id}: {', '.join(nodes.nodes)}; rendezvous at {nodes.endpoint})"
+             if nodes else "")
     print(f"[launch] {stage}: {nproc} process(es) × {1 if one_process(stage) else cfg.train.nnodes} "
-          f"node(s) on {kind}; logs in {log_dir}", file=sys.stderr, flush=True)
-    rc, output, console = _run_tee(cmd, env, log_dir / "launcher.log")
+          f"node(s){where} on {kind}; logs in {log_dir}", file=sys.stderr, flush=True)
+    if nodes is None:
+        rc, output, console = _run_tee(cmd, env, log_dir / "launcher.log")
+    else:  # srun between this launcher and the torchruns
+        rc, output, console = _run_tee(cmd, env, log_dir / "launcher.log", workers_check_launcher=False)
     if rc == 0:
         console.release()  # lines held after an error line the run then got past: the console shows them
         return 0

@@ -315,6 +315,21 @@ def accelerator_resources(cfg: pisft_config.PisftConfig, nproc: int) -> dict:
     return resources
 
 
+def node_resources(cfg: pisft_config.PisftConfig, stage: Stage) -> dict:
+    """Resources a training rule asks for beyond one node: with `train.nnodes` N > 1 and
+    `train.rdzv_endpoint` empty, one Slurm job of N nodes and one task per node, its launcher
+    starting a torchrun on each through srun (`pisft.train.slurm_nodes`). `mpi` tells
+    snakemake-executor-plugin-slurm (2.6.1) that the rule's command starts its own tasks: sbatch gets
+    `--ntasks=N` (`submit_string.get_submit_command`), and the job's Snakemake runs the command in
+    the batch step on the first node (jobstep 0.6.1, `run_job`) instead of inside a one-task srun
+    step, which would hold that node's cores and memory against the launcher's srun. The smoke gate
+    and a by-hand rendezvous (`train.rdzv_endpoint` set: a run per node) ask for none."""
+    t = cfg.train
+    if stage.one_process or t.nnodes <= 1 or t.rdzv_endpoint:
+        return {}
+    return {"nodes": t.nnodes, "tasks": t.nnodes, "mpi": "srun"}
+
+
 def source_inputs(cfg: pisft_config.PisftConfig) -> list[str]:
     """The data sources the conversion (convert_recap) reads, as Snakemake inputs: a folder a rule
     of this config writes (the demo, a stage's output: `rule_folders`) as the folder, which ties
