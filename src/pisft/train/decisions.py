@@ -25,7 +25,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from pisft import layout
+from pisft import layout, logs
 from pisft.config import PisftConfig
 from pisft.errors import PisftError
 
@@ -96,7 +96,10 @@ def for_training(cfg: PisftConfig, log: Callable[[str], None]) -> PisftConfig:
     for key, field in DECIDED.items():
         if getattr(cfg.train, field) == AUTO:
             values[field] = chosen_value(cfg, key, decisions)
-            log(f"{key}: auto -> {values[field]} (smoke gate: {decisions[key].get('line')})")
+            # in the stage's log, not the console: the smoke gate said it there when it measured, and
+            # the stage's settings line shows what runs (a run's console stays one line per stage event)
+            with logs.only_in_stage_log():
+                log(f"{key}: auto -> {values[field]} (smoke gate: {decisions[key].get('line')})")
     out = with_train(cfg, **values)
     if "micro_batch_size" in values:  # the gate chose among divisors: a report of another batch is refused
         per_step = out.train.micro_batch_size * out.world_size
