@@ -129,7 +129,7 @@ def test_launcher_passes_device_environment(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "77")
     seen = {}
 
-    def fake_run(cmd, env, log_file):
+    def fake_run(cmd, env, log_file, workers_check_launcher=True):
         seen.update(cmd=cmd, env=env)
         return 1, TORCHRUN_FAILURE, ConsoleHold(print)
 
@@ -156,7 +156,7 @@ def test_a_run_that_succeeds_after_an_error_line_shows_every_line(tmp_path, monk
     _write_report(cfg, passed=True)
     shown = []
 
-    def fake_run(cmd, env, log_file):
+    def fake_run(cmd, env, log_file, workers_check_launcher=True):
         console = ConsoleHold(shown.append)
         for line in ("[default0]:step 1\n", "[default0]:error (rank 0): a retried read\n", "[default0]:step 2\n"):
             console.line(line, line)
@@ -296,7 +296,7 @@ def test_summary_reaches_the_console_when_the_log_cannot_be_written(tmp_path, mo
     script = f"import sys; sys.stdout.write({TORCHRUN_FAILURE!r}); sys.exit(1)"
     monkeypatch.setattr(launch, "torchrun_command", lambda *a, **k: [sys.executable, "-c", script])
     real = launch._run_tee
-    monkeypatch.setattr(launch, "_run_tee", lambda cmd, env, log_file: real(cmd, env, Path("/dev/full")))
+    monkeypatch.setattr(launch, "_run_tee", lambda cmd, env, log_file, **kw: real(cmd, env, Path("/dev/full"), **kw))
     rc = launch.main("train_8card", cfg, "c.yaml", [])
     assert rc == 1
     out, err = capfd.readouterr()

@@ -443,7 +443,7 @@ def _simulate_elsewhere(cfg: PisftConfig, world: int) -> dict[str, Any]:
         if (raw, w) not in _ELSEWHERE and (kept := estimate_cache.read(cache_key)) is not None:
             _ELSEWHERE[(raw, w)] = {**kept, "model": label}
     if (raw, world) not in _ELSEWHERE:
-        worlds = sorted({world, 1, cfg.world_size})
+        worlds = list(keys)
         cmd = [sys.executable, "-m", "pisft.inspect.estimate", "--config-json", "-",
                "--world-sizes", ",".join(map(str, worlds))]
         env = {k: v for k, v in os.environ.items()

@@ -328,10 +328,8 @@ def main(stage: str, cfg: PisftConfig, config_path: str, overrides: list[str]) -
              if nodes else "")
     print(f"[launch] {stage}: {nproc} process(es) × {1 if one_process(stage) else cfg.train.nnodes} "
           f"node(s){where} on {kind}; logs in {log_dir}", file=sys.stderr, flush=True)
-    if nodes is None:
-        rc, output, console = _run_tee(cmd, env, log_dir / "launcher.log")
-    else:  # srun between this launcher and the torchruns
-        rc, output, console = _run_tee(cmd, env, log_dir / "launcher.log", workers_check_launcher=False)
+    # with `nodes`, srun stands between this launcher and the torchruns
+    rc, output, console = _run_tee(cmd, env, log_dir / "launcher.log", workers_check_launcher=nodes is None)
     if rc == 0:
         console.release()  # lines held after an error line the run then got past: the console shows them
         return 0
