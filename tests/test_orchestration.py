@@ -104,8 +104,8 @@ def test_failed_training_reruns_alone_and_resumes(default_pipeline, tmp_path):
     shutil.rmtree(work / "results/checkpoints/train")
     set_key(work, "eval.closed_loop", False)  # the simulator's minutes add nothing here
     set_key(work, "recap.iterations", 0)  # (the RECAP loop runs in the simulator)
-    set_key(work, "train.steps", 60)  # retrain: only train_8card and evaluate are due
-    set_key(work, "train.save_every", 20)
+    set_key(work, "train.steps", 30)  # retrain: only train_8card and evaluate are due
+    set_key(work, "train.save_every", 10)  # killed after the first checkpoint, 20 steps before the end
     upstream = {p: p.stat().st_mtime for p in (work / "results/dataset").rglob("*") if p.is_file()}
     proc = subprocess.Popen([str(BIN / "snakemake"), "--cores", "2", "train_8card"], cwd=work,
                             env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -128,7 +128,7 @@ def test_failed_training_reruns_alone_and_resumes(default_pipeline, tmp_path):
     assert re.search(r"resum\w* from .*step", log, re.I), log[-2000:]
     assert "convert_recap" not in started_stages(rerun.stdout + rerun.stderr)
     assert upstream == {p: p.stat().st_mtime for p in upstream}, "upstream outputs untouched"
-    assert metric_steps(work) == list(range(1, 61))
+    assert metric_steps(work) == list(range(1, 31))
     run(["snakemake", "--cores", "2"], work)
     assert json.loads((work / "results/eval/metrics.json").read_text())["finetuned"]["action_mse"] > 0
 
@@ -136,8 +136,8 @@ def test_failed_training_reruns_alone_and_resumes(default_pipeline, tmp_path):
 def test_killed_snakemake_is_recovered_with_unlock_and_rerun_incomplete(default_pipeline, tmp_path):
     work = clone_run(default_pipeline, tmp_path / "w")
     shutil.rmtree(work / "results/checkpoints/train")
-    set_key(work, "train.steps", 40)
-    set_key(work, "train.save_every", 20)
+    set_key(work, "train.steps", 30)
+    set_key(work, "train.save_every", 10)  # killed after the first checkpoint, 20 steps before the end
     proc = subprocess.Popen([str(BIN / "snakemake"), "--cores", "2", "train_8card"], cwd=work,
                             env=tool_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -158,7 +158,7 @@ def test_killed_snakemake_is_recovered_with_unlock_and_rerun_incomplete(default_
     run(["snakemake", "--cores", "2", "--rerun-incomplete", "train_8card"], work)
     log = (work / "results/logs/train_8card.log").read_text()
     assert re.search(r"resum\w* from .*step", log, re.I), log[-2000:]
-    assert metric_steps(work) == list(range(1, 41)), "one trainer: unique, increasing steps"
+    assert metric_steps(work) == list(range(1, 31)), "one trainer: unique, increasing steps"
 
 
 @pytest.mark.parametrize(
