@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -534,7 +535,8 @@ def test_train_value_writes_the_model_metrics_and_plot(value_run):
 
 @pytest.mark.integration
 def test_sigkill_then_rerun_resumes_the_value_run_exactly(tmp_path_factory, value_run):
-    res = _gated(results_with_inputs(tmp_path_factory, "value_killed"))
+    res = results_with_inputs(tmp_path_factory, "value_killed")
+    shutil.copytree(value_run / "value_smoke", res / "value_smoke")  # the same settings: value_run's gate serves
     cmd = _launch_cmd(res)
     err = kill_rank1_after_checkpoint(cmd, res / "checkpoints" / "value", 5, timeout=400)
     assert "launch train_value" in err

@@ -115,8 +115,14 @@ def training_worker(pid: int, local_rank: int) -> int:
 
 
 def kill_rank1_after_checkpoint(cmd: list[str], checkpoints: Path, step: int, timeout: float) -> str:
+    """kill_worker_after_checkpoint of local rank 1 (a run of 2 or more processes)."""
+    return kill_worker_after_checkpoint(cmd, checkpoints, step, timeout, local_rank=1)
+
+
+def kill_worker_after_checkpoint(cmd: list[str], checkpoints: Path, step: int, timeout: float,
+                                 local_rank: int) -> str:
     """Start the launcher `cmd`, wait for the complete checkpoint of `step` under `checkpoints`
-    (run-*/step_<step>), SIGKILL the worker of local rank 1 and wait for the launcher to fail.
+    (run-*/step_<step>), SIGKILL the worker of `local_rank` and wait for the launcher to fail.
     Returns its stderr (the launcher's failure report)."""
     import signal
     import time
@@ -128,9 +134,9 @@ def kill_rank1_after_checkpoint(cmd: list[str], checkpoints: Path, step: int, ti
         assert proc.poll() is None, proc.communicate()[1][-4000:]
         assert time.time() < deadline
         time.sleep(0.05)
-    os.kill(training_worker(proc.pid, local_rank=1), signal.SIGKILL)
+    os.kill(training_worker(proc.pid, local_rank=local_rank), signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
-    assert "rank 1 (local rank 1) killed by SIGKILL" in err
+    assert f"rank {local_rank} (local rank {local_rank}) killed by SIGKILL" in err
     assert f"step_{step:06d} (step {step}); a rerun resumes from it" in err
     return err
