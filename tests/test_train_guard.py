@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -73,6 +74,41 @@ def test_second_trainer_is_refused_naming_the_holder_until_it_dies(tmp_path):
         if holder.poll() is None:
             holder.kill()
             holder.wait()
+
+
+def test_a_child_forked_by_the_holder_neither_frees_nor_keeps_its_lock(tmp_path):
+    """A forked child (a DataLoader worker of rank 0) shares the lock's open file: the holder keeps
+    the lock while it lives, and a SIGKILLed holder's lock is free at once although the child
+    lives on (before: held until the child noticed, and the rerun refused naming a dead pid)."""
+    folder = tmp_path / "run-abc"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import multiprocessing, os, time
+            from pisft.train.guard import RunLock
+            RunLock({str(folder)!r}).acquire()
+            child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+            child.start()
+            print(child.pid, flush=True)
+            time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(holder.stdout.readline())
+        with pytest.raises(RunLockHeld, match=f"pid {holder.pid}"):  # the child's close freed nothing
+            RunLock(folder).acquire()
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        os.kill(child, 0)  # the child lives on (it sleeps a minute)
+        lock = RunLock(folder)
+        lock.acquire()
+        lock.release()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 # launcher -> agent (new process group, like torchrun under Snakemake's shell) -> worker in a

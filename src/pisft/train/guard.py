@@ -16,7 +16,12 @@ Setting it is racy (the parent may die just before), so after setting it each pr
 that its parent is still the process that started it, and exits otherwise.
 
 The lock. Rank 0 holds `fcntl.flock` on `<run folder>/.trainer.lock` for the whole run; the
-kernel releases it when the process dies, however it dies, so a stale lock cannot exist.
+kernel releases it when the process dies, however it dies, so a stale lock cannot exist. A flock
+belongs to the open file, which a forked child shares (flock(2)): a DataLoader worker forked by
+rank 0 would hold the lock until it noticed its parent's death (seconds after a SIGKILL), and a
+rerun started at once was refused in the name of a dead trainer. Every forked child therefore
+closes its copy at once (`os.register_at_fork`); an exec'd one never gets it (Python opens files
+non-inheritable, PEP 446).
 A second trainer on the same folder (a rerun beside orphans, `snakemake` and `dvc repro` at
 once) stops before it reads or writes anything, naming the holder (pid, host, start time) that
 the holder wrote into the lock file. flock on a network filesystem: local on Linux NFS clients
@@ -104,6 +109,21 @@ class RunLockHeld(PisftError):
     """Another trainer holds the run folder."""
 
 
+_HELD: set[int] = set()  # the descriptors of the locks this process holds
+
+
+def _close_held_in_child() -> None:
+    """In a forked child: close the copies of this process's lock descriptors (the lock stays with
+    the parent; a close, unlike LOCK_UN, releases nothing while another copy is open)."""
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
+
+
 class RunLock:
     """An exclusive, non-blocking flock on `<folder>/.trainer.lock`, released on close/exit."""
 
@@ -111,6 +131,7 @@ class RunLock:
         self.folder = Path(folder)
         self.path = self.folder / LOCK_NAME
         self._fd: int | None = None
+        self._pid: int | None = None  # the holder: a forked copy of this object holds nothing
 
     def acquire(self, stage: str = TRAIN_8CARD.name) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -128,11 +149,13 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         os.fsync(fd)
-        self._fd = fd
+        self._fd, self._pid = fd, os.getpid()
+        _HELD.add(fd)
 
     def release(self) -> None:
-        if self._fd is None:
+        if self._fd is None or self._pid != os.getpid():  # a forked child's copy: closed at the fork
             return
+        _HELD.discard(self._fd)
         with contextlib.suppress(OSError):
             os.ftruncate(self._fd, 0)
         os.close(self._fd)  # closing the descriptor releases the flock
