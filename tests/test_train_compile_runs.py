@@ -27,7 +27,9 @@ from train_fixtures import (ROOT, kill_worker_after_checkpoint, launch, launch_c
 
 pytestmark = pytest.mark.integration
 
-RUN = ["train.steps=6", "train.save_every=3", "train.warmup_steps=2", "train.global_batch_size=8",
+# 12 steps, a checkpoint every 6: the kill after step 6's lands 6 compiled steps (about 0.1 s each
+# on one process) before the next checkpoint, not 3
+RUN = ["train.steps=12", "train.save_every=6", "train.warmup_steps=2", "train.global_batch_size=8",
        "train.micro_batch_size=4", "train.compile=layers"]
 ONE = ("train.nproc_per_node=1",)
 TWO = ("train.nproc_per_node=2", "train.fsdp_min_unit_params=0")  # FSDP2 with the accelerator's units
@@ -62,7 +64,7 @@ def test_compiled_runs_agree_on_1_and_2_processes(one, two):
     report = json.loads((two / "smoke" / "report.json").read_text())
     assert report["passed"] is True and report["compile_s"] > 0  # the smoke gate reports the compilation
     a, b = read_jsonl(one / "train" / "metrics.jsonl"), read_jsonl(two / "train" / "metrics.jsonl")
-    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 7))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 13))
     for ra, rb in zip(a, b):
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
     wa, wb = _weights(one), _weights(two)
@@ -75,11 +77,11 @@ def test_a_killed_compiled_run_resumes_bit_identically(tmp_path_factory, one):
     res = results_dir(tmp_path_factory, "compiled_killed")
     shutil.copytree(one / "smoke", res / "smoke")
     cmd = launch_cmd("train_8card", res, *RUN, *ONE)
-    kill_worker_after_checkpoint(cmd, res / "checkpoints" / "train", 3, timeout=900, local_rank=0)
+    kill_worker_after_checkpoint(cmd, res / "checkpoints" / "train", 6, timeout=900, local_rank=0)
     assert not (res / "train").exists()  # nothing that looks finished
     _ok(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=launch_env()))
     summary = json.loads((res / "train" / "train_summary.json").read_text())
-    assert summary["resumed_from"]["step"] == 3
+    assert summary["resumed_from"]["step"] == 6
     assert [r["loss"] for r in read_jsonl(res / "train" / "metrics.jsonl")] == \
         [r["loss"] for r in read_jsonl(one / "train" / "metrics.jsonl")]
     ref, got = _weights(one), _weights(res)
