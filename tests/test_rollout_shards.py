@@ -143,4 +143,6 @@ def test_a_merge_names_the_missing_shard_and_refuses_another_plan(tmp_path):
     (folder / shards.SHARD_RESULTS).write_text(json.dumps({"stage": "collect_rollouts", "shard": 1, "shards": 3,
                                                           "episodes": 7, "record": {}, "passes": {}}))
     with pytest.raises(PisftError, match="written as shard 1 of 3 of 7 episodes, not shard 1 of 2 of 7"):
-        shards.load_shards([folder, folder], stage="collect_rollouts", total=7, passes={"episodes": 7})
+        shards.load_shards([folder, folder], stage="collect_rollouts", total=7, passes={"episodes": 7},
+                           result=dict)
+

@@ -424,7 +424,8 @@ def merge(cfg: config_mod.PisftConfig, n: int, *, simulator: Callable[[], libero
     with atomic_dir(layout.iteration(cfg).closed_loop) as out:
         episodes, _languages, plain_specs, _rows = _plan(cfg, sim, settings, out)
         counts = {"episodes": len(episodes.specs), **({"plain": len(plain_specs)} if plain_specs else {})}
-        passes, record = rollout_plan.load_shards(folders, stage=STAGE, total=len(episodes.specs), passes=counts)
+        passes, record = rollout_plan.load_shards(folders, stage=STAGE, total=len(episodes.specs), passes=counts,
+                                                 result=EpisodeResult)
         if record["settings"] != json.loads(json.dumps(settings.record())) or record["simulator"] != sim_info:
             raise PisftError(f"{STAGE}: the shards ran with other settings or another simulator than the config "
                              "now gives; run every shard again")

@@ -293,7 +293,8 @@ def merge(cfg: config_mod.PisftConfig, n: int, *, simulator=None) -> dict:
         if folder.is_dir():
             verify_read(folder, what=f"merging {STAGE}'s shards", required=True)
     specs, _languages = rollout.plan_episodes(sim, settings, None)
-    passes, record = rollout_plan.load_shards(folders, stage=STAGE, total=len(specs), passes={"episodes": len(specs)})
+    passes, record = rollout_plan.load_shards(folders, stage=STAGE, total=len(specs), passes={"episodes": len(specs)},
+                                               result=rollout.EpisodeResult)
     if record["settings"] != json.loads(json.dumps(settings.record())) or record["simulator"] != sim_info:
         raise PisftError(f"{STAGE}: the shards ran with other settings or another simulator than the config now "
                          "gives; run every shard again")

@@ -146,12 +146,12 @@ def save_shard(folder: Path, *, stage: str, i: int, n: int, total: int, results:
     (folder / SHARD_RESULTS).write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def load_shards(folders: list[Path], *, stage: str, total: int, passes: dict[str, int]) -> tuple[dict[str, list], dict]:
-    """The shards' results, each pass in plan order (`passes`: its number of episodes), and the record
-    they share. Refused (naming the shard and what to do) when a shard is missing, was run for another
-    number of shards or another plan, or when two disagree on the record."""
-    from pisft.rollout import scheduler  # which imports this module
-
+def load_shards(folders: list[Path], *, stage: str, total: int, passes: dict[str, int],
+                result: type) -> tuple[dict[str, list], dict]:
+    """The shards' results (as `result`: the scheduler's EpisodeResult, which imports this module), each
+    pass in plan order (`passes`: its number of episodes), and the record they share. Refused (naming the
+    shard and what to do) when a shard is missing, was run for another number of shards or another plan,
+    or when two disagree on the record."""
     n = len(folders)
     merged = {key: [None] * count for key, count in passes.items()}
     record = None
@@ -175,7 +175,7 @@ def load_shards(folders: list[Path], *, stage: str, total: int, passes: dict[str
                 index = entry.pop("index")
                 if merged[key][index] is not None:
                     raise PisftError(f"{path}: episode {index} is also in another shard; run the shards again")
-                merged[key][index] = scheduler.EpisodeResult(**entry)
+                merged[key][index] = result(**entry)
     missing = {key: [p for p, r in enumerate(rs) if r is None] for key, rs in merged.items()}
     if any(missing.values()):
         raise PisftError(f"{stage}: the shards miss episodes {missing}; run every shard again")
