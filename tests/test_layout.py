@@ -21,7 +21,7 @@ ITERATION_NAMES = {
     "checkpoints": "checkpoints", "policy_checkpoints": "checkpoints/train",
     "value_checkpoints": "checkpoints/value", "closed_loop": "closed_loop",
     "closed_loop_metrics": "closed_loop/metrics.json", "eval": "eval", "eval_metrics": "eval/metrics.json",
-    "logs": "logs",
+    "logs": "logs", "shards": "shards",
 }
 SHARED_NAMES = {
     layout.base_model: "base_model", layout.demo_data: "demo_recap", layout.smoke: "smoke",

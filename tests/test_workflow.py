@@ -366,3 +366,49 @@ def test_training_over_several_nodes_asks_slurm_for_them_with_one_task_each(tmp_
     assert node_resources(two, stage_table.SMOKE_1CARD) == {}
     assert node_resources(cfg(), stage_table.TRAIN_8CARD) == {}
     assert node_resources(cfg("train.nnodes=2", "train.rdzv_endpoint=10.0.0.1:29500"), stage_table.TRAIN_8CARD) == {}
+
+
+def test_eval_shards_scatters_the_rollout_stages_in_both_drivers(tmp_path, monkeypatch):
+    """eval.shards 3 with one RECAP iteration: each closed loop and the collection is 3 shard rules
+    (the stage's inputs and keys, its shard folder, `--shard i/3`) and the stage's own rule merging
+    their folders into its usual outputs (`--merge-shards 3`); dvc.yaml has the same stages, its
+    shape says eval.shards=3. Every other rule is the one-job workflow's."""
+    from pisft.stages import CLOSED_LOOP, COLLECT_ROLLOUTS, STAGES
+
+    work = workflow_copy(tmp_path)
+    monkeypatch.chdir(work)
+    config_file = work / "config" / "config.yaml"
+    original = yaml.safe_load(config_file.read_text())
+    shaped = {}
+    for shards in (1, 3):
+        config = {**original, "recap": {**original["recap"], "iterations": 1},
+                  "eval": {**original["eval"], "shards": shards}}
+        config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+        workflow = load_workflow(work / "workflow" / "Snakefile", work)
+        shaped[shards] = ({r.name: r for r in workflow.rules}, dvc_yaml.render(workflow.rules, workflow.config))
+    one, three = shaped[1][0], shaped[3][0]
+    scattered = {(CLOSED_LOOP, 0), (CLOSED_LOOP, 1), (COLLECT_ROLLOUTS, 1)}
+    assert set(three) == set(one) | {row.shard_rule(k, i, 3) for row, k in scattered for i in (1, 2, 3)}
+    assert [s.name for s in STAGES.values() if s.shards_key] == ["collect_rollouts", "closed_loop"]
+    for row, k in scattered:
+        merge, alone = three[row.rule(k)], one[row.rule(k)]
+        folders = [f"results{'/recap/iter_1' if k else ''}/shards/{row.name}/shard_{i}_of_3" for i in (1, 2, 3)]
+        assert merge.outputs == alone.outputs and merge.tracked_keys == alone.tracked_keys
+        assert [p for p in merge.inputs if p not in alone.inputs] == folders
+        assert " --merge-shards 3 --config " in merge.cmd
+        for i, folder in enumerate(folders, start=1):
+            shard = three[row.shard_rule(k, i, 3)]
+            assert list(shard.outputs.values()) == [folder] and shard.directories == {folder}
+            assert shard.inputs == alone.inputs and shard.tracked_keys == alone.tracked_keys
+            assert shard.cmd == alone.cmd.replace(" --config ", f" --shard {i}/3 --config ").replace(
+                f"/{row.rule(k)}.log", f"/{row.shard_rule(k, i, 3)}.log")
+    for name in set(one) - {row.rule(k) for row, k in scattered}:
+        assert vars(three[name]) == vars(one[name]), name
+    dvc = yaml.safe_load(shaped[3][1])
+    assert set(dvc["stages"]) == {dvc_yaml.CHECK_STAGE, *three}
+    assert dvc["stages"]["closed_loop__shard_2_of_3"]["outs"] == ["${results_dir}/shards/closed_loop/shard_2_of_3"]
+    collect_deps = dvc["stages"]["collect_rollouts_1"]["deps"]
+    assert "${results_dir}/recap/iter_1/shards/collect_rollouts/shard_3_of_3" in collect_deps
+    assert dvc["stages"]["closed_loop"]["metrics"] == yaml.safe_load(shaped[1][1])["stages"]["closed_loop"]["metrics"]
+    assert dvc_yaml.shape_of(shaped[3][1]).endswith(" eval.shards=3")
+    assert "eval.shards" not in dvc_yaml.shape_of(shaped[1][1])

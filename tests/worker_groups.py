@@ -29,6 +29,7 @@ PIPELINE_TESTS = {
         "tests/test_terminal.py",
         "tests/test_dvc.py::test_after_snakemake_dvc_is_up_to_date_and_a_pull_restores_every_output",
         "tests/test_rollout_chunking.py::test_rtc_lowers_the_jerk_of_the_trained_model_at_chunk_boundaries",
+        "tests/test_rollout_shards.py::test_snakemake_runs_a_job_per_shard_and_reruns_only_a_lost_shard",
     ),
     "dvc_run": ("tests/test_dvc.py", "tests/test_slurm.py"),  # test_slurm compares its Slurm run with it
 }

@@ -60,7 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", nargs="?", default=str(config_mod.DEFAULT_CONFIG))
 
     for name, stage in IN_PROCESS.items():
-        _add_config(sub.add_parser(name, help=f"stage: {stage.help}"))
+        p = sub.add_parser(name, help=f"stage: {stage.help}")
+        _add_config(p)
+        if stage.shards_key:  # scattered over jobs (pisft.rollout.plan, "Scattered rollouts")
+            how = p.add_mutually_exclusive_group()
+            how.add_argument("--shard", default=None, metavar="I/N",
+                             help=f"only shard I of N of its episodes, into its shard folder ({stage.shards_key}: N)")
+            how.add_argument("--merge-shards", type=int, default=None, metavar="N",
+                             help="write its outputs from its N shards (each run with --shard I/N)")
 
     p = sub.add_parser("launch", help="run a training stage under torchrun")
     p.add_argument("stage", choices=TRAINING_STAGES)
@@ -260,6 +267,33 @@ def _writing_as(stage: str, k: int):
     return writing_as(row.rule(k), row.invocation(k))
 
 
+def _check_shards(stage: str, cfg: config_mod.PisftConfig, n: int, flag: str) -> None:
+    """A shard or a merge for the number of shards the config gives (the workflow's rules follow it)."""
+    key = STAGES[stage].shards_key
+    want = STAGES[stage].shards(config_mod.to_dict(cfg))
+    if n != want:
+        raise PisftError(f"{stage} {flag}: the config gives {key} = {want}, not {n}; set {key}: {n} "
+                         f"(or run {want} shard(s) with --shard I/{want})")
+
+
+def _run_shard(args: argparse.Namespace, cfg: config_mod.PisftConfig) -> int:
+    """`python -m pisft <stage> --shard I/N`: one shard of a scattered rollout stage; its manifest names
+    the shard's rule and command."""
+    from pisft.integrity import writing_as
+    from pisft.rollout.plan import parse_shard
+
+    row = STAGES[args.command]
+    i, n = parse_shard(args.shard)
+    _check_shards(row.name, cfg, n, f"--shard {args.shard}")
+    rule = row.shard_rule(cfg.iteration, i, n)
+    invalidate_downstream(rule, cfg.results_dir)  # the merge's outputs and what follows them
+    pin_threads()
+    _RESULTS_DIR[1] = f"{row.invocation(cfg.iteration)} --shard {i}/{n}"
+    with writing_as(rule, _RESULTS_DIR[1]):
+        resolve(row.run)(cfg, shard=(i, n))
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "validate":
@@ -278,11 +312,17 @@ def _run(args: argparse.Namespace) -> int:
             return profile.switch(args.file)
         cfg = config_mod.load(args.config, args.overrides).at_iteration(args.iteration)
         _RESULTS_DIR[0] = str(cfg.results_dir)
+        if args.command in IN_PROCESS and getattr(args, "shard", None) is not None:
+            return _run_shard(args, cfg)
         if args.command in IN_PROCESS:
             invalidate_downstream(STAGES[args.command].rule(cfg.iteration), cfg.results_dir)
             pin_threads()  # the same CPU threads under Snakemake and DVC
             with _writing_as(args.command, cfg.iteration):
-                resolve(IN_PROCESS[args.command].run)(cfg)
+                if getattr(args, "merge_shards", None) is not None:
+                    _check_shards(args.command, cfg, args.merge_shards, f"--merge-shards {args.merge_shards}")
+                    resolve(IN_PROCESS[args.command].merge)(cfg, args.merge_shards)
+                else:
+                    resolve(IN_PROCESS[args.command].run)(cfg)
             return 0
         if args.command == "launch":
             from pisft.train import launch

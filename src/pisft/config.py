@@ -428,6 +428,10 @@ class EvalConfig:
     policy_batch_wait_ms: float = 0.0
     # Policy replicas, one per accelerator (0: every visible device of `device`'s kind; the CPU: one).
     policy_devices: int = 0
+    # The jobs closed_loop and collect_rollouts are each scattered over (pisft.rollout.plan, "Scattered
+    # rollouts"): each runs a block of the episodes, a merge writes the outputs; the same bytes for any
+    # number. 1: one job, as before.
+    shards: int = 1
     # An MP4 (agent view | wrist camera) of the first episode of each task.
     videos: bool = marked(True, CLOSED_LOOP)
     # Classifier-free guidance of an advantage-conditioned policy (RLinf's cfgrl_guidance_scale):
@@ -773,6 +777,7 @@ NUMBER_KINDS: dict[str, tuple[str, str, str]] = {
     "eval.rtc.max_guidance_weight": ("positive", "", "LeRobot's default: 10.0"),
     "eval.policy_batch_wait_ms": ("non_negative", "", "0: measured"),
     "eval.policy_devices": ("count_or_zero", "", "0: every visible device"),
+    "eval.shards": ("count", "the jobs the rollouts are scattered over", "1: one job"),
     "eval.cfg_scale": ("at_least_one", "the guidance scale", "1: the positive prompt alone"),
     "recap.iterations": ("count_or_zero", "", ""),
     "recap.task_ids": ("count_or_zero", "", ""),

@@ -34,8 +34,10 @@ from pisft.stages import (ADVANTAGES, CLOSED_LOOP, COLLECT_ROLLOUTS, CONVERT_REC
 
 CHECKPOINTS_FOLDER = "checkpoints"  # the training stages' run folders (persistent: no stage's output)
 LOGS_FOLDER = "logs"  # the stages' own logs
+SHARDS_FOLDER = "shards"  # the scattered rollout stages' shards (eval.shards > 1), before their merge
 # The folders of one RECAP iteration: at iteration k >= 1 they live in results/recap/iter_<k>/.
-ITERATION_FOLDERS = (*(s.folder for s in STAGES.values() if not s.shared), CHECKPOINTS_FOLDER, LOGS_FOLDER)
+ITERATION_FOLDERS = (*(s.folder for s in STAGES.values() if not s.shared), CHECKPOINTS_FOLDER, LOGS_FOLDER,
+                     SHARDS_FOLDER)
 RECAP_FOLDER = RECAP_SUMMARY.folder  # the RECAP summary, and the iterations k >= 1 beside it (iter_<k>)
 ITERATION_PREFIX = "iter_"
 
@@ -124,6 +126,16 @@ class Iteration:
         """One stage's logs (a launched stage: one folder per start; smoke_1card: its report too,
         written even when the gate fails)."""
         return self.logs / stage
+
+    @property
+    def shards(self) -> Path:
+        """The scattered rollout stages' shards (eval.shards > 1; pisft.rollout.plan)."""
+        return self.root / SHARDS_FOLDER
+
+    def shard(self, stage: str, i: int, n: int) -> Path:
+        """Shard i of n of a scattered rollout stage: its episodes' results, videos, recordings,
+        which the stage's merge reads."""
+        return self.shards / stage / f"shard_{i}_of_{n}"
 
     def timing(self, stage: str) -> Path:
         """A rollout stage's timing record (closed_loop, collect_rollouts): how its run went (times,

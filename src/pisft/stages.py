@@ -63,6 +63,7 @@ CLI = "python -m pisft"  # what runs a stage: `python -m pisft <stage>`, `python
 # k itself, k-1 (policy k-1), 0 (the SFT run), 1..k (the RECAP iterations up to k: a pool),
 # 0..K (every iteration), 1..K (every RECAP iteration).
 READ_AT = ("k", "k-1", "0", "1..k", "0..K", "1..K")
+SHARD_TAG = "__shard_"  # a shard rule's name: <the stage's rule>__shard_<i>_of_<n> (`Stage.shard_rule`)
 
 
 @dataclass(frozen=True)
@@ -176,9 +177,16 @@ class Stage:
     gate: str | None = None  # the smoke gate whose passing report it needs first (its first output)
     resumable: bool = False  # checkpoints and resumes: a rerun after a failure goes on from there
     all_cores: bool = False  # the workflow gives it every core (Snakemake's `threads`)
+    # The key that scatters it over jobs (eval.shards; pisft.rollout.plan, "Scattered rollouts"): at N > 1
+    # its rule of an iteration is N shard rules (`shard_rule`: `run` with shard=(i, N), one block of its
+    # episodes each, into `layout.Iteration.shard`) and its own rule, which runs `merge` ("module:function",
+    # given the config and N) to write its outputs from them (`merge_command`).
+    shards_key: str = ""
+    merge: str = ""
 
     def __post_init__(self) -> None:
         assert self.iterations in ("sft", "all", "recap", "after"), self.iterations
+        assert bool(self.shards_key) == bool(self.merge), f"{self.name}: a scattered stage names its merge"
         assert len({o.path.split("/")[0] for o in self.outputs}) == 1, f"{self.name}: one folder"
         assert len({o.name for o in self.outputs if o.name}) == len([o for o in self.outputs if o.name]), self.name
 
@@ -209,6 +217,23 @@ class Stage:
     def command_at(self, k: int) -> str:
         """The command of iteration k's rule."""
         return self.command if k == 0 else self.command.replace(" --log ", f" --iteration {k} --log ")
+
+    def shards(self, values: Mapping[str, Any]) -> int:
+        """The jobs its rule of an iteration is scattered over for the config `values` (1: one job)."""
+        return int(lookup(values, self.shards_key)) if self.shards_key else 1
+
+    def shard_rule(self, k: int, i: int, n: int) -> str:
+        """The rule (and DVC stage) of shard i of n at iteration k: `closed_loop_1__shard_2_of_3`."""
+        assert self.shards_key and 1 <= i <= n, (self.name, i, n)
+        return f"{self.rule(k)}{SHARD_TAG}{i}_of_{n}"
+
+    def shard_command(self, k: int, i: int, n: int) -> str:
+        """The command of shard i of n's rule: the stage's, with `--shard i/n`."""
+        return self.command_at(k).replace(" --config ", f" --shard {i}/{n} --config ", 1)
+
+    def merge_command(self, k: int, n: int) -> str:
+        """The command of its own rule when it is scattered over n shards: merge them (`--merge-shards n`)."""
+        return self.command_at(k).replace(" --config ", f" --merge-shards {n} --config ", 1)
 
     def invocation(self, k: int) -> str:
         """The command that reruns iteration k's run of it by hand (recorded in its manifests,
@@ -255,7 +280,8 @@ DEMO_RECAP = _row(Stage(
 COLLECT_ROLLOUTS = _row(Stage(
     "collect_rollouts", "pisft.recap.collect:run", ("device", *COLLECT_KEYS),
     (folder("rollouts"),), "RECAP: roll policy k-1 out in the LIBERO simulator, record every step",
-    reads=(Read("train_8card", "model", at="k-1"),), iterations="recap", all_cores=True))
+    reads=(Read("train_8card", "model", at="k-1"),), iterations="recap", all_cores=True,
+    shards_key="eval.shards", merge="pisft.recap.collect:merge"))
 CONVERT_RECAP = _row(Stage(
     "convert_recap", "pisft.data.convert:run", CONVERT_KEYS,
     (folder("dataset"),), "convert the RECAP dataset (at iteration k, the pool) into the training dataset",
@@ -301,6 +327,7 @@ CLOSED_LOOP = _row(Stage(
             report=Report("closed_loop_video.rst", "Closed-loop LIBERO", patterns=("{name}.html",)))),
     "closed-loop LIBERO success rates, rollout videos (LIBERO simulator)",
     reads=(Read("train_8card", "model"),), iterations="all", all_cores=True,
+    shards_key="eval.shards", merge="pisft.evaluate.closed_loop:merge",
     # iteration 0's closed loop is optional (eval.closed_loop); the RECAP loop's is not
     sft_only_if="eval.closed_loop"))
 EVALUATE = _row(Stage(
@@ -350,10 +377,20 @@ def rule_names(iterations: int) -> list[str]:
     return [s.rule(k) for s, k in rules(iterations)]
 
 
+def shard_of(rule: str) -> tuple[int, int] | None:
+    """(i, n) of a shard rule (`closed_loop_1__shard_2_of_3` -> (2, 3)); None for any other rule."""
+    _, tag, shard = rule.partition(SHARD_TAG)
+    if not tag:
+        return None
+    i, _, n = shard.partition("_of_")
+    return int(i), int(n)
+
+
 def stage_of(rule: str) -> tuple[str, int]:
-    """The stage and iteration a rule runs: `train_8card_1` -> ("train_8card", 1)."""
-    base, _, k = rule.rpartition("_")
+    """The stage and iteration a rule runs: `train_8card_1` -> ("train_8card", 1); a shard rule's are
+    its stage's (`closed_loop_1__shard_2_of_3` -> ("closed_loop", 1))."""
+    base, _, k = rule.partition(SHARD_TAG)[0].rpartition("_")
     if k.isdigit() and base in STAGES:
         return base, int(k)
-    return rule, 0
+    return rule.partition(SHARD_TAG)[0], 0
 

@@ -49,17 +49,27 @@ def outputs_of(row, k):
 
 def stage_rule(row, k):
     """Define the rule that runs `row`'s stage at iteration k (`train_8card_1`): all of it from
-    the row in pisft.stages."""
+    the row in pisft.stages. A stage scattered over N > 1 jobs (its `shards_key`, eval.shards)
+    is N shard rules, each a job the executor places on any node, and its own rule, which merges
+    their folders into its outputs (docs/workflow.md, "Scattered evaluation and collection")."""
     rule_id = row.rule(k)
     unnamed, named = outputs_of(row, k)
     nproc = 1 if row.one_process else CFG.train.nproc_per_node
+    shards = row.shards(CFG_VALUES)
+    inputs = support.stage_inputs(CFG, CFG_VALUES, row, k)
+    command = row.command_at(k)
+    if shards > 1:
+        for i in range(1, shards + 1):
+            shard_rule(row, k, i, shards, inputs)
+        inputs = support.shard_folders(CFG, row, k, shards)
+        command = row.merge_command(k, shards)
 
     rule:
         name:
             rule_id
         input:
             *support.stage_code_files(CFG, row.name),
-            *support.stage_inputs(CFG, CFG_VALUES, row, k),
+            *inputs,
         output:
             *unnamed,
             **named,
@@ -76,4 +86,30 @@ def stage_rule(row, k):
             config=CONFIG_FILE,
             tracked=support.tracked_params(CFG_VALUES, row.name, k),
         shell:
-            row.command_at(k)
+            command
+
+
+def shard_rule(row, k, i, n, inputs):
+    """Shard i of n of `row`'s stage at iteration k: what the stage reads, its block of the
+    episodes into its shard folder (pisft.layout.Iteration.shard); its keys and code rerun it."""
+    rule_id = row.shard_rule(k, i, n)
+
+    rule:
+        name:
+            rule_id
+        input:
+            *support.stage_code_files(CFG, row.name),
+            *inputs,
+        output:
+            directory(str(layout.iteration(CFG, k).shard(row.name, i, n))),
+        log:
+            f"{LOGS}/{rule_id}.log",
+        benchmark:
+            f"{BENCH}/{rule_id}.tsv"
+        threads: workflow.cores if row.all_cores else 1
+        params:
+            code=support.stage_code(CFG, row.name),
+            config=CONFIG_FILE,
+            tracked=support.tracked_params(CFG_VALUES, row.name, k),
+        shell:
+            row.shard_command(k, i, n)

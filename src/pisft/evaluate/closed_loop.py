@@ -71,6 +71,7 @@ RTC run's, `rtc_comparison` has both (success, episode length, action jerk).
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -84,9 +85,11 @@ from pisft import logs as logs_mod
 from pisft.errors import PisftError
 from pisft.evaluate import robustness, robustness_report
 from pisft.evaluate.intervals import success_fields
+from pisft.integrity import stage_output, verify_read
 from pisft.io import atomic_dir, write_json_atomic, write_text_atomic
 from pisft.policy.replicas import PolicyPool, open_policy_pool, policy_record
 from pisft.rollout import libero_sim
+from pisft.rollout import plan as rollout_plan
 from pisft.rollout import video as video_mod
 from pisft.rollout.chunking import pooled_jerk
 from pisft.rollout.plan import VIDEO_DIR, plan_episodes
@@ -305,15 +308,19 @@ def write_not_run(cfg: config_mod.PisftConfig) -> dict:
 
 
 def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simulator] | None = None,
-        policy: Any = None, inline: bool = False) -> dict:
+        policy: Any = None, inline: bool = False, shard: tuple[int, int] | None = None) -> dict:
     """The closed_loop stage: the fine-tuned model (`results/train/model`) in LIBERO.
 
     `simulator` is a picklable factory (default `libero_sim.LiberoSimulator`): called here to
     plan the episodes (and to fail at once, with the install instructions, when LIBERO is
     missing) and in every worker. `inline` runs the environments in this process (tests).
+    `shard` (i, n): only shard i of n's episodes, into its shard folder (`pisft.rollout.plan`, "Scattered rollouts");
+    `merge` writes the stage's outputs from the n shards.
     """
     if not cfg.eval.closed_loop:
         return write_not_run(cfg)
+    if shard is not None:
+        return _run_shard(cfg, *shard, simulator=simulator, policy=policy, inline=inline)
     settings = Settings.for_evaluation(cfg, stage=STAGE)
     model_dir = layout.iteration(cfg).trained_model
     factory = simulator if simulator is not None else libero_sim.LiberoSimulator
@@ -326,11 +333,7 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
         with open_policy_pool(cfg, policy, model_dir=model_dir, trained_on=layout.iteration(cfg).dataset,
                               seed=settings.seed, rows=settings.forward_rows(len(specs)),
                               wait_ms=settings.policy_batch_wait_ms, stage=STAGE, rtc=settings.rtc) as pool:
-            predictor = getattr(pool.replicas[0], "predictor", None)
-            problems = [] if predictor is None else config_mod.chunk_problems(
-                settings.replan_steps, settings.delay_steps, predictor.chunk_size, f"the model's ({model_dir})")
-            if problems:  # the config check asks the same of model.preset's chunk
-                raise PisftError(problems[0])
+            _check_chunk(pool, settings, model_dir)
             metrics, run_timing = _evaluate(cfg, settings, pool, out, episodes, languages, factory=factory, sim=sim,
                                             sim_info=sim_info, inline=inline, model_dir=model_dir)
     write_json_atomic(layout.iteration(cfg).timing(STAGE), run_timing)
@@ -339,6 +342,104 @@ def run(cfg: config_mod.PisftConfig, *, simulator: Callable[[], libero_sim.Simul
           f"episodes in {t['wall_time_s']:.1f} s ({_num(t['simulator_steps_per_s'], '.2f')} simulator steps/s per "
           f"environment, policy {_num(t['policy_ms_per_chunk'], '.1f')} ms per chunk) -> "
           f"{layout.iteration(cfg).closed_loop_metrics}", flush=True)
+    return metrics
+
+
+def _check_chunk(pool: PolicyPool, settings: Settings, model_dir: Path) -> None:
+    predictor = getattr(pool.replicas[0], "predictor", None)
+    problems = [] if predictor is None else config_mod.chunk_problems(
+        settings.replan_steps, settings.delay_steps, predictor.chunk_size, f"the model's ({model_dir})")
+    if problems:  # the config check asks the same of model.preset's chunk
+        raise PisftError(problems[0])
+
+
+def _plan(cfg: config_mod.PisftConfig, sim: libero_sim.Simulator, settings: Settings, out: Path):
+    """The run's episodes into `out` (the evaluation's, then eval.seeds' and eval.perturbations'), the
+    tasks' instructions, the plain-chunking pass's episodes (eval.rtc.enabled; else None), and the
+    rows of every forward (those of the evaluation's own episodes: `Settings.forward_rows`)."""
+    specs, languages = plan_episodes(sim, settings, out)
+    episodes = robustness.plan(cfg, sim, settings, out, specs)
+    plain_specs = plan_episodes(sim, replace(settings, rtc=False, videos=False), out)[0] if settings.rtc else None
+    return episodes, languages, plain_specs, settings.forward_rows(len(specs))
+
+
+def _run_shard(cfg: config_mod.PisftConfig, i: int, n: int, *, simulator, policy, inline: bool) -> dict:
+    """Shard i of n (`pisft.rollout.plan`, "Scattered rollouts"): its block of the plan, with the whole
+    plan's forward rows, into `layout.Iteration.shard` (results, videos); its timing record beside the logs."""
+    settings = Settings.for_evaluation(cfg, stage=STAGE)
+    model_dir = layout.iteration(cfg).trained_model
+    factory = simulator if simulator is not None else libero_sim.LiberoSimulator
+    sim = factory()
+    sim_info = simulator_info(sim)
+    label = f"{STAGE} {rollout_plan.shard_name(i, n)}"
+    with stage_output(layout.iteration(cfg).shard(STAGE, i, n)) as out:
+        episodes, languages, plain_specs, rows = _plan(cfg, sim, settings, out)
+        picked = rollout_plan.pick_shard(episodes.specs, i, n)
+        plain_picked = rollout_plan.pick_shard(plain_specs, i, n) if plain_specs is not None else None
+        num_envs = env_count(settings, picked, stage=STAGE)
+        print(f"{label}: episodes {picked[0].index}..{picked[-1].index} of {len(episodes.specs)}, {num_envs} "
+              f"environment {'(inline)' if inline else 'processes'}", flush=True)
+        mujoco_logs = logs_mod.mujoco_log_dir(STAGE, layout.iteration(cfg).logs)
+        (out / VIDEO_DIR).mkdir(exist_ok=True)
+        with open_policy_pool(cfg, policy, model_dir=model_dir, trained_on=layout.iteration(cfg).dataset,
+                              seed=settings.seed, rows=rows, wait_ms=settings.policy_batch_wait_ms, stage=STAGE,
+                              rtc=settings.rtc) as pool:
+            _check_chunk(pool, settings, model_dir)
+            passes, indices, wall = {}, {}, 0.0
+            for key, chosen, how in (("plain", plain_picked, replace(settings, rtc=False, videos=False)),
+                                     ("episodes", picked, settings)):
+                if chosen is None:
+                    continue
+                passes[key], seconds = roll_out(
+                    chosen, pool, how, factory=factory, simulator=sim, num_envs=num_envs, inline=inline,
+                    languages=languages, name=STAGE, log_dir=mujoco_logs,
+                    on_episode=progress(f"{label}{' (plain)' if key == 'plain' else ''}", len(chosen),
+                                        lambda r: f"{r.suite} task {r.task_id} trial {r.trial}"))
+                indices[key], wall = [s.index for s in chosen], wall + seconds
+            mujoco_note(mujoco_logs, STAGE)
+            run_timing = timing(passes["episodes"], wall, num_envs, pool, settings)
+            rollout_plan.save_shard(
+                out, stage=STAGE, i=i, n=n, total=len(episodes.specs), results=passes, indices=indices,
+                record={"settings": settings.record(), "policy": policy_record(pool), "simulator": sim_info})
+    write_json_atomic(layout.iteration(cfg).timing(f"{STAGE}.{rollout_plan.shard_name(i, n)}"), run_timing)
+    print(f"{label}: {len(picked)} episodes in {run_timing['wall_time_s']:.1f} s -> "
+          f"{layout.iteration(cfg).shard(STAGE, i, n)}", flush=True)
+    return run_timing
+
+
+def merge(cfg: config_mod.PisftConfig, n: int, *, simulator: Callable[[], libero_sim.Simulator] | None = None) -> dict:
+    """The stage's outputs from its n shards (`run(shard=...)`): the episodes planned again, every
+    result taken by its index, the videos gathered, then written as the one-job run writes them
+    (`write_outputs`): the same metrics.json, episodes.jsonl, videos. The timing record sums the shards'."""
+    if not cfg.eval.closed_loop:
+        return write_not_run(cfg)
+    settings = Settings.for_evaluation(cfg, stage=STAGE)
+    model_dir = layout.iteration(cfg).trained_model
+    sim = (simulator if simulator is not None else libero_sim.LiberoSimulator)()
+    sim_info = simulator_info(sim)
+    folders = [layout.iteration(cfg).shard(STAGE, i, n) for i in range(1, n + 1)]
+    for folder in folders:
+        if folder.is_dir():
+            verify_read(folder, what=f"merging {STAGE}'s shards", required=True)
+    with atomic_dir(layout.iteration(cfg).closed_loop) as out:
+        episodes, _languages, plain_specs, _rows = _plan(cfg, sim, settings, out)
+        counts = {"episodes": len(episodes.specs), **({"plain": len(plain_specs)} if plain_specs else {})}
+        passes, record = rollout_plan.load_shards(folders, stage=STAGE, total=len(episodes.specs), passes=counts,
+                                                 result=EpisodeResult)
+        if record["settings"] != json.loads(json.dumps(settings.record())) or record["simulator"] != sim_info:
+            raise PisftError(f"{STAGE}: the shards ran with other settings or another simulator than the config "
+                             "now gives; run every shard again")
+        (out / VIDEO_DIR).mkdir(exist_ok=True)
+        for folder in folders:
+            shutil.copytree(folder / VIDEO_DIR, out / VIDEO_DIR, dirs_exist_ok=True)
+        timings = [json.loads(layout.iteration(cfg).timing(f"{STAGE}.{rollout_plan.shard_name(i, n)}").read_text())
+                   for i in range(1, n + 1)]
+        run_timing = rollout_plan.merged_timing(timings, passes["episodes"], settings, timing)
+        metrics = write_outputs(cfg, settings, out, episodes, passes["episodes"], passes.get("plain"),
+                                sim_info=sim_info, policy=record["policy"], run_timing=run_timing, model_dir=model_dir)
+    write_json_atomic(layout.iteration(cfg).timing(STAGE), run_timing)
+    print(f"closed_loop: merged {n} shards: success rate {metrics['success_rate']:.3f} over {metrics['episodes']} "
+          f"episodes -> {layout.iteration(cfg).closed_loop_metrics}", flush=True)
     return metrics
 
 
@@ -388,8 +489,20 @@ def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool,
     all_results, wall = roll_out(specs, pool, settings, factory=factory, simulator=sim, num_envs=num_envs,
                                  inline=inline, languages=languages, on_episode=record, name=STAGE,
                                  log_dir=mujoco_logs)
-    results = episodes.unperturbed(all_results)  # every seed's: openpi's protocol (all of them by default)
     mujoco_note(mujoco_logs, STAGE)
+    run_timing = timing(all_results, wall, num_envs, pool, settings)
+    metrics = write_outputs(cfg, settings, out, episodes, all_results, plain, sim_info=sim_info,
+                            policy=policy_record(pool), run_timing=run_timing, model_dir=model_dir)
+    return metrics, run_timing
+
+
+def write_outputs(cfg: config_mod.PisftConfig, settings: Settings, out: Path, episodes: robustness.Plan,
+                  all_results: list[EpisodeResult], plain: list[EpisodeResult] | None, *, sim_info: dict,
+                  policy: dict, run_timing: dict, model_dir: Path) -> dict:
+    """What the rollouts give, in `out`: the video pages, episodes.jsonl, metrics.json (`policy`: the
+    policy's record, `policy_record`), report.md, the resolved config. The one-job run and the merge
+    of its shards (`merge`) both write through here: the same results, the same bytes."""
+    results = episodes.unperturbed(all_results)  # every seed's: openpi's protocol (all of them by default)
     for r in results:
         if r.video:  # a page per video for `snakemake --report`, which plays no bare MP4
             write_text_atomic(out / Path(r.video).with_suffix(".html"), video_mod.html_page(
@@ -414,9 +527,8 @@ def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool,
                                      "rtc": _side(episodes.at_first_seed(all_results), settings)}
         metrics["rtc_comparison"]["plain"]["rtc"] = False
     metrics.update(robustness.summary(episodes, all_results))  # seeds, robustness: only with those keys set
-    metrics.update(policy_record(pool))
-    run_timing = timing(all_results, wall, num_envs, pool, settings)
+    metrics.update(policy)
     write_json_atomic(out / "metrics.json", metrics)
     write_text_atomic(out / "report.md", report_markdown(metrics, settings, str(model_dir), run_timing=run_timing))
     config_mod.write_resolved(cfg, out / "pisft_config.json")
-    return metrics, run_timing
+    return metrics

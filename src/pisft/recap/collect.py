@@ -43,8 +43,10 @@ went (times, environment processes, batches, episodes run again) is its timing r
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +59,11 @@ from pisft import logs as logs_mod
 from pisft.data.libero import FPS
 from pisft.data.recap_layout import RecapEpisode, write_recap_dataset
 from pisft.errors import PisftError
-from pisft.integrity import stage_output
+from pisft.integrity import stage_output, verify_read
 from pisft.io import write_json_atomic
 from pisft.policy.replicas import PolicyPool, open_policy_pool, policy_record
 from pisft.rollout import libero_sim
+from pisft.rollout import plan as rollout_plan
 from pisft.rollout import recording as episode_recording
 from pisft.rollout.workers import EpisodeSpec
 from pisft.stages import COLLECT_ROLLOUTS
@@ -154,22 +157,32 @@ def collection_record(cfg: config_mod.PisftConfig, settings: rollout.Settings, s
     }
 
 
-def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inline: bool = False) -> dict:
-    """The collect_rollouts stage at iteration `cfg.iteration` (>= 1). `simulator`: a picklable
-    factory (default `libero_sim.LiberoSimulator`); `policy`: instead of policy k-1 (tests);
-    `inline`: the environments in this process (tests)."""
+def _prepare(cfg: config_mod.PisftConfig, simulator, policy: Any, *, needs_policy: bool = True):
+    """(iteration, settings, policy k-1's folder, the simulator factory, a simulator, its record)."""
     k = cfg.iteration
     if k < 1:
         raise PisftError(f"collect_rollouts runs at a RECAP iteration k >= 1 (it rolls out policy k-1); "
                          f"got iteration {k}: pass --iteration K")
     settings = settings_for(cfg, stage=STAGE)
     model_dir = layout.policy(cfg, k - 1)
-    if policy is None and not (model_dir / "config.json").is_file():
+    if needs_policy and policy is None and not (model_dir / "config.json").is_file():
         raise PisftError(f"{model_dir}: policy {k - 1} (the model iteration {k - 1} exported) is missing; "
                          f"run iteration {k - 1}'s training first")
     factory = simulator if simulator is not None else libero_sim.LiberoSimulator
     sim = factory()  # SimulatorUnavailable with the install line when LIBERO is not installed
-    sim_info = rollout.simulator_info(sim)
+    return k, settings, model_dir, factory, sim, rollout.simulator_info(sim)
+
+
+def run(cfg: config_mod.PisftConfig, *, simulator=None, policy: Any = None, inline: bool = False,
+        shard: tuple[int, int] | None = None) -> dict:
+    """The collect_rollouts stage at iteration `cfg.iteration` (>= 1). `simulator`: a picklable
+    factory (default `libero_sim.LiberoSimulator`); `policy`: instead of policy k-1 (tests);
+    `inline`: the environments in this process (tests). `shard` (i, n): only shard i of n's
+    episodes, recorded into its shard folder (`pisft.rollout.plan`, "Scattered rollouts"); `merge` writes
+    the dataset."""
+    if shard is not None:
+        return _run_shard(cfg, *shard, simulator=simulator, policy=policy, inline=inline)
+    k, settings, model_dir, factory, sim, sim_info = _prepare(cfg, simulator, policy)
     final = layout.iteration(cfg).rollouts
     with stage_output(final, cfg) as out:  # convert_recap checks the rollouts against its manifest
         specs, languages = rollout.plan_episodes(sim, settings, None, record_dir=out / RECORDINGS)
@@ -208,14 +221,93 @@ def _collect(cfg: config_mod.PisftConfig, k: int, settings: rollout.Settings, po
         raise CollectionError(_crash_message(exc, final)) from None
     finally:
         rollout.mujoco_note(mujoco_logs, STAGE)
+    collection = write_outputs(cfg, settings, out, specs, results, sim_info=sim_info, policy=policy_record(pool),
+                               model_dir=model_dir)
+    shutil.rmtree(out / RECORDINGS)
+    return collection, rollout.timing(results, wall, num_envs, pool, settings)
+
+
+def write_outputs(cfg: config_mod.PisftConfig, settings: rollout.Settings, out: Path, specs: list[EpisodeSpec],
+                  results: list[rollout.EpisodeResult], *, sim_info: dict, policy: dict, model_dir: Path) -> dict:
+    """The dataset from the episodes' recordings (`spec.record`) and collection.json, in `out`: the
+    one-job run and the merge of its shards (`merge`) both write through here, the same bytes."""
     tasks = list(dict.fromkeys(r.task for r in results))  # LeRobot's task_index: order of first appearance
     write_recap_dataset(out, _dataset_episodes(specs, results, {t: i for i, t in enumerate(tasks)}), tasks,
                         version=DATASET_VERSION, naming="recap", fps=FPS, robot_type=ROBOT_TYPE,
                         workers=device_mod.usable_cores())
-    shutil.rmtree(out / RECORDINGS)
     collection = collection_record(cfg, settings, specs, results, tasks, model_dir)
     collection["simulator"] = sim_info
-    collection.update(policy_record(pool))
+    collection.update(policy)
     collection["settings"] = settings.record()
     write_json_atomic(out / "collection.json", collection)
-    return collection, rollout.timing(results, wall, num_envs, pool, settings)
+    return collection
+
+
+SHARD_RECORDINGS = "recordings"  # in a shard's folder: its episodes' step recordings, which the merge reads
+
+
+def _run_shard(cfg: config_mod.PisftConfig, i: int, n: int, *, simulator, policy: Any, inline: bool) -> dict:
+    """Shard i of n (`pisft.rollout.plan`, "Scattered rollouts"): its block of the plan, with the whole
+    plan's forward rows, recorded into `layout.Iteration.shard`; its timing record beside the logs."""
+    k, settings, model_dir, factory, sim, sim_info = _prepare(cfg, simulator, policy)
+    label = f"{STAGE} {rollout_plan.shard_name(i, n)}"
+    with stage_output(layout.iteration(cfg).shard(STAGE, i, n)) as out:
+        specs, languages = rollout.plan_episodes(sim, settings, None, record_dir=out / SHARD_RECORDINGS)
+        picked = rollout_plan.pick_shard(specs, i, n)
+        num_envs = rollout.env_count(settings, picked, stage=STAGE)
+        print(f"{label}: iteration {k}, policy {model_dir}: episodes {picked[0].index}..{picked[-1].index} of "
+              f"{len(specs)}, {num_envs} environment {'(inline)' if inline else 'processes'}", flush=True)
+        mujoco_logs = logs_mod.mujoco_log_dir(STAGE, layout.iteration(cfg).logs)
+        (out / SHARD_RECORDINGS).mkdir()
+        with open_policy_pool(cfg, policy, model_dir=model_dir, trained_on=layout.iteration(cfg, k - 1).dataset,
+                              seed=settings.seed, rows=settings.forward_rows(len(specs)),
+                              wait_ms=settings.policy_batch_wait_ms, stage=STAGE) as pool:
+            try:
+                results, wall = rollout.roll_out(
+                    picked, pool, settings, factory=factory, simulator=sim, num_envs=num_envs, inline=inline,
+                    languages=languages, name=STAGE, log_dir=mujoco_logs,
+                    on_episode=rollout.progress(label, len(picked), lambda r: f"{r.suite} task {r.task_id} "
+                                                f"initial state {settings.first_init_state + r.trial}", logger=log))
+            except rollout.EpisodeErrors as exc:
+                raise CollectionError(_crash_message(exc, layout.iteration(cfg).shard(STAGE, i, n))) from None
+            finally:
+                rollout.mujoco_note(mujoco_logs, STAGE)
+            run_timing = rollout.timing(results, wall, num_envs, pool, settings)
+            rollout_plan.save_shard(out, stage=STAGE, i=i, n=n, total=len(specs), results={"episodes": results},
+                                indices={"episodes": [s.index for s in picked]},
+                                record={"settings": settings.record(), "policy": policy_record(pool),
+                                        "simulator": sim_info})
+    write_json_atomic(layout.iteration(cfg).timing(f"{STAGE}.{rollout_plan.shard_name(i, n)}"), run_timing)
+    print(f"{label}: {len(picked)} episodes in {run_timing['wall_time_s']:.1f} s -> "
+          f"{layout.iteration(cfg).shard(STAGE, i, n)}", flush=True)
+    return run_timing
+
+
+def merge(cfg: config_mod.PisftConfig, n: int, *, simulator=None) -> dict:
+    """The collection from its n shards (`run(shard=...)`): the episodes planned again, each one's
+    result and recording taken from its shard by its index, then written as the one-job run writes
+    them (`write_outputs`): the same dataset and collection.json. The timing record sums the shards'."""
+    k, settings, model_dir, _factory, sim, sim_info = _prepare(cfg, simulator, None, needs_policy=False)
+    folders = [layout.iteration(cfg).shard(STAGE, i, n) for i in range(1, n + 1)]
+    for folder in folders:
+        if folder.is_dir():
+            verify_read(folder, what=f"merging {STAGE}'s shards", required=True)
+    specs, _languages = rollout.plan_episodes(sim, settings, None)
+    passes, record = rollout_plan.load_shards(folders, stage=STAGE, total=len(specs), passes={"episodes": len(specs)},
+                                               result=rollout.EpisodeResult)
+    if record["settings"] != json.loads(json.dumps(settings.record())) or record["simulator"] != sim_info:
+        raise PisftError(f"{STAGE}: the shards ran with other settings or another simulator than the config now "
+                         "gives; run every shard again")
+    recorded = [replace(spec, record=str(folders[i - 1] / SHARD_RECORDINGS / Path(f"episode_{spec.index:06d}")))
+                for i in range(1, n + 1) for spec in rollout_plan.pick_shard(specs, i, n)]
+    final = layout.iteration(cfg).rollouts
+    with stage_output(final, cfg) as out:
+        collection = write_outputs(cfg, settings, out, recorded, passes["episodes"], sim_info=sim_info,
+                                   policy=record["policy"], model_dir=model_dir)
+    timings = [json.loads(layout.iteration(cfg).timing(f"{STAGE}.{rollout_plan.shard_name(i, n)}").read_text())
+               for i in range(1, n + 1)]
+    write_json_atomic(layout.iteration(cfg).timing(STAGE),
+                      rollout_plan.merged_timing(timings, passes["episodes"], settings, rollout.timing))
+    print(f"collect_rollouts: merged {n} shards: {len(specs)} episodes, {collection['frames']} frames, "
+          f"{collection['successes']} successes -> {final}", flush=True)
+    return collection

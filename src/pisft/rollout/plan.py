@@ -1,8 +1,29 @@
 """Episode planning and seeds: the run's episodes in a fixed order (suite, task, trial), each
-with its environment seed and the seed of its policy noise, whatever worker runs it."""
+with its environment seed and the seed of its policy noise, whatever worker runs it; and the
+plan's shards.
+
+**Scattered rollouts** (`eval.shards`): a rollout stage's episodes split over several jobs, then merged.
+
+`closed_loop` and `collect_rollouts` plan their episodes in one fixed order (`plan_episodes`),
+and an episode's result depends on nothing but its plan entry: its environment seed, its noise seeds
+(from the run seed and the episode, `episode_seed`, `chunk_seed`) and the rows of every policy forward
+(`eval.policy_batch`, at most one per episode of the whole plan: `Settings.forward_rows`), never on
+which worker, process or node runs it, nor what ran before it. So shard i of N runs the contiguous
+block of the plan `shard_range(total, i, N)` (blocks keep a task's episodes together, so a worker keeps
+its environment), with the forward rows of the whole plan, and writes its episodes' results, videos
+and recordings into its own folder (`layout.Iteration.shard`); the merge plans the same episodes
+again, takes every result by its episode index, and writes the stage's usual outputs with the same
+code as the one-job run: the same bytes (tests/test_rollout_shards.py). Each shard's timing record
+goes beside the logs (`<stage>.shard_<i>_of_<N>.timing.json`), the merge's sums them.
+
+A shard's folder is written whole or not at all (`pisft.integrity.stage_output`, with a manifest the
+merge verifies), so a shard whose job was killed leaves nothing and is the only one a driver runs
+again (Snakemake: one job per shard; docs/workflow.md, "Scattered evaluation and collection")."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -79,3 +100,93 @@ def plan_episodes(simulator: libero_sim.Simulator, settings: Settings, out_dir: 
                     record=None if record_dir is None else str(record_dir / f"episode_{index:06d}")))
     return specs, languages
 
+
+
+SHARD_RESULTS = "results.json"  # in a shard's folder: its episodes' results and what they were run with
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """`--shard I/N` -> (I, N), 1 <= I <= N."""
+    try:
+        i, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise PisftError(f"--shard {text}: give the shard as I/N, e.g. 1/2 (shard 1 of 2)") from None
+    if not 1 <= i <= n:
+        raise PisftError(f"--shard {text}: the shard I of I/N is 1..N")
+    return i, n
+
+
+def shard_name(i: int, n: int) -> str:
+    """A shard's folder and timing record name: `shard_1_of_2`."""
+    return f"shard_{i}_of_{n}"
+
+
+def shard_range(total: int, i: int, n: int) -> range:
+    """The plan positions shard i (1..n) of n runs: contiguous blocks whose sizes differ by at most one
+    (the first total % n shards one more). Refused when a shard would have no episode."""
+    if n > total:
+        raise PisftError(f"eval.shards is {n} but the stage plans {total} episode(s): every shard needs one; "
+                         f"set eval.shards to at most {total}")
+    return range((i - 1) * total // n, i * total // n)
+
+
+def pick_shard(specs: list[EpisodeSpec], i: int, n: int) -> list[EpisodeSpec]:
+    """Shard i of n's episodes of a plan (its specs in plan order, `spec.index` their position)."""
+    return [specs[p] for p in shard_range(len(specs), i, n)]
+
+
+def save_shard(folder: Path, *, stage: str, i: int, n: int, total: int, results: dict[str, list],
+         indices: dict[str, list[int]], record: dict) -> None:
+    """A shard's results.json: for each pass (`results`: "episodes", and the closed loop's plain-chunking
+    pass "plain"), its results with their plan indices; `record`: what the merge checks is the same in
+    every shard (the settings, the policy's record, the simulator)."""
+    doc = {"stage": stage, "shard": i, "shards": n, "episodes": total, "record": record,
+           "passes": {key: [{"index": index, **asdict(r)} for index, r in zip(indices[key], rs, strict=True)]
+                      for key, rs in results.items()}}
+    (folder / SHARD_RESULTS).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def load_shards(folders: list[Path], *, stage: str, total: int, passes: dict[str, int],
+                result: type) -> tuple[dict[str, list], dict]:
+    """The shards' results (as `result`: the scheduler's EpisodeResult, which imports this module), each
+    pass in plan order (`passes`: its number of episodes), and the record they share. Refused (naming the
+    shard and what to do) when a shard is missing, was run for another number of shards or another plan,
+    or when two disagree on the record."""
+    n = len(folders)
+    merged = {key: [None] * count for key, count in passes.items()}
+    record = None
+    for i, folder in enumerate(folders, start=1):
+        path = folder / SHARD_RESULTS
+        if not path.is_file():
+            raise PisftError(f"{stage}: shard {i} of {n} has no {path}; run it first "
+                             f"(python -m pisft {stage} --shard {i}/{n}, or the workflow's {stage} shard rule)")
+        doc = json.loads(path.read_text())
+        if (doc["stage"], doc["shard"], doc["shards"], doc["episodes"]) != (stage, i, n, total):
+            raise PisftError(f"{path}: written as shard {doc['shard']} of {doc['shards']} of {doc['episodes']} "
+                             f"episodes, not shard {i} of {n} of {total}: the config changed since; "
+                             "run the shards again")
+        if record is None:
+            record = doc["record"]
+        elif doc["record"] != record:
+            raise PisftError(f"{path}: its settings, policy or simulator differ from shard 1's "
+                             f"({folders[0] / SHARD_RESULTS}); run every shard again with the same config")
+        for key, entries in doc["passes"].items():
+            for entry in entries:
+                index = entry.pop("index")
+                if merged[key][index] is not None:
+                    raise PisftError(f"{path}: episode {index} is also in another shard; run the shards again")
+                merged[key][index] = result(**entry)
+    missing = {key: [p for p, r in enumerate(rs) if r is None] for key, rs in merged.items()}
+    if any(missing.values()):
+        raise PisftError(f"{stage}: the shards miss episodes {missing}; run every shard again")
+    return merged, record or {}
+
+
+def merged_timing(shard_timings: list[dict], results: list, settings, timing) -> dict:
+    """The merge's timing record: the pooled figures over every shard's episodes (`timing` of the
+    scheduler: environment processes summed, wall time the longest shard's), each shard's record
+    under `shards`."""
+    out = timing(results, max(t["wall_time_s"] for t in shard_timings), sum(t["num_envs"] for t in shard_timings),
+                 None, settings)
+    out["shards"] = shard_timings
+    return out

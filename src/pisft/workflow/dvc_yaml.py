@@ -45,7 +45,7 @@ import yaml
 from pisft import config as pisft_config
 from pisft import layout
 from pisft.stages import DVC_WRAPPER as WRAPPER
-from pisft.stages import MODEL_SOURCE, STAGES, Output, Table, stage_of
+from pisft.stages import MODEL_SOURCE, STAGES, Output, Table, shard_of, stage_of
 from pisft.code_graph import lock_of
 from pisft.workflow.snakemake_rules import RuleSpec, load_workflow
 
@@ -82,7 +82,9 @@ def shape(cfg: pisft_config.PisftConfig) -> str:
             f"model.tokenizer={'local' if _local(cfg.model.tokenizer) else 'other'} "
             f"eval.closed_loop={str(cfg.eval.closed_loop).lower()} recap.iterations={cfg.recap.iterations} "
             f"recap.init={cfg.recap.init} recap.value_init={cfg.recap.value_init} lock={lock} "
-            f"data.recap_dir={sources}")
+            f"data.recap_dir={sources}"
+            # the rollout stages' shard rules (one job: no word, the shape as it was)
+            + (f" eval.shards={cfg.eval.shards}" if cfg.eval.shards > 1 else ""))
 
 
 def shape_of(text: str) -> str | None:
@@ -133,6 +135,8 @@ def _outputs(rule: RuleSpec, cfg: pisft_config.PisftConfig) -> list[tuple[str, O
     """The rule's outputs, each with its row's `pisft.stages.Output` (what DVC makes of it)."""
     name, k = stage_of(rule.name)
     row = STAGES[name]
+    if shard_of(rule.name):  # a shard's folder (eval.shards > 1): what its stage's merge reads, no metric
+        return [(path, Output(path, folder=True)) for path in rule.outputs.values()]
     marks = {str(path): out for out, path in layout.outputs(cfg, row, k)}
     return [(path, marks[path]) for path in rule.outputs.values()]
 

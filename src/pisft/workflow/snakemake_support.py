@@ -165,6 +165,11 @@ def stage_inputs(cfg: pisft_config.PisftConfig, values: dict, stage: Stage, k: i
     return paths
 
 
+def shard_folders(cfg: pisft_config.PisftConfig, stage: Stage, k: int, n: int) -> list[str]:
+    """What the merge of a stage scattered over n shards reads: the shards' folders."""
+    return [str(layout.iteration(cfg, k).shard(stage.name, i, n)) for i in range(1, n + 1)]
+
+
 def every_output(workflow) -> list[str]:
     """Every stage's outputs, for `rule all`: a missing intermediate (e.g. the model a failed
     training left out) is requested itself, so it is rebuilt with everything after it."""
