@@ -51,7 +51,8 @@ def stage_rule(row, k):
     """Define the rule that runs `row`'s stage at iteration k (`train_8card_1`): all of it from
     the row in pisft.stages. A stage scattered over N > 1 jobs (its `shards_key`, eval.shards)
     is N shard rules, each a job the executor places on any node, and its own rule, which merges
-    their folders into its outputs (docs/workflow.md, "Scattered evaluation and collection")."""
+    their folders into its outputs (docs/workflow.md, "Scattered evaluation and collection").
+    """
     rule_id = row.rule(k)
     unnamed, named = outputs_of(row, k)
     nproc = 1 if row.one_process else CFG.train.nproc_per_node
@@ -91,7 +92,8 @@ def stage_rule(row, k):
 
 def shard_rule(row, k, i, n, inputs):
     """Shard i of n of `row`'s stage at iteration k: what the stage reads, its block of the
-    episodes into its shard folder (pisft.layout.Iteration.shard); its keys and code rerun it."""
+    episodes into its shard folder (pisft.layout.Iteration.shard); its keys and code rerun it.
+    """
     rule_id = row.shard_rule(k, i, n)
 
     rule:
