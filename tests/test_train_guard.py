@@ -48,6 +48,24 @@ def _wait(predicate, timeout=20.0):
     return False
 
 
+def _sigkill_and_take_the_lock(holder: subprocess.Popen, folder: Path, alive: int | None = None) -> None:
+    """SIGKILL the lock's holder, check that the process `alive` (if any) still lives, then take
+    and release the lock."""
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    if alive is not None:
+        os.kill(alive, 0)
+    lock = RunLock(folder)
+    lock.acquire()
+    lock.release()
+
+
+def _stop(holder: subprocess.Popen) -> None:
+    if holder.poll() is None:
+        holder.kill()
+        holder.wait()
+
+
 def test_second_trainer_is_refused_naming_the_holder_until_it_dies(tmp_path):
     folder = tmp_path / "run-abc"
     holder = subprocess.Popen(
@@ -65,15 +83,9 @@ def test_second_trainer_is_refused_naming_the_holder_until_it_dies(tmp_path):
         msg = str(exc.value)
         assert f"pid {holder.pid}" in msg and socket.gethostname() in msg and "started 20" in msg
         assert str(folder) in msg
-        holder.send_signal(signal.SIGKILL)  # however the holder dies, the kernel frees the lock
-        holder.wait()
-        lock = RunLock(folder)
-        lock.acquire()
-        lock.release()
+        _sigkill_and_take_the_lock(holder, folder)  # however the holder dies, the kernel frees the lock
     finally:
-        if holder.poll() is None:
-            holder.kill()
-            holder.wait()
+        _stop(holder)
 
 
 def test_a_child_forked_by_the_holder_neither_frees_nor_keeps_its_lock(tmp_path):
@@ -96,16 +108,9 @@ def test_a_child_forked_by_the_holder_neither_frees_nor_keeps_its_lock(tmp_path)
         child = int(holder.stdout.readline())
         with pytest.raises(RunLockHeld, match=f"pid {holder.pid}"):  # the child's close freed nothing
             RunLock(folder).acquire()
-        holder.send_signal(signal.SIGKILL)
-        holder.wait()
-        os.kill(child, 0)  # the child lives on (it sleeps a minute)
-        lock = RunLock(folder)
-        lock.acquire()
-        lock.release()
+        _sigkill_and_take_the_lock(holder, folder, alive=child)  # the child lives on (it sleeps a minute)
     finally:
-        if holder.poll() is None:
-            holder.kill()
-            holder.wait()
+        _stop(holder)
         if child is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
