@@ -389,8 +389,9 @@ def shard_of(rule: str) -> tuple[int, int] | None:
 def stage_of(rule: str) -> tuple[str, int]:
     """The stage and iteration a rule runs: `train_8card_1` -> ("train_8card", 1); a shard rule's are
     its stage's (`closed_loop_1__shard_2_of_3` -> ("closed_loop", 1))."""
-    base, _, k = rule.partition(SHARD_TAG)[0].rpartition("_")
+    own = rule.partition(SHARD_TAG)[0]
+    base, _, k = own.rpartition("_")
     if k.isdigit() and base in STAGES:
         return base, int(k)
-    return rule.partition(SHARD_TAG)[0], 0
+    return own, 0
 
