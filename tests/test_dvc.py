@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, appended_comment, run, tool_env
-from dvc_fixtures import CHECK, RAN, STAGES  # dvc_run: the session's DVC run (tests/dvc_fixtures.py)
+from conftest import BIN, appended_comment, reverted, run, tool_env
+from dvc_fixtures import CHECK, RAN, SMALL, STAGES  # dvc_run: the session's DVC run (tests/dvc_fixtures.py)
 
 from pisft.train.guard import LOCK_NAME
 
@@ -68,15 +68,21 @@ def test_snakemake_has_nothing_to_do_after_dvc_repro(dvc_run):
 
 
 def test_dvc_reruns_exactly_what_reads_a_changed_key(dvc_run, tmp_path):
-    """A train key reruns training and evaluation. The other depths each cost a rerun and are
-    run once, where a test needs that rerun anyway: a data key (data.eval_fraction) reruns the
-    dataset onward in test_every_episode_trains_with_eval_fraction_zero_under_both_drivers, an
-    eval key (eval.batch_size) evaluation alone in test_metrics_plots_and_experiments; which
-    stage reads which key is the stage table's, checked whole in tests/test_stages.py."""
+    """A train key, set by a DVC experiment, reruns training and evaluation, and the experiment
+    records it. The other depths each cost a rerun and are run once, where a test needs that rerun
+    anyway: a data key (data.eval_fraction) reruns the dataset onward in
+    test_every_episode_trains_with_eval_fraction_zero_under_both_drivers; an eval key is read by
+    `evaluate` alone (DVC's status, below, without the rerun); which stage reads which key is the
+    stage table's, checked whole in tests/test_stages.py."""
     work = clone_run(dvc_run, tmp_path / "w")
-    set_keys(work, {("train", "steps"): 7})
-    out = run(["dvc", "repro"], work)
-    assert set(RAN.findall(out.stdout)) == {"train_8card", "evaluate"}
+    with reverted(work / "config/config.yaml"):
+        set_keys(work, {("eval", "batch_size"): 3})
+        assert _changed_stages(work) == {"evaluate"}
+    exp = run(["dvc", "exp", "run", "-S", "config/config.yaml:train.steps=7"], work)
+    assert set(RAN.findall(exp.stdout)) == {"train_8card", "evaluate"}
+    assert len((work / "results/train/metrics.jsonl").read_text().splitlines()) == 7
+    shown = json.loads(run(["dvc", "exp", "show", "--json"], work).stdout)
+    assert 7 in list(_values_at(shown, ("train", "steps"))), "the experiment records train.steps=7"
     # Snakemake recorded what DVC ran: nothing to do, and a later change reruns exactly its readers
     dry = run(["snakemake", "-n", "--cores", "2"], work)
     assert NOTHING in dry.stdout + dry.stderr, dry.stdout[-3000:]
@@ -123,18 +129,13 @@ def test_fresh_clone_and_dvc_pull_does_not_make_snakemake_retrain(dvc_run, tmp_p
     assert planned == {"train_8card", "evaluate"}
 
 
-def test_metrics_plots_and_experiments(dvc_run, tmp_path):
+def test_metrics_and_plots(dvc_run, tmp_path):
     work = clone_run(dvc_run, tmp_path / "w")
     metrics = json.loads(run(["dvc", "metrics", "show", "--json"], work).stdout)
     text = json.dumps(metrics)
     assert "results/eval/metrics.json" in text and "action_mse" in text
     _assert_every_plot_renders_its_data(work)
-    # The experiment changes a key only `evaluate` reads (the smallest rerun; which stages a key
-    # reruns is test_dvc_reruns_exactly_what_reads_a_changed_key's)
-    exp = run(["dvc", "exp", "run", "-S", "config/config.yaml:eval.batch_size=3"], work)
-    assert set(RAN.findall(exp.stdout)) == {"evaluate"}
-    shown = json.loads(run(["dvc", "exp", "show", "--json"], work).stdout)
-    assert 3 in list(_values_at(shown, ("eval", "batch_size"))), "the experiment records eval.batch_size=3"
+    # experiments: test_dvc_reruns_exactly_what_reads_a_changed_key runs one (`dvc exp run -S`)
 
 
 def _assert_every_plot_renders_its_data(work: Path) -> None:
@@ -206,14 +207,17 @@ def _trainer_holding(work: Path, drivers: set[int]) -> int | None:
     return None
 
 
-def test_a_dvc_repro_beside_a_training_snakemake_is_refused_and_leaves_one_trainer(dvc_run, tmp_path):
-    """Snakemake trains (its trainer held with SIGSTOP while the other driver starts): `dvc repro`
-    started beside it is refused at once (DVC's repository lock, which a Snakemake run holds), before
-    it removes or writes anything; the one trainer writes every step once. Before: the wrapper saw
-    Snakemake's lock and carried on, re-ran four stages under it, and Snakemake failed."""
+def test_a_dvc_repro_beside_a_training_snakemake_is_refused_and_snakemake_trains_dvcs_bytes(dvc_run, tmp_path):
+    """Snakemake retrains, from no checkpoint, what `dvc repro` trained in the session's run
+    (tests/dvc_fixtures.py), its trainer held with SIGSTOP while the other driver starts: `dvc
+    repro` started beside it is refused at once (DVC's repository lock, which a Snakemake run
+    holds), before it removes or writes anything; the one trainer writes every step once, and the
+    weights are byte-identical through either driver (same threads; tests/test_slurm.py compares a
+    Snakemake run through Slurm with the same run). Before the refusal: the wrapper saw Snakemake's
+    lock and carried on, re-ran four stages under it, and Snakemake failed."""
     work = clone_run(dvc_run, tmp_path / "w")
-    # steps past the session run's 6, so that train_8card reruns
-    set_keys(work, {("train", "steps"): 8, ("train", "save_every"): 4})
+    shutil.rmtree(work / "results/checkpoints")
+    shutil.rmtree(work / "results/train")
     assert set(re.findall(r"^rule (\w+):", run(["snakemake", "-n", "--cores", "2", "train_8card"],
                                                  work).stdout, re.M)) == {"train_8card"}
     snakemake = subprocess.Popen([str(BIN / "snakemake"), "--cores", "2", "train_8card"], cwd=work, env=tool_env(),
@@ -244,7 +248,11 @@ def test_a_dvc_repro_beside_a_training_snakemake_is_refused_and_leaves_one_train
     assert snakemake.returncode == 0, out.get("s", "")[-3000:]
     steps = [json.loads(line)["step"] for line in
              (work / "results/train/metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 9)), "one trainer: every step once, in order"
+    assert steps == list(range(1, SMALL[("train", "steps")] + 1)), "one trainer: every step once, in order"
+    log = (work / "results/logs/train_8card.log").read_text()
+    assert "resuming from" not in log, log[-3000:]  # trained from the start
+    weights = "results/train/model/model.safetensors"
+    assert (work / weights).read_bytes() == (dvc_run / weights).read_bytes()
 
 
 @pytest.fixture(scope="module")
@@ -328,20 +336,3 @@ def test_after_snakemake_dvc_is_up_to_date_and_a_pull_restores_every_output(defa
     run(["snakemake", "--touch", "--cores", "1"], clone)  # the documented step after a pull
     dry = run(["snakemake", "-n", "--cores", "2"], clone)
     assert NOTHING in dry.stdout + dry.stderr
-
-
-def test_snakemake_retrains_the_bytes_dvc_trained(dvc_run, tmp_path):
-    """The weights are byte-identical through either driver (same threads): Snakemake retrains,
-    from no checkpoint, what `dvc repro` trained in the session's run (tests/dvc_fixtures.py;
-    tests/test_slurm.py compares a Snakemake run through Slurm with the same run)."""
-    work = clone_run(dvc_run, tmp_path / "w")
-    shutil.rmtree(work / "results/checkpoints")
-    shutil.rmtree(work / "results/train")
-    planned = set(re.findall(r"^rule (\w+):", run(["snakemake", "-n", "--cores", "2", "train_8card"],
-                                                  work).stdout, re.M))
-    assert planned == {"train_8card"}
-    run(["snakemake", "--cores", "2", "train_8card"], work)
-    log = (work / "results/logs/train_8card.log").read_text()
-    assert "resuming from" not in log, log[-3000:]  # trained from the start
-    weights = "results/train/model/model.safetensors"
-    assert (work / weights).read_bytes() == (dvc_run / weights).read_bytes()
