@@ -97,9 +97,16 @@ def test_a_child_forked_by_the_holder_neither_frees_nor_keeps_its_lock(tmp_path)
         [sys.executable, "-c", textwrap.dedent(f"""
             import multiprocessing, os, time
             from pisft.train.guard import RunLock
+
+            def started(w):  # runs in the child after the fork handlers (the lock's fd closed)
+                os.write(w, b"x")
+                time.sleep(60)
+
             RunLock({str(folder)!r}).acquire()
-            child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+            r, w = os.pipe()
+            child = multiprocessing.get_context("fork").Process(target=started, args=(w,))
             child.start()
+            os.read(r, 1)  # the child ran: on a loaded host it may not have been scheduled yet
             print(child.pid, flush=True)
             time.sleep(600)
         """)], stdout=subprocess.PIPE, text=True)
