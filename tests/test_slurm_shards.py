@@ -311,3 +311,18 @@ def test_the_collection_shards_run_as_slurm_jobs_on_both_nodes_and_merge_to_the_
     dry = run(["snakemake", "-n", "--cores", "2", *COLLECT_TARGETS], work)
     assert NOTHING in dry.stdout + dry.stderr, dry.stdout[-3000:]
     assert "up to date" in run(["dvc", "status", "--with-deps", COLLECT], work).stdout.lower()
+
+
+def test_dvc_repro_runs_the_collection_shard_stages_then_the_merge(collection_base, collection_one_job, tmp_path):
+    """The DVC driver at eval.shards 2 on the collection: dvc.yaml's stage per shard, then the merge,
+    the one-job run's dataset."""
+    work = tmp_path / "w"
+    shutil.copytree(collection_base, work, symlinks=True)
+    configure(work, 2, COLLECTION)
+    start = time.monotonic()
+    ran = RAN.findall(local(work, "dvc", "repro", COLLECT).stdout)
+    print(f"\ndvc repro of the scattered collection: {time.monotonic() - start:.0f} s; {ran}")
+    assert set(ran) == {CHECK, *COLLECT_SHARD_RULES, COLLECT} and ran[-1] == COLLECT, ran
+    assert rollouts(work) == collection_one_job
+    assert "up to date" in run(["dvc", "status", "--with-deps", COLLECT], work).stdout.lower()
+    assert planned(work, *COLLECT_TARGETS) == set()
