@@ -1,5 +1,6 @@
 """Issue 57, items 2 and 4 on the two-node cluster: the scattered closed loop (`eval.shards`) through
-`profiles/slurm`, a shard's job killed mid-run, and `dvc repro` of the shard stages.
+`profiles/slurm`, a shard's job killed mid-run, and `dvc repro` of the shard stages; the scattered
+RECAP collection (`collect_rollouts_1`) through `profiles/slurm`.
 
 The small SFT run of tests/dvc_fixtures.py (its trained model) with the closed loop switched on: 2
 LIBERO-10 tasks x 2 trials of a few steps in the real simulator, one environment process, one
@@ -11,11 +12,16 @@ rules and the same simulator on this host (tests/test_rollout_shards.py::
 test_snakemake_runs_a_job_per_shard_and_reruns_only_a_lost_shard: two shard jobs and the merge give
 the one-job run's bytes; a shard's folder lost plans that shard and the merge only) and the byte
 identity of the merge at 2 and 3 shards (test_the_merged_closed_loop_is_the_one_job_runs_bytes).
-These add the shards as Slurm jobs on two nodes, a job really killed, and the DVC driver.
+These add the shards as Slurm jobs on two nodes, a job really killed, and the DVC driver. The
+collection's own reference is a local one-job `snakemake collect_rollouts_1` of the same run with one
+RECAP iteration switched on; make test holds its merge's bytes in one process (tests/
+test_rollout_shards.py::test_the_merged_collection_is_the_one_job_runs_dataset) and its shard rules
+and dvc.yaml (tests/test_workflow.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -46,17 +52,28 @@ SHARD_RULES = [f"closed_loop__shard_{i}_of_2" for i in (1, 2)]
 # would run again after it (minutes here), which this test does not need
 TARGETS = ["closed_loop", *(f"{SHARDS}/shard_{i}_of_2" for i in (1, 2))]
 JOB = re.compile(r"^(?:local)?rule (\w+):", re.M)
+# The collection: one RECAP iteration switched on (with the closed loop's eval settings above, which
+# it needs), policy 0 (dvc_run's trained model) rolled out on 2 LIBERO-10 tasks x 1 episode of 20
+# steps (one per shard), one environment process. Only collect_rollouts_1 runs: the targets are it
+# and its shards' folders (the closed loops and what follows the collection are not asked for).
+COLLECTION = {"iterations": 1, "suite": "libero_10", "task_ids": [0, 1], "episodes_per_task": 1, "max_steps": 20}
+COLLECT = "collect_rollouts_1"
+COLLECT_SHARDS = "results/recap/iter_1/shards/collect_rollouts"
+COLLECT_SHARD_RULES = [f"{COLLECT}__shard_{i}_of_2" for i in (1, 2)]
+COLLECT_TARGETS = [COLLECT, *(f"{COLLECT_SHARDS}/shard_{i}_of_2" for i in (1, 2))]
 
 
-def configure(work: Path, shards: int) -> None:
-    """config/config.yaml's eval set to the closed loop above at `shards`, dvc.yaml regenerated (its
-    stages follow eval.shards), committed."""
+def configure(work: Path, shards: int, recap: dict | None = None) -> None:
+    """config/config.yaml's eval set to the closed loop above at `shards` (a RECAP iteration needs the
+    closed loop on) and its recap section updated by `recap`, dvc.yaml regenerated (its stages follow
+    eval.shards and recap.iterations), committed."""
     path = work / "config/config.yaml"
     cfg = yaml.safe_load(path.read_text())
     cfg["eval"].update(CLOSED_LOOP, shards=shards)
+    cfg["recap"].update(recap or {})
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     run([str(BIN / "python"), "-m", "pisft", "dvc-yaml"], work)
-    run(["git", "commit", "-qam", f"closed loop, eval.shards {shards}"], work)
+    run(["git", "commit", "-qam", f"{'closed loop' if recap is None else 'collection'}, eval.shards {shards}"], work)
 
 
 def local(work: Path, *cmd: str) -> subprocess.CompletedProcess:
@@ -80,14 +97,26 @@ def outputs(work: Path) -> dict[str, bytes]:
             if p.is_file() and (p.name in ("metrics.json", "episodes.jsonl") or p.parent.name == "videos")}
 
 
-def fit_shards(work: Path, cluster: Cluster) -> None:
+def rollouts(work: Path) -> dict[str, bytes]:
+    """The collection's outputs that the one-job and the scattered runs share byte for byte, as
+    tests/test_rollout_shards.py compares them: every file of the rollout dataset (parquet, meta/,
+    collection.json) and the manifest's lines but the resolved config's (it has eval.shards)."""
+    out = work / "results/recap/iter_1/rollouts"
+    got = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+           if p.is_file() and p.name not in ("pisft_config.json", "MANIFEST.json")}
+    manifest = json.loads((out / "MANIFEST.json").read_text())["files"]
+    return {**got, "MANIFEST.json files": json.dumps({k: v for k, v in manifest.items() if k != "pisft_config.json"},
+                                                     sort_keys=True).encode()}
+
+
+def fit_shards(work: Path, cluster: Cluster, rules=SHARD_RULES) -> None:
     """The test profile (tests/test_slurm.py) with each shard job asking for a whole node's CPUs and
     a LIBERO environment's memory: Slurm then places the two on different nodes (each node has the
     host's cores, cons_tres would otherwise pack both on the first)."""
     cpus = {int(c) for c in cluster.run("sinfo", "-h", "-N", "-o", "%c").stdout.split()}
     assert len(cpus) == 1, cpus
     profile = fit_profile(work, cluster)
-    for rule in SHARD_RULES:
+    for rule in rules:
         profile["set-resources"][rule] = {**DEFAULT, "cpus_per_task": next(iter(cpus)), "mem_mb": 4000}
     (work / "profiles/slurm/config.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))
 
@@ -132,12 +161,38 @@ def one_job(base, tmp_path_factory) -> tuple[Path, dict[str, bytes]]:
     return work, got
 
 
-def scattered_copy(base: Path, work: Path, cluster: Cluster) -> Path:
+@pytest.fixture(scope="module")
+def collection_base(dvc_run, tmp_path_factory) -> Path:
+    """dvc_run's finished SFT run (its trained model, policy 0) with one RECAP iteration's small
+    collection switched on, not run."""
+    work = tmp_path_factory.mktemp("slurm_shards") / "collection_base"
+    shutil.copytree(dvc_run, work, symlinks=True)
+    configure(work, 1, recap=COLLECTION)
+    return work
+
+
+@pytest.fixture(scope="module")
+def collection_one_job(collection_base, tmp_path_factory) -> dict[str, bytes]:
+    """The collection's reference: collect_rollouts_1 as one job, a local `snakemake` of the same copy."""
+    work = tmp_path_factory.mktemp("slurm_shards") / "collection_one"
+    shutil.copytree(collection_base, work, symlinks=True)
+    assert planned(work, COLLECT) == {COLLECT}
+    start = time.monotonic()
+    local(work, "snakemake", "--cores", "2", COLLECT)
+    print(f"\none-job collection (local snakemake): {time.monotonic() - start:.0f} s")
+    got = rollouts(work)
+    assert "collection.json" in got and any(name.endswith(".parquet") for name in got), sorted(got)
+    assert len(json.loads(got["collection.json"])["episodes"]) == 2, got["collection.json"][:2000]
+    return got
+
+
+def scattered_copy(base: Path, work: Path, cluster: Cluster, rules=SHARD_RULES, merge="closed_loop",
+                   targets=TARGETS, recap: dict | None = None) -> Path:
     shutil.copytree(base, work, symlinks=True)
-    configure(work, 2)
-    fit_shards(work, cluster)
+    configure(work, 2, recap)
+    fit_shards(work, cluster, rules)
     run(["git", "commit", "-qam", "the test cluster's partition and sizes"], work)
-    assert planned(work, *TARGETS) == {*SHARD_RULES, "closed_loop"}
+    assert planned(work, *targets) == {*rules, merge}
     return work
 
 
@@ -233,3 +288,41 @@ def test_dvc_repro_runs_the_shard_stages_then_the_merge(base, one_job, tmp_path)
     assert outputs(work) == reference
     assert "up to date" in run(["dvc", "status", "--with-deps", "closed_loop"], work).stdout.lower()
     assert planned(work, *TARGETS) == set()
+
+
+def test_the_collection_shards_run_as_slurm_jobs_on_both_nodes_and_merge_to_the_one_job_dataset(
+        slurm_two_nodes, collection_base, collection_one_job, tmp_path):
+    """RECAP iteration 1's collection at eval.shards 2 under profiles/slurm: each shard a Slurm job,
+    the two on different nodes, then the merge; the merged rollout dataset, collection.json and the
+    manifest are the one-job run's bytes; afterwards Snakemake and DVC have nothing to do."""
+    work = scattered_copy(collection_base, tmp_path / "w", slurm_two_nodes, COLLECT_SHARD_RULES, COLLECT,
+                          COLLECT_TARGETS, COLLECTION)
+    start = time.monotonic()
+    proc = slurm_snakemake(work, slurm_two_nodes, *COLLECT_TARGETS, env=ONE_THREAD)
+    jobs = submitted(proc.stdout + proc.stderr)
+    print(f"\nscattered collection through Slurm: {time.monotonic() - start:.0f} s")
+    assert set(jobs) == {*COLLECT_SHARD_RULES, COLLECT}, (proc.stdout + proc.stderr)[-4000:]
+    where = nodes_of(slurm_two_nodes, jobs)
+    print("  " + "\n  ".join(f"{rule}: job {jobs[rule]} on {n} {s}" for rule, (n, s) in where.items()))
+    print(f"  the jobs' CPU: {job_cpu_s(work, jobs):.0f} s")
+    assert all(state == "COMPLETED" for _, state in where.values()), where
+    assert {where[rule][0] for rule in COLLECT_SHARD_RULES} == set(slurm_two_nodes.nodes), where
+    assert rollouts(work) == collection_one_job
+    dry = run(["snakemake", "-n", "--cores", "2", *COLLECT_TARGETS], work)
+    assert NOTHING in dry.stdout + dry.stderr, dry.stdout[-3000:]
+    assert "up to date" in run(["dvc", "status", "--with-deps", COLLECT], work).stdout.lower()
+
+
+def test_dvc_repro_runs_the_collection_shard_stages_then_the_merge(collection_base, collection_one_job, tmp_path):
+    """The DVC driver at eval.shards 2 on the collection: dvc.yaml's stage per shard, then the merge,
+    the one-job run's dataset."""
+    work = tmp_path / "w"
+    shutil.copytree(collection_base, work, symlinks=True)
+    configure(work, 2, COLLECTION)
+    start = time.monotonic()
+    ran = RAN.findall(local(work, "dvc", "repro", COLLECT).stdout)
+    print(f"\ndvc repro of the scattered collection: {time.monotonic() - start:.0f} s; {ran}")
+    assert set(ran) == {CHECK, *COLLECT_SHARD_RULES, COLLECT} and ran[-1] == COLLECT, ran
+    assert rollouts(work) == collection_one_job
+    assert "up to date" in run(["dvc", "status", "--with-deps", COLLECT], work).stdout.lower()
+    assert planned(work, *COLLECT_TARGETS) == set()

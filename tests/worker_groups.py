@@ -31,7 +31,8 @@ PIPELINE_TESTS = {
         "tests/test_rollout_chunking.py::test_rtc_lowers_the_jerk_of_the_trained_model_at_chunk_boundaries",
         "tests/test_rollout_shards.py::test_snakemake_runs_a_job_per_shard_and_reruns_only_a_lost_shard",
     ),
-    # test_slurm compares its Slurm run with it; test_slurm_shards runs the closed loop on its trained model
+    # test_slurm compares its Slurm run with it; test_slurm_shards runs the closed loop and a RECAP collection
+    # on its trained model
     "dvc_run": ("tests/test_dvc.py", "tests/test_slurm.py", "tests/test_slurm_shards.py"),
 }
 # Fixtures that run the workflow's drivers over the DAG (minutes each): the tests that use them carry
