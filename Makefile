@@ -79,6 +79,9 @@ setup:
 	echo "setup: installing the LIBERO simulator from $(SIM_NODEPS) (--no-deps; its dependencies are in $(LOCK))"; \
 	$(PY) -m pip install --quiet --no-deps --require-hashes -r $(SIM_NODEPS); \
 	$(PY) scripts/libero_sim_setup.py all; \
+	echo "setup: compiling the installed packages to bytecode once (every stage and test process then loads it)"; \
+	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || \
+	  echo "setup: note: some installed files did not compile to bytecode; Python compiles them when they are imported"; \
 	if [ "$(DEVICE)" = npu ] && ! $(PY) -c 'import torch, torch_npu; print("setup: torch", torch.__version__, "torch_npu", torch_npu.__version__)'; then \
 	  echo "setup: torch_npu does not import (above); check that CANN 9.1.0 is installed and its set_env.sh sourced" >&2; exit 1; fi; \
 	echo "$$want" > $(STAMP); echo "setup: done"
