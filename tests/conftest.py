@@ -16,7 +16,7 @@ from pathlib import Path
 # descheduled peer reaches the barrier burns the cores the other processes wait for. Measured: two
 # small SFT DAGs through Snakemake at once, 136 -> 110 CPU s each (210 -> 163 s wall); `evaluate` beside
 # other work, 46 -> 15 CPU s. Thread counts, and so every result's bytes, are unchanged. An
-# OMP_WAIT_POLICY set by hand wins (docs/development.md, "Test time").
+# OMP_WAIT_POLICY set by hand wins (docs/development.md, "Tests").
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
