@@ -14,6 +14,7 @@ from pisft import rollout
 from pisft.errors import PisftError
 from pisft.evaluate import closed_loop
 from pisft.policy.libero import RTC_DELAY_KEY, RTC_PREV_KEY
+from pisft.policy.rtc import RtcSettings
 from pisft.rollout.chunking import ChunkSchedule, jerk_sums, pooled_jerk
 from pisft.rollout.workers import InlineWorker
 from test_eval_closed_loop import StandInSimulator, StandInTask, make_cfg
@@ -44,7 +45,7 @@ class NumberedChunks:
 def _roll(delay: int, rtc: bool, max_steps: int = 16) -> tuple[NumberedChunks, np.ndarray, rollout.EpisodeResult]:
     sim = StandInSimulator([StandInTask("reach 99 0 0", [99.0, 0, 0])])
     s = rollout.Settings(suites=("libero_spatial",), trials_per_task=1, replan_steps=5, num_wait_steps=WAIT, seed=7,
-                         resize_size=224, max_steps=max_steps, delay_steps=delay, rtc=rtc)
+                         resize_size=224, max_steps=max_steps, delay_steps=delay, rtc=RtcSettings() if rtc else None)
     specs, languages = rollout.plan_episodes(sim, s, None)
     policy = NumberedChunks()
     worker = InlineWorker(sim)
@@ -108,6 +109,25 @@ def test_rtc_with_the_whole_chunk_executed_asks_for_a_plain_chunk():
     schedule.start(0)
     schedule.payload(0, np.zeros((8, 7)), lambda c: c)
     assert len(schedule.request(0, {"x": 1})[RTC_PREV_KEY]) == 3
+
+
+def test_the_rtc_settings_are_built_once_from_eval_rtc():
+    """`Settings.for_evaluation` reads eval.rtc once: its guidance keys as the `RtcSettings` the
+    policy pool is given, None when eval.rtc.enabled is off; the output's record says only whether
+    it is on (the policy's record holds the settings)."""
+    from dataclasses import replace
+
+    from pisft import config as C
+
+    on = rollout.Settings.for_evaluation(C.from_dict({"eval": {"rtc": {
+        "enabled": True, "delay_steps": 2, "execution_horizon": 8, "max_guidance_weight": 5.0, "schedule": "EXP"}}}))
+    assert on.rtc == RtcSettings(execution_horizon=8, max_guidance_weight=5.0, schedule="EXP")
+    off = rollout.Settings.for_evaluation(C.from_dict({"eval": {"rtc": {"delay_steps": 2, "execution_horizon": 8}}}))
+    assert off.rtc is None and off.delay_steps == 2
+    assert on.record()["rtc"] is True and off.record()["rtc"] is False
+    assert list(on.record()) == list(off.record()) and on.record()["delay_steps"] == 2
+    with pytest.raises(TypeError, match="Settings.rtc"):  # the bool it once was would read as on
+        replace(off, rtc=False)
 
 
 def test_the_config_refuses_a_delay_rtc_cannot_act_on():

@@ -359,7 +359,7 @@ def _plan(cfg: config_mod.PisftConfig, sim: libero_sim.Simulator, settings: Sett
     rows of every forward (those of the evaluation's own episodes: `Settings.forward_rows`)."""
     specs, languages = plan_episodes(sim, settings, out)
     episodes = robustness.plan(cfg, sim, settings, out, specs)
-    plain_specs = plan_episodes(sim, replace(settings, rtc=False, videos=False), out)[0] if settings.rtc else None
+    plain_specs = plan_episodes(sim, replace(settings, rtc=None, videos=False), out)[0] if settings.rtc else None
     return episodes, languages, plain_specs, settings.forward_rows(len(specs))
 
 
@@ -386,7 +386,7 @@ def _run_shard(cfg: config_mod.PisftConfig, i: int, n: int, *, simulator, policy
                               rtc=settings.rtc) as pool:
             _check_chunk(pool, settings, model_dir)
             passes, indices, wall = {}, {}, 0.0
-            for key, chosen, how in (("plain", plain_picked, replace(settings, rtc=False, videos=False)),
+            for key, chosen, how in (("plain", plain_picked, replace(settings, rtc=None, videos=False)),
                                      ("episodes", picked, settings)):
                 if chosen is None:
                     continue
@@ -446,7 +446,7 @@ def merge(cfg: config_mod.PisftConfig, n: int, *, simulator: Callable[[], libero
 def chunking_summary(results: list[EpisodeResult], settings: Settings) -> dict:
     """The delay, RTC and the jerk of a run's executed actions (pisft.rollout.chunking)."""
     jerk = pooled_jerk([r.chunking for r in results if r.chunking is not None])
-    return {"delay_steps": settings.delay_steps, "replan_steps": settings.replan_steps, "rtc": settings.rtc,
+    return {"delay_steps": settings.delay_steps, "replan_steps": settings.replan_steps, "rtc": settings.rtc is not None,
             **jerk}
 
 
@@ -475,7 +475,7 @@ def _evaluate(cfg: config_mod.PisftConfig, settings: Settings, pool: PolicyPool,
     (out / VIDEO_DIR).mkdir(exist_ok=True)  # the workers write into it (a declared output, also when videos are off)
     plain = None
     if settings.rtc:  # the unperturbed episodes with plain chunking at the same delay first (no videos)
-        plain_settings = replace(settings, rtc=False, videos=False)
+        plain_settings = replace(settings, rtc=None, videos=False)
         plain_specs, _ = plan_episodes(sim, plain_settings, out)
         print(f"closed_loop: plain chunking at a delay of {settings.delay_steps} steps, for the comparison "
               "with real-time chunking", flush=True)

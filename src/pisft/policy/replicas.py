@@ -41,6 +41,7 @@ from pisft.errors import PisftError
 from pisft.policy.batching import BatchRule, answer_each, error_text
 from pisft.policy.fixed_shape import FixedShape
 from pisft.policy.interface import Policy, as_policy
+from pisft.policy.rtc import RtcSettings
 
 
 @dataclass(frozen=True)
@@ -247,12 +248,13 @@ def policy_devices(cfg: config_mod.PisftConfig) -> list[str]:
 
 @contextlib.contextmanager
 def open_policy_pool(cfg: config_mod.PisftConfig, given: Any, *, model_dir: Path, trained_on: Path,
-                     seed: int, rows: int, wait_ms: float, stage: str, rtc: bool = False) -> Iterator[PolicyPool]:
+                     seed: int, rows: int, wait_ms: float, stage: str,
+                     rtc: RtcSettings | None = None) -> Iterator[PolicyPool]:
     """The stage's policy, closed on exit: `given` (tests, a caller's own) as one replica, else the
     model in `model_dir` as `LiberoPolicy` replicas (the code `serve` runs), one per device of
     `policy_devices`, with `eval.cfg_scale`, `eval.precision`, `eval.compile`, real-time chunking
-    when `rtc` (`eval.rtc`) and `policy_threads` CPU threads (the caller's count is given back on
-    exit). Every forward of a policy in the
+    with `rtc` (eval.rtc's, built once by `rollout.Settings.for_evaluation`; None: off) and
+    `policy_threads` CPU threads (the caller's count is given back on exit). Every forward of a policy in the
     protocol (a model) has `rows` rows (`fixed_shape.FixedShape`: results do not depend on which
     requests share a forward); a stand-in given by a test is used as it is. Says once, before the
     rollouts, which classifier-free guidance is in effect (`LiberoPolicy.guidance`)."""
@@ -266,18 +268,16 @@ def open_policy_pool(cfg: config_mod.PisftConfig, given: Any, *, model_dir: Path
             from pisft.model.guidance import check_scale
             from pisft.policy.compiled import Trial
             from pisft.policy.libero import LiberoPolicy
-            from pisft.policy.rtc import RtcSettings
 
             stack.enter_context(device_mod.intra_op_threads(policy_threads()))
             scale = check_scale(cfg.eval.cfg_scale, "eval.cfg_scale")
             devices = policy_devices(cfg)
             kind = device_mod.resolve_kind(cfg.device)
-            settings = RtcSettings.from_config(cfg.eval.rtc) if rtc else None
             trial = Trial()  # eval.compile null on an accelerator: one decision for every replica
             replicas = [fixed(LiberoPolicy.from_model_dir(model_dir, device=kind, device_index=i, seed=seed,
                                                           trained_on=trained_on, cfg_scale=scale,
                                                           precision=cfg.eval.precision, compiled=cfg.eval.compile,
-                                                          rtc=settings, trial=trial,
+                                                          rtc=rtc, trial=trial,
                                                           note=lambda line: print(f"{stage}: {line}", flush=True)))
                         for i in range(len(devices))]
             if len(devices) > 1:

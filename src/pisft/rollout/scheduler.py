@@ -206,7 +206,7 @@ class Scheduler:
         # worker index -> (what it was sent, "chunk" or "start", and when): simulating since then
         self.sent: dict[int, tuple[str, float]] = {}
         # the chunks of each episode under eval.rtc's delay, with or without RTC
-        self.chunking = ChunkSchedule(settings.replan_steps, settings.delay_steps, settings.rtc)
+        self.chunking = ChunkSchedule(settings.replan_steps, settings.delay_steps, settings.rtc is not None)
 
     def start(self, i: int, spec: EpisodeSpec, attempt: int = 1, earlier: tuple[str, ...] = ()) -> None:
         self.busy[i] = _InFlight(spec=spec, seed=episode_seed(spec.env_seed, spec.suite, spec.task_id,

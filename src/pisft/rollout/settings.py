@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from pisft import config as config_mod
 from pisft import device as device_mod
 from pisft.errors import PisftError
+from pisft.policy.rtc import RtcSettings
 from pisft.rollout import libero_sim
 
 
@@ -33,9 +34,14 @@ class Settings:
     policy_batch: int = 2
     # A batch that could still grow waits at most this long for the environments still simulating.
     policy_batch_wait_ms: float = 0.0
-    # The inference delay in control steps and real-time chunking (eval.rtc; pisft.rollout.chunking).
+    # The inference delay in control steps (eval.rtc.delay_steps; pisft.rollout.chunking) and
+    # real-time chunking's settings (eval.rtc's guidance keys, pisft.policy.rtc), None without RTC.
     delay_steps: int = 0
-    rtc: bool = False
+    rtc: RtcSettings | None = None
+
+    def __post_init__(self) -> None:
+        if self.rtc is not None and not isinstance(self.rtc, RtcSettings):
+            raise TypeError(f"Settings.rtc: an RtcSettings or None (no real-time chunking), got {self.rtc!r}")
 
     @classmethod
     def for_evaluation(cls, cfg: config_mod.PisftConfig, stage: str | None = None) -> Settings:
@@ -46,7 +52,7 @@ class Settings:
                    task_ids=tuple(e.task_ids), num_envs=resolve_num_envs(e.num_envs, stage=stage),
                    videos=e.videos, policy_batch=e.policy_batch,
                    policy_batch_wait_ms=e.policy_batch_wait_ms, delay_steps=e.rtc.delay_steps,
-                   rtc=e.rtc.enabled)
+                   rtc=RtcSettings.from_config(e.rtc) if e.rtc.enabled else None)
 
     def steps_for(self, suite: str) -> int:
         return self.max_steps or libero_sim.SUITE_MAX_STEPS[suite]
@@ -62,8 +68,9 @@ class Settings:
 
     def record(self) -> dict:
         """The settings that decide the results (an output's deterministic record; `RUN_ONLY`
-        go to the run's timing record)."""
-        return {k: v for k, v in asdict(self).items() if k not in self.RUN_ONLY}
+        go to the run's timing record). `rtc`: whether real-time chunking is on (its settings are
+        the policy's record, `pisft.policy.replicas.policy_record`)."""
+        return {**{k: v for k, v in asdict(self).items() if k not in self.RUN_ONLY}, "rtc": self.rtc is not None}
 
     # the evaluation's settings (kept under the name the stages used)
     from_config = for_evaluation
