@@ -172,6 +172,19 @@ def test_every_entry_of_the_mode_table_is_well_formed_and_every_list_of_modes_is
     assert real_size.MODES == real_size.bench_order() == ("expert", "lora", "no_vision", "all")
 
 
+def test_the_mode_a_config_sets_is_read_in_one_place():
+    """`configured_mode` reads the key `config.TRAINABLE_MODELS` names for the policy or the value
+    model (spec_for, job.frozen_in_bf16 and job.apply_trainable ask it)."""
+    from pisft import config
+
+    cfg = config.from_dict({"train": {"trainable": "expert"}, "recap": {"value_trainable": "head"}})
+    assert tr.mode_key() == "train.trainable" and tr.mode_key(value_model=True) == "recap.value_trainable"
+    assert tr.configured_mode(cfg) == "expert" and tr.configured_mode(cfg, value_model=True) == "head"
+    lora = config.from_dict({"train": {"trainable": "all", "lora_targets": "rlinf"},
+                             "recap": {"value_trainable": "lora"}})
+    assert tr.spec_for(lora) is None and tr.spec_for(lora, value_model=True).preset == "rlinf"
+
+
 def _frozen_vlm_entry():
     """A mode the table does not have: the VLM frozen, for the policy and the value model."""
     from pisft import config

@@ -203,7 +203,7 @@ def frozen_in_bf16(cfg: PisftConfig, *, value_model: bool = False, prefix: str =
     they are loaded straight into bf16. None when nothing is held in bf16 (fp32, or a mode that trains everything)."""
     from pisft.train import trainable
 
-    mode = cfg.recap.value_trainable if value_model else cfg.train.trainable
+    mode = trainable.configured_mode(cfg, value_model=value_model)
     if cfg.train.precision != "bf16" or trainable.mode_of(mode, value_model=value_model).trains_everything:
         return None
     spec = trainable.spec_for(cfg, value_model=value_model)
@@ -222,12 +222,12 @@ def apply_trainable(ctx: Context, model: nn.Module, *, value_model: bool = False
     from pisft.train import trainable
 
     cfg = ctx.cfg
-    mode = cfg.recap.value_trainable if value_model else cfg.train.trainable
+    mode = trainable.configured_mode(cfg, value_model=value_model)
     applied, cast = trainable.apply_training_layout(model, mode, trainable.spec_for(cfg, value_model=value_model),
                                                     precision=cfg.train.precision, seed=cfg.train.seed,
                                                     value_model=value_model)
     if not trainable.mode_of(mode, value_model=value_model).trains_everything:
-        ctx.log(f"{'recap.value_trainable' if value_model else 'train.trainable'}: {mode}: "
+        ctx.log(f"{trainable.mode_key(value_model=value_model)}: {mode}: "
                 f"{applied.trainable:,} of {applied.total:,} parameters train"
                 + (f"; {cast:,} frozen ones held in bf16" if cast else ""))
     return applied

@@ -53,12 +53,14 @@ Sources read (commits): openpi Physical-Intelligence/openpi@15a9616a00943ada6c20
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pisft.config import LEROBOT_FREEZE_FLAGS, LORA_TARGETS, TrainableMode, is_lora_mode, trainable_mode
+from pisft.config import (LEROBOT_FREEZE_FLAGS, LORA_TARGETS, TRAINABLE_MODELS, TrainableMode, is_lora_mode,
+                          trainable_mode)
 from pisft.config import TRAINABLE_MODES as MODES
 from pisft.config import VALUE_TRAINABLE_MODES as VALUE_MODES
 from pisft.model import lerobot_internals as internals
@@ -365,9 +367,20 @@ def spec_for_mode(mode: str, targets: str) -> LoraSpec | None:
     return lora_spec(targets) if is_lora_mode(mode, "policy") else None
 
 
+def mode_key(*, value_model: bool = False) -> str:
+    """The key that sets what a run trains: train.trainable for the policy, recap.value_trainable for
+    the value model (`pisft.config.TRAINABLE_MODELS`)."""
+    return TRAINABLE_MODELS["value" if value_model else "policy"]
+
+
+def configured_mode(cfg, *, value_model: bool = False) -> str:
+    """The trainable mode `cfg` sets for the policy (or the value model): `mode_key`'s value."""
+    return operator.attrgetter(mode_key(value_model=value_model))(cfg)
+
+
 def spec_for(cfg, *, value_model: bool = False) -> LoraSpec | None:
     """The LoraSpec of a config (train.lora_*), or None when the mode is not a LoRA mode."""
-    mode = cfg.recap.value_trainable if value_model else cfg.train.trainable
+    mode = configured_mode(cfg, value_model=value_model)
     if not is_lora_mode(mode, "value" if value_model else "policy"):
         return None
     t = cfg.train
