@@ -94,10 +94,6 @@ class SourceSampling:
         d = records.read(path, fields, writer=CONVERT_RECAP.name, required=tuple(fields))
         return cls(d["balance_source_weights"], tuple(float(w) for w in d["weights"]), tuple(d["episode_source"]))
 
-    def frames_per_source(self, episode_index: np.ndarray) -> list[int]:
-        rows = self.source_of_rows(episode_index)
-        return [int(n) for n in np.bincount(rows, minlength=len(self.weights))]
-
     def source_of_rows(self, episode_index: np.ndarray) -> np.ndarray:
         """The source of every row of a split (rows given by their output episode index)."""
         table = np.asarray(self.episode_source, dtype=np.int64)

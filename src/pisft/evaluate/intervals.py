@@ -21,9 +21,6 @@ class Interval:
     high: float
     level: float = 0.95
 
-    def as_list(self) -> list[float]:
-        return [self.low, self.high]
-
 
 def pooled_mean(sums: np.ndarray, counts: np.ndarray) -> float:
     """sum(sums) / sum(counts); NaN when nothing was counted."""

@@ -385,19 +385,6 @@ def register(name: str, *, table: DtypeTable | None = None, enforce: bool = True
     dist.Backend.register_backend(name, create, extended_api=True, devices=["cpu"])
 
 
-def audited_groups() -> list[AuditedProcessGroup]:
-    """The audited process groups alive in this process (the default group first)."""
-    groups = []
-    if dist.is_initialized():
-        default = dist.distributed_c10d._get_default_group()
-        if isinstance(default, AuditedProcessGroup):
-            groups.append(default)
-        for pg in dist.distributed_c10d._world.pg_map:
-            if isinstance(pg, AuditedProcessGroup) and pg not in groups:
-                groups.append(pg)
-    return groups
-
-
 def summarize(log: CollectiveLog = LOG, *, since: Counter | None = None) -> dict[str, Any]:
     """Totals by family (all_gather, reduce_scatter, all_reduce, other) and float64 count."""
     return {

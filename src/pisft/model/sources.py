@@ -263,11 +263,6 @@ def detect_checkpoint(directory: Path, what: str) -> Checkpoint:
     return Checkpoint(layout, weights, form, config_path if config_form else None, config_form)
 
 
-def detect_layout(directory: Path, what: str) -> str:
-    """LEROBOT, OPENPI, RLINF or BARE (see detect_checkpoint)."""
-    return detect_checkpoint(directory, what).layout
-
-
 # Files of a local source whose change must rerun fetch_base. Kept in this light module (no
 # torch, no LeRobot) because the Snakefile calls it at parse time.
 LOCAL_SOURCE_FILES = ("config.json", "model.safetensors", "pisft_model.json",

@@ -356,18 +356,6 @@ def load_strict(
     return report
 
 
-def read_tensor(path: str | Path, name: str, *,
-                rename: Callable[[str], str] | None = None) -> torch.Tensor | None:
-    """The tensor a file (or the shards of an index) holds under model name `name`, or None."""
-    rename = rename or (lambda n: n)
-    _, where = tensor_locations(path)
-    for file_name in where:
-        if rename(file_name) == name:
-            with _tensor_reader(where) as get_tensor:
-                return get_tensor(file_name)
-    return None
-
-
 # torch dtype -> safetensors' dtype name (safetensors' format specification).
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -59,7 +59,3 @@ def as_policy(policy: Any) -> Any:
         return _Wrapped(policy)
     raise TypeError(f"{type(policy).__name__} is not a policy: it needs prepare/predict_many/new_noise "
                     "(pisft.policy.interface.Policy), infer_batch(requests, seeds), or reset(seed) and infer(obs)")
-
-
-def unwrapped(policy: Any) -> Any:
-    return policy.inner if isinstance(policy, _Wrapped) else policy

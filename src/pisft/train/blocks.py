@@ -174,11 +174,3 @@ def install(units: Iterable[Any], compiler: Compiler) -> int:
                 module.forward = compiler(type(module).forward.__get__(module))
             blocks += 1
     return blocks
-
-
-def uninstall(model: nn.Module) -> None:
-    """Remove every runner and compiled forward (`install`'s) from `model`'s modules."""
-    for module in model.modules():
-        for name in (BLOCK_RUNNER, "forward"):
-            if name in vars(module):
-                delattr(module, name)

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -227,11 +226,6 @@ def is_trainable(name: str, mode: str, spec: LoraSpec | None = None, *, value_mo
         if _LORA_PARAM.search(dotted) or spec.trains_in_full(name):
             return True
     return not _FROZEN_PARTS[entry.frozen](dotted)
-
-
-def trainable_names(names: Iterable[str], mode: str, spec: LoraSpec | None = None, *,
-                    value_model: bool = False) -> set[str]:
-    return {n for n in names if is_trainable(n, mode, spec, value_model=value_model)}
 
 
 # ------------------------------------------------------------------------------ applying a mode
