@@ -37,3 +37,10 @@ def test_gpu_script_defaults_are_issue_46s_setting():
     args = gpu_infer.parse([])
     assert (args.device, args.preset, args.batches, args.profile) == ("cuda", "pi05", [1, 8, 32], True)
     assert gpu_infer.TARGETS_MS == {"1": 80.0, "32": 300.0}
+
+
+def test_the_runs_are_names_of_the_table(capsys):
+    assert gpu_infer.parse(["--runs", " openpi_bf16 ,lerobot_bf16_eager"]).runs == ["openpi_bf16", "lerobot_bf16_eager"]
+    with pytest.raises(SystemExit):
+        gpu_infer.parse(["--runs", "openpi_bf16,fast"])
+    assert "'openpi_bf16,fast': each run one of lerobot_bf16_eager, openpi_bf16" in capsys.readouterr().err

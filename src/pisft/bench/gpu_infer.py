@@ -42,6 +42,7 @@ import torch
 
 from pisft import device as devices
 from pisft.bench import inference_bench
+from pisft.bench.arguments import names_from
 
 TARGETS_MS = {"1": 80.0, "32": 300.0}  # issue 46, an H200, real size, bf16
 # The runs (module docstring): name -> (bf16 layout, whether the chunk is compiled after the eager timing).
@@ -109,11 +110,7 @@ def _batches(text: str) -> list[int]:
 
 
 def _runs(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [n for n in names if n not in RUNS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"{text!r}: each run one of {', '.join(RUNS)}")
-    return names
+    return names_from(text, RUNS, "run")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

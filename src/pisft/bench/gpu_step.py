@@ -69,6 +69,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from pisft import device as devices
+from pisft.bench.arguments import names_from
 from pisft.train import blocks, fsdp, optim
 from pisft.train.flops import pi05_training_flops_per_sample
 from pisft.train.metrics import mfu, peak_flops_for
@@ -297,11 +298,7 @@ def _measure_setting(args, out, kind, dev, mesh, peak, mode: str, checkpointing:
 
 
 def _modes(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if not modes or unknown:
-        raise argparse.ArgumentTypeError(f"{text!r}: each mode one of {', '.join(MODES)} (train.trainable's values)")
-    return modes
+    return names_from(text, MODES, "mode", " (train.trainable's values)")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
