@@ -207,10 +207,15 @@ def lora_spec(targets: str, rank: int = 0, alpha: float = 0.0, *, value_model: b
 
 
 # ---------------------------------------------------------------------------- the pure rule
+def _model(value_model: bool) -> str:
+    """The trained model's name in `pisft.config.TRAINABLE_MODELS`: the policy, or the value model."""
+    return "value" if value_model else "policy"
+
+
 def mode_of(mode: str, *, value_model: bool = False) -> TrainableMode:
     """`mode`'s entry in `pisft.config.TRAINABLE_MODE_TABLE` for the policy (or the value model); a
     ValueError naming the modes that model takes if it takes no such mode."""
-    return trainable_mode(mode, "value" if value_model else "policy")
+    return trainable_mode(mode, _model(value_model))
 
 
 def is_trainable(name: str, mode: str, spec: LoraSpec | None = None, *, value_model: bool = False) -> bool:
@@ -364,7 +369,7 @@ def spec_for_mode(mode: str, targets: str) -> LoraSpec | None:
 def mode_key(*, value_model: bool = False) -> str:
     """The key that sets what a run trains: train.trainable for the policy, recap.value_trainable for
     the value model (`pisft.config.TRAINABLE_MODELS`)."""
-    return TRAINABLE_MODELS["value" if value_model else "policy"]
+    return TRAINABLE_MODELS[_model(value_model)]
 
 
 def configured_mode(cfg, *, value_model: bool = False) -> str:
@@ -375,7 +380,7 @@ def configured_mode(cfg, *, value_model: bool = False) -> str:
 def spec_for(cfg, *, value_model: bool = False) -> LoraSpec | None:
     """The LoraSpec of a config (train.lora_*), or None when the mode is not a LoRA mode."""
     mode = configured_mode(cfg, value_model=value_model)
-    if not is_lora_mode(mode, "value" if value_model else "policy"):
+    if not is_lora_mode(mode, _model(value_model)):
         return None
     t = cfg.train
     return lora_spec(t.lora_targets, t.lora_rank, t.lora_alpha, value_model=value_model)
