@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 
 from pisft.data.libero import REPO_ID
 from pisft.errors import DataError
+from pisft.layout import SPLIT_FILE
 from pisft.stages import CONVERT_RECAP
 
 SPLITS = ("train", "eval")
@@ -62,7 +63,7 @@ def load_stats(dataset_dir: str | Path) -> dict[str, dict[str, np.ndarray]]:
 def split_episodes(dataset_dir: str | Path) -> dict[str, list[int]]:
     from pisft import records
 
-    path = _require(Path(dataset_dir), "split.json")
+    path = _require(Path(dataset_dir), SPLIT_FILE)
     split = records.read(path, dict.fromkeys(SPLITS, (list, int)), writer=CONVERT_RECAP.name, required=SPLITS)
     return {name: list(split[name]) for name in SPLITS}
 

@@ -300,7 +300,7 @@ def write_not_run(cfg: config_mod.PisftConfig) -> dict:
     metrics = {STAGE: False, "note": OFF_NOTE}
     with atomic_dir(layout.iteration(cfg).closed_loop) as out:
         (out / VIDEO_DIR).mkdir()
-        write_json_atomic(out / "metrics.json", metrics)
+        write_json_atomic(out / layout.METRICS_FILE, metrics)
         write_text_atomic(out / "report.md", f"# Closed-loop LIBERO evaluation\n\nNot run: {OFF_NOTE}\n")
         config_mod.write_resolved(cfg, out / "pisft_config.json")
     print(f"closed_loop: not run ({OFF_NOTE})", flush=True)
@@ -528,7 +528,7 @@ def write_outputs(cfg: config_mod.PisftConfig, settings: Settings, out: Path, ep
         metrics["rtc_comparison"]["plain"]["rtc"] = False
     metrics.update(robustness.summary(episodes, all_results))  # seeds, robustness: only with those keys set
     metrics.update(policy)
-    write_json_atomic(out / "metrics.json", metrics)
+    write_json_atomic(out / layout.METRICS_FILE, metrics)
     write_text_atomic(out / "report.md", report_markdown(metrics, settings, str(model_dir), run_timing=run_timing))
     config_mod.write_resolved(cfg, out / "pisft_config.json")
     return metrics

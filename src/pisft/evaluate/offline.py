@@ -249,7 +249,7 @@ def write_not_run(cfg: config_mod.PisftConfig) -> dict:
     metrics = {"evaluated": False, "note": NO_HELD_OUT}
     cols = [f"{name}_{m}" for name in ("base", "finetuned") for m in METRICS]
     with atomic_dir(layout.iteration(cfg).eval) as out:
-        write_json_atomic(out / "metrics.json", metrics)
+        write_json_atomic(out / layout.METRICS_FILE, metrics)
         for name, first in (("per_step.csv", ["step"]), ("per_dim.csv", ["dim"]),
                             ("per_task.csv", ["task", "episodes", "frames"])):
             write_text_atomic(out / name, ",".join(first + cols) + "\n")
@@ -286,7 +286,7 @@ def run(cfg: config_mod.PisftConfig) -> dict:
     records = train_log.read_metrics(layout.iteration(cfg).train_metrics)
     closed = closed_loop_results(cfg)
     with atomic_dir(layout.iteration(cfg).eval) as out:
-        write_json_atomic(out / "metrics.json", metrics)
+        write_json_atomic(out / layout.METRICS_FILE, metrics)
         write_text_atomic(out / "per_step.csv", summary.per_step_csv(accs))
         per_dim = summary.per_dim_csv(accs, action_names(accs["base"].action_dim))
         write_text_atomic(out / "per_dim.csv", per_dim)

@@ -255,7 +255,7 @@ def export_value(ctx: Context, built: ValueBuilt, metrics_log: Any, summary: dic
                 heldout.target, pred["value"], tmp / "calibration.png",
                 title=(f"value model, {metrics['frames_heldout']} held-out frames, Spearman rho "
                        + (f"{rho:.3f}" if rho is not None else "undefined")))
-        shutil.copy2(metrics_log.path, tmp / "metrics.jsonl")
+        shutil.copy2(metrics_log.path, tmp / layout.TRAIN_METRICS_FILE)
         write_json_atomic(tmp / "train_summary.json", {**summary, "stage": ctx.stage})
         write_json_atomic(tmp / "pisft_config.json", resolved)
     ctx.log(f"held-out: Spearman rho {rho}, bin accuracy {metrics['bin_accuracy_heldout']}, "

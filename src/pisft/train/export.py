@@ -76,6 +76,6 @@ def export_model(ctx: Any, built: Any, metrics_log: Any, summary: dict, resolved
         if (model_dir / STATS_FILE).is_file():  # LeRobot's processor files, the tokenizer inside them
             write_processors(model_dir)
         write_manifest(model_dir)
-        shutil.copy2(metrics_log.path, tmp / "metrics.jsonl")
+        shutil.copy2(metrics_log.path, tmp / layout.TRAIN_METRICS_FILE)
         write_json_atomic(tmp / "train_summary.json", summary)
         write_json_atomic(tmp / "pisft_config.json", resolved)

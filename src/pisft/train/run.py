@@ -188,7 +188,7 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
         ctx.log(f"checkpoints of {len(others)} earlier run(s) this one cannot resume (other settings, inputs or "
                 f"parameter layout: pisft.train.checkpoint.run_fingerprint) are kept in "
                 f"{ckpt_root.parent} ({', '.join(p.name for p in others)}); delete them to free space")
-    metrics_log = MetricsLog(ckpt_root / "metrics.jsonl")
+    metrics_log = MetricsLog(ckpt_root / layout.TRAIN_METRICS_FILE)
     if ctx.is_main:
         metrics_log.reset(keep_upto_step=start_step)
 
