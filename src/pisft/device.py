@@ -264,24 +264,28 @@ class DeviceRow:
         return torch.device(self.kind, index) if self.accelerator else torch.device("cpu")
 
 
-# (pattern on the device name, peak dense bf16 FLOP/s, label). First match wins. Dense bf16/fp16
-# matrix figures per device (no sparsity). The Ascend figures are the commonly cited vendor
-# numbers per SKU and vary with clocks and firmware: `train.peak_flops` overrides (train/metrics.py).
-NPU_PEAK_FLOPS: tuple[tuple[str, float, str], ...] = (
-    (r"910B1", 414e12, "Ascend 910B1"),
-    (r"910B2", 376e12, "Ascend 910B2"),
-    (r"910B3", 313e12, "Ascend 910B3"),
-    (r"910B4", 280e12, "Ascend 910B4"),
-    (r"910_?93|910C", 376e12, "Ascend 910C (per die)"),
-    (r"910B", 313e12, "Ascend 910B (unknown variant: 910B3 figure)"),
+# (device kind, pattern on the device name, peak dense bf16 FLOP/s, label); a row takes its kind's
+# lines (`_peaks`), in order: the first match wins. Dense bf16/fp16 matrix figures per device (no
+# sparsity). The Ascend figures are the commonly cited vendor numbers per SKU and vary with clocks
+# and firmware: `train.peak_flops` overrides them (train/metrics.py).
+PEAK_FLOPS: tuple[tuple[str, str, float, str], ...] = (
+    ("npu", r"910B1", 414e12, "Ascend 910B1"),
+    ("npu", r"910B2", 376e12, "Ascend 910B2"),
+    ("npu", r"910B3", 313e12, "Ascend 910B3"),
+    ("npu", r"910B4", 280e12, "Ascend 910B4"),
+    ("npu", r"910_?93|910C", 376e12, "Ascend 910C (per die)"),
+    ("npu", r"910B", 313e12, "Ascend 910B (unknown variant: 910B3 figure)"),
+    ("cuda", r"H200", 989e12, "NVIDIA H200"),
+    ("cuda", r"H100.*(PCIe|PCIE)", 756e12, "NVIDIA H100 PCIe"),
+    ("cuda", r"H100.*NVL", 835e12, "NVIDIA H100 NVL"),
+    ("cuda", r"H100|H800", 989e12, "NVIDIA H100 SXM"),
+    ("cuda", r"A100|A800", 312e12, "NVIDIA A100"),
 )
-CUDA_PEAK_FLOPS: tuple[tuple[str, float, str], ...] = (
-    (r"H200", 989e12, "NVIDIA H200"),
-    (r"H100.*(PCIe|PCIE)", 756e12, "NVIDIA H100 PCIe"),
-    (r"H100.*NVL", 835e12, "NVIDIA H100 NVL"),
-    (r"H100|H800", 989e12, "NVIDIA H100 SXM"),
-    (r"A100|A800", 312e12, "NVIDIA A100"),
-)
+
+
+def _peaks(kind: str) -> tuple[tuple[str, float, str], ...]:
+    return tuple((pattern, flops, label) for of, pattern, flops, label in PEAK_FLOPS if of == kind)
+
 
 # The order is `device: auto`'s: an NPU, else CUDA, else the CPU.
 ROWS: dict[str, DeviceRow] = {
@@ -293,7 +297,7 @@ ROWS: dict[str, DeviceRow] = {
         deterministic_env={"HCCL_DETERMINISTIC": "true"},
         attention_kernel="npu_fusion_attention",
         compile_backend=NPU_COMPILE_BACKEND, compile_backend_missing=_npu_compile_backend_missing,
-        peak_flops=NPU_PEAK_FLOPS, profiler=_npu_profiler,
+        peak_flops=_peaks("npu"), profiler=_npu_profiler,
         launch_calls=("aclopCompileAndExecute", "aclnnExecute"),  # Ascend's ACL
         synchronize=_npu_synchronize, collective_buffer_bytes=_hccl_buffer_bytes,
         cann=True,
@@ -306,7 +310,7 @@ ROWS: dict[str, DeviceRow] = {
         # cuBLAS is deterministic only with a fixed workspace configuration (CUDA docs, "Results
         # reproducibility"); torch.use_deterministic_algorithms(True) raises without it.
         deterministic_env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
-        compile_mode=CUDA_GRAPH_MODE, peak_flops=CUDA_PEAK_FLOPS, profiler=_cuda_profiler,
+        compile_mode=CUDA_GRAPH_MODE, peak_flops=_peaks("cuda"), profiler=_cuda_profiler,
         profiler_activity="CUDA",
         launch_calls=("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch"),
         synchronize=_cuda_synchronize, runtime_version=lambda: f"CUDA {torch.version.cuda}"),
