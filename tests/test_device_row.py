@@ -20,7 +20,7 @@ from pisft.doctor import checks
 from pisft.errors import DeviceError
 from pisft.gates import compile_trial
 from pisft.policy import compiled, precision
-from pisft.train import batches, fsdp, metrics
+from pisft.train import batches, blocks, fsdp, metrics
 
 KIND = "xpu"  # a device type torch knows, which no row of pisft's uses
 
@@ -94,7 +94,7 @@ def test_a_registered_kind_is_resolved_selected_and_asked_through_its_row(throwa
     assert info.row is throwaway.row and info.row.accelerator
     assert throwaway.row.torch_device(1) == torch.device(KIND, 1)
     assert not device.on_host(f"{KIND}:0") and not device.host_only(KIND)
-    with pytest.raises(ValueError, match="already a row"):
+    with pytest.raises(ValueError, match="is taken"):
         device.register(throwaway.row)
 
 
@@ -121,13 +121,16 @@ def test_memory_and_synchronisation_go_to_the_rows_module(throwaway, monkeypatch
     device.synchronize("meta")  # a device type without a row: nothing to wait for
 
 
-def test_training_decisions_read_the_row(throwaway):
+def test_training_decisions_read_the_row(throwaway, monkeypatch, tmp_path):
     assert metrics.peak_flops_for("Throwaway X1", KIND) == (100e12, "table: Throwaway X1")
     assert metrics.peak_flops_for("Throwaway X2", KIND)[0] is None
     assert compile_trial.wants_trial("auto", KIND)  # off the host: the gate measures compiled
     assert fsdp.min_unit_params(KIND) == 0
     assert batches.default_workers(KIND, 2, cores=8) == 3  # an accelerator's share of the cores
     assert gpu_step._profiler(KIND) == "a profile" and throwaway.profiled == [True]
+    monkeypatch.setenv(blocks.CACHE_ENV, str(tmp_path))
+    compiler = blocks.compiler_for("layers", KIND, tmp_path, print)  # train.compile: the row's backend
+    assert compiler.enabled and compiler.describe() == "compiled per block (inductor)"
 
 
 def test_inference_choices_read_the_row(throwaway):

@@ -237,6 +237,7 @@ class DeviceRow:
     env_defaults: Mapping[str, str] = field(default_factory=dict)  # for training processes; the user's win
     deterministic_env: Mapping[str, str] = field(default_factory=dict)  # train.deterministic (user's win)
     attention_kernel: str | None = None  # the fused attention kernel this kind must take (the doctor)
+    train_compile_backend: str = "inductor"  # train.compile's, by name (`pisft.train.blocks.COMPILE_BACKENDS`)
     compile_backend: str = "inductor"  # eval.compile's torch.compile backend
     compile_mode: str | None = None  # its mode (CUDA_GRAPH_MODE: graph capture)
     compile_backend_missing: Callable[[], str | None] | None = None  # why the backend is absent here
@@ -295,7 +296,7 @@ ROWS: dict[str, DeviceRow] = {
         # Deterministic AllReduce / ReduceScatter / Reduce; slower collectives (CANN 8.5.0 HCCL
         # guide, HCCL_DETERMINISTIC: values false (default), true, strict).
         deterministic_env={"HCCL_DETERMINISTIC": "true"},
-        attention_kernel="npu_fusion_attention",
+        attention_kernel="npu_fusion_attention", train_compile_backend="torchair",
         compile_backend=NPU_COMPILE_BACKEND, compile_backend_missing=_npu_compile_backend_missing,
         peak_flops=_peaks("npu"), profiler=_npu_profiler,
         launch_calls=("aclopCompileAndExecute", "aclnnExecute"),  # Ascend's ACL
@@ -321,7 +322,7 @@ ROWS: dict[str, DeviceRow] = {
 def register(new: DeviceRow) -> None:
     """Add a device kind (a test's, or a new backend's row written here)."""
     if new.kind in ROWS or new.kind == "auto":
-        raise ValueError(f"device kind {new.kind!r} is already a row")
+        raise ValueError(f"device kind {new.kind!r} is taken (a row, or `auto`): give the new row a name of its own")
     ROWS[new.kind] = new
 
 
@@ -565,11 +566,13 @@ def accelerator_module(kind: str) -> ModuleType:
 
 
 def synchronize(kind: str, device: torch.device | None = None) -> None:
-    """Wait for the device's work (`device`: which card, where the kind's runtime takes one); a
-    no-op on the CPU and on a device type without a row."""
+    """Wait for the device's work (`device`: which card, where the row's `synchronize` takes one;
+    else the module's `synchronize()`); a no-op on the CPU and on a device type without a row."""
     found = ROWS.get(kind)
     if found is not None and found.synchronize is not None:
         found.synchronize(device)
+    elif found is not None and found.module is not None:
+        found.module().synchronize()
 
 
 def reset_peak_memory(kind: str) -> None:
