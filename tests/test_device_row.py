@@ -163,3 +163,22 @@ def test_an_unknown_kind_names_the_rows():
         device.resolve_kind("tpu")
     assert device.host_only("cpu") and not device.host_only("auto") and not device.host_only("cuda")
     assert device.on_host("cpu") and device.on_host(torch.device("cpu")) and not device.on_host("meta")
+
+
+def test_a_kind_without_cards_is_the_host_by_its_row_not_by_its_name(monkeypatch):
+    """A second throwaway kind, without a torch module: every decision the CPU's row makes by having
+    no cards, it makes too (a branch that still compared the kind with "cpu" would treat it as an
+    accelerator)."""
+    monkeypatch.setitem(device.ROWS, "host2", device.DeviceRow("host2", "gloo", compile_trial=False,
+                                                               bf16_inference=False))
+    assert device.local_device("host2", 3) == torch.device("cpu") and device.device_count("host2") == 1
+    assert device.row("host2").torch_device(1) == torch.device("cpu") and device.on_host("host2")
+    assert "OMP_NUM_THREADS" in device.process_env("host2", {"PATH": "/bin"}, nproc_per_node=2)
+    assert device.peak_memory_bytes("host2") == device.peak_reserved_bytes("host2") > 0  # the peak RSS
+    assert fsdp.min_unit_params("host2") == fsdp.min_unit_params("cpu") > 0
+    assert batches.default_workers("host2", 2, cores=8) == 1
+    assert not compile_trial.wants_trial("auto", "host2")
+    assert not compiled.choose(None, "host2").enabled
+    assert precision.choose("auto", "host2", "float32").dtype == "float32"
+    assert metrics.peak_flops_for("host2", "host2") == (None, "host2: no peak figure (MFU not reported)")
+    assert gpu_step._profiler("host2") is None
