@@ -151,7 +151,7 @@ def test_the_ascend_page_states_cann_the_lock_and_every_environment_default():
     assert "ascend-aarch64.lock.txt" in section
     for key, value in device.ASCEND_ENV_DEFAULTS.items():
         assert f"| `{key}` | `{value}` |" in section, f"docs/ascend.md misses {key}={value}"
-    for key, value in device.DETERMINISTIC_ENV["npu"].items():
+    for key, value in device.row("npu").deterministic_env.items():
         assert f"{key}={value}" in section
     assert "8.x" not in section
     first_paragraph = section.split("\n\n")[1]

@@ -9,8 +9,8 @@ and one below it none; the rule between is tested on a table of needs.
 
 The trial runs in the gate's own process on the tiny model: its smoke steps eagerly, then again
 compiled. On the CPU it is skipped unless forced (`compile_trial.FORCE_ENV`); the tests force it
-and give the compiled blocks a backend of their own (`blocks.COMPILE_BACKENDS["cpu"]`): one that
-raises, one that hangs, one that changes the blocks' outputs, and dynamo's `eager` backend (the
+and give the compiled blocks a backend of their own (`blocks.COMPILE_BACKENDS["inductor"]`, the CPU
+row's): one that raises, one that hangs, one that changes the blocks' outputs, and dynamo's `eager` backend (the
 same arithmetic through a traced graph), so no test waits for inductor.
 """
 
@@ -55,7 +55,7 @@ def _gate(ctx, monkeypatch, backend=None, bound=None):
     if bound is not None:
         monkeypatch.setenv(compile_trial.BOUND_ENV, str(bound))
     if backend is not None:
-        monkeypatch.setitem(blocks.COMPILE_BACKENDS, "cpu", lambda kind: backend)
+        monkeypatch.setitem(blocks.COMPILE_BACKENDS, "inductor", lambda kind: backend)
     report = {"estimate": None}
     run = smoke._run_steps(ctx, report)
     assert run.failure is None

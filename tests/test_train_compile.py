@@ -92,7 +92,7 @@ def test_a_missing_backend_falls_back_in_one_line(monkeypatch, tmp_path):
     def missing(kind):
         raise ImportError("No module named 'torchair'")
 
-    monkeypatch.setitem(blocks.COMPILE_BACKENDS, "npu", missing)
+    monkeypatch.setitem(blocks.COMPILE_BACKENDS, "torchair", missing)  # the NPU row's
     compiler = blocks.compiler_for("layers", "npu", tmp_path, lines.append)
     assert not compiler.enabled and len(lines) == 1
     assert "torchair" in lines[0] and "runs eagerly" in lines[0]

@@ -1,5 +1,10 @@
 """The device layer: `auto | npu | cuda | cpu` -> backend, local device, process environment.
 
+Each device kind is one row (`DeviceRow`) in `ROWS`: what pisft decides by the kind of device (its
+collective backend, environment, attention kernel, compile backend, peak FLOPs, profiler, memory
+and synchronisation through its torch module, deterministic settings, the doctor's facts) is read
+from the row, never from a comparison of the kind with a name. A new kind is a new row (`register`).
+
 Rules (docs/ascend.md, "Running on an Ascend 910B node (8 cards)"):
 - `npu` uses `torch_npu` and `torch.npu` explicitly. `torch_npu.contrib.transfer_to_npu` is never
   imported: it rewrites `torch.cuda` globally and code then believes it runs on CUDA.
@@ -20,17 +25,14 @@ import os
 from pathlib import Path
 import resource
 import sys
-from collections.abc import Iterator, Mapping, MutableMapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass, field
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
 from pisft.errors import DeviceError
-
-KINDS = ("npu", "cuda", "cpu")
-BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 
 # Ascend runtime defaults for training processes (each overridable by the user's environment).
 ASCEND_ENV_DEFAULTS: dict[str, str] = {
@@ -66,24 +68,9 @@ ASCEND_ENV_DEFAULTS: dict[str, str] = {
 # process needs a JAX accelerator, and a JAX that grabs CUDA/NPU crashes the run).
 TRAINING_ENV_FORCED: dict[str, str] = {"JAX_PLATFORMS": "cpu"}
 
-# `train.deterministic: true`: the environment of deterministic collectives and kernels, per kind.
-# Read when the communicator / library handle is created, so it must be in the environment before
-# `init_process_group` and the first matmul. Defaults: a value already set by the user wins
-# (e.g. HCCL_DETERMINISTIC=strict, or the smaller CUBLAS_WORKSPACE_CONFIG=:16:8).
-DETERMINISTIC_ENV: dict[str, dict[str, str]] = {
-    # Deterministic AllReduce / ReduceScatter / Reduce; slower collectives (CANN 8.5.0 HCCL guide,
-    # HCCL_DETERMINISTIC: values false (default), true, strict).
-    "npu": {"HCCL_DETERMINISTIC": "true"},
-    # cuBLAS is deterministic only with a fixed workspace configuration (CUDA docs, "Results
-    # reproducibility"); torch.use_deterministic_algorithms(True) raises without it.
-    "cuda": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
-    "cpu": {},
-}
-
-
 def deterministic_env(kind: str) -> dict[str, str]:
     """The environment variables `train.deterministic` sets for training processes of `kind`."""
-    return dict(DETERMINISTIC_ENV[kind])
+    return dict(row(kind).deterministic_env)
 
 
 def enable_determinism(kind: str, env: MutableMapping[str, str] | None = None) -> dict[str, str]:
@@ -146,46 +133,238 @@ def _npu_available() -> bool:
         return False
 
 
+def _check_npu() -> None:
+    npu = _import_torch_npu()
+    if not npu.is_available() or npu.device_count() == 0:
+        raise DeviceError(
+            "device 'npu' requested but no Ascend NPU is visible (torch.npu.is_available() "
+            "is False). Check `npu-smi info`, ASCEND_RT_VISIBLE_DEVICES and the CANN "
+            "environment; or set `device: cpu`."
+        )
+
+
+def _check_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise DeviceError(
+            "device 'cuda' requested but torch.cuda.is_available() is False here. Check "
+            "`nvidia-smi`, CUDA_VISIBLE_DEVICES and that torch was built with CUDA; or set "
+            "`device: cpu`."
+        )
+
+
+def _npu_compile_backend_missing() -> str | None:
+    """Why torch.compile has no `npugraph_ex` backend here (None: it has)."""
+    try:
+        import torch_npu  # noqa: F401 - registers its dynamo backends on import
+    except ImportError as exc:
+        return f"torch_npu cannot be imported ({exc})"
+    from torch._dynamo import list_backends
+
+    if NPU_COMPILE_BACKEND not in list_backends(exclude_tags=()):
+        return f"torch_npu registered no '{NPU_COMPILE_BACKEND}' backend (torch_npu 2.11.0 registers it)"
+    return None
+
+
+def _cuda_profiler() -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+
+def _npu_profiler() -> Any:
+    """torch_npu.profiler mirrors torch.profiler (Ascend/pytorch, torch_npu/profiler)."""
+    import torch_npu
+
+    return torch_npu.profiler.profile(activities=[torch_npu.profiler.ProfilerActivity.CPU,
+                                                  torch_npu.profiler.ProfilerActivity.NPU])
+
+
+def _cuda_synchronize(device: torch.device | None) -> None:
+    torch.cuda.synchronize(device)  # None: the current device
+
+
+def _npu_synchronize(device: torch.device | None) -> None:  # noqa: ARG001 - the row's signature
+    # the current device (torch_npu's torch.npu mirrors torch.cuda's synchronize; the callers run
+    # where their device is selected, and the stand-in takes no argument)
+    _import_torch_npu().synchronize()
+
+
+# HCCL's buffers outside the caching allocator: 2 x HCCL_BUFFSIZE per communicator, 200 MB by
+# default (CANN documentation, HCCL_BUFFSIZE; docs/memory.md, "What a device adds").
+HCCL_BUFFSIZE_DEFAULT_MB = 200
+
+
+def _hccl_buffer_bytes(env: Mapping[str, str]) -> int:
+    raw = env.get("HCCL_BUFFSIZE", "")
+    try:
+        mb = int(raw) if raw.strip() else HCCL_BUFFSIZE_DEFAULT_MB
+    except ValueError:
+        mb = HCCL_BUFFSIZE_DEFAULT_MB
+    return 2 * mb * 2**20
+
+
+def _always() -> bool:
+    return True
+
+
+def _usable() -> None:
+    return None
+
+
+# torch.compile for inference (`pisft.policy.compiled`): torch_npu's ACLGraph backend on an NPU
+# (torch_npu v2.11.0, torch_npu/dynamo/__init__.py `_register_backends`); on CUDA inductor in
+# reduce-overhead mode, which captures CUDA graphs (torch.compile docs, `mode`).
+NPU_COMPILE_BACKEND = "npugraph_ex"
+CUDA_GRAPH_MODE = "reduce-overhead"
+
+
+@dataclass(frozen=True)
+class DeviceRow:
+    """One device kind: what pisft decides by the kind of device, in one place.
+
+    `module` is the kind's torch module (`torch.cuda`, `torch.npu`: count, selection, memory,
+    synchronisation); None for the host's CPU, which has no cards: such a kind trains with the
+    host's cores (OMP threads per process, loading in turns, one loader worker, FSDP units of a
+    minimum size, no pinned memory) and is not an accelerator.
+    """
+
+    kind: str
+    backend: str  # torch.distributed's backend for the process group
+    module: Callable[[], ModuleType] | None = None
+    found: Callable[[], bool] = _always  # `device: auto` takes the first row found (in ROWS order)
+    check: Callable[[], None] = _usable  # `device: <kind>`: DeviceError when the kind is not usable here
+    init_with_device_id: bool = False  # init_process_group(device_id=...) binds the group to the device
+    env_defaults: Mapping[str, str] = field(default_factory=dict)  # for training processes; the user's win
+    deterministic_env: Mapping[str, str] = field(default_factory=dict)  # train.deterministic (user's win)
+    attention_kernel: str | None = None  # the fused attention kernel this kind must take (the doctor)
+    train_compile_backend: str = "inductor"  # train.compile's, by name (`pisft.train.blocks.COMPILE_BACKENDS`)
+    compile_backend: str = "inductor"  # eval.compile's torch.compile backend
+    compile_mode: str | None = None  # its mode (CUDA_GRAPH_MODE: graph capture)
+    compile_backend_missing: Callable[[], str | None] | None = None  # why the backend is absent here
+    compile_trial: bool = True  # eval.compile null / train.compile auto measure compiled against eager
+    bf16_inference: bool = True  # eval.precision auto: bf16 (False: the model's own dtype)
+    peak_flops: tuple[tuple[str, float, str], ...] = ()  # (device-name pattern, dense bf16 FLOP/s, label)
+    profiler: Callable[[], Any] | None = None  # a torch.profiler-like profile with the device's activity
+    profiler_activity: str | None = None  # the torch.profiler.ProfilerActivity of its kernels
+    launch_calls: tuple[str, ...] = ()  # the host's kernel-launch calls in a torch.profiler profile
+    synchronize: Callable[[torch.device | None], None] | None = None
+    collective_buffer_bytes: Callable[[Mapping[str, str]], int] | None = None  # outside the allocator
+    runtime_version: Callable[[], str] | None = None  # shown by the doctor beside torch's version
+    cann: bool = False  # runs on CANN: the doctor checks torch-npu/CANN/driver pairs and CANN's rules
+    whole_number_env: tuple[str, ...] = ()  # variables the doctor requires to be whole numbers
+    runtime_default_env: tuple[str, ...] = ()  # variables left to the runtime's default (shown)
+    bench_profile: str = "cuda-8gpu.yaml"  # config/profiles/ file of `bench --only device`'s smoke gate
+
+    @property
+    def accelerator(self) -> bool:
+        """Whether the kind has cards of its own (False: the host's CPU)."""
+        return self.module is not None
+
+    def torch_device(self, index: int = 0) -> torch.device:
+        """The torch device of card `index` (the CPU: `cpu`, without an index); selects nothing."""
+        return torch.device(self.kind, index) if self.accelerator else torch.device("cpu")
+
+
+# (device kind, pattern on the device name, peak dense bf16 FLOP/s, label); a row takes its kind's
+# lines (`_peaks`), in order: the first match wins. Dense bf16/fp16 matrix figures per device (no
+# sparsity). The Ascend figures are the commonly cited vendor numbers per SKU and vary with clocks
+# and firmware: `train.peak_flops` overrides them (train/metrics.py).
+PEAK_FLOPS: tuple[tuple[str, str, float, str], ...] = (
+    ("npu", r"910B1", 414e12, "Ascend 910B1"),
+    ("npu", r"910B2", 376e12, "Ascend 910B2"),
+    ("npu", r"910B3", 313e12, "Ascend 910B3"),
+    ("npu", r"910B4", 280e12, "Ascend 910B4"),
+    ("npu", r"910_?93|910C", 376e12, "Ascend 910C (per die)"),
+    ("npu", r"910B", 313e12, "Ascend 910B (unknown variant: 910B3 figure)"),
+    ("cuda", r"H200", 989e12, "NVIDIA H200"),
+    ("cuda", r"H100.*(PCIe|PCIE)", 756e12, "NVIDIA H100 PCIe"),
+    ("cuda", r"H100.*NVL", 835e12, "NVIDIA H100 NVL"),
+    ("cuda", r"H100|H800", 989e12, "NVIDIA H100 SXM"),
+    ("cuda", r"A100|A800", 312e12, "NVIDIA A100"),
+)
+
+
+def _peaks(kind: str) -> tuple[tuple[str, float, str], ...]:
+    return tuple((pattern, flops, label) for of, pattern, flops, label in PEAK_FLOPS if of == kind)
+
+
+# The order is `device: auto`'s: an NPU, else CUDA, else the CPU.
+ROWS: dict[str, DeviceRow] = {
+    "npu": DeviceRow(
+        "npu", "hccl", module=_import_torch_npu, found=_npu_available, check=_check_npu,
+        env_defaults=ASCEND_ENV_DEFAULTS,
+        # Deterministic AllReduce / ReduceScatter / Reduce; slower collectives (CANN 8.5.0 HCCL
+        # guide, HCCL_DETERMINISTIC: values false (default), true, strict).
+        deterministic_env={"HCCL_DETERMINISTIC": "true"},
+        attention_kernel="npu_fusion_attention", train_compile_backend="torchair",
+        compile_backend=NPU_COMPILE_BACKEND, compile_backend_missing=_npu_compile_backend_missing,
+        peak_flops=_peaks("npu"), profiler=_npu_profiler,
+        launch_calls=("aclopCompileAndExecute", "aclnnExecute"),  # Ascend's ACL
+        synchronize=_npu_synchronize, collective_buffer_bytes=_hccl_buffer_bytes,
+        cann=True,
+        whole_number_env=("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_BUFFSIZE", "ACLNN_CACHE_LIMIT",
+                          "HOST_CACHE_CAPACITY", "TASK_QUEUE_ENABLE"),
+        runtime_default_env=("HCCL_EXEC_TIMEOUT",), bench_profile="ascend-8card.yaml"),
+    "cuda": DeviceRow(
+        "cuda", "nccl", module=lambda: torch.cuda, found=lambda: torch.cuda.is_available(), check=_check_cuda,
+        init_with_device_id=True,
+        # cuBLAS is deterministic only with a fixed workspace configuration (CUDA docs, "Results
+        # reproducibility"); torch.use_deterministic_algorithms(True) raises without it.
+        deterministic_env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+        compile_mode=CUDA_GRAPH_MODE, peak_flops=_peaks("cuda"), profiler=_cuda_profiler,
+        profiler_activity="CUDA",
+        launch_calls=("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch"),
+        synchronize=_cuda_synchronize, runtime_version=lambda: f"CUDA {torch.version.cuda}"),
+    "cpu": DeviceRow("cpu", "gloo", compile_trial=False, bf16_inference=False),
+}
+
+
+def register(new: DeviceRow) -> None:
+    """Add a device kind (a test's, or a new backend's row written here)."""
+    if new.kind in ROWS or new.kind == "auto":
+        raise ValueError(f"device kind {new.kind!r} is taken (a row, or `auto`): give the new row a name of its own")
+    ROWS[new.kind] = new
+
+
+def row(kind: str) -> DeviceRow:
+    """The row of a device kind (a resolved one: not `auto`)."""
+    try:
+        return ROWS[kind]
+    except KeyError:
+        raise DeviceError(f"device kind '{kind}' is not one of {', '.join(ROWS)}") from None
+
+
+def host_only(requested: str) -> bool:
+    """Whether a configured `device` (`auto` unresolved) names a kind without cards (the CPU)."""
+    found = ROWS.get(requested)
+    return found is not None and not found.accelerator
+
+
+def on_host(device: torch.device | str) -> bool:
+    """Whether a torch device, a device name (`cuda:0`) or a kind is the host's CPU; False for a
+    type without a row (meta)."""
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    found = ROWS.get(kind)
+    return found is not None and not found.accelerator
+
+
 def resolve_kind(requested: str) -> str:
     """`auto | npu | cuda | cpu` -> the device kind to use here; DeviceError if unavailable."""
     if requested == "auto":
-        if _npu_available():
-            return "npu"
-        if torch.cuda.is_available():
-            return "cuda"
-        return "cpu"
-    if requested == "npu":
-        npu = _import_torch_npu()
-        if not npu.is_available() or npu.device_count() == 0:
-            raise DeviceError(
-                "device 'npu' requested but no Ascend NPU is visible (torch.npu.is_available() "
-                "is False). Check `npu-smi info`, ASCEND_RT_VISIBLE_DEVICES and the CANN "
-                "environment; or set `device: cpu`."
-            )
-        return "npu"
-    if requested == "cuda":
-        if not torch.cuda.is_available():
-            raise DeviceError(
-                "device 'cuda' requested but torch.cuda.is_available() is False here. Check "
-                "`nvidia-smi`, CUDA_VISIBLE_DEVICES and that torch was built with CUDA; or set "
-                "`device: cpu`."
-            )
-        return "cuda"
-    if requested == "cpu":
-        return "cpu"
-    raise DeviceError(f"device: '{requested}' is not one of auto, npu, cuda, cpu")
+        return next(kind for kind, r in ROWS.items() if r.found())
+    if requested in ROWS:
+        ROWS[requested].check()
+        return requested
+    raise DeviceError(f"device: '{requested}' is not one of auto, {', '.join(ROWS)}")
 
 
 def backend_for(kind: str) -> str:
-    return BACKENDS[kind]
+    return row(kind).backend
 
 
 def device_count(kind: str) -> int:
-    if kind == "npu":
-        return int(_import_torch_npu().device_count())
-    if kind == "cuda":
-        return torch.cuda.device_count()
-    return 1
+    module = row(kind).module
+    return 1 if module is None else int(module().device_count())
 
 
 def local_rank(env: Mapping[str, str] | None = None) -> int:
@@ -200,7 +379,8 @@ def local_rank(env: Mapping[str, str] | None = None) -> int:
 def local_device(kind: str, rank: int | None = None) -> torch.device:
     """The device of this process (`npu:<LOCAL_RANK>`, `cuda:<LOCAL_RANK>` or cpu); selects it."""
     rank = local_rank() if rank is None else rank
-    if kind == "cpu":
+    module = row(kind).module
+    if module is None:
         return torch.device("cpu")
     count = device_count(kind)
     if rank >= count:
@@ -208,11 +388,8 @@ def local_device(kind: str, rank: int | None = None) -> torch.device:
             f"LOCAL_RANK {rank} has no {kind} device: only {count} visible on this host; lower "
             f"train.nproc_per_node to at most {count}"
         )
-    if kind == "npu":
-        _import_torch_npu().set_device(rank)
-        return torch.device(f"npu:{rank}")
-    torch.cuda.set_device(rank)
-    return torch.device(f"cuda:{rank}")
+    module().set_device(rank)
+    return torch.device(f"{kind}:{rank}")
 
 
 THREADS_ENV = "PISFT_NUM_THREADS"  # the one knob: CPU threads per training process
@@ -292,14 +469,14 @@ def process_env(kind: str, base: Mapping[str, str] | None = None, *,
     count under both gives the same bytes. PISFT_NUM_THREADS sets it by hand.
     """
     env = dict(os.environ if base is None else base)
-    if kind == "npu":
-        for key, value in ASCEND_ENV_DEFAULTS.items():
-            env.setdefault(key, value)
+    r = row(kind)
+    for key, value in r.env_defaults.items():
+        env.setdefault(key, value)
     if force_threads:
         threads = str(threads_per_process(nproc_per_node, env))
         env.update({var: threads for var in THREAD_VARS})
         env[THREADS_ENV] = threads
-    elif kind == "cpu":
+    elif not r.accelerator:
         env.setdefault("OMP_NUM_THREADS", str(threads_per_process(nproc_per_node, env)))
     env.update(TRAINING_ENV_FORCED)
     return env
@@ -356,13 +533,14 @@ class DeviceInfo:
     device: torch.device
     name: str
 
+    @property
+    def row(self) -> DeviceRow:
+        return row(self.kind)
+
 
 def device_name(kind: str, device: torch.device) -> str:
-    if kind == "npu":
-        return str(_import_torch_npu().get_device_name(device.index or 0))
-    if kind == "cuda":
-        return torch.cuda.get_device_name(device.index or 0)
-    return "cpu"
+    module = row(kind).module
+    return "cpu" if module is None else str(module().get_device_name(device.index or 0))
 
 
 def setup(requested: str) -> DeviceInfo:
@@ -374,17 +552,27 @@ def setup(requested: str) -> DeviceInfo:
 
 
 def _accel(kind: str) -> ModuleType | None:
-    if kind == "npu":
-        return _import_torch_npu()
-    if kind == "cuda":
-        return torch.cuda
-    return None
+    """The kind's torch module; None for the CPU, and for a device type without a row (meta)."""
+    found = ROWS.get(kind)
+    return None if found is None or found.module is None else found.module()
 
 
-def synchronize(kind: str) -> None:
+def accelerator_module(kind: str) -> ModuleType:
+    """The torch module of an accelerator kind (`torch.cuda`, `torch.npu`)."""
     accel = _accel(kind)
-    if accel is not None:
-        accel.synchronize()
+    if accel is None:
+        raise DeviceError(f"device kind '{kind}' has no cards: no torch module to ask")
+    return accel
+
+
+def synchronize(kind: str, device: torch.device | None = None) -> None:
+    """Wait for the device's work (`device`: which card, where the row's `synchronize` takes one;
+    else the module's `synchronize()`); a no-op on the CPU and on a device type without a row."""
+    found = ROWS.get(kind)
+    if found is not None and found.synchronize is not None:
+        found.synchronize(device)
+    elif found is not None and found.module is not None:
+        found.module().synchronize()
 
 
 def reset_peak_memory(kind: str) -> None:
@@ -485,18 +673,8 @@ def fused_adamw_supported(kind: str) -> bool:
     return kind in _get_fused_kernels_supported_devices()
 
 
-# HCCL's buffers outside the caching allocator: 2 x HCCL_BUFFSIZE per communicator, 200 MB by
-# default (CANN documentation, HCCL_BUFFSIZE; docs/memory.md, "What a device adds").
-HCCL_BUFFSIZE_DEFAULT_MB = 200
-
-
-def hccl_buffer_bytes(kind: str, env: dict[str, str] | None = None) -> int:
-    """The send and receive buffers of the training's one HCCL communicator (0 off the NPU)."""
-    if kind != "npu":
-        return 0
-    raw = (os.environ if env is None else env).get("HCCL_BUFFSIZE", "")
-    try:
-        mb = int(raw) if raw.strip() else HCCL_BUFFSIZE_DEFAULT_MB
-    except ValueError:
-        mb = HCCL_BUFFSIZE_DEFAULT_MB
-    return 2 * mb * 2**20
+def hccl_buffer_bytes(kind: str, env: Mapping[str, str] | None = None) -> int:
+    """The send and receive buffers of the training's one collective communicator outside the
+    caching allocator (HCCL's on the NPU; 0 where the row names none)."""
+    buffers = row(kind).collective_buffer_bytes
+    return 0 if buffers is None else buffers(os.environ if env is None else env)

@@ -81,7 +81,7 @@ def accelerator() -> str | None:
     from pisft import device as devices
 
     kind = devices.resolve_kind("auto")
-    return None if kind == "cpu" else kind
+    return kind if devices.row(kind).accelerator else None
 
 
 def plan(kind: str, jobs_dir: Path, *, check: bool) -> list[Job]:
@@ -120,8 +120,9 @@ def smoke_config(kind: str, *, check: bool) -> tuple[dict[str, Any], str | None]
         return {"device": "cpu", "train": {"compile": "auto"}, "smoke": {"steps": 2}}, None
     import yaml
 
-    profile = Path(__file__).resolve().parents[3] / "config" / "profiles" / (
-        "ascend-8card.yaml" if kind == "npu" else "cuda-8gpu.yaml")
+    from pisft import device as devices
+
+    profile = Path(__file__).resolve().parents[3] / "config" / "profiles" / devices.row(kind).bench_profile
     raw = yaml.safe_load(profile.read_text()) if profile.is_file() else {}
     train = dict(raw.get("train") or {})
     # pi0.5 with random weights cannot take a first AdamW step at the profile's 5e-5 (its loss rises, and
@@ -281,7 +282,7 @@ def run_all(kind: str | None, out_dir: Path, *, check: bool = False, only: list[
     try:
         import torch
 
-        out["device"] = devices.device_name(kind, torch.device(kind if kind == "cpu" else f"{kind}:0"))
+        out["device"] = devices.device_name(kind, devices.row(kind).torch_device(0))
         out["torch"] = torch.__version__
     except Exception as exc:  # noqa: BLE001 - the name is a label; the jobs say what fails
         out["device"] = f"unknown ({type(exc).__name__}: {exc})"

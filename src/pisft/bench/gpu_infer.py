@@ -55,18 +55,19 @@ def count_launches(predictor, kind: str) -> int:
 
     raw, noise = inference_bench.synthetic_requests(predictor, 1)
     predictor.predict(raw, noise)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kind == "cuda" else [])
+    row = devices.row(kind)
+    activity = row.profiler_activity  # None: torch.profiler's CPU activity only (the NPU's is torch_npu's)
+    activities = [ProfilerActivity.CPU] + ([getattr(ProfilerActivity, activity)] if activity else [])
     with profile(activities=activities) as prof:
         predictor.predict(raw, noise)
-    names = ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
-    if kind == "cuda":
-        return int(sum(e.count for e in prof.key_averages() if e.key in names))
+    if activity:  # the host's launch calls, by name
+        return int(sum(e.count for e in prof.key_averages() if e.key in row.launch_calls))
     return int(sum(e.count for e in prof.key_averages() if e.device_type != torch.autograd.DeviceType.CPU))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     kind = devices.resolve_kind(args.device)
-    dev = "cpu" if kind == "cpu" else str(devices.local_device(kind, 0))
+    dev = str(devices.local_device(kind, 0))  # the CPU: "cpu"
     out: dict[str, Any] = {"device_kind": kind, "device": devices.device_name(kind, torch.device(dev)),
                            "preset": args.preset, "torch": torch.__version__, "batches": list(args.batches),
                            "chunks": args.chunks, "runs": {}}
@@ -88,10 +89,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out["runs"][name] = result
             del predictor
             gc.collect()
-            if kind == "cuda":
-                result["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated())
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
+            if devices.row(kind).profiler_activity:  # measured where torch.profiler sees the device (CUDA)
+                result["peak_memory_bytes"] = devices.peak_memory_bytes(kind)
+                devices.empty_cache(kind)
+                devices.reset_peak_memory(kind)
     best = out["runs"].get("openpi_bf16")
     if best is None:  # only LeRobot's layout measured (--runs): no compiled figures to hold to the targets
         return out
@@ -134,7 +135,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("results/bench/gpu_infer.json"))
     args = p.parse_args(argv)
     if args.profile is None:
-        args.profile = args.device != "cpu"
+        args.profile = not devices.host_only(args.device)  # `auto` profiles
     return args
 
 

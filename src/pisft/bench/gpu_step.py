@@ -90,17 +90,9 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "aclop
 
 
 def _profiler(kind: str):
-    """torch.profiler with the device's activity (torch_npu.profiler on an NPU), or None (CPU)."""
-    if kind == "cuda":
-        from torch.profiler import ProfilerActivity, profile
-
-        return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    if kind == "npu":  # torch_npu.profiler mirrors torch.profiler (Ascend/pytorch, torch_npu/profiler)
-        import torch_npu
-
-        return torch_npu.profiler.profile(activities=[torch_npu.profiler.ProfilerActivity.CPU,
-                                                      torch_npu.profiler.ProfilerActivity.NPU])
-    return None
+    """torch.profiler with the device's activity (torch_npu.profiler on an NPU: the row's), or None (CPU)."""
+    make = devices.row(kind).profiler
+    return None if make is None else make()
 
 
 def profiled_step(step, kind: str) -> dict[str, Any]:

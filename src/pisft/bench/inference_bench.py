@@ -61,7 +61,9 @@ def build_predictor(preset: str, precision: str, device: str, work: Path, *, see
         policy.config.num_inference_steps = denoising_steps
     model_dir = Path(work) / f"{preset}_model"
     save_tiny_tokenizer(model_dir / model_policy.TOKENIZER_DIR)
-    if str(device) != "cpu":
+    from pisft import device as device_mod
+
+    if not device_mod.on_host(device):
         policy.to(device)
         policy.config.device = str(device)
     pre, post = model_policy.make_processors(policy, model_dir, tiny_stats(), state_in_prompt=True)
@@ -84,11 +86,9 @@ def synthetic_requests(predictor, batch: int, seed: int = 0) -> tuple[dict, torc
 
 
 def _sync(device: str) -> None:
-    kind = str(device).split(":")[0]
-    if kind == "cuda":
-        torch.cuda.synchronize()
-    elif kind == "npu":
-        torch.npu.synchronize()
+    from pisft import device as device_mod
+
+    device_mod.synchronize(str(device).split(":")[0])  # the current device; nothing on the CPU
 
 
 def time_chunks(predictor, raw: dict, noise: torch.Tensor, *, chunks: int, warmup: int) -> tuple[list[float], Any]:

@@ -181,7 +181,9 @@ class HostSyncCounter(TorchFunctionMode):
         if isinstance(target, torch.Tensor):
             return _is_host(target)
         if isinstance(target, str):
-            return torch.device(target).type == "cpu"
+            from pisft import device as devices
+
+            return devices.on_host(target)
         return target is self.host
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

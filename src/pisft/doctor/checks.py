@@ -56,11 +56,16 @@ class Node:
     facts: dict[str, Any] = field(default_factory=dict)  # e.g. the CANN version, read once
 
     @property
+    def row(self) -> devices.DeviceRow | None:
+        """The device kind's row (None: no usable kind here)."""
+        return None if self.kind is None else devices.row(self.kind)
+
+    @property
     def accelerator(self) -> bool:
-        return self.kind in ("npu", "cuda")
+        return self.row is not None and self.row.accelerator
 
     def device(self, index: int = 0) -> torch.device:
-        return torch.device("cpu") if self.kind == "cpu" else torch.device(self.kind, index)
+        return devices.row(self.kind).torch_device(index)
 
 
 def inspect_node(cfg: Any) -> Node:
@@ -68,7 +73,7 @@ def inspect_node(cfg: Any) -> Node:
         kind = devices.resolve_kind(cfg.device)
     except DeviceError as exc:
         return Node(cfg, cfg.device, None, str(exc))
-    cards = devices.device_count(kind) if kind != "cpu" else 0
+    cards = devices.device_count(kind) if devices.row(kind).accelerator else 0
     return Node(cfg, cfg.device, kind, cards=cards)
 
 
@@ -78,6 +83,12 @@ def _unusable(node: Node) -> Check | None:
 
 def _npu():
     return devices.npu_module()
+
+
+def _on_cann(kind: str | None) -> bool:
+    """Whether a device kind (resolved, or as configured: `auto` and None say no) runs on CANN."""
+    found = devices.ROWS.get(kind) if kind is not None else None
+    return found is not None and found.cann
 
 
 def _cann_version(node: Node, module: str = "CANN") -> str | None:
@@ -92,9 +103,10 @@ def _cann_version(node: Node, module: str = "CANN") -> str | None:
 
 # ------------------------------------------------------------------------------- the checks
 def check_versions(node: Node) -> Check:
-    if node.kind != "npu" and node.requested != "npu":
+    if not _on_cann(node.kind) and not _on_cann(node.requested):
         release = versions.release(torch.__version__)
-        extra = f", CUDA {torch.version.cuda}" if node.kind == "cuda" else ""
+        runtime = node.row.runtime_version if node.row is not None else None
+        extra = f", {runtime()}" if runtime is not None else ""
         if release != versions.TORCH_RELEASE:
             return fail(f"torch {torch.__version__}{extra}: the lock pins torch {versions.TORCH_RELEASE}; "
                         "rebuild .venv with `make setup`")
@@ -124,7 +136,7 @@ def check_numpy(node: Node) -> Check:
     if lerobot is not None and not lerobot.contains(have):
         problems.append(f"LeRobot needs numpy {lerobot}")
     python = sys.version_info[:2]
-    if node.kind != "npu":
+    if not _on_cann(node.kind):
         rule = "; CANN's rule applies on Ascend only"
         if problems:
             return fail(f"numpy {have}: " + "; ".join(problems))
@@ -143,8 +155,7 @@ def check_numpy(node: Node) -> Check:
 
 
 def _free_and_total(node: Node, index: int) -> tuple[int, int]:
-    accel = _npu() if node.kind == "npu" else torch.cuda
-    free, total = accel.mem_get_info(index)
+    free, total = devices.accelerator_module(node.kind).mem_get_info(index)
     return int(free), int(total)
 
 
@@ -152,7 +163,7 @@ def check_devices(node: Node) -> Check:
     if (bad := _unusable(node)) is not None:
         return bad
     need = node.cfg.train.nproc_per_node
-    if node.kind == "cpu":
+    if not node.accelerator:
         return skip(f"no accelerator: the CPU trains ({devices.usable_cores()} usable cores, "
                     f"{need} processes)")
     cards = []
@@ -173,7 +184,7 @@ def check_devices(node: Node) -> Check:
 def check_device_op(node: Node) -> Check:
     if (bad := _unusable(node)) is not None:
         return bad
-    if node.kind == "cpu":
+    if not node.accelerator:
         return skip("no accelerator: nothing to select")
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(256, 256, generator=g), torch.randn(256, 256, generator=g)
@@ -234,8 +245,7 @@ def check_attention(node: Node) -> Check:
     scale = q.shape[-1] ** -0.5
     want = reference_attention(q, k, v, mask, scale).transpose(1, 2)  # (B, S, H, D)
     dev = node.device(0)
-    if node.kind != "cpu":
-        devices.local_device(node.kind, 0)
+    devices.local_device(node.kind, 0)  # set_device on an accelerator; the CPU selects nothing
     qd, kd, vd = (t.to(dev, torch.bfloat16) for t in (q, k, v))
     kernel = attention.kernel_for(qd)
     module = torch.nn.Module().eval()
@@ -244,8 +254,9 @@ def check_attention(node: Node) -> Check:
     err = float((got[:, real] - want[:, real]).abs().max())  # padded rows differ by design
     detail = (f"{kernel} in bf16 on {dev}, pi0.5-shaped (8 query heads, 1 K/V head, head_dim 256, "
               f"{q.shape[2]} tokens): max abs error {err:.2e} against float32 (tolerance {ATTENTION_ATOL:g})")
-    if node.kind == "npu" and kernel != "npu_fusion_attention":
-        return fail(detail + "; the NPU did not take npu_fusion_attention")
+    wanted = node.row.attention_kernel
+    if wanted is not None and kernel != wanted:
+        return fail(detail + f"; the {node.kind.upper()} did not take {wanted}")
     return ok(detail) if math.isfinite(err) and err <= ATTENTION_ATOL else fail(detail)
 
 
@@ -268,8 +279,7 @@ def check_fused_adamw(node: Node) -> Check:
         return fail(f"torch has no fused AdamW for {node.kind}: training would take the foreach "
                     "optimizer and a host sync per step (torch-npu provides the NPU kernel: check its install)")
     dev = node.device(0)
-    if node.kind != "cpu":
-        devices.local_device(node.kind, 0)
+    devices.local_device(node.kind, 0)  # set_device on an accelerator; the CPU selects nothing
     (fused, f_opt), (plain, p_opt) = _adamw_pair(dev, True), _adamw_pair(dev, False)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -300,8 +310,7 @@ def check_checkpoint_round_trip(node: Node) -> Check:
     if (bad := _unusable(node)) is not None:
         return bad
     dev = node.device(0)
-    if node.kind != "cpu":
-        devices.local_device(node.kind, 0)
+    devices.local_device(node.kind, 0)  # set_device on an accelerator; the CPU selects nothing
 
     def model_and_optimizer(seed: int):
         torch.manual_seed(seed)
@@ -346,24 +355,23 @@ def check_environment(node: Node) -> Check:
         env = {**devices.deterministic_env(node.kind), **env}
     shown = ["JAX_PLATFORMS", *devices.THREAD_VARS[:1]]
     problems = []
-    if node.kind == "npu":
-        if not (os.environ.get("ASCEND_HOME_PATH") or os.environ.get("ASCEND_TOOLKIT_HOME")):
-            problems.append("no CANN environment sourced (ASCEND_HOME_PATH unset): "
-                            "source /usr/local/Ascend/ascend-toolkit/set_env.sh")
-        shown += list(devices.ASCEND_ENV_DEFAULTS)
-        for key in ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_BUFFSIZE", "ACLNN_CACHE_LIMIT",
-                    "HOST_CACHE_CAPACITY", "TASK_QUEUE_ENABLE"):
-            value = env.get(key)
-            if value is not None and not value.strip().isdigit():
-                problems.append(f"{key}={value!r} is not a whole number")
+    row = node.row
+    if row.cann and not (os.environ.get("ASCEND_HOME_PATH") or os.environ.get("ASCEND_TOOLKIT_HOME")):
+        problems.append("no CANN environment sourced (ASCEND_HOME_PATH unset): "
+                        "source /usr/local/Ascend/ascend-toolkit/set_env.sh")
+    shown += list(row.env_defaults)
+    for key in row.whole_number_env:
+        value = env.get(key)
+        if value is not None and not value.strip().isdigit():
+            problems.append(f"{key}={value!r} is not a whole number")
     if cfg.train.deterministic:
         shown += list(devices.deterministic_env(node.kind))
     parts = []
     for key in dict.fromkeys(shown):
         who = "yours" if key in os.environ and os.environ[key] == env.get(key) else "pisft"
         parts.append(f"{key}={env.get(key)} ({who})")
-    if node.kind == "npu":
-        parts.append(f"HCCL_EXEC_TIMEOUT={os.environ.get('HCCL_EXEC_TIMEOUT', 'CANN default')}")
+    for key in row.runtime_default_env:  # the CANN rows' (HCCL_EXEC_TIMEOUT)
+        parts.append(f"{key}={os.environ.get(key, 'CANN default')}")
     detail = "training processes get " + ", ".join(parts)
     return fail(detail + "; " + "; ".join(problems)) if problems else ok(detail)
 

@@ -65,10 +65,10 @@ def worker(rank: int, kind: str, world: int, port: int, out_dir: str, determinis
         os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
         devices.apply_process_env(kind)  # the environment the training processes get
-        device = devices.local_device(kind, rank) if kind != "cpu" else torch.device("cpu")
+        device = devices.local_device(kind, rank)  # the CPU: cpu, whatever the rank
         if deterministic:  # train.deterministic: HCCL_DETERMINISTIC, before the communicator
             devices.enable_determinism(kind)
-        kwargs = {"device_id": device} if kind == "cuda" else {}  # as setup_process does
+        kwargs = {"device_id": device} if devices.row(kind).init_with_device_id else {}  # as setup_process does
         dist.init_process_group(devices.backend_for(kind), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=TIMEOUT_S), **kwargs)
         try:

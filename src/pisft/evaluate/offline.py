@@ -82,7 +82,7 @@ def frame_positions(dataset, episodes: list[int], stride: int) -> list[int]:
 
 def _device(requested: str) -> str:
     kind = device_mod.resolve_kind(requested)
-    return "cpu" if kind == "cpu" else str(device_mod.local_device(kind, 0))
+    return str(device_mod.local_device(kind, 0))  # the CPU: "cpu"
 
 
 def _require_dir(path: Path, stage: str) -> None:

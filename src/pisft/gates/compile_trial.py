@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from pisft import device as devices
 from pisft.train.decisions import AUTO, decision
 
 FORCE_ENV = "PISFT_COMPILE_TRIAL"  # "1": run the trial on the CPU too (tests)
@@ -51,7 +52,7 @@ class TrialTimeout(Exception):
 
 def wants_trial(setting: str, kind: str) -> bool:
     """Whether the gate measures compiled against eager: `auto`, off the CPU (or forced)."""
-    return setting == AUTO and (kind != "cpu" or os.environ.get(FORCE_ENV) == "1")
+    return setting == AUTO and (devices.row(kind).compile_trial or os.environ.get(FORCE_ENV) == "1")
 
 
 def first_mode(setting: str) -> str:

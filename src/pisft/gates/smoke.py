@@ -441,7 +441,7 @@ def _host_ops(ctx: Context, built: Any, collated: dict[str, Any]) -> dict[str, A
         micro_step(built.model, built.task, batch, rand, 1)
     built.optimizer.zero_grad(set_to_none=True)
     summary = counter.summary()
-    kernels = "compiled kernels" if ctx.info.kind == "cpu" else "CPU-side compiled kernels (not counted off the CPU)"
+    kernels = "CPU-side compiled kernels (not counted off the CPU)" if ctx.info.row.accelerator else "compiled kernels"
     return {"ops_per_micro_step": summary["total"], "aten_ops": summary["aten_ops"],
             "compiled_kernels": summary["compiled_kernels"], "counted": f"aten operators and {kernels}",
             "most_dispatched": summary["most_dispatched"]}

@@ -680,10 +680,13 @@ def largest_micro_batches(cfg: PisftConfig, *, world_size: int | None = None,
 
 
 def format_fits(fits: dict[str, Any]) -> str:
+    from pisft import device as devices
+
     names = list(fits["devices"])
+    buffers = any(devices.row(k).collective_buffer_bytes for k in fits["device_kinds"].values())
     lines = [f"largest micro batch per device, {fits['preset']} at world size {fits['world_size']} "
              f"({fits['precision']}; fits = estimate <= capacity less {fits['headroom']:.0%} headroom"
-             f"{' and HCCL buffers on the NPU' if 'npu' in fits['device_kinds'].values() else ''}"
+             f"{' and HCCL buffers on the NPU' if buffers else ''}"
              f"{'; EMA counted' if fits['ema'] else ''}):",
              f"  {'train.trainable':<16}{'checkpointing':<15}" + "".join(f"{n:>14}" for n in names)]
     for mode, rows in fits["modes"].items():

@@ -67,6 +67,7 @@ from typing import Any
 
 import torch
 
+from pisft import device as device_mod
 from pisft.model import lerobot_internals as internals
 
 # eval.compile null on the CPU: eager without a trial (docs/benchmarks.md, "Inference"; `python -m
@@ -86,8 +87,7 @@ TRIAL_REPS = 3
 TRIAL_MIN_GAIN = 0.05
 # Normalised action units (module docstring).
 ACTIONS_ATOL = {torch.float32: 1e-4, torch.bfloat16: 2.0 ** -6}
-NPU_BACKEND = "npugraph_ex"
-CUDA_MODE = "reduce-overhead"
+CUDA_MODE = device_mod.CUDA_GRAPH_MODE  # the CUDA row's compile mode (CUDA graphs)
 # dynamo compiles a code object at most this many times (its default, 8, is fewer than the buckets
 # times the variants: plain, guided, RTC pieces; past it a chunk would run eagerly, silently).
 RECOMPILE_LIMIT = 64
@@ -123,15 +123,16 @@ class CompileChoice:
 def choose(setting: bool | None, kind: str) -> CompileChoice:
     """`eval.compile` (True, False, None: the stage's first chunk decides, `Trial`; on the CPU eager,
     `CPU_DEFAULT`) on a device of `kind`."""
-    backend, mode = {"cuda": ("inductor", CUDA_MODE), "npu": (NPU_BACKEND, None)}.get(kind, ("inductor", None))
+    row = device_mod.row(kind)
+    backend, mode = row.compile_backend, row.compile_mode
     how = f"{backend}" + (f", mode {mode}" if mode else "") + ", one graph per batch-size bucket"
     if setting is False:
         return CompileChoice(False, why="eval.compile false: eager")
-    if setting is None and kind == "cpu":
+    if setting is None and not row.compile_trial:
         return CompileChoice(False, why=CPU_DEFAULT, decided_by="no trial")
     asked = "true" if setting else "null"
-    if kind == "npu":
-        missing = _npu_backend_missing()
+    if row.compile_backend_missing is not None:
+        missing = row.compile_backend_missing()
         if missing:
             return CompileChoice(False, why=f"eval.compile {asked}: eager on npu, falling back: {missing}",
                                  decided_by="setting" if setting else "no trial")
@@ -154,19 +155,6 @@ class Trial:
 
     def decide(self, compiled: bool, why: str, figures: dict[str, Any]) -> None:
         self.compiled, self.why, self.figures = compiled, why, figures
-
-
-def _npu_backend_missing() -> str | None:
-    """Why torch.compile has no `npugraph_ex` backend here (None: it has)."""
-    try:
-        import torch_npu  # noqa: F401 - registers its dynamo backends on import
-    except ImportError as exc:
-        return f"torch_npu cannot be imported ({exc})"
-    from torch._dynamo import list_backends
-
-    if NPU_BACKEND not in list_backends(exclude_tags=()):
-        return f"torch_npu registered no '{NPU_BACKEND}' backend (torch_npu 2.11.0 registers it)"
-    return None
 
 
 def bucket(n: int) -> int:
@@ -321,11 +309,8 @@ class CompiledChunk:
 
 
 def _synchronize(out: Any) -> None:
-    kind = out.device.type if isinstance(out, torch.Tensor) else "cpu"
-    if kind == "cuda":
-        torch.cuda.synchronize(out.device)
-    elif kind == "npu":
-        torch.npu.synchronize()  # torch_npu's torch.npu mirrors torch.cuda's synchronize
+    if isinstance(out, torch.Tensor):  # else nothing ran on a device
+        device_mod.synchronize(out.device.type, out.device)
 
 
 def _timed(fn: Callable) -> tuple[dict[str, Any], Any]:

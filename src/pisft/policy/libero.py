@@ -142,7 +142,7 @@ class LiberoPolicy:
         requested = guidance.check_scale(cfg_scale, "cfg_scale")  # before the model loads
         stats = _dataset_stats(Path(dataset_dir)) if dataset_dir is not None else None
         kind = device_mod.resolve_kind(device)
-        dev = str(device_mod.local_device(kind, device_index)) if kind != "cpu" else "cpu"
+        dev = str(device_mod.local_device(kind, device_index))  # the CPU: "cpu", whatever the index
         predictor = ChunkPredictor.load(model_dir, device=dev, dataset_stats=stats, precision=precision,
                                         compiled=compiled, note=note, trial=trial)
         return cls(predictor, seed=seed, conditioning=prompts.for_model(model_dir, trained_on=trained_on),

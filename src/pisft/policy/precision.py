@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pisft import device as device_mod
 from pisft.config import INFERENCE_PRECISIONS
 from pisft.errors import PisftError
 from pisft.model import lerobot_internals as internals
@@ -55,7 +56,7 @@ def choose(setting: str, kind: str, model_dtype: str, *, layout: str = "openpi")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if setting == "auto":
-        if kind != "cpu":
+        if device_mod.row(kind).bf16_inference:
             dtype, why = "bfloat16", f"eval.precision auto: bf16 on {kind} (openpi's inference precision)"
         else:
             dtype = "bfloat16" if model_dtype == "bfloat16" else "float32"

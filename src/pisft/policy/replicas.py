@@ -234,7 +234,7 @@ def policy_devices(cfg: config_mod.PisftConfig) -> list[str]:
     `device`'s kind (`eval.policy_devices` > 0: that many of them); on the CPU, one."""
     kind = device_mod.resolve_kind(cfg.device)
     wanted = cfg.eval.policy_devices
-    if kind == "cpu":
+    if not device_mod.row(kind).accelerator:
         problem = config_mod.cpu_replicas_problem(wanted)  # the config check asks it of device: cpu
         if problem:
             raise PisftError(problem)
@@ -282,7 +282,7 @@ def open_policy_pool(cfg: config_mod.PisftConfig, given: Any, *, model_dir: Path
                         for i in range(len(devices))]
             if len(devices) > 1:
                 print(f"{stage}: {len(devices)} policy replicas, one per device ({', '.join(devices)})", flush=True)
-            select = None if kind == "cpu" else functools.partial(device_mod.local_device, kind)
+            select = functools.partial(device_mod.local_device, kind) if device_mod.row(kind).accelerator else None
             pool = PolicyPool(replicas, max_batch=rows, wait_ms=wait_ms, devices=devices, select_device=select)
         with pool:
             guided = guidance_of(pool)

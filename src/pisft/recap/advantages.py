@@ -238,7 +238,7 @@ def run(cfg: PisftConfig) -> Path:
     returns = read_returns(data)
     scale = ReturnRange.of(returns)
     kind = devices.resolve_kind(cfg.device)
-    device = torch.device("cpu" if kind == "cpu" else str(devices.local_device(kind, 0)))
+    device = torch.device(str(devices.local_device(kind, 0)))  # the CPU: cpu
     model, vcfg = value_model.load(model_dir, device=device)
     if (vcfg.return_min, vcfg.return_max) != (scale.min, scale.max):
         raise PisftError(f"advantages: the value model in {model_dir} was trained on returns in "

@@ -780,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
         if predictor is not None:  # eval.precision's and eval.compile's choices, as a stage's metrics record them
             how = predictor.describe()
             batching += f"; {how['precision']['why']}; {how['compile']['why']}"
-        if device_mod.resolve_kind(args.device) == "cpu":
+        if not device_mod.row(device_mod.resolve_kind(args.device)).accelerator:
             # the model thread's intra-op threads: the CPU latency, and (with torch's default of
             # one per core) the float32 bits of a reply, depend on them (module docstring)
             batching += f"; {torch.get_num_threads()} CPU threads"

@@ -81,7 +81,7 @@ def default_workers(kind: str, nproc_per_node: int, cores: int | None = None) ->
     processes competing for the cores than there are batches to prepare.
     """
     cores = device.usable_cores() if cores is None else cores
-    if kind == "cpu":
+    if not device.row(kind).accelerator:
         return 1
     share = max(1, cores // max(1, nproc_per_node))
     return max(1, min(MAX_AUTO_WORKERS, share - 1))

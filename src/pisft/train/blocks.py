@@ -23,7 +23,8 @@ runner (`BlockRunner`, set as the anchor's `BLOCK_RUNNER` attribute):
   static shapes (a micro-batch's shapes do not change within a run). Inside, inductor fuses the
   element-wise work between the matrix products (norms, rotary embedding, gated residuals,
   activations, the autocast casts) into a few kernels; the products stay cuBLAS/oneDNN calls.
-  The backend is inductor on CPU and CUDA, torchair's on an NPU (`COMPILE_BACKENDS`).
+  The backend is inductor on CPU and CUDA, torchair's on an NPU (the device row's
+  `train_compile_backend`, made by `COMPILE_BACKENDS`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
+from pisft import device as devices
 from pisft import layout
 from pisft.model.lerobot_internals import BLOCK_RUNNER, checkpointed
 
@@ -62,7 +64,14 @@ def _torchair(kind: str) -> Any:  # noqa: ARG001
     return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
 
 
-COMPILE_BACKENDS: dict[str, Callable[[str], Any]] = {"cpu": _inductor, "cuda": _inductor, "npu": _torchair}
+# A device row's `train_compile_backend` -> the function that makes that backend for the kind.
+COMPILE_BACKENDS: dict[str, Callable[[str], Any]] = {"inductor": _inductor, "torchair": _torchair}
+
+
+def _backend_name(kind: str) -> str | None:
+    """The name of train.compile's backend on devices of `kind` (None: a device type without a row)."""
+    found = devices.ROWS.get(kind)
+    return None if found is None else found.train_compile_backend
 # Every block kind runs through the same code object (`checkpointed`), compiled once per kind, per
 # shape (dynamic=False) and per last-layer flag: dynamo's default limit of 8 compilations of one code
 # object is reached by a few kinds at two micro batches, and past it a block runs eagerly, silently.
@@ -95,7 +104,7 @@ class Compiler:
                 delattr(module, "forward")
 
     def describe(self) -> str:
-        return f"compiled per block ({'torchair' if self.kind == 'npu' else 'inductor'})" if self.enabled else "eager"
+        return f"compiled per block ({_backend_name(self.kind)})" if self.enabled else "eager"
 
     def __call__(self, fn: Callable) -> Callable:
         if not self.enabled:
@@ -104,7 +113,7 @@ class Compiler:
             from torch._dynamo import config as dynamo_config
 
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-            backend = COMPILE_BACKENDS[self.kind](self.kind)
+            backend = COMPILE_BACKENDS[_backend_name(self.kind)](self.kind)
             self.compiled[fn] = torch.compile(fn, backend=backend, dynamic=False)
         return self.compiled[fn]
 
@@ -123,11 +132,11 @@ def compiler_for(mode: str, kind: str, cache_dir: Any, log: Callable[[str], None
     chosen = mode
     if chosen == "off":
         return Compiler("off", kind)
-    if kind not in COMPILE_BACKENDS:
+    if _backend_name(kind) not in COMPILE_BACKENDS:
         log(f"train.compile: {mode}: no compiler backend for {kind} devices; the step runs eagerly")
         return Compiler("off", kind)
     try:
-        COMPILE_BACKENDS[kind](kind)
+        COMPILE_BACKENDS[_backend_name(kind)](kind)
     except (ImportError, AttributeError, RuntimeError) as exc:
         log(f"train.compile: {mode}: the {kind} compiler backend is not available ({type(exc).__name__}: "
             f"{exc}); the step runs eagerly (train.compile: off says so without this line)")

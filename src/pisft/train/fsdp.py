@@ -55,6 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from pisft import device as devices
 from pisft.model import host_memory
 from pisft.tensors import local_numel, optimizer_state
 from pisft.train import blocks
@@ -233,7 +234,7 @@ def min_unit_params(kind: str, configured: int = -1) -> int:
     `configured` (train.fsdp_min_unit_params) when >= 0, else by kind (see the module docstring)."""
     if configured >= 0:
         return configured
-    return CPU_MIN_UNIT_PARAMS if kind == "cpu" else 0
+    return CPU_MIN_UNIT_PARAMS if devices.on_host(kind) else 0  # a type without a row (meta): 0
 
 
 def _check_no_shared_params(units: list[Unit], model: nn.Module) -> None:

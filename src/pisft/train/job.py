@@ -122,7 +122,7 @@ def local_world_size(world_size: int, env: dict[str, str] | None = None) -> int:
 
 def load_turns(ctx: Context) -> int:
     """How many turns `in_turns` takes: this host's processes on the CPU, else 1."""
-    return local_world_size(ctx.world_size) if ctx.info.kind == "cpu" and ctx.world_size > 1 else 1
+    return local_world_size(ctx.world_size) if not ctx.info.row.accelerator and ctx.world_size > 1 else 1
 
 
 def in_turns(ctx: Context, load: Callable[[], T]) -> T:
@@ -240,7 +240,7 @@ def setup_process(cfg: PisftConfig, stage: str, expected_world_size: int) -> Con
     if cfg.train.deterministic:  # before HCCL communicator creation and the first operator
         devices.enable_determinism(info.kind)
     kwargs: dict[str, Any] = {"backend": info.backend}
-    if info.kind == "cuda":
+    if info.row.init_with_device_id:
         kwargs["device_id"] = info.device
     dist.init_process_group(**kwargs)
     ctx = Context(cfg, stage, info, dist.get_rank(), dist.get_world_size())
@@ -284,6 +284,7 @@ def source_mixture(dataset_dir: Path, train_set: Any) -> SourceMixture | None:
 
 
 def env_summary() -> dict[str, str]:
-    keys = (list(devices.ASCEND_ENV_DEFAULTS) + list(devices.TRAINING_ENV_FORCED) + ["OMP_NUM_THREADS"]
-            + sorted({k for env in devices.DETERMINISTIC_ENV.values() for k in env}))
+    rows = devices.ROWS.values()
+    keys = ([k for row in rows for k in row.env_defaults] + list(devices.TRAINING_ENV_FORCED) + ["OMP_NUM_THREADS"]
+            + sorted({k for row in rows for k in row.deterministic_env}))
     return {k: os.environ[k] for k in keys if k in os.environ}

@@ -301,7 +301,7 @@ def preflight(stage: str, cfg: PisftConfig) -> str:
     for the logs. Returns the device kind."""
     kind = devices.resolve_kind(cfg.device)
     nproc = nproc_for(stage, cfg)
-    if kind != "cpu" and devices.device_count(kind) < nproc:
+    if devices.row(kind).accelerator and devices.device_count(kind) < nproc:
         raise PisftError(f"{stage}: {nproc} processes need {nproc} {kind} devices but "
                          f"{devices.device_count(kind)} are visible; lower train.nproc_per_node")
     if stage == TRAIN_8CARD.name:

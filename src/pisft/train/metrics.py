@@ -2,9 +2,10 @@
 
 MFU (model FLOPs utilisation) = analytic training FLOPs per sample × samples/s
                                  / (peak FLOP/s of one device × number of devices).
-The peaks below are dense bf16/fp16 matrix figures per device (no sparsity). The Ascend figures
-are the commonly cited vendor numbers per SKU and vary with clocks and firmware: set
-`train.peak_flops` to your vendor's figure to override the table. CPU has no entry (MFU null).
+The peaks are dense bf16/fp16 matrix figures per device (no sparsity), in each device kind's row
+(`pisft.device`, `DeviceRow.peak_flops`). The Ascend figures are the commonly cited vendor numbers
+per SKU and vary with clocks and firmware: set `train.peak_flops` to your vendor's figure to
+override the table. CPU has no entry (MFU null).
 """
 
 from __future__ import annotations
@@ -17,29 +18,22 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-# (pattern on the device name, peak dense bf16 FLOP/s, label). First match wins.
+from pisft import device as devices
+
+# Every row's (pattern on the device name, peak dense bf16 FLOP/s, label), for the docs and the
+# benches; `peak_flops_for` reads the device kind's own row, first match wins.
 PEAK_FLOPS_TABLE: list[tuple[str, float, str]] = [
-    (r"910B1", 414e12, "Ascend 910B1"),
-    (r"910B2", 376e12, "Ascend 910B2"),
-    (r"910B3", 313e12, "Ascend 910B3"),
-    (r"910B4", 280e12, "Ascend 910B4"),
-    (r"910_?93|910C", 376e12, "Ascend 910C (per die)"),
-    (r"910B", 313e12, "Ascend 910B (unknown variant: 910B3 figure)"),
-    (r"H200", 989e12, "NVIDIA H200"),
-    (r"H100.*(PCIe|PCIE)", 756e12, "NVIDIA H100 PCIe"),
-    (r"H100.*NVL", 835e12, "NVIDIA H100 NVL"),
-    (r"H100|H800", 989e12, "NVIDIA H100 SXM"),
-    (r"A100|A800", 312e12, "NVIDIA A100"),
-]
+    entry for device_row in devices.ROWS.values() for entry in device_row.peak_flops]
 
 
 def peak_flops_for(device_name: str, kind: str, override: float = 0.0) -> tuple[float | None, str]:
     """Peak FLOP/s of one device and where the figure came from."""
     if override > 0:
         return float(override), "train.peak_flops"
-    if kind == "cpu":
-        return None, "cpu: no peak figure (MFU not reported)"
-    for pattern, flops, label in PEAK_FLOPS_TABLE:
+    table = devices.row(kind).peak_flops
+    if not table:
+        return None, f"{kind}: no peak figure (MFU not reported)"
+    for pattern, flops, label in table:
         if re.search(pattern, device_name, flags=re.IGNORECASE):
             return flops, f"table: {label}"
     return None, f"'{device_name}' not in the peak table; set train.peak_flops for MFU"

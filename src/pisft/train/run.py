@@ -202,7 +202,7 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
     loader = make_loader(built.train_set, sampler, rank=ctx.rank, start_step=start_step,
                          end_step=plan.steps, seed=t.seed, draw=built.task.draw,
                          num_workers=workers, prompt=built.prompt, collate=built.task.collate,
-                         pin_memory=ctx.info.kind != "cpu", prefetch_factor=t.prefetch_factor,
+                         pin_memory=ctx.info.row.accelerator, prefetch_factor=t.prefetch_factor,
                          augment=augment)
     peak, peak_source = peak_flops(ctx)
     turns = " (loaded in turns)" if load_turns(ctx) > 1 else ""
