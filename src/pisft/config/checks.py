@@ -6,33 +6,23 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import fields, is_dataclass
+from dataclasses import Field, fields, is_dataclass
 from typing import Any
 
 from pisft.config.choices import (
-    AUGMENTS,
     AUTO,
     COLUMN_KEYS,
-    DEVICES,
-    INFERENCE_PRECISIONS,
     LIBERO_INIT_STATES,
     LIBERO_SUITES,
-    LORA_TARGETS,
     PERTURBATIONS,
-    PRECISIONS,
     PRESET_CHUNK_SIZES,
-    PRESETS,
-    RECAP_INITS,
-    RTC_SCHEDULES,
     SOURCE_TYPES,
-    THRESHOLD_SCOPES,
-    TRAIN_COMPILE,
     TRAINABLE_MODE_TABLE,
     TRAINABLE_MODELS,
-    VALUE_INITS,
     is_lora_mode,
     trainable_modes,
 )
+from pisft.config.marks import NUMBER_RULES, Number, choice_on, number_on
 from pisft.config.schema import ConfigError, DataConfig, EvalConfig, PisftConfig, all_keys, flatten, nearest_key
 
 
@@ -54,121 +44,8 @@ def check_unknown_keys(raw: dict, source: str) -> None:
 
 
 # ---------------------------------------------------------------------------------- numbers
-# Every number a user can write has a kind, and each kind one rule (`NUMBER_RULES`), applied where
-# the config is validated: YAML's `.nan` and `.inf` and absurd sizes passed the schema, then failed
-# deep inside a stage (a NaN learning rate blamed on the loss by the smoke gate, a 1 px image
-# cropped to nothing by the augmentation). A float that is not finite is refused whatever its key,
-# one added later included; `NUMBER_KINDS` gives every int and float key its kind (a test fails for
-# a key without one), and what the key is, for the message.
-MIN_SIDE = 16  # px: an image side below it keeps nothing of a LIBERO frame (256 px) a policy sees
-MAX_SIDE = 4096  # px: frames are held whole (H x W x 3 bytes each); a larger side is a typo
-MAX_LORA_RANK = 1024  # pi0.5's action expert is 1024 wide: a rank reaching a layer's width is not low-rank
-MAX_FAILURE_PENALTY = 1e6  # returns are float32: beyond this a failure's reward drowns the -1 per step
-SEED_LIMIT = 2**32  # numpy's seeds
-
-NUMBER_RULES: dict[str, tuple[Any, str]] = {
-    "count": (lambda v: v >= 1, "must be at least 1"),
-    "count_or_zero": (lambda v: v >= 0, "must be 0 or more"),
-    "two_or_more": (lambda v: v >= 2, "must be at least 2"),
-    "auto_or_count": (lambda v: v >= -1, "must be >= 0, or -1 to choose automatically"),
-    "seed": (lambda v: 0 <= v < SEED_LIMIT, "must be a seed in [0, 2^32)"),
-    "side": (lambda v: MIN_SIDE <= v <= MAX_SIDE, f"must be an image side in [{MIN_SIDE}, {MAX_SIDE}] px"),
-    "side_or_keep": (lambda v: v == 0 or MIN_SIDE <= v <= MAX_SIDE,
-                     f"must be 0 (keep the input's) or an image side in [{MIN_SIDE}, {MAX_SIDE}] px"),
-    "lora_rank": (lambda v: 0 <= v <= MAX_LORA_RANK,
-                  f"must be 0 (the preset's own) or a rank in [1, {MAX_LORA_RANK}] (pi0.5's action expert is "
-                  f"{MAX_LORA_RANK} wide: a rank reaching a layer's width is not low-rank)"),
-    "positive": (lambda v: v > 0, "must be > 0"),
-    "weight": (lambda v: v > 0, "must be > 0"),
-    "non_negative": (lambda v: v >= 0, "must be >= 0"),
-    "fraction": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "open_fraction": (lambda v: 0 < v < 1, "must be in (0, 1)"),
-    "probability": (lambda v: 0 <= v <= 1, "must be a probability in [0, 1]"),
-    "discount": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
-    "penalty": (lambda v: -MAX_FAILURE_PENALTY <= v <= 0, f"must be in [-{MAX_FAILURE_PENALTY:.0f}, 0]"),
-    "at_least_one": (lambda v: v >= 1, "must be >= 1"),
-    "decay_or_off": (lambda v: v is None or 0 <= v < 1, "must be in [0, 1)"),
-}
-# key -> (kind, what it is: the start of the message, may be ""; a note after the rule, may be "").
-NUMBER_KINDS: dict[str, tuple[str, str, str]] = {
-    "model.init_seed": ("seed", "", ""),
-    "data.demo_episodes_per_task": ("count", "", ""),
-    "data.demo_episode_length": ("count", "", ""),
-    "data.demo_failure_fraction": ("fraction", "", ""),
-    "data.demo_image_size": ("side", "", ""),
-    "data.demo_seed": ("seed", "", ""),
-    "data.unconditional_prob": ("probability", "", ""),
-    "data.image_size": ("side_or_keep", "", ""),
-    "data.eval_fraction": ("fraction", "", "0: every episode trains and `evaluate` writes a \"not run\" result"),
-    "data.split_seed": ("seed", "", ""),
-    "smoke.steps": ("two_or_more", "", "the smoke run checks the loss falls"),
-    "smoke.min_memory_headroom": ("fraction", "", ""),
-    "train.nproc_per_node": ("count", "", ""),
-    "train.nnodes": ("count", "", ""),
-    "train.node_rank": ("count_or_zero", "", ""),
-    "train.micro_batch_size": ("count", "", ""),
-    "train.global_batch_size": ("count", "", ""),
-    "train.steps": ("count", "", ""),
-    "train.save_every": ("count", "", ""),
-    "train.keep_last": ("count", "", ""),
-    "train.seed": ("seed", "", ""),
-    "train.lr": ("positive", "the peak learning rate", ""),
-    "train.warmup_steps": ("count_or_zero", "", ""),
-    "train.decay_lr": ("non_negative", "the learning rate the schedule decays to", ""),
-    "train.weight_decay": ("non_negative", "", ""),
-    "train.grad_clip": ("positive", "the gradient-norm limit", ""),
-    "train.ema_decay": ("decay_or_off", "the EMA's decay", "0 or null: no EMA; openpi's pi05_libero: 0.999"),
-    "train.peak_flops": ("non_negative", "", "0: the device table's figure"),
-    "train.num_workers": ("auto_or_count", "data-loader processes per training process", ""),
-    "train.prefetch_factor": ("count", "micro-batches each data-loader worker prepares ahead", ""),
-    "train.fsdp_min_unit_params": ("auto_or_count", "the smallest FSDP unit in parameters", ""),
-    "train.log_every": ("count", "", ""),
-    "train.lora_rank": ("lora_rank", "", ""),
-    "train.lora_alpha": ("non_negative", "", "0: the preset's own"),
-    "eval.max_episodes": ("count_or_zero", "", "0: every held-out episode"),
-    "eval.batch_size": ("count", "", ""),
-    "eval.frame_stride": ("count", "", ""),
-    "eval.seed": ("seed", "", ""),
-    "eval.bootstrap_samples": ("count_or_zero", "", ""),
-    "eval.trials_per_task": ("count", "", ""),
-    "eval.replan_steps": ("count", "", ""),
-    "eval.num_wait_steps": ("count_or_zero", "", ""),
-    "eval.closed_loop_seed": ("seed", "", ""),
-    "eval.seeds": ("seed", "", ""),  # each of them
-    "eval.resize_size": ("side", "", ""),
-    "eval.max_steps": ("count_or_zero", "", "0: openpi's limit per suite"),
-    "eval.task_ids": ("count_or_zero", "", ""),
-    "eval.num_envs": ("count_or_zero", "", "0: one per available core"),
-    "eval.policy_batch": ("count", "the rows of every policy forward",
-                          "0, every environment waiting, is gone: a forward's rows change its rounding, so they are "
-                          "fixed; e.g. 2, or about eval.num_envs per policy replica; docs/libero.md"),
-    "eval.rtc.delay_steps": ("count_or_zero", "the inference delay in control steps", "0: openpi's synchronous loop"),
-    "eval.rtc.execution_horizon": ("count", "", "LeRobot's default: 10"),
-    "eval.rtc.max_guidance_weight": ("positive", "", "LeRobot's default: 10.0"),
-    "eval.policy_batch_wait_ms": ("non_negative", "", "0: measured"),
-    "eval.policy_devices": ("count_or_zero", "", "0: every visible device"),
-    "eval.shards": ("count", "the jobs the rollouts are scattered over", "1: one job"),
-    "eval.cfg_scale": ("at_least_one", "the guidance scale", "1: the positive prompt alone"),
-    "recap.iterations": ("count_or_zero", "", ""),
-    "recap.task_ids": ("count_or_zero", "", ""),
-    "recap.episodes_per_task": ("count", "", ""),
-    "recap.max_steps": ("count_or_zero", "", "0: the suite's limit"),
-    "recap.collect_seed": ("seed", "", ""),
-    "recap.gamma": ("discount", "the discount", ""),
-    "recap.failure_reward": ("penalty", "the reward of a failed episode's last step",
-                             "RLinf: -300; returns are float32, a larger penalty drowns the -1 of each step"),
-    "recap.value_bins": ("two_or_more", "", "a distribution needs at least 2 bins"),
-    "recap.value_steps": ("count", "", ""),
-    "recap.value_lr": ("positive", "", ""),
-    "recap.value_head_lr": ("positive", "", ""),
-    "recap.value_global_batch_size": ("count_or_zero", "", "0: train.global_batch_size"),
-    "recap.lookahead": ("count", "the N of the N-step advantage",
-                        "with 0 every frame's advantage is 0: no labelling can tell frames apart"),
-    "recap.positive_quantile": ("open_fraction", "the fraction of frames labelled positive", ""),
-    "recap.holdout_fraction": ("fraction", "", "0: the value model trains on the whole pool and its held-out "
-                                               "figures are skipped"),
-    "recap.policy_steps": ("count_or_zero", "", "0: train.steps"),
-}
+# Each number is checked by the rule of the kind marked on its field (`pisft.config.marks`:
+# `marked(..., kind=...)`, `NUMBER_RULES`); a float is refused when not finite whatever its key.
 
 
 def number_line(key: str, value: Any, kind: str, what: str = "", note: str = "") -> str | None:
@@ -181,35 +58,58 @@ def number_line(key: str, value: Any, kind: str, what: str = "", note: str = "")
     return f"{key}: {what + ' ' if what else ''}{text}" + (f" ({note})" if note else "") + f", got {value!r}"
 
 
-def _numbers(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """(dotted key, value) of every number in the config (each item of a list of numbers)."""
-    out: list[tuple[str, Any]] = []
+def _marked_values(node: Any, prefix: str = "") -> list[tuple[str, Any, Field]]:
+    """(dotted key, value, schema field) of every key of the config, in the schema's order."""
+    out: list[tuple[str, Any, Field]] = []
     for f in fields(node):
         value, key = getattr(node, f.name), f"{prefix}{f.name}"
         if is_dataclass(value):
-            out += _numbers(value, key + ".")
-        elif isinstance(value, list) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
-            out += [(key, v) for v in value]
-        elif isinstance(value, int | float) and not isinstance(value, bool) or (value is None and key in NUMBER_KINDS):
-            out.append((key, value))
+            out += _marked_values(value, key + ".")
+        else:
+            out.append((key, value, f))
+    return out
+
+
+def _numbers(cfg: PisftConfig) -> list[tuple[str, Any, Number | None]]:
+    """(dotted key, value, its kind) of every number in the config (each item of a list of numbers)."""
+    out: list[tuple[str, Any, Number | None]] = []
+    for key, value, f in _marked_values(cfg):
+        number = number_on(f)
+        if isinstance(value, list) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+            out += [(key, v, number) for v in value]
+        elif isinstance(value, int | float) and not isinstance(value, bool) or (value is None and number):
+            out.append((key, value, number))
     return out
 
 
 def number_problems(cfg: PisftConfig) -> list[str]:
-    """Every number of `cfg` against the rule of its kind (`NUMBER_KINDS`); a float with no kind
-    yet is still refused when not finite."""
+    """Every number of `cfg` against the rule of the kind marked on its field; a float with no kind
+    is still refused when not finite."""
     problems = []
-    for key, value in _numbers(cfg):
-        kind, what, note = NUMBER_KINDS.get(key, ("", "", ""))
-        if not kind:
+    for key, value, number in _numbers(cfg):
+        if number is None:
             if isinstance(value, float) and not math.isfinite(value):
                 problems.append(f"{key}: {value} is not a finite number; write a number")
             continue
-        line = number_line(key, value, kind, what, note)
+        line = number_line(key, value, number.kind, number.what, number.note)
         if line:
             problems.append(line)
     return problems
 
+
+def choice_problems(cfg: PisftConfig) -> list[str]:
+    """Every text of `cfg` against the choices marked on its field, in the schema's order."""
+    problems = []
+    for key, value, f in _marked_values(cfg):
+        choice = choice_on(f)
+        if choice is None or not isinstance(value, str) or value in choice.values:
+            continue
+        if choice.refusal:
+            problems.append(f"{key}: '{value}' {choice.refusal}")
+        else:
+            problems.append(f"{key}: '{value}' is not one of {', '.join(choice.values)}"
+                            + (f" ({choice.note})" if choice.note else ""))
+    return problems
 
 
 def _data_problems(d: DataConfig) -> list[str]:
@@ -253,26 +153,6 @@ def _value_problems(cfg: PisftConfig) -> list[str]:
     return problems
 
 
-def _choice_problems(cfg: PisftConfig) -> list[str]:
-    problems: list[str] = []
-    if cfg.device not in DEVICES:
-        problems.append(f"device: '{cfg.device}' is not one of {', '.join(DEVICES)}")
-    if cfg.model.preset not in PRESETS:
-        problems.append(f"model.preset: '{cfg.model.preset}' is not one of {', '.join(PRESETS)}")
-    if cfg.train.precision not in PRECISIONS:
-        problems.append(f"train.precision: '{cfg.train.precision}' is not one of {', '.join(PRECISIONS)}")
-    if cfg.train.compile not in TRAIN_COMPILE:
-        problems.append(f"train.compile: '{cfg.train.compile}' is not one of {', '.join(TRAIN_COMPILE)}")
-    t = cfg.train
-    if isinstance(t.micro_batch_size, str) and t.micro_batch_size != AUTO:
-        problems.append(f"train.micro_batch_size: '{t.micro_batch_size}' must be a number of samples or auto "
-                        "(the largest that fits the device, chosen by smoke_1card)")
-    if isinstance(t.activation_checkpointing, str) and t.activation_checkpointing != AUTO:
-        problems.append(f"train.activation_checkpointing: '{t.activation_checkpointing}' must be true, false or "
-                        "auto (off where the memory allows it, chosen by smoke_1card)")
-    return problems + _trainable_problems(cfg)
-
-
 def _trainable_problems(cfg: PisftConfig) -> list[str]:
     """train.trainable, recap.value_trainable and the LoRA keys (pisft.train.trainable)."""
     t, r = cfg.train, cfg.recap
@@ -284,8 +164,6 @@ def _trainable_problems(cfg: PisftConfig) -> list[str]:
             entry = TRAINABLE_MODE_TABLE.get(name)
             hint = f" ({entry.other_model_hint})" if entry is not None and entry.other_model_hint else ""
             problems.append(f"{key}: '{name}' is not one of {', '.join(trainable_modes(model))}{hint}")
-    if t.lora_targets not in LORA_TARGETS:
-        problems.append(f"train.lora_targets: '{t.lora_targets}' is not one of {', '.join(LORA_TARGETS)}")
     uses_lora = any(is_lora_mode(name, model) for model, name in chosen.items())
     set_keys = [k for k, v, default in (("train.lora_rank", t.lora_rank, 0), ("train.lora_alpha", t.lora_alpha, 0.0),
                                          ("train.lora_targets", t.lora_targets, "openpi")) if v != default]
@@ -331,14 +209,6 @@ def _layout_problems(cfg: PisftConfig) -> list[str]:
     return problems
 
 
-def _smoke_and_data_problems(cfg: PisftConfig) -> list[str]:
-    problems: list[str] = []
-    if cfg.data.augment not in AUGMENTS:
-        problems.append(f"data.augment: '{cfg.data.augment}' is not one of {', '.join(AUGMENTS)} (none: the "
-                        f"images as they are; openpi: openpi's training-time crop, rotation and colour jitter)")
-    return problems + _data_problems(cfg.data)
-
-
 def _eval_problems(e: EvalConfig) -> list[str]:
     problems: list[str] = []
     for suite in e.libero_suites:
@@ -356,15 +226,12 @@ def _eval_problems(e: EvalConfig) -> list[str]:
     if bad_ids or len(set(e.task_ids)) != len(e.task_ids):
         problems.append(f"eval.task_ids: {list(e.task_ids)}: task ids must be distinct and in 0..{n_tasks - 1} "
                         "(the tasks of every suite in eval.libero_suites); [] evaluates every task")
-    if e.precision not in INFERENCE_PRECISIONS:
-        problems.append(f"eval.precision: '{e.precision}' is not one of {', '.join(INFERENCE_PRECISIONS)} (auto: bf16 "
-                        "on an accelerator, the model's own on the CPU)")
     return problems + _rtc_problems(e)
 
 
 def _rtc_problems(e: EvalConfig) -> list[str]:
-    """eval.rtc's keys beyond their numbers' kinds (`NUMBER_KINDS`): the delay against the chunk's
-    executed steps, the schedule's name."""
+    """eval.rtc's keys beyond their marks (a number's kind, the schedule's choices): the delay against
+    the chunk's executed steps and the guidance window."""
     r = e.rtc
     problems: list[str] = []
     if r.delay_steps > e.replan_steps:
@@ -377,9 +244,6 @@ def _rtc_problems(e: EvalConfig) -> list[str]:
                         f"({r.execution_horizon}): LeRobot's RTC pulls the new chunk towards the current one only "
                         "before the horizon, and the environment executes the new chunk from index delay_steps on, "
                         "so real-time chunking would change nothing executed; raise eval.rtc.execution_horizon")
-    if r.schedule not in RTC_SCHEDULES:
-        problems.append(f"eval.rtc.schedule: '{r.schedule}' is not one of {', '.join(RTC_SCHEDULES)} (LeRobot's "
-                        "RTCAttentionSchedule; its default: LINEAR)")
     return problems
 
 
@@ -589,15 +453,6 @@ def _recap_problems(cfg: PisftConfig) -> list[str]:
     if not r.task_ids or any(not 0 <= t < n_tasks for t in r.task_ids) or len(set(r.task_ids)) != len(r.task_ids):
         problems.append(f"recap.task_ids: {list(r.task_ids)}: give distinct task ids in 0..{n_tasks - 1} "
                         f"of {r.suite}")
-    if r.threshold_scope not in THRESHOLD_SCOPES:
-        problems.append(f"recap.threshold_scope: '{r.threshold_scope}' is not one of {', '.join(THRESHOLD_SCOPES)} "
-                        "(global: one threshold over all frames, as RLinf; task: one per task, as the paper)")
-    if r.init not in RECAP_INITS:
-        problems.append(f"recap.init: '{r.init}' is not one of {', '.join(RECAP_INITS)}")
-    if r.value_init not in VALUE_INITS:
-        problems.append(f"recap.value_init: '{r.value_init}' is not one of {', '.join(VALUE_INITS)} (base: the "
-                        "value model starts from the base model, as RLinf's from its pretrained backbone; "
-                        "previous: from the policy of iteration k - 1)")
     # train.micro_batch_size: auto: checked against the gate's choice where the value model trains
     micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 0
     per_step = micro * max(cfg.world_size, 1)
@@ -652,7 +507,7 @@ def cross_check(cfg: PisftConfig, source: str) -> None:
     numbers = number_problems(cfg)
     if numbers:  # the ranges and combinations below assume numbers of the right kind
         raise ConfigError(f"{source}: invalid configuration:\n  - " + "\n  - ".join(numbers))
-    problems = _choice_problems(cfg) + _layout_problems(cfg) + _smoke_and_data_problems(cfg)
+    problems = choice_problems(cfg) + _trainable_problems(cfg) + _layout_problems(cfg) + _data_problems(cfg.data)
     problems += _value_problems(cfg) + _eval_problems(cfg.eval) + _source_problems(cfg.data) + _recap_problems(cfg)
     problems += _robustness_problems(cfg.eval) + _closed_loop_problems(cfg)
     if problems:

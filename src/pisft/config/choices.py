@@ -5,6 +5,7 @@ choices and the LIBERO suites. The lowest module of `pisft.config`: it imports n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import NamedTuple
 
 DEVICES = ("auto", "npu", "cuda", "cpu")
@@ -27,6 +28,9 @@ AUGMENTS = ("none", "openpi")
 INFERENCE_PRECISIONS = ("auto", "bf16", "fp32")
 # eval.rtc.schedule: LeRobot's RTCAttentionSchedule (lerobot/configs/types.py, LeRobot 0.6.1).
 RTC_SCHEDULES = ("ZEROS", "ONES", "LINEAR", "EXP")
+# LeRobot 0.6.1's RTCConfig defaults (lerobot/policies/rtc/configuration_rtc.py): eval.rtc's defaults,
+# pisft.policy.rtc's settings and record, and serve's --rtc-* flags read them here.
+LEROBOT_RTC_DEFAULTS = MappingProxyType({"execution_horizon": 10, "max_guidance_weight": 10.0, "schedule": "LINEAR"})
 
 
 class PerturbationRange(NamedTuple):

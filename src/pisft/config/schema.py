@@ -12,7 +12,21 @@ import functools
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar
 
-from pisft.config.choices import AUTO
+from pisft.config.choices import (
+    AUGMENTS,
+    AUTO,
+    DEVICES,
+    INFERENCE_PRECISIONS,
+    LEROBOT_RTC_DEFAULTS,
+    LORA_TARGETS,
+    PRECISIONS,
+    PRESETS,
+    RECAP_INITS,
+    RTC_SCHEDULES,
+    THRESHOLD_SCOPES,
+    TRAIN_COMPILE,
+    VALUE_INITS,
+)
 from pisft.config.marks import (
     ADVANTAGE,
     CLOSED_LOOP,
@@ -51,12 +65,12 @@ class ModelConfig:
     # or `hf://<repo_id>[@revision]` on the Hugging Face hub.
     source: str = marked("tiny", SMOKE_MEASURED, DAG_SHAPE)
     # Architecture preset: `tiny` (a few million parameters) or `pi05` (gemma_2b + gemma_300m).
-    preset: str = marked("tiny", SMOKE_MEASURED)
+    preset: str = marked("tiny", SMOKE_MEASURED, choices=PRESETS)
     # Tokenizer: "" means the source's own (the tiny preset builds one locally); else a local
     # directory or `hf://<repo_id>`.
     tokenizer: str = marked("", DAG_SHAPE)
     # Seed of the random initialisation of the tiny preset.
-    init_seed: int = 0
+    init_seed: int = marked(0, kind="seed")
     # The asset id (e.g. `physical-intelligence/libero`) whose norm_stats.json fetch_base carries
     # into the base model, from openpi's `assets/<asset_id>/` or RLinf's `<asset_id>/`; "" carries
     # the only one (several: fetch_base lists them and carries none).
@@ -81,11 +95,11 @@ class DataConfig:
     # the dataset (meta/source_sampling.json), read by training.
     balance_source_weights: bool = marked(True, CONVERSION)
     # Synthetic demo data (used only when recap_dir is the demo directory).
-    demo_episodes_per_task: int = marked(6, DEMO, INPUT)
-    demo_episode_length: int = marked(40, DEMO, INPUT)
-    demo_failure_fraction: float = marked(0.2, DEMO, INPUT)
-    demo_image_size: int = marked(64, DEMO, INPUT)
-    demo_seed: int = marked(0, DEMO, INPUT)
+    demo_episodes_per_task: int = marked(6, DEMO, INPUT, kind="count")
+    demo_episode_length: int = marked(40, DEMO, INPUT, kind="count")
+    demo_failure_fraction: float = marked(0.2, DEMO, INPUT, kind="fraction")
+    demo_image_size: int = marked(64, DEMO, INPUT, kind="side")
+    demo_seed: int = marked(0, DEMO, INPUT, kind="seed")
     # Conversion options.
     success_only: bool = marked(False, CONVERSION)
     tasks: list[str] = marked([], CONVERSION)
@@ -95,23 +109,26 @@ class DataConfig:
     # Recorded in the dataset (meta/prompt_conditioning.json), read by training; retraining at
     # iteration k >= 1 turns the labels into prompts with them.
     positive_only_conditional: bool = marked(True, CONVERSION, RETRAINING)
-    unconditional_prob: float = marked(0.1, CONVERSION, RETRAINING)
+    unconditional_prob: float = marked(0.1, CONVERSION, RETRAINING, kind="probability")
     # The dataset's column for image, wrist_image, state, actions when no known LIBERO naming fits.
     columns: dict[str, str] = marked({}, CONVERSION)
-    image_size: int = marked(0, CONVERSION)  # 0 keeps the input resolution
-    eval_fraction: float = marked(0.2, CONVERSION)
-    split_seed: int = marked(0, CONVERSION)
+    image_size: int = marked(0, CONVERSION, kind="side_or_keep")  # 0 keeps the input resolution
+    eval_fraction: float = marked(0.2, CONVERSION, kind="fraction",
+                                  note="0: every episode trains and `evaluate` writes a \"not run\" result")
+    split_seed: int = marked(0, CONVERSION, kind="seed")
     # Training-time image augmentation (pisft.data.augment), read by the training stages only:
     # `none`, or `openpi` (openpi's crop, rotation and colour jitter, drawn per sample): the images
     # every step trains on (the value model's too).
-    augment: str = marked("none", TRAIN_STEP, VALUE)
+    augment: str = marked("none", TRAIN_STEP, VALUE, choices=AUGMENTS,
+                          note="none: the images as they are; openpi: openpi's training-time crop, rotation and "
+                               "colour jitter")
 
 
 @dataclass
 class SmokeConfig:
-    steps: int = 4
+    steps: int = marked(4, kind="two_or_more", note="the smoke run checks the loss falls")
     # The smoke stage fails when less than this fraction of device memory would remain free.
-    min_memory_headroom: float = 0.05
+    min_memory_headroom: float = marked(0.05, kind="fraction")
 
 
 @dataclass
@@ -130,49 +147,56 @@ class TrainConfig:
     micro batch, checkpointing and world size (pisft.train.step_record). The value run has its own
     steps, learning rates, batch and mode (`recap.value_*`)."""
 
-    nproc_per_node: int = marked(2, TRAIN_STEP)
-    nnodes: int = 1
-    node_rank: int = 0
+    nproc_per_node: int = marked(2, TRAIN_STEP, kind="count")
+    nnodes: int = marked(1, kind="count")
+    node_rank: int = marked(0, kind="count_or_zero")
     rdzv_endpoint: str = ""
     # A number, or `auto`: the largest that fits the device, chosen by smoke_1card from measured
     # peaks (pisft.gates.micro_batch); train_8card (and the RECAP value model) run the report's choice.
-    micro_batch_size: int | str = marked(4, TRAIN_STEP)
-    global_batch_size: int = marked(16, TRAIN_STEP, POLICY_RUN)
-    steps: int = marked(150, POLICY_RUN)
-    save_every: int = 50
-    keep_last: int = 2
+    micro_batch_size: int | str = marked(4, TRAIN_STEP, kind="count", choices=(AUTO,),
+                                         refusal="must be a number of samples or auto (the largest that fits the "
+                                                 "device, chosen by smoke_1card)")
+    global_batch_size: int = marked(16, TRAIN_STEP, POLICY_RUN, kind="count")
+    steps: int = marked(150, POLICY_RUN, kind="count")
+    save_every: int = marked(50, kind="count")
+    keep_last: int = marked(2, kind="count")
     # The advantage labelling's value model runs in it too.
-    precision: str = marked("fp32", TRAIN_STEP, ADVANTAGE, POLICY_RUN, VALUE_RUN)
-    seed: int = marked(0, TRAIN_STEP, POLICY_RUN, VALUE_RUN)
-    lr: float = marked(1e-3, TRAIN_STEP, POLICY_RUN, VALUE_RUN)
-    warmup_steps: int = marked(10, POLICY_RUN, VALUE_RUN)
-    decay_lr: float = marked(1e-4, POLICY_RUN, VALUE_RUN)
-    weight_decay: float = marked(1e-2, TRAIN_STEP, POLICY_RUN, VALUE_RUN)
-    grad_clip: float = marked(1.0, TRAIN_STEP, POLICY_RUN, VALUE_RUN)
+    precision: str = marked("fp32", TRAIN_STEP, ADVANTAGE, POLICY_RUN, VALUE_RUN, choices=PRECISIONS)
+    seed: int = marked(0, TRAIN_STEP, POLICY_RUN, VALUE_RUN, kind="seed")
+    lr: float = marked(1e-3, TRAIN_STEP, POLICY_RUN, VALUE_RUN, kind="positive", what="the peak learning rate")
+    warmup_steps: int = marked(10, POLICY_RUN, VALUE_RUN, kind="count_or_zero")
+    decay_lr: float = marked(1e-4, POLICY_RUN, VALUE_RUN, kind="non_negative",
+                             what="the learning rate the schedule decays to")
+    weight_decay: float = marked(1e-2, TRAIN_STEP, POLICY_RUN, VALUE_RUN, kind="non_negative")
+    grad_clip: float = marked(1.0, TRAIN_STEP, POLICY_RUN, VALUE_RUN, kind="positive", what="the gradient-norm limit")
     # EMA of the trained weights (pisft.train.ema; openpi's ema_decay): 0 or null is off; on, the
     # exported model is the average, and every checkpoint carries it.
-    ema_decay: float | None = marked(0.0, POLICY_RUN)
+    ema_decay: float | None = marked(0.0, POLICY_RUN, kind="decay_or_off", what="the EMA's decay",
+                                     note="0 or null: no EMA; openpi's pi05_libero: 0.999")
     # true | false | auto: off where the memory allows it at the chosen micro batch (smoke_1card decides).
-    activation_checkpointing: bool | str = marked(False, TRAIN_STEP)
+    activation_checkpointing: bool | str = marked(False, TRAIN_STEP, choices=(AUTO,),
+                                                  refusal="must be true, false or auto (off where the memory allows "
+                                                          "it, chosen by smoke_1card)")
     # Peak dense bf16 FLOP/s of one device for MFU; 0 looks the device up in a table.
-    peak_flops: float = marked(0.0, TRAIN_STEP)
+    peak_flops: float = marked(0.0, TRAIN_STEP, kind="non_negative", note="0: the device table's figure")
     # Data-loader worker processes per training process; -1 chooses from the cores
     # (pisft.train.batches.default_workers). prefetch_factor: micro-batches each worker prepares ahead.
-    num_workers: int = marked(-1, TRAIN_STEP)
-    prefetch_factor: int = 4
+    num_workers: int = marked(-1, TRAIN_STEP, kind="auto_or_count", what="data-loader processes per training process")
+    prefetch_factor: int = marked(4, kind="count", what="micro-batches each data-loader worker prepares ahead")
     # The smallest FSDP unit, in parameters: smaller layer units are merged with their neighbours
     # of the same group (pisft.train.fsdp.merge_small_units). -1 chooses by device: on the CPU
     # 16M (gloo collectives cost milliseconds each; the tiny model trains with the root unit
     # alone), on an accelerator 0 (one unit per decoder layer pair and per vision layer). The
     # smoke run measures this layout.
-    fsdp_min_unit_params: int = marked(-1, TRAIN_STEP)
+    fsdp_min_unit_params: int = marked(-1, TRAIN_STEP, kind="auto_or_count",
+                                       what="the smallest FSDP unit in parameters")
     # Also write the per-step metrics as TensorBoard scalars (results/checkpoints/train/<run>/tensorboard;
     # needs the `tensorboard` package).
     tensorboard: bool = False
     # Fetch the step metrics from the device every this many optimizer steps (and at checkpoints
     # and the last step): one device->host synchronisation per fetch. metrics.jsonl still has
     # one line per optimizer step. Host syncs per step: the smoke run's step time and projection.
-    log_every: int = marked(10, TRAIN_STEP)
+    log_every: int = marked(10, TRAIN_STEP, kind="count")
     # Deterministic training: torch.use_deterministic_algorithms(True), HCCL_DETERMINISTIC=true on
     # Ascend, CUBLAS_WORKSPACE_CONFIG=:4096:8 on CUDA. Slower; config/README.md has the costs.
     deterministic: bool = marked(False, TRAIN_STEP)
@@ -183,19 +207,22 @@ class TrainConfig:
     trainable: str = marked("all", TRAIN_STEP, POLICY_RUN)
     # train.trainable: lora (or recap.value_trainable: lora): the target preset, lerobot (LeRobot's
     # pi0.5 defaults) | openpi (gemma_2b_lora + gemma_300m_lora) | rlinf (RLinf's is_lora list).
-    lora_targets: str = marked("openpi", TRAIN_STEP, POLICY_RUN, VALUE_RUN)
+    lora_targets: str = marked("openpi", TRAIN_STEP, POLICY_RUN, VALUE_RUN, choices=LORA_TARGETS)
     # The adapters' rank and alpha (scaling alpha / rank); 0: the preset's own (lerobot 16 / 8;
     # openpi 16 / 16 on the VLM, 32 / 32 on the expert; rlinf 32 / 32). A rank given replaces all
     # of the preset's ranks; alpha 0 then is LeRobot's 8 (lerobot) or the rank (openpi, rlinf).
-    lora_rank: int = marked(0, TRAIN_STEP, POLICY_RUN, VALUE_RUN)
-    lora_alpha: float = marked(0.0, TRAIN_STEP, POLICY_RUN, VALUE_RUN)
+    lora_rank: int = marked(0, TRAIN_STEP, POLICY_RUN, VALUE_RUN, kind="lora_rank")
+    lora_alpha: float = marked(0.0, TRAIN_STEP, POLICY_RUN, VALUE_RUN, kind="non_negative", note="0: the preset's own")
     # torch.compile of the training step's repeated blocks (pisft.train.blocks): off | layers (each
     # decoder layer pair and SigLIP encoder layer compiled, as torchtitan compiles each block) | auto
     # (decided by smoke_1card on the run's device: the smoke steps eager and compiled, compiled kept
     # only when it ran, agreed with eager and was faster, pisft.gates.compile_trial; on the CPU eager
     # without a trial). Compiled code is cached under results/cache/inductor. The step's time, memory
     # and last bits follow it; the mode the run executes is in its fingerprint.
-    compile: str = marked("auto", TRAIN_STEP, POLICY_RUN)
+    compile: str = marked("auto", TRAIN_STEP, POLICY_RUN, choices=TRAIN_COMPILE)
+
+
+_RTC = LEROBOT_RTC_DEFAULTS
 
 
 @dataclass
@@ -209,66 +236,74 @@ class RtcConfig:
     enabled: bool = False
     # The inference delay in control steps: the environment keeps executing the previous chunk this
     # many steps while the next is computed (0: openpi's synchronous loop).
-    delay_steps: int = 0
+    delay_steps: int = marked(0, kind="count_or_zero", what="the inference delay in control steps",
+                              note="0: openpi's synchronous loop")
     # LeRobot's RTC guidance window: the first delay_steps actions are held to the previous chunk,
     # the weights then fall to 0 at this index (it must exceed delay_steps under RTC).
-    execution_horizon: int = 10
-    max_guidance_weight: float = 10.0
-    schedule: str = "LINEAR"
+    execution_horizon: int = marked(_RTC["execution_horizon"], kind="count",
+                                    note=f"LeRobot's default: {_RTC['execution_horizon']}")
+    max_guidance_weight: float = marked(_RTC["max_guidance_weight"], kind="positive",
+                                        note=f"LeRobot's default: {_RTC['max_guidance_weight']}")
+    schedule: str = marked(_RTC["schedule"], choices=RTC_SCHEDULES,
+                           note=f"LeRobot's RTCAttentionSchedule; its default: {_RTC['schedule']}")
 
 
 @dataclass
 class EvalConfig:
     # At most this many held-out episodes (0: all of them).
-    max_episodes: int = marked(0, OFFLINE_EVAL)
-    batch_size: int = marked(32, OFFLINE_EVAL)
+    max_episodes: int = marked(0, OFFLINE_EVAL, kind="count_or_zero", note="0: every held-out episode")
+    batch_size: int = marked(32, OFFLINE_EVAL, kind="count")
     # Offline: evaluate every k-th frame of each held-out episode (1: every frame).
-    frame_stride: int = marked(2, OFFLINE_EVAL)
+    frame_stride: int = marked(2, OFFLINE_EVAL, kind="count")
     # Seed of the flow-matching noise (fixed per frame, same for both models) and the bootstrap.
-    seed: int = marked(0, OFFLINE_EVAL)
+    seed: int = marked(0, OFFLINE_EVAL, kind="seed")
     # Bootstrap resamples of the held-out episodes for confidence intervals (0: none).
-    bootstrap_samples: int = marked(1000, OFFLINE_EVAL)
+    bootstrap_samples: int = marked(1000, OFFLINE_EVAL, kind="count_or_zero")
     # Closed-loop LIBERO (stage closed_loop; needs the LIBERO simulator, MUJOCO_GL=egl).
     closed_loop: bool = marked(False, CLOSED_LOOP, DAG_SHAPE)
     libero_suites: list[str] = marked(["libero_spatial", "libero_object", "libero_goal", "libero_10"], CLOSED_LOOP)
     # Collection starts from the initial states after the evaluation's.
-    trials_per_task: int = marked(50, CLOSED_LOOP, COLLECTION)
-    replan_steps: int = marked(5, CLOSED_LOOP, COLLECTION)
-    num_wait_steps: int = marked(10, CLOSED_LOOP, COLLECTION)
-    closed_loop_seed: int = marked(7, CLOSED_LOOP)
+    trials_per_task: int = marked(50, CLOSED_LOOP, COLLECTION, kind="count")
+    replan_steps: int = marked(5, CLOSED_LOOP, COLLECTION, kind="count")
+    num_wait_steps: int = marked(10, CLOSED_LOOP, COLLECTION, kind="count_or_zero")
+    closed_loop_seed: int = marked(7, CLOSED_LOOP, kind="seed")
     # The closed loop's seeds (each an environment seed and the root of the policy's noise seeds); []: the
     # one eval.closed_loop_seed, which a list must start with. Success is pooled over them, each beside it.
-    seeds: list[int] = marked([], CLOSED_LOOP)
+    seeds: list[int] = marked([], CLOSED_LOOP, kind="seed")
     # The closed loop's episodes again under each perturbation (docs/robustness.md): a name (its default
     # strength) or {name: NAME, strength: S}, names and strengths in PERTURBATIONS; []: openpi's protocol alone.
     perturbations: list[Any] = marked([], CLOSED_LOOP)
     # Images are resized with padding to this square size before they reach the policy (openpi).
-    resize_size: int = marked(224, CLOSED_LOOP, COLLECTION)
+    resize_size: int = marked(224, CLOSED_LOOP, COLLECTION, kind="side")
     # Step limit of every episode; 0: openpi's limit of each suite (220/280/300/520, libero_90 400).
-    max_steps: int = marked(0, CLOSED_LOOP)
+    max_steps: int = marked(0, CLOSED_LOOP, kind="count_or_zero", note="0: openpi's limit per suite")
     # Task ids evaluated in each suite; empty: every task.
-    task_ids: list[int] = marked([], CLOSED_LOOP)
+    task_ids: list[int] = marked([], CLOSED_LOOP, kind="count_or_zero")
     # Environment worker processes; 0: one per core available to the stage. Like
     # policy_batch_wait_ms and policy_devices it changes how fast, not what (pisft.policy.fixed_shape).
-    num_envs: int = 0
+    num_envs: int = marked(0, kind="count_or_zero", note="0: one per available core")
     # The rows of every policy forward: up to this many waiting requests share one, which is padded
     # to it when fewer wait (1: one at a time). A forward rounds by its rows, so results depend on
     # this and on nothing of the timing (pisft.policy.fixed_shape).
-    policy_batch: int = marked(2, CLOSED_LOOP, COLLECTION)
+    policy_batch: int = marked(2, CLOSED_LOOP, COLLECTION, kind="count", what="the rows of every policy forward",
+                               note="0, every environment waiting, is gone: a forward's rows change its rounding, "
+                                    "so they are fixed; e.g. 2, or about eval.num_envs per policy replica; "
+                                    "docs/libero.md")
     # How long a batch that could still grow (environments still simulating) is held: 0 measured
     # (pisft.policy.batching), a positive number of ms set by hand.
-    policy_batch_wait_ms: float = 0.0
+    policy_batch_wait_ms: float = marked(0.0, kind="non_negative", note="0: measured")
     # Policy replicas, one per accelerator (0: every visible device of `device`'s kind; the CPU: one).
-    policy_devices: int = 0
+    policy_devices: int = marked(0, kind="count_or_zero", note="0: every visible device")
     # The jobs closed_loop and collect_rollouts are each scattered over (pisft.rollout.plan, "Scattered
     # rollouts"): each runs a block of the episodes, a merge writes the outputs; the same bytes for any
     # number. 1: one job, as before.
-    shards: int = 1
+    shards: int = marked(1, kind="count", what="the jobs the rollouts are scattered over", note="1: one job")
     # An MP4 (agent view | wrist camera) of the first episode of each task.
     videos: bool = marked(True, CLOSED_LOOP)
     # Classifier-free guidance of an advantage-conditioned policy (RLinf's cfgrl_guidance_scale):
     # 1.0 prompts with the positive tag alone; w > 1 blends v = (1 - w) v_uncond + w v_cond.
-    cfg_scale: float = marked(1.0, OFFLINE_EVAL, CLOSED_LOOP, COLLECTION)
+    cfg_scale: float = marked(1.0, OFFLINE_EVAL, CLOSED_LOOP, COLLECTION, kind="at_least_one",
+                              what="the guidance scale", note="1: the positive prompt alone")
     # The action chunk compiled and graph-captured per batch-size bucket (pisft.policy.compiled), in
     # evaluate, closed_loop and collect_rollouts (serve --compile): true, false, or null (the default):
     # on an accelerator the stage's first chunk runs eager and compiled and the faster is chosen
@@ -277,7 +312,8 @@ class EvalConfig:
     compile: bool | None = marked(None, OFFLINE_EVAL, CLOSED_LOOP, COLLECTION)
     # Inference precision: bf16 (openpi's: fp32 only where openpi keeps it), fp32, or auto (bf16 on an
     # accelerator; on the CPU, the precision the model directory records).
-    precision: str = marked("auto", OFFLINE_EVAL, CLOSED_LOOP, COLLECTION)
+    precision: str = marked("auto", OFFLINE_EVAL, CLOSED_LOOP, COLLECTION, choices=INFERENCE_PRECISIONS,
+                            note="auto: bf16 on an accelerator, the model's own on the CPU")
     rtc: RtcConfig = marked(RtcConfig, CLOSED_LOOP)
 
 
@@ -288,44 +324,54 @@ class RecapConfig:
     policy k-1 out, trains a value model on the pool, labels advantages, retrains, evaluates."""
 
     # Iterations after the SFT run (iteration 0); 0 runs the SFT pipeline alone.
-    iterations: int = marked(0, DAG_SHAPE)
+    iterations: int = marked(0, DAG_SHAPE, kind="count_or_zero")
     # collect_rollouts: LIBERO suite and task ids rolled out, episodes per task, step limit
     # (0: the suite's limit). Collection starts from initial states after the evaluation's
     # (state eval.trials_per_task + i for episode i) and seeds from collect_seed.
     suite: str = marked("libero_10", COLLECTION)
-    task_ids: list[int] = marked([0], COLLECTION)
-    episodes_per_task: int = marked(2, COLLECTION)
-    max_steps: int = marked(0, COLLECTION)
-    collect_seed: int = marked(1000, COLLECTION)
+    task_ids: list[int] = marked([0], COLLECTION, kind="count_or_zero")
+    episodes_per_task: int = marked(2, COLLECTION, kind="count")
+    max_steps: int = marked(0, COLLECTION, kind="count_or_zero", note="0: the suite's limit")
+    collect_seed: int = marked(1000, COLLECTION, kind="seed")
     # Returns as RLinf computes them: -1 per step, 0 (success) or failure_reward at the end; written
     # beside the converted dataset (returns.parquet).
-    gamma: float = marked(1.0, CONVERSION, ADVANTAGE)
-    failure_reward: float = marked(-300.0, CONVERSION)
+    gamma: float = marked(1.0, CONVERSION, ADVANTAGE, kind="discount", what="the discount")
+    failure_reward: float = marked(-300.0, CONVERSION, kind="penalty",
+                                   what="the reward of a failed episode's last step",
+                                   note="RLinf: -300; returns are float32, a larger penalty drowns the -1 of each step")
     # train_value: the distributional value model (bins on [-1, 0]).
-    value_bins: int = marked(201, VALUE, VALUE_RUN)
-    value_steps: int = marked(50, VALUE, VALUE_RUN)
-    value_lr: float = marked(5e-5, VALUE, VALUE_RUN)
-    value_head_lr: float = marked(1e-4, VALUE, VALUE_RUN)
+    value_bins: int = marked(201, VALUE, VALUE_RUN, kind="two_or_more", note="a distribution needs at least 2 bins")
+    value_steps: int = marked(50, VALUE, VALUE_RUN, kind="count")
+    value_lr: float = marked(5e-5, VALUE, VALUE_RUN, kind="positive")
+    value_head_lr: float = marked(1e-4, VALUE, VALUE_RUN, kind="positive")
     # 0: train.global_batch_size (the value run's fingerprint holds the batch it resolves to)
-    value_global_batch_size: int = marked(0, VALUE)
+    value_global_batch_size: int = marked(0, VALUE, kind="count_or_zero", note="0: train.global_batch_size")
     # advantages: N-step lookahead, the positive fraction, where the threshold is taken (not
     # eval.batch_size, train.num_workers: they change how fast, not what).
-    lookahead: int = marked(10, ADVANTAGE)
-    positive_quantile: float = marked(0.3, ADVANTAGE)
-    threshold_scope: str = marked("global", ADVANTAGE)
+    lookahead: int = marked(10, ADVANTAGE, kind="count", what="the N of the N-step advantage",
+                            note="with 0 every frame's advantage is 0: no labelling can tell frames apart")
+    positive_quantile: float = marked(0.3, ADVANTAGE, kind="open_fraction",
+                                      what="the fraction of frames labelled positive")
+    threshold_scope: str = marked("global", ADVANTAGE, choices=THRESHOLD_SCOPES,
+                                  note="global: one threshold over all frames, as RLinf; task: one per task, as the "
+                                       "paper")
     # The fraction of the pool's episodes (per task) held out from the value model to measure it
     # (held-out rho, bin accuracy), at iteration k >= 1; the retrained policy trains on every
     # episode of the pool either way. 0: the value model trains on the whole pool too (RLinf) and
     # its held-out figures are skipped.
-    holdout_fraction: float = 0.0
+    holdout_fraction: float = marked(0.0, kind="fraction",
+                                     note="0: the value model trains on the whole pool and its held-out figures are "
+                                          "skipped")
     # Retraining at iteration k starts from the base model or from policy k-1.
-    init: str = marked("previous", RETRAINING, DAG_SHAPE)
+    init: str = marked("previous", RETRAINING, DAG_SHAPE, choices=RECAP_INITS)
     # What the value model of iteration k starts from: the base model (RLinf's value model starts
     # from its pretrained backbone) or policy k-1 (`pisft.layout.value_init_model`); the value run's
     # fingerprint holds the content of the model it names too.
-    value_init: str = marked("base", VALUE, VALUE_RUN, DAG_SHAPE)
+    value_init: str = marked("base", VALUE, VALUE_RUN, DAG_SHAPE, choices=VALUE_INITS,
+                             note="base: the value model starts from the base model, as RLinf's from its pretrained "
+                                  "backbone; previous: from the policy of iteration k - 1")
     # Optimizer steps of the retraining at iteration k >= 1; 0: train.steps (the SFT run's).
-    policy_steps: int = marked(0, RETRAINING)
+    policy_steps: int = marked(0, RETRAINING, kind="count_or_zero", note="0: train.steps")
     # What of the value model trains (TRAINABLE_MODE_TABLE): all | no_vision (SigLIP frozen) | head
     # (the VLM prefix frozen, the read-out token and bin head train: RLinf's value-model freeze_vlm) |
     # lora (adapters on the VLM part of train.lora_targets, the read-out token and head in full).
@@ -334,7 +380,7 @@ class RecapConfig:
 
 @dataclass
 class PisftConfig:
-    device: str = marked("auto", DAG_SHAPE)
+    device: str = marked("auto", DAG_SHAPE, choices=DEVICES)
     results_dir: str = "results"
     # `model` and `data` enter both run fingerprints whole (a key added there is covered by
     # default), their INPUT keys excepted; the value model reads all of `train` (the process layout,
