@@ -222,14 +222,14 @@ class TrainConfig:
     compile: str = marked("auto", TRAIN_STEP, POLICY_RUN, choices=TRAIN_COMPILE)
 
 
-_RTC = LEROBOT_RTC_DEFAULTS
+_RTC = LEROBOT_RTC_DEFAULTS  # RtcConfig's guidance defaults: LeRobot's, one constant (pisft.config.choices)
 
 
 @dataclass
 class RtcConfig:
     """Real-time chunking (LeRobot's RTC, `lerobot.policies.rtc`) in closed_loop, and the closed
     loop's simulated inference delay (pisft.rollout.chunking). The defaults of execution_horizon,
-    max_guidance_weight and schedule are LeRobot 0.6.1's `RTCConfig`'s."""
+    max_guidance_weight and schedule are LeRobot 0.6.1's `RTCConfig`'s (`LEROBOT_RTC_DEFAULTS`)."""
 
     # Each chunk after an episode's first is inpainted to agree with the unexecuted rest of the one
     # before (LeRobot's RTCProcessor); closed_loop then also runs plain chunking at the same delay.
