@@ -1,12 +1,15 @@
 """A key's roles are marks on its field (pisft.config): every list of keys by role is read off
-them, and no module keeps one of its own."""
+them, and no module keeps one of its own. A number's kind and a text's choices are marks on its field
+too: a key added with its marks is validated with no other edit."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pisft import config
 from pisft.stages import STAGES
@@ -20,6 +23,10 @@ def test_a_mark_names_a_known_role():
         config.marked(1, "reruns everything")
     with pytest.raises(ValueError, match="unknown role"):
         config.keys_marked("training stepp")
+    with pytest.raises(ValueError, match="unknown number kind 'counted'; the kinds are count, "):
+        config.marked(1, kind="counted")
+    with pytest.raises(ValueError, match="what= and note= belong to a kind="):
+        config.marked("a", what="a thing")  # a text's refusal words are choices' note= or refusal=
 
 
 def test_every_role_marks_a_key_and_a_marked_section_is_a_section():
@@ -85,10 +92,62 @@ def test_no_module_keeps_a_list_of_keys_by_role():
     """Outside pisft.config and the stage table (whose rows name what each stage reads), a
     module-level tuple of config keys is a second copy of a key's role: mark the key instead."""
     keys = {key for key in config.all_keys() if "." in key}  # ("train", "eval") is a split, not a key list
-    allowed = {ROOT / "src/pisft/config.py", ROOT / "src/pisft/stages.py"}
+    allowed = {*(ROOT / "src/pisft/config").glob("*.py"), ROOT / "src/pisft/stages.py"}
     found = [hit for path in sorted((ROOT / "src/pisft").rglob("*.py")) if path not in allowed
              for hit in _config_key_lists(str(path.relative_to(ROOT)), path.read_text(), keys)]
     assert found == []
     # and the check sees one where there is one (what checkpoint.py held before the marks)
     assert _config_key_lists("probe.py", 'import os\nFINGERPRINT_KEYS = ("train.lr", "train.seed")\n',
                              keys) == ["probe.py:2 FINGERPRINT_KEYS"]
+
+
+# ---------------------------------------------------------------------- a key added with its marks
+@dataclasses.dataclass
+class _TrainWithMore(config.TrainConfig):
+    widgets: int = config.marked(3, config.TRAIN_STEP, kind="count", what="the widgets per step",
+                                 note="a throwaway key")
+    flavour: str = config.marked("plain", config.TRAIN_STEP, choices=("plain", "spicy"), note="plain: as it is")
+    mode: int | str = config.marked(2, kind="two_or_more", choices=("auto",), refusal="must be a number or auto")
+
+
+@dataclasses.dataclass
+class _SchemaWithMore(config.PisftConfig):
+    train: _TrainWithMore = config.marked(_TrainWithMore, config.VALUE)
+
+
+@pytest.fixture
+def schema_with_more_keys(monkeypatch):
+    """The schema with three throwaway train keys, added as a key is added: its field and its marks."""
+    config.schema._schema.cache_clear()
+    monkeypatch.setattr(config.schema, "PisftConfig", _SchemaWithMore)
+    monkeypatch.setattr(config.reading, "PisftConfig", _SchemaWithMore)
+    yield
+    monkeypatch.undo()
+    config.schema._schema.cache_clear()
+
+
+def test_a_key_added_with_its_marks_is_validated_by_kind_range_and_choices_with_no_other_edit(schema_with_more_keys):
+    raw = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    cfg = config.from_dict(raw, "c.yaml")  # config.yaml without the new keys: their defaults
+    assert (cfg.train.widgets, cfg.train.flavour, cfg.train.mode) == (3, "plain", 2)
+    assert {"train.widgets", "train.flavour"} <= set(config.keys_marked(config.TRAIN_STEP))
+
+    def refusal(**train) -> str:
+        with pytest.raises(config.ConfigError) as err:
+            config.from_dict({**raw, "train": {**raw["train"], **train}}, "c.yaml")
+        return str(err.value)
+
+    # the kind's range, the choices, the refusal's own words, each in the words of every key's refusal
+    assert refusal(widgets=0) == ("c.yaml: invalid configuration:\n  - train.widgets: the widgets per step must be "
+                                  "at least 1 (a throwaway key), got 0")
+    assert refusal(flavour="salty") == ("c.yaml: invalid configuration:\n  - train.flavour: 'salty' is not one of "
+                                        "plain, spicy (plain: as it is)")
+    assert refusal(mode="sometimes") == ("c.yaml: invalid configuration:\n  - train.mode: 'sometimes' must be a "
+                                         "number or auto")
+    assert refusal(mode=1) == "c.yaml: invalid configuration:\n  - train.mode: must be at least 2, got 1"
+    assert "train.widgets" in refusal(widgets="many") and "wrong type" in refusal(widgets="many")  # the field's type
+    assert "did you mean 'train.widgets'" in refusal(widget=4)  # the key is known
+    assert config.from_dict({**raw, "train": {**raw["train"], "flavour": "spicy", "mode": "auto"}}).train.mode == "auto"
+    # its other two places: config.yaml and config/README.md, which tests/test_config.py holds to every key
+    missing = set(config.all_keys()) - set(config.flatten(raw))
+    assert missing == {"train.widgets", "train.flavour", "train.mode"}

@@ -168,7 +168,7 @@ def test_killed_snakemake_is_recovered_with_unlock_and_rerun_incomplete(default_
         # never a collection or a training (issue 34)
         ("src/pisft/evaluate/report.py", {"evaluate"}),
         ("src/pisft/train/loop.py", {"smoke_1card", "train_8card", "closed_loop", "evaluate"} | LOOP),
-        ("src/pisft/config.py", {"fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card",
+        ("src/pisft/config/schema.py", {"fetch_base", "demo_recap", "convert_recap", "smoke_1card", "train_8card",
                                  "closed_loop", "evaluate"} | LOOP),
         # the advantages stage and what reads its labels: the retraining, its closed loop, the summary
         ("src/pisft/recap/advantages.py", {"advantages_1", "train_8card_1", "closed_loop_1", "recap_summary"}),

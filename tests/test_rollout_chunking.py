@@ -143,6 +143,26 @@ def test_the_config_refuses_a_delay_rtc_cannot_act_on():
         C.from_dict({"eval": {"rtc": {"schedule": "SQUARE"}}})
 
 
+def test_lerobots_rtc_defaults_are_one_constant_that_the_config_the_policy_and_serve_read():
+    """eval.rtc's defaults, pisft.policy.rtc's settings and record, and serve's --rtc-* flags: LeRobot's
+    RTCConfig defaults, written once (pisft.config.LEROBOT_RTC_DEFAULTS)."""
+    from lerobot.policies.rtc.configuration_rtc import RTCConfig
+
+    from pisft import config as C
+    from pisft.policy.rtc import RtcSettings
+    from pisft.serve.server import build_parser
+
+    lerobot = RTCConfig()
+    defaults = {"execution_horizon": lerobot.execution_horizon, "max_guidance_weight": lerobot.max_guidance_weight,
+                "schedule": lerobot.prefix_attention_schedule.value}
+    assert dict(C.LEROBOT_RTC_DEFAULTS) == defaults
+    rtc = C.from_dict({}).eval.rtc
+    assert {key: getattr(rtc, key) for key in defaults} == defaults
+    assert RtcSettings() == RtcSettings.from_config(rtc) and RtcSettings().record()["lerobot_defaults"] == defaults
+    flags = build_parser().parse_args(["--model", "model"])
+    assert (flags.rtc_execution_horizon, flags.rtc_max_guidance_weight, flags.rtc_schedule) == tuple(defaults.values())
+
+
 def test_jerk_is_the_second_difference_at_the_boundaries():
     a = np.zeros((8, 7))
     a[:, 0] = [0, 1, 2, 3, 10, 11, 12, 13]  # a step at 4: a new chunk starts there

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
+# LeRobot 0.6.1's RTCConfig defaults (lerobot/policies/rtc/configuration_rtc.py), one constant in pisft.config
+from pisft.config import LEROBOT_RTC_DEFAULTS as LEROBOT_DEFAULTS
 from pisft.errors import PisftError
 
-# LeRobot 0.6.1's RTCConfig defaults (lerobot/policies/rtc/configuration_rtc.py).
-LEROBOT_DEFAULTS = {"execution_horizon": 10, "max_guidance_weight": 10.0, "schedule": "LINEAR"}
 SOURCE = ("LeRobot 0.6.1 lerobot.policies.rtc (RTCProcessor, RTCConfig; PI05Config.rtc_config, "
           "predict_action_chunk(inference_delay=, prev_chunk_left_over=))")
 

@@ -106,6 +106,7 @@ from typing import Any
 
 import numpy as np
 
+from pisft.config import LEROBOT_RTC_DEFAULTS, RTC_SCHEDULES
 from pisft.errors import PisftError
 from pisft.policy.batching import BatchRule, answer_each, rewinding
 from pisft.policy.interface import Policy
@@ -671,12 +672,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="real-time chunking per connection (LeRobot's RTC): a request with 'rtc/executed_steps' "
                         "and 'rtc/delay_steps' gets a chunk that agrees with the rest of the connection's last one "
                         "(docs/serving.md)")
-    p.add_argument("--rtc-execution-horizon", type=_positive(int), default=10, metavar="N",
-                   help="RTC's guidance window (LeRobot's default 10; eval.rtc.execution_horizon)")
-    p.add_argument("--rtc-max-guidance-weight", type=_positive(float), default=10.0, metavar="W",
-                   help="RTC's guidance weight clamp (LeRobot's default 10.0; eval.rtc.max_guidance_weight)")
-    p.add_argument("--rtc-schedule", choices=("ZEROS", "ONES", "LINEAR", "EXP"), default="LINEAR",
-                   help="RTC's prefix weights (LeRobot's default LINEAR; eval.rtc.schedule)")
+    rtc = LEROBOT_RTC_DEFAULTS
+    p.add_argument("--rtc-execution-horizon", type=_positive(int), default=rtc["execution_horizon"], metavar="N",
+                   help=f"RTC's guidance window (LeRobot's default {rtc['execution_horizon']}; "
+                        "eval.rtc.execution_horizon)")
+    p.add_argument("--rtc-max-guidance-weight", type=_positive(float), default=rtc["max_guidance_weight"], metavar="W",
+                   help=f"RTC's guidance weight clamp (LeRobot's default {rtc['max_guidance_weight']}; "
+                        "eval.rtc.max_guidance_weight)")
+    p.add_argument("--rtc-schedule", choices=RTC_SCHEDULES, default=rtc["schedule"],
+                   help=f"RTC's prefix weights (LeRobot's default {rtc['schedule']}; eval.rtc.schedule)")
     p.add_argument("--max-message-mib", type=_positive(float), default=DEFAULT_MAX_MESSAGE_MIB,
                    help=f"largest request in MiB; a larger one closes its connection with code "
                         f"1009 (default {DEFAULT_MAX_MESSAGE_MIB})")
