@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pisft.inspect.synthetic import synthetic_batch
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05 import construction as internals
 from pisft.model.policy import build_policy
 from pisft.train.attention import fused_joint_attention
 from pisft.train.policy_task import injected_flow_samples

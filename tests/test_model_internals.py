@@ -7,7 +7,7 @@ import importlib.metadata
 import pytest
 import torch
 
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05 import construction as internals
 from pisft.model.policy import build_policy
 from pisft.model.presets import PRESETS
 
@@ -91,10 +91,10 @@ def test_no_other_module_spells_pi05s_module_paths():
     import re
     from pathlib import Path
 
-    src = Path(internals.__file__).resolve().parents[1]
+    src = Path(internals.__file__).resolve().parents[2]
     spelled = re.compile(r"paligemma_with_expert|gemma_expert|vision_tower|language_model\.layers")
     found = sorted(str(f.relative_to(src)) for f in src.rglob("*.py")
-                   if f.name != "lerobot_internals.py" and spelled.search(f.read_text()))
+                   if f.name != "construction.py" and spelled.search(f.read_text()))
     assert found == []
 
 

@@ -7,7 +7,7 @@ import torch
 
 from model_fixtures import fake_batch, tiny_model_dir
 from pisft.errors import PisftError
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05 import construction as internals
 from pisft.policy import precision
 from pisft.policy.predictor import ChunkPredictor, frame_noise
 

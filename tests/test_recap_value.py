@@ -110,7 +110,7 @@ def test_the_value_model_is_the_policy_prefix_a_readout_token_and_a_head(pieces)
     names = [n for n, _ in model.named_parameters()]
     assert not [n for n in names if "gemma_expert" in n or "action_" in n or "time_mlp" in n]
     assert any(".vision_tower." in n for n in names) and any(".language_model.layers." in n for n in names)
-    from pisft.model.lerobot_internals import vlm_width
+    from pisft.model.pi05.construction import vlm_width
 
     assert model.readout.weight.shape == (1, vlm_width(model.policy)) and model.head.out_features == 11
     task = ValueTask(collate, torch.device("cpu"))
@@ -139,7 +139,7 @@ def test_the_value_model_is_the_policy_prefix_a_readout_token_and_a_head(pieces)
 def test_a_frozen_prefix_runs_once_without_grad_with_the_joint_logits_and_gradients(pieces, monkeypatch):
     """recap.value_trainable: head: the prefix runs under no_grad with its KV cache and only the
     read-out token runs with grad; logits and the read-out/head gradients equal the joint pass."""
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05 import construction as internals
 
     model, frames, collate, _ = pieces
     task = ValueTask(collate, torch.device("cpu"))

@@ -120,7 +120,7 @@ def test_an_npu_compiles_through_torchairs_backend(monkeypatch, tmp_path):
     import sys
     import types
 
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05 import construction as internals
     from pisft.model.policy import build_policy
 
     made: list = []
@@ -176,7 +176,7 @@ def test_blocks_left_to_the_root_unit_are_compiled_too():
     """On the CPU units under 16M parameters are merged, and the tiny model's groups are all below it:
     its blocks stay in the root unit. Each still gets its runner (and its compiled forward), so
     train.compile: layers compiles them; before, it compiled none and the smoke report said compiled."""
-    from pisft.model.lerobot_internals import BLOCK_RUNNER
+    from pisft.model.pi05.construction import BLOCK_RUNNER
 
     policy = build_random_policy("tiny", CPU, checkpointing=True, seed=0)
     blocks_of = fsdp.choose_units(policy)

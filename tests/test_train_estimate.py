@@ -19,7 +19,7 @@ def _cfg(tmp_path, model=None, **train):
 
 
 def _training_model(preset: str):
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05 import construction as internals
     from pisft.model.policy import build_policy
 
     policy = build_policy(preset, seed=0, device="meta")

@@ -44,7 +44,7 @@ def test_every_unit_is_gathered_by_a_call_fsdp_sees(tiny, frozen, monkeypatch):
     """FSDP2 gathers a unit on a call of one of its modules (or of a registered forward method)
     and frees it after the last: in the training forward every unit's modules are called, or its
     blocks run through `run_block` on their anchors (the runner is the unit's forward method)."""
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05 import construction as internals
     from pisft.train.policy_task import injected_flow_samples
 
     policy, batch = tiny
@@ -248,7 +248,7 @@ def test_fused_joint_attention_matches_eager(tiny, monkeypatch):
 def test_one_level_of_activation_checkpointing(tmp_path_factory, checkpointing, forwards):
     """Per decoder layer and micro-step: forward + one recompute with checkpointing, never 3."""
     from pisft.data.dataset import load_split, load_stats
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05 import construction as internals
     from pisft.model.policy import load_policy, make_processors
 
     root = inputs_dir(tmp_path_factory)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from train_fixtures import inputs_dir
 
 from pisft.inspect.synthetic import build_random_policy, synthetic_batch
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05 import construction as internals
 from pisft.train import trainable
 from pisft.train.attention import fused_joint_attention
 from pisft.train.policy_task import PolicyTask

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import default_collate
 from train_fixtures import inputs_dir
 
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05 import construction as internals
 from pisft.train import fsdp, optim
 from pisft.train.attention import fused_joint_attention
 from pisft.train.policy_task import PolicyTask

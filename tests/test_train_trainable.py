@@ -12,7 +12,7 @@ import torch
 from model_fixtures import tiny_model_dir
 from safetensors.torch import load_file
 
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05 import construction as internals
 from pisft.model.policy import WEIGHTS_FILE, load_policy, make_config
 from pisft.model.presets import get_preset
 from pisft.train import trainable as tr

@@ -78,7 +78,7 @@ class _Loader:
     def __init__(self, dataset: Path, preset: str, micro: int, seed: int) -> None:
         from pisft.data.dataset import load_split, load_stats
         from pisft.data.prompts import training_prompt_fn
-        from pisft.model import lerobot_internals as internals
+        from pisft.model.pi05 import construction as internals
         from pisft.model.policy import build_policy
         from pisft.model.tokenizer import build_tiny_tokenizer
         from pisft.train.policy_task import PolicyTask

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from pisft.model.lerobot_internals import Arch, GemmaSize, VisionSize
+from pisft.model.pi05.construction import Arch, GemmaSize, VisionSize
 
 # pi0.5's structure (LeRobot's gemma_2b + gemma_300m, SigLIP So400m/14 at 224 px) with narrow widths.
 DEPTH_TWIN = Arch(
@@ -76,7 +76,7 @@ def count(preset: str, trainable: str, layout: str, compile_mode: str, *, fake: 
 
     from pisft.inspect.host_ops import DispatchedOps
     from pisft.inspect.synthetic import synthetic_batch
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05 import construction as internals
     from pisft.train import blocks, fsdp, optim, trainable as modes
     from pisft.train.attention import fused_joint_attention
     from pisft.train.policy_task import PolicyTask

@@ -68,7 +68,7 @@ def build_policy_for_mode(preset: str, mode: str, *, precision: str, checkpointi
     from normal(0, 0.02), the mode applied, the projections fused, trainable parameters in fp32."""
     import torch
 
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05 import construction as internals
     from pisft.model.policy import build_random_weights
     from pisft.train import trainable as trainable_mod
 

@@ -149,7 +149,7 @@ class Setup:
     def policy(self, *, sharded: bool):
         from torch.distributed.device_mesh import init_device_mesh
 
-        from pisft.model import lerobot_internals as internals
+        from pisft.model.pi05 import construction as internals
         from pisft.model.policy import load_policy, make_processors
 
         policy = load_policy(self.base, dtype="float32")

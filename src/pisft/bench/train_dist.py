@@ -47,7 +47,7 @@ def _ours(a: argparse.Namespace) -> dict[str, float] | None:
 
     from pisft.bench.train_bench import ours_optimizer, process_tree_cpu_s
     from pisft.data.dataset import load_stats
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05 import construction as internals
     from pisft.model.policy import load_policy, make_processors
     from pisft.train import fsdp, loop
     from pisft.train.policy_task import PolicyTask

@@ -290,8 +290,8 @@ class UnshardTracker:
 def decoder_q_projs(policy: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The query projection of every decoder layer (VLM and action expert; `q_proj`, or fused
     `qkv_proj`), by layer name."""
-    from pisft.model import lerobot_internals as internals
-    from pisft.model.lerobot_internals import query_projection
+    from pisft.model.pi05 import construction as internals
+    from pisft.model.pi05.construction import query_projection
 
     layers = (f".{internals.below(internals.VLM_LAYERS, internals.VLM_MODEL)}.",
               f".{internals.below(internals.EXPERT_LAYERS, internals.PALIGEMMA_WITH_EXPERT)}.")
@@ -468,7 +468,7 @@ def worker(spec_path: str, out_dir: str) -> int:
     for s in measured:
         sites.update(counter.by_step[s])
     vision_layers = len(vision_names)
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05 import construction as internals
 
     vlm = f".{internals.below(internals.LANGUAGE_MODEL, internals.VLM_MODEL)}."
     pairs = min(sum(vlm in n for n in decoder_names), sum(f".{internals.EXPERT_NAME}." in n for n in decoder_names))

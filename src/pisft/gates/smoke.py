@@ -45,7 +45,7 @@ from pisft import device as devices
 from pisft.data.augment import make_augment
 from pisft.device import hccl_buffer_bytes, out_of_memory
 from pisft.gates import compile_trial, micro_batch
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05 import construction as internals
 from pisft.io import atomic_dir, write_json_atomic
 from pisft.stages import SMOKE_1CARD
 from pisft.tensors import local_bytes, optimizer_state

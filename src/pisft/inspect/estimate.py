@@ -258,7 +258,7 @@ def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batc
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05 import construction as internals
 
     policy = make_policy()
     internals.prepare_for_training(policy, checkpointing=checkpointing)
@@ -530,7 +530,7 @@ def _dummy_inputs(config, micro_batch: int, device: str):
 
 
 def _prefix_tokens(policy) -> int:
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05 import construction as internals
 
     cfg = policy.config
     vision = internals.part(policy, internals.PALIGEMMA).config.vision_config

@@ -25,7 +25,7 @@ def build_random_policy(preset: str, device: torch.device, *, checkpointing: boo
     policy.to(device)
     fill_random(policy, torch.Generator(device=device).manual_seed(seed))
     policy.config.device = str(device)
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05 import construction as internals
 
     # The training structure: per-layer checkpointing only, no action-expert lm_head.
     internals.prepare_for_training(policy, checkpointing=checkpointing)
@@ -38,7 +38,7 @@ def synthetic_batch(policy, micro: int, device: torch.device, seed: int) -> tupl
     h, w = cfg.image_resolution
     batch: dict[str, Any] = {k: torch.rand(micro, 3, h, w, generator=g) for k in CAMERAS}
     n_tok = cfg.tokenizer_max_length
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05 import construction as internals
 
     vocab = internals.part(policy, internals.LANGUAGE_MODEL).embed_tokens.num_embeddings
     batch["observation.language.tokens"] = torch.randint(0, min(vocab, 1000), (micro, n_tok), generator=g)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from pisft.errors import PisftError
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05 import construction as internals
 
 SOURCE = ("RLinf cfgrl_guidance_scale (rlinf/models/embodiment/openpi_cfg/openpi_cfg_action_model.py): "
           "v = (1 - w) * v_uncond + w * v_cond at every denoising step")

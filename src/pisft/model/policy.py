@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pisft.errors import ModelLoadError
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05 import construction as internals
 from pisft.model import weights as weights_mod
 from pisft.model.presets import get_preset
 from pisft.model.sources import WEIGHTS_FILE

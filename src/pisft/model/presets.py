@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from pisft.config import PRESET_CHUNK_SIZES
-from pisft.model.lerobot_internals import Arch, GemmaSize, VisionSize
+from pisft.model.pi05.construction import Arch, GemmaSize, VisionSize
 from pisft.model.tokenizer import tiny_vocab_size
 
 

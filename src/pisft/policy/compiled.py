@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05 import construction as internals
 
 # eval.compile null on the CPU: eager without a trial (docs/benchmarks.md, "Inference"; `python -m
 # pisft bench --only inference`, 2 shared cores): a compiled chunk is faster once compiled, but a

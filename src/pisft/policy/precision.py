@@ -31,7 +31,7 @@ from typing import Any
 
 from pisft.config import INFERENCE_PRECISIONS
 from pisft.errors import PisftError
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05 import construction as internals
 
 LAYOUTS = ("openpi", "lerobot")
 

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pisft.errors import ModelLoadError
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05 import construction as internals
 from pisft.model.sources import WEIGHTS_FILE
 from pisft.stages import TRAIN_VALUE
 

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from pisft import layout
-from pisft.model.lerobot_internals import BLOCK_RUNNER, checkpointed
+from pisft.model.pi05.construction import BLOCK_RUNNER, checkpointed
 
 CACHE_ENV = layout.COMPILE_CACHE_ENV
 

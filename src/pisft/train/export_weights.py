@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from pisft.model import weights as weights_mod
-from pisft.model.lerobot_internals import EXPERT_HEAD, split_rows
+from pisft.model.pi05.construction import EXPERT_HEAD, split_rows
 from pisft.model.sources import WEIGHTS_FILE
 
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B)\.default\.weight$")

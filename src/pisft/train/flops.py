@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from pisft.model import lerobot_internals as internals
-from pisft.model.lerobot_internals import attention_projections, part, prefix_frozen, query_width
+from pisft.model.pi05 import construction as internals
+from pisft.model.pi05.construction import attention_projections, part, prefix_frozen, query_width
 
 
 @dataclass(frozen=True)

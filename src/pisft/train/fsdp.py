@@ -58,8 +58,8 @@ from torch.distributed.tensor import DTensor
 from pisft.model import host_memory
 from pisft.tensors import local_numel, optimizer_state
 from pisft.train import blocks
-from pisft.model import lerobot_internals as internals
-from pisft.model.lerobot_internals import prefix_frozen
+from pisft.model.pi05 import construction as internals
+from pisft.model.pi05.construction import prefix_frozen
 
 # Modules whose parameters stay in the root unit: they are never called (unused LM heads).
 _UNCALLED = ("lm_head",)

@@ -151,7 +151,7 @@ def in_turns(ctx: Context, load: Callable[[], T]) -> T:
 def build(ctx: Context) -> Built:
     """Load model, processors and data; shard; make the optimizer. Same on every rank."""
     from pisft.data.dataset import load_split, load_stats
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05 import construction as internals
     from pisft.model.policy import load_policy, make_processors
 
     cfg = ctx.cfg

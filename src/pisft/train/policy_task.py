@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
-from pisft.model.lerobot_internals import set_non_blocking_transfers, sync_free_forward
+from pisft.model.pi05.construction import set_non_blocking_transfers, sync_free_forward
 from pisft.train.batches import RAND_KEY
 from pisft.train.flops import pi05_training_flops_per_sample
 

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 from pisft.config import LEROBOT_FREEZE_FLAGS, LORA_TARGETS, TrainableMode, is_lora_mode, trainable_mode
 from pisft.config import TRAINABLE_MODES as MODES
 from pisft.config import VALUE_TRAINABLE_MODES as VALUE_MODES
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05 import construction as internals
 
 __all__ = ["LORA_TARGETS", "MODES", "VALUE_MODES"]
 
@@ -318,7 +318,7 @@ def apply_training_layout(model: nn.Module, mode: str, spec: LoraSpec | None, *,
     trains or freezes as one (`lerobot_internals.fuse_decoder_projections`; the value model's VLM
     runs LeRobot's own forward, never fused), frozen parameters held in the training precision
     (`hold_frozen_in`). Before sharding. Returns (the mode applied, the parameters cast to bf16)."""
-    from pisft.model.lerobot_internals import fuse_decoder_projections
+    from pisft.model.pi05.construction import fuse_decoder_projections
 
     applied = apply_mode(model, mode, spec, seed=seed, value_model=value_model)
     if not value_model:
