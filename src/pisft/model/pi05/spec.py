@@ -6,13 +6,23 @@ from __future__ import annotations
 
 from pisft.model.pi05 import attention, chunk, construction, flops, forward, precision, processors, rtc
 from pisft.model.pi05.presets import PRESETS
-from pisft.model.policy import build_policy
 from pisft.model.spec import ChunkEntry, ModelSpec
+
+
+
+def build(preset: str, *, seed: int, device: str = "cpu", dtype=None):
+    """A randomly initialised PI05Policy of `preset` (pisft.model.policy.build_policy). Imported when
+    called: pisft.model.policy's imports (rich among them, which draws from Python's global random
+    on import) stay where they were in a process's life, and so does that random state."""
+    from pisft.model.policy import build_policy
+
+    return build_policy(preset, seed=seed, device=device, dtype=dtype)
+
 
 SPEC = ModelSpec(
     name="pi05",  # PI05Config.type
     presets=tuple(PRESETS),
-    build=build_policy,
+    build=build,
     prepare_for_training=construction.prepare_for_training,
     set_layer_checkpointing=construction.set_layer_checkpointing,
     training_loss=forward.sync_free_forward,
