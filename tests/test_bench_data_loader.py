@@ -56,7 +56,7 @@ def test_data_loader_bench_figures_are_consistent(tmp_path):
     # the analytic training FLOPs of the tiny model at the prompt's tokens, and the peak table's 910B
     # row (the 910B3 figure): what the estimate divides, exactly
     from pisft.model.policy import build_policy
-    from pisft.train.flops import pi05_training_flops_per_sample
+    from pisft.model.pi05.flops import pi05_training_flops_per_sample
     from pisft.train.metrics import peak_flops_for
 
     assert est["training_flops_per_sample"] == pi05_training_flops_per_sample(

@@ -163,7 +163,7 @@ def _expected_units(preset: str) -> dict[str, int]:
     `VISION_LAYERS_PER_UNIT` to a unit, the post-layernorm + projector, the action/time
     projections, one unit per decoder layer pair (VLM layer i with expert layer i), and the root
     (the tied token embedding lives there)."""
-    from pisft.model.presets import get_preset
+    from pisft.model.pi05.presets import get_preset
     from pisft.train.fsdp import VISION_LAYERS_PER_UNIT
 
     arch = get_preset(preset).arch

@@ -219,7 +219,7 @@ def test_the_facts_the_config_check_keeps_agree_with_their_owners():
     """The suites LIBERO-Pro paraphrases, and each preset's chunk (LeRobot's PI05Config default for pi05)."""
     from lerobot.policies.pi05.configuration_pi05 import PI05Config
 
-    from pisft.model.presets import PRESETS
+    from pisft.model.pi05.presets import PRESETS
     from pisft.rollout.paraphrases import PARAPHRASES
 
     assert {suite for suite, _ in PARAPHRASES} == set(C.PERTURBATIONS["language"].suites)

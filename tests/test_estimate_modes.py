@@ -25,8 +25,8 @@ def test_the_estimate_counts_only_what_the_mode_trains(tmp_path):
         policy = build_policy("tiny", seed=0, device="meta")
         spec = trainable.lora_spec("openpi") if mode == "lora" else None
         trainable.apply_mode(policy, mode, spec)
-        from pisft.model import lerobot_internals as internals
-        internals.detach_expert_head(policy)
+        from pisft.model.pi05.construction import detach_expert_head
+        detach_expert_head(policy)
         trained = trainable.count_parameters(policy)["trainable"]
         assert est[mode]["trainable"] == mode
         # AdamW's two fp32 moments of the trained parameters, sharded over 2 devices

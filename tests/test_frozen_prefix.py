@@ -1,4 +1,4 @@
-"""The frozen-prefix forward (pisft.model.lerobot_internals, 8.): with the whole VLM frozen the
+"""The frozen-prefix forward (pisft.model.pi05, 8.): with the whole VLM frozen the
 prefix runs once without grad and the action expert attends to its keys/values; the loss and every
 trainable gradient equal LeRobot's joint forward, and nothing of the prefix runs in backward."""
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from pisft.inspect.synthetic import synthetic_batch
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05.construction import prepare_for_training
+from pisft.model.pi05.forward import frozen_prefix_forward, joint_forward, prefix_frozen, sync_free_forward
 from pisft.model.policy import build_policy
-from pisft.train.attention import fused_joint_attention
+from pisft.model.pi05.attention import fused_joint_attention
 from pisft.train.policy_task import injected_flow_samples
 
 
@@ -22,7 +23,7 @@ def _expert_only(policy) -> None:
 
 def _tiny_expert(checkpointing: bool):
     policy = build_policy("tiny", seed=0)
-    internals.prepare_for_training(policy, checkpointing=checkpointing)
+    prepare_for_training(policy, checkpointing=checkpointing)
     _expert_only(policy)
     policy.train()
     return policy
@@ -57,7 +58,7 @@ def _loss_and_grads(policy, batch, rand, frozen_prefix, fused: bool):
     try:
         with fused_joint_attention(fused):  # as the training: the recompute in backward too
             with injected_flow_samples(policy.model, rand["noise"], rand["time"]), \
-                    internals.sync_free_forward(policy, frozen_prefix=frozen_prefix):
+                    sync_free_forward(policy, frozen_prefix=frozen_prefix):
                 loss = policy(batch)
             calls.phase = "backward"
             loss.backward()
@@ -72,7 +73,7 @@ def _loss_and_grads(policy, batch, rand, frozen_prefix, fused: bool):
 @pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
 def test_frozen_prefix_gives_the_joint_forwards_loss_and_gradients(checkpointing, fused):
     policy = _tiny_expert(checkpointing)
-    assert internals.prefix_frozen(policy)
+    assert prefix_frozen(policy)
     batch, rand = synthetic_batch(policy, 3, torch.device("cpu"), seed=1)
     batch["observation.language.attention_mask"][:, -5:] = False  # padded prompt tails
     batch["observation.language.attention_mask"][0, -12:] = False
@@ -111,16 +112,16 @@ def test_the_prefix_never_attends_to_the_suffix():
 
 def test_frozen_prefix_refused_while_the_vlm_trains_and_the_joint_path_chosen():
     policy = build_policy("tiny", seed=0)
-    internals.prepare_for_training(policy, checkpointing=False)
-    assert not internals.prefix_frozen(policy)
+    prepare_for_training(policy, checkpointing=False)
+    assert not prefix_frozen(policy)
     with pytest.raises(ValueError, match="trainable parameters"), \
-            internals.sync_free_forward(policy, frozen_prefix=True):
+            sync_free_forward(policy, frozen_prefix=True):
         pass
-    with internals.sync_free_forward(policy):
-        assert policy.model.forward.__func__ is internals.joint_forward
+    with sync_free_forward(policy):
+        assert policy.model.forward.__func__ is joint_forward
     _expert_only(policy)
-    with internals.sync_free_forward(policy):
-        assert policy.model.forward.__func__ is internals.frozen_prefix_forward
+    with sync_free_forward(policy):
+        assert policy.model.forward.__func__ is frozen_prefix_forward
     assert "forward" not in vars(policy.model)
 
 

@@ -1,4 +1,5 @@
-"""Guards on pisft.model.lerobot_internals: fail loudly if LeRobot's pi0.5 changes underneath."""
+"""Guards on pisft.model.pi05 (pisft's knowledge of LeRobot's pi0.5 internals): fail loudly if LeRobot's
+pi0.5 changes underneath."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import importlib.metadata
 import pytest
 import torch
 
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05 import checks, construction, embedding, forward, parts, processors
 from pisft.model.policy import build_policy
-from pisft.model.presets import PRESETS
+from pisft.model.pi05.presets import PRESETS
 
 
 @pytest.fixture(scope="module")
@@ -19,11 +20,11 @@ def tiny():
 
 def test_lerobot_version_is_the_one_the_internals_were_written_for():
     assert importlib.metadata.version("lerobot") == "0.6.1", (
-        "lerobot_internals.py was written against LeRobot 0.6.1: re-check every assumption in it")
+        "pisft.model.pi05 was written against LeRobot 0.6.1: re-check every assumption in it")
 
 
 def test_every_patched_assumption_still_holds():
-    assert internals.structure_problems() == []
+    assert checks.structure_problems() == []
 
 
 def test_tiny_policy_has_the_expected_module_tree(tiny):
@@ -60,41 +61,65 @@ def test_tiny_policy_has_the_expected_module_tree(tiny):
 
 
 def test_each_named_part_is_lerobots_module_of_that_kind(tiny):
-    """pi0.5's parts by name (lerobot_internals 13.): each path reaches the module it names, from
+    """pi0.5's parts by name (pisft.model.pi05 13.): each path reaches the module it names, from
     the policy and from its core, and every name a parameter of the policy has starts at one."""
     from lerobot.policies.pi05.modeling_pi05 import PaliGemmaWithExpertModel, PI05Pytorch
     from lerobot.policies.pi_gemma import PaliGemmaForConditionalGenerationWithPiGemma, PiGemmaForCausalLM
 
-    kinds = {internals.CORE: PI05Pytorch, internals.PALIGEMMA_WITH_EXPERT: PaliGemmaWithExpertModel,
-             internals.PALIGEMMA: PaliGemmaForConditionalGenerationWithPiGemma, internals.EXPERT: PiGemmaForCausalLM}
+    kinds = {parts.CORE: PI05Pytorch, parts.PALIGEMMA_WITH_EXPERT: PaliGemmaWithExpertModel,
+             parts.PALIGEMMA: PaliGemmaForConditionalGenerationWithPiGemma, parts.EXPERT: PiGemmaForCausalLM}
     for path, kind in kinds.items():
-        assert type(internals.part(tiny, path)) is kind, path
-    assert type(internals.part(tiny, internals.VISION_MODEL)).__name__ == "SiglipVisionTransformer"
-    assert type(internals.part(tiny, internals.VLM_MODEL)).__name__ == "PaliGemmaModelWithPiGemma"
+        assert type(parts.part(tiny, path)) is kind, path
+    assert type(parts.part(tiny, parts.VISION_MODEL)).__name__ == "SiglipVisionTransformer"
+    assert type(parts.part(tiny, parts.VLM_MODEL)).__name__ == "PaliGemmaModelWithPiGemma"
     arch = PRESETS["tiny"].arch
-    assert len(internals.part(tiny, internals.VLM_LAYERS)) == arch.vlm.depth
-    assert len(internals.part(tiny, internals.EXPERT_LAYERS)) == arch.expert.depth
-    expert_layers = internals.part(tiny, internals.EXPERT_LAYERS)
-    assert internals.part(tiny.model, internals.EXPERT_LAYERS, core=True) is expert_layers
+    assert len(parts.part(tiny, parts.VLM_LAYERS)) == arch.vlm.depth
+    assert len(parts.part(tiny, parts.EXPERT_LAYERS)) == arch.expert.depth
+    expert_layers = parts.part(tiny, parts.EXPERT_LAYERS)
+    assert parts.part(tiny.model, parts.EXPERT_LAYERS, core=True) is expert_layers
     names = dict(tiny.named_parameters())
-    assert internals.EXPERT_HEAD in names
-    assert any(n.startswith(internals.VISION_TOWER + ".") for n in names)
-    assert any(n.startswith(internals.PROJECTOR + ".") for n in names)
-    assert internals.below(internals.VISION_TOWER, internals.PALIGEMMA_WITH_EXPERT) == "paligemma.model.vision_tower"
+    assert parts.EXPERT_HEAD in names
+    assert any(n.startswith(parts.VISION_TOWER + ".") for n in names)
+    assert any(n.startswith(parts.PROJECTOR + ".") for n in names)
+    assert parts.below(parts.VISION_TOWER, parts.PALIGEMMA_WITH_EXPERT) == "paligemma.model.vision_tower"
     with pytest.raises(ValueError, match="is not below"):
-        internals.below(internals.EXPERT, internals.PALIGEMMA)
+        parts.below(parts.EXPERT, parts.PALIGEMMA)
 
 
 def test_no_other_module_spells_pi05s_module_paths():
-    """pi0.5's structure lives in lerobot_internals: training, the value model, the estimate and
+    """pi0.5's structure lives in pisft.model.pi05: training, the value model, the estimate and
     the benches ask it for a part (13.) instead of spelling LeRobot's module paths."""
     import re
     from pathlib import Path
 
-    src = Path(internals.__file__).resolve().parents[1]
+    pi05 = Path(parts.__file__).resolve().parent
+    src = pi05.parents[1]
     spelled = re.compile(r"paligemma_with_expert|gemma_expert|vision_tower|language_model\.layers")
     found = sorted(str(f.relative_to(src)) for f in src.rglob("*.py")
-                   if f.name != "lerobot_internals.py" and spelled.search(f.read_text()))
+                   if pi05 not in f.parents and spelled.search(f.read_text()))
+    assert found == []
+
+
+def test_only_the_model_folder_imports_lerobots_modeling_or_reads_its_source():
+    """LeRobot's policies (`lerobot.policies.*`: pi0.5's modeling, its Gemma, its processors, its RTC)
+    are imported, and their source read (`inspect.getsource`), in pisft.model only; the rest asks
+    the model registry (pisft.model.spec) or the model's folder. LeRobot's datasets and processor
+    steps (`lerobot.datasets`, `lerobot.processor`) are not modeling and may be used anywhere."""
+    import ast
+    from pathlib import Path
+
+    src = Path(parts.__file__).resolve().parents[2]
+    found = []
+    for f in sorted(src.rglob("*.py")):
+        if (src / "model") in f.parents:
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names += [node.attr] if isinstance(node, ast.Attribute) else []
+            names += [node.id] if isinstance(node, ast.Name) else []
+            found += [f"{f.relative_to(src)}:{node.lineno}: {n}" for n in names
+                      if n.startswith("lerobot.policies") or n in ("getsource", "modeling_gemma", "modeling_pi05")]
     assert found == []
 
 
@@ -109,10 +134,10 @@ def test_no_tensor_of_the_tiny_model_inherits_a_hard_coded_lerobot_size(tiny):
 def test_vlm_embeddings_are_tied_and_the_patch_is_undone(tiny):
     from lerobot.policies.pi05 import modeling_pi05, processor_pi05
 
-    assert internals.vlm_embeddings_tied(tiny)
+    assert construction.vlm_embeddings_tied(tiny)
     before = (modeling_pi05.get_gemma_config, modeling_pi05.PaliGemmaForConditionalGenerationWithPiGemma,
               modeling_pi05.PiGemmaForCausalLM, processor_pi05.TokenizerProcessorStep)
-    with pytest.raises(RuntimeError), internals.sized_construction(PRESETS["tiny"].arch):
+    with pytest.raises(RuntimeError), construction.sized_construction(PRESETS["tiny"].arch):
         assert modeling_pi05.get_gemma_config is not before[0]
         raise RuntimeError("boom")
     after = (modeling_pi05.get_gemma_config, modeling_pi05.PaliGemmaForConditionalGenerationWithPiGemma,
@@ -123,11 +148,11 @@ def test_vlm_embeddings_are_tied_and_the_patch_is_undone(tiny):
 
 def test_arch_validation_enforces_lerobot_constraints():
     arch = PRESETS["tiny"].arch
-    bad_heads = internals.Arch(vlm=internals.GemmaSize(64, 2, 128, 4, 1, 16), expert=arch.expert,
+    bad_heads = construction.Arch(vlm=construction.GemmaSize(64, 2, 128, 4, 1, 16), expert=arch.expert,
                                vision=arch.vision, vocab_size=arch.vocab_size)
     with pytest.raises(ValueError, match="8 \\* head_dim"):
         bad_heads.validate()
-    bad_depth = internals.Arch(vlm=arch.vlm, expert=internals.GemmaSize(64, 3, 128, 8, 1, 32),
+    bad_depth = construction.Arch(vlm=arch.vlm, expert=construction.GemmaSize(64, 3, 128, 8, 1, 32),
                                vision=arch.vision, vocab_size=arch.vocab_size)
     with pytest.raises(ValueError, match="depth"):
         bad_depth.validate()
@@ -140,7 +165,7 @@ def test_processors_are_lerobots_pipeline_with_a_local_tokenizer(tiny):
     from model_fixtures import fake_stats
 
     tokenizer = build_tiny_tokenizer()
-    pre, post = internals.pi05_processors(tiny.config, fake_stats(), tokenizer)
+    pre, post = processors.pi05_processors(tiny.config, fake_stats(), tokenizer)
     names = [type(step).__name__ for step in pre.steps]
     assert names == ["RenameObservationsProcessorStep", "AddBatchDimensionProcessorStep",
                      "RelativeActionsProcessorStep", "NormalizerProcessorStep",
@@ -156,7 +181,7 @@ def test_pi05_preset_builds_on_meta_without_memory():
     assert all(p.is_meta for p in params)
     total = sum(p.numel() for p in params)
     assert 3.3e9 <= total <= 3.8e9, total
-    assert internals.vlm_embeddings_tied(policy)
+    assert construction.vlm_embeddings_tied(policy)
     assert policy.config.device == "meta"
 
 
@@ -197,7 +222,7 @@ def _forward_both_ways(seed: int = 0):
             if name == "lerobot":
                 loss, _ = policy.forward(batch)
             else:
-                with internals.sync_free_forward(policy):
+                with forward.sync_free_forward(policy):
                     loss = policy(batch)
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
@@ -223,7 +248,7 @@ def test_embeddings_match_lerobots_outside_the_time_embedding_rounding(tiny):
     g = torch.Generator().manual_seed(0)
     actions = torch.randn(2, tiny.config.chunk_size, tiny.config.max_action_dim, generator=g)
     time = torch.tensor([0.001, 0.999])
-    ours = internals._embed_suffix(core, actions, time)
+    ours = embedding._embed_suffix(core, actions, time)
     theirs = core.embed_suffix(actions, time)
     for a, b in zip(ours[:3], theirs[:3], strict=True):  # action embedding, pad and att masks
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -231,16 +256,16 @@ def test_embeddings_match_lerobots_outside_the_time_embedding_rounding(tiny):
     # pi0.5's sizes (expert width 1024, periods 4e-3..4): float32 against LeRobot's float64
     t = torch.linspace(0.0, 1.0, 257)
     ref = create_sinusoidal_pos_embedding(t.double(), 1024, 4e-3, 4.0, device=torch.device("cpu"))
-    emb = internals.sinusoidal_time_embedding(t, 1024, 4e-3, 4.0)
+    emb = embedding.sinusoidal_time_embedding(t, 1024, 4e-3, 4.0)
     assert emb.dtype == torch.float32
     assert (emb.double() - ref).abs().max() < 5e-4
     with pytest.raises(ValueError, match="divisible by 2"):
-        internals.sinusoidal_time_embedding(t, 1023, 4e-3, 4.0)
+        embedding.sinusoidal_time_embedding(t, 1023, 4e-3, 4.0)
 
 
 def test_sync_free_forward_undoes_its_patches(tiny):
     core = tiny.model
-    with internals.sync_free_forward(tiny):
-        assert core.embed_prefix.__func__ is internals._embed_prefix
+    with forward.sync_free_forward(tiny):
+        assert core.embed_prefix.__func__ is embedding._embed_prefix
     assert "embed_prefix" not in vars(core) and "embed_suffix" not in vars(core)
     assert "forward" not in vars(tiny)

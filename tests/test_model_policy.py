@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from model_fixtures import fake_batch, fake_stats, tiny_model_dir
 from pisft.errors import ModelLoadError
 from pisft.model import weights
-from pisft.model.lerobot_internals import vlm_embeddings_tied
+from pisft.model.pi05.construction import vlm_embeddings_tied
 from pisft.model.policy import (LIBERO_FEATURES, build_policy, load_policy, make_processors,
                                 read_model_info, save_model)
 from pisft.model.norm_stats import STATS_FILE, import_openpi_norm_stats, load_stats, save_stats, stats_equal
@@ -49,7 +49,7 @@ def test_tiny_build_is_deterministic_per_seed():
     assert _equal(a, b)
     assert not _equal(a, c)
     # the built config carries every field the preset sets
-    from pisft.model.presets import PRESETS
+    from pisft.model.pi05.presets import PRESETS
 
     assert {k: getattr(a.config, k) for k in PRESETS["tiny"].config} == PRESETS["tiny"].config
 
@@ -99,7 +99,7 @@ def test_strict_load_rejects_a_missing_tensor(scratch_dir):
 
 def test_a_file_without_the_unused_expert_lm_head_loads(scratch_dir):
     """lerobot/pi05_base may lack gemma_expert.lm_head (never used): that alone is accepted."""
-    from pisft.model.lerobot_internals import EXPERT_HEAD
+    from pisft.model.pi05.parts import EXPERT_HEAD
 
     _rewrite(scratch_dir, lambda t: t.pop(EXPERT_HEAD))
     policy = load_policy(scratch_dir)
@@ -311,7 +311,7 @@ def test_openpi_norm_stats_errors(tmp_path):
 def test_tiny_tokenizer_encodes_the_pi05_prompt_without_unknowns():
     from pisft.model.tokenizer import build_tiny_tokenizer
 
-    from pisft.model.presets import PRESETS
+    from pisft.model.pi05.presets import PRESETS
 
     tok = build_tiny_tokenizer()
     prompt = ("Task: put the yellow and white mug in the microwave and close it Advantage: negative, "

@@ -1,4 +1,4 @@
-"""bf16 where openpi runs bf16 (`eval.precision`, pisft.policy.precision; lerobot_internals 10.)."""
+"""bf16 where openpi runs bf16 (`eval.precision`, pisft.policy.precision; pisft.model.pi05 10.)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from model_fixtures import fake_batch, tiny_model_dir
 from pisft.errors import PisftError
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05.precision import OPENPI_FP32
 from pisft.policy import precision
 from pisft.policy.predictor import ChunkPredictor, frame_noise
 
@@ -36,7 +36,7 @@ def test_float32_stays_only_where_openpi_keeps_it(tmp_path_factory):
     names = _float32_names(openpi.policy)
     for name in names:  # openpi's selectors (gemma_pytorch.py) and the projections made after them
         rel = name.removeprefix("model.paligemma_with_expert.")
-        assert any(sel in rel for sel in internals.OPENPI_FP32) or name.startswith(PROJECTIONS), name
+        assert any(sel in rel for sel in OPENPI_FP32) or name.startswith(PROJECTIONS), name
     assert any("patch_embedding" in n for n in names) and any("gemma_expert" in n and "input_layernorm" in n
                                                                for n in names)
     assert all(name.startswith(PROJECTIONS) or "paligemma_with_expert" in name for name in names)

@@ -110,7 +110,7 @@ def test_the_value_model_is_the_policy_prefix_a_readout_token_and_a_head(pieces)
     names = [n for n, _ in model.named_parameters()]
     assert not [n for n in names if "gemma_expert" in n or "action_" in n or "time_mlp" in n]
     assert any(".vision_tower." in n for n in names) and any(".language_model.layers." in n for n in names)
-    from pisft.model.lerobot_internals import vlm_width
+    from pisft.model.pi05.construction import vlm_width
 
     assert model.readout.weight.shape == (1, vlm_width(model.policy)) and model.head.out_features == 11
     task = ValueTask(collate, torch.device("cpu"))
@@ -139,7 +139,7 @@ def test_the_value_model_is_the_policy_prefix_a_readout_token_and_a_head(pieces)
 def test_a_frozen_prefix_runs_once_without_grad_with_the_joint_logits_and_gradients(pieces, monkeypatch):
     """recap.value_trainable: head: the prefix runs under no_grad with its KV cache and only the
     read-out token runs with grad; logits and the read-out/head gradients equal the joint pass."""
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05 import forward as pi05_forward
 
     model, frames, collate, _ = pieces
     task = ValueTask(collate, torch.device("cpu"))
@@ -152,11 +152,11 @@ def test_a_frozen_prefix_runs_once_without_grad_with_the_joint_logits_and_gradie
     try:
         for p in backbone:
             p.requires_grad_(False)
-        assert internals.prefix_frozen(model.policy)
+        assert pi05_forward.prefix_frozen(model.policy)
         runs = {}
-        original = internals.vlm_prefix_readout
+        original = pi05_forward.vlm_prefix_readout
         for name, frozen in (("joint", False), ("split", True)):
-            monkeypatch.setattr(internals, "vlm_prefix_readout",
+            monkeypatch.setattr(pi05_forward, "vlm_prefix_readout",
                                 lambda *a, _f=frozen, **k: original(*a, **{**k, "frozen_prefix": _f}))
             widths.clear()
             loss = task.loss(model, batch, {})

@@ -13,7 +13,7 @@ import torch
 from lerobot.policies.common.vla_utils import make_att_2d_masks, prepare_attention_masks_4d
 from transformers.models.gemma import modeling_gemma
 
-from pisft.train import attention
+from pisft.model.pi05 import attention
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 1, 16
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # fp32, the CPU kernel against matmul + softmax
@@ -118,7 +118,7 @@ def test_host_to_device_copies_do_not_block_on_any_accelerator():
     """LeRobot's device step sets non_blocking only for "cuda"; pisft sets it for npu too."""
     from lerobot.processor import DeviceProcessorStep
 
-    from pisft.model.lerobot_internals import set_non_blocking_transfers
+    from pisft.model.pi05.processors import set_non_blocking_transfers
 
     steps = [DeviceProcessorStep(device="cpu"), DeviceProcessorStep(device="cpu")]
     steps[1].device = "npu"  # as LeRobot's __post_init__ leaves it for npu:<i>
@@ -166,7 +166,7 @@ def test_npu_decoder_layers_run_the_fused_kernels_with_the_same_result(monkeypat
     the documented contracts; CPU tensors stand in for NPU ones): the layer's outputs equal the
     eager path's."""
     from pisft.inspect.synthetic import synthetic_batch
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05.forward import sync_free_forward
     from pisft.model.policy import build_policy
     from pisft.train.policy_task import injected_flow_samples
 
@@ -180,7 +180,7 @@ def test_npu_decoder_layers_run_the_fused_kernels_with_the_same_result(monkeypat
 
     def loss():
         with injected_flow_samples(policy.model, rand["noise"], rand["time"]), \
-                internals.sync_free_forward(policy), torch.no_grad():
+                sync_free_forward(policy), torch.no_grad():
             return policy(batch)
 
     with attention.fused_joint_attention():

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from pisft.inspect.host_ops import DispatchedOps
 from pisft.inspect.synthetic import build_random_policy, synthetic_batch
 from pisft.train import blocks, fsdp, optim, trainable
-from pisft.train.attention import fused_joint_attention
+from pisft.model.pi05.attention import fused_joint_attention
 from pisft.train.ema import make_ema
 from pisft.train.policy_task import PolicyTask
 from pisft.train.step import StepSettings, micro_step, train_step
@@ -120,7 +120,7 @@ def test_an_npu_compiles_through_torchairs_backend(monkeypatch, tmp_path):
     import sys
     import types
 
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05.forward import prefix_layer
     from pisft.model.policy import build_policy
 
     made: list = []
@@ -153,8 +153,8 @@ def test_an_npu_compiles_through_torchairs_backend(monkeypatch, tmp_path):
     mask = torch.zeros(2, 1, 5, 5)
     pos = torch.arange(5)[None].expand(2, 5)
     with torch.no_grad(), fused_joint_attention():
-        eager = internals.prefix_layer(layer, hidden, mask, pos, rotary)
-        compiled = compiler(internals.prefix_layer)(layer, hidden, mask, pos, rotary)
+        eager = prefix_layer(layer, hidden, mask, pos, rotary)
+        compiled = compiler(prefix_layer)(layer, hidden, mask, pos, rotary)
     assert made, "torchair's backend compiled nothing"
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(b, a)
@@ -176,7 +176,7 @@ def test_blocks_left_to_the_root_unit_are_compiled_too():
     """On the CPU units under 16M parameters are merged, and the tiny model's groups are all below it:
     its blocks stay in the root unit. Each still gets its runner (and its compiled forward), so
     train.compile: layers compiles them; before, it compiled none and the smoke report said compiled."""
-    from pisft.model.lerobot_internals import BLOCK_RUNNER
+    from pisft.model.pi05.forward import BLOCK_RUNNER
 
     policy = build_random_policy("tiny", CPU, checkpointing=True, seed=0)
     blocks_of = fsdp.choose_units(policy)

@@ -19,11 +19,11 @@ def _cfg(tmp_path, model=None, **train):
 
 
 def _training_model(preset: str):
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05.construction import prepare_for_training
     from pisft.model.policy import build_policy
 
     policy = build_policy(preset, seed=0, device="meta")
-    internals.prepare_for_training(policy, checkpointing=False)
+    prepare_for_training(policy, checkpointing=False)
     return policy
 
 

@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from train_fixtures import inputs_dir
 
 from pisft.train import fsdp
-from pisft.train.flops import (
+from pisft.model.pi05.flops import (
     _walk_training_step,
     pi05_forward_flops,
     pi05_inference_flops,
@@ -44,7 +44,7 @@ def test_every_unit_is_gathered_by_a_call_fsdp_sees(tiny, frozen, monkeypatch):
     """FSDP2 gathers a unit on a call of one of its modules (or of a registered forward method)
     and frees it after the last: in the training forward every unit's modules are called, or its
     blocks run through `run_block` on their anchors (the runner is the unit's forward method)."""
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05 import forward as pi05_forward
     from pisft.train.policy_task import injected_flow_samples
 
     policy, batch = tiny
@@ -55,13 +55,13 @@ def test_every_unit_is_gathered_by_a_call_fsdp_sees(tiny, frozen, monkeypatch):
     called: set[int] = set()
     blocks: list[int] = []
     layer_calls: list[int] = []
-    real_run_block = internals.run_block
+    real_run_block = pi05_forward.run_block
 
     def run_block(anchor, fn, *args, **kwargs):
         blocks.append(id(anchor))
         return real_run_block(anchor, fn, *args, **kwargs)
 
-    monkeypatch.setattr(internals, "run_block", run_block)
+    monkeypatch.setattr(pi05_forward, "run_block", run_block)
     modules = [m for u in units if not u.anchors for m in u.modules]
     hooks = [m.register_forward_pre_hook(lambda mod, a: called.add(id(mod))) for m in modules]
     hooks += [layer.register_forward_pre_hook(lambda m, a: layer_calls.append(1))
@@ -70,7 +70,7 @@ def test_every_unit_is_gathered_by_a_call_fsdp_sees(tiny, frozen, monkeypatch):
     rand = {"noise": torch.randn(2, b, policy.config.max_action_dim), "time": torch.rand(2) * 0.9 + 0.05}
     try:
         with torch.no_grad(), injected_flow_samples(policy.model, rand["noise"], rand["time"]), \
-                internals.sync_free_forward(policy):
+                pi05_forward.sync_free_forward(policy):
             policy(batch)
     finally:
         for h in hooks:
@@ -171,7 +171,7 @@ def test_analytic_flops_match_a_flop_counter(tiny):
     measured = counter.get_total_flops() / 2  # per sample
     lang = batch["observation.language.tokens"].shape[1]
     analytic = pi05_forward_flops(policy, lang_tokens=lang)
-    # to the FLOP, but for what the analytic count leaves out (pisft.train.flops): the expert's final
+    # to the FLOP, but for what the analytic count leaves out (pisft.model.pi05.flops): the expert's final
     # adaRMS norm (its conditioning vector) and RoPE's angles, which LeRobot's joint forward
     # computes twice over every position (prefix and chunk)
     t_all = _t_prefix(policy, lang) + policy.config.chunk_size
@@ -214,8 +214,8 @@ def test_analytic_inference_flops_match_a_flop_counter(tiny):
 def test_fused_joint_attention_matches_eager(tiny, monkeypatch):
     from unittest import mock
 
-    from pisft.train import attention
-    from pisft.train.attention import fused_joint_attention, structure_problem
+    from pisft.model.pi05 import attention
+    from pisft.model.pi05.attention import fused_joint_attention, structure_problem
 
     spy = mock.Mock(wraps=attention.fused_attention_forward)
     monkeypatch.setattr(attention, "fused_attention_forward", spy)
@@ -248,14 +248,14 @@ def test_fused_joint_attention_matches_eager(tiny, monkeypatch):
 def test_one_level_of_activation_checkpointing(tmp_path_factory, checkpointing, forwards):
     """Per decoder layer and micro-step: forward + one recompute with checkpointing, never 3."""
     from pisft.data.dataset import load_split, load_stats
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05.construction import prepare_for_training
     from pisft.model.policy import load_policy, make_processors
 
     root = inputs_dir(tmp_path_factory)
     policy = load_policy(root / "base_model", dtype="float32")
     pre, _ = make_processors(policy, root / "base_model", load_stats(root / "dataset"))
     ds = load_split(root / "dataset", "train", chunk_size=policy.config.chunk_size)
-    internals.prepare_for_training(policy, checkpointing=checkpointing)
+    prepare_for_training(policy, checkpointing=checkpointing)
     assert policy.model.paligemma_with_expert.gemma_expert.lm_head is None  # detached, unused
     policy.train()
     layers = _decoder_layers(policy)

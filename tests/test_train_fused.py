@@ -1,4 +1,4 @@
-"""The training model's fused projections (pisft.model.lerobot_internals 12.): each decoder layer's
+"""The training model's fused projections (pisft.model.pi05 12.): each decoder layer's
 q/k/v in one Linear and its gate/up in one, fused after loading, split again on export.
 
 The fused model computes the separate products' rows: the same loss, and gradients whose rows are
@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 from train_fixtures import inputs_dir
 
 from pisft.inspect.synthetic import build_random_policy, synthetic_batch
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05.construction import prepare_for_training
+from pisft.model.pi05.fused import decoder_layers, fuse_decoder_projections, split_rows
 from pisft.train import trainable
-from pisft.train.attention import fused_joint_attention
+from pisft.model.pi05.attention import fused_joint_attention
 from pisft.train.policy_task import PolicyTask
 
 CPU = torch.device("cpu")
@@ -38,7 +39,7 @@ def _split_grads(policy, grads):
     modules = dict(policy.named_modules())
     out = {}
     for name, g in grads.items():
-        parts = internals.split_rows(lambda n: modules[n.rsplit(".", 1)[0]], name)
+        parts = split_rows(lambda n: modules[n.rsplit(".", 1)[0]], name)
         if parts is None:
             out[name] = g
         else:
@@ -54,8 +55,8 @@ def test_the_fused_model_has_the_separate_ones_loss_and_gradients(mode):
             torch.nn.init.normal_(p, std=0.05)
     trainable.apply_mode(plain, mode, trainable.spec_for_mode(mode, "openpi"), seed=0)
     fused = copy.deepcopy(plain)
-    count = internals.fuse_decoder_projections(fused)
-    layers = len(internals.decoder_layers(fused))
+    count = fuse_decoder_projections(fused)
+    layers = len(decoder_layers(fused))
     # lora (openpi's targets): every q/k/v and gate/up carries an adapter: nothing fuses
     assert count == (0 if mode == "lora" else 2 * layers)
     names = {n for n, _ in fused.named_parameters()}
@@ -75,9 +76,9 @@ def test_the_fused_model_has_the_separate_ones_loss_and_gradients(mode):
 def test_a_frozen_group_fuses_frozen_and_a_mixed_one_stays_separate():
     policy = build_random_policy("tiny", CPU, checkpointing=False, seed=0)
     trainable.apply_mode(policy, "expert", None)
-    layer = internals.decoder_layers(policy)[0]  # a VLM layer: frozen in expert mode
+    layer = decoder_layers(policy)[0]  # a VLM layer: frozen in expert mode
     layer.mlp.up_proj.weight.requires_grad_(True)  # gate frozen, up trained: not one parameter
-    internals.fuse_decoder_projections(policy)
+    fuse_decoder_projections(policy)
     assert not layer.self_attn.qkv_proj.weight.requires_grad
     assert hasattr(layer.mlp, "gate_proj") and hasattr(layer.mlp, "up_proj")
 
@@ -89,13 +90,13 @@ def test_the_export_of_a_fused_model_is_the_plain_lerobot_file(tmp_path_factory,
 
     base = inputs_dir(tmp_path_factory) / "base_model"
     policy = load_policy(base, dtype="float32")
-    internals.prepare_for_training(policy, checkpointing=False)
+    prepare_for_training(policy, checkpointing=False)
     trainable.apply_mode(policy, "all", None)
     with torch.no_grad():  # trained away from the base: every exported tensor is the model's
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.01)
     expected = {lerobot_name(n): t.clone() for n, t in policy.state_dict().items()}
-    internals.fuse_decoder_projections(policy)
+    fuse_decoder_projections(policy)
     out = tmp_path / "model.safetensors"
     export_weights.write_policy_weights(policy, base / "model.safetensors", out, is_main=True)
     written = load_file(out)

@@ -136,7 +136,7 @@ def test_each_rank_holds_half_and_units_cover_the_model(two_nodes):
     # The expert lm_head was not trained (detached) and comes back unchanged from the base model.
     from safetensors import safe_open
 
-    from pisft.model.lerobot_internals import EXPERT_HEAD
+    from pisft.model.pi05.parts import EXPERT_HEAD
     with safe_open(str(two_nodes / "train" / "model" / "model.safetensors"), "pt") as out, \
             safe_open(str(two_nodes / "base_model" / "model.safetensors"), "pt") as base:
         assert torch.equal(out.get_tensor(EXPERT_HEAD), base.get_tensor(EXPERT_HEAD))

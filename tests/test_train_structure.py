@@ -13,9 +13,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import default_collate
 from train_fixtures import inputs_dir
 
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05.construction import prepare_for_training
 from pisft.train import fsdp, optim
-from pisft.train.attention import fused_joint_attention
+from pisft.model.pi05.attention import fused_joint_attention
 from pisft.train.policy_task import PolicyTask
 
 
@@ -30,7 +30,7 @@ def _losses(root, *, structured: bool, steps: int = 2) -> list[float]:
     pre, _ = make_processors(policy, root / "base_model", load_stats(root / "dataset"))
     ds = load_split(root / "dataset", "train", chunk_size=policy.config.chunk_size)
     if structured:
-        internals.prepare_for_training(policy, checkpointing=True)
+        prepare_for_training(policy, checkpointing=True)
         fsdp.shard(policy, init_device_mesh("cpu", (1,)), "fp32")
     opt = optim.build_optimizer(policy.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
     task = PolicyTask(policy, pre, torch.device("cpu"))
@@ -70,7 +70,7 @@ def test_forward_prefetch_and_no_gather_after_a_units_backward(tmp_path_factory,
     from pisft.model.policy import load_policy
 
     policy = load_policy(inputs_dir(tmp_path_factory) / "base_model", dtype="float32")
-    internals.prepare_for_training(policy, checkpointing=checkpointing)
+    prepare_for_training(policy, checkpointing=checkpointing)
     units = fsdp.shard(policy, init_device_mesh("cpu", (1,)), "fp32")
     prefetching = [u.name for u in units if u.modules[0]._get_fsdp_state()._states_to_forward_prefetch]
     assert prefetching == [u.name for u in units[:-1]]

@@ -12,9 +12,15 @@ import torch
 from model_fixtures import tiny_model_dir
 from safetensors.torch import load_file
 
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05.construction import (
+    detach_expert_head,
+    prepare_for_training,
+    sized_construction,
+    tie_vlm_embeddings,
+)
+from pisft.model.pi05.forward import prefix_frozen
 from pisft.model.policy import WEIGHTS_FILE, load_policy, make_config
-from pisft.model.presets import get_preset
+from pisft.model.pi05.presets import get_preset
 from pisft.train import trainable as tr
 from pisft.train.export_weights import ADAPTER_WEIGHTS, merged_weight, write_adapter, write_policy_weights
 
@@ -35,15 +41,15 @@ def _lerobot_built(**flags):
     config = make_config("tiny")
     for key, value in flags.items():
         setattr(config, key, value)
-    with internals.sized_construction(get_preset("tiny").arch):
+    with sized_construction(get_preset("tiny").arch):
         policy = PI05Policy(config)
-    internals.tie_vlm_embeddings(policy)
+    tie_vlm_embeddings(policy)
     return policy
 
 
 def _tiny(tmp_path_factory):
     policy = load_policy(tiny_model_dir(tmp_path_factory))
-    internals.detach_expert_head(policy)  # as training does (prepare_for_training)
+    detach_expert_head(policy)  # as training does (prepare_for_training)
     return policy
 
 
@@ -52,7 +58,7 @@ def test_expert_and_no_vision_freeze_what_lerobots_own_flags_freeze(tmp_path_fac
     oracle = _lerobot_built(**{flag: True})  # LeRobot's PaliGemmaWithExpertModel._set_requires_grad
     ours = _tiny(tmp_path_factory)
     applied = tr.apply_mode(ours, mode)
-    internals.detach_expert_head(oracle)
+    detach_expert_head(oracle)
     assert _trained(ours) == _trained(oracle)
     assert applied.trainable == sum(p.numel() for n, p in ours.named_parameters() if p.requires_grad)
     if mode == "expert":
@@ -70,7 +76,7 @@ def test_expert_and_no_vision_freeze_what_lerobots_own_flags_freeze(tmp_path_fac
 
 def test_lerobot_lora_trains_what_lerobots_wrap_with_peft_trains(tmp_path_factory):
     oracle = _lerobot_built()
-    internals.detach_expert_head(oracle)
+    detach_expert_head(oracle)
     oracle.config.pretrained_path = "base"  # wrap_with_peft refuses a model without one
     import dataclasses
 
@@ -223,7 +229,7 @@ def test_a_new_mode_is_one_entry_of_the_table(tmp_path_factory, monkeypatch):
     applied = tr.apply_mode(ours, "frozen_vlm")
     tr.apply_mode(expert, "expert")
     assert applied.mode == "frozen_vlm" and _trained(ours) == _trained(expert)
-    assert internals.prefix_frozen(ours) and ours.model.paligemma_with_expert.train_expert_only
+    assert prefix_frozen(ours) and ours.model.paligemma_with_expert.train_expert_only
     value, head = (ValueModel(build_policy("tiny", seed=0), bins=11) for _ in range(2))
     tr.apply_mode(value, "frozen_vlm", value_model=True)
     tr.apply_mode(head, "head", value_model=True)
@@ -258,7 +264,7 @@ def test_pi05_trainable_counts_on_the_meta_device():
     for mode, preset in [("all", None), ("expert", None), ("no_vision", None), ("lora", "lerobot"),
                          ("lora", "openpi"), ("lora", "rlinf")]:
         policy = build_policy("pi05", seed=0, device="meta")
-        internals.detach_expert_head(policy)
+        detach_expert_head(policy)
         tr.apply_mode(policy, mode, tr.lora_spec(preset) if preset else None)
         counts[(mode, preset)] = tr.count_parameters(policy)["trainable"]
     assert counts[("all", None)] > 3.3e9
@@ -318,7 +324,7 @@ def test_merged_export_loads_in_pisft_and_in_lerobots_from_pretrained(trained_lo
 
     _, _, _, out, _ = trained_lora
     ours = load_policy(out / "model").state_dict()
-    with internals.sized_construction(get_preset("tiny").arch):
+    with sized_construction(get_preset("tiny").arch):
         theirs = PI05Policy.from_pretrained(str(out / "model")).state_dict()
     assert ours.keys() == theirs.keys()
     for key in ours:
@@ -436,7 +442,7 @@ def test_fsdp2_bf16_steps_leave_frozen_bf16_parameters_untouched_and_stateless(t
     policy = load_policy(root / "base_model", dtype="float32")
     pre, _ = make_processors(policy, root / "base_model", load_stats(root / "dataset"))
     ds = load_split(root / "dataset", "train", chunk_size=policy.config.chunk_size)
-    internals.prepare_for_training(policy, checkpointing=True)
+    prepare_for_training(policy, checkpointing=True)
     tr.apply_mode(policy, mode, tr.lora_spec("openpi") if mode == "lora" else None, seed=0)
     assert tr.hold_frozen_in(policy, "bf16") > 0
     fsdp.shard(policy, init_device_mesh("cpu", (1,)), "bf16")

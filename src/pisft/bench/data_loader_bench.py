@@ -27,7 +27,7 @@ tokenizer is the tiny preset's WordPiece (the PaliGemma tokenizer is not on this
 are Rust fast tokenizers and a prompt's encoding is a small part of a sample's cost (`split`).
 
 Beside it: the training step's consumption at real size, samples/s per card, from the
-analytic FLOPs per sample (`train.flops`, what the loop's MFU uses) at the tokens the loader
+analytic FLOPs per sample (`model.pi05.flops`, what the loop's MFU uses) at the tokens the loader
 produces, the card's peak from `train.metrics.PEAK_FLOPS_TABLE` and a stated MFU.
 """
 
@@ -78,7 +78,7 @@ class _Loader:
     def __init__(self, dataset: Path, preset: str, micro: int, seed: int) -> None:
         from pisft.data.dataset import load_split, load_stats
         from pisft.data.prompts import training_prompt_fn
-        from pisft.model import lerobot_internals as internals
+        from pisft.model.pi05.processors import pi05_processors
         from pisft.model.policy import build_policy
         from pisft.model.tokenizer import build_tiny_tokenizer
         from pisft.train.policy_task import PolicyTask
@@ -87,7 +87,7 @@ class _Loader:
         self.policy = build_policy(preset, seed=0, device="meta")  # config and sizes, no weights
         config = self.policy.config
         config.device = "cpu"  # the processors' device step; the loader never runs it
-        pre, _ = internals.pi05_processors(config, load_stats(dataset), build_tiny_tokenizer())
+        pre, _ = pi05_processors(config, load_stats(dataset), build_tiny_tokenizer())
         self.task = PolicyTask(self.policy, pre, torch.device("cpu"))
         self.train_set = load_split(dataset, "train", chunk_size=config.chunk_size)
         self.prompt = training_prompt_fn(dataset)
@@ -200,8 +200,7 @@ def decode_cost(dataset: Path, images: int) -> dict[str, float]:
 def host_resize_cost(batch: dict[str, Any], resolution: tuple[int, int], repeats: int) -> dict[str, Any]:
     """CPU ms per sample of LeRobot's pi0.5 image resize (`resize_with_pad_torch`, what its
     forward runs on the device) done on the host instead, both cameras."""
-    from lerobot.policies.common.vla_utils import resize_with_pad_torch
-
+    from pisft.model.pi05.processors import resize_with_pad_torch
     from pisft.model.policy import IMAGE_KEYS
 
     imgs = [batch[k].permute(0, 2, 3, 1).contiguous() for k in IMAGE_KEYS]  # as _preprocess_images
@@ -243,7 +242,7 @@ def consumption(ld: _Loader, batch: dict[str, Any], cfg: config_mod.PisftConfig)
             f"consumption = peak FLOP/s x MFU / training FLOPs per sample; MFU {MFU_ASSUMED} assumed "
             "(not measured on a 910B)",
             f"peak: {source} ({peak / 1e12:.0f} TFLOP/s dense bf16)",
-            "training FLOPs per sample: pisft.train.flops (model FLOPs, each part's backward as its "
+            "training FLOPs per sample: pisft.model.pi05.flops (model FLOPs, each part's backward as its "
             "requires_grad leaves it to do, recompute not counted) of the "
             f"{ld.policy.pisft_model_info['preset']} preset at "
             f"{int(batch[TOKENS_KEY].shape[1])} prompt tokens (the loader's "

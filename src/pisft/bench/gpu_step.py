@@ -29,7 +29,7 @@ length, 50x7 actions). For each trainable mode (`--trainable`, `train.trainable`
 on `--lora-targets`), each activation-checkpointing setting and each `--compile` setting: micro
 batch 4, then doubling up to --max-micro or until the
 device runs out of memory (the largest that fitted is reported). MFU divides the mode's own model
-FLOPs (`pisft.train.flops.pi05_training_flops_per_sample`: a frozen part costs its forward only).
+FLOPs (`pisft.model.pi05.flops.pi05_training_flops_per_sample`: a frozen part costs its forward only).
 Output: JSON on stdout and in --out, with peak allocated and peak reserved memory per run.
 
 What fits one device. One device holds the whole model state here: fp32 parameters, fp32
@@ -71,7 +71,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from pisft import device as devices
 from pisft.bench.arguments import names_from
 from pisft.train import blocks, fsdp, optim
-from pisft.train.flops import pi05_training_flops_per_sample
+from pisft.model.registry import spec_for_preset, spec_of
 from pisft.train.metrics import mfu, peak_flops_for
 from pisft.train.policy_task import PolicyTask
 from pisft.train.step import NO_PROBE, PhaseTimes, StepSettings, repeat, train_step
@@ -135,7 +135,7 @@ def measure(policy, optimizer, kind: str, device: torch.device, micro: int, *, s
     timed = times[1 + warmup:]
     median = statistics.median(timed)
     sps = micro / median
-    flops = pi05_training_flops_per_sample(policy, lang_tokens=policy.config.tokenizer_max_length)
+    flops = spec_of(policy).training_flops_per_sample(policy, lang_tokens=policy.config.tokenizer_max_length)
     allocated, reserved = devices.peak_memory_bytes(kind), devices.peak_reserved_bytes(kind)
     out = {"micro_batch_size": micro, "first_step_s": times[0], "step_time_s": median, "step_times_s": timed,
            "samples_per_s": sps, "flops_per_sample": flops, "mfu": mfu(flops, sps, peak, 1),
@@ -221,9 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "capacity_bytes": capacity, "optimizer_plan": plans,
                            "optimizer": {m: {c: v["optimizer"] for c, v in p.items()} for m, p in plans.items()},
                            "params": {}, "largest_micro_batch": {}, "runs": []}
-    from pisft.train.attention import fused_joint_attention
-
-    with fused_joint_attention():
+    with spec_for_preset(args.preset).fused_attention():
         _measure_all(args, out, kind, dev, mesh, peak)
     dist.destroy_process_group()
     return out

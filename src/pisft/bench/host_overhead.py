@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from pisft.model.lerobot_internals import Arch, GemmaSize, VisionSize
+from pisft.model.pi05.construction import Arch, GemmaSize, VisionSize
 
 # pi0.5's structure (LeRobot's gemma_2b + gemma_300m, SigLIP So400m/14 at 224 px) with narrow widths.
 DEPTH_TWIN = Arch(
@@ -76,9 +76,8 @@ def count(preset: str, trainable: str, layout: str, compile_mode: str, *, fake: 
 
     from pisft.inspect.host_ops import DispatchedOps
     from pisft.inspect.synthetic import synthetic_batch
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.registry import spec_of
     from pisft.train import blocks, fsdp, optim, trainable as modes
-    from pisft.train.attention import fused_joint_attention
     from pisft.train.policy_task import PolicyTask
     from pisft.train.step import StepSettings, micro_step, repeat, train_step
 
@@ -86,7 +85,7 @@ def count(preset: str, trainable: str, layout: str, compile_mode: str, *, fake: 
 
     cpu = torch.device("cpu")
     policy = _policy(preset, "meta" if fake else "cpu")
-    internals.prepare_for_training(policy, checkpointing=True)
+    spec_of(policy).prepare_for_training(policy, checkpointing=True)
     modes.apply_training_layout(policy, trainable, modes.spec_for_mode(trainable, "openpi"), precision="bf16")
     compiler = blocks.Compiler(compile_mode, "cpu")
     fake_mode: Any = contextlib.nullcontext()
@@ -105,7 +104,7 @@ def count(preset: str, trainable: str, layout: str, compile_mode: str, *, fake: 
         batch, rand = synthetic_batch(policy, MICRO_BATCH, cpu, seed=0)
         settings = StepSettings(accum=1, grad_clip=1.0, kind="cpu", device=cpu)
         policy.train()
-        with fused_joint_attention():
+        with spec_of(policy).fused_attention():
             for _ in range(2):  # warm-up: lazy initialisations, compilation
                 train_step(policy, optimizer, task, repeat(batch, rand), settings)
             micro = DispatchedOps()

@@ -68,15 +68,16 @@ def build_policy_for_mode(preset: str, mode: str, *, precision: str, checkpointi
     from normal(0, 0.02), the mode applied, the projections fused, trainable parameters in fp32."""
     import torch
 
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05.fused import fuse_decoder_projections
+    from pisft.model.registry import spec_of
     from pisft.model.policy import build_random_weights
     from pisft.train import trainable as trainable_mod
 
     policy = build_random_weights(preset, seed=seed, dtype="bfloat16" if precision == "bf16" else "float32")
     policy.config.device = "cpu"
-    internals.prepare_for_training(policy, checkpointing=checkpointing)
+    spec_of(policy).prepare_for_training(policy, checkpointing=checkpointing)
     applied = trainable_mod.apply_mode(policy, mode, trainable_mod.spec_for_mode(mode, lora_targets), seed=seed)
-    internals.fuse_decoder_projections(policy)  # as trainable.apply_training_layout (already in bf16 here)
+    fuse_decoder_projections(policy)  # as trainable.apply_training_layout (already in bf16 here)
     for p in policy.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()  # the optimizer's fp32 master copy
@@ -100,7 +101,7 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
     from pisft.model.tokenizer import save_tiny_tokenizer
     from pisft.tensors import local_bytes, optimizer_state
     from pisft.train import fsdp, optim
-    from pisft.train.attention import fused_joint_attention
+    from pisft.model.registry import spec_of
     from pisft.train.checkpoint import CheckpointManager
     from pisft.train.policy_task import PolicyTask
     from pisft.train.step import PhaseTimes, StepSettings, repeat, train_step
@@ -137,7 +138,7 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
             print(f"real_size {mode}: {what} at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
         note("built")
-        with fused_joint_attention():
+        with spec_of(policy).fused_attention():
             step()  # warm-up: FSDP initialised, optimizer state allocated
             gc.collect()
             note("warm-up step done")

@@ -149,12 +149,12 @@ class Setup:
     def policy(self, *, sharded: bool):
         from torch.distributed.device_mesh import init_device_mesh
 
-        from pisft.model import lerobot_internals as internals
+        from pisft.model.registry import spec_of
         from pisft.model.policy import load_policy, make_processors
 
         policy = load_policy(self.base, dtype="float32")
         pre, _ = make_processors(policy, self.base, self.stats)
-        internals.prepare_for_training(policy, checkpointing=False)
+        spec_of(policy).prepare_for_training(policy, checkpointing=False)
         fsdp.distribute(policy, init_device_mesh("cpu", (1,)), "fp32", torch.device("cpu"),
                         keep_sharded=sharded)
         return policy, pre

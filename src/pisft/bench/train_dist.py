@@ -47,7 +47,7 @@ def _ours(a: argparse.Namespace) -> dict[str, float] | None:
 
     from pisft.bench.train_bench import ours_optimizer, process_tree_cpu_s
     from pisft.data.dataset import load_stats
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.registry import spec_of
     from pisft.model.policy import load_policy, make_processors
     from pisft.train import fsdp, loop
     from pisft.train.policy_task import PolicyTask
@@ -57,7 +57,7 @@ def _ours(a: argparse.Namespace) -> dict[str, float] | None:
     base = a.root / "base_model"
     policy = load_policy(base, dtype="float32")
     pre, _ = make_processors(policy, base, load_stats(a.root / "dataset"))
-    internals.prepare_for_training(policy, checkpointing=False)
+    spec_of(policy).prepare_for_training(policy, checkpointing=False)
     fsdp.distribute(policy, init_device_mesh("cpu", (WORLD,)), "fp32", torch.device("cpu"),
                     min_params=a.min_unit_params)
     task = PolicyTask(policy, pre, torch.device("cpu"))

@@ -38,7 +38,7 @@ left out of the per-step figures. Figures are rank 0's (`ranks_agree`: rank 1 co
   synchronises unless the copy is non-blocking). `float64_ops_per_micro_step`: operations whose
   result is a float64 device tensor. Both per micro-step of the steps without a metrics fetch,
   with call sites; both 0 for the training path (LeRobot's own pi0.5 forward makes 2 of the
-  first and several of the second: `lerobot_internals` 5.). A logging step's fetch (every
+  first and several of the second: `pisft.model.pi05` 5.). A logging step's fetch (every
   `train.log_every` steps) builds one int64 tensor of per-rank figures from Python numbers right
   before its own device->host transfer, which synchronises anyway: reported apart
   (`tensors_from_python.per_logging_step`, `logging_sites`).
@@ -292,11 +292,11 @@ class UnshardTracker:
 def decoder_q_projs(policy: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The query projection of every decoder layer (VLM and action expert; `q_proj`, or fused
     `qkv_proj`), by layer name."""
-    from pisft.model import lerobot_internals as internals
-    from pisft.model.lerobot_internals import query_projection
+    from pisft.model.pi05.fused import query_projection
+    from pisft.model.pi05.parts import EXPERT_LAYERS, PALIGEMMA_WITH_EXPERT, VLM_LAYERS, VLM_MODEL, below
 
-    layers = (f".{internals.below(internals.VLM_LAYERS, internals.VLM_MODEL)}.",
-              f".{internals.below(internals.EXPERT_LAYERS, internals.PALIGEMMA_WITH_EXPERT)}.")
+    layers = (f".{below(VLM_LAYERS, VLM_MODEL)}.",
+              f".{below(EXPERT_LAYERS, PALIGEMMA_WITH_EXPERT)}.")
     out = {}
     for name, module in policy.named_modules():
         if name.endswith(".self_attn") and any(inside in name for inside in layers):
@@ -311,7 +311,7 @@ def vision_q_projs(policy: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 def _attention_context():
     """The attention switch `pisft.train.__main__.run_stage` wraps training in (its name changed over time)."""
-    from pisft.train import attention
+    from pisft.model.pi05 import attention
 
     for name in ("fused_joint_attention", "sdpa_joint_attention"):
         if hasattr(attention, name):
@@ -470,10 +470,10 @@ def worker(spec_path: str, out_dir: str) -> int:
     for s in measured:
         sites.update(counter.by_step[s])
     vision_layers = len(vision_names)
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05.parts import below, EXPERT_NAME, LANGUAGE_MODEL, VLM_MODEL
 
-    vlm = f".{internals.below(internals.LANGUAGE_MODEL, internals.VLM_MODEL)}."
-    pairs = min(sum(vlm in n for n in decoder_names), sum(f".{internals.EXPERT_NAME}." in n for n in decoder_names))
+    vlm = f".{below(LANGUAGE_MODEL, VLM_MODEL)}."
+    pairs = min(sum(vlm in n for n in decoder_names), sum(f".{EXPERT_NAME}." in n for n in decoder_names))
     result = {
         "rank": rank,
         "world_size": world,

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 DEVICES = ("auto", "npu", "cuda", "cpu")
 PRESETS = ("tiny", "small", "pi05")
-# Each preset's action chunk (PI05Config.chunk_size; pisft.model.presets sets tiny's and small's from
+# Each preset's action chunk (PI05Config.chunk_size; pisft.model.pi05.presets sets tiny's and small's from
 # here, pi05's is LeRobot's PI05Config default, which a test holds to this).
 PRESET_CHUNK_SIZES = {"tiny": 10, "small": 10, "pi05": 50}
 PRECISIONS = ("fp32", "bf16")
@@ -95,7 +95,7 @@ class TrainableMode:
     @property
     def prefix_frozen(self) -> bool | None:
         """Whether every parameter of the VLM prefix is frozen (the frozen-prefix forward and FSDP units
-        follow it, `lerobot_internals.prefix_frozen`); None: as the LoRA target preset says (`lerobot`'s
+        follow it, `pisft.model.pi05.forward.prefix_frozen`); None: as the LoRA target preset says (`lerobot`'s
         adapters and fully trained modules are all outside the VLM)."""
         return None if self.lora else self.frozen in ("vlm", "base")
 

@@ -11,7 +11,7 @@ Each check is a named line, pass / fail / skip with a reason; the names are stab
                          all-gather (bfloat16) over all cards, one process per card, with the
                          training's backend (hccl / nccl; gloo with 2 processes on the CPU)
   attention              the training's attention kernel (npu_fusion_attention on NPU in bf16,
-                         SDPA elsewhere; pisft.train.attention) against a float32 reference on a
+                         SDPA elsewhere; pisft.model.pi05.attention) against a float32 reference on a
                          small pi0.5-shaped input (8 query heads, 1 K/V head, head_dim 256,
                          prefix + action block mask), bf16 tolerance
   fused_adamw            fused AdamW against the foreach one, and the training's skip of a

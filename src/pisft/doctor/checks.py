@@ -237,7 +237,7 @@ def reference_attention(q, k, v, mask, scale):
 
 
 def check_attention(node: Node) -> Check:
-    from pisft.train import attention
+    from pisft.model.pi05 import attention
 
     if (bad := _unusable(node)) is not None:
         return bad

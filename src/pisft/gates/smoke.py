@@ -45,7 +45,7 @@ from pisft import device as devices
 from pisft.data.augment import make_augment
 from pisft.device import hccl_buffer_bytes, out_of_memory
 from pisft.gates import compile_trial, micro_batch
-from pisft.model import lerobot_internals as internals
+from pisft.model.registry import spec_of
 from pisft.io import atomic_dir, write_json_atomic
 from pisft.stages import SMOKE_1CARD
 from pisft.tensors import local_bytes, optimizer_state
@@ -261,7 +261,7 @@ def _run_steps(ctx: Context, report: dict[str, Any]) -> SmokeRun:
             "capacity": devices.capacity_bytes(ctx.info.kind, ctx.info.device),
             "hccl": hccl_buffer_bytes(ctx.info.kind)}
         first = compile_trial.first_mode(t.compile)  # auto: eager first, then the trial
-        # `auto` checkpointing is built off and switched when sized (lerobot_internals.set_layer_checkpointing)
+        # `auto` checkpointing is built off and switched when sized (pi05.construction.set_layer_checkpointing)
         run.built = build(dataclasses.replace(ctx, cfg=_estimated(with_train(cfg, compile=first))))
         fits, report["optimizer"], report["one_card_gate"] = _adamw_fits_one_device(
             cfg, report["estimate"], gate_inputs)
@@ -307,7 +307,7 @@ def _sizing(ctx: Context, run: SmokeRun, report: dict[str, Any], gate_inputs: di
                "hccl": int(gate_inputs["hccl"])}
 
     def measure(m: int, checkpointing: bool) -> tuple[int, int] | None:
-        internals.set_layer_checkpointing(run.built.model, checkpointing)
+        spec_of(run.built.model).set_layer_checkpointing(run.built.model, checkpointing)
         sized = dataclasses.replace(ctx, cfg=with_train(cfg, micro_batch_size=m,
                                                         activation_checkpointing=checkpointing))
         devices.reset_peak_memory(kind)
@@ -357,7 +357,7 @@ def _size(ctx: Context, run: SmokeRun, report: dict[str, Any], gate_inputs: dict
         run.failure = f"{MICRO_BATCH}: {entry['line']}. To fit: {_advice(ctx.cfg)}."
         return None
     m, checkpointing = result["chosen"]
-    internals.set_layer_checkpointing(run.built.model, checkpointing)
+    spec_of(run.built.model).set_layer_checkpointing(run.built.model, checkpointing)
     ctx.log(f"{MICRO_BATCH}: {m}, {CHECKPOINTING}: {str(checkpointing).lower()} "
             f"({entry['line']}; {ckpt_entry['line']})")
     return dataclasses.replace(ctx, cfg=with_train(ctx.cfg, micro_batch_size=m,

@@ -8,7 +8,7 @@ with every tensor a `FakeTensor` (shapes, dtypes and aliasing, no data) and a fa
 of W ranks (collectives return at once), and follows the bytes of every tensor storage that the
 step creates, resizes and frees. The step is the training's, not a model of it:
 
-- the policy with the training structure (`lerobot_internals.prepare_for_training`): activation
+- the policy with the training structure (`pi05.construction.prepare_for_training`): activation
   checkpointing per joint decoder layer only, the unused action-expert `lm_head` removed;
 - FSDP2 sharding through `pisft.train.fsdp.shard` (its units, its mixed-precision policy, its
   reshard-after-forward choices and prefetch), on the W-rank fake group: sharded fp32 master
@@ -37,7 +37,7 @@ The trainable mode (`train.trainable`, pisft.train.trainable) is applied to the 
 as the training applies it (`apply_mode`, then `hold_frozen_in`: frozen parameters in bf16 under
 train.precision=bf16): frozen parameters have no gradient, no optimizer state and no EMA copy,
 and with the whole VLM frozen (`expert`) the prefix runs without grad, its activations freed
-layer by layer (lerobot_internals 8.). `largest_micro_batches` (printed by `pisft estimate` for
+layer by layer (pisft.model.pi05 8.). `largest_micro_batches` (printed by `pisft estimate` for
 pi0.5) finds, per mode and checkpointing on/off, the largest micro batch whose estimate fits a
 device's memory less the smoke gate's headroom.
 `state_bytes` gives the whole model state (params, all gradient shards, optimizer).
@@ -258,10 +258,10 @@ def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batc
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.registry import spec_of
 
     policy = make_policy()
-    internals.prepare_for_training(policy, checkpointing=checkpointing)
+    spec_of(policy).prepare_for_training(policy, checkpointing=checkpointing)
     plan = fsdp_plan(policy, min_unit_params)
     sequence = {"prefix_tokens": _prefix_tokens(policy), "suffix_tokens": int(policy.config.chunk_size)}
     params_total = sum(p.numel() for p in policy.parameters())
@@ -296,7 +296,7 @@ def _tracked_step(policy, mesh, micro_batch: int, precision: str,
     the gradients and the optimizer state, and their bytes.
     """
     from pisft.train import fsdp, optim
-    from pisft.train.attention import fused_joint_attention
+    from pisft.model.registry import spec_of
     from pisft.train.policy_task import PolicyTask
     from pisft.inspect.synthetic import synthetic_batch
 
@@ -312,7 +312,7 @@ def _tracked_step(policy, mesh, micro_batch: int, precision: str,
                            "ema_bytes": sum(local_numel(p) for p in trainable) * 4}
     tracker = StepMemory()
     out["param_ids"] = tracker.register_existing(policy.parameters())
-    with fused_joint_attention(), tracker:
+    with spec_of(policy).fused_attention(), tracker:
         tracker.phase = "forward"
         loss = task.loss(policy, batch, rand)
         tracker.phase = "backward"
@@ -530,10 +530,10 @@ def _dummy_inputs(config, micro_batch: int, device: str):
 
 
 def _prefix_tokens(policy) -> int:
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05.parts import PALIGEMMA, part
 
     cfg = policy.config
-    vision = internals.part(policy, internals.PALIGEMMA).config.vision_config
+    vision = part(policy, PALIGEMMA).config.vision_config
     per_image = (cfg.image_resolution[0] // vision.patch_size) ** 2
     n_cams = len([k for k in cfg.input_features if k.startswith("observation.images.")])
     return n_cams * per_image + cfg.tokenizer_max_length

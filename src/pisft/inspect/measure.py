@@ -6,7 +6,7 @@
 
 The step is pisft's training step, the same one `pisft.inspect.estimate` simulates: the policy
 (random weights, `pisft.inspect.synthetic.build_random_policy`) with the training structure
-(`lerobot_internals.prepare_for_training`: per-layer activation checkpointing, no action-expert
+(`pi05.construction.prepare_for_training`: per-layer activation checkpointing, no action-expert
 lm_head), FSDP2 through `pisft.train.fsdp.shard` on a 1-process gloo group, the loss through
 `PolicyTask` (autocast in bf16), fused joint attention, gradient clipping, AdamW as the training
 builds it, `zero_grad(set_to_none=True)`. Inputs are a synthetic preprocessed batch
@@ -71,7 +71,7 @@ def measure(preset: str, micro_batch: int, checkpointing: bool, precision: str =
     from pisft.inspect.synthetic import build_random_policy, synthetic_batch
     from pisft.tensors import local_bytes, optimizer_state
     from pisft.train import fsdp, optim
-    from pisft.train.attention import fused_joint_attention
+    from pisft.model.registry import spec_of
     from pisft.train.policy_task import PolicyTask
 
     cpu = torch.device("cpu")
@@ -85,7 +85,7 @@ def measure(preset: str, micro_batch: int, checkpointing: bool, precision: str =
         batch, rand = synthetic_batch(policy, micro_batch, cpu, seed)
         warm = synthetic_batch(policy, 1, cpu, seed)
         policy.train()
-        with fused_joint_attention():
+        with spec_of(policy).fused_attention():
             # Warm-up at micro batch 1 (cheaper; only its side effects matter): FSDP initialised,
             # optimizer state allocated.
             training_step(policy, optimizer, task, *warm)

@@ -25,10 +25,10 @@ def build_random_policy(preset: str, device: torch.device, *, checkpointing: boo
     policy.to(device)
     fill_random(policy, torch.Generator(device=device).manual_seed(seed))
     policy.config.device = str(device)
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.registry import spec_of
 
     # The training structure: per-layer checkpointing only, no action-expert lm_head.
-    internals.prepare_for_training(policy, checkpointing=checkpointing)
+    spec_of(policy).prepare_for_training(policy, checkpointing=checkpointing)
     return policy
 
 
@@ -38,9 +38,9 @@ def synthetic_batch(policy, micro: int, device: torch.device, seed: int) -> tupl
     h, w = cfg.image_resolution
     batch: dict[str, Any] = {k: torch.rand(micro, 3, h, w, generator=g) for k in CAMERAS}
     n_tok = cfg.tokenizer_max_length
-    from pisft.model import lerobot_internals as internals
+    from pisft.model.pi05.parts import LANGUAGE_MODEL, part
 
-    vocab = internals.part(policy, internals.LANGUAGE_MODEL).embed_tokens.num_embeddings
+    vocab = part(policy, LANGUAGE_MODEL).embed_tokens.num_embeddings
     batch["observation.language.tokens"] = torch.randint(0, min(vocab, 1000), (micro, n_tok), generator=g)
     batch["observation.language.attention_mask"] = torch.ones(micro, n_tok, dtype=torch.bool)
     batch["observation.state"] = torch.rand(micro, 8, generator=g) * 2 - 1

@@ -22,7 +22,7 @@ from pisft.integrity import manifest_files, stage_output
 from pisft.io import verify_manifest, write_json_atomic
 from pisft.model import policy as policy_mod
 from pisft.model import sources, weights
-from pisft.model.lerobot_internals import vlm_embedding_pair
+from pisft.model.pi05.construction import vlm_embedding_pair
 from pisft.model.norm_stats import STATS_FILE, find_norm_stats, import_openpi_norm_stats, save_stats, stats_equal
 from pisft.model.tokenizer import open_tokenizer, save_tiny_tokenizer
 

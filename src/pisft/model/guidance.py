@@ -15,7 +15,7 @@ v_uncond under the plain task prompt, both at the same x_t and t, starting from 
   first half prompted with the positive prompt and the second with the plain task
   (`doubled_batch`); the noise is repeated, so both halves start from the same x_1. LeRobot's
   `sample_actions` embeds both prefixes and keeps their KV cache in one pass; at every step
-  (`lerobot_internals.velocity_hook`) the two halves' velocities are blended and the blend is
+  (`pi05.chunk.velocity_hook`) the two halves' velocities are blended and the blend is
   given to both halves, so they stay identical and share the noise and the time schedule; the
   first half is the guided chunk. Cost: about twice the compute per chunk (the SigLIP image
   embedding, the prefix pass and each step's expert pass all run on 2 rows per request).
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from pisft.errors import PisftError
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05.chunk import velocity_hook
 
 SOURCE = ("RLinf cfgrl_guidance_scale (rlinf/models/embodiment/openpi_cfg/openpi_cfg_action_model.py): "
           "v = (1 - w) * v_uncond + w * v_cond at every denoising step")
@@ -133,6 +133,6 @@ def predict_normalized(policy, preprocessor, batch: dict, unconditioned_tasks: S
     processed = preprocessor(doubled_batch(batch, unconditioned_tasks))
     if rtc.get("prev_chunk_left_over") is not None:
         rtc = {**rtc, "prev_chunk_left_over": torch.cat([rtc["prev_chunk_left_over"]] * 2)}
-    with internals.velocity_hook(policy, blend(scale, n)):
+    with velocity_hook(policy, blend(scale, n)):
         normalized = policy.predict_action_chunk(processed, noise=torch.cat([noise, noise]), **rtc)
     return normalized[:n]

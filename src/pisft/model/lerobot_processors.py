@@ -40,7 +40,7 @@ from lerobot.processor import ProcessorStep
 from lerobot.processor.tokenizer_processor import TokenizerProcessorStep
 
 from pisft.io import follow_umask
-from pisft.model.lerobot_internals import prompt_without_state
+from pisft.model.pi05.processors import prompt_without_state
 
 # LeRobot's file names (lerobot.utils.constants POLICY_PREPROCESSOR_DEFAULT_NAME / ..._POSTPROCESSOR_...).
 PREPROCESSOR_FILE = "policy_preprocessor.json"
@@ -143,7 +143,7 @@ def write_processors(model_dir: str | Path) -> list[Path]:
     from lerobot.policies.pi05.processor_pi05 import Pi05PrepareStateTokenizerProcessorStep
 
     from pisft.model import policy as policy_mod
-    from pisft.model.lerobot_internals import pi05_processors
+    from pisft.model.pi05.processors import pi05_processors
     from pisft.model.norm_stats import STATS_FILE, load_stats
     from pisft.model.tokenizer import load_tokenizer
 

@@ -24,10 +24,14 @@ from typing import Any
 
 import torch
 
+from pisft import device as devices
 from pisft.errors import ModelLoadError
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05.construction import (Arch, build_on_meta, sized_construction, tie_vlm_embeddings,
+                                           vlm_embedding_pair)
+from pisft.model.pi05.parts import EXPERT_HEAD
+from pisft.model.pi05.processors import pi05_processors
 from pisft.model import weights as weights_mod
-from pisft.model.presets import get_preset
+from pisft.model.pi05.presets import get_preset
 from pisft.model.sources import WEIGHTS_FILE
 from pisft import records
 from pisft.integrity import verify_read
@@ -90,14 +94,14 @@ def make_config(preset: str, *, device: str = "cpu", dtype: torch.dtype | str | 
     return config
 
 
-def _construct(config, arch: internals.Arch | None, device: str, *, init: bool):
+def _construct(config, arch: Arch | None, device: str, *, init: bool):
     """PI05Policy of the given sizes on `device`; weights random (init) or left uninitialised."""
     from lerobot.policies.pi05.modeling_pi05 import PI05Policy
 
     target = str(device)
-    with internals.sized_construction(arch):
+    with sized_construction(arch):
         if target == "meta":
-            policy = internals.build_on_meta(PI05Policy, config)
+            policy = build_on_meta(PI05Policy, config)
         else:
             config.device = "cpu"
             if init:
@@ -107,14 +111,14 @@ def _construct(config, arch: internals.Arch | None, device: str, *, init: bool):
 
                 with no_init_weights():
                     policy = PI05Policy(config)
-    internals.tie_vlm_embeddings(policy)
-    if target not in ("meta", "cpu"):
+    tie_vlm_embeddings(policy)
+    if target != "meta" and not devices.on_host(target):
         policy.to(target)
     policy.config.device = target
     return policy
 
 
-def _attach_info(policy, preset: str, arch: internals.Arch | None,
+def _attach_info(policy, preset: str, arch: Arch | None,
                  state_in_prompt: bool | None = None) -> None:
     policy.pisft_model_info = {
         "format_version": MODEL_INFO_VERSION,
@@ -257,7 +261,7 @@ def read_model_info(model_dir: str | Path) -> dict[str, Any]:
                         required=("format_version", "preset"))
     try:
         if info.get("arch") is not None:
-            internals.Arch.from_dict(info["arch"]).validate()
+            Arch.from_dict(info["arch"]).validate()
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{path}: unreadable ({exc}); re-run fetch_base") from None
     if info.get("format_version") != MODEL_INFO_VERSION:
@@ -291,7 +295,7 @@ def fill_random(module: torch.nn.Module, gen: torch.Generator) -> None:
 def policy_from_config(config, info: dict[str, Any], *, device: str = "cpu",
                        dtype: torch.dtype | str | None = None, init: bool = False):
     """An (uninitialised unless `init`) policy of the given config and sizes."""
-    arch = internals.Arch.from_dict(info["arch"]) if info.get("arch") else None
+    arch = Arch.from_dict(info["arch"]) if info.get("arch") else None
     config.dtype = _dtype_name(dtype, config.dtype)
     # Build on CPU, load, then move: the weights never exist twice on the device.
     policy = _construct(config, arch, "cpu" if device != "meta" else "meta", init=init)
@@ -331,10 +335,10 @@ def load_policy(model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtyp
     policy = policy_from_config(config, info, device="cpu", dtype=dtype, init=False)
     if hold_bf16 is not None:
         empty_in_bf16(policy, hold_bf16)
-    # The action expert's lm_head is never used (lerobot_internals 5.): a file may lack it.
+    # The action expert's lm_head is never used (pisft.model.pi05 5.): a file may lack it.
     weights_mod.load_strict(policy, model_dir / WEIGHTS_FILE, rename=weights_mod.lerobot_name,
-                            optional=frozenset({internals.EXPERT_HEAD}))
-    if str(device) != "cpu":
+                            optional=frozenset({EXPERT_HEAD}))
+    if not devices.on_host(device):
         policy.to(device)
     policy.config.device = str(device)
     return policy
@@ -353,7 +357,7 @@ def make_processors(policy, model_dir: str | Path, dataset_stats: Stats | None =
     """
     model_dir = Path(model_dir)
     tokenizer = load_tokenizer(model_dir / TOKENIZER_DIR)
-    vocab_rows = internals.vlm_embedding_pair(policy)[1].num_embeddings
+    vocab_rows = vlm_embedding_pair(policy)[1].num_embeddings
     if len(tokenizer) > vocab_rows:
         raise ModelLoadError(f"{model_dir / TOKENIZER_DIR}: the tokenizer has {len(tokenizer)} tokens but "
                              f"the model's embedding has {vocab_rows} rows; wrong tokenizer for this model")
@@ -362,5 +366,5 @@ def make_processors(policy, model_dir: str | Path, dataset_stats: Stats | None =
     check_stats(dataset_stats, "normalisation stats")
     if state_in_prompt is None:
         state_in_prompt = state_in_prompt_of(policy)
-    return internals.pi05_processors(policy.config, dataset_stats, tokenizer,
+    return pi05_processors(policy.config, dataset_stats, tokenizer,
                                      state_in_prompt=state_in_prompt)

@@ -3,7 +3,7 @@
 **What is compiled.** LeRobot's own `PI05Pytorch.sample_actions`, the whole chunk: the prefix
 (SigLIP, the prompt, the VLM's pass that fills its KV cache) and the ten Euler steps of the action
 expert, as one graph (`torch.compile(..., fullgraph=True, dynamic=False)`), installed where
-`predict_action_chunk` calls it (`lerobot_internals` 9.). It is what LeRobot's
+`predict_action_chunk` calls it (`pisft.model.pi05` 9.). It is what LeRobot's
 `PI05Config.compile_model` and openpi's `Pi0Config.pytorch_compile_mode` compile
 (`torch.compile(self.sample_actions, mode=...)` in both `PI05Pytorch.__init__` and
 `PI0Pytorch.__init__`, openpi @ 15a9616 src/openpi/models_pytorch/pi0_pytorch.py). Classifier-free
@@ -68,7 +68,7 @@ from typing import Any
 import torch
 
 from pisft import device as device_mod
-from pisft.model import lerobot_internals as internals
+from pisft.model.registry import spec_of
 
 # eval.compile null on the CPU: eager without a trial (docs/benchmarks.md, "Inference"; `python -m
 # pisft bench --only inference`, 2 shared cores): a compiled chunk is faster once compiled, but a
@@ -188,12 +188,13 @@ class CompiledChunk:
     def __post_init__(self) -> None:
         if self.choice.trial and self.trial is None:
             self.trial = Trial()
-        self.eager = internals.lerobot_sample_actions(self.policy)
+        entry = spec_of(self.policy).chunk
+        self.eager = entry.own(self.policy)
         self.whole = self._compile(self.eager)
-        self.pieces = {name: self._compile(fn) for name, fn in internals.rtc_pieces(self.policy).items()}
+        self.pieces = {name: self._compile(fn) for name, fn in entry.pieces(self.policy).items()}
         step = self.pieces["denoise_step"]
 
-        def no_grad_step(**kwargs):  # RTC calls the step under enable_grad (lerobot_internals 9.)
+        def no_grad_step(**kwargs):  # RTC calls the step under enable_grad (pisft.model.pi05 9.)
             with torch.no_grad():
                 return step(**kwargs)
         self.pieces["denoise_step"] = no_grad_step
@@ -252,12 +253,13 @@ class CompiledChunk:
         padded = [_pad_rows(x, n, size) for x in (images, img_masks, tokens, masks, noise)]
         rtc = {k: _pad_rows(v, n, size) for k, v in kwargs.items()}
         with_rtc = rtc.get("prev_chunk_left_over") is not None
-        variant = f"{'rtc' if with_rtc else 'chunk'}{'_guided' if internals.velocity_hooked(self.policy) else ''}"
+        guided = spec_of(self.policy).chunk.velocity_hooked(self.policy)
+        variant = f"{'rtc' if with_rtc else 'chunk'}{'_guided' if guided else ''}"
         key = f"{variant}@{size}"
         first = key not in self.compile_s
         self._mark_step()
         if with_rtc:
-            with internals.pieces_installed(self.policy, self.pieces):
+            with spec_of(self.policy).chunk.pieces_installed(self.policy, self.pieces):
                 out = self.eager(*padded[:4], noise=padded[4], num_steps=num_steps, **rtc)
         else:
             out = self.whole(*padded[:4], noise=padded[4], num_steps=num_steps, **rtc)
@@ -351,11 +353,10 @@ def install(policy, choice: CompileChoice, *, on_fallback: Callable[[str], None]
 
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
     chunk = CompiledChunk(policy, choice, on_fallback=on_fallback, trial=trial if choice.trial else None)
-    internals.install_sample_actions(policy, chunk)
+    spec_of(policy).chunk.install(policy, chunk)
     return chunk
 
 
 def tolerance(policy) -> float:
     """`ACTIONS_ATOL` of the policy's precision (its VLM's weights)."""
-    q = internals.part(policy, internals.VLM_LAYERS)[0].self_attn.q_proj.weight
-    return ACTIONS_ATOL[q.dtype]
+    return ACTIONS_ATOL[spec_of(policy).weights_dtype(policy)]

@@ -1,6 +1,6 @@
 """The inference precision (`eval.precision`, `serve --precision`): bf16 where openpi runs bf16.
 
-- `bf16`: the model in bf16 with float32 kept only where openpi keeps it (`lerobot_internals` 10.,
+- `bf16`: the model in bf16 with float32 kept only where openpi keeps it (`pisft.model.pi05` 10.,
   `openpi_bf16`): SigLIP's patch and position embeddings, every RMSNorm (with the action expert's
   adaptive-norm projections) and the action/time projections. LeRobot's bf16 load keeps the whole
   vision tower and the multi-modal projector in float32 too (a training concern: its optimizer);
@@ -32,7 +32,7 @@ from typing import Any
 from pisft import device as device_mod
 from pisft.config import INFERENCE_PRECISIONS
 from pisft.errors import PisftError
-from pisft.model import lerobot_internals as internals
+from pisft.model.registry import spec_of
 
 LAYOUTS = ("openpi", "lerobot")
 
@@ -73,7 +73,7 @@ def choose(setting: str, kind: str, model_dtype: str, *, layout: str = "openpi")
 def apply(policy, choice: PrecisionChoice) -> dict[str, Any]:
     """Lay a policy built in `choice.dtype` out as `choice` says; what runs in float32 (a record)."""
     if choice.bf16 and choice.layout == "openpi":
-        internals.openpi_bf16(policy)
+        spec_of(policy).bf16_layout(policy)
     return {"setting": choice.setting, "dtype": choice.dtype, "layout": choice.layout, "why": choice.why,
             "decided_by": "rule" if choice.setting == "auto" else "setting",
-            "float32_parameters": internals.float32_parts(policy)}
+            "float32_parameters": spec_of(policy).float32_parts(policy)}

@@ -1,4 +1,5 @@
-"""Real-time chunking through LeRobot's own RTC (`lerobot.policies.rtc`, LeRobot 0.6.1).
+"""Real-time chunking through LeRobot's own RTC (LeRobot 0.6.1; the model's spec turns it on:
+`pisft.model.pi05.rtc` for pi0.5).
 
 A robot that asks for its next chunk while it still executes the current one keeps executing
 that one for the `delay` control steps the inference takes. RTC (Black et al., "Real-Time
@@ -35,10 +36,6 @@ import torch
 
 # LeRobot 0.6.1's RTCConfig defaults (lerobot/policies/rtc/configuration_rtc.py), one constant in pisft.config
 from pisft.config import LEROBOT_RTC_DEFAULTS as LEROBOT_DEFAULTS
-from pisft.errors import PisftError
-
-SOURCE = ("LeRobot 0.6.1 lerobot.policies.rtc (RTCProcessor, RTCConfig; PI05Config.rtc_config, "
-          "predict_action_chunk(inference_delay=, prev_chunk_left_over=))")
 
 
 @dataclass(frozen=True)
@@ -53,28 +50,17 @@ class RtcSettings:
         return cls(int(rtc.execution_horizon), float(rtc.max_guidance_weight), str(rtc.schedule))
 
     def record(self) -> dict[str, Any]:
+        from pisft.model.pi05.rtc import SOURCE
+
         return {"enabled": True, **asdict(self), "lerobot_defaults": dict(LEROBOT_DEFAULTS), "source": SOURCE}
 
 
 def configure(policy, settings: RtcSettings) -> None:
-    """LeRobot's RTC on `policy`: its `RTCConfig` and `RTCProcessor` (`init_rtc_processor`)."""
-    from lerobot.configs import RTCAttentionSchedule
-    from lerobot.policies.rtc.configuration_rtc import RTCConfig
+    """LeRobot's RTC on `policy` (its `RTCConfig` and `RTCProcessor`), as the policy's model spec
+    turns it on."""
+    from pisft.model.registry import spec_of
 
-    if getattr(policy.config, "use_relative_actions", False):  # a leftover is normalised, never made relative
-        raise PisftError("real-time chunking: this model predicts relative actions (use_relative_actions in its "
-                         "config.json), whose leftovers pisft does not convert; turn eval.rtc.enabled (serve: "
-                         "--rtc) off for it")
-
-    try:
-        schedule = RTCAttentionSchedule[settings.schedule]
-    except KeyError:
-        raise PisftError(f"eval.rtc.schedule: '{settings.schedule}' is not one of "
-                         f"{', '.join(s.name for s in RTCAttentionSchedule)}") from None
-    policy.config.rtc_config = RTCConfig(enabled=True, prefix_attention_schedule=schedule,
-                                         max_guidance_weight=settings.max_guidance_weight,
-                                         execution_horizon=settings.execution_horizon)
-    policy.init_rtc_processor()
+    spec_of(policy).configure_rtc(policy, settings)
 
 
 def normalized(predictor, actions: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ bins of the normalised return, trained with cross-entropy) and RLinf's critic
 Backbone: the policy's own vision-language prefix (PaliGemma: SigLIP image embeddings and the
 language tokens through the Gemma VLM), loaded from the base model (or, with `recap.value_init:
 previous`, from policy k-1: `pisft.layout.value_init_model`), without the action expert
-(`lerobot_internals.strip_to_vlm_prefix`, `vlm_prefix_readout`): a learned read-out token
+(`pi05.construction.strip_to_vlm_prefix`, `vlm_prefix_readout`): a learned read-out token
 (RLinf's `cls_embedding`, initialised N(0, 0.02)) is appended to the prefix, attends to all of
 it, and its final hidden state feeds a linear bin head. (RLinf routes its read-out token through
 a separate small Gemma expert; here it goes through the VLM itself, so the value model is the
@@ -51,7 +51,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pisft.errors import ModelLoadError
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05.construction import strip_to_vlm_prefix, vlm_width
+from pisft.model.pi05 import forward as pi05_forward
+from pisft.model.pi05.parts import part, VLM_LAYERS
 from pisft.model.sources import WEIGHTS_FILE
 from pisft.stages import TRAIN_VALUE
 
@@ -115,9 +117,9 @@ class ValueModel(nn.Module):
         super().__init__()
         if bins < 2:
             raise ValueError(f"a distribution over bins needs at least 2 bins, got {bins}")
-        internals.strip_to_vlm_prefix(policy)
+        strip_to_vlm_prefix(policy)
         self.policy = policy
-        width = internals.vlm_width(policy)
+        width = vlm_width(policy)
         self.bins = bins
         self.readout = nn.Embedding(1, width)
         nn.init.normal_(self.readout.weight, std=0.02)  # RLinf's cls_embedding
@@ -131,9 +133,9 @@ class ValueModel(nn.Module):
         # An embedding lookup, not `.weight`: FSDP2 gathers parameters in a module's forward hooks.
         ids = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=tokens.device)
         # A frozen prefix (recap.value_trainable: head, or no gradient wanted) runs once without
-        # grad; only the read-out token runs with it (lerobot_internals.vlm_prefix_readout).
-        frozen = not torch.is_grad_enabled() or internals.prefix_frozen(self.policy)
-        hidden = internals.vlm_prefix_readout(self.policy, images, img_masks, tokens,
+        # grad; only the read-out token runs with it (pi05.forward.vlm_prefix_readout).
+        frozen = not torch.is_grad_enabled() or pi05_forward.prefix_frozen(self.policy)
+        hidden = pi05_forward.vlm_prefix_readout(self.policy, images, img_masks, tokens,
                                               batch[TOKEN_MASK_KEY], self.readout(ids), frozen_prefix=frozen)
         return self.head(hidden[:, 0]).float()
 
@@ -151,8 +153,8 @@ class ValueModel(nn.Module):
         from pisft.train import fsdp
 
         units = fsdp.prefix_units(self, "policy.")
-        units += [fsdp.Unit(f"policy.{internals.VLM_LAYERS}.{i}", "decoder", (layer,))
-                  for i, layer in enumerate(internals.part(self.policy, internals.VLM_LAYERS))]
+        units += [fsdp.Unit(f"policy.{VLM_LAYERS}.{i}", "decoder", (layer,))
+                  for i, layer in enumerate(part(self.policy, VLM_LAYERS))]
         return units
 
 

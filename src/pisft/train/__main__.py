@@ -34,7 +34,7 @@ def run_stage(stage: str, cfg: config_mod.PisftConfig) -> int:
     """Set up this process, run the stage's function in it, leave the process group."""
     import torch.distributed as dist
 
-    from pisft.train.attention import fused_joint_attention
+    from pisft.model.registry import spec_for_preset
     from pisft.train.launch import world_size_for
     from pisft.train.job import setup_process
 
@@ -42,7 +42,7 @@ def run_stage(stage: str, cfg: config_mod.PisftConfig) -> int:
     try:
         module, func = STAGES[stage].run.split(":")
         stage_fn = getattr(importlib.import_module(module), func)
-        with fused_joint_attention():  # fused attention kernels for the joint VLM/expert attention
+        with spec_for_preset(cfg.model.preset).fused_attention():  # fused kernels for the model's attention
             return stage_fn(ctx)
     finally:
         if dist.is_initialized():

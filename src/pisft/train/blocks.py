@@ -1,7 +1,7 @@
 """The training step's repeated blocks: each one an FSDP2 unit's forward, a checkpointed region and
 a compiled region (`train.compile`).
 
-pi0.5's training forward (`pisft.model.lerobot_internals`, 11.) runs each decoder layer pair (with a
+pi0.5's training forward (`pisft.model.pi05`, 11.) runs each decoder layer pair (with a
 frozen VLM: each VLM layer and each expert layer) as one call of `run_block` on the block's first
 layer, its anchor; HF's SigLIP encoder calls each encoder layer as a module. Here each block gets a
 runner (`BlockRunner`, set as the anchor's `BLOCK_RUNNER` attribute):
@@ -42,7 +42,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from pisft import device as devices
 from pisft import layout
-from pisft.model.lerobot_internals import BLOCK_RUNNER, checkpointed
+from pisft.model.pi05.forward import BLOCK_RUNNER, checkpointed
 
 CACHE_ENV = layout.COMPILE_CACHE_ENV
 

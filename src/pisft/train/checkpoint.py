@@ -526,7 +526,7 @@ def _sha256_of(paths: list[Path], listed: list[Path] = ()) -> str | None:
 
 
 # The trained parameters' names: a checkpoint of separate q/k/v (before the fused projections,
-# pisft.model.lerobot_internals 12.) belongs to another run.
+# pisft.model.pi05 12.) belongs to another run.
 PARAMETER_LAYOUT = "fused qkv_proj, gate_up_proj"
 
 

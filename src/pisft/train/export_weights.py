@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from pisft.model import weights as weights_mod
-from pisft.model.lerobot_internals import EXPERT_HEAD, split_rows
+from pisft.model.pi05.fused import split_rows
+from pisft.model.pi05.parts import EXPERT_HEAD
 from pisft.model.sources import WEIGHTS_FILE
 
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B)\.default\.weight$")
@@ -49,7 +50,7 @@ class Source:
     tensor: Any = None  # the model's parameter or buffer (trained, buffer; merged: the base_layer weight)
     file_name: str | None = None  # the base file's tensor name (frozen, merged)
     lora: tuple[Any, Any, float] | None = None  # merged: A, B, scaling
-    rows: tuple[int, int] | None = None  # trained: these rows of a fused parameter (lerobot_internals 12.)
+    rows: tuple[int, int] | None = None  # trained: these rows of a fused parameter (pisft.model.pi05 12.)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ FSDP2 gathers a unit's parameters in a forward pre-hook and frees them in a forw
 both run on `module(...)` or on a registered forward method. LeRobot's pi0.5 calls the parts of
 each decoder layer directly (`compute_layer_complete`), never `layer(...)`; pisft's training
 forward runs each block (a decoder layer pair) as one call of `run_block` on the block's first
-layer (`pisft.model.lerobot_internals`, 11.), whose runner is the unit's registered FSDP2 forward
+layer (`pisft.model.pi05`, 11.), whose runner is the unit's registered FSDP2 forward
 method (`pisft.train.blocks`). The units:
 
 - decoder layer pair i: VLM layer i AND action-expert layer i in ONE unit (`fully_shard`'s list
@@ -14,11 +14,11 @@ method (`pisft.train.blocks`). The units:
 - the SigLIP embeddings, the encoder layers (`VISION_LAYERS_PER_UNIT` to a unit) and the
   post-layernorm + projector: these units are NOT resharded after forward (kept until their
   backward, which then needs no second gather), and every camera's image goes through them in
-  one batch (`lerobot_internals._embed_images`: one forward, one backward, one reduce-scatter);
+  one batch (`pi05.embedding._embed_images`: one forward, one backward, one reduce-scatter);
   HF's encoder calls each layer as a module, so its hooks are the module's;
 - the action/time projections (one unit) and the token embedding when it is not tied.
 With the whole VLM frozen (`train.trainable: expert`) the forward runs the prefix first and
-without grad, then the expert (`lerobot_internals` 8.): the units are then one per VLM layer and
+without grad, then the expert (`pisft.model.pi05` 8.): the units are then one per VLM layer and
 one per expert layer in that order (a pair unit would stay gathered from its VLM half to its
 expert half, every pair at once), and the vision units are freed after their forward (they have
 no backward).
@@ -26,7 +26,7 @@ Forward prefetch is explicit (each unit starts the next unit's all-gather); back
 FSDP2's default. A checkpointed block recomputes its function in backward, not the unit's forward
 method, so the prefetch of the forward does not run again there. Everything else (small final
 norms, the tied VLM `lm_head`/`embed_tokens` pair) lives in the root unit.
-The action expert's `lm_head` is detached before sharding (`lerobot_internals.detach_expert_head`):
+The action expert's `lm_head` is detached before sharding (`pi05.construction.detach_expert_head`):
 it never takes part in the loss and would otherwise travel in the root unit every micro-step.
 
 Mixed precision (train.precision=bf16): parameters are kept in fp32 (the optimizer's master
@@ -59,8 +59,9 @@ from pisft import device as devices
 from pisft.model import host_memory
 from pisft.tensors import local_numel, optimizer_state
 from pisft.train import blocks
-from pisft.model import lerobot_internals as internals
-from pisft.model.lerobot_internals import prefix_frozen
+from pisft.model.pi05.parts import (EXPERT_LAYERS, LANGUAGE_MODEL, PALIGEMMA_WITH_EXPERT, PROJECTOR, VISION_MODEL,
+                                    VLM_LAYERS, in_core, part)
+from pisft.model.pi05.forward import prefix_frozen
 
 # Modules whose parameters stay in the root unit: they are never called (unused LM heads).
 _UNCALLED = ("lm_head",)
@@ -92,7 +93,7 @@ class Unit:
 
 def _pi05_core(model: nn.Module) -> nn.Module | None:
     core = getattr(model, "model", None)
-    if core is not None and hasattr(core, internals.in_core(internals.PALIGEMMA_WITH_EXPERT)):
+    if core is not None and hasattr(core, in_core(PALIGEMMA_WITH_EXPERT)):
         return core
     return None
 
@@ -115,20 +116,20 @@ def pi05_units(policy: nn.Module) -> list[Unit]:
         raise TypeError(f"{type(policy).__name__} is not a LeRobot PI05Policy")
     frozen = prefix_frozen(policy)
     units = prefix_units(policy, frozen=frozen)
-    vlm_layers = internals.part(policy, internals.VLM_LAYERS)
+    vlm_layers = part(policy, VLM_LAYERS)
     # Called before the decoder (embed_suffix) and after it (action_out_proj): one small unit.
     action = Unit("model.action_time_projections", "action",
                   tuple(getattr(core, n) for n in ("action_in_proj", "time_mlp_in", "time_mlp_out",
                                                    "action_out_proj")))
-    expert_layers = internals.part(policy, internals.EXPERT_LAYERS)
+    expert_layers = part(policy, EXPERT_LAYERS)
     if frozen:
-        # The frozen-prefix forward (lerobot_internals 8.) runs every VLM layer over the prefix
+        # The frozen-prefix forward (pisft.model.pi05 8.) runs every VLM layer over the prefix
         # first, without grad, then the expert's layers over the suffix: one unit per layer, in
         # that order, each gathered once and freed after its forward (the VLM's have no backward).
-        units += [Unit(f"{internals.VLM_LAYERS}.{i}", "vlm_decoder", (layer,), anchors=(layer,))
+        units += [Unit(f"{VLM_LAYERS}.{i}", "vlm_decoder", (layer,), anchors=(layer,))
                   for i, layer in enumerate(vlm_layers)]
         units.append(action)
-        units += [Unit(f"{internals.EXPERT_LAYERS}.{i}", "decoder", (layer,),
+        units += [Unit(f"{EXPERT_LAYERS}.{i}", "decoder", (layer,),
                        anchors=(layer,)) for i, layer in enumerate(expert_layers)]
         return units
     units.append(action)
@@ -143,10 +144,10 @@ def prefix_units(model: nn.Module, lead: str = "", *, frozen: bool = False) -> l
     layers (`VISION_LAYERS_PER_UNIT` to a unit) and the post-layernorm + projector (gathered once
     per forward, see the module docstring), and the token embedding when it is not tied (pisft ties
     it to the unused lm_head: then it stays in the root). `frozen`: the prefix
-    runs without grad (lerobot_internals 8.), so the vision units have no backward and are freed
+    runs without grad (pisft.model.pi05 8.), so the vision units have no backward and are freed
     after their forward."""
-    vp = lead + internals.VISION_MODEL
-    vision = internals.part(model, vp)
+    vp = lead + VISION_MODEL
+    vision = part(model, vp)
     free = frozen  # reshard after forward: only when there is no backward to keep it for
     units = [Unit(f"{vp}.embeddings", "vision", (vision.embeddings,), reshard_after_forward=free)]
     layers = list(vision.encoder.layers)
@@ -154,12 +155,12 @@ def prefix_units(model: nn.Module, lead: str = "", *, frozen: bool = False) -> l
         group = tuple(layers[i:i + VISION_LAYERS_PER_UNIT])
         name = f"{vp}.encoder.layers.{i}" + (f"..{i + len(group) - 1}" if len(group) > 1 else "")
         units.append(Unit(name, "vision", group, reshard_after_forward=free, compiled_modules=group))
-    head = tuple(m for m in (getattr(vision, "post_layernorm", None), internals.part(model, lead + internals.PROJECTOR))
+    head = tuple(m for m in (getattr(vision, "post_layernorm", None), part(model, lead + PROJECTOR))
                  if m is not None)
-    units.append(Unit(lead + internals.PROJECTOR, "vision", head, reshard_after_forward=free))
-    embed = internals.part(model, lead + internals.LANGUAGE_MODEL).embed_tokens
+    units.append(Unit(lead + PROJECTOR, "vision", head, reshard_after_forward=free))
+    embed = part(model, lead + LANGUAGE_MODEL).embed_tokens
     if not _is_tied(model, embed):
-        units.append(Unit(f"{lead}{internals.LANGUAGE_MODEL}.embed_tokens", "embed", (embed,)))
+        units.append(Unit(f"{lead}{LANGUAGE_MODEL}.embed_tokens", "embed", (embed,)))
     return units
 
 

@@ -151,8 +151,8 @@ def in_turns(ctx: Context, load: Callable[[], T]) -> T:
 def build(ctx: Context) -> Built:
     """Load model, processors and data; shard; make the optimizer. Same on every rank."""
     from pisft.data.dataset import load_split, load_stats
-    from pisft.model import lerobot_internals as internals
     from pisft.model.policy import load_policy, make_processors
+    from pisft.model.registry import spec_of
 
     cfg = ctx.cfg
     base, data = require_inputs(cfg, ctx.stage)
@@ -164,7 +164,7 @@ def build(ctx: Context) -> Built:
         policy = load_policy(base, device="cpu", dtype="float32", preset=cfg.model.preset,
                              hold_bf16=frozen_in_bf16(cfg))
         # One checkpointing level (per decoder layer); the unused expert lm_head detached.
-        internals.prepare_for_training(policy, checkpointing=cfg.train.activation_checkpointing)
+        spec_of(policy).prepare_for_training(policy, checkpointing=cfg.train.activation_checkpointing)
         applied = apply_trainable(ctx, policy)
         # FSDP2 on N processes; one process trains unsharded, except the smoke (it measures the
         # sharded layout's memory). Moves the parameters and buffers to the device.

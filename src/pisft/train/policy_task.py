@@ -19,9 +19,8 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
-from pisft.model.lerobot_internals import set_non_blocking_transfers, sync_free_forward
+from pisft.model.registry import spec_of
 from pisft.train.batches import RAND_KEY
-from pisft.train.flops import pi05_training_flops_per_sample
 
 TOKENS_KEY = "observation.language.tokens"
 PREPARED_KEY = "_pisft_host_prepared"  # set by host_prepare: only the device copies are left
@@ -78,6 +77,7 @@ class PolicyTask:
         cfg = policy.config
         self.autocast = precision == "bf16"
         self.policy = policy
+        self.spec = spec_of(policy)
         self.core = policy.model
         self.pre = preprocessor
         self.device = device
@@ -91,10 +91,10 @@ class PolicyTask:
         self._collate: HostCollate | None = None
         self._device_step: Any = None  # the preprocessor's last step alone (LeRobot's device copies)
         self.image_keys = frozenset(cfg.image_features)
-        # The frozen-prefix forward (lerobot_internals 8.): None = whenever the whole VLM is frozen;
+        # The frozen-prefix forward (pisft.model.pi05 8.): None = whenever the whole VLM is frozen;
         # False forces the joint forward (the benchmark's before/after comparison).
         self.frozen_prefix: bool | None = None
-        set_non_blocking_transfers(preprocessor)
+        self.spec.non_blocking_transfers(preprocessor)
 
     def draw(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         noise = rng.standard_normal((self.chunk, self.action_dim), dtype=np.float32)
@@ -137,7 +137,7 @@ class PolicyTask:
 
     def loss(self, model: nn.Module, batch: dict[str, Any], rand: dict[str, torch.Tensor]) -> torch.Tensor:
         with injected_flow_samples(self.core, rand["noise"], rand["time"]), \
-                sync_free_forward(self.policy, frozen_prefix=self.frozen_prefix), \
+                self.spec.training_loss(self.policy, frozen_prefix=self.frozen_prefix), \
                 torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             loss = model(batch)  # through __call__: FSDP hooks run; no .item() inside
         return loss.float()
@@ -148,5 +148,5 @@ class PolicyTask:
             return None
         n = int(tokens.shape[1])
         if n not in self._flops:
-            self._flops[n] = pi05_training_flops_per_sample(self.policy, lang_tokens=n)
+            self._flops[n] = self.spec.training_flops_per_sample(self.policy, lang_tokens=n)
         return self._flops[n]

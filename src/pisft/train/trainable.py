@@ -62,7 +62,10 @@ from pisft.config import (LEROBOT_FREEZE_FLAGS, LORA_TARGETS, TRAINABLE_MODELS, 
                           trainable_mode)
 from pisft.config import TRAINABLE_MODES as MODES
 from pisft.config import VALUE_TRAINABLE_MODES as VALUE_MODES
-from pisft.model import lerobot_internals as internals
+from pisft.model.pi05.forward import prefix_frozen
+from pisft.model.pi05.parts import (EXPERT, EXPERT_LAYERS, EXPERT_NAME, PALIGEMMA, PALIGEMMA_WITH_EXPERT, PROJECTOR,
+                                    VISION_TOWER, VLM_LAYERS, below, in_core, lerobot_targets, part)
+from pisft.model.pi05.precision import LEROBOT_FP32
 
 __all__ = ["LORA_TARGETS", "MODES", "VALUE_MODES"]
 
@@ -70,8 +73,8 @@ if TYPE_CHECKING:
     from torch import nn
 
 # Name fragments (dotted module paths inside a LeRobot PI05Policy, or the value model's `policy.`).
-_VLM = f".{internals.in_core(internals.PALIGEMMA)}."  # LeRobot: `self.paligemma.parameters()` (train_expert_only)
-_VISION = f".{internals.in_core(internals.VISION_TOWER)}."  # LeRobot: freeze_vision_encoder
+_VLM = f".{in_core(PALIGEMMA)}."  # LeRobot: `self.paligemma.parameters()` (train_expert_only)
+_VISION = f".{in_core(VISION_TOWER)}."  # LeRobot: freeze_vision_encoder
 _LORA_PARAM = re.compile(r"\.lora_(A|B)\.")
 _VALUE_HEAD = re.compile(r"^(readout|head)\.")
 
@@ -86,7 +89,7 @@ _FROZEN_PARTS = {
 # The parameters LeRobot keeps in float32 when a pi0.5 is built in bfloat16
 # (`PaliGemmaWithExpertModel.to_bfloat16_for_selected_params`, `params_to_keep_float32`): frozen
 # parameters are held in bf16 under train.precision=bf16 (`hold_frozen_in`), except these.
-KEEP_FP32 = internals.LEROBOT_FP32
+KEEP_FP32 = LEROBOT_FP32
 
 
 # ------------------------------------------------------------------------------- LoRA presets
@@ -94,12 +97,12 @@ KEEP_FP32 = internals.LEROBOT_FP32
 # q/kv/qkv_einsum + attn_vec_einsum are q/k/v/o_proj, its FeedForward gating_einsum + linear are
 # gate/up/down_proj).
 _GEMMA_LINEARS = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
-_VLM_LAYERS = re.escape(internals.in_core(internals.VLM_LAYERS)) + r"\.\d+\."
-_EXPERT_LAYERS = re.escape(internals.in_core(internals.EXPERT_LAYERS)) + r"\.\d+\."
-_EXPERT_ANYWHERE = rf".*{internals.EXPERT_NAME}\..*"  # a module of the action expert, at any depth
+_VLM_LAYERS = re.escape(in_core(VLM_LAYERS)) + r"\.\d+\."
+_EXPERT_LAYERS = re.escape(in_core(EXPERT_LAYERS)) + r"\.\d+\."
+_EXPERT_ANYWHERE = rf".*{EXPERT_NAME}\..*"  # a module of the action expert, at any depth
 _PROJECTION_MODULES = ("model.action_in_proj", "model.action_out_proj", "model.time_mlp_in", "model.time_mlp_out")
 # RLinf's target list (`rlinf/models/__init__.py`): proj, qkv, fc1, fc2, q, kv, fc3, out_proj,
-# q_proj ... down_proj, lm_head, applied to PaliGemma (`internals.PALIGEMMA`) only. Of these,
+# q_proj ... down_proj, lm_head, applied to PaliGemma (`PALIGEMMA`) only. Of these,
 # PaliGemma (transformers 5.5.4) has q/k/v/o_proj and gate/up/down_proj (Gemma), q/k/v/out_proj and
 # fc1/fc2 (SigLIP); proj, qkv, q, kv, fc3 name no module of it. lm_head is left out: pi0.5 never
 # calls the VLM's LM head (tied to the token embedding), so its adapter would get no gradient.
@@ -150,19 +153,6 @@ OPENPI_VLM_RANK, OPENPI_EXPERT_RANK = 16, 32
 RLINF_RANK = 32  # RLinf's seed config (`actor.model.lora_rank: 32`); lora_alpha = lora_rank
 
 
-def lerobot_targets() -> str:
-    """LeRobot 0.6.1's pi0.5 default targets (`PI05Policy._get_default_peft_targets`), read from it.
-
-    the action expert's attention q and v projections and `model\\.(state_proj|action_in_proj|
-    action_out_proj|action_time_mlp_in|action_time_mlp_out)`: of the projections only
-    action_in_proj and action_out_proj exist in pi0.5 (state_proj and action_time_mlp_* are pi0's
-    names; pi0.5's time_mlp_in/out are not matched). `modules_to_save` is empty: nothing else trains.
-    """
-    from lerobot.policies.pi05.modeling_pi05 import PI05Policy
-
-    return PI05Policy._get_default_peft_targets(None)["target_modules"]  # noqa: SLF001 - LeRobot's own defaults
-
-
 def lora_spec(targets: str, rank: int = 0, alpha: float = 0.0, *, value_model: bool = False) -> LoraSpec:
     """The preset `targets` (lerobot | openpi | rlinf) with train.lora_rank / train.lora_alpha
     (0: the preset's own; a rank given replaces every rank of the preset; alpha 0 is LeRobot's 8
@@ -192,16 +182,16 @@ def lora_spec(targets: str, rank: int = 0, alpha: float = 0.0, *, value_model: b
         rank_pattern = {} if value_model or rank else {_EXPERT_ANYWHERE: expert_rank}
         alpha_pattern = ({} if value_model or alpha or rank
                          else {_EXPERT_ANYWHERE: float(expert_rank)})
-        full = (*(internals.below(path, internals.PALIGEMMA_WITH_EXPERT)
-                  for path in (internals.VISION_TOWER, internals.PROJECTOR)),
+        full = (*(below(path, PALIGEMMA_WITH_EXPERT)
+                  for path in (VISION_TOWER, PROJECTOR)),
                 *(() if value_model else _PROJECTION_MODULES))
         return LoraSpec("openpi", f"{lead}{layers}{_GEMMA_LINEARS}", vlm_rank, alpha or float(vlm_rank),
                         rank_pattern, alpha_pattern, init="openpi", full_modules=full)
     # rlinf: get_peft_model on paligemma only (r = alpha = lora_rank, gaussian init, no dropout);
     # the action expert and the projections keep requires_grad and train in full.
     r = rank or RLINF_RANK
-    full = () if value_model else (internals.in_core(internals.EXPERT), *_PROJECTION_MODULES)
-    vlm = re.escape(internals.in_core(internals.PALIGEMMA))
+    full = () if value_model else (in_core(EXPERT), *_PROJECTION_MODULES)
+    vlm = re.escape(in_core(PALIGEMMA))
     return LoraSpec("rlinf", rf"{lead}{vlm}\..*\.{_RLINF_SUFFIXES}", r,
                     alpha or float(r), init="gaussian", full_modules=full)
 
@@ -255,7 +245,7 @@ class Applied:
 
 def _pwe(model: nn.Module, value_model: bool) -> nn.Module:
     policy = model.policy if value_model else model
-    return internals.part(policy, internals.PALIGEMMA_WITH_EXPERT)
+    return part(policy, PALIGEMMA_WITH_EXPERT)
 
 
 def inject_lora(model: nn.Module, spec: LoraSpec, *, seed: int) -> None:
@@ -303,7 +293,7 @@ def apply_mode(model: nn.Module, mode: str, spec: LoraSpec | None = None, *, see
         trained += p.numel() if want else 0
     if entry.lora and not any(_LORA_PARAM.search("." + n) for n, _ in model.named_parameters()):
         raise RuntimeError(f"train.lora_targets: {spec.preset}: no module matched {spec.target_modules}")
-    frozen = internals.prefix_frozen(model.policy if value_model else model)
+    frozen = prefix_frozen(model.policy if value_model else model)
     if entry.prefix_frozen is not None and frozen != entry.prefix_frozen:
         raise RuntimeError(f"mode {mode}: its entry says the VLM prefix is {'' if entry.prefix_frozen else 'not '}"
                            f"frozen, but {'every' if frozen else 'some'} VLM parameter is "
@@ -316,10 +306,10 @@ def apply_training_layout(model: nn.Module, mode: str, spec: LoraSpec | None, *,
                           value_model: bool = False) -> tuple[Applied, int]:
     """The trained model's layout for `mode`, as every training run and every measurement of one
     builds it: the mode applied (`apply_mode`), a policy's decoder projections fused where a group
-    trains or freezes as one (`lerobot_internals.fuse_decoder_projections`; the value model's VLM
+    trains or freezes as one (`pi05.fused.fuse_decoder_projections`; the value model's VLM
     runs LeRobot's own forward, never fused), frozen parameters held in the training precision
     (`hold_frozen_in`). Before sharding. Returns (the mode applied, the parameters cast to bf16)."""
-    from pisft.model.lerobot_internals import fuse_decoder_projections
+    from pisft.model.pi05.fused import fuse_decoder_projections
 
     applied = apply_mode(model, mode, spec, seed=seed, value_model=value_model)
     if not value_model:

@@ -29,7 +29,7 @@ The swap is of the name `modeling_gemma` inside LeRobot's pi0.5 module only (a n
 is transformers' Gemma module with `eager_attention_forward` replaced); nothing else changes.
 
 On an NPU two more of a decoder layer's element-wise chains become one Ascend kernel each (the
-layer functions of `pisft.model.lerobot_internals` call both through LeRobot's module names, which
+layer functions of `pisft.model.pi05.forward` call both through LeRobot's module names, which
 the same context swaps; elsewhere the originals run):
 - the rotary embedding: `torch_npu.npu_rotary_mul(x, cos, sin)` in "half" mode is
   `x * cos + rotate_half(x) * sin`, transformers' `apply_rotary_pos_emb` per tensor (Ascend

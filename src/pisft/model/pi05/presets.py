@@ -3,7 +3,7 @@ parameters: pi0.5's structure at a size a CPU still trains, for checking memory 
 `pi05` (the real size).
 
 A preset is the PI05Config fields that differ from LeRobot's defaults plus, for sizes LeRobot
-does not know, an `Arch` (applied by `lerobot_internals.sized_construction`).
+does not know, an `Arch` (applied by `pisft.model.pi05.construction.sized_construction`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from pisft.config import PRESET_CHUNK_SIZES
-from pisft.model.lerobot_internals import Arch, GemmaSize, VisionSize
+from pisft.model.pi05.construction import Arch, GemmaSize, VisionSize
 from pisft.model.tokenizer import tiny_vocab_size
 
 
@@ -27,7 +27,7 @@ class Preset:
 
 def _tiny_arch() -> Arch:
     return Arch(
-        # 8 heads are required by LeRobot (see lerobot_internals); head_dim keeps them small.
+        # 8 heads are required by LeRobot (see pisft.model.pi05.construction); head_dim keeps them small.
         vlm=GemmaSize(width=256, depth=2, mlp_dim=512, num_heads=8, num_kv_heads=1, head_dim=32),
         expert=GemmaSize(width=128, depth=2, mlp_dim=256, num_heads=8, num_kv_heads=1, head_dim=32),
         # 64 px images in 16 px patches: 16 image tokens per camera.

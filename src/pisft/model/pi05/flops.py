@@ -4,7 +4,7 @@ Forward FLOPs per sample (a multiply-add = 2 FLOPs):
   vision  : n_images × [patch conv + encoder Linear layers × P + attention 4·P²·d] + projector × P
   VLM     : decoder Linear layers × T_prefix        (T_prefix = n_images·P + language tokens),
             less the last layer's output projection and MLP (no loss reads them: pisft's training
-            forward does not run them, `pisft.model.lerobot_internals` 11.)
+            forward does not run them, `pisft.model.pi05` 11.)
   expert  : decoder Linear layers × T_suffix        (T_suffix = chunk_size)
   joint attention per layer pair: 4 · T² · (heads · head_dim)      (T = T_prefix + T_suffix)
   action/time projections: × T_suffix (time MLP: × 1)
@@ -26,8 +26,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from pisft.model import lerobot_internals as internals
-from pisft.model.lerobot_internals import attention_projections, part, prefix_frozen, query_width
+from pisft.model.pi05.forward import prefix_frozen
+from pisft.model.pi05.fused import attention_projections, query_width
+from pisft.model.pi05.parts import (CORE, EXPERT_LAYERS, LANGUAGE_MODEL, PROJECTOR, VISION_MODEL, VISION_TOWER,
+                                    VLM_LAYERS, part)
 
 
 @dataclass(frozen=True)
@@ -52,12 +54,12 @@ class _Shape:
 
 
 def _shape(policy: nn.Module, *, lang_tokens: int) -> _Shape:
-    vcfg = part(policy, internals.VISION_TOWER).config
+    vcfg = part(policy, VISION_TOWER).config
     p_tokens = (vcfg.image_size // vcfg.patch_size) ** 2
     n_images = len(policy.config.image_features)
-    return _Shape(part(policy, internals.CORE), part(policy, internals.PROJECTOR), part(policy, internals.VISION_MODEL),
-                  vcfg.patch_size, p_tokens, vcfg.hidden_size, n_images, part(policy, internals.VLM_LAYERS),
-                  part(policy, internals.EXPERT_LAYERS), n_images * p_tokens + lang_tokens, policy.config.chunk_size)
+    return _Shape(part(policy, CORE), part(policy, PROJECTOR), part(policy, VISION_MODEL),
+                  vcfg.patch_size, p_tokens, vcfg.hidden_size, n_images, part(policy, VLM_LAYERS),
+                  part(policy, EXPERT_LAYERS), n_images * p_tokens + lang_tokens, policy.config.chunk_size)
 
 
 def _linear_macs(module: nn.Module) -> int:
@@ -212,10 +214,10 @@ def _walk_training_step(policy: nn.Module, *, lang_tokens: int) -> _StepFlops:
     # the time conditioning the expert's norms) through the expert; each suffix layer reads the
     # prefix's keys and values of its layer. The last VLM layer's attention output projection and
     # MLP feed no loss (the VLM's final norm goes to no head): the training forward does not run
-    # them, and with a frozen VLM (its prefix alone, `lerobot_internals` 8.) not the prefix's own
+    # them, and with a frozen VLM (its prefix alone, `pisft.model.pi05` 8.) not the prefix's own
     # attention of that layer either.
     frozen = prefix_frozen(policy)
-    up_p = up or _trains(part(policy, internals.LANGUAGE_MODEL).embed_tokens)
+    up_p = up or _trains(part(policy, LANGUAGE_MODEL).embed_tokens)
     up_s = walk.linears(core.action_in_proj, sh.t_suffix, False)
     up_s = walk.linears(core.time_mlp_in, 1, False) or up_s
     up_s = walk.linears(core.time_mlp_out, 1, up_s) or up_s

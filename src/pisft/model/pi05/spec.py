@@ -1,0 +1,39 @@
+"""pi0.5's entry in the model registry (`pisft.model.registry`): its presets and the callables of this
+folder that training, inference, RECAP, the inspection tools and the benches ask for.
+"""
+
+from __future__ import annotations
+
+from pisft.model.pi05 import attention, chunk, construction, flops, forward, precision, processors, rtc
+from pisft.model.pi05.presets import PRESETS
+from pisft.model.spec import ChunkEntry, ModelSpec
+
+
+
+def build(preset: str, *, seed: int, device: str = "cpu", dtype=None):
+    """A randomly initialised PI05Policy of `preset` (pisft.model.policy.build_policy). Imported when
+    called: pisft.model.policy's imports (rich among them, which draws from Python's global random
+    on import) stay where they were in a process's life, and so does that random state."""
+    from pisft.model.policy import build_policy
+
+    return build_policy(preset, seed=seed, device=device, dtype=dtype)
+
+
+SPEC = ModelSpec(
+    name="pi05",  # PI05Config.type
+    presets=tuple(PRESETS),
+    build=build,
+    prepare_for_training=construction.prepare_for_training,
+    set_layer_checkpointing=construction.set_layer_checkpointing,
+    training_loss=forward.sync_free_forward,
+    non_blocking_transfers=processors.set_non_blocking_transfers,
+    training_flops_per_sample=flops.pi05_training_flops_per_sample,
+    fused_attention=attention.fused_joint_attention,
+    chunk=ChunkEntry(install=chunk.install_sample_actions, own=chunk.lerobot_sample_actions,
+                     pieces=chunk.rtc_pieces, pieces_installed=chunk.pieces_installed,
+                     velocity_hooked=chunk.velocity_hooked),
+    configure_rtc=rtc.configure,
+    weights_dtype=precision.weights_dtype,
+    bf16_layout=precision.openpi_bf16,
+    float32_parts=precision.float32_parts,
+)

@@ -1,0 +1,63 @@
+"""What training, inference, RECAP, the inspection tools and the benches ask of a model: one
+`ModelSpec` per model family, looked up by name (`pisft.model.registry`) instead of importing the
+model's folder.
+
+The name is the policy's type as LeRobot names it: `PreTrainedConfig.type`, the "type" of a model's
+config.json ("pi05" for `PI05Config`), by which LeRobot's own policy factory picks a policy class
+(lerobot/policies/factory.py, `get_policy_class(name)` and `make_policy_config(policy_type)`). So a
+built policy finds its spec by itself (`registry.spec_of`). pisft's config has no `model.type` key: each
+`model.preset` belongs to one spec (`ModelSpec.presets`; today every preset is pi0.5's), which
+`registry.spec_for_preset` finds. As torchtitan gives each model a spec of callables (pytorch/torchtitan,
+torchtitan/protocols/model_spec.py: the model's name, its config and its `parallelize_fn`, ...),
+a spec here is the model's callables. The model's folder builds its spec (`pisft.model.pi05.spec`)
+and the registry (`pisft.model.registry`) lists it: one line per model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+@dataclasses.dataclass(frozen=True)
+class ChunkEntry:
+    """How a compiled program takes a policy's action chunks (pisft.policy.compiled)."""
+
+    install: Callable[[Any, Callable], None]  # (policy, fn): every chunk runs fn in place of the model's own
+    own: Callable[[Any], Callable]  # (policy) -> the model's own chunk function, bound
+    pieces: Callable[[Any], dict[str, Callable]]  # (policy) -> its model calls of a guided (RTC) chunk
+    pieces_installed: Callable[[Any, dict], AbstractContextManager]  # (policy, compiled pieces) -> bool
+    velocity_hooked: Callable[[Any], bool]  # (policy): a guidance hook holds its denoising step now
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """One model family's callables. Each takes the model's policy (an `nn.Module` with a LeRobot
+    `config`) unless said otherwise."""
+
+    name: str  # LeRobot's policy type (config.json's "type")
+    presets: tuple[str, ...]  # the `model.preset` names that build this model
+    # (preset, *, seed, device="cpu", dtype=None) -> a randomly initialised policy of the preset
+    build: Callable[..., Any]
+    # (policy, *, checkpointing) -> None: the training structure (checkpointing, unused parts off)
+    prepare_for_training: Callable[..., None]
+    # (policy, on) -> None: per-layer activation checkpointing on a prepared policy
+    set_layer_checkpointing: Callable[[Any, bool], None]
+    # (policy, *, frozen_prefix=None) -> context within which `policy(batch)` is the training loss
+    training_loss: Callable[..., AbstractContextManager]
+    # (preprocessor) -> None: its host->device copies without blocking the host
+    non_blocking_transfers: Callable[[Any], None]
+    # (policy, *, lang_tokens) -> model FLOPs of one training sample (the MFU's numerator)
+    training_flops_per_sample: Callable[..., float]
+    # (enabled=True) -> context within which the model's attention runs fused device kernels
+    fused_attention: Callable[..., AbstractContextManager]
+    chunk: ChunkEntry
+    # (policy, settings) -> None: real-time chunking (pisft.policy.rtc.RtcSettings) on the policy
+    configure_rtc: Callable[[Any, Any], None]
+    # (policy) -> the dtype its weights run in (the chunk tolerance's key)
+    weights_dtype: Callable[[Any], Any]
+    # (policy) -> parameters cast to bf16 where the model's reference runs bf16
+    bf16_layout: Callable[[Any], int]
+    # (policy) -> {part: float32 parameters} for the records of what runs in float32
+    float32_parts: Callable[[Any], dict[str, int]]

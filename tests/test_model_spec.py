@@ -1,0 +1,242 @@
+"""The model registry (pisft.model.registry, pisft.model.spec): a throwaway model of another shape
+registers its spec, as tests/test_stages.py registers a throwaway stage, and pisft's training step,
+its FLOP count, the compiled chunk, the precision records and real-time chunking reach it through
+the registry alone.
+
+Not followed here (they still ask pi0.5's folder, not the registry): config validation
+(`model.preset`'s choices), the memory estimate and FSDP units (pisft.train.fsdp), the trainable
+modes, the smoke gate, export and the stages' load/save (pisft.model.policy)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pisft.errors import PisftError
+from pisft.model import registry
+from pisft.model.spec import ChunkEntry, ModelSpec
+
+NAME, PRESET = "toy_flow", "toy_small"
+CHUNK, ACTION_DIM, WIDTH, VOCAB = 4, 3, 16, 11
+
+
+@dataclasses.dataclass
+class ToyConfig:
+    """What pisft reads of a LeRobot policy config, for a model LeRobot does not have."""
+
+    type: str = NAME
+    chunk_size: int = CHUNK
+    max_action_dim: int = ACTION_DIM
+    time_sampling_beta_alpha: float = 1.5
+    time_sampling_beta_beta: float = 1.0
+    time_sampling_scale: float = 0.999
+    time_sampling_offset: float = 0.001
+    num_inference_steps: int = 3
+    image_features: dict = dataclasses.field(default_factory=lambda: {"observation.images.cam": None})
+    device: str = "cpu"
+
+
+class ToyCore(nn.Module):
+    """Flow matching with one MLP over pooled image features, a token embedding and (x_t, t): no
+    VLM, no expert, no attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.image = nn.Linear(3, WIDTH)
+        self.net = nn.Sequential(nn.Linear(2 * WIDTH + CHUNK * ACTION_DIM + 1, 32), nn.GELU(),
+                                 nn.Linear(32, CHUNK * ACTION_DIM))
+
+    def sample_noise(self, shape, device):  # LeRobot's names: PolicyTask injects the draws here
+        return torch.randn(shape, device=device)
+
+    def sample_time(self, bsize, device):
+        return torch.rand(bsize, device=device)
+
+    def velocity(self, images, tokens, masks, x_t, time):
+        img = self.image(torch.stack([i.mean(dim=(2, 3)) for i in images]).mean(0))
+        emb = (self.embed(tokens) * masks[..., None]).sum(1) / masks.sum(1, keepdim=True).clamp(min=1)
+        out = self.net(torch.cat([img, emb, x_t.flatten(1), time[:, None]], dim=1))
+        return out.view(-1, CHUNK, ACTION_DIM)
+
+    def forward(self, images, img_masks, tokens, masks, actions, noise, time):
+        t = time[:, None, None]
+        x_t = t * noise + (1 - t) * actions
+        return F.mse_loss(noise - actions, self.velocity(images, tokens, masks, x_t, time), reduction="none")
+
+    def denoise_step(self, images, tokens, masks, x_t, timestep):
+        return self.velocity(images, tokens, masks, x_t, timestep)
+
+    def sample_actions(self, images, img_masks, tokens, masks, noise=None, num_steps=None, **kwargs):
+        steps = num_steps or 3
+        x_t = noise if noise is not None else torch.zeros(tokens.shape[0], CHUNK, ACTION_DIM)
+        for i in range(steps):
+            time = torch.full((tokens.shape[0],), 1.0 - i / steps)
+            x_t = x_t - self.denoise_step(images, tokens, masks, x_t, time) / steps
+        return x_t
+
+
+class ToyPolicy(nn.Module):
+    """A LeRobot-shaped policy: `config`, the core as `.model`, `forward(batch) -> (loss, logs)`,
+    `predict_action_chunk(batch)` through `self.model.sample_actions`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = ToyConfig()
+        self.model = ToyCore()
+
+    @staticmethod
+    def inputs(batch):
+        return ([batch["observation.images.cam"]], [torch.ones(batch["action"].shape[0], dtype=torch.bool)],
+                batch["observation.language.tokens"], batch["observation.language.attention_mask"])
+
+    def loss(self, batch):
+        actions = batch["action"]
+        noise = self.model.sample_noise(actions.shape, actions.device)
+        time = self.model.sample_time(actions.shape[0], actions.device)
+        return self.model(*self.inputs(batch), actions, noise, time).mean()
+
+    def forward(self, batch):
+        loss = self.loss(batch)
+        return loss, {"loss": loss.item()}  # the host sync the spec's training_loss leaves out
+
+    def predict_action_chunk(self, batch, noise=None):
+        return self.model.sample_actions(*self.inputs(batch), noise=noise, num_steps=self.config.num_inference_steps)
+
+
+def build(preset, *, seed, device="cpu", dtype=None):
+    if preset != PRESET:
+        raise ValueError(preset)
+    torch.manual_seed(seed)
+    policy = ToyPolicy().to(device)
+    return policy.to(torch.bfloat16) if dtype in ("bf16", "bfloat16", torch.bfloat16) else policy
+
+
+@contextlib.contextmanager
+def training_loss(policy, *, frozen_prefix=None):
+    assert frozen_prefix is None  # the toy has no prefix to freeze
+    policy.forward = policy.loss
+    try:
+        yield
+    finally:
+        del policy.forward
+
+
+def flops(policy, *, lang_tokens):
+    return 6.0 * sum(p.numel() for p in policy.parameters()) + lang_tokens
+
+
+@contextlib.contextmanager
+def no_pieces(policy, pieces):
+    yield False
+
+
+def no_rtc(policy, settings):
+    raise PisftError(f"{NAME} has no real-time chunking")
+
+
+TOY = ModelSpec(
+    name=NAME, presets=(PRESET,), build=build,
+    prepare_for_training=lambda policy, *, checkpointing: setattr(policy, "prepared", checkpointing),
+    set_layer_checkpointing=lambda policy, on: setattr(policy, "prepared", on),
+    training_loss=training_loss, non_blocking_transfers=lambda pre: None, training_flops_per_sample=flops,
+    fused_attention=lambda enabled=True: contextlib.nullcontext(),
+    chunk=ChunkEntry(install=lambda policy, fn: setattr(policy.model, "sample_actions", fn),
+                     own=lambda policy: type(policy.model).sample_actions.__get__(policy.model),
+                     pieces=lambda policy: {"denoise_step": policy.model.denoise_step},
+                     pieces_installed=no_pieces, velocity_hooked=lambda policy: False),
+    configure_rtc=no_rtc,
+    weights_dtype=lambda policy: policy.model.net[0].weight.dtype,
+    bf16_layout=lambda policy: 0,
+    float32_parts=lambda policy: {"model": sum(p.numel() for p in policy.parameters() if p.dtype == torch.float32)},
+)
+
+
+@pytest.fixture
+def toy():
+    registry.register(TOY)
+    try:
+        yield TOY
+    finally:
+        registry.unregister(NAME)
+
+
+def _batch(n: int = 2, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    batch = {"observation.images.cam": torch.rand(n, 3, 8, 8, generator=g),
+             "observation.language.tokens": torch.randint(0, VOCAB, (n, 5), generator=g),
+             "observation.language.attention_mask": torch.ones(n, 5, dtype=torch.bool),
+             "action": torch.randn(n, CHUNK, ACTION_DIM, generator=g)}
+    rand = {"noise": torch.randn(n, CHUNK, ACTION_DIM, generator=g), "time": torch.rand(n, generator=g)}
+    return batch, rand
+
+
+def test_a_registered_model_is_found_by_name_preset_and_policy(toy):
+    assert registry.model_spec(NAME) is toy and registry.spec_for_preset(PRESET) is toy
+    policy = toy.build(PRESET, seed=0)
+    assert registry.spec_of(policy) is toy
+    assert {NAME, "pi05"} <= set(registry.names())
+    assert registry.spec_for_preset("tiny").name == "pi05"  # pi0.5's presets stay its own
+    with pytest.raises(ValueError, match="registered already"):
+        registry.register(toy)
+    with pytest.raises(ValueError, match="belong to 'pi05'"):
+        registry.register(dataclasses.replace(toy, name="other", presets=("tiny",)))
+
+
+def test_an_unknown_model_is_refused_by_name():
+    with pytest.raises(PisftError, match="no model 'pi0' is registered"):
+        registry.model_spec("pi0")
+    with pytest.raises(PisftError, match="no registered model has the preset 'huge'"):
+        registry.spec_for_preset("huge")
+
+
+def test_the_training_step_and_its_flops_follow_the_spec(toy):
+    from pisft.train.policy_task import PolicyTask
+    from pisft.train.step import StepSettings, train_step
+
+    cpu = torch.device("cpu")
+    policy = registry.spec_for_preset(PRESET).build(PRESET, seed=0)
+    reference = toy.build(PRESET, seed=0)  # the same weights: the same seed
+    batch, rand = _batch()
+    with torch.no_grad():  # the loss with the task's own draws, computed by hand on the twin
+        inputs = ToyPolicy.inputs(batch)
+        expected = reference.model(*inputs, batch["action"], rand["noise"], rand["time"]).mean()
+    toy.prepare_for_training(policy, checkpointing=False)
+    task = PolicyTask(policy, None, cpu)
+    assert task.spec is toy
+    before = [p.detach().clone() for p in policy.parameters()]
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    out = train_step(policy, optimizer, task, lambda: (batch, rand), StepSettings(1, 1.0, "cpu", cpu))
+    assert bool(out.finite) and float(out.loss_sum) == pytest.approx(float(expected), rel=1e-6)
+    assert "forward" not in vars(policy)  # the spec's training loss undid its patch
+    assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters(), strict=True))
+    assert task.flops_per_sample(batch) == flops(policy, lang_tokens=5)
+
+
+def test_a_compiled_chunk_and_the_precision_records_follow_the_spec(toy):
+    from pisft.policy import compiled, precision
+
+    policy = toy.build(PRESET, seed=0).eval()
+    batch, rand = _batch(3, seed=1)
+    with torch.no_grad():
+        eager = policy.predict_action_chunk(batch, noise=rand["noise"])
+        chunk = compiled.install(policy, compiled.CompileChoice(True, backend="eager"), on_fallback=pytest.fail)
+        assert policy.model.sample_actions is chunk
+        actions = policy.predict_action_chunk(batch, noise=rand["noise"])
+    assert chunk.compile_s and not chunk.fallen_back  # the chunk ran compiled
+    assert compiled.tolerance(policy) == compiled.ACTIONS_ATOL[torch.float32]
+    torch.testing.assert_close(actions, eager, rtol=0, atol=compiled.tolerance(policy))
+    record = precision.apply(policy, precision.PrecisionChoice("float32", "float32", "test", "float32"))
+    assert record["float32_parameters"] == {"model": sum(p.numel() for p in policy.parameters())}
+
+
+def test_real_time_chunking_asks_the_spec(toy):
+    from pisft.policy import rtc
+
+    with pytest.raises(PisftError, match=f"{NAME} has no real-time chunking"):
+        rtc.configure(toy.build(PRESET, seed=0), rtc.RtcSettings())
