@@ -36,7 +36,7 @@ os.environ.setdefault("PISFT_VERIFY_CACHE", str(Path(tempfile.gettempdir()) / f"
 # torch's version and its config). Without it each test's results folder held a cache of its own.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "pisft-tests-inductor-{}".format(
     os.environ.get("PYTEST_XDIST_TESTRUNUID") or os.getpid())))
-# One estimate cache for the whole run too (pisft.inspect.estimate_cache): a smoke stage of the same step
+# One estimate cache for the whole run too (pisft.introspect.estimate_cache): a smoke stage of the same step
 # and code reads what an earlier test's smoke stage estimated; never the user's cache.
 os.environ.setdefault("PISFT_ESTIMATE_CACHE", str(Path(tempfile.gettempdir()) / "pisft-tests-estimates-{}".format(
     os.environ.get("PYTEST_XDIST_TESTRUNUID") or os.getpid())))

@@ -76,7 +76,7 @@ def collectives() -> dict:
                                         else dist.recv(torch.zeros(1), peer)))
     ok["reduce_scatter_float32"] = _attempt(lambda: dist.reduce_scatter(
         torch.zeros(1), [torch.ones(1) for _ in range(world)]))
-    from pisft.inspect import collective_audit
+    from pisft.introspect import collective_audit
 
     out["counted"] = collective_audit.LOG.as_dict()
     out["accepted"] = ok
@@ -89,7 +89,7 @@ def train(config: str, results_dir: str, ckpt_dir: str) -> dict:
     2 optimizer steps with gradient accumulation, then one checkpoint save."""
     from pisft import config as config_mod
     from pisft import device as devices
-    from pisft.inspect import collective_audit
+    from pisft.introspect import collective_audit
     from pisft.train import loop
     from pisft.train.checkpoint import CheckpointManager, run_fingerprint
     from pisft.train.batches import make_loader

@@ -24,7 +24,7 @@ BIN = Path(sys.executable).parent
 # under the default config (closed loop on, one RECAP iteration).
 EDITS = {
     "src/pisft/evaluate/report.py": {"evaluate"},
-    "src/pisft/inspect/estimate.py": {"smoke_1card", "smoke_value_1"},
+    "src/pisft/introspect/estimate.py": {"smoke_1card", "smoke_value_1"},
     "src/pisft/gates/value_smoke.py": {"smoke_value_1"},
     "src/pisft/recap/summary.py": {"recap_summary"},
     "src/pisft/data/demo.py": {"demo_recap"},
@@ -70,7 +70,7 @@ def test_each_stage_depends_on_the_files_its_entry_point_imports():
     assert "src/pisft/evaluate/report.py" in deps["evaluate"]
     for name in ("collect_rollouts", "train_8card", "train_value", "smoke_1card", "advantages"):
         assert "src/pisft/evaluate/report.py" not in deps[name], name
-    assert "src/pisft/inspect/estimate.py" in deps["smoke_1card"]  # its report carries the estimate
+    assert "src/pisft/introspect/estimate.py" in deps["smoke_1card"]  # its report carries the estimate
     assert "src/pisft/train/launch.py" in deps["train_8card"]  # started by the launcher
     assert "src/pisft/workflow/dvc_yaml.py" not in {f for fs in deps.values() for f in fs}
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from train_fixtures import CONFIG, ROOT, results_dir
 
-from pisft.inspect import collective_audit as ca
+from pisft.introspect import collective_audit as ca
 
 STAND_INS = Path(__file__).resolve().parent / "stand_ins"
 WORKERS = Path(__file__).resolve().parent / "hccl_workers.py"

@@ -1,4 +1,4 @@
-"""pisft.inspect.estimate_cache: the smoke gate's estimate is read back only for the same step and
+"""pisft.introspect.estimate_cache: the smoke gate's estimate is read back only for the same step and
 code, and a damaged cache file is a miss (the estimate is simulated again)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pisft import config as config_mod
-from pisft.inspect import estimate, estimate_cache
+from pisft.introspect import estimate, estimate_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "config" / "config.yaml"

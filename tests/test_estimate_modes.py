@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pisft.config import from_dict
-from pisft.inspect import estimate as E
+from pisft.introspect import estimate as E
 from pisft.model.policy import build_policy
 from pisft.train import trainable
 

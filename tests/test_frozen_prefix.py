@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pisft.inspect.synthetic import synthetic_batch
+from pisft.introspect.synthetic import synthetic_batch
 from pisft.model.pi05.construction import prepare_for_training
 from pisft.model.pi05.forward import frozen_prefix_forward, joint_forward, prefix_frozen, sync_free_forward
 from pisft.model.policy import build_policy

@@ -209,7 +209,7 @@ class _StepCensus(torch.overrides.TorchFunctionMode):
 def _forward_both_ways(seed: int = 0):
     """LeRobot's own PI05Policy.forward and `sync_free_forward`'s on the same batch and draws."""
     from pisft.train.policy_task import injected_flow_samples
-    from pisft.inspect.synthetic import synthetic_batch
+    from pisft.introspect.synthetic import synthetic_batch
 
     policy = build_policy("tiny", seed=0)
     policy.train()

@@ -63,7 +63,7 @@ def test_save_load_roundtrip_is_exact_and_keeps_the_tie(model_dir):
     # the tied pair is stored once, under lm_head's name (openpi / lerobot/pi05_base layout)
     assert LM_HEAD in stored and EMBED not in stored
     # non-persistent buffers (rotary frequencies, position ids) are rebuilt, not left uninitialised
-    from pisft.inspect.estimate import _dummy_inputs
+    from pisft.introspect.estimate import _dummy_inputs
 
     inputs = list(_dummy_inputs(original.config, 2, "cpu"))
     inputs[5] = torch.randn_like(inputs[5], generator=torch.Generator().manual_seed(0))

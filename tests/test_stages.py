@@ -29,7 +29,7 @@ LAYERS = (
     ("pisft.train", "pisft.evaluate", "pisft.serve"),
     # Tools that study the training step (memory estimate, its measurement, the collective audit,
     # their synthetic inputs), built on it.
-    ("pisft.inspect",),
+    ("pisft.introspect",),
     ("pisft.recap",),  # the RECAP loop's stages: built on training, evaluation and the simulator
     # The go/no-go gates (smoke_1card, smoke_value): above what they gate and the estimate they carry.
     ("pisft.gates",),

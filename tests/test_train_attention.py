@@ -165,7 +165,7 @@ def test_npu_decoder_layers_run_the_fused_kernels_with_the_same_result(monkeypat
     npu_rotary_mul and npu_rms_norm, its attention as npu_fusion_attention (stand-ins that hold
     the documented contracts; CPU tensors stand in for NPU ones): the layer's outputs equal the
     eager path's."""
-    from pisft.inspect.synthetic import synthetic_batch
+    from pisft.introspect.synthetic import synthetic_batch
     from pisft.model.pi05.forward import sync_free_forward
     from pisft.model.policy import build_policy
     from pisft.train.policy_task import injected_flow_samples

@@ -80,7 +80,7 @@ def test_bad_loader_settings_are_refused(key, value, message):
 
 @pytest.mark.usefixtures("one_process_group")
 def test_one_process_trains_unsharded_the_smoke_keeps_the_sharded_layout(monkeypatch):
-    from pisft.model import host_memory
+    from pisft.train import host_memory
 
     trims = []
     real = host_memory.return_freed_memory
@@ -100,7 +100,7 @@ def test_one_process_trains_unsharded_the_smoke_keeps_the_sharded_layout(monkeyp
     assert not any(isinstance(p, DTensor) for p in plain.parameters())
     fsdp.distribute(sharded, mesh, "fp32", torch.device("cpu"), keep_sharded=True)
     assert all(isinstance(p, DTensor) for p in sharded.parameters())
-    assert trims == [True]  # the heap the whole tensors left is given back once (pisft.model.host_memory)
+    assert trims == [True]  # the heap the whole tensors left is given back once (pisft.train.host_memory)
     x = torch.randn(5, 6)
     torch.testing.assert_close(plain(x), sharded(x), rtol=0, atol=0)
 
@@ -141,7 +141,7 @@ def test_freed_heap_goes_back_to_the_host_where_the_c_library_can():
     call is skipped, never an error."""
     import platform
 
-    from pisft.model import host_memory
+    from pisft.train import host_memory
 
     assert isinstance(host_memory.return_freed_memory(), bool)
     if platform.libc_ver()[0] == "glibc":

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from pisft.inspect.host_ops import DispatchedOps
-from pisft.inspect.synthetic import build_random_policy, synthetic_batch
+from pisft.introspect.host_ops import DispatchedOps
+from pisft.introspect.synthetic import build_random_policy, synthetic_batch
 from pisft.train import blocks, fsdp, optim, trainable
 from pisft.model.pi05.attention import fused_joint_attention
 from pisft.train.ema import make_ema

@@ -1,4 +1,4 @@
-"""pisft.inspect.estimate: parameter count and per-device peak memory of the training step (run on
+"""pisft.introspect.estimate: parameter count and per-device peak memory of the training step (run on
 fake tensors), checked against a measured CPU step at two sizes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pisft.config import from_dict
-from pisft.inspect.estimate import estimate_memory
+from pisft.introspect.estimate import estimate_memory
 
 
 def _cfg(tmp_path, model=None, **train):
@@ -31,7 +31,7 @@ def _training_model(preset: str):
     ("cpu", -1, 16_000_000), ("npu", -1, 0), ("cuda", -1, 0), ("cpu", 0, 0), ("npu", 5_000_000, 5_000_000)])
 def test_the_estimate_simulates_the_units_the_run_will_have(tmp_path, monkeypatch, device, configured,
                                                              expected):
-    from pisft.inspect import estimate
+    from pisft.introspect import estimate
 
     seen = {}
 
@@ -52,7 +52,7 @@ def test_a_fetched_base_of_another_preset_is_not_the_model_estimated(tmp_path, m
     """`pisft estimate --set model.preset=...` after a run of another preset: the estimate is the
     asked preset's model, not the stale fetched base's (its JSON said "preset: pi05" over the tiny model)."""
     from pisft import layout
-    from pisft.inspect import estimate
+    from pisft.introspect import estimate
     from pisft.model import policy as policy_mod
 
     cfg = from_dict({"results_dir": str(tmp_path), "model": {"preset": preset}})
@@ -184,7 +184,7 @@ def test_inside_a_process_group_the_estimate_runs_in_a_subprocess(tmp_path):
     assert there == here
 
 
-# The estimate against a measured CPU step (pisft.inspect.measure: the same training step for real,
+# The estimate against a measured CPU step (pisft.introspect.measure: the same training step for real,
 # FSDP2 on one gloo process, real kernels; the live tensor storage at the step's peak, counted by
 # the measurement): tiny in bf16 (the Ascend/CUDA precision) and a 104M-parameter preset in fp32
 # (bf16 matmuls are too slow on a CPU without bf16 units). RSS is recorded beside it, never
@@ -196,8 +196,8 @@ MEASURED_SIZES = [("tiny", 8, "bf16"), ("small", 4, "fp32")]
 @pytest.mark.integration
 @pytest.mark.parametrize(("preset", "micro", "precision"), MEASURED_SIZES)
 def test_estimate_matches_a_measured_cpu_step(tmp_path, preset, micro, precision):
-    from pisft.inspect.estimate import simulate_step
-    from pisft.inspect.measure import measure_in_subprocess
+    from pisft.introspect.estimate import simulate_step
+    from pisft.introspect.measure import measure_in_subprocess
     from pisft.model.policy import build_policy
 
     measured = measure_in_subprocess(preset, micro_batch=micro, checkpointing=True, precision=precision)
@@ -232,12 +232,12 @@ def test_pi05_estimate_on_fake_tensors(tmp_path):
 
 
 def test_the_measurement_counts_live_tensor_storage_on_real_tensors():
-    """StepMemory on real tensors (what pisft.inspect.measure runs the step under): the peak is
+    """StepMemory on real tensors (what pisft.introspect.measure runs the step under): the peak is
     the largest sum of the storages alive together, views and in-place results add nothing,
     a freed storage and FSDP's resize_ to 0 and back are followed."""
     import torch
 
-    from pisft.inspect.estimate import StepMemory
+    from pisft.introspect.estimate import StepMemory
 
     held = torch.zeros(1000)  # exists before: the baseline, not counted
     tracker = StepMemory()

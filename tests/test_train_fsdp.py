@@ -283,7 +283,7 @@ def test_training_flops_follow_the_mode_and_match_a_flop_counter(mode, targets):
     """The step's model FLOPs (what MFU divides) in each train.trainable mode against what torch's
     FLOP counter sees autograd run over a forward and a backward (no checkpointing: MFU does not
     count recomputation). Before, every mode counted 3 × forward: `expert`'s MFU 2.9 × too high."""
-    from pisft.inspect.synthetic import build_random_policy, synthetic_batch
+    from pisft.introspect.synthetic import build_random_policy, synthetic_batch
     from pisft.train import trainable
 
     policy = build_random_policy("tiny", torch.device("cpu"), checkpointing=False)

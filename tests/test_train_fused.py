@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from train_fixtures import inputs_dir
 
-from pisft.inspect.synthetic import build_random_policy, synthetic_batch
+from pisft.introspect.synthetic import build_random_policy, synthetic_batch
 from pisft.model.pi05.construction import prepare_for_training
 from pisft.model.pi05.fused import decoder_layers, fuse_decoder_projections, split_rows
 from pisft.train import trainable

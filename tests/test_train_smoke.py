@@ -64,7 +64,7 @@ def test_memory_headroom_below_minimum_fails_with_advice(ctx, monkeypatch, capsy
 def test_an_operation_count_that_fails_leaves_the_gates_verdict(ctx, monkeypatch, capsys):
     """The count of a micro-step's operations is a measurement after the steps ran: an error in it
     is noted in the report and on the log, and the gate decides on the steps as before."""
-    from pisft.inspect import host_ops
+    from pisft.introspect import host_ops
 
     def broken(self):
         raise RuntimeError("a dispatch mode this torch lacks")
@@ -129,7 +129,7 @@ def test_stateless_steps_project_what_fsdp_leaves_on_each_of_n_devices(ctx, monk
     """pi0.5 on a 64 GB card: the whole model with AdamW state does not fit one device, so the
     smoke run takes AdamW's first step without its state. The N-device projection must equal the
     measured peak with the model state replaced by what FSDP really keeps on one of N devices:
-    pisft.inspect.estimate shards the same model on N (fake) ranks and steps the fused AdamW."""
+    pisft.introspect.estimate shards the same model on N (fake) ranks and steps the fused AdamW."""
     n = ctx.cfg.world_size
     assert n > 1
     estimate = smoke._estimate(ctx.cfg)  # the real estimate, computed once for this test

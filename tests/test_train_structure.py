@@ -66,7 +66,7 @@ def test_forward_prefetch_and_no_gather_after_a_units_backward(tmp_path_factory,
     layers did gather the next pair there, 4.5 GiB per device for pi0.5 on 8 cards)."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    from pisft.inspect.synthetic import synthetic_batch
+    from pisft.introspect.synthetic import synthetic_batch
     from pisft.model.policy import load_policy
 
     policy = load_policy(inputs_dir(tmp_path_factory) / "base_model", dtype="float32")

@@ -332,7 +332,7 @@ def _run(args: argparse.Namespace) -> int:
             with _writing_as(args.stage, cfg.iteration):
                 return launch.main(args.stage, cfg, args.config, args.overrides)
         if args.command == "estimate":
-            from pisft.inspect import estimate
+            from pisft.introspect import estimate
             return estimate.main(cfg, as_json=args.json, fits=args.fits, world_size=args.world_size)
         if args.command == "doctor":
             from pisft import doctor

@@ -36,7 +36,7 @@ What fits one device. One device holds the whole model state here: fp32 paramete
 gradients and AdamW's two fp32 moments, 16 bytes per trained parameter (about 48 GiB for
 pi0.5 trained in full; frozen parameters 2 bytes, in bf16), plus FSDP's bf16 compute copies and
 the activations. Before measuring, the step's peak
-is estimated for this device (`pisft.inspect.estimate.simulate_step`, fake tensors, world size 1)
+is estimated for this device (`pisft.introspect.estimate.simulate_step`, fake tensors, world size 1)
 and compared with the device's capacity less --headroom:
 - it fits: the step uses AdamW (fused where available), as in training;
 - it does not (pi0.5 with AdamW is about 51 GiB of tensors at micro batch 4 on one device,
@@ -76,7 +76,7 @@ from pisft.train.metrics import mfu, peak_flops_for
 from pisft.train.policy_task import PolicyTask
 from pisft.train.step import NO_PROBE, PhaseTimes, StepSettings, repeat, train_step
 from pisft.train.trainable import LORA_TARGETS, MODES
-from pisft.inspect.synthetic import build_random_policy, synthetic_batch
+from pisft.introspect.synthetic import build_random_policy, synthetic_batch
 
 GIB = 2**30
 ADAMW = "adamw"
@@ -153,8 +153,8 @@ def measure(policy, optimizer, kind: str, device: torch.device, micro: int, *, s
 def estimate_one_device(preset: str, micro: int, precision: str, checkpointing: bool, mode: str = "all",
                         lora_targets: str = "openpi") -> dict[str, int]:
     """Estimated peak bytes of this benchmark's step on one device in `mode`: with AdamW, and
-    without AdamW's state (pisft.inspect.estimate.simulate_step at world size 1; no process group here)."""
-    from pisft.inspect.estimate import simulate_step, with_mode
+    without AdamW's state (pisft.introspect.estimate.simulate_step at world size 1; no process group here)."""
+    from pisft.introspect.estimate import simulate_step, with_mode
     from pisft.model.policy import build_policy
     from pisft.train.trainable import spec_for_mode
 

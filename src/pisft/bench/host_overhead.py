@@ -4,7 +4,7 @@ optimizer step, eager against compiled (`train.compile`), at pi0.5's real size, 
     python -m pisft bench --only host_overhead        # bench.json["host_overhead"]["pi05"], ["tiny"]
     python -m pisft.bench.host_overhead --preset pi05 --trainable all   # one setting, JSON on stdout
 
-What is counted (`pisft.inspect.host_ops.DispatchedOps`): every aten operator that reaches the
+What is counted (`pisft.introspect.host_ops.DispatchedOps`): every aten operator that reaches the
 dispatcher, views included, and every kernel a compiled graph launches itself. The step is
 pisft's (`pisft.train.step`): the blocks as the training runs them (`pisft.train.blocks`), bf16
 under autocast, per-layer checkpointing, FSDP2 with one unit per block as rank 0 of an 8-card
@@ -14,7 +14,7 @@ one-process run. Counts are taken after two warm-up micro-steps (a compiled bloc
 compiles it).
 
 Where each figure comes from:
-- eager at real size: pi0.5 built on the meta device with fake tensors (`pisft.inspect.estimate`'s
+- eager at real size: pi0.5 built on the meta device with fake tensors (`pisft.introspect.estimate`'s
   FakeTensorMode and fake process group): the whole step dispatched, no arithmetic, no memory;
 - compiled: a compiled graph runs only on real tensors, so it is counted on pi0.5's depth twin
   (`DEPTH_TWIN`): pi0.5's every depth and count (18 layer pairs, 27 SigLIP layers of 16 heads,
@@ -54,7 +54,7 @@ WORLD = 8  # FSDP2's layout as on one 8-card node (rank 0 counted)
 
 def _policy(preset: str, device: str):
     """The policy to count: a preset, or pi0.5's depth twin (`DEPTH_TWIN`, pi0.5's config)."""
-    from pisft.inspect.synthetic import build_random_policy
+    from pisft.introspect.synthetic import build_random_policy
     from pisft.model.policy import build_policy, fill_random, make_config, policy_from_config
 
     if preset != TWIN:
@@ -74,14 +74,14 @@ def count(preset: str, trainable: str, layout: str, compile_mode: str, *, fake: 
     counted (this process must have no process group; it makes its own)."""
     import contextlib
 
-    from pisft.inspect.host_ops import DispatchedOps
-    from pisft.inspect.synthetic import synthetic_batch
+    from pisft.introspect.host_ops import DispatchedOps
+    from pisft.introspect.synthetic import synthetic_batch
     from pisft.model.registry import spec_of
     from pisft.train import blocks, fsdp, optim, trainable as modes
     from pisft.train.policy_task import PolicyTask
     from pisft.train.step import StepSettings, micro_step, repeat, train_step
 
-    from pisft.inspect.estimate import fake_world, to_fake
+    from pisft.introspect.estimate import fake_world, to_fake
 
     cpu = torch.device("cpu")
     policy = _policy(preset, "meta" if fake else "cpu")

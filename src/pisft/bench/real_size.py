@@ -5,15 +5,15 @@ process (`python -m pisft.bench.real_size --preset P --mode M`, one at a time: a
 holds several GB) builds the policy with random weights in the training layout (frozen parameters
 in bf16 except those LeRobot keeps in fp32, trainable ones in fp32 as the optimizer's master
 copy), applies the mode, shards it with FSDP2 on a 1-process gloo group as the memory
-measurement does (`pisft.inspect.measure`), and runs pisft's training step (`PolicyTask`:
+measurement does (`pisft.introspect.measure`), and runs pisft's training step (`PolicyTask`:
 bf16 autocast, fused joint attention, per-layer activation checkpointing, gradient clipping,
 fused AdamW) on a synthetic batch at micro batch 1:
 
   forward_s          the loss forward of one micro-step (mean of the timed steps)
   step_s             forward + backward + clip + optimizer step + zero_grad
   measured_bytes     tensor storage at the step's peak: parameters + optimizer state + what the
-                     step holds at its peak above them (`StepMemory`, as `pisft.inspect.measure`)
-  estimate_bytes     the same from `pisft.inspect.estimate.simulate_step` (fake tensors, same mode)
+                     step holds at its peak above them (`StepMemory`, as `pisft.introspect.measure`)
+  estimate_bytes     the same from `pisft.introspect.estimate.simulate_step` (fake tensors, same mode)
   checkpoint_bytes   bytes on disk of one checkpoint as the training writes it (CheckpointManager)
   export_s           gathering the full state dict and writing the LeRobot model directory
 In a mode whose entry freezes the whole VLM prefix (`expert`; `pisft.config.TRAINABLE_MODE_TABLE`)
@@ -95,8 +95,8 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
 
     from pisft import device as devices
     from pisft.config import trainable_mode
-    from pisft.inspect.estimate import StepMemory
-    from pisft.inspect.synthetic import synthetic_batch
+    from pisft.introspect.estimate import StepMemory
+    from pisft.introspect.synthetic import synthetic_batch
     from pisft.model.policy import save_model
     from pisft.model.tokenizer import save_tiny_tokenizer
     from pisft.tensors import local_bytes, optimizer_state
@@ -194,7 +194,7 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
 def estimate_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str = "bf16",
                   checkpointing: bool = True, lora_targets: str = "openpi") -> dict[str, Any]:
     """The memory estimate of the same step (world size 1, layer units): fake tensors, seconds."""
-    from pisft.inspect.estimate import simulate_step, with_mode
+    from pisft.introspect.estimate import simulate_step, with_mode
     from pisft.model.policy import build_policy
     from pisft.train.trainable import spec_for_mode
 

@@ -356,7 +356,7 @@ def worker(spec_path: str, out_dir: str) -> int:
 
     from pisft import config as config_mod
     from pisft import device as devices
-    from pisft.inspect import collective_audit as ca
+    from pisft.introspect import collective_audit as ca
     from pisft.stages import TRAIN_8CARD
     from pisft.train import loop
     from pisft.train.batches import make_loader

@@ -72,9 +72,9 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 def _estimate(cfg: Any) -> Any:
-    """pisft.inspect.estimate's analytic per-device memory for 1 and for N devices (informative)."""
+    """pisft.introspect.estimate's analytic per-device memory for 1 and for N devices (informative)."""
     try:
-        from pisft.inspect.estimate import estimate_memory
+        from pisft.introspect.estimate import estimate_memory
     except ImportError:
         return None
     out: dict[str, Any] = {}
@@ -426,10 +426,10 @@ def _steps(ctx: Context, built: Any, peak: float | None,
 
 
 def _host_ops(ctx: Context, built: Any, collated: dict[str, Any]) -> dict[str, Any]:
-    """The operations one micro-step of this run dispatches (`pisft.inspect.host_ops`: aten
+    """The operations one micro-step of this run dispatches (`pisft.introspect.host_ops`: aten
     operators and compiled kernels; the count behind the host's share of a step), counted on
     one more micro-step of the smoke batch after the steps, its gradients then dropped."""
-    from pisft.inspect.host_ops import DispatchedOps
+    from pisft.introspect.host_ops import DispatchedOps
     from pisft.train.batches import split_rand
     from pisft.train.step import micro_step
 
@@ -542,7 +542,7 @@ def tensors_vs_estimate(policy: torch.nn.Module, optimizer: torch.optim.Optimize
                         estimate: Any) -> dict[str, Any]:
     """The model state this 1-device smoke run holds, tensor by tensor (parameters in their
     training dtypes, the optimizer's moments), beside the estimate's for 1 device
-    (`pisft.inspect.estimate`, the same train.trainable mode applied): what the mode froze
+    (`pisft.introspect.estimate`, the same train.trainable mode applied): what the mode froze
     shows in both."""
     from pisft.train.trainable import count_parameters
 

@@ -56,7 +56,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from pisft import device as devices
-from pisft.model import host_memory
+from pisft.train import host_memory
 from pisft.tensors import local_numel, optimizer_state
 from pisft.train import blocks
 from pisft.model.pi05.parts import (EXPERT_LAYERS, LANGUAGE_MODEL, PALIGEMMA_WITH_EXPERT, PROJECTOR, VISION_MODEL,
@@ -275,7 +275,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, precision: str, *, min_params: int
     for unit, following in zip(units, units[1:]):
         unit.modules[0].set_modules_to_forward_prefetch([following.modules[0]])
     _install_blocks(model, units, compiler)
-    host_memory.return_freed_memory()  # the whole tensors the shards replaced (pisft.model.host_memory)
+    host_memory.return_freed_memory()  # the whole tensors the shards replaced (pisft.train.host_memory)
     return units
 
 

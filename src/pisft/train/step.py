@@ -4,7 +4,7 @@ gradient is not finite, and the EMA of the weights.
 
 The training loop (`pisft.train.loop.run`: the policy, the RECAP value model, the smoke gate) and
 every benchmark that reports pisft's speed (`pisft.bench.gpu_step`, `pisft.bench.real_size`,
-`pisft.bench.train_bench`, `pisft.bench.host_overhead`, `pisft.inspect.measure`) call
+`pisft.bench.train_bench`, `pisft.bench.host_overhead`, `pisft.introspect.measure`) call
 `train_step`, so a figure of pisft's speed is a figure of pisft's training. What a benchmark
 records (phase times with device synchronisations, memory, dispatched operations) it records
 through a `StepProbe`; the training's probe records nothing and synchronises nothing.

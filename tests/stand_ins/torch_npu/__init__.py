@@ -12,7 +12,7 @@ and `import torch_npu` does what the real package does on import, as far as pisf
   graph for ACLGraph replay; here it runs the captured FX graph as it is on the CPU and records it
   in `npugraph_ex_graphs`, so a test sees which backend pisft compiles with and how many graphs;
 - registers the "hccl" process-group backend. Here it is gloo on the CPU, wrapped by
-  `pisft.inspect.collective_audit.AuditedProcessGroup` with HCCL's per-operation dtype table
+  `pisft.introspect.collective_audit.AuditedProcessGroup` with HCCL's per-operation dtype table
   enforced (torch_npu v2.11.0-26.1.0, see `collective_audit.HCCL_TABLE`): a collective that
   HCCL refuses on a 910B (e.g. an all_reduce of float64) raises here too.
 """
@@ -142,7 +142,7 @@ _register_npugraph_ex()
 
 
 def _register_hccl() -> None:
-    from pisft.inspect import collective_audit
+    from pisft.introspect import collective_audit
 
     collective_audit.register("hccl", table=collective_audit.HCCL_TABLE, enforce=True)
 

@@ -1,6 +1,6 @@
 """A training step's stand-ins: a full-size policy with random weights and a synthetic batch.
 
-Used by the memory estimate (`pisft.inspect.estimate`), its CPU measurement (`pisft.inspect.measure`)
+Used by the memory estimate (`pisft.introspect.estimate`), its CPU measurement (`pisft.introspect.measure`)
 and the one-device benchmark (`pisft.bench.gpu_step`): the step costs the same as with real
 weights and data.
 """

@@ -1,20 +1,20 @@
 """Measure the real peak memory of one training step on CPU, to check the estimate against.
 
-    python -m pisft.inspect.measure [--preset tiny] [--micro-batch N] [--checkpointing]
+    python -m pisft.introspect.measure [--preset tiny] [--micro-batch N] [--checkpointing]
                                   [--precision fp32|bf16] [--json]
-    python -m pisft.inspect.measure --compare ...   # in a subprocess, with the estimate beside it
+    python -m pisft.introspect.measure --compare ...   # in a subprocess, with the estimate beside it
 
-The step is pisft's training step, the same one `pisft.inspect.estimate` simulates: the policy
-(random weights, `pisft.inspect.synthetic.build_random_policy`) with the training structure
+The step is pisft's training step, the same one `pisft.introspect.estimate` simulates: the policy
+(random weights, `pisft.introspect.synthetic.build_random_policy`) with the training structure
 (`pi05.construction.prepare_for_training`: per-layer activation checkpointing, no action-expert
 lm_head), FSDP2 through `pisft.train.fsdp.shard` on a 1-process gloo group, the loss through
 `PolicyTask` (autocast in bf16), fused joint attention, gradient clipping, AdamW as the training
 builds it, `zero_grad(set_to_none=True)`. Inputs are a synthetic preprocessed batch
-(`pisft.inspect.synthetic.synthetic_batch`).
+(`pisft.introspect.synthetic.synthetic_batch`).
 
 The figure compared with the estimate is **live tensor storage**, counted by the measurement
 itself: after a warm-up step at micro batch 1 (optimizer state allocated, FSDP initialised,
-gradients freed), one full step runs under a storage tracker (`pisft.inspect.estimate.StepMemory`,
+gradients freed), one full step runs under a storage tracker (`pisft.introspect.estimate.StepMemory`,
 a dispatch mode that sees every tensor storage an operator creates, FSDP's `resize_` of its
 unsharded parameters, and each storage's release), on real tensors with real kernels and a real
 gloo group. `step_peak_bytes` is the largest sum of the storages the step created and still
@@ -67,8 +67,8 @@ def measure(preset: str, micro_batch: int, checkpointing: bool, precision: str =
     from torch.distributed.device_mesh import init_device_mesh
 
     from pisft import device as devices
-    from pisft.inspect.estimate import StepMemory
-    from pisft.inspect.synthetic import build_random_policy, synthetic_batch
+    from pisft.introspect.estimate import StepMemory
+    from pisft.introspect.synthetic import build_random_policy, synthetic_batch
     from pisft.tensors import local_bytes, optimizer_state
     from pisft.train import fsdp, optim
     from pisft.model.registry import spec_of
@@ -112,7 +112,7 @@ def measure(preset: str, micro_batch: int, checkpointing: bool, precision: str =
 def measure_in_subprocess(preset: str = "tiny", micro_batch: int = 32, checkpointing: bool = False,
                           precision: str = "fp32") -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "pisft.inspect.measure", "--preset", preset, "--micro-batch", str(micro_batch),
+    cmd = [sys.executable, "-m", "pisft.introspect.measure", "--preset", preset, "--micro-batch", str(micro_batch),
            "--precision", precision, "--json"] + (["--checkpointing"] if checkpointing else [])
     out = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True)
     if out.returncode != 0:
@@ -122,7 +122,7 @@ def measure_in_subprocess(preset: str = "tiny", micro_batch: int = 32, checkpoin
 
 def compare(preset: str, micro_batch: int, checkpointing: bool, precision: str) -> dict:
     """Measured (subprocess) and estimated step peak, parameters and optimizer state, and ratios."""
-    from pisft.inspect.estimate import simulate_step
+    from pisft.introspect.estimate import simulate_step
     from pisft.model.policy import build_policy
 
     measured = measure_in_subprocess(preset, micro_batch, checkpointing, precision)
@@ -144,7 +144,7 @@ def compare(preset: str, micro_batch: int, checkpointing: bool, precision: str) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pisft.inspect.measure", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pisft.introspect.measure", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--micro-batch", type=int, default=32)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--compare", action="store_true",
                         help="measure in a subprocess (one thread, MALLOC_MMAP_THRESHOLD_) and set the "
-                             "estimate (pisft.inspect.estimate.simulate_step, world size 1) beside it")
+                             "estimate (pisft.introspect.estimate.simulate_step, world size 1) beside it")
     args = parser.parse_args(argv)
     if args.compare:
         result = compare(args.preset, args.micro_batch, args.checkpointing, args.precision)

@@ -1,7 +1,7 @@
 """The smoke gate's memory estimates, kept between processes.
 
 The smoke stages (`smoke_1card`, `smoke_value`) estimate the step's memory for 1 device and for
-the run's world size (pisft.inspect.estimate) in a fresh process, because their own process holds
+the run's world size (pisft.introspect.estimate) in a fresh process, because their own process holds
 a process group and the estimate needs a fake one of its own. That process runs the whole training
 step on fake tensors: about as long as the smoke steps themselves on the embedded default, and
 the same answer every time the same step is estimated. So the answer is kept, one small JSON file
@@ -12,11 +12,11 @@ What makes it the same step, all in the key (`key`):
   estimate reads and more (a key that cannot change the estimate only costs a miss);
 - the world size;
 - the bytes of the base model's config and pisft_model.json when the estimate builds the model
-  from them (pisft.inspect.estimate: the fetched base of the config's preset), else the preset;
+  from them (pisft.introspect.estimate: the fetched base of the config's preset), else the preset;
 - the code that computes it: a digest of every `.py` file of the pisft package as it lies on disk
   (what the estimating subprocess imports), torch's and LeRobot's versions, Python's.
 
-Only the subprocess path is kept (`pisft.inspect.estimate._simulate_elsewhere`): an estimate made
+Only the subprocess path is kept (`pisft.introspect.estimate._simulate_elsewhere`): an estimate made
 in the asking process (`python -m pisft estimate`, the tests) always simulates, so code patched in
 memory is never answered from a file.
 

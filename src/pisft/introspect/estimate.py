@@ -48,7 +48,7 @@ says what each adds and how npu-smi's figure relates to this one. The simulated 
 tensors, so ops run CPU's kernel choices (attention: the CPU flash kernel; on CUDA/NPU the fused
 kernels save the same output + log-sum-exp) and CPU autocast's op lists; the differences are
 listed in docs/memory.md. Checked against a measured CPU step within 15% at two sizes
-(tests/test_train_estimate.py, `python -m pisft.inspect.measure`).
+(tests/test_train_estimate.py, `python -m pisft.introspect.measure`).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from torch.utils._pytree import tree_flatten
 
 from pisft import layout
 from pisft.config import PisftConfig
-from pisft.inspect import estimate_cache
+from pisft.introspect import estimate_cache
 from pisft.model import policy as policy_mod
 from pisft.tensors import local_bytes, local_numel, local_shard, optimizer_state
 
@@ -251,7 +251,7 @@ def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batc
 
     `make_policy()` returns a PI05Policy on the meta device. Returns the per-category bytes at
     the peak (`bytes`), the peak above the pre-step memory (`step_peak_bytes`, comparable to
-    `pisft.inspect.measure`), the model state, the FSDP plan and where the peak happened.
+    `pisft.introspect.measure`), the model state, the FSDP plan and where the peak happened.
     `min_unit_params`: the FSDP units' floor (`pisft.train.fsdp.merge_small_units`; 0: layer units).
     `ema`: an exponential moving average of the trained parameters is kept (train.ema_decay): one
     fp32 copy of each trained parameter's shard, held throughout (category `ema`).
@@ -298,7 +298,7 @@ def _tracked_step(policy, mesh, micro_batch: int, precision: str,
     from pisft.train import fsdp, optim
     from pisft.model.registry import spec_of
     from pisft.train.policy_task import PolicyTask
-    from pisft.inspect.synthetic import synthetic_batch
+    from pisft.introspect.synthetic import synthetic_batch
 
     cpu = torch.device("cpu")
     fsdp.shard(policy, mesh, precision, min_params=min_unit_params)
@@ -430,7 +430,7 @@ _ELSEWHERE: dict[tuple[str, int], dict[str, Any]] = {}
 def _simulate_elsewhere(cfg: PisftConfig, world: int) -> dict[str, Any]:
     """The estimate from a fresh process (this one has a process group; the simulation needs its
     own). One process computes the asked world size, 1 and the configured one (what the smoke
-    stage asks for); the answers are kept for this process, and in pisft.inspect.estimate_cache
+    stage asks for); the answers are kept for this process, and in pisft.introspect.estimate_cache
     for later ones (read back with this run's model folder as `model`)."""
     from pisft import config as config_mod
 
@@ -444,7 +444,7 @@ def _simulate_elsewhere(cfg: PisftConfig, world: int) -> dict[str, Any]:
             _ELSEWHERE[(raw, w)] = {**kept, "model": label}
     if (raw, world) not in _ELSEWHERE:
         worlds = list(keys)
-        cmd = [sys.executable, "-m", "pisft.inspect.estimate", "--config-json", "-",
+        cmd = [sys.executable, "-m", "pisft.introspect.estimate", "--config-json", "-",
                "--world-sizes", ",".join(map(str, worlds))]
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -723,7 +723,7 @@ def _subprocess_main(argv: list[str]) -> int:
 
     from pisft import config as config_mod
 
-    parser = argparse.ArgumentParser(prog="python -m pisft.inspect.estimate",
+    parser = argparse.ArgumentParser(prog="python -m pisft.introspect.estimate",
                                      description="estimate_memory for a config given as JSON (internal)")
     parser.add_argument("--config-json", required=True, help="'-': the config as JSON on stdin")
     parser.add_argument("--world-sizes", required=True, help="comma-separated")

@@ -3,7 +3,7 @@
 - `estimate`: parameters and per-device peak memory of pisft's training step, by simulating it on
   fake tensors (`python -m pisft estimate`; the smoke report carries it beside its measurement).
 - `measure`: the same step run for real on the CPU, to check the estimate against
-  (`python -m pisft.inspect.measure`).
+  (`python -m pisft.introspect.measure`).
 - `collective_audit`: a process group that records every collective and checks its dtypes
   against HCCL's table (the tests' stand-in `hccl` backend, `bench --only train_structure`).
 - `synthetic`: their inputs: a full-size policy with random weights and a synthetic batch.
