@@ -182,3 +182,12 @@ def test_a_kind_without_cards_is_the_host_by_its_row_not_by_its_name(monkeypatch
     assert precision.choose("auto", "host2", "float32").dtype == "float32"
     assert metrics.peak_flops_for("host2", "host2") == (None, "host2: no peak figure (MFU not reported)")
     assert gpu_step._profiler("host2") is None
+
+
+def test_the_configs_device_choices_are_the_rows():
+    """The config (the ground floor, read by every Snakemake parse without torch) lists the kinds by
+    name for `device`'s choices: they are the rows' kinds, in `auto`'s order, after `auto`. A new kind
+    is its row and its name there; this test names the one that is missing."""
+    assert config_mod.DEVICES == ("auto", *device.ROWS), (
+        f"config's device choices {config_mod.DEVICES} are not ('auto', *pisft.device.ROWS) "
+        f"{('auto', *device.ROWS)}: add the kind to DEVICES in src/pisft/config/choices.py")
