@@ -9,7 +9,7 @@ import pytest
 import numpy as np
 from test_serve_protocol import StandInPolicy, ask, client, libero_obs, serve  # noqa: F401 - the fixture
 
-from pisft.serve import server as server_mod
+from pisft.serve import policy_server
 
 
 class NaNPolicy(StandInPolicy):
@@ -36,10 +36,10 @@ def test_non_finite_actions_are_answered_with_an_error_and_the_connection_kept(s
 
 
 def test_the_finiteness_check():
-    assert server_mod._non_finite(np.zeros((4, 7), np.float32)) is None
-    assert server_mod._non_finite(np.array([1.0, np.nan, np.inf])) == "1 NaN and 1 infinite of 3 values"
-    assert "not an array of numbers" in server_mod._non_finite(np.array(["a"]))
-    assert "not an array of numbers" in server_mod._non_finite(None)
+    assert policy_server._non_finite(np.zeros((4, 7), np.float32)) is None
+    assert policy_server._non_finite(np.array([1.0, np.nan, np.inf])) == "1 NaN and 1 infinite of 3 values"
+    assert "not an array of numbers" in policy_server._non_finite(np.array(["a"]))
+    assert "not an array of numbers" in policy_server._non_finite(None)
 
 
 # ---- item 3: a server input costs in proportion to its bytes --------------------------------

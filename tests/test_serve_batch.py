@@ -20,7 +20,7 @@ from test_serve_openpi_client import _start_server, libero_request, stop_server,
 from test_serve_protocol import FakeClock, StandInPolicy, ask, client, libero_obs, serve  # noqa: F401
 
 from pisft.errors import PisftError
-from pisft.serve import protocol, server as server_mod
+from pisft.serve import policy_server, protocol, server as server_mod
 from pisft.serve.server import PolicyServer
 
 LONG_WINDOW = 60.0  # seconds: with --max-batch, a batch closes when it is full, long before this
@@ -184,10 +184,10 @@ def test_a_connection_has_at_most_one_request_in_a_batch():
     """openpi's client sends one request at a time; should a connection have two queued, the
     second waits for the next forward instead of sharing (and advancing) the same noise twice."""
     server = PolicyServer(BatchingStandIn(), batch_window_s=1.0, max_batch=8)
-    one, two = server_mod._Session(noise=None), server_mod._Session(noise=None)
+    one, two = policy_server._Session(noise=None), policy_server._Session(noise=None)
     loop = asyncio.new_event_loop()
     try:
-        jobs = [server_mod._Job(name, session, 0.0, 0.0, loop.create_future())
+        jobs = [policy_server._Job(name, session, 0.0, 0.0, loop.create_future())
                 for name, session in [("1a", one), ("1b", one), ("2a", two), ("1c", one)]]
         server._pending.extend(jobs)
         batch: list = []
