@@ -7,5 +7,5 @@
 - `batching`: the one batching rule (who joins a forward, how long a batch is held, each
   request's own noise, the failure rule);
 - `replicas`: its thread front end (one replica per accelerator; the closed loop, the
-  collection). Its asyncio front end is `pisft.serve.server`.
+  collection). Its asyncio front end is `pisft.serve.policy_server`.
 """

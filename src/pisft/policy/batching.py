@@ -1,7 +1,7 @@
 """The one batching rule of the policy: who joins a forward, how long a batch is held, each
 request's own noise, and what a failed forward does. Two front ends drive it:
 `pisft.policy.replicas.PolicyPool` (threads, the closed loop and the rollout collection) and
-`pisft.serve.server.PolicyServer` (asyncio, the websocket server).
+`pisft.serve.policy_server.PolicyServer` (asyncio, the websocket server).
 
 **Who joins.** The requests waiting, oldest first, at most `max_batch` (0: no limit), at most one
 per key (a connection, an environment): a second request of a key already in the batch waits for

@@ -1,5 +1,5 @@
 """The one policy protocol: what both batching front ends (`pisft.policy.replicas`, threads;
-`pisft.serve.server`, asyncio) ask of a policy. `pisft.policy.libero.LiberoPolicy` is one.
+`pisft.serve.policy_server`, asyncio) ask of a policy. `pisft.policy.libero.LiberoPolicy` is one.
 
 A request is handled in two steps, so a front end can check and convert it off the model's
 thread: `prepare` (validation, pixels to tensors, the prompt) and `predict_many` (one forward for
