@@ -365,7 +365,7 @@ def test_decoded_episodes_in_memory_are_bounded_by_the_window():
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from pisft.data.convert import _ordered_results
+    from pisft.data.convert_frames import _ordered_results
 
     lock = threading.Lock()
     alive = {"now": 0, "max": 0}

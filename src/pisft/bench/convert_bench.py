@@ -129,13 +129,13 @@ def bench_lerobot_recorder(src: Path, out: Path, episodes: int) -> dict:
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
     from PIL import Image
 
-    from pisft.data.convert import _output_features
+    from pisft.data.convert_frames import output_features
     from pisft.data.libero import OUTPUT_NAMES
     from pisft.data.recap_reader import RecapSource
 
     source = RecapSource.open(src)
     chosen = source.episodes[:episodes]
-    features = _output_features(source.image_shape("image"))
+    features = output_features(source.image_shape("image"))
     threads = 2 * device.usable_cores()
     frames = 0
     with _Clock() as c:

@@ -14,7 +14,7 @@ from typing import Any
 # (`keys_marked`, `fingerprint_keys`): the keys each stage reads in the stage table
 # (pisft.stages: a change reruns the stage under both drivers), the settings of a training run's
 # fingerprint (pisft.train.checkpoint, pisft.train.run_folders), the keys a smoke report must share
-# with the training it admits (pisft.train.launch), the options of a conversion (pisft.data.convert).
+# with the training it admits (pisft.train.launch), the options of a conversion (pisft.data.convert_options).
 # A role that reruns stages is named for what they do, never for a stage.
 DEMO = "demo data"  # demo_recap writes the synthetic demo dataset with them
 CONVERSION = "conversion"  # convert_recap (at iteration k also recap.holdout_fraction, its row)
