@@ -8,6 +8,7 @@ import pytest
 
 from pisft.config import from_dict
 from pisft.introspect import estimate as E
+from pisft.introspect import micro_batch_fits as F
 from pisft.model.policy import build_policy
 from pisft.train import trainable
 
@@ -59,15 +60,15 @@ def test_an_ema_is_one_fp32_copy_of_the_trained_shards():
 @pytest.mark.integration
 def test_the_largest_micro_batch_is_bracketed_by_simulated_steps(tmp_path):
     cfg = _cfg(tmp_path)
-    one = E._fit_total(E.json.dumps(E.config_mod_dict(cfg)), "tiny", "expert", True, 1, 2)
-    eight = E._fit_total(E.json.dumps(E.config_mod_dict(cfg)), "tiny", "expert", True, 8, 2)
+    one = F._fit_total(F.json.dumps(F.config_mod_dict(cfg)), "tiny", "expert", True, 1, 2)
+    eight = F._fit_total(F.json.dumps(F.config_mod_dict(cfg)), "tiny", "expert", True, 8, 2)
     capacity = int((one + (eight - one) * 2.5 / 7) / (1 - cfg.smoke.min_memory_headroom)) + 1  # about 3.5
     fits = E.largest_micro_batches(cfg, modes=("expert",), preset="tiny", devices={"small": ("cuda", capacity)})
     cell = fits["modes"]["expert"]["checkpointing"]["small"]
     best = cell["micro_batch"]
     assert cell["exact"] and 1 <= best < 8
-    raw = E.json.dumps(E.config_mod_dict(cfg))
-    assert E._fit_total(raw, "tiny", "expert", True, best, 2) <= cell["limit_bytes"]
-    assert E._fit_total(raw, "tiny", "expert", True, best + 1, 2) > cell["limit_bytes"]
+    raw = F.json.dumps(F.config_mod_dict(cfg))
+    assert F._fit_total(raw, "tiny", "expert", True, best, 2) <= cell["limit_bytes"]
+    assert F._fit_total(raw, "tiny", "expert", True, best + 1, 2) > cell["limit_bytes"]
     text = E.format_fits(fits)
     assert "expert" in text and "small" in text
