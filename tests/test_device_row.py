@@ -188,6 +188,6 @@ def test_the_configs_device_choices_are_the_rows():
     """The config (the ground floor, read by every Snakemake parse without torch) lists the kinds by
     name for `device`'s choices: they are the rows' kinds, in `auto`'s order, after `auto`. A new kind
     is its row and its name there; this test names the one that is missing."""
-    assert config_mod.DEVICES == ("auto", *device.ROWS), (
+    assert ("auto", *device.ROWS) == config_mod.DEVICES, (
         f"config's device choices {config_mod.DEVICES} are not ('auto', *pisft.device.ROWS) "
         f"{('auto', *device.ROWS)}: add the kind to DEVICES in src/pisft/config/choices.py")
