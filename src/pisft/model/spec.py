@@ -76,5 +76,8 @@ class ModelSpec:
     prefix_frozen: Callable[[Any], bool]
     # (policy) -> the projections fused for training (pisft.train.trainable.apply_training_layout)
     fuse_projections: Callable[[Any], int]
+    # (policy) -> the prefix's length in tokens (images and prompt; the memory estimate's sequence)
+    prefix_tokens: Callable[[Any], int]
+    vocab_size: Callable[[Any], int]  # (policy) -> its language model's vocabulary size
     rtc_source: str  # where its real-time chunking comes from (the RTC record's "source")
     value: ValueEntry | None = None  # its VLM prefix as the RECAP value model's backbone; None: none

@@ -39,6 +39,8 @@ SPEC = ModelSpec(
     float32_parts=precision.float32_parts,
     prefix_frozen=forward.prefix_frozen,
     fuse_projections=fused.fuse_decoder_projections,
+    prefix_tokens=flops.prefix_tokens,
+    vocab_size=construction.vlm_vocab,
     rtc_source=rtc.SOURCE,
     value=ValueEntry(strip=construction.strip_to_vlm_prefix, width=construction.vlm_width,
                      readout=forward.vlm_prefix_readout, layers=VLM_LAYERS),
