@@ -157,6 +157,7 @@ TOY = ModelSpec(
     prefix_frozen=lambda policy: False, fuse_projections=lambda policy: 0,
     prefix_tokens=lambda policy: len(policy.config.image_features) + 1,  # each camera and the prompt pooled to one
     vocab_size=lambda policy: policy.model.embed.num_embeddings, rtc_source="none (the toy has no RTC)",
+    fused_rows=lambda module_of, name: None,
 )
 
 

@@ -80,4 +80,9 @@ class ModelSpec:
     prefix_tokens: Callable[[Any], int]
     vocab_size: Callable[[Any], int]  # (policy) -> its language model's vocabulary size
     rtc_source: str  # where its real-time chunking comes from (the RTC record's "source")
+    # (module_of, parameter name) -> [(the model's own name, first row, end row)] of a parameter fused
+    # for training (module_of(name): the module holding it), None: not fused (the export's names)
+    fused_rows: Callable[[Callable[[str], Any], str], list[tuple[str, int, int]] | None]
     value: ValueEntry | None = None  # its VLM prefix as the RECAP value model's backbone; None: none
+    # a weight detached for training (never used by the loss), exported from the base model's file
+    detached_weight: str | None = None

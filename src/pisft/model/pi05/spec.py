@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pisft.model.pi05 import attention, chunk, construction, flops, forward, fused, precision, processors, rtc
 from pisft.model.pi05.presets import PRESETS
-from pisft.model.pi05.parts import VLM_LAYERS
+from pisft.model.pi05.parts import EXPERT_HEAD, VLM_LAYERS
 from pisft.model.spec import ChunkEntry, ModelSpec, ValueEntry
 
 
@@ -42,6 +42,8 @@ SPEC = ModelSpec(
     prefix_tokens=flops.prefix_tokens,
     vocab_size=construction.vlm_vocab,
     rtc_source=rtc.SOURCE,
+    fused_rows=fused.split_rows,
     value=ValueEntry(strip=construction.strip_to_vlm_prefix, width=construction.vlm_width,
                      readout=forward.vlm_prefix_readout, layers=VLM_LAYERS),
+    detached_weight=EXPERT_HEAD,  # the action expert's lm_head (construction.detach_expert_head)
 )
