@@ -154,6 +154,10 @@ TOY = ModelSpec(
     weights_dtype=lambda policy: policy.model.net[0].weight.dtype,
     bf16_layout=lambda policy: 0,
     float32_parts=lambda policy: {"model": sum(p.numel() for p in policy.parameters() if p.dtype == torch.float32)},
+    prefix_frozen=lambda policy: False, fuse_projections=lambda policy: 0,
+    prefix_tokens=lambda policy: len(policy.config.image_features) + 1,  # each camera and the prompt pooled to one
+    vocab_size=lambda policy: policy.model.embed.num_embeddings, rtc_source="none (the toy has no RTC)",
+    fused_rows=lambda module_of, name: None,
 )
 
 

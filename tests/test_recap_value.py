@@ -139,6 +139,9 @@ def test_the_value_model_is_the_policy_prefix_a_readout_token_and_a_head(pieces)
 def test_a_frozen_prefix_runs_once_without_grad_with_the_joint_logits_and_gradients(pieces, monkeypatch):
     """recap.value_trainable: head: the prefix runs under no_grad with its KV cache and only the
     read-out token runs with grad; logits and the read-out/head gradients equal the joint pass."""
+    import dataclasses
+
+    from pisft.model import registry
     from pisft.model.pi05 import forward as pi05_forward
 
     model, frames, collate, _ = pieces
@@ -154,10 +157,12 @@ def test_a_frozen_prefix_runs_once_without_grad_with_the_joint_logits_and_gradie
             p.requires_grad_(False)
         assert pi05_forward.prefix_frozen(model.policy)
         runs = {}
-        original = pi05_forward.vlm_prefix_readout
+        spec = registry.spec_of(model.policy)  # the value model reads its prefix through pi0.5's spec
+        original = spec.value.readout
         for name, frozen in (("joint", False), ("split", True)):
-            monkeypatch.setattr(pi05_forward, "vlm_prefix_readout",
-                                lambda *a, _f=frozen, **k: original(*a, **{**k, "frozen_prefix": _f}))
+            forced = lambda *a, _f=frozen, **k: original(*a, **{**k, "frozen_prefix": _f})  # noqa: E731
+            monkeypatch.setitem(registry._REGISTRY, spec.name,  # pi0.5's entry, for this block
+                                dataclasses.replace(spec, value=dataclasses.replace(spec.value, readout=forced)))
             widths.clear()
             loss = task.loss(model, batch, {})
             loss.backward()

@@ -158,7 +158,7 @@ def test_lerobots_rtc_defaults_are_one_constant_that_the_config_the_policy_and_s
     assert dict(C.LEROBOT_RTC_DEFAULTS) == defaults
     rtc = C.from_dict({}).eval.rtc
     assert {key: getattr(rtc, key) for key in defaults} == defaults
-    assert RtcSettings() == RtcSettings.from_config(rtc) and RtcSettings().record()["lerobot_defaults"] == defaults
+    assert RtcSettings() == RtcSettings.from_config(rtc) and RtcSettings().record("x")["lerobot_defaults"] == defaults
     flags = build_parser().parse_args(["--model", "model"])
     assert (flags.rtc_execution_horizon, flags.rtc_max_guidance_weight, flags.rtc_schedule) == tuple(defaults.values())
 

@@ -78,6 +78,7 @@ class _Loader:
     def __init__(self, dataset: Path, preset: str, micro: int, seed: int) -> None:
         from pisft.data.dataset import load_split, load_stats
         from pisft.data.prompts import training_prompt_fn
+        # pi0.5's folder by design: this bench measures pi0.5's processors on pi0.5's loader
         from pisft.model.pi05.processors import pi05_processors
         from pisft.model.policy import build_policy
         from pisft.model.tokenizer import build_tiny_tokenizer
@@ -200,6 +201,7 @@ def decode_cost(dataset: Path, images: int) -> dict[str, float]:
 def host_resize_cost(batch: dict[str, Any], resolution: tuple[int, int], repeats: int) -> dict[str, Any]:
     """CPU ms per sample of LeRobot's pi0.5 image resize (`resize_with_pad_torch`, what its
     forward runs on the device) done on the host instead, both cameras."""
+    # pi0.5's folder by design: the cost of LeRobot's pi0.5 resize, measured on the host
     from pisft.model.pi05.processors import resize_with_pad_torch
     from pisft.model.policy import IMAGE_KEYS
 

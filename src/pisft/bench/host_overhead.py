@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+# pi0.5's folder by design: this bench builds pi0.5's structure (its depths) at narrow widths
 from pisft.model.pi05.construction import Arch, GemmaSize, VisionSize
 
 # pi0.5's structure (LeRobot's gemma_2b + gemma_300m, SigLIP So400m/14 at 224 px) with narrow widths.

@@ -68,7 +68,6 @@ def build_policy_for_mode(preset: str, mode: str, *, precision: str, checkpointi
     from normal(0, 0.02), the mode applied, the projections fused, trainable parameters in fp32."""
     import torch
 
-    from pisft.model.pi05.fused import fuse_decoder_projections
     from pisft.model.registry import spec_of
     from pisft.model.policy import build_random_weights
     from pisft.train import trainable as trainable_mod
@@ -77,7 +76,7 @@ def build_policy_for_mode(preset: str, mode: str, *, precision: str, checkpointi
     policy.config.device = "cpu"
     spec_of(policy).prepare_for_training(policy, checkpointing=checkpointing)
     applied = trainable_mod.apply_mode(policy, mode, trainable_mod.spec_for_mode(mode, lora_targets), seed=seed)
-    fuse_decoder_projections(policy)  # as trainable.apply_training_layout (already in bf16 here)
+    spec_of(policy).fuse_projections(policy)  # as trainable.apply_training_layout (already in bf16 here)
     for p in policy.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()  # the optimizer's fp32 master copy

@@ -292,6 +292,7 @@ class UnshardTracker:
 def decoder_q_projs(policy: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The query projection of every decoder layer (VLM and action expert; `q_proj`, or fused
     `qkv_proj`), by layer name."""
+    # pi0.5's folder by design: this bench counts pi0.5's decoder layers and projections by name
     from pisft.model.pi05.fused import query_projection
     from pisft.model.pi05.parts import EXPERT_LAYERS, PALIGEMMA_WITH_EXPERT, VLM_LAYERS, VLM_MODEL, below
 
@@ -311,6 +312,7 @@ def vision_q_projs(policy: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 def _attention_context():
     """The attention switch `pisft.train.__main__.run_stage` wraps training in (its name changed over time)."""
+    # pi0.5's folder by design: the bench runs pi0.5 and reads the switch by each of its past names
     from pisft.model.pi05 import attention
 
     for name in ("fused_joint_attention", "sdpa_joint_attention"):
@@ -470,6 +472,7 @@ def worker(spec_path: str, out_dir: str) -> int:
     for s in measured:
         sites.update(counter.by_step[s])
     vision_layers = len(vision_names)
+    # pi0.5's folder by design: the decoder layer pairs counted by pi0.5's part names
     from pisft.model.pi05.parts import below, EXPERT_NAME, LANGUAGE_MODEL, VLM_MODEL
 
     vlm = f".{below(LANGUAGE_MODEL, VLM_MODEL)}."

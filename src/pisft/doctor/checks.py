@@ -237,6 +237,7 @@ def reference_attention(q, k, v, mask, scale):
 
 
 def check_attention(node: Node) -> Check:
+    # pi0.5's folder by design: this check runs pi0.5's attention kernels at pi0.5's shapes
     from pisft.model.pi05 import attention
 
     if (bad := _unusable(node)) is not None:

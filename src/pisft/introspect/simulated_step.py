@@ -78,7 +78,7 @@ def simulate_step(make_policy: Callable[[], Any], *, world_size: int, micro_batc
     policy = make_policy()
     spec_of(policy).prepare_for_training(policy, checkpointing=checkpointing)
     plan = fsdp_plan(policy, min_unit_params)
-    sequence = {"prefix_tokens": _prefix_tokens(policy), "suffix_tokens": int(policy.config.chunk_size)}
+    sequence = {"prefix_tokens": spec_of(policy).prefix_tokens(policy), "suffix_tokens": int(policy.config.chunk_size)}
     params_total = sum(p.numel() for p in policy.parameters())
     params_bf16 = sum(p.numel() for p in policy.parameters() if p.dtype == torch.bfloat16)  # hold_frozen_in's
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -182,17 +182,6 @@ def fsdp_plan(policy, min_unit_params: int = 0) -> dict[str, int]:
     kept = sum(s for u, s in zip(units, sizes) if not getattr(u, "reshard_after_forward", True))
     return {"units": len(units), "params_root_unit": root, "params_largest_unit": max(sizes, default=0),
             "params_kept_unsharded_until_backward": kept}
-
-
-def _prefix_tokens(policy) -> int:
-    from pisft.model.pi05.parts import PALIGEMMA, part
-
-    cfg = policy.config
-    vision = part(policy, PALIGEMMA).config.vision_config
-    per_image = (cfg.image_resolution[0] // vision.patch_size) ** 2
-    n_cams = len([k for k in cfg.input_features if k.startswith("observation.images.")])
-    return n_cams * per_image + cfg.tokenizer_max_length
-
 
 
 def with_mode(make: Callable[[], Any], mode: str, spec: Any, precision: str, seed: int = 0) -> Callable[[], Any]:

@@ -38,9 +38,9 @@ def synthetic_batch(policy, micro: int, device: torch.device, seed: int) -> tupl
     h, w = cfg.image_resolution
     batch: dict[str, Any] = {k: torch.rand(micro, 3, h, w, generator=g) for k in CAMERAS}
     n_tok = cfg.tokenizer_max_length
-    from pisft.model.pi05.parts import LANGUAGE_MODEL, part
+    from pisft.model.registry import spec_of
 
-    vocab = part(policy, LANGUAGE_MODEL).embed_tokens.num_embeddings
+    vocab = spec_of(policy).vocab_size(policy)
     batch["observation.language.tokens"] = torch.randint(0, min(vocab, 1000), (micro, n_tok), generator=g)
     batch["observation.language.attention_mask"] = torch.ones(micro, n_tok, dtype=torch.bool)
     batch["observation.state"] = torch.rand(micro, 8, generator=g) * 2 - 1

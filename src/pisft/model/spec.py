@@ -32,6 +32,17 @@ class ChunkEntry:
 
 
 @dataclasses.dataclass(frozen=True)
+class ValueEntry:
+    """What the RECAP value model (pisft.recap.value_model) takes of a policy: its VLM prefix."""
+
+    strip: Callable[[Any], None]  # (policy) -> None: every part but the VLM prefix removed
+    width: Callable[[Any], int]  # (policy) -> the VLM's hidden width (the read-out token's)
+    # (policy, images, img_masks, tokens, token_mask, readout_embeds, *, frozen_prefix) -> hidden states
+    readout: Callable[..., Any]
+    layers: str  # the path of the VLM's decoder layers in the policy (one FSDP unit each)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """One model family's callables. Each takes the model's policy (an `nn.Module` with a LeRobot
     `config`) unless said otherwise."""
@@ -61,3 +72,17 @@ class ModelSpec:
     bf16_layout: Callable[[Any], int]
     # (policy) -> {part: float32 parameters} for the records of what runs in float32
     float32_parts: Callable[[Any], dict[str, int]]
+    # (policy) -> whether no parameter of its VLM prefix trains (training runs the prefix without grad)
+    prefix_frozen: Callable[[Any], bool]
+    # (policy) -> the projections fused for training (pisft.train.trainable.apply_training_layout)
+    fuse_projections: Callable[[Any], int]
+    # (policy) -> the prefix's length in tokens (images and prompt; the memory estimate's sequence)
+    prefix_tokens: Callable[[Any], int]
+    vocab_size: Callable[[Any], int]  # (policy) -> its language model's vocabulary size
+    rtc_source: str  # where its real-time chunking comes from (the RTC record's "source")
+    # (module_of, parameter name) -> [(the model's own name, first row, end row)] of a parameter fused
+    # for training (module_of(name): the module holding it), None: not fused (the export's names)
+    fused_rows: Callable[[Callable[[str], Any], str], list[tuple[str, int, int]] | None]
+    value: ValueEntry | None = None  # its VLM prefix as the RECAP value model's backbone; None: none
+    # a weight detached for training (never used by the loss), exported from the base model's file
+    detached_weight: str | None = None

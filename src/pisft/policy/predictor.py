@@ -130,13 +130,15 @@ class ChunkPredictor:
 
     def describe(self) -> dict:
         """How this model runs: precision, the compiled chunk (and its compile times), RTC."""
+        from pisft.model.registry import spec_of
+
         choice = self.compile_choice
         if self.compiled_chunk is not None:  # with the trial's decision and figures, once it ran
             compile_record = self.compiled_chunk.record()
         else:
             compile_record = choice.record() if choice is not None else {"compiled": False}
         out = {"precision": self.precision, "compile": compile_record,
-               "rtc": self.rtc.record() if self.rtc is not None else {"enabled": False}}
+               "rtc": self.rtc.record(spec_of(self.policy).rtc_source) if self.rtc is not None else {"enabled": False}}
         if self.compiled_chunk is not None:
             out["compile"]["first_call_s"] = dict(self.compiled_chunk.compile_s)
             out["compile"]["fell_back"] = self.compiled_chunk.fallen_back

@@ -49,10 +49,9 @@ class RtcSettings:
         """`eval.rtc`'s guidance keys."""
         return cls(int(rtc.execution_horizon), float(rtc.max_guidance_weight), str(rtc.schedule))
 
-    def record(self) -> dict[str, Any]:
-        from pisft.model.pi05.rtc import SOURCE
-
-        return {"enabled": True, **asdict(self), "lerobot_defaults": dict(LEROBOT_DEFAULTS), "source": SOURCE}
+    def record(self, source: str) -> dict[str, Any]:
+        """What a run records of its RTC; `source`: the model's RTC implementation (`ModelSpec.rtc_source`)."""
+        return {"enabled": True, **asdict(self), "lerobot_defaults": dict(LEROBOT_DEFAULTS), "source": source}
 
 
 def configure(policy, settings: RtcSettings) -> None:

@@ -51,9 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pisft.errors import ModelLoadError
-from pisft.model.pi05.construction import strip_to_vlm_prefix, vlm_width
-from pisft.model.pi05 import forward as pi05_forward
-from pisft.model.pi05.parts import part, VLM_LAYERS
+from pisft.model.registry import spec_of
 from pisft.model.sources import WEIGHTS_FILE
 from pisft.stages import TRAIN_VALUE
 
@@ -117,9 +115,13 @@ class ValueModel(nn.Module):
         super().__init__()
         if bins < 2:
             raise ValueError(f"a distribution over bins needs at least 2 bins, got {bins}")
-        strip_to_vlm_prefix(policy)
+        spec = spec_of(policy)
+        if spec.value is None:
+            raise ValueError(f"model {spec.name!r} has no VLM prefix for the value model (its ModelSpec.value is "
+                             f"None): RECAP's value model is built on a model that names one")
+        spec.value.strip(policy)
         self.policy = policy
-        width = vlm_width(policy)
+        width = spec.value.width(policy)
         self.bins = bins
         self.readout = nn.Embedding(1, width)
         nn.init.normal_(self.readout.weight, std=0.02)  # RLinf's cls_embedding
@@ -134,9 +136,10 @@ class ValueModel(nn.Module):
         ids = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=tokens.device)
         # A frozen prefix (recap.value_trainable: head, or no gradient wanted) runs once without
         # grad; only the read-out token runs with it (pi05.forward.vlm_prefix_readout).
-        frozen = not torch.is_grad_enabled() or pi05_forward.prefix_frozen(self.policy)
-        hidden = pi05_forward.vlm_prefix_readout(self.policy, images, img_masks, tokens,
-                                              batch[TOKEN_MASK_KEY], self.readout(ids), frozen_prefix=frozen)
+        spec = spec_of(self.policy)
+        frozen = not torch.is_grad_enabled() or spec.prefix_frozen(self.policy)
+        hidden = spec.value.readout(self.policy, images, img_masks, tokens,
+                                    batch[TOKEN_MASK_KEY], self.readout(ids), frozen_prefix=frozen)
         return self.head(hidden[:, 0]).float()
 
     def backbone_parameters(self) -> list[nn.Parameter]:
@@ -152,9 +155,10 @@ class ValueModel(nn.Module):
         read-out token, the head and the tied embedding stay in the root."""
         from pisft.train import fsdp
 
+        layers = spec_of(self.policy).value.layers
         units = fsdp.prefix_units(self, "policy.")
-        units += [fsdp.Unit(f"policy.{VLM_LAYERS}.{i}", "decoder", (layer,))
-                  for i, layer in enumerate(part(self.policy, VLM_LAYERS))]
+        units += [fsdp.Unit(f"policy.{layers}.{i}", "decoder", (layer,))
+                  for i, layer in enumerate(self.policy.get_submodule(layers))]
         return units
 
 

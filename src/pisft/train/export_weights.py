@@ -34,8 +34,7 @@ from typing import Any
 import torch
 
 from pisft.model import weights as weights_mod
-from pisft.model.pi05.fused import split_rows
-from pisft.model.pi05.parts import EXPERT_HEAD
+from pisft.model.registry import spec_of
 from pisft.model.sources import WEIGHTS_FILE
 
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B)\.default\.weight$")
@@ -95,11 +94,12 @@ def policy_sources(model: torch.nn.Module, base_weights: Path,
             lora.setdefault(m["module"], {})[m["ab"]] = t
     tied_drop = {n for group in weights_mod.tied_groups(model) for n in group[1:]}
     sources: dict[str, Source] = {}
+    model_spec = spec_of(model)
     modules = dict(model.named_modules())
     for name, t in state.items():
         if name in tied_drop or _LORA.match(name):
             continue
-        parts = split_rows(lambda n: modules[n.rsplit(".", 1)[0]], name)
+        parts = model_spec.fused_rows(lambda n: modules[n.rsplit(".", 1)[0]], name)
         if parts is not None:  # a fused projection: LeRobot's separate tensors, each its rows
             for plain, start, end in parts:
                 frozen = not t.requires_grad and plain in in_base
@@ -117,8 +117,9 @@ def policy_sources(model: torch.nn.Module, base_weights: Path,
             sources[plain] = Source("frozen", None, in_base[plain])
         else:
             sources[plain] = Source("trained", t)
-    if not prefix and EXPERT_HEAD not in sources and EXPERT_HEAD in in_base:  # detached for training
-        sources[EXPERT_HEAD] = Source("frozen", None, in_base[EXPERT_HEAD])
+    head = model_spec.detached_weight
+    if head is not None and not prefix and head not in sources and head in in_base:  # detached for training
+        sources[head] = Source("frozen", None, in_base[head])
     return sources, where
 
 
@@ -201,13 +202,14 @@ def _read_base(where: dict[str, Path], file_name: str) -> torch.Tensor:
 def adapter_sources(model: torch.nn.Module, spec) -> dict[str, Source]:
     """PEFT's adapter file names -> where each value comes from: LoRA A/B and the fully trained
     modules, a fused projection of one (rlinf's expert) as LeRobot's separate tensors (its rows)."""
+    model_spec = spec_of(model)
     modules = dict(model.named_modules())
     out: dict[str, Source] = {}
     for name, p in model.named_parameters():
         if _LORA.match(name):
             out[PEFT_PREFIX + name.replace(".default.weight", ".weight")] = Source("trained", p)
         elif spec.trains_in_full(name):
-            parts = split_rows(lambda n: modules[n.rsplit(".", 1)[0]], name)
+            parts = model_spec.fused_rows(lambda n: modules[n.rsplit(".", 1)[0]], name)
             for plain, start, end in parts or [(name, None, None)]:
                 out[PEFT_PREFIX + plain] = Source("trained", p, rows=None if parts is None else (start, end))
     return out
@@ -221,8 +223,10 @@ def write_adapter(model: torch.nn.Module, spec, base_dir: Path, out_dir: Path | 
     # A fully trained expert (rlinf) is saved whole (PEFT's modules_to_save), its lm_head too, which
     # training detached (never used, never trained): the base's tensor, as the merged export carries it.
     in_base = {weights_mod.lerobot_name(n): n for n in where}
-    if spec.trains_in_full(EXPERT_HEAD) and PEFT_PREFIX + EXPERT_HEAD not in sources and EXPERT_HEAD in in_base:
-        sources[PEFT_PREFIX + EXPERT_HEAD] = Source("frozen", None, in_base[EXPERT_HEAD])
+    head = spec_of(model).detached_weight
+    if (head is not None and spec.trains_in_full(head) and PEFT_PREFIX + head not in sources
+            and head in in_base):
+        sources[PEFT_PREFIX + head] = Source("frozen", None, in_base[head])
     file_specs = base_specs(where)
     specs = {n: _spec(s, file_specs) for n, s in sources.items()}
 

@@ -62,10 +62,10 @@ from pisft.config import (LEROBOT_FREEZE_FLAGS, LORA_TARGETS, TRAINABLE_MODELS, 
                           trainable_mode)
 from pisft.config import TRAINABLE_MODES as MODES
 from pisft.config import VALUE_TRAINABLE_MODES as VALUE_MODES
-from pisft.model.pi05.forward import prefix_frozen
 from pisft.model.pi05.parts import (EXPERT, EXPERT_LAYERS, EXPERT_NAME, PALIGEMMA, PALIGEMMA_WITH_EXPERT, PROJECTOR,
                                     VISION_TOWER, VLM_LAYERS, below, in_core, lerobot_targets, part)
 from pisft.model.pi05.precision import LEROBOT_FP32
+from pisft.model.registry import spec_of
 
 __all__ = ["LORA_TARGETS", "MODES", "VALUE_MODES"]
 
@@ -293,7 +293,8 @@ def apply_mode(model: nn.Module, mode: str, spec: LoraSpec | None = None, *, see
         trained += p.numel() if want else 0
     if entry.lora and not any(_LORA_PARAM.search("." + n) for n, _ in model.named_parameters()):
         raise RuntimeError(f"train.lora_targets: {spec.preset}: no module matched {spec.target_modules}")
-    frozen = prefix_frozen(model.policy if value_model else model)
+    policy = model.policy if value_model else model
+    frozen = spec_of(policy).prefix_frozen(policy)
     if entry.prefix_frozen is not None and frozen != entry.prefix_frozen:
         raise RuntimeError(f"mode {mode}: its entry says the VLM prefix is {'' if entry.prefix_frozen else 'not '}"
                            f"frozen, but {'every' if frozen else 'some'} VLM parameter is "
@@ -309,11 +310,9 @@ def apply_training_layout(model: nn.Module, mode: str, spec: LoraSpec | None, *,
     trains or freezes as one (`pi05.fused.fuse_decoder_projections`; the value model's VLM
     runs LeRobot's own forward, never fused), frozen parameters held in the training precision
     (`hold_frozen_in`). Before sharding. Returns (the mode applied, the parameters cast to bf16)."""
-    from pisft.model.pi05.fused import fuse_decoder_projections
-
     applied = apply_mode(model, mode, spec, seed=seed, value_model=value_model)
     if not value_model:
-        fuse_decoder_projections(model)
+        spec_of(model).fuse_projections(model)
     return applied, hold_frozen_in(model, precision)
 
 

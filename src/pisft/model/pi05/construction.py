@@ -186,6 +186,11 @@ def vlm_width(policy) -> int:
     return int(policy.model.paligemma_with_expert.paligemma.model.language_model.config.hidden_size)
 
 
+def vlm_vocab(policy) -> int:
+    """The VLM's vocabulary size (its token embedding's rows)."""
+    return policy.model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.num_embeddings
+
+
 def build_on_meta(make: Any, config) -> Any:
     """Run `make(config)` (PI05Policy) on the meta device: no memory is allocated."""
     saved = config.device

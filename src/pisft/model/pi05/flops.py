@@ -28,8 +28,8 @@ from torch import nn
 
 from pisft.model.pi05.forward import prefix_frozen
 from pisft.model.pi05.fused import attention_projections, query_width
-from pisft.model.pi05.parts import (CORE, EXPERT_LAYERS, LANGUAGE_MODEL, PROJECTOR, VISION_MODEL, VISION_TOWER,
-                                    VLM_LAYERS, part)
+from pisft.model.pi05.parts import (CORE, EXPERT_LAYERS, LANGUAGE_MODEL, PALIGEMMA, PROJECTOR, VISION_MODEL,
+                                    VISION_TOWER, VLM_LAYERS, part)
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,16 @@ def _shape(policy: nn.Module, *, lang_tokens: int) -> _Shape:
     return _Shape(part(policy, CORE), part(policy, PROJECTOR), part(policy, VISION_MODEL),
                   vcfg.patch_size, p_tokens, vcfg.hidden_size, n_images, part(policy, VLM_LAYERS),
                   part(policy, EXPERT_LAYERS), n_images * p_tokens + lang_tokens, policy.config.chunk_size)
+
+
+def prefix_tokens(policy: nn.Module) -> int:
+    """The prefix's length in tokens: each camera's image patches at the config's image resolution
+    and the prompt's `tokenizer_max_length` (the memory estimate's sequence)."""
+    cfg = policy.config
+    vision = part(policy, PALIGEMMA).config.vision_config
+    per_image = (cfg.image_resolution[0] // vision.patch_size) ** 2
+    n_cams = len([k for k in cfg.input_features if k.startswith("observation.images.")])
+    return n_cams * per_image + cfg.tokenizer_max_length
 
 
 def _linear_macs(module: nn.Module) -> int:
