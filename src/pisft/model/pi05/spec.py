@@ -10,7 +10,6 @@ from pisft.model.pi05.parts import EXPERT_HEAD, VLM_LAYERS
 from pisft.model.spec import ChunkEntry, ModelSpec, ValueEntry
 
 
-
 def build(preset: str, *, seed: int, device: str = "cpu", dtype=None):
     """A randomly initialised PI05Policy of `preset` (pisft.model.policy.build_policy). Imported when
     called: pisft.model.policy's imports (rich among them, which draws from Python's global random
