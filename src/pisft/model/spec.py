@@ -20,6 +20,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+
 @dataclasses.dataclass(frozen=True)
 class ChunkEntry:
     """How a compiled program takes a policy's action chunks (pisft.policy.compiled)."""
@@ -27,7 +28,8 @@ class ChunkEntry:
     install: Callable[[Any, Callable], None]  # (policy, fn): every chunk runs fn in place of the model's own
     own: Callable[[Any], Callable]  # (policy) -> the model's own chunk function, bound
     pieces: Callable[[Any], dict[str, Callable]]  # (policy) -> its model calls of a guided (RTC) chunk
-    pieces_installed: Callable[[Any, dict], AbstractContextManager]  # (policy, compiled pieces) -> bool
+    pieces_installed: Callable[[Any, dict], AbstractContextManager]  # (policy, compiled pieces) -> context yielding
+    # whether the denoising steps are the compiled ones (not while a guidance hook holds them)
     velocity_hooked: Callable[[Any], bool]  # (policy): a guidance hook holds its denoising step now
 
 
