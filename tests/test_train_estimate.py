@@ -237,7 +237,7 @@ def test_the_measurement_counts_live_tensor_storage_on_real_tensors():
     a freed storage and FSDP's resize_ to 0 and back are followed."""
     import torch
 
-    from pisft.introspect.estimate import StepMemory
+    from pisft.introspect.step_memory import StepMemory
 
     held = torch.zeros(1000)  # exists before: the baseline, not counted
     tracker = StepMemory()

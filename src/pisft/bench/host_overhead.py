@@ -82,7 +82,7 @@ def count(preset: str, trainable: str, layout: str, compile_mode: str, *, fake: 
     from pisft.train.policy_task import PolicyTask
     from pisft.train.step import StepSettings, micro_step, repeat, train_step
 
-    from pisft.introspect.estimate import fake_world, to_fake
+    from pisft.introspect.simulated_step import fake_world, to_fake
 
     cpu = torch.device("cpu")
     policy = _policy(preset, "meta" if fake else "cpu")

@@ -94,7 +94,7 @@ def measure_mode(preset: str, mode: str, *, micro_batch: int = 1, precision: str
 
     from pisft import device as devices
     from pisft.config import trainable_mode
-    from pisft.introspect.estimate import StepMemory
+    from pisft.introspect.step_memory import StepMemory
     from pisft.introspect.synthetic import synthetic_batch
     from pisft.model.policy import save_model
     from pisft.model.tokenizer import save_tiny_tokenizer

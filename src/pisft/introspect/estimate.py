@@ -76,8 +76,6 @@ from pisft.model import policy as policy_mod
 
 # Their home is simulated_step / step_memory; named from here by measure's --help, the benches
 # and the tests:
-from pisft.introspect.simulated_step import fake_world, to_fake  # noqa: F401
-from pisft.introspect.step_memory import StepMemory  # noqa: F401
 
 # ------------------------------------------------------------------------------------------------
 # The configured run

@@ -14,7 +14,7 @@ builds it, `zero_grad(set_to_none=True)`. Inputs are a synthetic preprocessed ba
 
 The figure compared with the estimate is **live tensor storage**, counted by the measurement
 itself: after a warm-up step at micro batch 1 (optimizer state allocated, FSDP initialised,
-gradients freed), one full step runs under a storage tracker (`pisft.introspect.estimate.StepMemory`,
+gradients freed), one full step runs under a storage tracker (`pisft.introspect.step_memory.StepMemory`,
 a dispatch mode that sees every tensor storage an operator creates, FSDP's `resize_` of its
 unsharded parameters, and each storage's release), on real tensors with real kernels and a real
 gloo group. `step_peak_bytes` is the largest sum of the storages the step created and still
@@ -67,7 +67,7 @@ def measure(preset: str, micro_batch: int, checkpointing: bool, precision: str =
     from torch.distributed.device_mesh import init_device_mesh
 
     from pisft import device as devices
-    from pisft.introspect.estimate import StepMemory
+    from pisft.introspect.step_memory import StepMemory
     from pisft.introspect.synthetic import build_random_policy, synthetic_batch
     from pisft.tensors import local_bytes, optimizer_state
     from pisft.train import fsdp, optim
