@@ -273,7 +273,7 @@ def probe(suite_name: str = "libero_10", task_id: int = 0, steps: int = 30) -> i
         print(f"  {label:<22} wall {time.perf_counter() - w:7.2f} s   cpu {time.process_time() - c:7.2f} s", flush=True)
         return out
 
-    from pisft.evaluate import libero_sim
+    from pisft.rollout import libero_sim
 
     print(f"probe: {suite_name} task {task_id}, MUJOCO_GL={os.environ['MUJOCO_GL']}", flush=True)
     sim = timed("import LIBERO", libero_sim.LiberoSimulator)

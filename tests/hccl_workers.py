@@ -91,7 +91,8 @@ def train(config: str, results_dir: str, ckpt_dir: str) -> dict:
     from pisft import device as devices
     from pisft.introspect import collective_audit
     from pisft.train import loop
-    from pisft.train.checkpoint import CheckpointManager, run_fingerprint
+    from pisft.train.checkpoint import CheckpointManager
+    from pisft.train.run_folders import run_fingerprint
     from pisft.train.batches import make_loader
     from pisft.train.run import loop_settings, lr_scheduler
     from pisft.train.job import Context, build, make_sampler

@@ -127,7 +127,7 @@ def test_training_stages_track_log_every_and_deterministic():
 
 
 def test_data_augment_is_a_training_key_of_every_stage_that_trains():
-    from pisft.train.checkpoint import run_fingerprint
+    from pisft.train.run_folders import run_fingerprint
     from pisft.train.run_folders import value_fingerprint
     from pisft.stages import STAGE_KEYS, TRAINING_STAGES
 

@@ -44,7 +44,7 @@ def test_the_run_fingerprints_hold_what_changes_the_computation_and_not_how_it_i
     value = set(config.fingerprint_keys(config.VALUE_RUN))
     every = config.all_keys()
     # `model` and `data` enter whole, a key added there included, less the input they name or make
-    # (its content is hashed: pisft.train.checkpoint.inputs_fingerprint)
+    # (its content is hashed: pisft.train.run_folders.inputs_fingerprint)
     for key in every:
         if key.startswith(("model.", "data.")):
             inputs = key == "data.recap_dir" or key.startswith("data.demo_")

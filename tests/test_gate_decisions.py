@@ -168,7 +168,7 @@ def test_the_compile_mode_a_run_executes_is_its_identity(tmp_path):
     """A finished eager run is not resumed by a compiled one (issue 56): the mode the steps run in,
     `auto` as the gate decided it, is in the run fingerprint, hence the run folder."""
     from pisft.train import run_folders
-    from pisft.train.checkpoint import run_fingerprint
+    from pisft.train.run_folders import run_fingerprint
 
     auto = config_mod.load(CONFIG, [f"results_dir={tmp_path}"])
     off = config_mod.load(CONFIG, [f"results_dir={tmp_path}", "train.compile=off"])

@@ -229,7 +229,7 @@ def test_the_base_models_identity_is_its_weights_and_source_not_the_config_that_
     pisft_config.json (every key): a fetch_base rerun after an unrelated change started a fresh
     training run, and the checkpoint's base record would have called it another model."""
     from pisft.base_identity import base_record, same_base
-    from pisft.train.checkpoint import checkpoint_root, run_fingerprint
+    from pisft.train.run_folders import checkpoint_root, run_fingerprint
 
     def cfg(**eval_keys):
         return from_dict({"results_dir": str(tmp_path / "results"), "model": {"source": str(src)},

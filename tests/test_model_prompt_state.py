@@ -89,7 +89,7 @@ def test_config_key_and_an_openpi_source_that_says(tmp_path):
     assert config_mod.from_dict({}).model.state_in_prompt is True
     cfg = config_mod.from_dict({"results_dir": str(tmp_path), "model": {"state_in_prompt": False}})
     assert cfg.model.state_in_prompt is False
-    from pisft.train.checkpoint import run_fingerprint  # a fresh run folder for the other form
+    from pisft.train.run_folders import run_fingerprint  # a fresh run folder for the other form
     assert run_fingerprint(cfg)["model.state_in_prompt"] is False
     # an openpi conversion whose config.json carries discrete_state_input: recorded as the source's
     raw = {"action_horizon": 10, "action_dim": 32, "paligemma_variant": "gemma_2b",

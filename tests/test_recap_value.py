@@ -397,7 +397,7 @@ def test_the_value_model_starts_from_the_model_recap_value_init_names(inputs, tm
 
     from pisft.errors import PisftError
     from pisft.recap.value_training import _pieces
-    from pisft.train.checkpoint import inputs_fingerprint
+    from pisft.train.run_folders import inputs_fingerprint
     from pisft.train.run_folders import value_checkpoint_root, value_fingerprint
 
     os.symlink(inputs / "base_model", tmp_path / "base_model")

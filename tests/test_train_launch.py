@@ -367,3 +367,28 @@ def test_rank0_lines_reach_the_console_while_torchrun_runs(tmp_path, monkeypatch
     assert console.lines == ["[train_8card] step 10/150 (7%) loss 0.5\n", "[default1]:a line of rank 1\n"]
     assert (tmp_path / "launcher.log").read_text().splitlines() == [
         "[default0]:[train_8card] step 10/150 (7%) loss 0.5", "[default1]:a line of rank 1"]
+
+
+def test_the_launcher_never_imports_torch(tmp_path):
+    """`pisft launch` (cli -> pisft.train.launch) reads its stage's run folder (the lock's,
+    pisft.train.run_folders) and the device row's environment without torch: the torchrun it starts
+    and the workers import it, the launcher would pay its import (about 2 CPU s) once more per
+    stage launch."""
+    script = f"""
+import argparse, sys
+from pisft import cli, config
+from pisft import device as devices
+from pisft.train import launch
+cfg = config.load({str(CONFIG)!r}, ["results_dir={tmp_path}/results"])
+for stage in ("smoke_1card", "train_8card", "train_value"):
+    assert cli._running_trainer(argparse.Namespace(stage=stage, config={str(CONFIG)!r}, iteration=0,
+                                overrides=["results_dir={tmp_path}/results"])) is None
+    launch.torchrun_command(stage, cfg, {str(CONFIG)!r}, [], launch.Path("{tmp_path}/logs"), None)
+env = devices.process_env(devices.resolve_kind(cfg.device), nproc_per_node=2, force_threads=True)
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", f"the launcher imported torch: {out.stdout[:300]}"

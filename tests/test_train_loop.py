@@ -300,7 +300,7 @@ def test_checkpoint_of_another_configuration_is_refused(tmp_path):
 
 def test_checkpoint_folder_follows_the_run_settings_not_the_world_size(tmp_path):
     from pisft import config as config_mod
-    from pisft.train.checkpoint import checkpoint_root, other_runs
+    from pisft.train.run_folders import checkpoint_root, other_runs
 
     def cfg(**train):
         return config_mod.from_dict({"results_dir": str(tmp_path), "train": train})
@@ -547,20 +547,20 @@ def _cfg_with(tmp_path, section=None, values=None):
 
 @pytest.mark.parametrize("section, values", MATH_CHANGES, ids=lambda v: str(v))
 def test_a_setting_that_changes_the_math_starts_a_fresh_run(tmp_path, section, values):
-    from pisft.train.checkpoint import checkpoint_root
+    from pisft.train.run_folders import checkpoint_root
 
     assert checkpoint_root(_cfg_with(tmp_path, section, values)) != checkpoint_root(_cfg_with(tmp_path))
 
 
 @pytest.mark.parametrize("section, values", NOT_MATH, ids=lambda v: str(v))
 def test_a_setting_that_keeps_the_math_resumes(tmp_path, section, values):
-    from pisft.train.checkpoint import checkpoint_root
+    from pisft.train.run_folders import checkpoint_root
 
     assert checkpoint_root(_cfg_with(tmp_path, section, values)) == checkpoint_root(_cfg_with(tmp_path))
 
 
 def test_changed_input_content_starts_a_fresh_run(tmp_path):
-    from pisft.train.checkpoint import checkpoint_root
+    from pisft.train.run_folders import checkpoint_root
 
     cfg = _cfg_with(tmp_path)
     base, data = tmp_path / "base_model", tmp_path / "dataset"

@@ -112,7 +112,7 @@ def test_training_draws_by_the_datasets_record_and_a_new_weight_is_a_new_run(tmp
     of the run's fingerprint (a changed weight never resumes the old run), as is the balancing key."""
     from pisft import config
     from pisft.data.source_weights import SourceSampling
-    from pisft.train.checkpoint import checkpoint_root
+    from pisft.train.run_folders import checkpoint_root
     from pisft.train.job import make_sampler
 
     cfg = config.from_dict({"results_dir": str(tmp_path), "train": {"micro_batch_size": 4, "global_batch_size": 8}})

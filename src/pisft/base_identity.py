@@ -10,7 +10,7 @@ them made a `fetch_base` rerun after an unrelated config change another base mod
 fresh training run (issue 56).
 
 Two readers use it:
-- the run fingerprint (`pisft.train.checkpoint.inputs_fingerprint`): a checkpoint resumes only
+- the run fingerprint (`pisft.train.run_folders.inputs_fingerprint`): a checkpoint resumes only
   a run that starts from the same model;
 - `base_record`: a trainable-only checkpoint (`pisft.train.checkpoint`) and a value model saved
   without its frozen backbone (`pisft.recap.value_model`) hold only what trained; the rest is

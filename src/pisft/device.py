@@ -28,11 +28,16 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, NoReturn
-
-import torch
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pisft.errors import DeviceError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a function needs it, not by this module: the launcher (`pisft launch`)
+# reads its device row and environment here and never needs torch itself (its import is about
+# 2 CPU s, paid again by every stage launch). A process that trains imports torch anyway.
 
 # Ascend runtime defaults for training processes (each overridable by the user's environment).
 ASCEND_ENV_DEFAULTS: dict[str, str] = {
@@ -86,6 +91,8 @@ def enable_determinism(kind: str, env: MutableMapping[str, str] | None = None) -
     env = os.environ if env is None else env
     changed = {k: v for k, v in deterministic_env(kind).items() if k not in env}
     env.update(changed)
+    import torch
+
     torch.use_deterministic_algorithms(True)
     return changed
 
@@ -101,6 +108,8 @@ def _torch_npu_installed() -> bool:
 
 def _import_torch_npu() -> ModuleType:
     """Import torch_npu (which registers `torch.npu`) and return `torch.npu`."""
+    import torch
+
     try:
         importlib.import_module("torch_npu")
     except Exception as exc:  # noqa: BLE001 - ImportError, or a broken CANN install raising anything
@@ -144,6 +153,8 @@ def _check_npu() -> None:
 
 
 def _check_cuda() -> None:
+    import torch
+
     if not torch.cuda.is_available():
         raise DeviceError(
             "device 'cuda' requested but torch.cuda.is_available() is False here. Check "
@@ -180,6 +191,8 @@ def _npu_profiler() -> Any:
 
 
 def _cuda_synchronize(device: torch.device | None) -> None:
+    import torch
+
     torch.cuda.synchronize(device)  # None: the current device
 
 
@@ -201,6 +214,13 @@ def _hccl_buffer_bytes(env: Mapping[str, str]) -> int:
     except ValueError:
         mb = HCCL_BUFFSIZE_DEFAULT_MB
     return 2 * mb * 2**20
+
+
+def _torch() -> ModuleType:
+    """torch, imported on first use (a device row's lambdas)."""
+    import torch
+
+    return torch
 
 
 def _always() -> bool:
@@ -262,6 +282,8 @@ class DeviceRow:
 
     def torch_device(self, index: int = 0) -> torch.device:
         """The torch device of card `index` (the CPU: `cpu`, without an index); selects nothing."""
+        import torch
+
         return torch.device(self.kind, index) if self.accelerator else torch.device("cpu")
 
 
@@ -306,7 +328,7 @@ ROWS: dict[str, DeviceRow] = {
                           "HOST_CACHE_CAPACITY", "TASK_QUEUE_ENABLE"),
         runtime_default_env=("HCCL_EXEC_TIMEOUT",), bench_profile="ascend-8card.yaml"),
     "cuda": DeviceRow(
-        "cuda", "nccl", module=lambda: torch.cuda, found=lambda: torch.cuda.is_available(), check=_check_cuda,
+        "cuda", "nccl", module=lambda: _torch().cuda, found=lambda: _torch().cuda.is_available(), check=_check_cuda,
         init_with_device_id=True,
         # cuBLAS is deterministic only with a fixed workspace configuration (CUDA docs, "Results
         # reproducibility"); torch.use_deterministic_algorithms(True) raises without it.
@@ -314,7 +336,7 @@ ROWS: dict[str, DeviceRow] = {
         compile_mode=CUDA_GRAPH_MODE, peak_flops=_peaks("cuda"), profiler=_cuda_profiler,
         profiler_activity="CUDA",
         launch_calls=("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch"),
-        synchronize=_cuda_synchronize, runtime_version=lambda: f"CUDA {torch.version.cuda}"),
+        synchronize=_cuda_synchronize, runtime_version=lambda: f"CUDA {_torch().version.cuda}"),
     "cpu": DeviceRow("cpu", "gloo", compile_trial=False, bf16_inference=False),
 }
 
@@ -343,7 +365,8 @@ def host_only(requested: str) -> bool:
 def on_host(device: torch.device | str) -> bool:
     """Whether a torch device, a device name (`cuda:0`) or a kind is the host's CPU; False for a
     type without a row (meta)."""
-    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    torch = sys.modules.get("torch")  # without torch imported, no torch device exists
+    kind = device.type if torch is not None and isinstance(device, torch.device) else str(device).split(":")[0]
     found = ROWS.get(kind)
     return found is not None and not found.accelerator
 
@@ -379,6 +402,8 @@ def local_rank(env: Mapping[str, str] | None = None) -> int:
 def local_device(kind: str, rank: int | None = None) -> torch.device:
     """The device of this process (`npu:<LOCAL_RANK>`, `cuda:<LOCAL_RANK>` or cpu); selects it."""
     rank = local_rank() if rank is None else rank
+    import torch
+
     module = row(kind).module
     if module is None:
         return torch.device("cpu")
@@ -449,6 +474,8 @@ def threads_per_process(nproc_per_node: int, base: Mapping[str, str] | None = No
 def intra_op_threads(threads: int) -> Iterator[None]:
     """torch's intra-op CPU threads at `threads` inside, the caller's count back after (also when
     what runs inside fails). Threads started inside keep the count they started with."""
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -584,7 +611,8 @@ def reset_peak_memory(kind: str) -> None:
 def out_of_memory(exc: BaseException) -> bool:
     """Whether `exc` is the device running out of memory: torch's OutOfMemoryError (CUDA), or an
     error whose text says so (torch_npu raises a RuntimeError with "out of memory" in it)."""
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    torch = sys.modules.get("torch")  # without torch imported, no OutOfMemoryError was raised
+    return (torch is not None and isinstance(exc, torch.OutOfMemoryError)) or "out of memory" in str(exc).lower()
 
 
 def peak_memory_bytes(kind: str) -> int:

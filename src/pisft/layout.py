@@ -105,7 +105,7 @@ class Iteration:
 
     def checkpoints_of(self, stage: Stage) -> Path:
         """A resuming training stage's run folders, one per run fingerprint
-        (`pisft.train.checkpoint.run_folder`): named as its output folder."""
+        (`pisft.train.run_folders.run_folder`): named as its output folder."""
         assert stage.resumable, stage.name
         return self.checkpoints / stage.folder
 

@@ -62,7 +62,7 @@ from pisft.recap.value_task import ValueTask
 from pisft.stages import CONVERT_RECAP, FETCH_BASE, TRAIN_8CARD
 from pisft.train import decisions, fsdp, optim
 from pisft.base_identity import base_record
-from pisft.train.checkpoint import run_folder
+from pisft.train.run_folders import run_folder
 from pisft.train.run import RunPlan, run_plan
 from pisft.train.job import Built, Context, apply_trainable, frozen_in_bf16, in_turns
 

@@ -13,7 +13,7 @@ chosen values (`for_training`), and so do the RECAP value model's stages, which 
 model (the policy's VLM prefix with a head) on the same device after it; the launcher refused the
 run before if the report is missing, failed or was made with other settings
 (pisft.train.launch.check_smoke_report). The chosen compile mode is part of the run's identity
-(pisft.train.checkpoint.run_fingerprint, `resolved_compile`); the micro batch and checkpointing
+(pisft.train.run_folders.run_fingerprint, `resolved_compile`); the micro batch and checkpointing
 are recorded per step range (pisft.train.step_record), and a resumed `auto` run keeps the micro
 batch it started with where it fits (pisft.train.run).
 """

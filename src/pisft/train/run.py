@@ -21,7 +21,8 @@ from pisft import config as config_mod
 from pisft.errors import PisftError
 from pisft.train import decisions, loop, optim, step_record
 from pisft.base_identity import base_record
-from pisft.train.checkpoint import CheckpointManager, checkpoint_root, other_runs, run_fingerprint
+from pisft.train.checkpoint import CheckpointManager
+from pisft.train.run_folders import checkpoint_root, other_runs, run_fingerprint
 from pisft.train.batches import make_loader, resolve_workers
 from pisft.data.augment import augment_record, make_augment
 from pisft.train.ema import ema_record, make_ema
@@ -186,7 +187,7 @@ def _train(ctx: Context, plan: RunPlan, built, scheduler, resolved: dict,
     others = other_runs(cfg, ckpt_root)
     if others and ctx.is_main:
         ctx.log(f"checkpoints of {len(others)} earlier run(s) this one cannot resume (other settings, inputs or "
-                f"parameter layout: pisft.train.checkpoint.run_fingerprint) are kept in "
+                f"parameter layout: pisft.train.run_folders.run_fingerprint) are kept in "
                 f"{ckpt_root.parent} ({', '.join(p.name for p in others)}); delete them to free space")
     metrics_log = MetricsLog(ckpt_root / layout.TRAIN_METRICS_FILE)
     if ctx.is_main:
