@@ -1,11 +1,12 @@
 """The model registry (pisft.model.registry, pisft.model.spec): a throwaway model of another shape
 registers its spec, as tests/test_stages.py registers a throwaway stage, and pisft's training step,
-its FLOP count, the compiled chunk, the precision records and real-time chunking reach it through
-the registry alone.
+its FLOP count, its FSDP2 units (pisft.train.fsdp shards what the spec's `fsdp_units` lists, and a
+step of the sharded toy is the unsharded one's), the compiled chunk, the precision records and
+real-time chunking reach it through the registry alone.
 
 Not followed here (they still ask pi0.5's folder, not the registry): config validation
-(`model.preset`'s choices), the memory estimate and FSDP units (pisft.train.fsdp), the trainable
-modes, the smoke gate, export and the stages' load/save (pisft.model.policy)."""
+(`model.preset`'s choices), the memory estimate, the trainable modes, the smoke gate, export and the
+stages' load/save (pisft.model.policy)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torch import nn
 from pisft.errors import PisftError
 from pisft.model import registry
 from pisft.model.spec import ChunkEntry, ModelSpec
+from pisft.model.units import Unit
 
 NAME, PRESET = "toy_flow", "toy_small"
 CHUNK, ACTION_DIM, WIDTH, VOCAB = 4, 3, 16, 11
@@ -136,6 +138,12 @@ def no_pieces(policy, pieces):
     yield False
 
 
+def toy_units(policy):
+    """The toy's FSDP2 units in forward order: the image projection, then the MLP; the token
+    embedding stays in the root."""
+    return [Unit("model.image", "vision", (policy.model.image,)), Unit("model.net", "decoder", (policy.model.net,))]
+
+
 def no_rtc(policy, settings):
     raise PisftError(f"{NAME} has no real-time chunking")
 
@@ -154,7 +162,7 @@ TOY = ModelSpec(
     weights_dtype=lambda policy: policy.model.net[0].weight.dtype,
     bf16_layout=lambda policy: 0,
     float32_parts=lambda policy: {"model": sum(p.numel() for p in policy.parameters() if p.dtype == torch.float32)},
-    prefix_frozen=lambda policy: False, fuse_projections=lambda policy: 0,
+    prefix_frozen=lambda policy: False, fsdp_units=toy_units, fuse_projections=lambda policy: 0,
     prefix_tokens=lambda policy: len(policy.config.image_features) + 1,  # each camera and the prompt pooled to one
     vocab_size=lambda policy: policy.model.embed.num_embeddings, rtc_source="none (the toy has no RTC)",
     fused_rows=lambda module_of, name: None,
@@ -244,3 +252,42 @@ def test_real_time_chunking_asks_the_spec(toy):
 
     with pytest.raises(PisftError, match=f"{NAME} has no real-time chunking"):
         rtc.configure(toy.build(PRESET, seed=0), rtc.RtcSettings())
+
+
+def test_the_fsdp_units_are_the_specs_and_a_sharded_step_is_the_unsharded_one(toy, one_process_group):
+    """pisft.train.fsdp shards the units the toy's spec lists (in its order, the embedding left to the
+    root), and a training step of the sharded toy (world size 1) gives the unsharded twin's loss and
+    weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from pisft.train import fsdp
+    from pisft.train.policy_task import PolicyTask
+    from pisft.train.step import StepSettings, train_step
+
+    cpu = torch.device("cpu")
+    sharded, plain = (toy.build(PRESET, seed=0) for _ in range(2))
+    units = fsdp.distribute(sharded, init_device_mesh("cpu", (1,)), "fp32", cpu, keep_sharded=True, min_params=0)
+    assert [(u.name, u.group) for u in units] == [("model.image", "vision"), ("model.net", "decoder")]
+    assert [u.modules for u in units] == [(sharded.model.image,), (sharded.model.net,)]
+    assert all(isinstance(m, FSDPModule) for m in (sharded, sharded.model.image, sharded.model.net))
+    assert not isinstance(sharded.model.embed, FSDPModule)
+    assert all(isinstance(p, DTensor) for p in sharded.parameters())
+    report = fsdp.sharding_report(sharded, None, units)
+    assert report["root_only_params"] == VOCAB * WIDTH  # the token embedding
+    # the CPU's floor merges within a group only: each of the toy's two groups alone is left to the root
+    assert fsdp.choose_units(plain, 10_000) == []
+    assert [u.name for u in fsdp.choose_units(plain, 1)] == ["model.image", "model.net"]
+    outcomes = []
+    for policy in (sharded, plain):
+        toy.prepare_for_training(policy, checkpointing=False)
+        batch, rand = _batch()
+        optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+        outcomes.append(train_step(policy, optimizer, PolicyTask(policy, None, cpu), lambda b=batch, r=rand: (b, r),
+                                   StepSettings(1, 1.0, "cpu", cpu)))
+    assert float(outcomes[0].loss_sum) == float(outcomes[1].loss_sum)
+    assert float(outcomes[0].grad_norm) == pytest.approx(float(outcomes[1].grad_norm), rel=1e-6)
+    for (name, got), want in zip(sharded.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(got.full_tensor(), want, rtol=1e-6, atol=1e-7, msg=name)
+    assert not torch.equal(plain.model.net[0].weight, toy.build(PRESET, seed=0).model.net[0].weight)  # it trained

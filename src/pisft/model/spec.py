@@ -41,7 +41,9 @@ class ValueEntry:
     width: Callable[[Any], int]  # (policy) -> the VLM's hidden width (the read-out token's)
     # (policy, images, img_masks, tokens, token_mask, readout_embeds, *, frozen_prefix) -> hidden states
     readout: Callable[..., Any]
-    layers: str  # the path of the VLM's decoder layers in the policy (one FSDP unit each)
+    # (model, lead) -> the FSDP2 units (pisft.model.units.Unit) of the value model `model`, whose policy
+    # is at `lead` in it ("policy."), in forward order
+    fsdp_units: Callable[[Any, str], list]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,9 @@ class ModelSpec:
     float32_parts: Callable[[Any], dict[str, int]]
     # (policy) -> whether no parameter of its VLM prefix trains (training runs the prefix without grad)
     prefix_frozen: Callable[[Any], bool]
+    # (policy) -> its FSDP2 units (pisft.model.units.Unit) in forward order: pisft.train.fsdp shards
+    # them (merging small ones on the CPU); torchtitan's per-model `parallelize_fn` decides the same
+    fsdp_units: Callable[[Any], list]
     # (policy) -> the projections fused for training (pisft.train.trainable.apply_training_layout)
     fuse_projections: Callable[[Any], int]
     # (policy) -> the prefix's length in tokens (images and prompt; the memory estimate's sequence)

@@ -150,16 +150,10 @@ class ValueModel(nn.Module):
         return [*self.readout.parameters(), *self.head.parameters()]
 
     def fsdp_units(self) -> list:
-        """FSDP2 units (`pisft.train.fsdp.choose_units`): the prefix's vision units and one unit
-        per VLM decoder layer (the layers are called as modules by the VLM's forward); the
-        read-out token, the head and the tied embedding stay in the root."""
-        from pisft.train import fsdp
-
-        layers = spec_of(self.policy).value.layers
-        units = fsdp.prefix_units(self, "policy.")
-        units += [fsdp.Unit(f"policy.{layers}.{i}", "decoder", (layer,))
-                  for i, layer in enumerate(self.policy.get_submodule(layers))]
-        return units
+        """FSDP2 units (`pisft.train.fsdp.choose_units`), as the model's spec lists them for its
+        prefix (pi0.5's: `pisft.model.pi05.units.value_units`): the read-out token and the head
+        stay in the root."""
+        return spec_of(self.policy).value.fsdp_units(self, "policy.")
 
 
 # ------------------------------------------------------------------------------- save and load

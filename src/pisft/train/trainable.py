@@ -19,8 +19,8 @@ The adapters are injected IN PLACE (`peft.inject_adapter_in_model`, as `LoraMode
 `PI05Policy` with its own methods (`forward`, `select_action`, `config`) and names, so the task,
 the loader and the export see the same model; a LoRA-adapted `q_proj` is still the module at
 `...self_attn.q_proj` (peft's `lora.Linear`, holding `base_layer` and the adapters), called as a
-module by LeRobot's layer code, so pisft's FSDP2 units (`pisft.train.fsdp.pi05_units`, which take
-the called parts of each decoder layer by path) hold the base weight and its adapters in one unit
+module by LeRobot's layer code, so pisft's FSDP2 units (pi0.5's, `pisft.model.pi05.units`, which
+take the called parts of each decoder layer by path) hold the base weight and its adapters in one unit
 and gather them together. A `PeftModel` would prefix every name with `base_model.model.`, reach
 the policy through `__getattr__` forwarding, and keep `modules_to_save` as a second (trained) copy
 of each fully trained module next to the original: twice its memory and a different FSDP layout.

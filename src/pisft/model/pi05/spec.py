@@ -4,9 +4,9 @@ folder that training, inference, RECAP, the inspection tools and the benches ask
 
 from __future__ import annotations
 
-from pisft.model.pi05 import attention, chunk, construction, flops, forward, fused, precision, processors, rtc
+from pisft.model.pi05 import attention, chunk, construction, flops, forward, fused, precision, processors, rtc, units
 from pisft.model.pi05.presets import PRESETS
-from pisft.model.pi05.parts import EXPERT_HEAD, VLM_LAYERS
+from pisft.model.pi05.parts import EXPERT_HEAD
 from pisft.model.spec import ChunkEntry, ModelSpec, ValueEntry
 
 
@@ -37,12 +37,13 @@ SPEC = ModelSpec(
     bf16_layout=precision.openpi_bf16,
     float32_parts=precision.float32_parts,
     prefix_frozen=forward.prefix_frozen,
+    fsdp_units=units.policy_units,
     fuse_projections=fused.fuse_decoder_projections,
     prefix_tokens=flops.prefix_tokens,
     vocab_size=construction.vlm_vocab,
     rtc_source=rtc.SOURCE,
     fused_rows=fused.split_rows,
     value=ValueEntry(strip=construction.strip_to_vlm_prefix, width=construction.vlm_width,
-                     readout=forward.vlm_prefix_readout, layers=VLM_LAYERS),
+                     readout=forward.vlm_prefix_readout, fsdp_units=units.value_units),
     detached_weight=EXPERT_HEAD,  # the action expert's lm_head (construction.detach_expert_head)
 )
