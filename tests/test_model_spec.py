@@ -1,12 +1,13 @@
 """The model registry (pisft.model.registry, pisft.model.spec): a throwaway model of another shape
 registers its spec, as tests/test_stages.py registers a throwaway stage, and pisft's training step,
 its FLOP count, its FSDP2 units (pisft.train.fsdp shards what the spec's `fsdp_units` lists, and a
-step of the sharded toy is the unsharded one's), the compiled chunk, the precision records and
-real-time chunking reach it through the registry alone.
+step of the sharded toy is the unsharded one's), its trainable modes (the parts its spec's `trainable`
+entry has), the compiled chunk, the precision records and real-time chunking reach it through the
+registry alone.
 
 Not followed here (they still ask pi0.5's folder, not the registry): config validation
-(`model.preset`'s choices), the memory estimate, the trainable modes, the smoke gate, export and the
-stages' load/save (pisft.model.policy)."""
+(`model.preset`'s choices), the memory estimate, the smoke gate, export and the stages' load/save
+(pisft.model.policy)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from torch import nn
 
 from pisft.errors import PisftError
 from pisft.model import registry
-from pisft.model.spec import ChunkEntry, ModelSpec
+from pisft.model.spec import ChunkEntry, ModelSpec, TrainableEntry
 from pisft.model.units import Unit
 
 NAME, PRESET = "toy_flow", "toy_small"
@@ -166,6 +167,10 @@ TOY = ModelSpec(
     prefix_tokens=lambda policy: len(policy.config.image_features) + 1,  # each camera and the prompt pooled to one
     vocab_size=lambda policy: policy.model.embed.num_embeddings, rtc_source="none (the toy has no RTC)",
     fused_rows=lambda module_of, name: None,
+    # its one part a mode may freeze: the image projection, as `no_vision` freezes pi0.5's vision tower
+    # (no LeRobot flags, no LoRA presets, nothing kept in float32)
+    trainable=TrainableEntry(parts={"vision": lambda dotted: ".model.image." in dotted}, lora_presets=(), lora=None,
+                             freeze_flags=None, keep_fp32=()),
 )
 
 
@@ -291,3 +296,37 @@ def test_the_fsdp_units_are_the_specs_and_a_sharded_step_is_the_unsharded_one(to
     for (name, got), want in zip(sharded.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(got.full_tensor(), want, rtol=1e-6, atol=1e-7, msg=name)
     assert not torch.equal(plain.model.net[0].weight, toy.build(PRESET, seed=0).model.net[0].weight)  # it trained
+
+
+def test_the_trainable_modes_follow_the_specs_parts(toy):
+    """pisft.train.trainable applies the modes whose parts the toy's spec has (`all`, and `no_vision`
+    on its image projection), refuses those it lacks (`expert`'s VLM, any LoRA preset), holds what a
+    mode froze in bf16, and a training step leaves the frozen part alone."""
+    from pisft.train import trainable
+    from pisft.train.policy_task import PolicyTask
+    from pisft.train.step import StepSettings, train_step
+
+    image = {"model.image.weight": 3 * WIDTH, "model.image.bias": WIDTH}
+    policy = toy.build(PRESET, seed=0)
+    applied = trainable.apply_mode(policy, "all")
+    assert applied.trainable == applied.total == sum(p.numel() for p in policy.parameters())
+    applied = trainable.apply_mode(policy, "no_vision")
+    assert {n for n, p in policy.named_parameters() if not p.requires_grad} == set(image)
+    assert applied.trainable == applied.total - sum(image.values())
+    assert not trainable.is_trainable("model.image.weight", "no_vision", model=toy)
+    assert trainable.is_trainable("model.net.0.weight", "no_vision", model=toy)
+    with pytest.raises(ValueError, match="part 'vlm', which model 'toy_flow' does not have"):
+        trainable.apply_mode(toy.build(PRESET, seed=0), "expert")
+    with pytest.raises(ValueError, match="model 'toy_flow' has no LoRA preset 'openpi'"):
+        trainable.lora_spec("openpi", model=toy)
+    cpu = torch.device("cpu")
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    batch, rand = _batch()
+    toy.prepare_for_training(policy, checkpointing=False)
+    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.1)
+    train_step(policy, optimizer, PolicyTask(policy, None, cpu), lambda: (batch, rand),
+               StepSettings(1, 1.0, "cpu", cpu))
+    changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and not changed & set(image)
+    assert trainable.hold_frozen_in(policy, "bf16") == sum(image.values())  # nothing kept in float32
+    assert {n for n, p in policy.named_parameters() if p.dtype == torch.bfloat16} == set(image)

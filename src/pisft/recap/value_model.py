@@ -269,7 +269,6 @@ def _load_with_frozen_part(model: ValueModel, model_dir: Path, config: ValueMode
     from pisft.model import weights
     from pisft.base_identity import base_id, base_record, same_base
     from pisft.model.policy import empty_in_bf16
-    from pisft.train.trainable import KEEP_FP32
 
     current = base_record(base)
     if not same_base(config.frozen_from, current):
@@ -284,7 +283,8 @@ def _load_with_frozen_part(model: ValueModel, model_dir: Path, config: ValueMode
             own |= set(group)
     frozen = frozenset(set(weights.expected_shapes(model)) - own)
     if config.frozen_dtype == "bfloat16":  # as training held them (pisft.train.trainable.hold_frozen_in)
-        empty_in_bf16(model, lambda name: name in frozen and not any(k in name for k in KEEP_FP32))
+        keep_fp32 = spec_of(model).trainable.keep_fp32  # what training keeps in float32 though frozen
+        empty_in_bf16(model, lambda name: name in frozen and not any(k in name for k in keep_fp32))
     weights.load_strict(model, base / WEIGHTS_FILE, rename=lambda n: "policy." + weights.lerobot_name(n),
                         only=frozen)
     weights.load_strict(model, model_dir / WEIGHTS_FILE, only=frozenset(own))
