@@ -20,7 +20,7 @@ sharded or not (one process trains unsharded, `distribute`); the loss (mse) runs
 autocast. The root does not cast its inputs.
 
 On the CPU (gloo) the units are coarser (`merge_small_units`, `CPU_MIN_UNIT_PARAMS`): there a
-collective costs milliseconds of host time whatever its size, and the units above cost more than
+collective costs milliseconds of host time whatever its size, and a model's layer units cost more than
 their arithmetic at small sizes. Measured on 2 processes, 1 thread each, tiny pi0.5 (2.2M
 parameters), per optimizer step: the 7 layer units + root 185-205 ms, one unit per group 163-174
 ms, the root alone 121-147 ms, LeRobot's DDP 107-115 ms, no synchronisation at all 68 ms
