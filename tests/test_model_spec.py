@@ -442,3 +442,35 @@ def test_the_weight_export_takes_what_the_toy_froze_from_the_base_file(toy, tmp_
     for name, p in policy.named_parameters():
         want = before[name] if name.startswith("model.image.") else p.detach()
         assert out[name].dtype == torch.float32 and torch.equal(out[name], want), name
+
+
+# The modules outside pisft/model/ that import pi0.5's folder on purpose: the doctor's attention check
+# and the benches that measure pi0.5 itself (docs/development.md), each import with its reason.
+PI05_ON_PURPOSE = {"doctor/checks.py", "bench/host_overhead.py", "bench/data_loader_bench.py",
+                   "bench/train_structure.py"}
+
+
+def test_outside_the_model_folder_only_pi05s_own_benches_and_doctor_import_it():
+    """What a model offers is asked of its spec (pisft.model.registry): training, inference, RECAP and
+    the inspection tools never import pisft.model.pi05, so a registered model reaches them all."""
+    import ast
+    from pathlib import Path
+
+    import pisft
+
+    src = Path(pisft.__file__).resolve().parent
+    found = set()
+    for f in sorted(src.rglob("*.py")):
+        rel = f.relative_to(src)
+        if rel.parts[0] == "model":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+            else:
+                continue
+            if any(n == "pisft.model.pi05" or n.startswith("pisft.model.pi05.") for n in names):
+                found.add(rel.as_posix())
+    assert found == PI05_ON_PURPOSE
