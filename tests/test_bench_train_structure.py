@@ -159,12 +159,12 @@ def test_decoder_layers_are_found_by_name():
 # ------------------------------------------------------------------ the component, for real
 def _expected_units(preset: str) -> dict[str, int]:
     """The accelerator's FSDP2 units of a pi0.5 preset, counted from the preset's sizes
-    (pisft/train/fsdp.py's layout): the SigLIP embeddings, the vision encoder layers
+    (pisft/model/pi05/units.py's layout): the SigLIP embeddings, the vision encoder layers
     `VISION_LAYERS_PER_UNIT` to a unit, the post-layernorm + projector, the action/time
     projections, one unit per decoder layer pair (VLM layer i with expert layer i), and the root
     (the tied token embedding lives there)."""
     from pisft.model.pi05.presets import get_preset
-    from pisft.train.fsdp import VISION_LAYERS_PER_UNIT
+    from pisft.model.pi05.units import VISION_LAYERS_PER_UNIT
 
     arch = get_preset(preset).arch
     assert arch.vlm.depth == arch.expert.depth  # layer pairs

@@ -126,17 +126,17 @@ def test_frozen_prefix_refused_while_the_vlm_trains_and_the_joint_path_chosen():
 
 
 def test_fsdp_units_of_a_frozen_prefix_are_per_layer_in_its_forward_order():
-    from pisft.train import fsdp
+    from pisft.model.pi05.units import policy_units
 
     policy = _tiny_expert(checkpointing=True)
-    units = fsdp.pi05_units(policy)
+    units = policy_units(policy)
     groups = [u.group for u in units]
     depth = len(policy.model.paligemma_with_expert.gemma_expert.model.layers)
     assert groups.count("vlm_decoder") == depth and groups.count("decoder") == depth
     order = [g for i, g in enumerate(groups) if i == 0 or groups[i - 1] != g]
     assert order[-3:] == ["vlm_decoder", "action", "decoder"]
     assert not any(u.group == "vision" and not u.reshard_after_forward for u in units)
-    joint = fsdp.pi05_units(build_policy("tiny", seed=0))
+    joint = policy_units(build_policy("tiny", seed=0))
     assert [u.group for u in joint].count("decoder") == depth and "vlm_decoder" not in {u.group for u in joint}
     # every parameter in exactly one unit or the root, both ways
     for us in (units, joint):

@@ -1,11 +1,22 @@
 """The model registry (pisft.model.registry, pisft.model.spec): a throwaway model of another shape
 registers its spec, as tests/test_stages.py registers a throwaway stage, and pisft's training step,
-its FLOP count, the compiled chunk, the precision records and real-time chunking reach it through
-the registry alone.
+its FLOP count, its FSDP2 units (pisft.train.fsdp shards what the spec's `fsdp_units` lists, and a
+step of the sharded toy is the unsharded one's), its trainable modes (the parts its spec's `trainable`
+entry has: `all`, `no_vision`), the memory estimate's step on fake tensors (pisft.introspect.
+simulated_step, against the toy's step measured on real tensors), the weight export (pisft.train.
+export_weights: trained, frozen from the base file, sharded or not), the compiled chunk, the precision
+records and real-time chunking reach it through the registry alone.
 
-Not followed here (they still ask pi0.5's folder, not the registry): config validation
-(`model.preset`'s choices), the memory estimate and FSDP units (pisft.train.fsdp), the trainable
-modes, the smoke gate, export and the stages' load/save (pisft.model.policy)."""
+Not followed here (they still ask pi0.5's folder or pi0.5's config, not the registry): config
+validation (`model.preset`'s choices are pi0.5's presets), and so whatever finds the model from a
+config: the memory estimate's entry (`estimate.estimate_memory` builds `model.preset` with
+pisft.model.policy, pi0.5's), the trainable modes read off a config (`trainable.spec_for`,
+`job.frozen_in_bf16`, which find the spec by `model.preset`); the smoke gate; the stages' load/save
+(pisft.model.policy: LeRobot's config.json, pi0.5's processors) and so the LoRA adapter's export
+(`export_weights.write_adapter` writes LeRobot's config.json); LoRA itself (the toy offers no target
+preset: `lora_spec` refuses it, which is followed); the training blocks (pisft.train.blocks: the toy's
+units hold no block, so per-block runners, activation checkpointing and torch.compile are not run on it).
+"""
 
 from __future__ import annotations
 
@@ -15,14 +26,16 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pisft.errors import PisftError
 from pisft.model import registry
-from pisft.model.spec import ChunkEntry, ModelSpec
+from pisft.model.spec import ChunkEntry, ModelSpec, TrainableEntry
+from pisft.model.units import Unit
 
 NAME, PRESET = "toy_flow", "toy_small"
-CHUNK, ACTION_DIM, WIDTH, VOCAB = 4, 3, 16, 11
+CHUNK, ACTION_DIM, WIDTH, VOCAB = 4, 7, 16, 11  # 7: the synthetic batch's actions (pisft.introspect.synthetic)
 
 
 @dataclasses.dataclass
@@ -38,6 +51,8 @@ class ToyConfig:
     time_sampling_offset: float = 0.001
     num_inference_steps: int = 3
     image_features: dict = dataclasses.field(default_factory=lambda: {"observation.images.cam": None})
+    image_resolution: tuple[int, int] = (8, 8)  # what the synthetic batch reads (the memory estimate's)
+    tokenizer_max_length: int = 5
     device: str = "cpu"
 
 
@@ -92,7 +107,8 @@ class ToyPolicy(nn.Module):
 
     @staticmethod
     def inputs(batch):
-        return ([batch["observation.images.cam"]], [torch.ones(batch["action"].shape[0], dtype=torch.bool)],
+        images = [batch[k] for k in sorted(batch) if k.startswith("observation.images.")]  # every camera
+        return (images, [torch.ones(batch["action"].shape[0], dtype=torch.bool)] * len(images),
                 batch["observation.language.tokens"], batch["observation.language.attention_mask"])
 
     def loss(self, batch):
@@ -136,6 +152,12 @@ def no_pieces(policy, pieces):
     yield False
 
 
+def toy_units(policy):
+    """The toy's FSDP2 units in forward order: the image projection, then the MLP; the token
+    embedding stays in the root."""
+    return [Unit("model.image", "vision", (policy.model.image,)), Unit("model.net", "decoder", (policy.model.net,))]
+
+
 def no_rtc(policy, settings):
     raise PisftError(f"{NAME} has no real-time chunking")
 
@@ -154,11 +176,28 @@ TOY = ModelSpec(
     weights_dtype=lambda policy: policy.model.net[0].weight.dtype,
     bf16_layout=lambda policy: 0,
     float32_parts=lambda policy: {"model": sum(p.numel() for p in policy.parameters() if p.dtype == torch.float32)},
-    prefix_frozen=lambda policy: False, fuse_projections=lambda policy: 0,
+    prefix_frozen=lambda policy: False, fsdp_units=toy_units, fuse_projections=lambda policy: 0,
     prefix_tokens=lambda policy: len(policy.config.image_features) + 1,  # each camera and the prompt pooled to one
     vocab_size=lambda policy: policy.model.embed.num_embeddings, rtc_source="none (the toy has no RTC)",
     fused_rows=lambda module_of, name: None,
+    # its one part a mode may freeze: the image projection, as `no_vision` freezes pi0.5's vision tower
+    # (no LeRobot flags, no LoRA presets, nothing kept in float32)
+    trainable=TrainableEntry(parts={"vision": lambda dotted: ".model.image." in dotted}, lora_presets=(), lora=None,
+                             freeze_flags=None, keep_fp32=()),
 )
+
+
+@contextlib.contextmanager
+def gloo_process():
+    """A gloo process group of world size 1 (FSDP2 needs one) for one test's block: the memory
+    estimate's simulation needs a process without one, so none outlives its test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture
@@ -168,6 +207,13 @@ def toy():
         yield TOY
     finally:
         registry.unregister(NAME)
+
+
+def _base_file(spec, folder):
+    """The base model's weights file (what an export copies frozen tensors from): the toy at seed 0."""
+    path = folder / "base.safetensors"
+    save_file(spec.build(PRESET, seed=0).state_dict(), str(path))
+    return path
 
 
 def _batch(n: int = 2, seed: int = 0):
@@ -244,3 +290,187 @@ def test_real_time_chunking_asks_the_spec(toy):
 
     with pytest.raises(PisftError, match=f"{NAME} has no real-time chunking"):
         rtc.configure(toy.build(PRESET, seed=0), rtc.RtcSettings())
+
+
+def test_the_memory_estimate_of_the_toy_is_its_measured_step(toy):
+    """The memory estimate's step on fake tensors (pisft.introspect.simulated_step) builds, prepares,
+    shards and steps the toy through its spec alone; its peak is the toy's step measured on real tensors
+    (StepMemory on one gloo process, as pisft.introspect.measure measures pi0.5's) to the byte, less the
+    two float32 scalars only the training step holds (tests/test_train_estimate.py)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pisft.introspect.measure import training_step
+    from pisft.introspect.simulated_step import simulate_step
+    from pisft.introspect.step_memory import StepMemory
+    from pisft.introspect.synthetic import synthetic_batch
+    from pisft.tensors import local_bytes, optimizer_state
+    from pisft.train import fsdp, optim
+    from pisft.train.policy_task import PolicyTask
+
+    micro, cpu = 3, torch.device("cpu")
+    est = simulate_step(lambda: toy.build(PRESET, seed=0, device="meta"), world_size=1, micro_batch=micro,
+                        precision="fp32", checkpointing=False)
+    plain = toy.build(PRESET, seed=0)
+    total = sum(p.numel() for p in plain.parameters())
+    assert est["params_total"] == est["params_trained"] == total
+    assert est["fsdp"] == {"units": 2, "params_root_unit": VOCAB * WIDTH,
+                           "params_largest_unit": sum(p.numel() for p in plain.model.net.parameters()),
+                           "params_kept_unsharded_until_backward": 0}
+    assert est["sequence"] == {"prefix_tokens": 2, "suffix_tokens": CHUNK}
+    with gloo_process():  # after the simulation, which needs a process without a process group
+        policy = toy.build(PRESET, seed=0)
+        toy.prepare_for_training(policy, checkpointing=False)
+        fsdp.shard(policy, init_device_mesh("cpu", (1,)), "fp32")
+        optimizer = optim.build_optimizer(policy.parameters(), lr=1e-4, weight_decay=1e-10, fused=True)
+        task = PolicyTask(policy, None, cpu, "fp32")
+        batch, rand = synthetic_batch(policy, micro, cpu, seed=0)
+        policy.train()
+        training_step(policy, optimizer, task, *synthetic_batch(policy, 1, cpu, seed=0))  # optimizer state made
+        tracker = StepMemory()
+        with tracker:
+            training_step(policy, optimizer, task, batch, rand)
+        measured = tracker.peak()[0]
+        state = {"params": local_bytes(policy.parameters()), "optimizer": local_bytes(optimizer_state(optimizer))}
+    assert measured - est["step_peak_bytes"] == 2 * 4, (measured, est["step_peak_bytes"])
+    assert state == {"params": 4 * total, "optimizer": est["state_bytes"]["optimizer"]}
+    assert est["state_bytes"]["params"] == 4 * total and est["state_bytes"]["optimizer"] >= 2 * 4 * total  # AdamW
+
+
+def test_the_fsdp_units_are_the_specs_and_a_sharded_step_is_the_unsharded_one(toy, tmp_path):
+    """pisft.train.fsdp shards the units the toy's spec lists (in its order, the embedding left to the
+    root); a training step of the sharded toy (world size 1) gives the unsharded twin's loss and
+    weights, and the weight export (pisft.train.export_weights) writes the same file from either."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from pisft.train import fsdp
+    from pisft.train.export_weights import write_policy_weights
+    from pisft.train.policy_task import PolicyTask
+    from pisft.train.step import StepSettings, train_step
+
+    cpu = torch.device("cpu")
+    base = _base_file(toy, tmp_path)
+    sharded, plain = (toy.build(PRESET, seed=0) for _ in range(2))
+    with gloo_process():
+        units = fsdp.distribute(sharded, init_device_mesh("cpu", (1,)), "fp32", cpu, keep_sharded=True,
+                                min_params=0)
+        assert [(u.name, u.group) for u in units] == [("model.image", "vision"), ("model.net", "decoder")]
+        assert [u.modules for u in units] == [(sharded.model.image,), (sharded.model.net,)]
+        assert all(isinstance(m, FSDPModule) for m in (sharded, sharded.model.image, sharded.model.net))
+        assert not isinstance(sharded.model.embed, FSDPModule)
+        assert all(isinstance(p, DTensor) for p in sharded.parameters())
+        report = fsdp.sharding_report(sharded, None, units)
+        assert report["root_only_params"] == VOCAB * WIDTH  # the token embedding
+        # the CPU's floor merges within a group only: each of the toy's two groups alone is left to the root
+        assert fsdp.choose_units(plain, 10_000) == []
+        assert [u.name for u in fsdp.choose_units(plain, 1)] == ["model.image", "model.net"]
+        outcomes = []
+        for policy in (sharded, plain):
+            toy.prepare_for_training(policy, checkpointing=False)
+            batch, rand = _batch()
+            optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+            outcomes.append(train_step(policy, optimizer, PolicyTask(policy, None, cpu),
+                                       lambda b=batch, r=rand: (b, r), StepSettings(1, 1.0, "cpu", cpu)))
+        counts = [write_policy_weights(policy, base, tmp_path / f"{i}.safetensors", is_main=True)
+                  for i, policy in enumerate((sharded, plain))]
+    assert float(outcomes[0].loss_sum) == float(outcomes[1].loss_sum)
+    assert float(outcomes[0].grad_norm) == pytest.approx(float(outcomes[1].grad_norm), rel=1e-6)
+    for (name, got), want in zip(sharded.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(got.full_tensor(), want, rtol=1e-6, atol=1e-7, msg=name)
+    assert not torch.equal(plain.model.net[0].weight, toy.build(PRESET, seed=0).model.net[0].weight)  # it trained
+    assert counts[0] == counts[1] == {"trained": len(list(plain.parameters()))}
+    exported = [load_file(tmp_path / f"{i}.safetensors") for i in range(2)]
+    assert set(exported[1]) == {n for n, _ in plain.named_parameters()}
+    assert all(torch.equal(exported[1][n], p) for n, p in plain.named_parameters())
+    for name, got in exported[0].items():
+        torch.testing.assert_close(got, exported[1][name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_the_trainable_modes_follow_the_specs_parts(toy):
+    """pisft.train.trainable applies the modes whose parts the toy's spec has (`all`, and `no_vision`
+    on its image projection), refuses those it lacks (`expert`'s VLM, any LoRA preset), holds what a
+    mode froze in bf16, and a training step leaves the frozen part alone."""
+    from pisft.train import trainable
+    from pisft.train.policy_task import PolicyTask
+    from pisft.train.step import StepSettings, train_step
+
+    image = {"model.image.weight": 3 * WIDTH, "model.image.bias": WIDTH}
+    policy = toy.build(PRESET, seed=0)
+    applied = trainable.apply_mode(policy, "all")
+    assert applied.trainable == applied.total == sum(p.numel() for p in policy.parameters())
+    applied = trainable.apply_mode(policy, "no_vision")
+    assert {n for n, p in policy.named_parameters() if not p.requires_grad} == set(image)
+    assert applied.trainable == applied.total - sum(image.values())
+    assert not trainable.is_trainable("model.image.weight", "no_vision", model=toy)
+    assert trainable.is_trainable("model.net.0.weight", "no_vision", model=toy)
+    with pytest.raises(ValueError, match="part 'vlm', which model 'toy_flow' does not have"):
+        trainable.apply_mode(toy.build(PRESET, seed=0), "expert")
+    with pytest.raises(ValueError, match="model 'toy_flow' has no LoRA preset 'openpi'"):
+        trainable.lora_spec("openpi", model=toy)
+    cpu = torch.device("cpu")
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    batch, rand = _batch()
+    toy.prepare_for_training(policy, checkpointing=False)
+    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.1)
+    train_step(policy, optimizer, PolicyTask(policy, None, cpu), lambda: (batch, rand),
+               StepSettings(1, 1.0, "cpu", cpu))
+    changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and not changed & set(image)
+    assert trainable.hold_frozen_in(policy, "bf16") == sum(image.values())  # nothing kept in float32
+    assert {n for n, p in policy.named_parameters() if p.dtype == torch.bfloat16} == set(image)
+
+
+def test_the_weight_export_takes_what_the_toy_froze_from_the_base_file(toy, tmp_path):
+    """pisft.train.export_weights writes the toy's file in its own names: a trained parameter as it
+    trained, a frozen one (`no_vision`'s image projection, held in bf16 by training) as the base
+    file's bytes, in the base's dtype."""
+    from pisft.train import trainable
+    from pisft.train.export_weights import write_policy_weights
+
+    base = _base_file(toy, tmp_path)
+    policy = toy.build(PRESET, seed=0)
+    trainable.apply_mode(policy, "no_vision")
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(1.0)  # stands for training: every parameter now differs from the base's
+    assert trainable.hold_frozen_in(policy, "bf16") == 4 * WIDTH
+    counts = write_policy_weights(policy, base, tmp_path / "out.safetensors", is_main=True)
+    assert counts == {"frozen": 2, "trained": len(list(policy.parameters())) - 2}
+    out, before = load_file(tmp_path / "out.safetensors"), load_file(base)
+    assert set(out) == set(before)
+    for name, p in policy.named_parameters():
+        want = before[name] if name.startswith("model.image.") else p.detach()
+        assert out[name].dtype == torch.float32 and torch.equal(out[name], want), name
+
+
+# The modules outside pisft/model/ that import pi0.5's folder on purpose: the doctor's attention check
+# and the benches that measure pi0.5 itself (docs/development.md), each import with its reason.
+PI05_ON_PURPOSE = {"doctor/checks.py", "bench/host_overhead.py", "bench/data_loader_bench.py",
+                   "bench/train_structure.py"}
+
+
+def test_outside_the_model_folder_only_pi05s_own_benches_and_doctor_import_it():
+    """What a model offers is asked of its spec (pisft.model.registry): training, inference, RECAP and
+    the inspection tools never import pisft.model.pi05, so a registered model reaches them all."""
+    import ast
+    from pathlib import Path
+
+    import pisft
+
+    src = Path(pisft.__file__).resolve().parent
+    found = set()
+    for f in sorted(src.rglob("*.py")):
+        rel = f.relative_to(src)
+        if rel.parts[0] == "model":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+            else:
+                continue
+            if any(n == "pisft.model.pi05" or n.startswith("pisft.model.pi05.") for n in names):
+                found.add(rel.as_posix())
+    assert found == PI05_ON_PURPOSE

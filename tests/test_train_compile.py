@@ -176,7 +176,7 @@ def test_blocks_left_to_the_root_unit_are_compiled_too():
     """On the CPU units under 16M parameters are merged, and the tiny model's groups are all below it:
     its blocks stay in the root unit. Each still gets its runner (and its compiled forward), so
     train.compile: layers compiles them; before, it compiled none and the smoke report said compiled."""
-    from pisft.model.pi05.forward import BLOCK_RUNNER
+    from pisft.model.units import BLOCK_RUNNER
 
     policy = build_random_policy("tiny", CPU, checkpointing=True, seed=0)
     blocks_of = fsdp.choose_units(policy)

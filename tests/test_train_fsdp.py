@@ -19,6 +19,7 @@ from pisft.model.pi05.flops import (
     pi05_training_flops_per_sample,
 )
 from pisft.train.policy_task import PolicyTask
+from pisft.model.pi05.units import VISION_LAYERS_PER_UNIT
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,7 @@ def test_one_unit_per_decoder_layer_pair_and_per_three_vision_layers(tiny):
         assert unit.reshard_after_forward
     vision = [u for u in units if u.group == "vision"]
     encoder = [u for u in vision if ".encoder.layers." in u.name]
-    per_unit = fsdp.VISION_LAYERS_PER_UNIT
+    per_unit = VISION_LAYERS_PER_UNIT
     assert len(encoder) == -(-len(vision_layers) // per_unit)
     assert [m for u in encoder for m in u.modules] == list(vision_layers)  # in order, each once
     assert [m for u in encoder for m in u.compiled_modules] == list(vision_layers)

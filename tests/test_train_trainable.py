@@ -18,6 +18,7 @@ from pisft.model.pi05.construction import (
     sized_construction,
     tie_vlm_embeddings,
 )
+from pisft.model import registry
 from pisft.model.pi05.forward import prefix_frozen
 from pisft.model.policy import WEIGHTS_FILE, load_policy, make_config
 from pisft.model.pi05.presets import get_preset
@@ -166,7 +167,8 @@ def test_every_entry_of_the_mode_table_is_well_formed_and_every_list_of_modes_is
     from pisft import config
     from pisft.bench import real_size
 
-    assert set(tr._FROZEN_PARTS) == set(config.FROZEN_PARTS)  # each part has its rule
+    pi05 = registry.model_spec("pi05").trainable
+    assert set(tr._FROZEN_PARTS) | set(pi05.parts) == set(config.FROZEN_PARTS)  # each part has its rule
     for name, mode in config.TRAINABLE_MODE_TABLE.items():
         assert mode.models and set(mode.models) <= set(config.TRAINABLE_MODELS), name
         assert mode.frozen in config.FROZEN_PARTS, name
@@ -223,8 +225,10 @@ def test_a_new_mode_is_one_entry_of_the_table(tmp_path_factory, monkeypatch):
     assert tr.spec_for(lora_cfg).rank == 4 and tr.spec_for_mode("lora_too", "rlinf").preset == "rlinf"
     assert real_size.bench_order() == ("frozen_vlm", "expert", "lora", "no_vision", "all", "lora_too")
 
-    assert not tr.is_trainable("model.paligemma_with_expert.paligemma.model.language_model.norm.weight", "frozen_vlm")
-    assert tr.is_trainable("model.action_in_proj.weight", "frozen_vlm")
+    pi05 = registry.model_spec("pi05")
+    assert not tr.is_trainable("model.paligemma_with_expert.paligemma.model.language_model.norm.weight", "frozen_vlm",
+                               model=pi05)
+    assert tr.is_trainable("model.action_in_proj.weight", "frozen_vlm", model=pi05)
     ours, expert = _tiny(tmp_path_factory), _tiny(tmp_path_factory)
     applied = tr.apply_mode(ours, "frozen_vlm")
     tr.apply_mode(expert, "expert")
@@ -242,7 +246,8 @@ def test_a_new_mode_is_one_entry_of_the_table(tmp_path_factory, monkeypatch):
 def test_an_entry_whose_rule_leaves_the_prefix_trainable_is_refused(tmp_path_factory, monkeypatch):
     """The entry's prefix fact (what the frozen-prefix forward and the FSDP units will find) is
     checked against what the mode's rule froze."""
-    monkeypatch.setitem(tr._FROZEN_PARTS, "vlm", tr._FROZEN_PARTS["vision"])  # a wrong rule
+    parts = registry.model_spec("pi05").trainable.parts
+    monkeypatch.setitem(parts, "vlm", parts["vision"])  # a wrong rule
     with pytest.raises(RuntimeError, match="its entry says the VLM prefix is frozen"):
         tr.apply_mode(_tiny(tmp_path_factory), "expert")
 
@@ -251,7 +256,7 @@ def test_frozen_parameters_are_held_in_bf16_except_what_lerobot_keeps_in_fp32(tm
     tr.apply_mode(policy, "expert")
     assert tr.hold_frozen_in(policy, "bf16") > 0
     for name, p in policy.named_parameters():
-        keep = p.requires_grad or any(k in name for k in tr.KEEP_FP32)
+        keep = p.requires_grad or any(k in name for k in registry.model_spec("pi05").trainable.keep_fp32)
         assert p.dtype == (torch.float32 if keep else torch.bfloat16), name
     assert tr.hold_frozen_in(_tiny(tmp_path_factory), "fp32") == 0
 

@@ -63,7 +63,8 @@ PERTURBATIONS = {
 # train.trainable (the policy) and recap.value_trainable (the RECAP value model): what a training run
 # trains. pisft.train.trainable applies a mode from its entry here; the config check, the training
 # job and the benchmarks read the entries too. Adding a mode is one entry (plus, for a part no entry
-# freezes yet, its rule in pisft.train.trainable's `_FROZEN_PARTS`).
+# freezes yet, its rule in each model spec that has the part: `TrainableEntry.parts`, pi0.5's in
+# pisft.model.pi05.trainable's `PARTS`).
 TRAINABLE_MODELS = {"policy": "train.trainable", "value": "recap.value_trainable"}  # the model -> its key
 # What a mode freezes: "" nothing | "vision" the SigLIP vision tower | "vlm" the whole PaliGemma VLM (the
 # prefix) | "base" every parameter of the base model (what trains is what the mode adds: LoRA adapters,

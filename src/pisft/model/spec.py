@@ -16,7 +16,7 @@ and the registry (`pisft.model.registry`) lists it: one line per model.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -41,7 +41,26 @@ class ValueEntry:
     width: Callable[[Any], int]  # (policy) -> the VLM's hidden width (the read-out token's)
     # (policy, images, img_masks, tokens, token_mask, readout_embeds, *, frozen_prefix) -> hidden states
     readout: Callable[..., Any]
-    layers: str  # the path of the VLM's decoder layers in the policy (one FSDP unit each)
+    # (model, lead) -> the FSDP2 units (pisft.model.units.Unit) of the value model `model`, whose policy
+    # is at `lead` in it ("policy."), in forward order
+    fsdp_units: Callable[[Any, str], list]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainableEntry:
+    """What the trainable modes (pisft.train.trainable, pisft.config.TRAINABLE_MODE_TABLE) take of a model."""
+
+    # part of pisft.config.FROZEN_PARTS the model has, beyond "" (nothing) and "base" (everything) ->
+    # (dotted name: "." + a parameter's name in the policy or the value model) -> whether it lies in it;
+    # a mode freezing a part the model lacks is refused
+    parts: Mapping[str, Callable[[str], bool]]
+    lora_presets: tuple[str, ...]  # the train.lora_targets presets it offers (none: no LoRA mode)
+    # (targets, rank=0, alpha=0.0, *, value_model=False) -> pisft.model.lora.LoraSpec of a preset above
+    lora: Callable[..., Any] | None
+    # (policy) -> the module holding LeRobot's freezing flags (pisft.config.LEROBOT_FREEZE_FLAGS) and its
+    # `_set_requires_grad`; None: the model has none (pisft's rule of the part alone freezes it)
+    freeze_flags: Callable[[Any], Any] | None
+    keep_fp32: tuple[str, ...]  # name fragments of parameters a bf16 run keeps in float32 though frozen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +95,9 @@ class ModelSpec:
     float32_parts: Callable[[Any], dict[str, int]]
     # (policy) -> whether no parameter of its VLM prefix trains (training runs the prefix without grad)
     prefix_frozen: Callable[[Any], bool]
+    # (policy) -> its FSDP2 units (pisft.model.units.Unit) in forward order: pisft.train.fsdp shards
+    # them (merging small ones on the CPU); torchtitan's per-model `parallelize_fn` decides the same
+    fsdp_units: Callable[[Any], list]
     # (policy) -> the projections fused for training (pisft.train.trainable.apply_training_layout)
     fuse_projections: Callable[[Any], int]
     # (policy) -> the prefix's length in tokens (images and prompt; the memory estimate's sequence)
@@ -85,6 +107,7 @@ class ModelSpec:
     # (module_of, parameter name) -> [(the model's own name, first row, end row)] of a parameter fused
     # for training (module_of(name): the module holding it), None: not fused (the export's names)
     fused_rows: Callable[[Callable[[str], Any], str], list[tuple[str, int, int]] | None]
+    trainable: TrainableEntry  # its side of the trainable modes (parts, LoRA presets, float32 parameters)
     value: ValueEntry | None = None  # its VLM prefix as the RECAP value model's backbone; None: none
     # a weight detached for training (never used by the loss), exported from the base model's file
     detached_weight: str | None = None

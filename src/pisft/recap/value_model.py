@@ -150,16 +150,10 @@ class ValueModel(nn.Module):
         return [*self.readout.parameters(), *self.head.parameters()]
 
     def fsdp_units(self) -> list:
-        """FSDP2 units (`pisft.train.fsdp.choose_units`): the prefix's vision units and one unit
-        per VLM decoder layer (the layers are called as modules by the VLM's forward); the
-        read-out token, the head and the tied embedding stay in the root."""
-        from pisft.train import fsdp
-
-        layers = spec_of(self.policy).value.layers
-        units = fsdp.prefix_units(self, "policy.")
-        units += [fsdp.Unit(f"policy.{layers}.{i}", "decoder", (layer,))
-                  for i, layer in enumerate(self.policy.get_submodule(layers))]
-        return units
+        """FSDP2 units (`pisft.train.fsdp.choose_units`), as the model's spec lists them for its
+        prefix (pi0.5's: `pisft.model.pi05.units.value_units`): the read-out token and the head
+        stay in the root."""
+        return spec_of(self.policy).value.fsdp_units(self, "policy.")
 
 
 # ------------------------------------------------------------------------------- save and load
@@ -275,7 +269,6 @@ def _load_with_frozen_part(model: ValueModel, model_dir: Path, config: ValueMode
     from pisft.model import weights
     from pisft.base_identity import base_id, base_record, same_base
     from pisft.model.policy import empty_in_bf16
-    from pisft.train.trainable import KEEP_FP32
 
     current = base_record(base)
     if not same_base(config.frozen_from, current):
@@ -290,7 +283,8 @@ def _load_with_frozen_part(model: ValueModel, model_dir: Path, config: ValueMode
             own |= set(group)
     frozen = frozenset(set(weights.expected_shapes(model)) - own)
     if config.frozen_dtype == "bfloat16":  # as training held them (pisft.train.trainable.hold_frozen_in)
-        empty_in_bf16(model, lambda name: name in frozen and not any(k in name for k in KEEP_FP32))
+        keep_fp32 = spec_of(model).trainable.keep_fp32  # what training keeps in float32 though frozen
+        empty_in_bf16(model, lambda name: name in frozen and not any(k in name for k in keep_fp32))
     weights.load_strict(model, base / WEIGHTS_FILE, rename=lambda n: "policy." + weights.lerobot_name(n),
                         only=frozen)
     weights.load_strict(model, model_dir / WEIGHTS_FILE, only=frozenset(own))

@@ -4,7 +4,8 @@ a compiled region (`train.compile`).
 pi0.5's training forward (`pisft.model.pi05`, 11.) runs each decoder layer pair (with a
 frozen VLM: each VLM layer and each expert layer) as one call of `run_block` on the block's first
 layer, its anchor; HF's SigLIP encoder calls each encoder layer as a module. Here each block gets a
-runner (`BlockRunner`, set as the anchor's `BLOCK_RUNNER` attribute):
+runner (`BlockRunner`, set as the anchor's `BLOCK_RUNNER` attribute; that name and `checkpointed` are
+model-neutral, `pisft.model.units`, which the model's forward and this module both import):
 
 - FSDP2: the runner is registered as a forward method of the unit holding the block
   (`torch.distributed.fsdp.register_fsdp_forward_method`): FSDP2 gathers the unit before the
@@ -42,7 +43,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from pisft import device as devices
 from pisft import layout
-from pisft.model.pi05.forward import BLOCK_RUNNER, checkpointed
+from pisft.model.units import BLOCK_RUNNER, checkpointed
 
 CACHE_ENV = layout.COMPILE_CACHE_ENV
 
@@ -167,7 +168,7 @@ _checkpointed_fns: dict[Callable, Callable] = {}
 
 
 def install(units: Iterable[Any], compiler: Compiler) -> int:
-    """Give every block of `units` (pisft.train.fsdp.Unit: `anchors`, the blocks' first layers;
+    """Give every block of `units` (pisft.model.units.Unit: `anchors`, the blocks' first layers;
     `compiled_modules`, the layers called as modules) its runner; a sharded unit's runner is its
     FSDP2 forward method on its first anchor. Returns the number of blocks."""
     blocks = 0

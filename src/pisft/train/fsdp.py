@@ -1,33 +1,17 @@
-"""FSDP2 full sharding of the policy: one unit per block (decoder layer pair), vision layers gathered once.
+"""FSDP2 full sharding of the policy: the model's units (its spec's `fsdp_units`), sharded in forward order.
 
-FSDP2 gathers a unit's parameters in a forward pre-hook and frees them in a forward post-hook;
-both run on `module(...)` or on a registered forward method. LeRobot's pi0.5 calls the parts of
-each decoder layer directly (`compute_layer_complete`), never `layer(...)`; pisft's training
-forward runs each block (a decoder layer pair) as one call of `run_block` on the block's first
-layer (`pisft.model.pi05`, 11.), whose runner is the unit's registered FSDP2 forward
-method (`pisft.train.blocks`). The units:
-
-- decoder layer pair i: VLM layer i AND action-expert layer i in ONE unit (`fully_shard`'s list
-  form, torch >= 2.6). The two layers always run together (joint attention), so one all-gather
-  and one reduce-scatter serve both (a k/v projection of pi0.5 is 0.26-0.5M parameters:
-  latency-bound collectives on HCCL);
-- the SigLIP embeddings, the encoder layers (`VISION_LAYERS_PER_UNIT` to a unit) and the
-  post-layernorm + projector: these units are NOT resharded after forward (kept until their
-  backward, which then needs no second gather), and every camera's image goes through them in
-  one batch (`pi05.embedding._embed_images`: one forward, one backward, one reduce-scatter);
-  HF's encoder calls each layer as a module, so its hooks are the module's;
-- the action/time projections (one unit) and the token embedding when it is not tied.
-With the whole VLM frozen (`train.trainable: expert`) the forward runs the prefix first and
-without grad, then the expert (`pisft.model.pi05` 8.): the units are then one per VLM layer and
-one per expert layer in that order (a pair unit would stay gathered from its VLM half to its
-expert half, every pair at once), and the vision units are freed after their forward (they have
-no backward).
-Forward prefetch is explicit (each unit starts the next unit's all-gather); backward prefetch is
-FSDP2's default. A checkpointed block recomputes its function in backward, not the unit's forward
-method, so the prefetch of the forward does not run again there. Everything else (small final
-norms, the tied VLM `lm_head`/`embed_tokens` pair) lives in the root unit.
-The action expert's `lm_head` is detached before sharding (`pi05.construction.detach_expert_head`):
-it never takes part in the loss and would otherwise travel in the root unit every micro-step.
+Which modules form a unit is the model's own concern (`ModelSpec.fsdp_units`, as torchtitan's
+per-model `parallelize`; pi0.5's, one unit per decoder layer pair and the vision layers gathered
+once, are `pisft.model.pi05.units`, 14.); a unit is a `pisft.model.units.Unit`. A model that declares
+its own `fsdp_units()` (the RECAP value model) is asked first; a model no spec knows gets the generic
+units (`generic_units`). Here, whatever the model: `fully_shard` on each unit, then the root;
+forward prefetch is explicit (each unit starts the next unit's all-gather); backward prefetch is
+FSDP2's default. Each block (the training forward's repeated layers, a unit's `anchors`) gets its
+runner (`pisft.train.blocks`), the unit's registered FSDP2 forward method: FSDP2 gathers a unit's
+parameters in a forward pre-hook and frees them in a forward post-hook, both run on `module(...)` or
+on a registered forward method. A checkpointed block recomputes its function in backward, not the
+unit's forward method, so the prefetch of the forward does not run again there. Everything no unit
+holds lives in the root unit.
 
 Mixed precision (train.precision=bf16): parameters are kept in fp32 (the optimizer's master
 copy), gathered in bf16 and gradients reduced in fp32. The forward runs under
@@ -36,7 +20,7 @@ sharded or not (one process trains unsharded, `distribute`); the loss (mse) runs
 autocast. The root does not cast its inputs.
 
 On the CPU (gloo) the units are coarser (`merge_small_units`, `CPU_MIN_UNIT_PARAMS`): there a
-collective costs milliseconds of host time whatever its size, and the units above cost more than
+collective costs milliseconds of host time whatever its size, and a model's layer units cost more than
 their arithmetic at small sizes. Measured on 2 processes, 1 thread each, tiny pi0.5 (2.2M
 parameters), per optimizer step: the 7 layer units + root 185-205 ms, one unit per group 163-174
 ms, the root alone 121-147 ms, LeRobot's DDP 107-115 ms, no synchronisation at all 68 ms
@@ -47,7 +31,6 @@ microseconds; what the units save there is memory).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -59,109 +42,12 @@ from pisft import device as devices
 from pisft.train import host_memory
 from pisft.tensors import local_numel, optimizer_state
 from pisft.train import blocks
-from pisft.model.pi05.parts import (EXPERT_LAYERS, LANGUAGE_MODEL, PALIGEMMA_WITH_EXPERT, PROJECTOR, VISION_MODEL,
-                                    VLM_LAYERS, in_core, part)
-from pisft.model.pi05.forward import prefix_frozen
+from pisft.model import registry
+from pisft.model.units import Unit  # the model-neutral unit (the training job's types name it here)
 
 # Modules whose parameters stay in the root unit: they are never called (unused LM heads).
 _UNCALLED = ("lm_head",)
 MIN_UNIT_PARAMS = 1024  # generic fallback: smaller Linear/Embedding layers stay in the root
-# SigLIP encoder layers per FSDP unit. The vision units are kept gathered from their forward to their
-# backward (every camera's image goes through them), so grouping layers costs no memory while a
-# training step holds them; it cuts the per-unit collectives and host work (pi0.5: 27 units -> 9).
-VISION_LAYERS_PER_UNIT = 3
-
-
-@dataclass(frozen=True)
-class Unit:
-    name: str
-    group: str  # vision | decoder | vlm_decoder | action | embed | other
-    modules: tuple[nn.Module, ...]
-    reshard_after_forward: bool = True
-    # The blocks it holds (pisft.train.blocks): the first layer of each block the training forward
-    # runs through `run_block` (a decoder layer pair's VLM layer), and the layers called as modules
-    # that are compiled whole (SigLIP's encoder layers).
-    anchors: tuple[nn.Module, ...] = ()
-    compiled_modules: tuple[nn.Module, ...] = ()
-
-    def parameters(self) -> list[nn.Parameter]:
-        return [p for m in self.modules for p in m.parameters()]
-
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-
-def _pi05_core(model: nn.Module) -> nn.Module | None:
-    core = getattr(model, "model", None)
-    if core is not None and hasattr(core, in_core(PALIGEMMA_WITH_EXPERT)):
-        return core
-    return None
-
-
-def _is_tied(model: nn.Module, module: nn.Module) -> bool:
-    inside = {id(p) for p in module.parameters()}
-    inside_modules = {id(m) for m in module.modules()}
-    for mod in model.modules():
-        if id(mod) in inside_modules:
-            continue
-        if any(id(p) in inside for p in mod.parameters(recurse=False)):
-            return True
-    return False
-
-
-def pi05_units(policy: nn.Module) -> list[Unit]:
-    """The FSDP units of a LeRobot PI05Policy, in forward order."""
-    core = _pi05_core(policy)
-    if core is None:
-        raise TypeError(f"{type(policy).__name__} is not a LeRobot PI05Policy")
-    frozen = prefix_frozen(policy)
-    units = prefix_units(policy, frozen=frozen)
-    vlm_layers = part(policy, VLM_LAYERS)
-    # Called before the decoder (embed_suffix) and after it (action_out_proj): one small unit.
-    action = Unit("model.action_time_projections", "action",
-                  tuple(getattr(core, n) for n in ("action_in_proj", "time_mlp_in", "time_mlp_out",
-                                                   "action_out_proj")))
-    expert_layers = part(policy, EXPERT_LAYERS)
-    if frozen:
-        # The frozen-prefix forward (pisft.model.pi05 8.) runs every VLM layer over the prefix
-        # first, without grad, then the expert's layers over the suffix: one unit per layer, in
-        # that order, each gathered once and freed after its forward (the VLM's have no backward).
-        units += [Unit(f"{VLM_LAYERS}.{i}", "vlm_decoder", (layer,), anchors=(layer,))
-                  for i, layer in enumerate(vlm_layers)]
-        units.append(action)
-        units += [Unit(f"{EXPERT_LAYERS}.{i}", "decoder", (layer,),
-                       anchors=(layer,)) for i, layer in enumerate(expert_layers)]
-        return units
-    units.append(action)
-    for i, (vlm_layer, expert_layer) in enumerate(zip(vlm_layers, expert_layers, strict=True)):
-        units.append(Unit(f"decoder_pair.{i}", "decoder", (vlm_layer, expert_layer), anchors=(vlm_layer,)))
-    return units
-
-
-def prefix_units(model: nn.Module, lead: str = "", *, frozen: bool = False) -> list[Unit]:
-    """The units of PaliGemma's vision-language prefix of the PI05Policy at `lead` in `model` (""
-    for the policy itself, "policy." in the RECAP value model): the SigLIP embeddings, the encoder
-    layers (`VISION_LAYERS_PER_UNIT` to a unit) and the post-layernorm + projector (gathered once
-    per forward, see the module docstring), and the token embedding when it is not tied (pisft ties
-    it to the unused lm_head: then it stays in the root). `frozen`: the prefix
-    runs without grad (pisft.model.pi05 8.), so the vision units have no backward and are freed
-    after their forward."""
-    vp = lead + VISION_MODEL
-    vision = part(model, vp)
-    free = frozen  # reshard after forward: only when there is no backward to keep it for
-    units = [Unit(f"{vp}.embeddings", "vision", (vision.embeddings,), reshard_after_forward=free)]
-    layers = list(vision.encoder.layers)
-    for i in range(0, len(layers), VISION_LAYERS_PER_UNIT):
-        group = tuple(layers[i:i + VISION_LAYERS_PER_UNIT])
-        name = f"{vp}.encoder.layers.{i}" + (f"..{i + len(group) - 1}" if len(group) > 1 else "")
-        units.append(Unit(name, "vision", group, reshard_after_forward=free, compiled_modules=group))
-    head = tuple(m for m in (getattr(vision, "post_layernorm", None), part(model, lead + PROJECTOR))
-                 if m is not None)
-    units.append(Unit(lead + PROJECTOR, "vision", head, reshard_after_forward=free))
-    embed = part(model, lead + LANGUAGE_MODEL).embed_tokens
-    if not _is_tied(model, embed):
-        units.append(Unit(f"{lead}{LANGUAGE_MODEL}.embed_tokens", "embed", (embed,)))
-    return units
 
 
 def generic_units(model: nn.Module) -> list[Unit]:
@@ -176,16 +62,20 @@ def generic_units(model: nn.Module) -> list[Unit]:
 
 def choose_units(model: nn.Module, min_unit_params: int = 0) -> list[Unit]:
     """The model's units: its own `fsdp_units()` when it declares them (e.g. the RECAP value
-    model), pi0.5's (`pi05_units`), else the generic ones."""
+    model), its spec's (`ModelSpec.fsdp_units`, a policy whose type a spec is registered under),
+    else the generic ones."""
     declared = getattr(model, "fsdp_units", None)
+    kind = getattr(getattr(model, "config", None), "type", None)
     if callable(declared):
         units = declared()
+    elif kind in registry.names():
+        units = registry.model_spec(kind).fsdp_units(model)
     else:
-        units = pi05_units(model) if _pi05_core(model) is not None else generic_units(model)
+        units = generic_units(model)
     return merge_small_units(units, min_unit_params) if min_unit_params > 0 else units
 
 
-# The smallest unit on the CPU: every unit of pi0.5 below it is merged with its neighbours of the
+# The smallest unit on the CPU: every unit below it is merged with its neighbours of the
 # same group, so the tiny model trains with the root unit alone and a full-size one (SigLIP layers
 # of 15M parameters, decoder layer pairs of about 130M) keeps one unit per decoder layer pair.
 CPU_MIN_UNIT_PARAMS = 16_000_000

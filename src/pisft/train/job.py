@@ -201,16 +201,18 @@ def frozen_in_bf16(cfg: PisftConfig, *, value_model: bool = False, prefix: str =
     """The parameters (policy names; `prefix` + name is the trained model's) that `apply_trainable`
     will freeze and `hold_frozen_in` cast to bf16, as a predicate for `load_policy(hold_bf16=)`:
     they are loaded straight into bf16. None when nothing is held in bf16 (fp32, or a mode that trains everything)."""
+    from pisft.model.registry import spec_for_preset
     from pisft.train import trainable
 
     mode = trainable.configured_mode(cfg, value_model=value_model)
     if cfg.train.precision != "bf16" or trainable.mode_of(mode, value_model=value_model).trains_everything:
         return None
     spec = trainable.spec_for(cfg, value_model=value_model)
+    model = spec_for_preset(cfg.model.preset)
 
     def hold(name: str) -> bool:
-        return (not any(k in name for k in trainable.KEEP_FP32)
-                and not trainable.is_trainable(prefix + name, mode, spec, value_model=value_model))
+        return (not any(k in name for k in model.trainable.keep_fp32)
+                and not trainable.is_trainable(prefix + name, mode, spec, value_model=value_model, model=model))
     return hold
 
 

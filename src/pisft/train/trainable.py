@@ -19,8 +19,8 @@ The adapters are injected IN PLACE (`peft.inject_adapter_in_model`, as `LoraMode
 `PI05Policy` with its own methods (`forward`, `select_action`, `config`) and names, so the task,
 the loader and the export see the same model; a LoRA-adapted `q_proj` is still the module at
 `...self_attn.q_proj` (peft's `lora.Linear`, holding `base_layer` and the adapters), called as a
-module by LeRobot's layer code, so pisft's FSDP2 units (`pisft.train.fsdp.pi05_units`, which take
-the called parts of each decoder layer by path) hold the base weight and its adapters in one unit
+module by LeRobot's layer code, so pisft's FSDP2 units (pi0.5's, `pisft.model.pi05.units`, which
+take the called parts of each decoder layer by path) hold the base weight and its adapters in one unit
 and gather them together. A `PeftModel` would prefix every name with `base_model.model.`, reach
 the policy through `__getattr__` forwarding, and keep `modules_to_save` as a second (trained) copy
 of each fully trained module next to the original: twice its memory and a different FSDP layout.
@@ -38,162 +38,88 @@ the read-out token and head trained in full, as RLinf keeps `value_head` trainab
 Each mode is an entry of `pisft.config.TRAINABLE_MODE_TABLE` (which models take it, what part it
 freezes, whether it is LoRA, LeRobot's flag for it); the code here follows the entry and never
 branches on a mode's name, so a mode that freezes a part some entry already freezes is one entry
-there, and one freezing a new part adds that part's rule to `_FROZEN_PARTS` here.
+there, and one freezing a new part adds that part's rule to each model spec that has the part
+(`pisft.model.spec.TrainableEntry.parts`; `_FROZEN_PARTS` here holds the rules every model has: nothing
+and everything). What is pi0.5's (the rules of its parts, its LoRA target presets, LeRobot's flags'
+module, what stays float32) is in `pisft.model.pi05.trainable` (15.), behind its spec's `trainable`
+entry; a model whose entry lacks a mode's part is refused that mode, naming the parts it has.
 
 `is_trainable` is the pure rule (a parameter name -> trained or not); `apply_mode` applies a mode
 to a policy (on the meta device too, so the memory estimate can count the trainable parameters of
 pi0.5 without allocating them: `count_parameters`).
 
-Sources read (commits): openpi Physical-Intelligence/openpi@15a9616a00943ada6c20a0f158e3adb39df2ccac
-(`src/openpi/models/gemma.py` variants `gemma_2b_lora`, `gemma_300m_lora`; `src/openpi/models/lora.py`;
-`src/openpi/models/pi0_config.py` `get_freeze_filter`; `src/openpi/training/config.py`
-`pi0_libero_low_mem_finetune`); RLinf RLinf/RLinf@a3816b596478dcd8a5c69a6ec1468c9519f77b5b
-(`rlinf/models/__init__.py`, the `cfg.is_lora` branch); LeRobot 0.6.1 (installed package).
+Sources read: LeRobot 0.6.1 (installed package); openpi's and RLinf's, for the LoRA presets, are
+named in `pisft.model.pi05.trainable`.
 """
 
 from __future__ import annotations
 
 import operator
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pisft.config import (LEROBOT_FREEZE_FLAGS, LORA_TARGETS, TRAINABLE_MODELS, TrainableMode, is_lora_mode,
                           trainable_mode)
 from pisft.config import TRAINABLE_MODES as MODES
 from pisft.config import VALUE_TRAINABLE_MODES as VALUE_MODES
-from pisft.model.pi05.parts import (EXPERT, EXPERT_LAYERS, EXPERT_NAME, PALIGEMMA, PALIGEMMA_WITH_EXPERT, PROJECTOR,
-                                    VISION_TOWER, VLM_LAYERS, below, in_core, lerobot_targets, part)
-from pisft.model.pi05.precision import LEROBOT_FP32
+from pisft.model import registry
+from pisft.model.lora import LoraSpec
 from pisft.model.registry import spec_of
 
-__all__ = ["LORA_TARGETS", "MODES", "VALUE_MODES"]
+__all__ = ["LORA_TARGETS", "MODES", "VALUE_MODES", "LoraSpec"]
 
 if TYPE_CHECKING:
     from torch import nn
 
-# Name fragments (dotted module paths inside a LeRobot PI05Policy, or the value model's `policy.`).
-_VLM = f".{in_core(PALIGEMMA)}."  # LeRobot: `self.paligemma.parameters()` (train_expert_only)
-_VISION = f".{in_core(VISION_TOWER)}."  # LeRobot: freeze_vision_encoder
+    from pisft.model.spec import ModelSpec
+
 _LORA_PARAM = re.compile(r"\.lora_(A|B)\.")
 _VALUE_HEAD = re.compile(r"^(readout|head)\.")
 
-# The rule of each part a mode freezes (`pisft.config.FROZEN_PARTS`): whether a dotted name lies in it.
+# The rule of the parts every model has (`pisft.config.FROZEN_PARTS`): whether a dotted name lies in
+# it. The model's own parts ("vision", "vlm" of pi0.5) are its spec's (`TrainableEntry.parts`).
 _FROZEN_PARTS = {
     "": lambda _dotted: False,
-    "vision": lambda dotted: _VISION in dotted,
-    "vlm": lambda dotted: _VLM in dotted,
     "base": lambda _dotted: True,  # all but what the mode adds (adapters, the value model's head)
 }
 
-# The parameters LeRobot keeps in float32 when a pi0.5 is built in bfloat16
-# (`PaliGemmaWithExpertModel.to_bfloat16_for_selected_params`, `params_to_keep_float32`): frozen
-# parameters are held in bf16 under train.precision=bf16 (`hold_frozen_in`), except these.
-KEEP_FP32 = LEROBOT_FP32
+
+def _part_rule(part: str, model: ModelSpec | None, mode: str):
+    """The rule of `part` (what `mode` freezes): every model's, or the model's own (its spec's)."""
+    if part in _FROZEN_PARTS:
+        return _FROZEN_PARTS[part]
+    if model is None:
+        raise ValueError(f"mode {mode} freezes the model's part {part!r}: its rule needs the model's spec")
+    rule = model.trainable.parts.get(part)
+    if rule is None:
+        raise ValueError(f"mode {mode} freezes the part {part!r}, which model {model.name!r} does not have "
+                         f"(its parts: {', '.join(sorted(model.trainable.parts)) or 'none'})")
+    return rule
 
 
 # ------------------------------------------------------------------------------- LoRA presets
-# Linear layers of a Gemma decoder layer (LeRobot/transformers names; openpi's einsums
-# q/kv/qkv_einsum + attn_vec_einsum are q/k/v/o_proj, its FeedForward gating_einsum + linear are
-# gate/up/down_proj).
-_GEMMA_LINEARS = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
-_VLM_LAYERS = re.escape(in_core(VLM_LAYERS)) + r"\.\d+\."
-_EXPERT_LAYERS = re.escape(in_core(EXPERT_LAYERS)) + r"\.\d+\."
-_EXPERT_ANYWHERE = rf".*{EXPERT_NAME}\..*"  # a module of the action expert, at any depth
-_PROJECTION_MODULES = ("model.action_in_proj", "model.action_out_proj", "model.time_mlp_in", "model.time_mlp_out")
-# RLinf's target list (`rlinf/models/__init__.py`): proj, qkv, fc1, fc2, q, kv, fc3, out_proj,
-# q_proj ... down_proj, lm_head, applied to PaliGemma (`PALIGEMMA`) only. Of these,
-# PaliGemma (transformers 5.5.4) has q/k/v/o_proj and gate/up/down_proj (Gemma), q/k/v/out_proj and
-# fc1/fc2 (SigLIP); proj, qkv, q, kv, fc3 name no module of it. lm_head is left out: pi0.5 never
-# calls the VLM's LM head (tied to the token embedding), so its adapter would get no gradient.
-_RLINF_SUFFIXES = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|out_proj|fc1|fc2)"
+def _offering(targets: str) -> ModelSpec:
+    """The registered model whose LoRA presets hold `targets` (pi0.5's: lerobot, openpi, rlinf)."""
+    for name in registry.names():
+        spec = registry.model_spec(name)
+        if targets in spec.trainable.lora_presets:
+            return spec
+    raise ValueError(f"train.lora_targets: no registered model offers the preset '{targets}'")
 
 
-@dataclass(frozen=True)
-class LoraSpec:
-    """A LoRA target preset resolved: what peft adapts, with which rank, and what trains in full."""
-
-    preset: str
-    target_modules: str  # a regex peft full-matches against module names
-    rank: int
-    alpha: float
-    rank_pattern: dict[str, int] = field(default_factory=dict)  # peft: regex -> rank
-    alpha_pattern: dict[str, float] = field(default_factory=dict)
-    init: str = "peft"  # peft (A kaiming-uniform, B zero) | gaussian (peft's) | openpi (A, B ~ N(0, 0.01))
-    # Modules trained in full beside the adapters: dotted suffixes of module names (PEFT's
-    # `modules_to_save` matching, `key.endswith(name)`; the adapter export lists them so).
-    full_modules: tuple[str, ...] = ()
-
-    def trains_in_full(self, name: str) -> bool:
-        dotted = "." + name
-        return any(f".{m}." in dotted for m in self.full_modules)
-
-    def peft_config(self):
-        from peft import LoraConfig
-
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=self.target_modules,
-                          rank_pattern=dict(self.rank_pattern), alpha_pattern=dict(self.alpha_pattern),
-                          lora_dropout=0.0, bias="none",
-                          init_lora_weights="gaussian" if self.init == "gaussian" else True)
-
-    def scaling(self, module_name: str) -> float:
-        """alpha / rank of the adapter on `module_name` (peft's `scaling`, not rank-stabilised)."""
-        from peft.utils.other import get_pattern_key
-
-        rank = self.rank_pattern.get(get_pattern_key(self.rank_pattern, module_name), self.rank)
-        alpha = self.alpha_pattern.get(get_pattern_key(self.alpha_pattern, module_name), self.alpha)
-        return alpha / rank
-
-
-# LeRobot's defaults (`lerobot/configs/default.py` PeftConfig: r = 16, lora_alpha None, which
-# leaves peft's LoraConfig default lora_alpha = 8).
-LEROBOT_RANK, LEROBOT_ALPHA = 16, 8.0
-# openpi: gemma_2b_lora rank 16 alpha 16 on the VLM, gemma_300m_lora rank 32 alpha 32 on the expert.
-OPENPI_VLM_RANK, OPENPI_EXPERT_RANK = 16, 32
-RLINF_RANK = 32  # RLinf's seed config (`actor.model.lora_rank: 32`); lora_alpha = lora_rank
-
-
-def lora_spec(targets: str, rank: int = 0, alpha: float = 0.0, *, value_model: bool = False) -> LoraSpec:
-    """The preset `targets` (lerobot | openpi | rlinf) with train.lora_rank / train.lora_alpha
-    (0: the preset's own; a rank given replaces every rank of the preset; alpha 0 is LeRobot's 8
-    for `lerobot`, the rank for `openpi` and `rlinf`, as they set it).
-
-    `value_model`: the preset's VLM part on the RECAP value model (no action expert there; names
-    start with `policy.`). `lerobot` adapts only the expert and the projections: refused."""
+def lora_spec(targets: str, rank: int = 0, alpha: float = 0.0, *, value_model: bool = False,
+              model: ModelSpec | None = None) -> LoraSpec:
+    """The preset `targets` of `model` (its spec's `TrainableEntry.lora`; None: the registered model
+    that offers it) with train.lora_rank / train.lora_alpha (0: the preset's own). `value_model`: the
+    preset's part on the RECAP value model. pi0.5's presets: `pisft.model.pi05.trainable.lora_preset`."""
     if targets not in LORA_TARGETS:
         raise ValueError(f"train.lora_targets: '{targets}' is not one of {', '.join(LORA_TARGETS)}")
-    lead = r"(.*\.)?"
-    if targets == "lerobot":
-        if value_model:
-            raise ValueError("train.lora_targets: lerobot adapts only the action expert and the action "
-                             "projections, which the value model does not have; use openpi or rlinf")
-        r = rank or LEROBOT_RANK
-        return LoraSpec("lerobot", lerobot_targets(), r, alpha or LEROBOT_ALPHA)
-    if targets == "openpi":
-        # gemma.py: LoRA on attention (q, kv, attn_vec einsums) and MLP (gating, linear) of each
-        # Gemma; pi0_config.get_freeze_filter: frozen = `.*llm.*` and not `.*lora.*` (both Gemmas:
-        # embedding, layers, norms); trained in full: everything outside the LLM, i.e. SigLIP (`img`)
-        # with its head and the action/time projections. openpi's attention adapters are per head
-        # (lora.Einsum on (heads, D, H) with axes (-2, -1)): N heads x rank r there, one rank-r
-        # adapter per projection here (peft's lora.Linear), fewer parameters for the same modules.
-        vlm_rank = rank or OPENPI_VLM_RANK
-        expert_rank = rank or OPENPI_EXPERT_RANK
-        layers = _VLM_LAYERS if value_model else f"({_VLM_LAYERS}|{_EXPERT_LAYERS})"
-        rank_pattern = {} if value_model or rank else {_EXPERT_ANYWHERE: expert_rank}
-        alpha_pattern = ({} if value_model or alpha or rank
-                         else {_EXPERT_ANYWHERE: float(expert_rank)})
-        full = (*(below(path, PALIGEMMA_WITH_EXPERT)
-                  for path in (VISION_TOWER, PROJECTOR)),
-                *(() if value_model else _PROJECTION_MODULES))
-        return LoraSpec("openpi", f"{lead}{layers}{_GEMMA_LINEARS}", vlm_rank, alpha or float(vlm_rank),
-                        rank_pattern, alpha_pattern, init="openpi", full_modules=full)
-    # rlinf: get_peft_model on paligemma only (r = alpha = lora_rank, gaussian init, no dropout);
-    # the action expert and the projections keep requires_grad and train in full.
-    r = rank or RLINF_RANK
-    full = () if value_model else (in_core(EXPERT), *_PROJECTION_MODULES)
-    vlm = re.escape(in_core(PALIGEMMA))
-    return LoraSpec("rlinf", rf"{lead}{vlm}\..*\.{_RLINF_SUFFIXES}", r,
-                    alpha or float(r), init="gaussian", full_modules=full)
+    model = _offering(targets) if model is None else model
+    if targets not in model.trainable.lora_presets:
+        raise ValueError(f"train.lora_targets: model {model.name!r} has no LoRA preset '{targets}' "
+                         f"(it has: {', '.join(model.trainable.lora_presets) or 'none'})")
+    return model.trainable.lora(targets, rank, alpha, value_model=value_model)
 
 
 # ---------------------------------------------------------------------------- the pure rule
@@ -208,9 +134,11 @@ def mode_of(mode: str, *, value_model: bool = False) -> TrainableMode:
     return trainable_mode(mode, _model(value_model))
 
 
-def is_trainable(name: str, mode: str, spec: LoraSpec | None = None, *, value_model: bool = False) -> bool:
-    """Whether parameter `name` (of a PI05Policy, or with `value_model` of the RECAP value model,
-    after `apply_mode`'s adapter injection for a LoRA mode) is trained in `mode`."""
+def is_trainable(name: str, mode: str, spec: LoraSpec | None = None, *, value_model: bool = False,
+                 model: ModelSpec | None = None) -> bool:
+    """Whether parameter `name` (of a policy of `model`, the model's spec, or with `value_model` of the
+    RECAP value model, after `apply_mode`'s adapter injection for a LoRA mode) is trained in `mode`.
+    `model` may be left out for a mode that freezes nothing or everything (no part of the model's own)."""
     dotted = "." + name
     if value_model and _VALUE_HEAD.match(name):
         return True  # the read-out token and the bin head: new, always trained
@@ -220,7 +148,7 @@ def is_trainable(name: str, mode: str, spec: LoraSpec | None = None, *, value_mo
             raise ValueError(f"mode {mode} needs its LoraSpec")
         if _LORA_PARAM.search(dotted) or spec.trains_in_full(name):
             return True
-    return not _FROZEN_PARTS[entry.frozen](dotted)
+    return not _part_rule(entry.frozen, model, mode)(dotted)
 
 
 # ------------------------------------------------------------------------------ applying a mode
@@ -243,11 +171,6 @@ class Applied:
         return out
 
 
-def _pwe(model: nn.Module, value_model: bool) -> nn.Module:
-    policy = model.policy if value_model else model
-    return part(policy, PALIGEMMA_WITH_EXPERT)
-
-
 def inject_lora(model: nn.Module, spec: LoraSpec, *, seed: int) -> None:
     """peft's LoRA layers injected in place into `model` (same adapters on every process for one
     `seed`; on the meta device nothing is allocated). openpi's init draws A and B from N(0, 0.01)."""
@@ -267,25 +190,30 @@ def inject_lora(model: nn.Module, spec: LoraSpec, *, seed: int) -> None:
 
 def apply_mode(model: nn.Module, mode: str, spec: LoraSpec | None = None, *, seed: int = 0,
                value_model: bool = False) -> Applied:
-    """Apply `mode` to a PI05Policy (or the value model): inject LoRA adapters (`lora`), set
+    """Apply `mode` to a policy (or the value model): inject LoRA adapters (`lora`), set
     `requires_grad` by `is_trainable`, and keep frozen sub-models in eval mode the way LeRobot does
-    (its `train_expert_only` / `freeze_vision_encoder` flags on `PaliGemmaWithExpertModel`, whose
-    own `train()` puts them back in eval mode). Before sharding (FSDP2 keeps requires_grad)."""
+    (its `train_expert_only` / `freeze_vision_encoder` flags on the module the model spec's
+    `freeze_flags` names, pi0.5's `PaliGemmaWithExpertModel`, whose own `train()` puts them back in
+    eval mode). Before sharding (FSDP2 keeps requires_grad)."""
     entry = mode_of(mode, value_model=value_model)  # raises, naming the modes
-    pwe = _pwe(model, value_model)
+    policy = model.policy if value_model else model
+    spec_of_model = spec_of(policy)
+    _part_rule(entry.frozen, spec_of_model, mode)  # raises for a part the model does not have
+    flags = spec_of_model.trainable.freeze_flags  # None: no LeRobot flags, pisft's rule alone freezes
+    holder = flags(policy) if flags is not None else None
     if entry.lora:
         if spec is None:
             raise ValueError(f"mode {mode} needs its LoraSpec (trainable.lora_spec)")
         inject_lora(model, spec, seed=seed)
     # LeRobot's flags, as the mode says (a model directory's config.json must not leak its own).
-    for flag in LEROBOT_FREEZE_FLAGS:
-        setattr(pwe, flag, flag == entry.lerobot_flag)
-    if entry.lerobot_flag:
-        pwe._set_requires_grad()  # noqa: SLF001 - LeRobot's own freezing (and eval) of the VLM / vision tower
+    for flag in LEROBOT_FREEZE_FLAGS if holder is not None else ():
+        setattr(holder, flag, flag == entry.lerobot_flag)
+    if entry.lerobot_flag and holder is not None:
+        holder._set_requires_grad()  # noqa: SLF001 - LeRobot's own freezing (and eval) of the VLM / vision tower
     trained = total = 0
     for name, p in model.named_parameters():
-        want = is_trainable(name, mode, spec, value_model=value_model)
-        if entry.lerobot_flag and not want and p.requires_grad:
+        want = is_trainable(name, mode, spec, value_model=value_model, model=spec_of_model)
+        if entry.lerobot_flag and holder is not None and not want and p.requires_grad:
             raise RuntimeError(f"{name}: LeRobot's _set_requires_grad left it trainable but pisft's rule "
                                f"freezes it in mode {mode} (LeRobot changed?)")
         p.requires_grad_(want)
@@ -293,8 +221,7 @@ def apply_mode(model: nn.Module, mode: str, spec: LoraSpec | None = None, *, see
         trained += p.numel() if want else 0
     if entry.lora and not any(_LORA_PARAM.search("." + n) for n, _ in model.named_parameters()):
         raise RuntimeError(f"train.lora_targets: {spec.preset}: no module matched {spec.target_modules}")
-    policy = model.policy if value_model else model
-    frozen = spec_of(policy).prefix_frozen(policy)
+    frozen = spec_of_model.prefix_frozen(policy)
     if entry.prefix_frozen is not None and frozen != entry.prefix_frozen:
         raise RuntimeError(f"mode {mode}: its entry says the VLM prefix is {'' if entry.prefix_frozen else 'not '}"
                            f"frozen, but {'every' if frozen else 'some'} VLM parameter is "
@@ -319,15 +246,17 @@ def apply_training_layout(model: nn.Module, mode: str, spec: LoraSpec | None, *,
 def hold_frozen_in(model: nn.Module, precision: str) -> int:
     """Hold frozen parameters in the training precision: under bf16 they are cast to bf16 (no
     fp32 master copy is needed for what the optimizer never updates), except those LeRobot keeps
-    in float32 (`KEEP_FP32`). Returns the number of parameters cast. Before sharding."""
+    in float32 (the model spec's `TrainableEntry.keep_fp32`). Returns the number of parameters cast.
+    Before sharding."""
     import torch
 
     if precision != "bf16":
         return 0
+    keep_fp32 = spec_of(model).trainable.keep_fp32
     cast = 0
     seen: set[int] = set()
     for name, p in model.named_parameters():
-        if p.requires_grad or id(p) in seen or p.dtype != torch.float32 or any(k in name for k in KEEP_FP32):
+        if p.requires_grad or id(p) in seen or p.dtype != torch.float32 or any(k in name for k in keep_fp32):
             continue
         seen.add(id(p))
         p.data = p.data.to(torch.bfloat16)
@@ -372,4 +301,5 @@ def spec_for(cfg, *, value_model: bool = False) -> LoraSpec | None:
     if not is_lora_mode(mode, _model(value_model)):
         return None
     t = cfg.train
-    return lora_spec(t.lora_targets, t.lora_rank, t.lora_alpha, value_model=value_model)
+    return lora_spec(t.lora_targets, t.lora_rank, t.lora_alpha, value_model=value_model,
+                     model=registry.spec_for_preset(cfg.model.preset))

@@ -15,6 +15,8 @@ LeRobot's private structure. The modules:
 - `precision`: bf16 where openpi runs bf16 (10.);
 - `fused`: fused projections (12.);
 - `parts`: pi0.5's parts by name (13.);
+- `units`: its FSDP2 units (14.);
+- `trainable`: its side of the trainable modes and its LoRA target presets (15.);
 - `attention`: the fused-kernel swap of LeRobot's `modeling_gemma` for training;
 - `flops`: the analytic FLOP counts;
 - `presets`: the architecture presets (`model.preset`);
@@ -164,4 +166,12 @@ LeRobot's private structure. The modules:
 13. pi0.5's parts by name (`VISION_TOWER`, `VLM_LAYERS`, `EXPERT_LAYERS`, ..., `part`): LeRobot's
     module paths inside a `PI05Policy`, written here once; training, the value model, the
     estimate and the benches ask for a part instead of spelling its path.
+14. FSDP2 units (`policy_units`, `prefix_units`, `value_units`): which modules of a `PI05Policy` (or
+    of the RECAP value model's prefix) form one unit, in forward order; pisft.train.fsdp shards them
+    (`pisft.model.units.Unit`). A decoder layer pair is one unit (its block runs through `run_block`,
+    11.), the vision layers three to a unit and gathered once; with a frozen VLM (8.) one unit per layer.
+15. The trainable modes' parts (`PARTS`: SigLIP's vision tower, the whole PaliGemma VLM, by their paths,
+    13.), LeRobot's freezing flags' module (`freeze_flags`: `PaliGemmaWithExpertModel`), what LeRobot
+    keeps in float32 (`KEEP_FP32`, 10.) and the LoRA target presets `lerobot`, `openpi`, `rlinf`
+    (`lora_preset`); pisft.train.trainable applies the modes (`pisft.config.TRAINABLE_MODE_TABLE`).
 """

@@ -17,6 +17,7 @@ import torch
 from pisft.model.pi05.embedding import _embed_prefix, _embed_suffix, _loss_forward
 from pisft.model.pi05.fused import FUSED_GATE_UP, FUSED_QKV, query_projection
 from pisft.model.pi05.modeling import lerobot_pi05
+from pisft.model.units import BLOCK_RUNNER, checkpointed
 
 
 def vlm_prefix_readout(policy, images: list[torch.Tensor], img_masks: list[torch.Tensor],
@@ -198,9 +199,6 @@ def pair_layer(vlm_layer, expert_layer, prefix, suffix, mask, position_ids, cond
 # The last VLM layer's output projection and MLP are not run: their output reaches only the VLM's
 # final norm, which no loss reads (LeRobot computes them and autograd gives them no gradient).
 
-BLOCK_RUNNER = "pisft_block_runner"  # attribute of a block's first layer (pisft.train.blocks)
-
-
 def layers_checkpointed(core) -> bool:
     """Whether the decoder layers recompute their forward in backward (`enable_layer_checkpointing`)."""
     return bool(getattr(core.paligemma_with_expert.gemma_expert.model, "gradient_checkpointing", False))
@@ -211,7 +209,7 @@ def run_block(anchor, fn, *args, checkpoint: bool = False, partner=None, **kwarg
     recomputed in backward when `checkpoint`: through the runner pisft.train.blocks installed on
     `anchor` (FSDP2's forward method, torch.compile), or plainly without one. `partner`: a layer the
     block also runs (a pair's expert layer); when it is a block of its own (a frozen VLM's layout,
-    pisft.train.fsdp, run through the joint forward) its runner wraps this one without compiling or
+    pisft.model.pi05.units, run through the joint forward) its runner wraps this one without compiling or
     checkpointing anything, so that its FSDP2 unit is gathered too."""
     outer = getattr(partner, BLOCK_RUNNER, None) if partner is not None else None
     if outer is not None:
@@ -220,12 +218,6 @@ def run_block(anchor, fn, *args, checkpoint: bool = False, partner=None, **kwarg
     if runner is not None:
         return runner(fn, *args, checkpoint=checkpoint, **kwargs)
     return checkpointed(fn, *args, **kwargs) if checkpoint else fn(*args, **kwargs)
-
-
-def checkpointed(fn, *args, **kwargs):
-    """`fn(*args, **kwargs)` with its activations recomputed in backward: LeRobot's per-layer
-    checkpoint (`torch.utils.checkpoint`, non-reentrant, no RNG state: the layers draw none)."""
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
 
 def _inputs(self, images, img_masks, tokens, masks, actions, noise, time, *, frozen: bool):

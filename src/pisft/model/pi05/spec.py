@@ -4,10 +4,11 @@ folder that training, inference, RECAP, the inspection tools and the benches ask
 
 from __future__ import annotations
 
-from pisft.model.pi05 import attention, chunk, construction, flops, forward, fused, precision, processors, rtc
+from pisft.model.pi05 import (attention, chunk, construction, flops, forward, fused, precision, processors, rtc,
+                              trainable, units)
 from pisft.model.pi05.presets import PRESETS
-from pisft.model.pi05.parts import EXPERT_HEAD, VLM_LAYERS
-from pisft.model.spec import ChunkEntry, ModelSpec, ValueEntry
+from pisft.model.pi05.parts import EXPERT_HEAD
+from pisft.model.spec import ChunkEntry, ModelSpec, TrainableEntry, ValueEntry
 
 
 def build(preset: str, *, seed: int, device: str = "cpu", dtype=None):
@@ -37,12 +38,15 @@ SPEC = ModelSpec(
     bf16_layout=precision.openpi_bf16,
     float32_parts=precision.float32_parts,
     prefix_frozen=forward.prefix_frozen,
+    fsdp_units=units.policy_units,
     fuse_projections=fused.fuse_decoder_projections,
     prefix_tokens=flops.prefix_tokens,
     vocab_size=construction.vlm_vocab,
     rtc_source=rtc.SOURCE,
     fused_rows=fused.split_rows,
+    trainable=TrainableEntry(parts=trainable.PARTS, lora_presets=trainable.LORA_PRESETS, lora=trainable.lora_preset,
+                             freeze_flags=trainable.freeze_flags, keep_fp32=trainable.KEEP_FP32),
     value=ValueEntry(strip=construction.strip_to_vlm_prefix, width=construction.vlm_width,
-                     readout=forward.vlm_prefix_readout, layers=VLM_LAYERS),
+                     readout=forward.vlm_prefix_readout, fsdp_units=units.value_units),
     detached_weight=EXPERT_HEAD,  # the action expert's lm_head (construction.detach_expert_head)
 )
