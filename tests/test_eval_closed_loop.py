@@ -770,3 +770,17 @@ def test_workers_spread_over_tasks_so_each_environment_is_built_once():
                            languages={("libero_10", 0): "a", ("libero_10", 1): "b"})
     assert [r.task_id for r in results] == [0, 0, 1, 1]
     assert sorted(w.tasks for w in workers) == [[0, 0], [1, 1]]
+
+
+def test_an_environment_process_never_imports_torch():
+    """A LIBERO environment process (`rollout.workers.ProcessWorker`, spawned: it imports
+    `pisft.rollout.workers` with its package, and the stage's `python -m pisft` as its main module)
+    steps the simulator and never needs torch; importing it would cost each of them 2-4 CPU s
+    (pisft.policy.rtc). Checked in a fresh interpreter, as a spawned child starts."""
+    import subprocess
+
+    script = ("import sys, pisft.cli, pisft.rollout, pisft.rollout.workers, pisft.rollout.libero_sim; "
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'lerobot', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", f"an environment process imports: {out.stdout[:300]}"

@@ -13,7 +13,7 @@ import pytest
 from pisft import rollout
 from pisft.errors import PisftError
 from pisft.evaluate import closed_loop
-from pisft.policy.libero import RTC_DELAY_KEY, RTC_PREV_KEY
+from pisft.policy.rtc import RTC_DELAY_KEY, RTC_PREV_KEY
 from pisft.policy.rtc import RtcSettings
 from pisft.rollout.chunking import ChunkSchedule, jerk_sums, pooled_jerk
 from pisft.rollout.workers import InlineWorker

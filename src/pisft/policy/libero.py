@@ -23,8 +23,8 @@ the velocity under the prompt above (v_cond) with the velocity under the plain t
 prompt above alone; `metadata["guidance"]` records which (`cfg_scale`: the scale in effect).
 
 Real-time chunking (`rtc`, `pisft.policy.rtc`): a request may carry the raw actions of its
-previous chunk not yet executed when its observation was taken (`RTC_PREV_KEY`) and the control
-steps the robot executes of them before the answer arrives (`RTC_DELAY_KEY`); the chunk is then
+previous chunk not yet executed when its observation was taken (`rtc.RTC_PREV_KEY`) and the control
+steps the robot executes of them before the answer arrives (`rtc.RTC_DELAY_KEY`); the chunk is then
 inpainted to agree with them (LeRobot's RTC). The closed loop's chunking (`pisft.rollout.chunking`)
 sets both; `serve` sets the first from the chunk it answered the connection last. A request
 without them gets a plain chunk.
@@ -50,6 +50,7 @@ from pisft.policy.predictor import ChunkPredictor, noise_generator
 from pisft.model import guidance
 from pisft.policy import observations
 from pisft.policy import rtc as rtc_mod
+from pisft.policy.rtc import RTC_DELAY_KEY, RTC_KEY, RTC_PREV_KEY
 
 
 def prompt_budget(preprocessor: Any) -> int | None:
@@ -72,11 +73,6 @@ def prompt_budget(preprocessor: Any) -> int | None:
 
 # The prepared request's plain-task prompts (the unconditioned branch), only when guidance applies.
 UNCONDITIONED_KEY = "pisft.unconditioned_task"
-# Real-time chunking: a request's raw leftover of its previous chunk (T, action_dim) and the delay in
-# control steps (module docstring); the prepared request holds both under RTC_KEY.
-RTC_PREV_KEY = "rtc/prev_actions"
-RTC_DELAY_KEY = "rtc/delay_steps"
-RTC_KEY = "pisft.rtc"
 
 
 def cut_prompt(text: str, budget: int | None) -> str:

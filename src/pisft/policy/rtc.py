@@ -30,12 +30,23 @@ Rows of one forward must share the delay and the leftover's length (LeRobot's RT
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 # LeRobot 0.6.1's RTCConfig defaults (lerobot/policies/rtc/configuration_rtc.py), one constant in pisft.config
 from pisft.config import LEROBOT_RTC_DEFAULTS as LEROBOT_DEFAULTS
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported by the functions that run the model's RTC, not by this module: `RtcSettings` is
+# read by the closed loop's settings (pisft.rollout.settings), which every LIBERO environment
+# process imports, and those processes never need torch (its import is 2-4 CPU s a process).
+
+# A request's raw leftover of its previous chunk (T, action_dim) and the delay in control steps
+# (pisft.policy.libero's module docstring); the prepared request holds both under RTC_KEY.
+RTC_PREV_KEY = "rtc/prev_actions"
+RTC_DELAY_KEY = "rtc/delay_steps"
+RTC_KEY = "pisft.rtc"
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,7 @@ def configure(policy, settings: RtcSettings) -> None:
 def normalized(predictor, actions: torch.Tensor) -> torch.Tensor:
     """Raw actions (..., action_dim) in the model's normalised space (the preprocessor's
     `NormalizerProcessorStep`, module docstring)."""
+    import torch
     from lerobot.processor import NormalizerProcessorStep, TransitionKey, create_transition
 
     step = next((s for s in getattr(predictor.preprocessor, "steps", ())
@@ -79,6 +91,8 @@ def chunk_kwargs(predictor, prev_actions: torch.Tensor, delay: int) -> dict[str,
     """`predict_action_chunk`'s RTC arguments for raw leftovers `prev_actions` (B, T, action_dim)."""
     if predictor.rtc is None:
         raise ValueError("a previous chunk was given but RTC is off for this model (enable_rtc first)")
+    import torch
+
     prev = torch.as_tensor(prev_actions, dtype=torch.float32)
     if prev.ndim != 3 or prev.shape[1] < 1 or prev.shape[2] != predictor.action_dim:
         raise ValueError(f"the previous chunk's actions have shape {tuple(prev.shape)}; expected "

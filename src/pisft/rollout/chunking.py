@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from pisft.errors import PisftError
-from pisft.policy.libero import RTC_DELAY_KEY, RTC_PREV_KEY
+from pisft.policy.rtc import RTC_DELAY_KEY, RTC_PREV_KEY
 
 
 @dataclass

@@ -34,7 +34,7 @@ def _rtc_request(obs: dict, last: Any, enabled: bool, chunk_size: int | None = N
     `rtc/executed_steps` a whole number in 0..len(last chunk), `rtc/delay_steps` one in
     0..`chunk_size` (the model's) and at most the actions left of the last chunk, which the robot
     executes while it waits (docs/serving.md: the reply's first d actions agree with them)."""
-    from pisft.policy.libero import RTC_DELAY_KEY, RTC_PREV_KEY
+    from pisft.policy.rtc import RTC_DELAY_KEY, RTC_PREV_KEY
     from pisft.policy.rtc import delay_problem, whole_steps
 
     if RTC_PREV_KEY in obs:
@@ -102,6 +102,6 @@ def _reset_request(obs: Any) -> _Reset | None:
 
 def prepared_delay(prepared: Any) -> int:
     """The RTC delay a prepared request carries (`LiberoPolicy.prepare`'s `RTC_KEY`)."""
-    from pisft.policy.libero import RTC_KEY
+    from pisft.policy.rtc import RTC_KEY
 
     return prepared[RTC_KEY][1]
