@@ -1,5 +1,6 @@
 """The model registry (pisft.model.registry, pisft.model.spec): a throwaway model of another shape
-registers its spec, as tests/test_stages.py registers a throwaway stage, and pisft's training step,
+registers its spec, as tests/test_stages.py registers a throwaway stage, and config validation (its
+preset a valid `model.preset` with its action chunk while it is registered, refused after), pisft's training step,
 its FLOP count, its FSDP2 units (pisft.train.fsdp shards what the spec's `fsdp_units` lists, and a
 step of the sharded toy is the unsharded one's), its trainable modes (the parts its spec's `trainable`
 entry has: `all`, `no_vision`), the memory estimate's step on fake tensors (pisft.introspect.
@@ -7,9 +8,8 @@ simulated_step, against the toy's step measured on real tensors), the weight exp
 export_weights: trained, frozen from the base file, sharded or not), the compiled chunk, the precision
 records and real-time chunking reach it through the registry alone.
 
-Not followed here (they still ask pi0.5's folder or pi0.5's config, not the registry): config
-validation (`model.preset`'s choices are pi0.5's presets), and so whatever finds the model from a
-config: the memory estimate's entry (`estimate.estimate_memory` builds `model.preset` with
+Not followed here (they still ask pi0.5's folder or pi0.5's config, not the registry): whatever finds
+the model from a config: the memory estimate's entry (`estimate.estimate_memory` builds `model.preset` with
 pisft.model.policy, pi0.5's), the trainable modes read off a config (`trainable.spec_for`,
 `job.frozen_in_bf16`, which find the spec by `model.preset`); the smoke gate; the stages' load/save
 (pisft.model.policy: LeRobot's config.json, pi0.5's processors) and so the LoRA adapter's export
@@ -163,7 +163,7 @@ def no_rtc(policy, settings):
 
 
 TOY = ModelSpec(
-    name=NAME, presets=(PRESET,), build=build,
+    name=NAME, presets={PRESET: CHUNK}, build=build,
     prepare_for_training=lambda policy, *, checkpointing: setattr(policy, "prepared", checkpointing),
     set_layer_checkpointing=lambda policy, on: setattr(policy, "prepared", on),
     training_loss=training_loss, non_blocking_transfers=lambda pre: None, training_flops_per_sample=flops,
@@ -235,7 +235,51 @@ def test_a_registered_model_is_found_by_name_preset_and_policy(toy):
     with pytest.raises(ValueError, match="registered already"):
         registry.register(toy)
     with pytest.raises(ValueError, match="belong to 'pi05'"):
-        registry.register(dataclasses.replace(toy, name="other", presets=("tiny",)))
+        registry.register(dataclasses.replace(toy, name="other", presets={"tiny": 10}))
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def _toy_config(tmp_path, *sets: str):
+    from pisft import config
+
+    return config.load(ROOT / "config" / "config.yaml",
+                       [f"results_dir={tmp_path / 'results'}", f"model.preset={PRESET}", *sets])
+
+
+def test_config_validation_follows_the_registered_presets(tmp_path):
+    """`model.preset: toy_small` validates while the toy is registered, its action chunk (4) read by the
+    config's chunk check (the closed loop's replan steps), and is refused after, in the words of any
+    unknown preset; pi0.5's presets and their chunks stay the config's own."""
+    from pisft import config
+
+    unknown = f"model.preset: '{PRESET}' is not one of tiny, small, pi05"
+    with pytest.raises(config.ConfigError, match=unknown):
+        _toy_config(tmp_path, "eval.replan_steps=4")
+    registry.register(TOY)
+    try:
+        assert config.presets() == ("tiny", "small", "pi05", PRESET)
+        cfg = _toy_config(tmp_path, "eval.replan_steps=4")
+        assert cfg.model.preset == PRESET and config.preset_chunk_size(PRESET) == CHUNK
+        with pytest.raises(config.ConfigError, match=f"exceed model.preset {PRESET}'s chunk of {CHUNK} actions"):
+            _toy_config(tmp_path)  # the default eval.replan_steps, 5, against the toy's chunk of 4
+        with pytest.raises(ValueError, match="presets already"):  # the config refuses a preset twice
+            config.add_presets({PRESET: CHUNK})
+    finally:
+        registry.unregister(NAME)
+    with pytest.raises(config.ConfigError, match=unknown + "$"):
+        _toy_config(tmp_path, "eval.replan_steps=4")
+    assert config.preset_chunk_size(PRESET) is None and config.presets() == config.PRESETS
+
+
+def test_the_built_in_models_presets_are_the_configs_table():
+    """A driver validates a config without importing the registry: the built-in specs' presets and chunks
+    are the config's own table (pisft.config.PRESETS, PRESET_CHUNK_SIZES), in its order."""
+    from pisft import config
+
+    built_in = {p: n for spec in registry._BUILT_IN for p, n in spec.presets.items()}
+    assert list(built_in) == list(config.PRESETS) and built_in == config.PRESET_CHUNK_SIZES
 
 
 def test_an_unknown_model_is_refused_by_name():

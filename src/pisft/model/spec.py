@@ -6,8 +6,11 @@ The name is the policy's type as LeRobot names it: `PreTrainedConfig.type`, the 
 config.json ("pi05" for `PI05Config`), by which LeRobot's own policy factory picks a policy class
 (lerobot/policies/factory.py, `get_policy_class(name)` and `make_policy_config(policy_type)`). So a
 built policy finds its spec by itself (`registry.spec_of`). pisft's config has no `model.type` key: each
-`model.preset` belongs to one spec (`ModelSpec.presets`; today every preset is pi0.5's), which
-`registry.spec_for_preset` finds. As torchtitan gives each model a spec of callables (pytorch/torchtitan,
+`model.preset` belongs to one spec (`ModelSpec.presets`, each with its action chunk; today every built-in
+preset is pi0.5's), which `registry.spec_for_preset` finds. The config, which imports nothing of the
+model, knows the built-in presets from its own table (`pisft.config.PRESETS`, `PRESET_CHUNK_SIZES`: a
+driver validates a config without importing the registry); `registry.register` tells it a registered
+model's (`pisft.config.add_presets`). As torchtitan gives each model a spec of callables (pytorch/torchtitan,
 torchtitan/protocols/model_spec.py: the model's name, its config and its `parallelize_fn`, ...),
 a spec here is the model's callables. The model's folder builds its spec (`pisft.model.pi05.spec`)
 and the registry (`pisft.model.registry`) lists it: one line per model.
@@ -69,7 +72,8 @@ class ModelSpec:
     `config`) unless said otherwise."""
 
     name: str  # LeRobot's policy type (config.json's "type")
-    presets: tuple[str, ...]  # the `model.preset` names that build this model
+    # the `model.preset` names that build this model -> each one's action chunk (the config's chunk checks)
+    presets: Mapping[str, int]
     # (preset, *, seed, device="cpu", dtype=None) -> a randomly initialised policy of the preset
     build: Callable[..., Any]
     # (policy, *, checkpointing) -> None: the training structure (checkpointing, unused parts off)

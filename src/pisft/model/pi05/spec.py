@@ -4,6 +4,7 @@ folder that training, inference, RECAP, the inspection tools and the benches ask
 
 from __future__ import annotations
 
+from pisft.config import PRESET_CHUNK_SIZES
 from pisft.model.pi05 import (attention, chunk, construction, flops, forward, fused, precision, processors, rtc,
                               trainable, units)
 from pisft.model.pi05.presets import PRESETS
@@ -22,7 +23,7 @@ def build(preset: str, *, seed: int, device: str = "cpu", dtype=None):
 
 SPEC = ModelSpec(
     name="pi05",  # PI05Config.type
-    presets=tuple(PRESETS),
+    presets={name: PRESET_CHUNK_SIZES[name] for name in PRESETS},  # the config's table (config/choices.py)
     build=build,
     prepare_for_training=construction.prepare_for_training,
     set_layer_checkpointing=construction.set_layer_checkpointing,
