@@ -67,6 +67,22 @@ class TrainableEntry:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoadEntry:
+    """How the training stages and the memory estimate find a model in its folder (`results/base_model`,
+    a trained policy), found by `model.preset` (pisft.train.job.build, pisft.introspect.estimate)."""
+
+    # (model_dir, *, device, dtype, preset, hold_bf16) -> the policy, loaded strictly; `preset`: the folder
+    # must hold that preset; `hold_bf16(name)`: parameters held in bf16 from the start (job.frozen_in_bf16)
+    policy: Callable[..., Any]
+    # (model_dir, *, device, dtype) -> the folder's model of its own sizes, its weights not loaded (the
+    # memory estimate builds it on the meta device)
+    structure: Callable[..., Any]
+    # (policy, model_dir, dataset_stats) -> (preprocessor, postprocessor): what turns a collated training
+    # batch into the policy's inputs, with the folder's tokenizer and the dataset's normalisation stats
+    processors: Callable[..., tuple[Any, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """One model family's callables. Each takes the model's policy (an `nn.Module` with a LeRobot
     `config`) unless said otherwise."""
@@ -112,6 +128,7 @@ class ModelSpec:
     # for training (module_of(name): the module holding it), None: not fused (the export's names)
     fused_rows: Callable[[Callable[[str], Any], str], list[tuple[str, int, int]] | None]
     trainable: TrainableEntry  # its side of the trainable modes (parts, LoRA presets, float32 parameters)
+    load: LoadEntry  # its folder loaded for training and the estimate, and its processors
     value: ValueEntry | None = None  # its VLM prefix as the RECAP value model's backbone; None: none
     # a weight detached for training (never used by the loss), exported from the base model's file
     detached_weight: str | None = None
