@@ -43,6 +43,8 @@ def remove_presets(names) -> None:
     """Remove registered presets (a built-in one stays)."""
     for name in names:
         _REGISTERED_PRESETS.pop(name, None)
+
+
 PRECISIONS = ("fp32", "bf16")
 # train.compile (pisft.train.blocks): auto is decided by the smoke gate on the run's device
 # (pisft.gates.compile_trial: compiled only where it ran, agreed with eager and was faster)
