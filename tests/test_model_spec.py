@@ -1,27 +1,39 @@
 """The model registry (pisft.model.registry, pisft.model.spec): a throwaway model of another shape
-registers its spec, as tests/test_stages.py registers a throwaway stage, and pisft's training step,
-its FLOP count, its FSDP2 units (pisft.train.fsdp shards what the spec's `fsdp_units` lists, and a
-step of the sharded toy is the unsharded one's), its trainable modes (the parts its spec's `trainable`
-entry has: `all`, `no_vision`), the memory estimate's step on fake tensors (pisft.introspect.
+registers its spec, as tests/test_stages.py registers a throwaway stage, and config validation (its
+preset a valid `model.preset` with its action chunk while it is registered, refused after), pisft's
+training step, its FLOP count, its FSDP2 units (pisft.train.fsdp shards what the spec's `fsdp_units`
+lists, and a step of the sharded toy is the unsharded one's), its trainable modes (the parts its spec's
+`trainable` entry has: `all`, `no_vision`), the memory estimate's step on fake tensors (pisft.introspect.
 simulated_step, against the toy's step measured on real tensors), the weight export (pisft.train.
 export_weights: trained, frozen from the base file, sharded or not), the compiled chunk, the precision
-records and real-time chunking reach it through the registry alone.
+records and real-time chunking reach it through the registry alone. So does whatever finds the model
+from a config: the memory estimate's entry (`estimate.estimate_memory`: the preset, or the fetched base
+folder through the spec's `load.structure`, in the config's trainable mode), the mode read off a config
+(`job.frozen_in_bf16`, `trainable.spec_for`), and the smoke gate (`smoke.run_smoke` in-process, through
+the real `job.build`: the base folder loaded by the spec's `load.policy`, `job.load_model`, its
+processors by `load.processors`, the steps, checks, projections and report).
 
-Not followed here (they still ask pi0.5's folder or pi0.5's config, not the registry): config
-validation (`model.preset`'s choices are pi0.5's presets), and so whatever finds the model from a
-config: the memory estimate's entry (`estimate.estimate_memory` builds `model.preset` with
-pisft.model.policy, pi0.5's), the trainable modes read off a config (`trainable.spec_for`,
-`job.frozen_in_bf16`, which find the spec by `model.preset`); the smoke gate; the stages' load/save
-(pisft.model.policy: LeRobot's config.json, pi0.5's processors) and so the LoRA adapter's export
-(`export_weights.write_adapter` writes LeRobot's config.json); LoRA itself (the toy offers no target
-preset: `lora_spec` refuses it, which is followed); the training blocks (pisft.train.blocks: the toy's
-units hold no block, so per-block runners, activation checkpointing and torch.compile are not run on it).
+Not followed here: the smoke gate's data (the dataset folder's readers are stand-ins in its test: a
+converted LeRobot dataset is an integration-size fixture) and its estimate from a process that holds a
+process group (the stage's own: `estimate._simulate_elsewhere` runs it in a fresh interpreter, where only
+the built-in models are registered; the test hands the gate the estimate its `_estimate` made in-process
+before the group); the launcher and torchrun (their workers are fresh interpreters too); train_8card's
+run after `job.build` (its data loader's collate runs the preprocessor's host steps apart from its
+device step, `PolicyTask.collate`, which asks for LeRobot's pipeline, and its export writes LeRobot's
+layout: pisft.model.policy.save_model's config.json, the tokenizer, LeRobot's processor files) and so
+the LoRA adapter's export (`export_weights.write_adapter` writes LeRobot's config.json); the stages that
+load a model otherwise than `job.build` (the RECAP value model's `value_model.load`, evaluation, serving,
+fetch_base: pisft.model.policy); LoRA itself (the toy offers no target preset: `lora_spec` refuses it,
+which is followed); the training blocks (pisft.train.blocks: the toy's units hold no block, so per-block
+runners, activation checkpointing and torch.compile are not run on it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +43,7 @@ from torch import nn
 
 from pisft.errors import PisftError
 from pisft.model import registry
-from pisft.model.spec import ChunkEntry, ModelSpec, TrainableEntry
+from pisft.model.spec import ChunkEntry, LoadEntry, ModelSpec, TrainableEntry
 from pisft.model.units import Unit
 
 NAME, PRESET = "toy_flow", "toy_small"
@@ -152,6 +164,42 @@ def no_pieces(policy, pieces):
     yield False
 
 
+def load(model_dir, *, device="cpu", dtype=None, preset=None, hold_bf16=None):
+    """The toy's folder (`save_folder`) loaded strictly; `hold_bf16`'s parameters held in bf16 before the
+    file's values are copied in (as pi0.5's load_policy)."""
+    info = json.loads((Path(model_dir) / INFO_FILE).read_text())
+    if preset is not None and info["preset"] != preset:
+        raise PisftError(f"{model_dir}: holds {info['preset']!r}, not {preset!r}")
+    policy = build(info["preset"], seed=0, device=device, dtype=dtype)
+    for name, p in policy.named_parameters():
+        if hold_bf16 is not None and hold_bf16(name):
+            p.data = torch.empty_like(p, dtype=torch.bfloat16)
+    policy.load_state_dict(load_file(Path(model_dir) / WEIGHTS), strict=True)
+    policy.pisft_model_info = info  # what the training job records in it (the prompt's form)
+    return policy
+
+
+def structure(model_dir, *, device="cpu", dtype=None):
+    return build(json.loads((Path(model_dir) / INFO_FILE).read_text())["preset"], seed=0, device=device, dtype=dtype)
+
+
+def processors(policy, model_dir, dataset_stats=None):
+    """(preprocessor, postprocessor): the prompt's characters as tokens (5, padded with 0), actions
+    normalised by the dataset's mean and std."""
+    mean, std = (torch.as_tensor(dataset_stats["action"][k], dtype=torch.float32) for k in ("mean", "std"))
+
+    def pre(batch):
+        out = dict(batch)
+        prompts = out.pop("task")
+        ids = [[ord(c) % VOCAB for c in text[:5]] + [0] * (5 - len(text[:5])) for text in prompts]
+        out["observation.language.tokens"] = torch.tensor(ids)
+        out["observation.language.attention_mask"] = out["observation.language.tokens"] > 0
+        out["action"] = (out["action"] - mean) / std
+        return out
+
+    return pre, lambda actions: actions * std + mean
+
+
 def toy_units(policy):
     """The toy's FSDP2 units in forward order: the image projection, then the MLP; the token
     embedding stays in the root."""
@@ -163,7 +211,7 @@ def no_rtc(policy, settings):
 
 
 TOY = ModelSpec(
-    name=NAME, presets=(PRESET,), build=build,
+    name=NAME, presets={PRESET: CHUNK}, build=build,
     prepare_for_training=lambda policy, *, checkpointing: setattr(policy, "prepared", checkpointing),
     set_layer_checkpointing=lambda policy, on: setattr(policy, "prepared", on),
     training_loss=training_loss, non_blocking_transfers=lambda pre: None, training_flops_per_sample=flops,
@@ -184,7 +232,18 @@ TOY = ModelSpec(
     # (no LeRobot flags, no LoRA presets, nothing kept in float32)
     trainable=TrainableEntry(parts={"vision": lambda dotted: ".model.image." in dotted}, lora_presets=(), lora=None,
                              freeze_flags=None, keep_fp32=()),
+    load=LoadEntry(policy=load, structure=structure, processors=processors),
 )
+INFO_FILE, WEIGHTS = "pisft_model.json", "model.safetensors"
+
+
+def save_folder(folder, seed: int = 1):
+    """The toy's model folder: its config, pisft_model.json (the preset) and its weights at `seed`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(dataclasses.asdict(ToyConfig())))
+    (folder / INFO_FILE).write_text(json.dumps({"format_version": 1, "preset": PRESET}))
+    save_file(build(PRESET, seed=seed).state_dict(), str(folder / WEIGHTS))
+    return folder
 
 
 @contextlib.contextmanager
@@ -235,7 +294,51 @@ def test_a_registered_model_is_found_by_name_preset_and_policy(toy):
     with pytest.raises(ValueError, match="registered already"):
         registry.register(toy)
     with pytest.raises(ValueError, match="belong to 'pi05'"):
-        registry.register(dataclasses.replace(toy, name="other", presets=("tiny",)))
+        registry.register(dataclasses.replace(toy, name="other", presets={"tiny": 10}))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _toy_config(tmp_path, *sets: str):
+    from pisft import config
+
+    return config.load(ROOT / "config" / "config.yaml",
+                       [f"results_dir={tmp_path / 'results'}", f"model.preset={PRESET}", *sets])
+
+
+def test_config_validation_follows_the_registered_presets(tmp_path):
+    """`model.preset: toy_small` validates while the toy is registered, its action chunk (4) read by the
+    config's chunk check (the closed loop's replan steps), and is refused after, in the words of any
+    unknown preset; pi0.5's presets and their chunks stay the config's own."""
+    from pisft import config
+
+    unknown = f"model.preset: '{PRESET}' is not one of tiny, small, pi05"
+    with pytest.raises(config.ConfigError, match=unknown):
+        _toy_config(tmp_path, "eval.replan_steps=4")
+    registry.register(TOY)
+    try:
+        assert config.presets() == ("tiny", "small", "pi05", PRESET)
+        cfg = _toy_config(tmp_path, "eval.replan_steps=4")
+        assert cfg.model.preset == PRESET and config.preset_chunk_size(PRESET) == CHUNK
+        with pytest.raises(config.ConfigError, match=f"exceed model.preset {PRESET}'s chunk of {CHUNK} actions"):
+            _toy_config(tmp_path)  # the default eval.replan_steps, 5, against the toy's chunk of 4
+        with pytest.raises(ValueError, match="presets already"):  # the config refuses a preset twice
+            config.add_presets({PRESET: CHUNK})
+    finally:
+        registry.unregister(NAME)
+    with pytest.raises(config.ConfigError, match=unknown + "$"):
+        _toy_config(tmp_path, "eval.replan_steps=4")
+    assert config.preset_chunk_size(PRESET) is None and config.presets() == config.PRESETS
+
+
+def test_the_built_in_models_presets_are_the_configs_table():
+    """A driver validates a config without importing the registry: the built-in specs' presets and chunks
+    are the config's own table (pisft.config.PRESETS, PRESET_CHUNK_SIZES), in its order."""
+    from pisft import config
+
+    built_in = {p: n for spec in registry._BUILT_IN for p, n in spec.presets.items()}
+    assert list(built_in) == list(config.PRESETS) and built_in == config.PRESET_CHUNK_SIZES
 
 
 def test_an_unknown_model_is_refused_by_name():
@@ -474,3 +577,98 @@ def test_outside_the_model_folder_only_pi05s_own_benches_and_doctor_import_it():
             if any(n == "pisft.model.pi05" or n.startswith("pisft.model.pi05.") for n in names):
                 found.add(rel.as_posix())
     assert found == PI05_ON_PURPOSE
+
+
+def _sim(world: int, micro: int, precision: str = "fp32", mode: str = "all"):
+    """The toy's step on fake tensors at these settings, built as training builds it."""
+    from pisft.introspect.simulated_step import simulate_step, with_mode
+    from pisft.train.fsdp import min_unit_params
+
+    make = with_mode(lambda: TOY.build(PRESET, seed=0, device="meta"), mode, None, precision)
+    return simulate_step(make, world_size=world, micro_batch=micro, precision=precision, checkpointing=False,
+                         min_unit_params=min_unit_params("cpu", -1))
+
+
+def test_the_memory_estimate_finds_the_toy_from_its_config(toy, tmp_path):
+    """`estimate.estimate_memory(cfg)` builds model.preset's model through its spec: the toy's preset (on
+    the meta device), or the fetched base folder of that preset (the spec's `load.structure`), with the
+    config's trainable mode (`no_vision` in bf16: the image projection held in bf16); its figures are
+    the simulated step of the toy at the config's settings. The mode read off the config
+    (`job.frozen_in_bf16`, `trainable.spec_for`) is the toy's too."""
+    from pisft import layout
+    from pisft.introspect.estimate import estimate_memory
+    from pisft.train import job, trainable
+
+    cfg = _toy_config(tmp_path, "eval.replan_steps=4", "train.micro_batch_size=2", "device=cpu")
+    total = sum(p.numel() for p in toy.build(PRESET, seed=0).parameters())
+    for world in (1, cfg.world_size):
+        est, sim = estimate_memory(cfg, world_size=world), _sim(world, 2)
+        assert (est["model"], est["world_size"], est["params_total"]) == (f"preset {PRESET}", world, total)
+        assert (est["total_bytes"], est["step_peak_bytes"]) == (sim["bytes"]["total"], sim["step_peak_bytes"])
+    base = save_folder(layout.base_model(cfg))
+    est = estimate_memory(cfg, world_size=1)
+    assert est["model"] == str(base) and est["total_bytes"] == int(_sim(1, 2)["bytes"]["total"])
+    bf16 = _toy_config(tmp_path, "eval.replan_steps=4", "train.micro_batch_size=2", "device=cpu",
+                       "train.precision=bf16", "train.trainable=no_vision")
+    est = estimate_memory(bf16, world_size=1)
+    assert est["params_bf16"] == 4 * WIDTH and est["params_trained"] == total - 4 * WIDTH
+    assert est["total_bytes"] == int(_sim(1, 2, "bf16", "no_vision")["bytes"]["total"])
+    hold = job.frozen_in_bf16(bf16)
+    assert hold("model.image.weight") and hold("model.image.bias") and not hold("model.net.0.weight")
+    assert trainable.spec_for(bf16) is None and job.frozen_in_bf16(cfg) is None
+
+
+def test_the_smoke_gate_runs_the_toy_from_its_config(toy, tmp_path, monkeypatch):
+    """`smoke.run_smoke` on a toy config, in-process on one gloo process, through the real `job.build`:
+    the toy's base folder loaded through its spec (`job.load_model`: strictly, `no_vision`'s image
+    projection held in bf16 from the load, prepared, the mode applied, sharded), its processors made by
+    its spec, the smoke steps, the checks, the projections and the report. Stand-ins: the dataset folder's
+    readers (a converted LeRobot dataset is an integration-size fixture): the stats, the train split (8
+    in-memory samples of the toy's shapes), the prompt conditioning; and the estimate, which a process
+    holding a process group makes in a fresh interpreter, where only built-in models are registered: it
+    is the gate's own `_estimate`, run in this process before the group exists."""
+    import numpy as np
+
+    from pisft import device as devices
+    from pisft import layout
+    from pisft.data import dataset, prompts
+    from pisft.gates import smoke
+    from pisft.train import job
+
+    cfg = _toy_config(tmp_path, "eval.replan_steps=4", "device=cpu", "train.micro_batch_size=2",
+                      "train.compile=off", "train.precision=bf16", "train.trainable=no_vision", "train.lr=0.01",
+                      "smoke.steps=3")
+    base = save_folder(layout.base_model(cfg))
+    split = layout.iteration(cfg).split
+    split.parent.mkdir(parents=True, exist_ok=True)
+    split.write_text("{}")  # what require_inputs looks for; the split itself is the stand-in below
+    g = torch.Generator().manual_seed(0)
+    samples = [{"observation.images.cam": torch.rand(3, 8, 8, generator=g), "action": torch.randn(CHUNK, ACTION_DIM,
+                generator=g), "task": f"task {i % 3}"} for i in range(8)]
+    stats = {"action": {"mean": np.full(ACTION_DIM, 0.5, np.float32), "std": np.full(ACTION_DIM, 2.0, np.float32)}}
+    monkeypatch.setattr(dataset, "load_stats", lambda data: stats)
+    monkeypatch.setattr(dataset, "load_split", lambda data, split, *, chunk_size: samples[:8] if chunk_size == CHUNK
+                        else pytest.fail(f"chunk {chunk_size}"))
+    monkeypatch.setattr(prompts, "training_prompt_fn", lambda data: None)
+    monkeypatch.setattr(job, "conditioning_of", lambda cfg, data: None)
+    estimate = smoke._estimate(smoke._estimated(cfg))  # before the process group: in this process
+    assert all("total_bytes" in estimate[w] for w in ("1", str(cfg.world_size)))
+    monkeypatch.setattr(smoke, "_estimate", lambda cfg: estimate)
+    built = []
+    monkeypatch.setattr(smoke, "build", lambda ctx: built.append(job.build(ctx)) or built[-1])
+    info = devices.DeviceInfo(kind="cpu", backend="gloo", device=torch.device("cpu"), name="cpu")
+    with gloo_process():
+        assert smoke.run_smoke(job.Context(cfg, "smoke_1card", info, 0, 1)) == 0
+    report = json.loads(layout.smoke_report(cfg).read_text())
+    assert report["passed"] and report["optimizer"] == "adamw" and len(report["losses"]) == 3
+    assert report["last_loss"] < report["first_loss"] and report["flops_per_sample"] == flops(built[0].model,
+                                                                                               lang_tokens=5)
+    assert report["estimate"] == estimate and report["trainable"] == "no_vision"
+    assert report["tensors_vs_estimate"]["params"]["frozen"] == 4 * WIDTH
+    policy = built[0].model
+    assert policy.prepared is False and [u.name for u in built[0].units] == []  # the CPU's floor: left to the root
+    assert {n: p.dtype for n, p in policy.named_parameters() if not p.requires_grad} == {
+        "model.image.weight": torch.bfloat16, "model.image.bias": torch.bfloat16}
+    on_file = load_file(base / WEIGHTS)
+    assert torch.equal(policy.model.image.weight.full_tensor(), on_file["model.image.weight"].bfloat16())  # frozen
+    assert not torch.equal(policy.model.net[0].weight.full_tensor(), on_file["model.net.0.weight"])  # it trained

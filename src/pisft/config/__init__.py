@@ -41,7 +41,11 @@ from pisft.config.choices import (  # noqa: F401
     TrainableMode,
     VALUE_INITS,
     VALUE_TRAINABLE_MODES,
+    add_presets,
     is_lora_mode,
+    preset_chunk_size,
+    presets,
+    remove_presets,
     trainable_mode,
     trainable_modes,
 )

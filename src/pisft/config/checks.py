@@ -15,11 +15,11 @@ from pisft.config.choices import (
     LIBERO_INIT_STATES,
     LIBERO_SUITES,
     PERTURBATIONS,
-    PRESET_CHUNK_SIZES,
     SOURCE_TYPES,
     TRAINABLE_MODE_TABLE,
     TRAINABLE_MODELS,
     is_lora_mode,
+    preset_chunk_size,
     trainable_modes,
 )
 from pisft.config.marks import NUMBER_RULES, Number, choice_on, number_on
@@ -315,7 +315,7 @@ def _closed_loop_problems(cfg: PisftConfig) -> list[str]:
     if not e.closed_loop:
         return []
     problems: list[str] = []
-    chunk = PRESET_CHUNK_SIZES.get(cfg.model.preset)
+    chunk = preset_chunk_size(cfg.model.preset)
     if chunk is not None and not cfg.model.follow_source_chunk_size:
         problems += chunk_problems(e.replan_steps, e.rtc.delay_steps, chunk, f"model.preset {cfg.model.preset}'s")
     if cfg.device == "cpu" and cpu_replicas_problem(e.policy_devices):

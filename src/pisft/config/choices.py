@@ -9,10 +9,42 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 DEVICES = ("auto", "npu", "cuda", "cpu")
+# model.preset: the built-in models' presets (today pi0.5's; a process that never imports the model
+# registry, such as the drivers' parse-time check, validates with these).
 PRESETS = ("tiny", "small", "pi05")
 # Each preset's action chunk (PI05Config.chunk_size; pisft.model.pi05.presets sets tiny's and small's from
 # here, pi05's is LeRobot's PI05Config default, which a test holds to this).
 PRESET_CHUNK_SIZES = {"tiny": 10, "small": 10, "pi05": 50}
+# The presets of models registered at run time (pisft.model.registry.register adds them, unregister
+# removes them; the config never imports the registry): preset -> its action chunk size.
+_REGISTERED_PRESETS: dict[str, int] = {}
+
+
+def presets() -> tuple[str, ...]:
+    """model.preset's choices, read when called: the built-in presets, then the registered models'."""
+    return PRESETS + tuple(_REGISTERED_PRESETS)
+
+
+def preset_chunk_size(preset: str) -> int | None:
+    """The action chunk of `preset` (None: no preset of that name; the config's chunk checks skip it)."""
+    return PRESET_CHUNK_SIZES.get(preset, _REGISTERED_PRESETS.get(preset))
+
+
+def add_presets(chunk_sizes: dict[str, int]) -> None:
+    """Make a registered model's presets valid model.preset values, each with its action chunk (a
+    name taken is refused, nothing added)."""
+    taken = sorted(p for p in chunk_sizes if p in presets())
+    if taken:
+        raise ValueError(f"model.preset: {taken} are presets already")
+    _REGISTERED_PRESETS.update({p: int(n) for p, n in chunk_sizes.items()})
+
+
+def remove_presets(names) -> None:
+    """Remove registered presets (a built-in one stays)."""
+    for name in names:
+        _REGISTERED_PRESETS.pop(name, None)
+
+
 PRECISIONS = ("fp32", "bf16")
 # train.compile (pisft.train.blocks): auto is decided by the smoke gate on the run's device
 # (pisft.gates.compile_trial: compiled only where it ran, agreed with eager and was faster)

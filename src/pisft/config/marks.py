@@ -6,6 +6,7 @@ validated with no other edit."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import Field, dataclass, field
 from typing import Any
 
@@ -98,20 +99,27 @@ class Number:
 class Choice:
     """A text key's choices and the words of its refusal: `'VALUE' is not one of A, B`, then `note` in
     parentheses, or `'VALUE' <refusal>` for a key whose refusal has words of its own. Only a text
-    value is checked against them (a key that takes a number or `auto` is a number otherwise)."""
+    value is checked against them (a key that takes a number or `auto` is a number otherwise).
+    `options`: the choices, or a function giving them, read at each check (model.preset's: a model
+    registered at run time adds its presets, `pisft.config.choices.presets`)."""
 
-    values: tuple[str, ...]
+    options: tuple[str, ...] | Callable[[], tuple[str, ...]]
     note: str = ""
     refusal: str = ""
 
+    @property
+    def values(self) -> tuple[str, ...]:
+        return tuple(self.options()) if callable(self.options) else self.options
+
 
 def marked(default: Any, *roles: str, kind: str = "", what: str = "", note: str = "",
-           choices: tuple[str, ...] = (), refusal: str = "") -> Any:
+           choices: tuple[str, ...] | Callable[[], tuple[str, ...]] = (), refusal: str = "") -> Any:
     """A config field with its marks: `lr: float = marked(1e-3, TRAIN_STEP, POLICY_RUN, kind="positive",
     what="the peak learning rate")`. `roles`: what the key does (`ROLES`); `kind`: a number's rule (of
     `NUMBER_RULES`), with what the key is (`what`) and a `note` for its refusal; `choices`: the texts
-    the key takes, with a `note` or a `refusal` in words of its own. A list, a dict or a section (a
-    config dataclass) as `default` is made anew for every config."""
+    the key takes (or a function giving them when the key is checked), with a `note` or a `refusal` in
+    words of its own. A list, a dict or a section (a config dataclass) as `default` is made anew for
+    every config."""
     unknown = [r for r in roles if r not in ROLES]
     if unknown:
         raise ValueError(f"marked: unknown role(s) {unknown}; the roles are {', '.join(ROLES)}")
@@ -123,7 +131,8 @@ def marked(default: Any, *roles: str, kind: str = "", what: str = "", note: str 
     if kind:
         metadata[_NUMBER_FIELD] = Number(kind, what, note)
     if choices:
-        metadata[_CHOICE_FIELD] = Choice(tuple(choices), "" if kind else note, refusal)
+        options = choices if callable(choices) else tuple(choices)
+        metadata[_CHOICE_FIELD] = Choice(options, "" if kind else note, refusal)
     if isinstance(default, type):
         return field(default_factory=default, metadata=metadata)
     if isinstance(default, list | dict):

@@ -20,12 +20,12 @@ from pisft.config.choices import (
     LEROBOT_RTC_DEFAULTS,
     LORA_TARGETS,
     PRECISIONS,
-    PRESETS,
     RECAP_INITS,
     RTC_SCHEDULES,
     THRESHOLD_SCOPES,
     TRAIN_COMPILE,
     VALUE_INITS,
+    presets,
 )
 from pisft.config.marks import (
     ADVANTAGE,
@@ -64,8 +64,9 @@ class ModelConfig:
     # `tiny` (built locally, random init, fixed seed), a local directory in LeRobot layout,
     # or `hf://<repo_id>[@revision]` on the Hugging Face hub.
     source: str = marked("tiny", SMOKE_MEASURED, DAG_SHAPE)
-    # Architecture preset: `tiny` (a few million parameters) or `pi05` (gemma_2b + gemma_300m).
-    preset: str = marked("tiny", SMOKE_MEASURED, choices=PRESETS)
+    # Architecture preset: `tiny` (a few million parameters) or `pi05` (gemma_2b + gemma_300m); the
+    # choices are read at each check (a model registered at run time adds its presets: choices.presets).
+    preset: str = marked("tiny", SMOKE_MEASURED, choices=presets)
     # Tokenizer: "" means the source's own (the tiny preset builds one locally); else a local
     # directory or `hf://<repo_id>`.
     tokenizer: str = marked("", DAG_SHAPE)

@@ -82,19 +82,18 @@ from pisft.model import policy as policy_mod
 
 
 def _estimate_policy(cfg: PisftConfig) -> tuple[Callable[[], Any], str]:
-    """A builder of the policy to estimate, on the meta device: the fetched base model's config
-    if present and of the config's preset, else the preset (a base fetched for another preset, e.g.
-    the embedded default's tiny one before `--set model.preset=pi05`, is not the model asked about:
-    it is named on stderr and left aside)."""
+    """A builder of the policy to estimate, on the meta device, through the spec of the config's
+    preset (pisft.model.registry): the fetched base model's structure if present and of the config's
+    preset, else the preset (a base fetched for another preset, e.g. the embedded default's tiny one
+    before `--set model.preset=pi05`, is not the model asked about: it is named on stderr and left
+    aside)."""
+    from pisft.model.registry import spec_for_preset
+
+    model = spec_for_preset(cfg.model.preset)
     base = _base_of_preset(cfg)
     if base is not None:
-        info = policy_mod.read_model_info(base)
-
-        def make():
-            config, _ = policy_mod.read_config(base / policy_mod.CONFIG_FILE)
-            return policy_mod.policy_from_config(config, info, device="meta", dtype="float32")
-        return make, str(base)
-    return (lambda: policy_mod.build_policy(cfg.model.preset, seed=0, device="meta", dtype="float32"),
+        return lambda: model.load.structure(base, device="meta", dtype="float32"), str(base)
+    return (lambda: model.build(cfg.model.preset, seed=0, device="meta", dtype="float32"),
             f"preset {cfg.model.preset}")
 
 

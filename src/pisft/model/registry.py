@@ -2,13 +2,17 @@
 as LeRobot names it (config.json's "type"), and by `model.preset`. A model's folder builds its spec;
 `_BUILT_IN` lists it, one line per model (imported here, so a stage's code dependencies, read from
 the imports by pisft.code_graph, hold the model's folder). `register` adds another (a test's
-throwaway model).
+throwaway model) and tells the config its presets with their action chunks (`pisft.config.add_presets`:
+they become valid `model.preset` values, which the config's chunk checks read); `unregister` takes them
+back. A built-in model's presets are in the config's own table (`pisft.config.PRESETS`,
+`PRESET_CHUNK_SIZES`), which a driver validates with without importing the registry.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pisft import config
 from pisft.errors import PisftError
 from pisft.model.pi05.spec import SPEC as PI05
 from pisft.model.spec import ModelSpec
@@ -25,14 +29,16 @@ def register(spec: ModelSpec) -> ModelSpec:
     clash = sorted(p for p in spec.presets if p in taken)
     if clash:
         raise ValueError(f"model {spec.name!r}: presets {clash} belong to {taken[clash[0]]!r}")
+    config.add_presets(dict(spec.presets))  # refuses a name the config has already, adding nothing
     _REGISTRY[spec.name] = spec
     return spec
 
 
 def unregister(name: str) -> None:
-    """Remove a registered spec (a test's throwaway model); a built-in one stays."""
-    if name not in {s.name for s in _BUILT_IN}:
-        _REGISTRY.pop(name, None)
+    """Remove a registered spec (a test's throwaway model) and its presets from the config's choices;
+    a built-in one stays."""
+    if name not in {s.name for s in _BUILT_IN} and name in _REGISTRY:
+        config.remove_presets(_REGISTRY.pop(name).presets)
 
 
 def names() -> list[str]:

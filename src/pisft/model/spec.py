@@ -6,8 +6,11 @@ The name is the policy's type as LeRobot names it: `PreTrainedConfig.type`, the 
 config.json ("pi05" for `PI05Config`), by which LeRobot's own policy factory picks a policy class
 (lerobot/policies/factory.py, `get_policy_class(name)` and `make_policy_config(policy_type)`). So a
 built policy finds its spec by itself (`registry.spec_of`). pisft's config has no `model.type` key: each
-`model.preset` belongs to one spec (`ModelSpec.presets`; today every preset is pi0.5's), which
-`registry.spec_for_preset` finds. As torchtitan gives each model a spec of callables (pytorch/torchtitan,
+`model.preset` belongs to one spec (`ModelSpec.presets`, each with its action chunk; today every built-in
+preset is pi0.5's), which `registry.spec_for_preset` finds. The config, which imports nothing of the
+model, knows the built-in presets from its own table (`pisft.config.PRESETS`, `PRESET_CHUNK_SIZES`: a
+driver validates a config without importing the registry); `registry.register` tells it a registered
+model's (`pisft.config.add_presets`). As torchtitan gives each model a spec of callables (pytorch/torchtitan,
 torchtitan/protocols/model_spec.py: the model's name, its config and its `parallelize_fn`, ...),
 a spec here is the model's callables. The model's folder builds its spec (`pisft.model.pi05.spec`)
 and the registry (`pisft.model.registry`) lists it: one line per model.
@@ -64,12 +67,29 @@ class TrainableEntry:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoadEntry:
+    """How the training stages and the memory estimate find a model in its folder (`results/base_model`,
+    a trained policy), found by `model.preset` (pisft.train.job.build, pisft.introspect.estimate)."""
+
+    # (model_dir, *, device, dtype, preset, hold_bf16) -> the policy, loaded strictly; `preset`: the folder
+    # must hold that preset; `hold_bf16(name)`: parameters held in bf16 from the start (job.frozen_in_bf16)
+    policy: Callable[..., Any]
+    # (model_dir, *, device, dtype) -> the folder's model of its own sizes, its weights not loaded (the
+    # memory estimate builds it on the meta device)
+    structure: Callable[..., Any]
+    # (policy, model_dir, dataset_stats) -> (preprocessor, postprocessor): what turns a collated training
+    # batch into the policy's inputs, with the folder's tokenizer and the dataset's normalisation stats
+    processors: Callable[..., tuple[Any, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """One model family's callables. Each takes the model's policy (an `nn.Module` with a LeRobot
     `config`) unless said otherwise."""
 
     name: str  # LeRobot's policy type (config.json's "type")
-    presets: tuple[str, ...]  # the `model.preset` names that build this model
+    # the `model.preset` names that build this model -> each one's action chunk (the config's chunk checks)
+    presets: Mapping[str, int]
     # (preset, *, seed, device="cpu", dtype=None) -> a randomly initialised policy of the preset
     build: Callable[..., Any]
     # (policy, *, checkpointing) -> None: the training structure (checkpointing, unused parts off)
@@ -108,6 +128,7 @@ class ModelSpec:
     # for training (module_of(name): the module holding it), None: not fused (the export's names)
     fused_rows: Callable[[Callable[[str], Any], str], list[tuple[str, int, int]] | None]
     trainable: TrainableEntry  # its side of the trainable modes (parts, LoRA presets, float32 parameters)
+    load: LoadEntry  # its folder loaded for training and the estimate, and its processors
     value: ValueEntry | None = None  # its VLM prefix as the RECAP value model's backbone; None: none
     # a weight detached for training (never used by the loss), exported from the base model's file
     detached_weight: str | None = None

@@ -1,9 +1,10 @@
 """What every training stage's process shares: set-up, the built model and data, the sampler.
 
 Both training stages (`smoke_1card`, `train_8card`; `python -m pisft.train` dispatches) load
-the base model (strictly) from `results/base_model`, the processors with the dataset's
-normalisation stats, the train split of `results/dataset`, shard the policy with FSDP2 and run
-the same optimizer-step loop (`pisft.gates.smoke`, `pisft.train.run`).
+the base model (strictly) from `results/base_model` and make its processors with the dataset's
+normalisation stats, through the spec of `model.preset` (pisft.model.registry), load the train
+split of `results/dataset`, shard the policy with FSDP2 and run the same optimizer-step loop
+(`pisft.gates.smoke`, `pisft.train.run`).
 """
 
 from __future__ import annotations
@@ -149,35 +150,26 @@ def in_turns(ctx: Context, load: Callable[[], T]) -> T:
 
 
 def build(ctx: Context) -> Built:
-    """Load model, processors and data; shard; make the optimizer. Same on every rank."""
+    """Load model, processors and data; shard; make the optimizer. Same on every rank. The model is
+    the spec of model.preset's (pisft.model.registry): its folder loaded, prepared and its processors
+    made through the spec (`load_model`, `ModelSpec.load`)."""
     from pisft.data.dataset import load_split, load_stats
-    from pisft.model.policy import load_policy, make_processors
-    from pisft.model.registry import spec_of
+    # imported here, as always: what it imports (rich) draws from Python's random state on import,
+    # which a checkpoint saves (the spec's load imports it when called)
+    import pisft.model.policy  # noqa: F401
+    from pisft.model.registry import spec_for_preset
 
     cfg = ctx.cfg
     base, data = require_inputs(cfg, ctx.stage)
     torch.manual_seed(cfg.train.seed)
     mesh = init_device_mesh(ctx.info.device.type, (ctx.world_size,))
     compiler = blocks.compiler_for(cfg.train.compile, ctx.info.kind, layout.compile_cache(cfg), ctx.log)
-
-    def load_and_shard():
-        policy = load_policy(base, device="cpu", dtype="float32", preset=cfg.model.preset,
-                             hold_bf16=frozen_in_bf16(cfg))
-        # One checkpointing level (per decoder layer); the unused expert lm_head detached.
-        spec_of(policy).prepare_for_training(policy, checkpointing=cfg.train.activation_checkpointing)
-        applied = apply_trainable(ctx, policy)
-        # FSDP2 on N processes; one process trains unsharded, except the smoke (it measures the
-        # sharded layout's memory). Moves the parameters and buffers to the device.
-        units = fsdp.distribute(policy, mesh, cfg.train.precision, ctx.info.device,
-                                keep_sharded=ctx.stage == SMOKE_1CARD.name,
-                                min_params=cfg.train.fsdp_min_unit_params, compiler=compiler)
-        return policy, applied, units
-
-    policy, applied, units = in_turns(ctx, load_and_shard)
+    policy, applied, units = in_turns(ctx, lambda: load_model(ctx, base, mesh, compiler))
     stats = load_stats(data)
     policy.config.device = str(ctx.info.device)
     _choose_prompt_form(ctx, policy, base)
-    pre, _ = make_processors(policy, base, stats)  # follows the choice just recorded
+    # the spec's processors, which follow the choice just recorded
+    pre, _ = spec_for_preset(cfg.model.preset).load.processors(policy, base, stats)
     # A RECAP iteration's policy trains on the whole pool (its held-out episodes are the value
     # model's: recap.holdout_fraction); the SFT run on the train split (data.eval_fraction).
     train_set = load_split(data, "all" if cfg.iteration else "train", chunk_size=policy.config.chunk_size)
@@ -195,6 +187,27 @@ def build(ctx: Context) -> Built:
     return Built(policy, task, train_set, stats, units, optimizer, base, data,
                  prompt=prompt, conditioning=conditioning, trainable=applied,
                  image_keys=tuple(policy.config.image_features), compiler=compiler)
+
+
+def load_model(ctx: Context, base: Path, mesh: Any, compiler: Any = None) -> tuple[nn.Module, Any, list[fsdp.Unit]]:
+    """The policy of model.preset's spec loaded from `base` (strictly, the frozen parameters of a bf16
+    run straight into bf16), prepared for training, its trainable mode applied and distributed with
+    FSDP2 on `mesh`: (policy, the mode applied, its units)."""
+    from pisft.model.registry import spec_for_preset
+
+    cfg = ctx.cfg
+    model = spec_for_preset(cfg.model.preset)
+    policy = model.load.policy(base, device="cpu", dtype="float32", preset=cfg.model.preset,
+                               hold_bf16=frozen_in_bf16(cfg))
+    # One checkpointing level (per decoder layer); the unused expert lm_head detached.
+    model.prepare_for_training(policy, checkpointing=cfg.train.activation_checkpointing)
+    applied = apply_trainable(ctx, policy)
+    # FSDP2 on N processes; one process trains unsharded, except the smoke (it measures the
+    # sharded layout's memory). Moves the parameters and buffers to the device.
+    units = fsdp.distribute(policy, mesh, cfg.train.precision, ctx.info.device,
+                            keep_sharded=ctx.stage == SMOKE_1CARD.name,
+                            min_params=cfg.train.fsdp_min_unit_params, compiler=compiler)
+    return policy, applied, units
 
 
 def frozen_in_bf16(cfg: PisftConfig, *, value_model: bool = False, prefix: str = ""):
