@@ -40,6 +40,10 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir())
 # and code reads what an earlier test's smoke stage estimated; never the user's cache.
 os.environ.setdefault("PISFT_ESTIMATE_CACHE", str(Path(tempfile.gettempdir()) / "pisft-tests-estimates-{}".format(
     os.environ.get("PYTEST_XDIST_TESTRUNUID") or os.getpid())))
+# And one kept import graph (pisft.code_graph.stored_graph): every Snakemake parse and dvc.yaml
+# rendering of the run reads the stage code dependencies parsed once; never the user's cache.
+os.environ.setdefault("PISFT_CODE_GRAPH_CACHE", str(Path(tempfile.gettempdir()) / "pisft-tests-code-graph-{}".format(
+    os.environ.get("PYTEST_XDIST_TESTRUNUID") or os.getpid())))
 TERMINAL = ".snakemake/pisft-terminal.txt"  # the default pipeline's stdout, then its stderr
 def tool_env() -> dict:
     env = dict(os.environ)

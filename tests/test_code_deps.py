@@ -125,3 +125,35 @@ def test_an_edit_reruns_the_stages_that_run_the_file_under_both_drivers(tmp_path
         finally:
             path.write_text(before)
             os.utime(path, (t0, t0))
+
+
+def test_the_kept_import_graph_is_the_parsed_one_and_an_edit_is_a_miss(tmp_path, monkeypatch):
+    """pisft.code_graph.stored_graph: a second process reads the graph the first parsed (the same
+    code dependencies), the package's content keys it (an edited file is parsed again, never
+    answered from the kept graph), and "off" parses every time."""
+    src = tmp_path / "src"
+    import shutil
+
+    shutil.copytree(ROOT / "src" / "pisft", src / "pisft", ignore=shutil.ignore_patterns("__pycache__"))
+    cache = tmp_path / "graphs"
+    monkeypatch.setenv(code_graph.CACHE_ENV, str(cache))
+    parsed = {form: {name: code_graph._parsed_imports(name, src, form == "top") for name in code_graph._files(src)}
+              for form in ("all", "top")}
+    assert code_graph.stored_graph(src) == parsed and len(list(cache.iterdir())) == 1
+    code_graph.stored_graph.cache_clear()  # as a new process: read from the kept file
+    (kept,) = cache.iterdir()
+    assert code_graph.stored_graph(src) == parsed and list(cache.iterdir()) == [kept]
+    # an import added to one module: another digest, parsed again, and the new edge is there
+    report = src / "pisft" / "evaluate" / "report.py"
+    report.write_text(report.read_text() + "\n\ndef _late():\n    import pisft.recap.summary  # noqa\n")
+    code_graph.stored_graph.cache_clear()
+    code_graph._files.cache_clear()
+    code_graph._tree.cache_clear()
+    assert "pisft.recap.summary" in code_graph.stored_graph(src)["all"]["pisft.evaluate.report"]
+    assert "pisft.recap.summary" not in parsed["all"]["pisft.evaluate.report"]
+    assert len(list(cache.iterdir())) == 2
+    monkeypatch.setenv(code_graph.CACHE_ENV, "off")
+    code_graph.stored_graph.cache_clear()
+    assert code_graph.stored_graph(src)["all"]["pisft.evaluate.report"] == \
+        code_graph._parsed_imports("pisft.evaluate.report", src, False)
+    assert len(list(cache.iterdir())) == 2

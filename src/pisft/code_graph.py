@@ -4,8 +4,8 @@ A stage's code dependencies are the files its entry point reaches through import
 (`code_deps`, from its row in `pisft.stages`), so an edit reruns the stages that run the edited file and no other,
 and the list follows the code as it moves. Every `import` counts, inside functions too (a
 function's import is code the stage may run); the package `__init__.py` files above a module run
-when it is imported, so they count as well. Each file is read with `ast` once per process, when
-first reached, deterministically: sorted, from the files alone.
+when it is imported, so they count as well. The import graph is read from the files alone,
+deterministically (sorted), and kept between processes by the files' content (`stored_graph`).
 
 Imports through `importlib.import_module` are not followed: pisft uses them for the stage
 function of a row (named by the row itself), optional vendor packages (torch_npu) and the
@@ -15,9 +15,13 @@ benchmarks' registry; none of them names a pisft module a stage would otherwise 
 from __future__ import annotations
 
 import ast
+import hashlib
+import json
+import sys
 from functools import cache
 from pathlib import Path
 
+from pisft import io
 from pisft.stages import STAGES
 
 SRC = Path(__file__).resolve().parents[1]  # the folder that holds the pisft package
@@ -56,9 +60,8 @@ def _tree(src: Path, name: str) -> ast.Module:
     return ast.parse(path.read_text(), str(path))
 
 
-@cache
-def imports_of(name: str, src: Path = SRC, top_level: bool = False) -> frozenset[str]:
-    """The pisft modules `name` imports (with `top_level`, at module level only); parsed on demand."""
+def _parsed_imports(name: str, src: Path, top_level: bool) -> frozenset[str]:
+    """The pisft modules `name` imports (with `top_level`, at module level only), from its source."""
     files = _files(src)
 
     def known(target: str) -> str | None:
@@ -68,6 +71,56 @@ def imports_of(name: str, src: Path = SRC, top_level: bool = False) -> frozenset
 
     found = {known(t) for t in _imports(_tree(src, name), name, files[name].name == "__init__.py", top_level)}
     return frozenset(t for t in found if t and t != name and t.startswith("pisft"))
+
+
+# The graph, kept between processes: every Snakemake parse of the workflow (a run, a dry run, a
+# Slurm job's, the `--touch` after each DVC stage) and every `dvc.yaml` rendering asks for every
+# stage's code dependencies, and parsing all of pisft's files with `ast` costs about 0.8 CPU s each
+# time. One JSON file per content of the package (`_digest`: every file's relative path and bytes,
+# this module's FORMAT and Python's version), so an edited file is a miss, never a stale answer.
+# The folder: `$PISFT_CODE_GRAPH_CACHE` ("off": parse every time), default
+# `$XDG_CACHE_HOME/pisft/code-graph`, else `~/.cache/pisft/code-graph`; a file that cannot be read
+# is a miss, a folder that cannot be written is skipped.
+CACHE_ENV = "PISFT_CODE_GRAPH_CACHE"
+FORMAT = 1  # of the kept graph; bump when `_imports` or `_parsed_imports` changes what they find
+
+
+def _digest(src: Path) -> str:
+    h = hashlib.sha256(f"{FORMAT} {sys.version}".encode())
+    for name, path in sorted(_files(src).items()):
+        h.update(path.relative_to(src).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@cache
+def stored_graph(src: Path = SRC) -> dict[str, dict[str, frozenset[str]]]:
+    """{"all": module -> imports, "top": module -> module-level imports} of `src`: read from the
+    cache when these files were parsed before, else parsed now (every file) and kept."""
+    folder = io.user_cache_dir(CACHE_ENV, "code-graph")
+    digest = _digest(src)
+    path = None if folder is None else folder / f"{digest}.json"
+    if path is not None:
+        try:
+            kept = json.loads(path.read_text())
+            if kept.get("digest") == digest and set(kept.get("graph", {})) == {"all", "top"}:
+                return {form: {m: frozenset(i) for m, i in g.items()} for form, g in kept["graph"].items()}
+        except (OSError, ValueError, AttributeError):
+            pass  # a miss
+    parsed = {form: {name: _parsed_imports(name, src, form == "top") for name in _files(src)}
+              for form in ("all", "top")}
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            io.write_json_atomic(path, {"digest": digest, "graph": {
+                form: {m: sorted(i) for m, i in g.items()} for form, g in parsed.items()}})
+        except OSError:
+            pass  # a read-only or full home: the next process parses again
+    return parsed
+
+
+def imports_of(name: str, src: Path = SRC, top_level: bool = False) -> frozenset[str]:
+    """The pisft modules `name` imports (with `top_level`, at module level only)."""
+    return stored_graph(src)["top" if top_level else "all"][name]
 
 
 def graph(src: Path = SRC, top_level: bool = False) -> dict[str, frozenset[str]]:
