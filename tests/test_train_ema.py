@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from pisft import config as config_mod
 from pisft.train import checkpoint as ckpt_mod
+from pisft.train import run_folders
 from pisft.train import optim
 from pisft.train.ema import WeightsEMA, ema_record, make_ema
 
@@ -112,7 +113,7 @@ def test_ema_decay_key_fingerprint_and_record(tmp_path):
         with pytest.raises(config_mod.ConfigError, match="train.ema_decay"):
             config_mod.from_dict({"train": {"ema_decay": bad}})
     on = config_mod.from_dict({"results_dir": str(tmp_path), "train": {"ema_decay": 0.999}})
-    assert ckpt_mod.run_fingerprint(on)["train.ema_decay"] == 0.999
-    assert ckpt_mod.checkpoint_root(on) != ckpt_mod.checkpoint_root(cfg)  # another run folder
+    assert run_folders.run_fingerprint(on)["train.ema_decay"] == 0.999
+    assert run_folders.checkpoint_root(on) != run_folders.checkpoint_root(cfg)  # another run folder
     assert ema_record(None) == {"kind": "last_step"}
     assert ema_record(WeightsEMA(toy_model()[0], 0.999)) == {"kind": "ema", "ema_decay": 0.999}
