@@ -34,10 +34,8 @@ from pisft.errors import DeviceError
 
 if TYPE_CHECKING:
     import torch
-
-# torch is imported where a function needs it, not by this module: the launcher (`pisft launch`)
-# reads its device row and environment here and never needs torch itself (its import is about
-# 2 CPU s, paid again by every stage launch). A process that trains imports torch anyway.
+# torch is imported where a function needs it: the launcher reads its row here and never needs
+# torch (about 2 CPU s a launch); a process that trains imports it anyway.
 
 # Ascend runtime defaults for training processes (each overridable by the user's environment).
 ASCEND_ENV_DEFAULTS: dict[str, str] = {
@@ -92,7 +90,6 @@ def enable_determinism(kind: str, env: MutableMapping[str, str] | None = None) -
     changed = {k: v for k, v in deterministic_env(kind).items() if k not in env}
     env.update(changed)
     import torch
-
     torch.use_deterministic_algorithms(True)
     return changed
 
@@ -109,7 +106,6 @@ def _torch_npu_installed() -> bool:
 def _import_torch_npu() -> ModuleType:
     """Import torch_npu (which registers `torch.npu`) and return `torch.npu`."""
     import torch
-
     try:
         importlib.import_module("torch_npu")
     except Exception as exc:  # noqa: BLE001 - ImportError, or a broken CANN install raising anything
@@ -154,7 +150,6 @@ def _check_npu() -> None:
 
 def _check_cuda() -> None:
     import torch
-
     if not torch.cuda.is_available():
         raise DeviceError(
             "device 'cuda' requested but torch.cuda.is_available() is False here. Check "
@@ -192,7 +187,6 @@ def _npu_profiler() -> Any:
 
 def _cuda_synchronize(device: torch.device | None) -> None:
     import torch
-
     torch.cuda.synchronize(device)  # None: the current device
 
 
@@ -219,7 +213,6 @@ def _hccl_buffer_bytes(env: Mapping[str, str]) -> int:
 def _torch() -> ModuleType:
     """torch, imported on first use (a device row's lambdas)."""
     import torch
-
     return torch
 
 
@@ -283,7 +276,6 @@ class DeviceRow:
     def torch_device(self, index: int = 0) -> torch.device:
         """The torch device of card `index` (the CPU: `cpu`, without an index); selects nothing."""
         import torch
-
         return torch.device(self.kind, index) if self.accelerator else torch.device("cpu")
 
 
@@ -403,7 +395,6 @@ def local_device(kind: str, rank: int | None = None) -> torch.device:
     """The device of this process (`npu:<LOCAL_RANK>`, `cuda:<LOCAL_RANK>` or cpu); selects it."""
     rank = local_rank() if rank is None else rank
     import torch
-
     module = row(kind).module
     if module is None:
         return torch.device("cpu")
@@ -475,7 +466,6 @@ def intra_op_threads(threads: int) -> Iterator[None]:
     """torch's intra-op CPU threads at `threads` inside, the caller's count back after (also when
     what runs inside fails). Threads started inside keep the count they started with."""
     import torch
-
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
