@@ -58,3 +58,12 @@ def test_every_cited_document_is_in_the_project():
             missing += [f"{top}: {d}" for d in CITED_DOC.findall((ROOT / top).read_text())
                         if not (ROOT / d).is_file()]
     assert not missing, "cited but not in the project:\n" + "\n".join(missing)
+
+
+MAX_LINES = 700  # issue 58: a module over it holds more than one concern (docs/development.md, Layout)
+
+
+def test_no_source_file_is_over_700_lines():
+    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "src").rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these by concern (at most {MAX_LINES} lines each): {long}"
