@@ -86,10 +86,7 @@ FORMAT = 1  # of the kept graph; bump when `_imports` or `_parsed_imports` chang
 
 
 def _digest(src: Path) -> str:
-    h = hashlib.sha256(f"{FORMAT} {sys.version}".encode())
-    for name, path in sorted(_files(src).items()):
-        h.update(path.relative_to(src).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
+    return hashlib.sha256(f"{FORMAT} {sys.version} {io.sha256_sources(src / 'pisft')}".encode()).hexdigest()
 
 
 @cache

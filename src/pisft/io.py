@@ -134,6 +134,16 @@ def user_cache_dir(env: str, leaf: str) -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")) / "pisft" / leaf
 
 
+def sha256_sources(package: Path) -> str:
+    """sha256 over the Python files under `package` (each one's path relative to it and its bytes,
+    in path order): what a process importing the package runs."""
+    h = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        h.update(str(path.relative_to(package)).encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:

@@ -74,9 +74,6 @@ from pisft.introspect.micro_batch_fits import FIT_PRESET, format_fits, largest_m
 from pisft.introspect.simulated_step import GIB, ema_enabled, simulate_step, with_mode
 from pisft.model import policy as policy_mod
 
-# Their home is simulated_step / step_memory; named from here by measure's --help, the benches
-# and the tests:
-
 # ------------------------------------------------------------------------------------------------
 # The configured run
 

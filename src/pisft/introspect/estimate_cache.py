@@ -44,12 +44,7 @@ FORMAT = 1  # of a cache file; another is a miss
 @functools.cache
 def code_digest() -> str:
     """sha256 over the pisft package's Python files (relative path and bytes, in order)."""
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode() + b"\0")
-        h.update(path.read_bytes() + b"\0")
-    return h.hexdigest()
+    return io.sha256_sources(Path(__file__).resolve().parents[1])
 
 
 def _version(dist: str) -> str:
