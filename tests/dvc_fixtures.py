@@ -18,6 +18,9 @@ SMALL = {
     ("train", "steps"): 6,
     ("train", "save_every"): 3,
     ("eval", "bootstrap_samples"): 50,
+    # every 8th held-out frame: the offline evaluation's chunks are most of `evaluate`'s time after its
+    # imports, and these tests check what runs and reruns, not the error bars
+    ("eval", "frame_stride"): 8,
     ("eval", "closed_loop"): False,  # the simulator costs minutes; tests/test_eval_closed_loop.py runs it
     ("recap", "iterations"): 0,  # the loop runs in the simulator: tests/test_integration_pipeline.py drives it
 }

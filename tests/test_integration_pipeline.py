@@ -90,14 +90,17 @@ def test_the_embedded_default_runs_one_recap_iteration(default_pipeline):
     0's episodes; the summary lists both iterations."""
     results = default_pipeline / "results"
     it = results / "recap" / "iter_1"
+    cfg = yaml.safe_load((default_pipeline / "config/config.yaml").read_text())
+    per_task = cfg["recap"]["episodes_per_task"]
+    episodes = len(cfg["recap"]["task_ids"]) * per_task
     collection = json.loads((it / "rollouts/collection.json").read_text())
-    assert len(collection["episodes"]) == 4 and all(e["error"] is None for e in collection["episodes"])
-    assert {e["initial_state"] for e in collection["episodes"]} == {1, 2}  # after the evaluation's state 0
+    assert len(collection["episodes"]) == episodes and all(e["error"] is None for e in collection["episodes"])
+    # after the evaluation's state 0
+    assert {e["initial_state"] for e in collection["episodes"]} == set(range(1, per_task + 1))
     report = json.loads((it / "dataset/conversion_report.json").read_text())
     assert [s["type"] for s in report["sources"]] == ["sft", "rollout"]
     assert report["sources"][1]["frames"] == collection["frames"]
     value = json.loads((it / "value/metrics.json").read_text())
-    cfg = yaml.safe_load((default_pipeline / "config/config.yaml").read_text())
     assert value["steps"] == cfg["recap"]["value_steps"] and value["loss_last"] < value["loss_first"]
     labels = json.loads((it / "advantages/summary.json").read_text())
     assert 0 < labels["positive_fraction"] < 1
@@ -107,7 +110,7 @@ def test_the_embedded_default_runs_one_recap_iteration(default_pipeline):
     assert closed[0]["episodes"] == closed[1]["episodes"] == 2
     summary = json.loads((results / "recap/metrics.json").read_text())
     assert [i["k"] for i in summary["iterations"]] == [0, 1]
-    assert summary["iterations"][1]["rollouts"]["episodes"] == 4
+    assert summary["iterations"][1]["rollouts"]["episodes"] == episodes
     assert "../recap/report.md" in (results / "eval/report.md").read_text()
     for rule in ("collect_rollouts_1", "convert_recap_1", "smoke_value_1", "train_value_1", "advantages_1",
                  "train_8card_1", "closed_loop_1", "recap_summary"):
