@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from conftest import BIN, appended_comment, reverted, run, tool_env, wait_for
-from pisft.workflow.console import started_stages
+from pisft.workflow.console import finished_stages, started_stages
+from test_terminal import RULE_DUMP
 
 pytestmark = pytest.mark.integration
 
@@ -99,14 +100,24 @@ def _training_workers(root_pid: int) -> list[psutil.Process]:
     return [p for p in procs if "pisft.train" in " ".join(p.cmdline())]
 
 
-def test_failed_training_reruns_alone_and_resumes(default_pipeline, tmp_path):
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix("step_"))
+
+
+def test_a_failed_then_a_killed_training_reruns_alone_and_resumes(default_pipeline, tmp_path):
+    """Two faults in one training's life, each at a checkpoint, never at a time: a rank killed
+    (the stage fails, Snakemake says so and keeps what follows stale), then, in the rerun that
+    resumes, a power cut of the driver (SIGKILL to Snakemake's process group); the documented
+    recovery (`--unlock`, `--rerun-incomplete`) resumes again and ends with one trainer's steps."""
     work = clone_run(default_pipeline, tmp_path / "w")
     shutil.rmtree(work / "results/checkpoints/train")
     set_key(work, "eval.closed_loop", False)  # the simulator's minutes add nothing here
     set_key(work, "recap.iterations", 0)  # (the RECAP loop runs in the simulator)
-    set_key(work, "train.steps", 30)  # retrain: only train_8card and evaluate are due
-    set_key(work, "train.save_every", 10)  # killed after the first checkpoint, 20 steps before the end
+    set_key(work, "train.steps", 40)  # retrain: only train_8card and evaluate are due
+    set_key(work, "train.save_every", 10)  # each fault after a checkpoint, 20 or more steps before the end
     upstream = {p: p.stat().st_mtime for p in (work / "results/dataset").rglob("*") if p.is_file()}
+
+    # 1. a rank killed after the first checkpoint: the stage fails
     proc = subprocess.Popen([str(BIN / "snakemake"), "--cores", "2", "train_8card"], cwd=work,
                             env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_for(lambda: _complete_checkpoints(work), 600, "a first checkpoint")
@@ -117,35 +128,31 @@ def test_failed_training_reruns_alone_and_resumes(default_pipeline, tmp_path):
     # the terminal: the launcher's word on the killed rank, then the stage's failure and its log's tail
     assert "train_8card failed (torchrun exit code" in out, out[-3000:]
     assert re.search(r"^\[[\d:]+\] train_8card: FAILED after ", out, re.M), out[-3000:]
+    # ... as the terminal shows any failed stage (docs/workflow.md, "What the terminal shows"): its
+    # start, no end, its log's last lines; the rule's details in Snakemake's own log, not here
+    assert started_stages(out) == ["train_8card"] and not finished_stages(out), out[-3000:]
+    log = (work / "results/logs/train_8card.log").read_text().splitlines()
+    tail = re.findall(r"^  \| (.*)$", out, re.M)
+    assert log and tail == log[-len(tail):] and len(tail) == min(len(log), 20), (tail, log[-20:])
+    assert not RULE_DUMP.search(out), RULE_DUMP.search(out)
+    details = max((work / ".snakemake/log").glob("*.snakemake.log")).read_text()
+    assert "Error in rule train_8card:" in details and re.search(r"^\s+input: src/pisft/", details, re.M)
     assert not (work / "results/train/model").exists(), "a failed stage must leave no finished-looking output"
     assert not (work / "results/eval/metrics.json").exists(), "the stale evaluation must be gone"
-    assert _complete_checkpoints(work), "checkpoints survive the failure"
-
+    first = _step_of(_complete_checkpoints(work)[-1])
+    assert first < 40, "checkpoints survive the failure"
     # The Snakemake 9 trap does not bite: the whole DAG still knows training must rerun.
     assert planned_jobs(work) == {"train_8card", "evaluate"}
-    rerun = run(["snakemake", "--cores", "2", "train_8card"], work)
-    log = (work / "results/logs/train_8card.log").read_text()
-    assert re.search(r"resum\w* from .*step", log, re.I), log[-2000:]
-    assert "convert_recap" not in started_stages(rerun.stdout + rerun.stderr)
-    assert upstream == {p: p.stat().st_mtime for p in upstream}, "upstream outputs untouched"
-    assert metric_steps(work) == list(range(1, 31))
-    run(["snakemake", "--cores", "2"], work)
-    assert json.loads((work / "results/eval/metrics.json").read_text())["finetuned"]["action_mse"] > 0
 
-
-def test_killed_snakemake_is_recovered_with_unlock_and_rerun_incomplete(default_pipeline, tmp_path):
-    work = clone_run(default_pipeline, tmp_path / "w")
-    shutil.rmtree(work / "results/checkpoints/train")
-    set_key(work, "train.steps", 30)
-    set_key(work, "train.save_every", 10)  # killed after the first checkpoint, 20 steps before the end
+    # 2. the rerun resumes; after its own next checkpoint Snakemake's whole process group gets SIGKILL,
+    #    no clean-up at all. torchrun's workers are in sessions of their own, outside that group: they
+    #    must die anyway.
     proc = subprocess.Popen([str(BIN / "snakemake"), "--cores", "2", "train_8card"], cwd=work,
                             env=tool_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    wait_for(lambda: _complete_checkpoints(work), 600, "a first checkpoint")
+    wait_for(lambda: _step_of(_complete_checkpoints(work)[-1]) > first, 600, "the rerun's next checkpoint")
     workers = wait_for(lambda: [w for w in _training_workers(proc.pid)
                                  if "torch.distributed.run" not in w.cmdline()], 60, "training workers")
-    # A power cut of the driver: SIGKILL to Snakemake's whole process group, no clean-up at all.
-    # torchrun's workers are in sessions of their own, outside that group: they must die anyway.
     assert all(os.getpgid(w.pid) != proc.pid for w in workers)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
@@ -153,12 +160,20 @@ def test_killed_snakemake_is_recovered_with_unlock_and_rerun_incomplete(default_
                            and w.status() != psutil.STATUS_ZOMBIE], 60, "orphaned workers to die")
     assert (work / ".snakemake/incomplete").is_dir() and any((work / ".snakemake/incomplete").iterdir())
     assert not (work / "results/train/model").exists(), "outputs are atomic: nothing half-written"
-    # The documented recovery, as typed in docs/troubleshooting.md.
-    run(["snakemake", "--unlock"], work)
-    run(["snakemake", "--cores", "2", "--rerun-incomplete", "train_8card"], work)
     log = (work / "results/logs/train_8card.log").read_text()
-    assert re.search(r"resum\w* from .*step", log, re.I), log[-2000:]
-    assert metric_steps(work) == list(range(1, 31)), "one trainer: unique, increasing steps"
+    assert re.search(rf"resum\w* from .*step_{first:06d}", log, re.I), log[-2000:]
+
+    # 3. the documented recovery, as typed in docs/troubleshooting.md: it resumes from the latest
+    #    checkpoint, reruns training alone, and ends with one trainer's unique, increasing steps
+    run(["snakemake", "--unlock"], work)
+    rerun = run(["snakemake", "--cores", "2", "--rerun-incomplete", "train_8card"], work)
+    log = (work / "results/logs/train_8card.log").read_text()
+    resumed = re.search(r"resum\w* from .*step_(\d+)", log, re.I)
+    assert resumed and int(resumed.group(1)) > first, log[-2000:]
+    assert "convert_recap" not in started_stages(rerun.stdout + rerun.stderr)
+    assert upstream == {p: p.stat().st_mtime for p in upstream}, "upstream outputs untouched"
+    assert metric_steps(work) == list(range(1, 41))
+    assert planned_jobs(work) == {"evaluate"}
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,7 @@ def _parent(pid: int) -> int | None:
 # make test-all only (docs/development.md, "Tiers"): make test holds the exact resume of a killed value
 # run (test_recap_value.py::test_sigkill_then_rerun_resumes_the_value_run_exactly) and the documented
 # recovery of a killed Snakemake (test_orchestration.py's
-# test_killed_snakemake_is_recovered_with_unlock_and_rerun_incomplete)
+# test_a_failed_then_a_killed_training_reruns_alone_and_resumes)
 @pytest.mark.extended
 def test_train_value_killed_with_snakemake_resumes_to_the_same_bytes(default_pipeline, tmp_path):
     work = clone(default_pipeline, tmp_path / "w")

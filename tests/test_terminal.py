@@ -2,20 +2,20 @@
 
 The default pipeline's own run (the `default_pipeline` fixture keeps what it printed) shows one
 start and one end line per stage, the training and episode progress, no rule dumps, no line of
-200 characters or more, and nothing of robosuite; the job details are in .snakemake/log/. A
-short rerun on a copy of it, with one stage's input broken, shows the failure and its log's tail.
+200 characters or more, and nothing of robosuite; the job details are in .snakemake/log/. A failed
+stage's start line, its log's tail and the details kept in Snakemake's log are checked where a
+stage fails anyway: tests/test_orchestration.py's killed training rank.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import TERMINAL, run
+from conftest import TERMINAL
 from pisft.workflow.console import finished_stages, started_stages
 
 pytestmark = pytest.mark.integration
@@ -63,22 +63,3 @@ def test_the_default_run_shows_one_line_at_each_stage_start_and_end(default_pipe
     assert re.search(r"^closed_loop: 2/2 episodes", text, re.M)
     # what the simulator libraries printed is in the stage's log, not lost
     assert "[info] using task orders" in (default_pipeline / "results/logs/closed_loop.log").read_text()
-
-
-def test_a_failed_stage_shows_its_log_tail_and_the_details_stay_in_the_log(default_pipeline, tmp_path):
-    work = tmp_path / "w"
-    shutil.copytree(default_pipeline, work, symlinks=True)
-    (work / "results/recap/iter_1/closed_loop/metrics.json").write_text('{"cut off')
-    before = set(_snakemake_logs(work))
-    out = run(["snakemake", "--cores", "2", "recap_summary"], work, check=False)
-    text = out.stdout + out.stderr
-    assert out.returncode != 0
-    assert started_stages(text) == ["recap_summary"] and not finished_stages(text)
-    assert re.search(r"^\[\d\d:\d\d:\d\d\] recap_summary: FAILED after ", text, re.M), text[-3000:]
-    log = (work / "results/logs/recap_summary.log").read_text().splitlines()
-    tail = re.findall(r"^  \| (.*)$", text, re.M)
-    assert log and tail == log[-len(tail):] and len(tail) == min(len(log), 20), (tail, log[-20:])
-    assert not RULE_DUMP.search(text)
-    (details,) = set(_snakemake_logs(work)) - before
-    details = details.read_text()
-    assert "Error in rule recap_summary:" in details and re.search(r"^\s+input: src/pisft/", details, re.M)
