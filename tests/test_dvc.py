@@ -68,44 +68,34 @@ def test_snakemake_has_nothing_to_do_after_dvc_repro(dvc_run):
 
 
 def test_dvc_reruns_exactly_what_reads_a_changed_key(dvc_run, tmp_path):
-    """A train key, set by a DVC experiment, reruns training and evaluation, and the experiment
-    records it. The other depths each cost a rerun and are run once, where a test needs that rerun
-    anyway: a data key (data.eval_fraction) reruns the dataset onward in
-    test_every_episode_trains_with_eval_fraction_zero_under_both_drivers; an eval key is read by
-    `evaluate` alone (DVC's status, below, without the rerun); which stage reads which key is the
-    stage table's, checked whole in tests/test_stages.py."""
+    """`dvc status` names the readers of a changed key at each depth, without running them: an eval
+    key is `evaluate`'s alone, a train key training's (evaluation follows its output). A data key
+    set by a DVC experiment, data.eval_fraction 0, reruns the dataset and what follows, and the
+    experiment records it: every episode trains, `evaluate` writes its "not run" result with every
+    declared output. Snakemake then has nothing to do, accepts those outputs, and a later change
+    reruns exactly its readers, `evaluate` itself. Which stage reads which key is the stage
+    table's, checked whole in tests/test_stages.py."""
     work = clone_run(dvc_run, tmp_path / "w")
-    with reverted(work / "config/config.yaml"):
-        set_keys(work, {("eval", "batch_size"): 3})
-        assert _changed_stages(work) == {"evaluate"}
-    exp = run(["dvc", "exp", "run", "-S", "config/config.yaml:train.steps=7"], work)
-    assert set(RAN.findall(exp.stdout)) == {"train_8card", "evaluate"}
-    assert len((work / "results/train/metrics.jsonl").read_text().splitlines()) == 7
+    for key, value, readers in ((("eval", "batch_size"), 3, {"evaluate"}),
+                                (("train", "steps"), 7, {"train_8card"})):
+        with reverted(work / "config/config.yaml"):
+            set_keys(work, {key: value})
+            assert _changed_stages(work) == readers, key
+    exp = run(["dvc", "exp", "run", "-S", "config/config.yaml:data.eval_fraction=0.0"], work)
+    assert set(RAN.findall(exp.stdout)) == {"convert_recap", "smoke_1card", "train_8card", "evaluate"}
+    split = json.loads((work / "results/dataset/split.json").read_text())
+    assert split["eval"] == [] and len(split["train"]) > 0
+    metrics = json.loads((work / "results/eval/metrics.json").read_text())
+    assert metrics["evaluated"] is False and "data.eval_fraction is 0" in metrics["note"]
     shown = json.loads(run(["dvc", "exp", "show", "--json"], work).stdout)
-    assert 7 in list(_values_at(shown, ("train", "steps"))), "the experiment records train.steps=7"
+    assert 0.0 in list(_values_at(shown, ("data", "eval_fraction"))), "the experiment records data.eval_fraction=0"
     # Snakemake recorded what DVC ran: nothing to do, and a later change reruns exactly its readers
     dry = run(["snakemake", "-n", "--cores", "2"], work)
     assert NOTHING in dry.stdout + dry.stderr, dry.stdout[-3000:]
     set_keys(work, {("eval", "seed"): 1})
     planned = set(re.findall(r"^rule (\w+):", run(["snakemake", "-n", "--cores", "2"], work).stdout, re.M))
     assert planned - {"all"} == {"evaluate"}
-
-
-def test_every_episode_trains_with_eval_fraction_zero_under_both_drivers(dvc_run, tmp_path):
-    """data.eval_fraction 0: DVC reruns the dataset and what follows, `evaluate` writes its "not
-    run" result with every declared output; Snakemake accepts those outputs and runs the stage
-    itself."""
-    work = clone_run(dvc_run, tmp_path / "w")
-    set_keys(work, {("data", "eval_fraction"): 0.0})
-    out = run(["dvc", "repro"], work)
-    assert set(RAN.findall(out.stdout)) == {"convert_recap", "smoke_1card", "train_8card", "evaluate"}
-    split = json.loads((work / "results/dataset/split.json").read_text())
-    assert split["eval"] == [] and len(split["train"]) > 0
-    metrics = json.loads((work / "results/eval/metrics.json").read_text())
-    assert metrics["evaluated"] is False and "data.eval_fraction is 0" in metrics["note"]
-    dry = run(["snakemake", "-n", "--cores", "2"], work)
-    assert NOTHING in dry.stdout + dry.stderr, dry.stdout[-3000:]
-    again = run(["snakemake", "--cores", "2", "--forcerun", "evaluate"], work)
+    again = run(["snakemake", "--cores", "2"], work)
     assert "evaluate: not run" in (work / "results/logs/evaluate.log").read_text() + again.stderr
     assert json.loads((work / "results/eval/metrics.json").read_text())["evaluated"] is False
 
