@@ -154,4 +154,4 @@ from worker_groups import (  # noqa: E402, F401
 
 # Session fixtures shared by several modules (imported last: they import this module's helpers).
 from dvc_fixtures import dvc_run  # noqa: E402, F401
-from slurm_fixtures import slurm_cluster, slurm_two_nodes  # noqa: E402, F401
+from slurm_fixtures import slurm_two_nodes  # noqa: E402, F401

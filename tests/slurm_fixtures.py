@@ -1,6 +1,6 @@
-"""Slurm clusters on this host for the tests of profiles/slurm (scripts/slurm-local.sh), each
-started once per session and stopped after it: one node (this host), and two nodes (each a slurmd
-in a network namespace of its own, for the multi-node jobs)."""
+"""The Slurm cluster on this host for the tests of profiles/slurm (scripts/slurm-local.sh), started
+once per session and stopped after it: two nodes, each a slurmd in a network namespace of its own
+(the multi-node jobs; the single-node ones run on either node)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from conftest import ROOT, tool_env
 SCRIPT = ROOT / "scripts" / "slurm-local.sh"
 PARTITION = "pisft"  # the script's default partition
 NETNS = "pisft"  # the script's default prefix of the nodes' namespaces and names
-ONE_NODE_PORT, TWO_NODES_PORT = 16817, 16827  # the script's defaults: each its own ports
+TWO_NODES_PORT = 16827  # the script's default for several nodes (one node's: 16817)
 
 
 @dataclass
@@ -65,12 +65,7 @@ def _cluster(root: Path, nodes: int, port: int):
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory):
-    """munged, MariaDB, slurmdbd, slurmctld and slurmd for the session (needs root, as CI has)."""
-    yield from _cluster(tmp_path_factory.mktemp("slurm"), 1, ONE_NODE_PORT)
-
-
-@pytest.fixture(scope="session")
 def slurm_two_nodes(tmp_path_factory):
-    """The same daemons with two slurmds, each in a network namespace of its own (needs root)."""
+    """munged, MariaDB, slurmdbd, slurmctld and two slurmds, each in a network namespace of its own,
+    for the session (needs root, as CI has)."""
     yield from _cluster(tmp_path_factory.mktemp("slurm2"), 2, TWO_NODES_PORT)

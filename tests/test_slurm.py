@@ -1,8 +1,11 @@
-"""profiles/slurm against a real Slurm: the one-node cluster of scripts/slurm-local.sh (this host).
+"""profiles/slurm against a real Slurm: the two-node cluster of scripts/slurm-local.sh on this host
+(each node a network namespace; tests/slurm_fixtures.py).
 
-One DAG run through Slurm (the SFT stages on the small settings of tests/test_dvc.py) against the
-same run on this machine; Slurm ending train_8card (over its time limit, then `scancel`) and the
-rerun resuming; an accelerator request the node cannot satisfy, refused at submission."""
+One DAG run through Slurm (the SFT stages on the small settings of tests/dvc_fixtures.py, every rule a
+Slurm job, train_8card one job of both nodes as 2 nodes x 1 process) against the same DAG run by
+`dvc repro` on this machine (1 node x 2 processes); Slurm ending train_8card (over its time limit,
+then `scancel`) and the rerun resuming; an accelerator request the nodes cannot satisfy, refused at
+submission; (make test-all) a node lost mid-training."""
 
 from __future__ import annotations
 
@@ -45,6 +48,10 @@ SNAKEMAKE = [str(BIN / "python"), str(Path(__file__).with_name("slurm_polls.py")
 # Outputs that record wall times or throughput (they differ between any two runs)
 TIMED = {"results/smoke/report.json", "results/train/metrics.jsonl", "results/eval/eval_info.json",
          "results/eval/report.md", "results/eval/throughput.png"}
+# What the two-node run sets apart from dvc_run's config (2 nodes x 1 process, against 1 x 2), which every
+# stage folder records (pisft_config.json, and its hash in MANIFEST.json)
+WORLD = ("nnodes", "nproc_per_node")
+RECORDS = {"pisft_config.json", "MANIFEST.json"}
 ONE_THREAD = {"PISFT_NUM_THREADS": "1"}  # two nodes on this 2-core host: a thread per process, as dvc_run's 2
 SACCT_FIELDS = ("JobID", "JobName", "Comment", "State", "AllocCPUS", "ReqMem", "Timelimit", "NNodes",
                 "ExitCode")
@@ -109,6 +116,13 @@ def losses(work: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, lines)]
 
 
+def output_files(path: Path) -> dict[str, bytes]:
+    """The bytes of a stage output: the file's (under ""), or every file in the folder (by relative path)."""
+    if path.is_file():
+        return {"": path.read_bytes()}
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
 def outs_hashes(work: Path) -> dict[str, str]:
     """Every stage output's hash as `dvc commit` recorded it in dvc.lock (path -> md5)."""
     lock = yaml.safe_load((work / "dvc.lock").read_text())
@@ -116,32 +130,45 @@ def outs_hashes(work: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def slurm_run(slurm_cluster, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, float]:
-    """The same DAG, every rule a Slurm job: `snakemake --profile profiles/slurm`."""
-    work = small_project(tmp_path_factory.mktemp("slurm_dag") / "w")
-    fit_profile(work, slurm_cluster)
-    run(["git", "commit", "-qam", "the test cluster's partition and sizes"], work)
+def two_node_run(slurm_two_nodes, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, float]:
+    """The small DAG of `dvc_run` (1 node x 2 processes) set to 2 nodes x 1 process, from a project
+    with no results, every rule a Slurm job of the two-node cluster: `snakemake --profile
+    profiles/slurm`, train_8card one job of both nodes. Each process has one thread, as each of
+    dvc_run's two has on this 2-core host (PISFT_NUM_THREADS; the nodes here share those cores).
+    A project of its own, not a copy of dvc_run's: its checkpoints would make train_8card resume at its
+    last step (the run's fingerprint leaves out the world size: the same computation) and train
+    nothing, and its DVC cache would make the run's `dvc commit` (record_in_dvc) link an output of the
+    same bytes to the cache's older copy (cache type hardlink), whose older time Snakemake then takes
+    for the output's, and plan it again."""
+    work = small_project(tmp_path_factory.mktemp("slurm_nodes") / "w")
+    cfg = yaml.safe_load((work / "config/config.yaml").read_text())
+    cfg["train"].update(nproc_per_node=1, nnodes=2)
+    (work / "config/config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    fit_profile(work, slurm_two_nodes)
+    run(["git", "commit", "-qam", "2 nodes x 1 process; the test cluster's partition and sizes"], work)
     start = time.monotonic()
-    proc = slurm_snakemake(work, slurm_cluster)
+    proc = slurm_snakemake(work, slurm_two_nodes, env=ONE_THREAD)
     return work, proc, time.monotonic() - start
 
 
-def test_every_rule_is_a_slurm_job_with_the_profiles_requests(slurm_cluster, slurm_run):
-    work, proc, took = slurm_run
+def test_every_rule_is_a_slurm_job_with_the_profiles_requests(slurm_two_nodes, two_node_run):
+    work, proc, took = two_node_run
     out = proc.stdout + proc.stderr
     jobs = submitted(out)
     assert set(jobs) == STAGES, out[-4000:]
-    acct = sacct(slurm_cluster, *jobs.values())
-    print(f"\nDAG through Slurm: {took:.0f} s; cluster start {slurm_cluster.start_s:.1f} s")
+    acct = sacct(slurm_two_nodes, *jobs.values())
+    print(f"\nDAG through Slurm, two nodes: {took:.0f} s; cluster start {slurm_two_nodes.start_s:.1f} s")
     for rule, job_id in jobs.items():
         row = acct[job_id]
         print("  " + " ".join(f"{k}={v}" for k, v in row.items()))
         asked = {**DEFAULT, **REQUESTS.get(rule, {})}
+        nodes = 2 if rule == "train_8card" else 1  # train.nnodes; the others are one process
         assert row["Comment"] == f"rule_{rule}" and row["State"] == "COMPLETED", row
-        assert row["AllocCPUS"] == str(asked["cpus_per_task"]), row
-        assert row["ReqMem"] == f"{asked['mem_mb']}M", row
+        # the profile's requests are per node; sacct's allocation line sums them over the job's nodes
+        assert row["AllocCPUS"] == str(asked["cpus_per_task"] * nodes), row
+        assert row["ReqMem"] == f"{asked['mem_mb'] * nodes}M", row
         assert row["Timelimit"] == minutes(asked["runtime"]), row
-        assert row["NNodes"] == "1" and row["ExitCode"] == "0:0", row
+        assert row["NNodes"] == str(nodes) and row["ExitCode"] == "0:0", row
         # The rule's log where the rule writes it; Slurm's log of the job beside it
         assert (work / f"results/logs/{rule}.log").stat().st_size > 0, rule
         slurm_log = work / f"results/logs/slurm/rule_{rule}/{job_id}.log"
@@ -151,22 +178,56 @@ def test_every_rule_is_a_slurm_job_with_the_profiles_requests(slurm_cluster, slu
             slurm_log.read_text()[-2000:]
 
 
-def test_slurm_run_equals_the_local_run_and_both_drivers_agree(slurm_run, dvc_run):
-    """The same DAG on this machine (`dvc repro`, tests/dvc_fixtures.py) made the same outputs."""
-    local_run = dvc_run
-    work, _, _ = slurm_run
-    # The same bytes out of every stage (dvc.lock: what DVC and, after the Slurm run, `dvc commit`
-    # recorded), but the files that carry wall times; of those the losses are compared.
-    got, ref = outs_hashes(work), outs_hashes(local_run)
+def test_two_nodes_train_as_one_slurm_job_and_match_one_node_bit_for_bit(slurm_two_nodes, two_node_run, dvc_run):
+    """train.nnodes: 2 under profiles/slurm: train_8card is one Slurm job of both nodes, srun starts
+    a torchrun on each, the rendezvous is at the first node (from the allocation, nothing typed).
+    The Slurm run equals the same DAG on this machine (`dvc repro` of 1 node x 2 processes,
+    tests/dvc_fixtures.py): every output's bytes in dvc.lock but the timed files' and the world size
+    each stage folder's config records, the losses, the weights and the evaluation's metrics, bit for
+    bit; afterwards both drivers have nothing to do."""
+    work, proc, _ = two_node_run
+    job = submitted(proc.stdout + proc.stderr)["train_8card"]
+    row = sacct(slurm_two_nodes, job)[job]
+    assert row["State"] == "COMPLETED" and row["NNodes"] == "2" and row["Comment"] == "rule_train_8card", row
+    # the job's steps: the batch step on the first node, and srun's step on both
+    fields = ("JobID", "NodeList", "NNodes", "NTasks", "State")
+    steps = [dict(zip(fields, line.split("|"), strict=True)) for line in slurm_two_nodes.run(
+        "sacct", "-n", "-P", "-j", job, "-o", ",".join(fields)).stdout.splitlines() if line]
+    print("  " + "\n  ".join(" ".join(f"{k}={v}" for k, v in s.items()) for s in steps))
+    nodes = f"{slurm_two_nodes.nodes[0][:-1]}[1-2]"
+    assert {"NodeList": nodes, "NNodes": "2"}.items() <= steps[0].items(), steps
+    assert any(s["JobID"] == f"{job}.batch" and s["NodeList"] == slurm_two_nodes.nodes[0] for s in steps), steps
+    srun_step = [s for s in steps if s["JobID"] == f"{job}.0"]
+    assert srun_step and srun_step[0]["NodeList"] == nodes and srun_step[0]["NTasks"] == "2", steps
+    log = (work / "results/logs/train_8card.log").read_text()
+    assert "resum" not in log, log[-3000:]  # trained from step 0, on both nodes
+    assert re.search(rf"1 process\(es\) × 2 node\(s\) \(Slurm job {job}: {', '.join(slurm_two_nodes.nodes)}; "
+                     r"rendezvous at 10\.213\.57\.11:\d+\)", log), log[-3000:]
+    # 2 nodes x 1 process through Slurm = 1 node x 2 processes through DVC, bit for bit: every stage's
+    # outputs in dvc.lock (what DVC and, after the Slurm run, `dvc commit` recorded), the same bytes
+    # but the files that carry wall times (of those the losses are compared) and, in each stage
+    # folder, the config it records, which differs in train's WORLD alone.
+    got, ref = outs_hashes(work), outs_hashes(dvc_run)
     assert set(got) == set(ref)
-    differ = {p for p in ref if got[p] != ref[p]}
-    assert differ <= TIMED, sorted(differ - TIMED)
     threads = {name: json.loads((w / "results/eval/eval_info.json").read_text()).get("cpu_threads")
-               for name, w in (("slurm", work), ("local", local_run))}
-    assert "results/train/model" not in differ and "results/eval/metrics.json" not in differ, \
-        f"evaluate's CPU threads: {threads}"
-    assert losses(work) == losses(local_run)
-    # After the Slurm run both drivers have nothing to do
+               for name, w in (("slurm", work), ("local", dvc_run))}
+    for out in sorted({p for p in ref if got[p] != ref[p]} - TIMED):
+        mine, theirs = output_files(work / out), output_files(dvc_run / out)
+        assert mine.keys() == theirs.keys(), out
+        differ = {f for f in theirs if mine[f] != theirs[f]}
+        assert differ <= RECORDS, f"{out}: {sorted(differ)} differ (evaluate's CPU threads: {threads})"
+        config, manifest = (json.loads(mine[f]) for f in ("pisft_config.json", "MANIFEST.json"))
+        reference = json.loads(theirs["pisft_config.json"])
+        assert {k: config["train"][k] for k in WORLD} == {"nnodes": 2, "nproc_per_node": 1}, out
+        config["train"].update({k: reference["train"][k] for k in WORLD})
+        assert config == reference, out
+        manifest["files"]["pisft_config.json"] = json.loads(theirs["MANIFEST.json"])["files"]["pisft_config.json"]
+        assert manifest == json.loads(theirs["MANIFEST.json"]), out
+    assert losses(work) == losses(dvc_run)
+    a, b = weights(work), weights(dvc_run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+    assert (work / "results/eval/metrics.json").read_bytes() == (dvc_run / "results/eval/metrics.json").read_bytes()
+    # written once, by global rank 0, to the shared results folder; then both drivers have nothing to do
     dry = run(["snakemake", "-n", "--cores", "2"], work)
     assert NOTHING in dry.stdout + dry.stderr, dry.stdout[-3000:]
     assert "up to date" in run(["dvc", "status"], work).stdout.lower()
@@ -242,13 +303,14 @@ def _finish(proc: subprocess.Popen, timeout: float) -> str:
     return text
 
 
-def test_slurm_ending_train_8card_then_the_next_run_resumes(slurm_cluster, slurm_run, tmp_path):
-    """Over its time limit (TIMEOUT), then `scancel` (CANCELLED): each time the next
-    `snakemake --profile profiles/slurm` resumes from the latest complete checkpoint, and the
-    weights in the end are the uninterrupted run's. The workers are stopped (SIGSTOP) once the
-    job is where Slurm should end it (found while they start, stopped the moment the progress shows),
-    so that training cannot finish first on a fast machine."""
-    reference, _, _ = slurm_run
+def test_slurm_ending_train_8card_then_the_next_run_resumes(slurm_two_nodes, two_node_run, tmp_path):
+    """train_8card, one job of both nodes, over its time limit (TIMEOUT), then `scancel`
+    (CANCELLED): each time the next `snakemake --profile profiles/slurm` resumes from the latest
+    complete checkpoint, and the weights in the end are the uninterrupted run's (two_node_run's,
+    which are dvc_run's). The workers on both nodes are stopped (SIGSTOP) once the job is where
+    Slurm should end it (found while they start, stopped the moment the progress shows), so that
+    training cannot finish first on a fast machine."""
+    reference, _, _ = two_node_run
     work = tmp_path / "w"
     shutil.copytree(reference, work, symlinks=True)
     shutil.rmtree(work / "results/checkpoints/train")
@@ -257,15 +319,15 @@ def test_slurm_ending_train_8card_then_the_next_run_resumes(slurm_cluster, slurm
     #    the job's start-up alone may take that long on a loaded machine; Slurm ends the job
     #    (SIGTERM, then SIGKILL after KillWait) at the minute or, past it already, at its next check
     start = time.monotonic()
-    proc = _start(work, slurm_cluster, "--forcerun", "train_8card")
-    _freeze_training_when(work, proc, lambda: _checkpoints(work), "a first checkpoint")
+    proc = _start(work, slurm_two_nodes, "--forcerun", "train_8card", env=ONE_THREAD)
+    _freeze_training_when(work, proc, lambda: _checkpoints(work), "a first checkpoint", agents=2)
     assert _checkpoints(work) == [save_every], f"training outran the freeze: {_checkpoints(work)}"
-    job = _train_job(slurm_cluster)
+    job = _train_job(slurm_two_nodes)
     assert job, "train_8card is not running"
-    slurm_cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=1")
+    slurm_two_nodes.run("scontrol", "update", f"JobId={job}", "TimeLimit=1")
     text = _finish(proc, 300)
     assert proc.returncode != 0, text[-3000:]
-    row = sacct(slurm_cluster, job)[job]
+    row = sacct(slurm_two_nodes, job)[job]
     print(f"\ntime limit ({time.monotonic() - start:.0f} s): {row}; checkpoints {_checkpoints(work)}")
     assert row["State"] == "TIMEOUT" and row["Timelimit"] == "00:01:00", row
     assert _checkpoints(work) == [save_every]
@@ -273,25 +335,26 @@ def test_slurm_ending_train_8card_then_the_next_run_resumes(slurm_cluster, slurm
 
     # 2. the next run resumes; `scancel` while it trains
     start = time.monotonic()
-    proc = _start(work, slurm_cluster)
+    proc = _start(work, slurm_two_nodes, env=ONE_THREAD)
     log = work / "results/logs/train_8card.log"
     resumed = re.compile(rf"resum\w* from .*step_{save_every:06d}")
-    _freeze_training_when(work, proc, lambda: log.is_file() and resumed.search(log.read_text()), "the resume")
+    _freeze_training_when(work, proc, lambda: log.is_file() and resumed.search(log.read_text()), "the resume",
+                          agents=2)
     assert not (work / "results/train/model").exists(), "training outran the freeze"
-    job = _train_job(slurm_cluster)
+    job = _train_job(slurm_two_nodes)
     assert job, "train_8card is not running"
-    slurm_cluster.run("scancel", job)
+    slurm_two_nodes.run("scancel", job)
     text = _finish(proc, 300)
     assert proc.returncode != 0, text[-3000:]
-    row = sacct(slurm_cluster, job)[job]
+    row = sacct(slurm_two_nodes, job)[job]
     print(f"scancel ({time.monotonic() - start:.0f} s): {row}; checkpoints {_checkpoints(work)}")
     assert row["State"].startswith("CANCELLED"), row
     assert not (work / "results/train/model").exists()
 
     # 3. the next run resumes from the latest complete checkpoint and ends as the uninterrupted run
-    #    (train_8card alone: `evaluate` after it is the same job as in slurm_run, and costs a job)
+    #    (train_8card alone: `evaluate` after it is the same job as in two_node_run, and costs a job)
     start = time.monotonic()
-    slurm_snakemake(work, slurm_cluster, "train_8card")
+    slurm_snakemake(work, slurm_two_nodes, "train_8card", env=ONE_THREAD)
     print(f"resumed to the end: {time.monotonic() - start:.0f} s")
     assert resumed.search(log.read_text()), log.read_text()[-3000:]
     a, b = weights(work), weights(reference)
@@ -300,17 +363,17 @@ def test_slurm_ending_train_8card_then_the_next_run_resumes(slurm_cluster, slurm
     assert steps == list(range(1, SMALL[("train", "steps")] + 1))
 
 
-def test_an_accelerator_request_the_node_lacks_is_refused_at_submission(slurm_cluster, slurm_run, tmp_path):
-    """device: cuda asks for `--gres=gpu:N`; the node declares the gpu gres type but has none:
+def test_an_accelerator_request_the_node_lacks_is_refused_at_submission(slurm_two_nodes, two_node_run, tmp_path):
+    """device: cuda asks for `--gres=gpu:N`; the nodes declare the gpu gres type but have none:
     sbatch refuses, the workflow stops with Slurm's message instead of waiting."""
-    reference, _, _ = slurm_run
+    reference, _, _ = two_node_run
     work = tmp_path / "w"
     shutil.copytree(reference, work, symlinks=True)
     cfg = yaml.safe_load((work / "config/config.yaml").read_text())
     cfg["device"] = "cuda"
     (work / "config/config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     start = time.monotonic()
-    out = slurm_snakemake(work, slurm_cluster, "smoke_1card", "--forcerun", "smoke_1card", timeout=600, check=False)
+    out = slurm_snakemake(work, slurm_two_nodes, "smoke_1card", "--forcerun", "smoke_1card", timeout=600, check=False)
     took = time.monotonic() - start
     text = out.stdout + out.stderr
     print(f"\nrefused gres request: {took:.0f} s")
@@ -321,74 +384,10 @@ def test_an_accelerator_request_the_node_lacks_is_refused_at_submission(slurm_cl
     assert "Requested node configuration is not available" in text, text[-4000:]
 
 
-# ---- Several nodes: the two-node cluster (scripts/slurm-local.sh with PISFT_SLURM_NODES=2) ----
-
-@pytest.fixture(scope="module")
-def two_node_run(slurm_two_nodes, dvc_run, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, float]:
-    """The small DAG of `dvc_run` (1 node x 2 processes) set to 2 nodes x 1 process, run through
-    the two-node cluster: smoke_1card (its settings changed), train_8card as one job of both nodes,
-    evaluate. Each process has one thread, as each of dvc_run's two has on this 2-core host
-    (PISFT_NUM_THREADS; the nodes here share those cores)."""
-    work = tmp_path_factory.mktemp("slurm_nodes") / "w"
-    # Not dvc_run's checkpoints: the run's fingerprint leaves out the world size (the same
-    # computation), so train_8card would resume at its last step and train nothing. Nor its DVC
-    # cache: the run's `dvc commit` (record_in_dvc) would link an output of the same bytes to the
-    # cache's older copy (cache type hardlink), whose older time Snakemake then takes for the
-    # output's, and plan it again.
-    shutil.copytree(dvc_run, work, symlinks=True,
-                    ignore=lambda folder, names: {"train", "cache"} & set(names)
-                    if Path(folder) in (dvc_run / "results/checkpoints", dvc_run / ".dvc") else set())
-    cfg = yaml.safe_load((work / "config/config.yaml").read_text())
-    cfg["train"].update(nproc_per_node=1, nnodes=2)
-    (work / "config/config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    fit_profile(work, slurm_two_nodes)
-    run(["git", "commit", "-qam", "2 nodes x 1 process; the test cluster's partition and sizes"], work)
-    start = time.monotonic()
-    proc = slurm_snakemake(work, slurm_two_nodes, env=ONE_THREAD)
-    return work, proc, time.monotonic() - start
-
-
-def test_two_nodes_train_as_one_slurm_job_and_match_one_node_bit_for_bit(slurm_two_nodes, two_node_run, dvc_run):
-    """train.nnodes: 2 under profiles/slurm: train_8card is one Slurm job of both nodes, srun starts
-    a torchrun on each, the rendezvous is at the first node (from the allocation, nothing typed);
-    the losses and the weights are those of 1 node x 2 processes, bit for bit; nothing left to do."""
-    work, proc, took = two_node_run
-    out = proc.stdout + proc.stderr
-    jobs = submitted(out)
-    assert set(jobs) == {"smoke_1card", "train_8card", "evaluate"}, out[-4000:]
-    job = jobs["train_8card"]
-    print(f"\ntwo nodes: smoke, train, evaluate through Slurm {took:.0f} s; cluster start "
-          f"{slurm_two_nodes.start_s:.1f} s")
-    row = sacct(slurm_two_nodes, job)[job]
-    assert row["State"] == "COMPLETED" and row["NNodes"] == "2" and row["Comment"] == "rule_train_8card", row
-    # the job's steps: the batch step on the first node, and srun's step on both
-    fields = ("JobID", "NodeList", "NNodes", "NTasks", "State")
-    steps = [dict(zip(fields, line.split("|"), strict=True)) for line in slurm_two_nodes.run(
-        "sacct", "-n", "-P", "-j", job, "-o", ",".join(fields)).stdout.splitlines() if line]
-    print("  " + "\n  ".join(" ".join(f"{k}={v}" for k, v in s.items()) for s in steps))
-    nodes = f"{slurm_two_nodes.nodes[0][:-1]}[1-2]"
-    assert {"NodeList": nodes, "NNodes": "2"}.items() <= steps[0].items(), steps
-    assert any(s["JobID"] == f"{job}.batch" and s["NodeList"] == slurm_two_nodes.nodes[0] for s in steps), steps
-    srun_step = [s for s in steps if s["JobID"] == f"{job}.0"]
-    assert srun_step and srun_step[0]["NodeList"] == nodes and srun_step[0]["NTasks"] == "2", steps
-    log = (work / "results/logs/train_8card.log").read_text()
-    assert "resum" not in log, log[-3000:]  # trained from step 0, on both nodes
-    assert re.search(rf"1 process\(es\) × 2 node\(s\) \(Slurm job {job}: {', '.join(slurm_two_nodes.nodes)}; "
-                     r"rendezvous at 10\.213\.57\.11:\d+\)", log), log[-3000:]
-    # 2 nodes x 1 process = 1 node x 2 processes, bit for bit
-    assert losses(work) == losses(dvc_run)
-    a, b = weights(work), weights(dvc_run)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
-    assert (work / "results/eval/metrics.json").read_bytes() == (dvc_run / "results/eval/metrics.json").read_bytes()
-    # written once, by global rank 0, to the shared results folder; then nothing to do
-    dry = run(["snakemake", "-n", "--cores", "2"], work)
-    assert NOTHING in dry.stdout + dry.stderr, dry.stdout[-3000:]
-
-
 # make test-all only (docs/development.md, "Tiers"), while make test is over its time budget (issue 55): the
-# only test of a node lost mid-job. make test holds the resume of a Slurm job ended mid-training on one
-# node (test_slurm_ending_train_8card_then_the_next_run_resumes) and the two-node job itself
-# (test_two_nodes_train_as_one_slurm_job_and_match_one_node_bit_for_bit).
+# only test of a node lost mid-job. make test holds the resume of the two-node Slurm job ended
+# mid-training by Slurm (test_slurm_ending_train_8card_then_the_next_run_resumes) and the two-node job
+# itself (test_two_nodes_train_as_one_slurm_job_and_match_one_node_bit_for_bit).
 @pytest.mark.extended
 def test_a_node_lost_mid_training_fails_the_job_and_its_requeued_run_resumes(slurm_two_nodes, two_node_run, tmp_path):
     """Node 2 lost while train_8card trains on both nodes (its slurmd and the job's processes there

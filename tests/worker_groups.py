@@ -40,9 +40,8 @@ PIPELINE_TESTS = {
 PIPELINE_FIXTURES = {
     "default_pipeline": "tests/",  # conftest.py: the whole pipeline through Snakemake
     "dvc_run": "tests/",  # dvc_fixtures.py: the small SFT DAG through `dvc repro`
-    "slurm_cluster": "tests/",  # slurm_fixtures.py: a one-node Slurm cluster (installs, daemons)
-    "slurm_two_nodes": "tests/",  # slurm_fixtures.py: a two-node one (network namespaces)
-    "slurm_run": "tests/test_slurm.py",  # the small SFT DAG, every rule a Slurm job
+    "slurm_two_nodes": "tests/",  # slurm_fixtures.py: a two-node Slurm cluster (installs, daemons, namespaces)
+    "two_node_run": "tests/test_slurm.py",  # the small SFT DAG, every rule a Slurm job of that cluster
     "project": "tests/test_robust_drivers.py",  # `dvc repro convert_recap` on the small settings
 }
 DISTRIBUTED = ("load", "loadscope", "loadfile", "loadgroup")  # xdist's modes this grouping replaces
