@@ -57,7 +57,7 @@ def test_the_run_fingerprints_hold_what_changes_the_computation_and_not_how_it_i
         assert key not in policy and key not in value, key
     # the compiled blocks compute in another order: the policy's run holds the mode it executes
     for key in ("train.global_batch_size", "train.steps", "train.trainable", "train.ema_decay", "train.lr",
-                "train.compile"):
+                "train.compile", "train.precision"):  # precision: issue 11, a bf16 run resumed fp32 checkpoints
         assert key in policy, key
     # the value run has its own steps, learning rates, batch and mode
     assert {"recap.value_steps", "recap.value_lr", "recap.value_trainable", "recap.value_init"} <= value
