@@ -16,7 +16,8 @@ import yaml
 
 from conftest import BIN, appended_comment, reverted, run, tool_env, wait_for
 from pisft.workflow.console import finished_stages, started_stages
-from test_terminal import RULE_DUMP
+from pisft.train.checkpoint import list_checkpoints
+from test_terminal import RULE_DUMP, _snakemake_logs
 
 pytestmark = pytest.mark.integration
 
@@ -81,9 +82,9 @@ def test_snakemake_reruns_exactly_what_reads_a_changed_key(finished, key, value,
         assert planned_jobs(finished) == expected
 
 
-def _complete_checkpoints(work: Path) -> list[Path]:
-    root = work / "results/checkpoints/train"
-    return sorted(p for p in root.glob("run-*/step_*") if p.is_dir())
+def _checkpoint_steps(work: Path) -> list[int]:
+    """The steps of training's checkpoints in every run folder, as the trainer lists them."""
+    return sorted(f.step for run in (work / "results/checkpoints/train").glob("run-*") for f in list_checkpoints(run))
 
 
 def metric_steps(work: Path) -> list[int]:
@@ -98,10 +99,6 @@ def _training_workers(root_pid: int) -> list[psutil.Process]:
     except psutil.NoSuchProcess:
         return []
     return [p for p in procs if "pisft.train" in " ".join(p.cmdline())]
-
-
-def _step_of(checkpoint: Path) -> int:
-    return int(checkpoint.name.removeprefix("step_"))
 
 
 def test_a_failed_then_a_killed_training_reruns_alone_and_resumes(default_pipeline, tmp_path):
@@ -120,7 +117,7 @@ def test_a_failed_then_a_killed_training_reruns_alone_and_resumes(default_pipeli
     # 1. a rank killed after the first checkpoint: the stage fails
     proc = subprocess.Popen([str(BIN / "snakemake"), "--cores", "2", "train_8card"], cwd=work,
                             env=tool_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wait_for(lambda: _complete_checkpoints(work), 600, "a first checkpoint")
+    wait_for(lambda: _checkpoint_steps(work), 600, "a first checkpoint")
     workers = wait_for(lambda: _training_workers(proc.pid), 60, "training workers")
     workers[-1].send_signal(signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
@@ -135,11 +132,11 @@ def test_a_failed_then_a_killed_training_reruns_alone_and_resumes(default_pipeli
     tail = re.findall(r"^  \| (.*)$", out, re.M)
     assert log and tail == log[-len(tail):] and len(tail) == min(len(log), 20), (tail, log[-20:])
     assert not RULE_DUMP.search(out), RULE_DUMP.search(out)
-    details = max((work / ".snakemake/log").glob("*.snakemake.log")).read_text()
+    details = _snakemake_logs(work)[-1].read_text()  # this run's: the newest
     assert "Error in rule train_8card:" in details and re.search(r"^\s+input: src/pisft/", details, re.M)
     assert not (work / "results/train/model").exists(), "a failed stage must leave no finished-looking output"
     assert not (work / "results/eval/metrics.json").exists(), "the stale evaluation must be gone"
-    first = _step_of(_complete_checkpoints(work)[-1])
+    first = _checkpoint_steps(work)[-1]
     assert first < 40, "checkpoints survive the failure"
     # The Snakemake 9 trap does not bite: the whole DAG still knows training must rerun.
     assert planned_jobs(work) == {"train_8card", "evaluate"}
@@ -150,7 +147,7 @@ def test_a_failed_then_a_killed_training_reruns_alone_and_resumes(default_pipeli
     proc = subprocess.Popen([str(BIN / "snakemake"), "--cores", "2", "train_8card"], cwd=work,
                             env=tool_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    wait_for(lambda: _step_of(_complete_checkpoints(work)[-1]) > first, 600, "the rerun's next checkpoint")
+    wait_for(lambda: _checkpoint_steps(work)[-1] > first, 600, "the rerun's next checkpoint")
     workers = wait_for(lambda: [w for w in _training_workers(proc.pid)
                                  if "torch.distributed.run" not in w.cmdline()], 60, "training workers")
     assert all(os.getpgid(w.pid) != proc.pid for w in workers)
