@@ -392,3 +392,60 @@ print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[]", f"the launcher imported torch: {out.stdout[:300]}"
+
+
+def test_a_line_torchrun_copied_in_two_pieces_reaches_the_console_whole(tmp_path):
+    """torchrun's TailLog copies a worker's log with readline(): read between the two writes of
+    one `print` (the text, then the newline), the line reaches its stdout as
+    `[default0]:<text>[default0]:` + newline (CI, stop 64: the terminal test saw `[default0]:` in
+    the middle of a step line). Here the real `tail_logfile` copies a file the test writes in two
+    pieces, each written once the previous one was copied (progress, not time); rank 1's line
+    comes between them. The launcher's `WorkerLines` gives the lines whole, and ends at `close` a
+    line a worker never finished."""
+    import io
+    import threading
+
+    from torch.distributed.elastic.multiprocessing.tail_log import tail_logfile
+
+    from pisft.train.worker_errors import WorkerLines
+
+    class Copied(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.copied = threading.Condition()
+
+        def write(self, text):
+            with self.copied:
+                n = super().write(text)
+                self.copied.notify_all()
+                return n
+
+    def wait_for(text):
+        with out.copied:
+            assert out.copied.wait_for(lambda: out.getvalue().endswith(text), timeout=60), out.getvalue()
+
+    log, out, finished = tmp_path / "stdout.log", Copied(), threading.Event()
+    log.touch()
+    tail = threading.Thread(target=tail_logfile, args=("[default0]:", str(log), out, finished, 0.01),
+                            kwargs={"log_line_filter": lambda line: True})
+    tail.start()
+    with log.open("w", buffering=1) as worker:
+        worker.write("[train_8card] precision fp32; FSDP2")
+        worker.flush()
+        wait_for("FSDP2")
+        out.write("[default1]:a line of rank 1\n")
+        worker.write("; MFU not reported\n")
+        worker.flush()
+        wait_for("reported\n")
+    finished.set()
+    tail.join(timeout=60)
+    physical = out.getvalue().splitlines(keepends=True)
+    assert physical[0] == "[default0]:[train_8card] precision fp32; FSDP2[default1]:a line of rank 1\n"
+
+    whole = WorkerLines()
+    lines = [line for p in [*physical, "[default0]:a line a worker never ended"] for line in whole.feed(p)]
+    assert lines == ["[default1]:a line of rank 1\n",
+                     "[default0]:[train_8card] precision fp32; FSDP2; MFU not reported\n"]
+    assert whole.close() == ["[default0]:a line a worker never ended\n"]
+    assert whole.feed("W1207 07:00:00 torchrun's own line\n") == ["W1207 07:00:00 torchrun's own line\n"]
+    assert launch.console_line(lines[1]) == "[train_8card] precision fp32; FSDP2; MFU not reported\n"

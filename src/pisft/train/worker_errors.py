@@ -25,11 +25,49 @@ from collections.abc import Callable
 
 # torchrun's prefix of a worker's lines under --tee (torch.distributed.elastic's TailLog).
 WORKER_PREFIX = re.compile(r"^\[default(\d+)\]:")
+ANY_WORKER_PREFIX = re.compile(r"\[default(\d+)\]:")
 ERROR_LINE = re.compile(r"^error \(rank (\d+)\): ")
 # torchrun's agent reporting a failure: its error log lines (glog format, level E) and its traceback.
 AGENT_FAILURE = re.compile(r"^(E\d{4} |Traceback \(most recent call last\))")
 USER_ERROR_EXIT = "2"  # python -m pisft.train's exit status after a PisftError
 STOPPED_BY_AGENT = "-15"  # SIGTERM: torchrun stops the other workers after the first failure
+
+
+class WorkerLines:
+    """torchrun's output as whole lines: each worker line in one piece.
+
+    TailLog (torch/distributed/elastic/multiprocessing/tail_log.py, `tail_logfile`) copies a
+    worker's log file with `readline()` and writes `header + line`. When it reads while the worker
+    is between two writes of one line (`print` writes the text, then the newline), it copies the
+    start of the line without its newline, and the rest later under a prefix of its own:
+    `[default0]:...(MFU not reported)[default0]:` + newline. A prefix in the middle of a physical
+    line therefore starts the next piece of that worker's output; a piece without a newline waits
+    for its rank's next piece (`feed`), and what still waits when torchrun ends is a line of its
+    own (`close`). torchrun's own lines (no prefix) pass as they are.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, str] = {}  # local rank -> the start of a line that has no end yet
+
+    def feed(self, physical: str) -> list[str]:
+        if WORKER_PREFIX.match(physical) is None:
+            return [physical]
+        whole = []
+        starts = list(ANY_WORKER_PREFIX.finditer(physical))
+        for m, after in zip(starts, [*starts[1:], None], strict=True):
+            rank = m.group(1)
+            text = self._pending.pop(rank, "") + physical[m.end():after.start() if after else None]
+            if text.endswith("\n"):
+                whole.append(f"[default{rank}]:{text}")
+            else:
+                self._pending[rank] = text
+        return whole
+
+    def close(self) -> list[str]:
+        """The lines a worker left without their end (it died mid-line), ended."""
+        ended = [f"[default{rank}]:{text}\n" for rank, text in self._pending.items()]
+        self._pending.clear()
+        return ended
 
 
 def split_prefix(line: str) -> tuple[str | None, str]:
