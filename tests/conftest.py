@@ -27,23 +27,37 @@ from pisft.workflow import scratch
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-# The verdicts of pisft.integrity go to a folder of this session, not the user's cache (the tests'
-# stages and their subprocesses inherit it).
-os.environ.setdefault("PISFT_VERIFY_CACHE", str(Path(tempfile.gettempdir()) / f"pisft-verify-cache-{os.getpid()}"))
+# This test run's caches, in one folder that the run removes when it ends (`pytest_sessionfinish`):
+# the process that runs pytest makes it, and its xdist workers, the stages the tests start and their
+# subprocesses inherit it. Each run used to leave its caches in the temporary folder for good
+# (an inductor cache of about 27 MB among them).
+_OWN_RUN_DIR = "PISFT_TESTS_RUN_DIR" not in os.environ
+if _OWN_RUN_DIR:
+    os.environ["PISFT_TESTS_RUN_DIR"] = tempfile.mkdtemp(prefix="pisft-tests-")
+RUN_DIR = Path(os.environ["PISFT_TESTS_RUN_DIR"])
+# The verdicts of pisft.integrity go to a folder of this run, not the user's cache.
+os.environ.setdefault("PISFT_VERIFY_CACHE", str(RUN_DIR / "verify"))
 # One inductor cache for the whole run, both xdist workers and every stage a test starts (the
 # launcher leaves a set TORCHINDUCTOR_CACHE_DIR alone): a block or chunk one test compiled is loaded,
 # not compiled again, by the next that compiles the same code (inductor keys its entries on the graph,
 # torch's version and its config). Without it each test's results folder held a cache of its own.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "pisft-tests-inductor-{}".format(
-    os.environ.get("PYTEST_XDIST_TESTRUNUID") or os.getpid())))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(RUN_DIR / "inductor"))
 # One estimate cache for the whole run too (pisft.introspect.estimate_cache): a smoke stage of the same step
 # and code reads what an earlier test's smoke stage estimated; never the user's cache.
-os.environ.setdefault("PISFT_ESTIMATE_CACHE", str(Path(tempfile.gettempdir()) / "pisft-tests-estimates-{}".format(
-    os.environ.get("PYTEST_XDIST_TESTRUNUID") or os.getpid())))
+os.environ.setdefault("PISFT_ESTIMATE_CACHE", str(RUN_DIR / "estimates"))
 # And one kept import graph (pisft.code_graph.stored_graph): every Snakemake parse and dvc.yaml
 # rendering of the run reads the stage code dependencies parsed once; never the user's cache.
-os.environ.setdefault("PISFT_CODE_GRAPH_CACHE", str(Path(tempfile.gettempdir()) / "pisft-tests-code-graph-{}".format(
-    os.environ.get("PYTEST_XDIST_TESTRUNUID") or os.getpid())))
+os.environ.setdefault("PISFT_CODE_GRAPH_CACHE", str(RUN_DIR / "code-graph"))
+
+
+def pytest_sessionfinish(session):
+    """The run's caches go with the process that made them (an xdist worker's run ends before it)."""
+    if _OWN_RUN_DIR:
+        import shutil
+
+        shutil.rmtree(RUN_DIR, ignore_errors=True)
+
+
 TERMINAL = ".snakemake/pisft-terminal.txt"  # the default pipeline's stdout, then its stderr
 def tool_env() -> dict:
     env = dict(os.environ)
