@@ -400,14 +400,14 @@ def test_a_line_torchrun_copied_in_two_pieces_reaches_the_console_whole(tmp_path
     `[default0]:<text>[default0]:` + newline (CI, stop 64: the terminal test saw `[default0]:` in
     the middle of a step line). Here the real `tail_logfile` copies a file the test writes in two
     pieces, each written once the previous one was copied (progress, not time); rank 1's line
-    comes between them. The launcher's `WorkerLines` gives the lines whole, and ends at `close` a
-    line a worker never finished."""
+    comes between them. The launcher's `whole_lines` gives the lines whole, and ends a line a worker
+    never finished when torchrun's output ends."""
     import io
     import threading
 
     from torch.distributed.elastic.multiprocessing.tail_log import tail_logfile
 
-    from pisft.train.worker_errors import WorkerLines
+    from pisft.train.worker_errors import whole_lines
 
     class Copied(io.StringIO):
         def __init__(self):
@@ -442,10 +442,10 @@ def test_a_line_torchrun_copied_in_two_pieces_reaches_the_console_whole(tmp_path
     physical = out.getvalue().splitlines(keepends=True)
     assert physical[0] == "[default0]:[train_8card] precision fp32; FSDP2[default1]:a line of rank 1\n"
 
-    whole = WorkerLines()
-    lines = [line for p in [*physical, "[default0]:a line a worker never ended"] for line in whole.feed(p)]
+    lines = list(whole_lines([*physical, "W1207 07:00:00 torchrun's own line\n",
+                              "[default0]:a line a worker never ended"]))
     assert lines == ["[default1]:a line of rank 1\n",
-                     "[default0]:[train_8card] precision fp32; FSDP2; MFU not reported\n"]
-    assert whole.close() == ["[default0]:a line a worker never ended\n"]
-    assert whole.feed("W1207 07:00:00 torchrun's own line\n") == ["W1207 07:00:00 torchrun's own line\n"]
+                     "[default0]:[train_8card] precision fp32; FSDP2; MFU not reported\n",
+                     "W1207 07:00:00 torchrun's own line\n",
+                     "[default0]:a line a worker never ended\n"]
     assert launch.console_line(lines[1]) == "[train_8card] precision fp32; FSDP2; MFU not reported\n"

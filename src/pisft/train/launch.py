@@ -9,7 +9,7 @@ flushing, so it runs with PYTHONUNBUFFERED=1, which `dvc repro` (unlike the Make
 Snakefile) does not export. Local rank 0's lines lose torchrun's `[default0]:` prefix on the
 console (the other ranks keep theirs); the log files keep every line with its prefix. A worker's
 line that torchrun copied in two pieces (it read the line between two writes) is one line again
-on the console and in `launcher.log` (`worker_errors.WorkerLines`).
+on the console and in `launcher.log` (`worker_errors.whole_lines`).
 On failure the launcher says which rank failed and how, where its log is, and that rerunning
 the same command resumes from the latest complete checkpoint; when every failed rank stopped on
 an error the user can act on (exit 2: a damaged input, a full disk, a refused setting), it prints
@@ -31,7 +31,6 @@ import signal
 import subprocess
 import sys
 import time
-from itertools import chain
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +40,7 @@ from pisft.config import SMOKE_MEASURED, PisftConfig, flatten, keys_marked, reso
 from pisft.errors import PisftError, Terminated
 from pisft.stages import SMOKE_1CARD, STAGES, TRAIN_8CARD
 from pisft.train import decisions, guard, slurm_nodes
-from pisft.train.worker_errors import ConsoleHold, WorkerLines
+from pisft.train.worker_errors import ConsoleHold, whole_lines, worker_prefix
 
 # Free space a training run needs before it starts, at the least: its logs and small files (the
 # checkpoints and the export ask for their own room before they write, pisft.disk_space).
@@ -228,8 +227,7 @@ def _open_log(path: Path):
         return _NoLog()
 
 
-# torchrun's prefix of local rank 0's lines under --tee (torch.distributed.elastic's TailLog).
-RANK0_PREFIX = "[default0]:"
+RANK0_PREFIX = worker_prefix("0")  # local rank 0's lines under torchrun's --tee
 
 
 def console_line(line: str) -> str:
@@ -251,7 +249,6 @@ def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path,
     me = os.getpid()
     log = _open_log(log_file)
     console = ConsoleHold(_to_console)
-    whole = WorkerLines()  # a worker's line that TailLog copied in pieces, in one piece again
     guard._prctl()  # noqa: SLF001 - loaded here, not in the forked child
     env = {**env, "PYTHONUNBUFFERED": "1"}
     if workers_check_launcher:
@@ -264,18 +261,17 @@ def _run_tee(cmd: list[str], env: dict[str, str], log_file: Path,
         assert proc.stdout is not None
         log_ok = True
         try:
-            for physical in chain(proc.stdout, [None]):
-                for line in whole.feed(physical) if physical is not None else whole.close():
-                    console.line(line, console_line(line))
-                    lines.append(line)
-                    if log_ok:  # a full disk loses the log file, never the console or the summary
-                        try:
-                            log.write(line)
-                            log.flush()
-                        except OSError as exc:
-                            log_ok = False
-                            print(f"[launch] warning: cannot write {log_file} ({exc.strerror}); "
-                                  "output continues on the console", file=sys.stderr, flush=True)
+            for line in whole_lines(proc.stdout):  # a worker's line TailLog copied in pieces: whole
+                console.line(line, console_line(line))
+                lines.append(line)
+                if log_ok:  # a full disk loses the log file, never the console or the summary
+                    try:
+                        log.write(line)
+                        log.flush()
+                    except OSError as exc:
+                        log_ok = False
+                        print(f"[launch] warning: cannot write {log_file} ({exc.strerror}); "
+                              "output continues on the console", file=sys.stderr, flush=True)
         except KeyboardInterrupt:
             proc.send_signal(signal.SIGINT)
             proc.wait()

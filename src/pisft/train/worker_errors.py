@@ -21,11 +21,11 @@ was before, only later.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
-# torchrun's prefix of a worker's lines under --tee (torch.distributed.elastic's TailLog).
-WORKER_PREFIX = re.compile(r"^\[default(\d+)\]:")
-ANY_WORKER_PREFIX = re.compile(r"\[default(\d+)\]:")
+# torchrun's prefix of a worker's lines under --tee (torch.distributed.elastic's TailLog):
+# `.match` finds it at a line's start, `.finditer` wherever TailLog put it.
+WORKER_PREFIX = re.compile(r"\[default(\d+)\]:")
 ERROR_LINE = re.compile(r"^error \(rank (\d+)\): ")
 # torchrun's agent reporting a failure: its error log lines (glog format, level E) and its traceback.
 AGENT_FAILURE = re.compile(r"^(E\d{4} |Traceback \(most recent call last\))")
@@ -33,8 +33,13 @@ USER_ERROR_EXIT = "2"  # python -m pisft.train's exit status after a PisftError
 STOPPED_BY_AGENT = "-15"  # SIGTERM: torchrun stops the other workers after the first failure
 
 
-class WorkerLines:
-    """torchrun's output as whole lines: each worker line in one piece.
+def worker_prefix(local_rank: str) -> str:
+    """torchrun's prefix of a worker's lines (`WORKER_PREFIX`)."""
+    return f"[default{local_rank}]:"
+
+
+def whole_lines(physical: Iterable[str]) -> Iterator[str]:
+    """torchrun's output lines with each worker's line in one piece.
 
     TailLog (torch/distributed/elastic/multiprocessing/tail_log.py, `tail_logfile`) copies a
     worker's log file with `readline()` and writes `header + line`. When it reads while the worker
@@ -42,32 +47,24 @@ class WorkerLines:
     start of the line without its newline, and the rest later under a prefix of its own:
     `[default0]:...(MFU not reported)[default0]:` + newline. A prefix in the middle of a physical
     line therefore starts the next piece of that worker's output; a piece without a newline waits
-    for its rank's next piece (`feed`), and what still waits when torchrun ends is a line of its
-    own (`close`). torchrun's own lines (no prefix) pass as they are.
+    for its rank's next piece, and what still waits when torchrun's output ends (a worker that died
+    mid-line) is ended then. torchrun's own lines (no prefix) pass as they are.
     """
-
-    def __init__(self) -> None:
-        self._pending: dict[str, str] = {}  # local rank -> the start of a line that has no end yet
-
-    def feed(self, physical: str) -> list[str]:
-        if WORKER_PREFIX.match(physical) is None:
-            return [physical]
-        whole = []
-        starts = list(ANY_WORKER_PREFIX.finditer(physical))
+    pending: dict[str, str] = {}  # local rank -> the start of a line that has no end yet
+    for line in physical:
+        starts = list(WORKER_PREFIX.finditer(line))
+        if not starts or starts[0].start() != 0:
+            yield line
+            continue
         for m, after in zip(starts, [*starts[1:], None], strict=True):
             rank = m.group(1)
-            text = self._pending.pop(rank, "") + physical[m.end():after.start() if after else None]
+            text = pending.pop(rank, "") + line[m.end():after.start() if after else None]
             if text.endswith("\n"):
-                whole.append(f"[default{rank}]:{text}")
+                yield worker_prefix(rank) + text
             else:
-                self._pending[rank] = text
-        return whole
-
-    def close(self) -> list[str]:
-        """The lines a worker left without their end (it died mid-line), ended."""
-        ended = [f"[default{rank}]:{text}\n" for rank, text in self._pending.items()]
-        self._pending.clear()
-        return ended
+                pending[rank] = text
+    for rank, text in pending.items():
+        yield worker_prefix(rank) + text + "\n"
 
 
 def split_prefix(line: str) -> tuple[str | None, str]:
