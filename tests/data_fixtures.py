@@ -21,11 +21,11 @@ def make_recap(root: Path, *, version: str = "v2.1", naming: str = "recap", vide
     per-session cache, so tests may then break it."""
     key = (version, naming, video, n_tasks, per_task, length, size, failure_fraction, seed)
     if key not in _CACHE:
-        import os
         import tempfile
 
-        # under the test run's folder (tests/conftest.py): removed when the run ends
-        cached = Path(tempfile.mkdtemp(prefix="recap-", dir=os.environ["PISFT_TESTS_RUN_DIR"])) / "recap"
+        from conftest import RUN_DIR  # the test run's folder: removed when the run ends
+
+        cached = Path(tempfile.mkdtemp(prefix="recap-", dir=RUN_DIR)) / "recap"
         cached.mkdir()
         demo.build(cached, episodes_per_task=per_task, length=length, image_size=size,
                    failure_fraction=failure_fraction, seed=seed, version=version, naming=naming, video=video,
