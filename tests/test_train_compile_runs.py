@@ -10,6 +10,12 @@ each process of a compiled launch compiles (or loads) every block, the cost of t
 sharded state on 2 processes is held by the eager and LoRA kill tests (test_train_integration.py,
 test_train_modes_integration.py).
 
+The run on 2 processes is `make test-all`'s only (marked extended, docs/development.md "Tiers"):
+what it adds to `make test` is a second witness of three behaviours held there, the compiled step
+equal to the eager one under FSDP2 (test_train_compile.py), the eager runs' world-size invariance
+(test_train_integration.py::test_world_size_invariance) and a torchrun launch that compiles (the
+killed run's smoke report and summary, below).
+
 The runs use the test run's inductor cache (tests/conftest.py): the first process compiles each
 block, later ones load it, as a rerun of the same stage would."""
 
@@ -60,6 +66,7 @@ def two(tmp_path_factory):
     return _trained(tmp_path_factory, "compiled_two", TWO)
 
 
+@pytest.mark.extended  # held in `make test` by the tests the module's docstring names
 def test_compiled_runs_agree_on_1_and_2_processes(one, two):
     report = json.loads((two / "smoke" / "report.json").read_text())
     assert report["passed"] is True and report["compile_s"] > 0  # the smoke gate reports the compilation
@@ -74,6 +81,11 @@ def test_compiled_runs_agree_on_1_and_2_processes(one, two):
 
 
 def test_a_killed_compiled_run_resumes_bit_identically(tmp_path_factory, one):
+    # the launch compiled: the smoke gate timed the compilation, training ran the compiled blocks
+    report = json.loads((one / "smoke" / "report.json").read_text())
+    assert report["passed"] is True and report["compiled"] is True and report["compile_s"] > 0
+    settings = json.loads((one / "train" / "train_summary.json").read_text())["step_settings"]
+    assert [s["train.compile"] for s in settings] == ["layers"]
     res = results_dir(tmp_path_factory, "compiled_killed")
     shutil.copytree(one / "smoke", res / "smoke")
     cmd = launch_cmd("train_8card", res, *RUN, *ONE)
