@@ -105,7 +105,9 @@ run-pi05-cpu: setup
 
 # The suite on TEST_WORKERS pytest-xdist workers (0: one process, no xdist). A test file, and the
 # tests of one session-wide pipeline run, stay on one worker (tests/worker_groups.py; docs/development.md).
-TEST_WORKERS ?= 2
+# Three on CI's two cores: a third worker runs while another's test waits (Slurm's time limit, a
+# driver's polling); measured against two on one host the same day (docs/development.md, "Tests").
+TEST_WORKERS ?= 3
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # --durations=30: CI's output (.ci/run calls `make test`) lists the 30 slowest set-ups, tests and

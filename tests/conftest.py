@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # Idle OpenMP threads sleep instead of spinning, in this process and every process a test starts (set
-# before torch loads libgomp, which reads it once). The suite runs two workers whose stages and
+# before torch loads libgomp, which reads it once). The suite runs three workers whose stages and
 # trainers each use threads on CI's two cores: an oversubscribed thread that spins until a
 # descheduled peer reaches the barrier burns the cores the other processes wait for. Measured: two
 # small SFT DAGs through Snakemake at once, 136 -> 110 CPU s each (210 -> 163 s wall); `evaluate` beside

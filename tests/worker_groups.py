@@ -1,7 +1,8 @@
-"""Which pytest-xdist worker runs which tests (`make test`: `-n 2 --dist loadscope`).
+"""Which pytest-xdist worker runs which tests (`make test`: `-n 3 --dist loadscope`).
 
-A single test seldom keeps both cores busy (the simulator, Snakemake, DVC and Slurm's polling
-run on one), so a second worker fills the other core. Two things must stay on one worker:
+A single test seldom keeps both of CI's cores busy (the simulator, Snakemake, DVC and Slurm's
+polling run on one, and a Slurm test waits for the job's time limit), so more workers than cores
+fill them (docs/development.md, "Tests"). Two things must stay on one worker:
 - a test file, whole and in its order, so that its module fixtures are built once;
 - the tests of a session fixture that runs a whole pipeline (PIPELINE_TESTS), so that the
   pipeline runs once. Those groups are the longest, so they are handed out first.
