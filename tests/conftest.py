@@ -10,13 +10,14 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-# Idle OpenMP threads sleep instead of spinning, in this process and every process a test starts (set
-# before torch loads libgomp, which reads it once). The suite runs three workers whose stages and
-# trainers each use threads on CI's two cores: an oversubscribed thread that spins until a
-# descheduled peer reaches the barrier burns the cores the other processes wait for. Measured: two
-# small SFT DAGs through Snakemake at once, 136 -> 110 CPU s each (210 -> 163 s wall); `evaluate` beside
-# other work, 46 -> 15 CPU s. Thread counts, and so every result's bytes, are unchanged. An
-# OMP_WAIT_POLICY set by hand wins (docs/development.md, "Tests").
+# Idle OpenMP threads sleep instead of spinning, in this process and every process a test starts
+# (set before torch loads libgomp, which reads it once). The suite runs more workers (the Makefile's
+# TEST_WORKERS) than CI has cores, and their stages and trainers each use threads on CI's two cores:
+# an oversubscribed thread that spins until a descheduled peer reaches the barrier burns the cores
+# the other processes wait for. Measured: two small SFT DAGs through Snakemake at once, 136 -> 110
+# CPU s each (210 -> 163 s wall); `evaluate` beside other work, 46 -> 15 CPU s. Thread counts, and
+# so every result's bytes, are unchanged. An OMP_WAIT_POLICY set by hand wins (docs/development.md,
+# "Tests").
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest

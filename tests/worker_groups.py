@@ -1,4 +1,5 @@
-"""Which pytest-xdist worker runs which tests (`make test`: `-n 3 --dist loadscope`).
+"""Which pytest-xdist worker runs which tests (`make test`: `-n $(TEST_WORKERS) --dist loadscope`,
+the Makefile's).
 
 A single test seldom keeps both of CI's cores busy (the simulator, Snakemake, DVC and Slurm's
 polling run on one, and a Slurm test waits for the job's time limit), so more workers than cores
