@@ -48,3 +48,37 @@ def test_another_results_dir_is_rebased_and_the_default_one_left_alone(tmp_path,
     Path("scratch/eval/metrics.json").write_text("{}")  # a run with --set results_dir=scratch
     assert invalidate_downstream("train_8card", "scratch") == ["scratch/eval/metrics.json"]
     assert Path("results/eval/metrics.json").is_file()
+
+
+def _invalidate_at_once(barrier, results: str, failures) -> None:
+    barrier.wait()
+    try:
+        invalidate_downstream("smoke_1card", results)
+    except (OSError, ValueError) as e:  # what the stage would have died of (FileNotFoundError)
+        failures.put(repr(e))
+
+
+def test_two_stages_that_start_together_both_remove_the_same_outputs(tmp_path, monkeypatch):
+    """`snakemake --forceall --cores 2` starts fetch_base and demo_recap at once, and both remove
+    results/train/model: two real processes race through the same folders (three rounds), and
+    neither fails on an entry the other removed first."""
+    import multiprocessing
+
+    shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    monkeypatch.chdir(tmp_path)
+    ctx = multiprocessing.get_context("fork")
+    for _ in range(3):
+        for d in range(40):
+            folder = Path(f"results/train/model/part{d:02d}")
+            folder.mkdir(parents=True)
+            for f in range(50):
+                (folder / f"f{f}").write_bytes(b"x")
+        barrier, failures = ctx.Barrier(2), ctx.Queue()
+        racers = [ctx.Process(target=_invalidate_at_once, args=(barrier, "results", failures)) for _ in range(2)]
+        for racer in racers:
+            racer.start()
+        for racer in racers:
+            racer.join(timeout=60)
+        assert [r.exitcode for r in racers] == [0, 0]
+        assert failures.empty(), failures.get()
+        assert not Path("results/train/model").exists()

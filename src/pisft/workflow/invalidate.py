@@ -99,6 +99,19 @@ def _results_dir_of(dag: dict[str, dict]) -> str | None:
     return None
 
 
+def _gone_already_is_fine(_function, _path, error: BaseException) -> None:
+    """shutil.rmtree's error handler: an entry another process removed first is removed.
+
+    Two stages that start together remove the same downstream folders (Snakemake runs independent
+    jobs at once: `snakemake --forceall --cores 2` starts fetch_base and demo_recap, and both remove
+    results/train/model); the one that reached an entry after the other unlinked it got
+    FileNotFoundError and failed the run.
+    Any other error (a permission, a busy mount) is raised as it was.
+    """
+    if not isinstance(error, FileNotFoundError):
+        raise error
+
+
 def invalidate_downstream(stage: str, results_dir: str | Path = "results",
                           dvc_yaml: str | Path = "dvc.yaml") -> list[str]:
     """Remove the downstream outputs of `stage` under `results_dir`; return what was removed.
@@ -121,9 +134,9 @@ def invalidate_downstream(stage: str, results_dir: str | Path = "results",
             continue
         p = Path(results_dir) / rel
         if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
+            shutil.rmtree(p, onexc=_gone_already_is_fine)
         elif p.exists() or p.is_symlink():
-            p.unlink()
+            p.unlink(missing_ok=True)
         else:
             continue
         removed.append(str(p))
