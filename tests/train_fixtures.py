@@ -18,8 +18,11 @@ DATA_OVERRIDES = ["data.demo_episodes_per_task=2", "data.demo_episode_length=24"
 def shared_inputs(tmp_path_factory, name: str, data_overrides: list[str], ready: str,
                   then=None) -> Path:
     """results/{base_model,demo_recap,dataset} (fetch_base, demo_recap, convert_recap on the tiny
-    model) in the session's `name` folder, built once (under a lock: xdist workers share it);
-    `then(root)` finishes it; `ready` (relative) exists when it is complete."""
+    model) in the session's `name` folder, built once per pytest process: each xdist worker has a
+    base temporary folder of its own (`popen-gwN`), so each builds its copy (4.7 CPU s for
+    train_inputs), and only its own tests, one at a time, write through their links (the lock
+    holds off a second pytest run given the same `--basetemp`). `then(root)` finishes it; `ready`
+    (relative) exists when it is complete."""
     root = tmp_path_factory.getbasetemp() / name
     root.mkdir(exist_ok=True)
     with open(root / ".lock", "w") as lock:
