@@ -66,7 +66,7 @@ def test_two_stages_that_start_together_both_remove_the_same_outputs(tmp_path, m
 
     shutil.copy(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
     monkeypatch.chdir(tmp_path)
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")  # not fork: the test runs in a process with threads (xdist)
     for _ in range(3):
         for d in range(40):
             folder = Path(f"results/train/model/part{d:02d}")
