@@ -79,6 +79,9 @@ def test_two_stages_that_start_together_both_remove_the_same_outputs(tmp_path, m
             racer.start()
         for racer in racers:
             racer.join(timeout=60)
+            if racer.is_alive():  # a bound on waiting, and nothing left running
+                racer.kill()
+                racer.join()
         assert [r.exitcode for r in racers] == [0, 0]
         assert failures.empty(), failures.get()
         assert not Path("results/train/model").exists()
