@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from pisft.ports import held_port
-from train_fixtures import ROOT, launch, launch_cmd, launch_env, read_jsonl, results_dir, kill_rank1_after_checkpoint
+from train_fixtures import (ROOT, kill_rank1_after_checkpoint, launch, launch_cmd, launch_env, left_by_a_killed_run,
+                            read_jsonl, results_dir)
 
 pytestmark = pytest.mark.integration
 
@@ -167,14 +168,10 @@ def test_sigkill_then_rerun_resumes_bit_identically(tmp_path_factory, smoke, two
 
 def test_resume_on_a_different_number_of_processes(tmp_path_factory, smoke, two_nodes):
     res = _with_smoke(tmp_path_factory, "reshard", smoke, "train.nproc_per_node=1")
-    (src,) = (two_nodes / "checkpoints" / "train").glob("run-*")  # same settings: same run folder
-    dst = res / "checkpoints" / "train" / src.name
-    dst.mkdir(parents=True)
-    shutil.copytree(src / "step_000005", dst / "step_000005")
-    shutil.copy(src / "metrics.jsonl", dst / "metrics.jsonl")
+    step5 = left_by_a_killed_run(two_nodes, res, 5)  # same settings but the world size: same run folder
     _ok(launch("train_8card", res, *RUN, "train.nproc_per_node=1"))
     summary = json.loads((res / "train" / "train_summary.json").read_text())
-    assert summary["resumed_from"] == {"path": str(dst / "step_000005"), "step": 5, "world_size": 2}
+    assert summary["resumed_from"] == {"path": str(step5), "step": 5, "world_size": 2}
     # the steps before the resume ran on 2 processes: recorded, and said in one line
     assert [(e["first_step"], e["last_step"], e["world_size"]) for e in summary["step_settings"]] == [(1, 5, 2),
                                                                                                     (6, 10, 1)]

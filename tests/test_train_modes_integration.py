@@ -1,6 +1,6 @@
 """torchrun end to end on the tiny model in the `expert` and `lora` modes (train.trainable): frozen
 weights bit-identical to the base, checkpoints holding the trained tensors only; in the lora mode
-the same losses and weights at world size 1 and 2 and the exact resume after a SIGKILL."""
+the same losses and weights at world size 1 and 2 and the exact resume from a checkpoint."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_fixtures import ROOT, kill_rank1_after_checkpoint, launch, launch_cmd, launch_env, read_jsonl, results_dir
+from train_fixtures import launch, left_by_a_killed_run, read_jsonl, results_dir
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +70,7 @@ def lora_two(tmp_path_factory, smoke):
     return _run(tmp_path_factory, smoke, "lora_two", *MODES["lora"], "train.nproc_per_node=2", LAYER_UNITS)
 
 
-# World-size invariance and the exact resume after a SIGKILL run in the lora mode only: its
+# World-size invariance and the exact resume run in the lora mode only: its
 # adapters are the sharded, checkpointed and resumed state the other modes do not have (the frozen
 # base stays out of both), and `all` has both checks in tests/test_train_integration.py. The
 # expert mode's runs check what freezing does (frozen weights, trained-only checkpoints).
@@ -132,15 +132,17 @@ def test_checkpoints_hold_the_trained_tensors_only(runs):
     assert _checkpoint_bytes(two) < 3 * total  # weights + 2 AdamW moments of what trains only
 
 
-def test_sigkill_then_rerun_resumes_bit_identically(tmp_path_factory, smoke, lora_two):
+def test_a_rerun_resumes_from_a_checkpoint_bit_identically(tmp_path_factory, smoke, lora_two):
+    """The LoRA run on 2 processes resumed from its checkpoint of step 3 (the adapters' shards and
+    their AdamW moments, the frozen base from its folder), as a run killed after it leaves it
+    (train_fixtures.left_by_a_killed_run; the SIGKILL and the launcher's report of it are
+    test_train_integration.py's, on the same launcher and checkpoints)."""
     mode, two = "lora", lora_two
-    res = results_dir(tmp_path_factory, f"{mode}_killed")
+    res = results_dir(tmp_path_factory, f"{mode}_resumed")
     settings = (*MODES[mode], "train.nproc_per_node=2", LAYER_UNITS)  # lora_two's: its smoke serves
     shutil.copytree(smoke(*settings) / "smoke", res / "smoke")
-    cmd = launch_cmd("train_8card", res, *RUN, *settings)
-    kill_rank1_after_checkpoint(cmd, res / "checkpoints" / "train", 3, timeout=900)
-    assert not (res / "train").exists()
-    _ok(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=launch_env()))
+    left_by_a_killed_run(two, res, 3)
+    _ok(launch("train_8card", res, *RUN, *settings, timeout=900))
     summary = json.loads((res / "train" / "train_summary.json").read_text())
     assert summary["resumed_from"]["step"] == 3
     ref, got = _weights(two), _weights(res)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,21 @@ def launch_env() -> dict[str, str]:
 def launch(stage: str, results: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(launch_cmd(stage, results, *extra), cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env=launch_env())
+
+
+def left_by_a_killed_run(finished: Path, results: Path, step: int, kind: str = "train") -> Path:
+    """What a run killed after its checkpoint of `step` leaves its rerun, taken from `finished`, a
+    finished run of the same settings: the run folder (same fingerprint, same name) with that
+    checkpoint and the metrics log, whose lines after `step` the resume drops. Returns the copied
+    checkpoint's folder. For a resume tested at the trainer: the real SIGKILL and the launcher's
+    report of it are kill_worker_after_checkpoint's tests'."""
+    (src,) = (finished / "checkpoints" / kind).glob("run-*")
+    dst = results / "checkpoints" / kind / src.name
+    dst.mkdir(parents=True)
+    name = f"step_{step:06d}"
+    shutil.copytree(src / name, dst / name)
+    shutil.copy(src / "metrics.jsonl", dst / "metrics.jsonl")
+    return dst / name
 
 
 def read_jsonl(path: Path) -> list[dict]:
