@@ -1,5 +1,7 @@
 """pisft.introspect.estimate_cache: the smoke gate's estimate is read back only for the same step and
-code, and a damaged cache file is a miss (the estimate is simulated again)."""
+code, and a damaged cache file is a miss (the estimate is simulated again). And the smoke stage's
+estimates made in its own process before its process group (pisft.introspect.estimate), answered
+inside the group without a fresh process."""
 
 from __future__ import annotations
 
@@ -68,10 +70,76 @@ def test_the_smoke_path_reads_the_kept_estimate_without_a_subprocess(tmp_path, c
     for world in (1, cfg.world_size):
         estimate_cache.write(estimate_cache.key(raw, world, [], f"preset {cfg.model.preset}"),
                              {"total_bytes": 1000 + world, "model": "elsewhere"})
-    monkeypatch.setattr(estimate, "_ELSEWHERE", {})
+    monkeypatch.setattr(estimate, "_KEPT", {})
 
     def no_subprocess(*_args, **_kwargs):
         raise AssertionError("simulated again although the estimate was kept")
     monkeypatch.setattr(estimate.subprocess, "run", no_subprocess)
     got = estimate._simulate_elsewhere(cfg, cfg.world_size)
     assert got == {"total_bytes": 1000 + cfg.world_size, "model": f"preset {cfg.model.preset}"}
+
+
+def test_estimates_made_before_the_process_group_are_answered_inside_it(tmp_path, cache, monkeypatch):
+    """smoke_1card's way (the stage table's `before_group`, pisft.gates.smoke.estimate_before_group):
+    both world sizes simulated in this process before it holds a group, then asked for inside one,
+    where no process is started; torch's generator as it was; both kept for a later smoke run."""
+    import torch
+    import torch.distributed as dist
+
+    cfg = config_mod.load(CONFIG, [f"results_dir={tmp_path}/results", "train.micro_batch_size=4"])
+    assert cfg.world_size == 2  # the embedded default's: two estimates
+    monkeypatch.setattr(estimate, "_KEPT", {})
+    rng = torch.get_rng_state()
+    estimate.estimate_before_process_group(cfg)
+    assert torch.equal(torch.get_rng_state(), rng)
+    made = {w: estimate.estimate_memory(cfg, world_size=w) for w in (1, 2)}  # here: no group, simulated again
+
+    def no_subprocess(*_args, **_kwargs):
+        raise AssertionError("a process was started for an estimate made before the group")
+
+    monkeypatch.setattr(estimate.subprocess, "run", no_subprocess)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="already holds a process group"):
+            estimate.estimate_before_process_group(cfg)
+        inside = {w: estimate.estimate_memory(cfg, world_size=w) for w in (1, 2)}
+    finally:
+        dist.destroy_process_group()
+    assert inside == made
+    assert len(list(cache.glob("*.json"))) == 2  # kept for the next smoke run of the same step
+
+
+def test_smoke_1card_estimates_before_it_joins_its_process_group(tmp_path, cache, monkeypatch):
+    """The stage table's `before_group` runs before the group is made (pisft.train.job.setup_process),
+    and the smoke gate's hook fills what its report asks for later, `auto` settings included
+    (`_estimated`): the report's estimates come without a process started."""
+    import torch.distributed as dist
+
+    from pisft.gates import smoke
+    from pisft.stages import STAGES
+    from pisft.train import __main__ as worker
+    from pisft.train import job
+
+    hook = worker._function(STAGES["smoke_1card"].before_group)
+    assert hook is smoke.estimate_before_group
+    cfg = config_mod.load(CONFIG, [f"results_dir={tmp_path}/results", "train.micro_batch_size=auto"])
+    order: list[str] = []
+    monkeypatch.setattr(estimate, "_KEPT", {})
+    with pytest.MonkeyPatch.context() as group:  # a stand-in for torch.distributed's group, then the real one
+        group.setattr(job.dist, "init_process_group", lambda **_kw: order.append("group"))
+        group.setattr(job.dist, "get_rank", lambda: 0)
+        group.setattr(job.dist, "get_world_size", lambda: 1)
+        job.setup_process(cfg, "smoke_1card", 1, lambda _cfg: order.append("before_group"))
+    assert order == ["before_group", "group"]
+    hook(cfg)  # in the worker, where "before_group" stands (its simulation makes a fake group of its own)
+
+    def no_subprocess(*_args, **_kwargs):
+        raise AssertionError("a process was started for an estimate made before the group")
+
+    monkeypatch.setattr(estimate.subprocess, "run", no_subprocess)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        reported = smoke._estimate(smoke._estimated(cfg))  # what _report_head records
+    finally:
+        dist.destroy_process_group()
+    assert set(reported) == {"1", "2"} and all("total_bytes" in e for e in reported.values()), reported

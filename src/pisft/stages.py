@@ -174,6 +174,9 @@ class Stage:
     sft_only_if: str = ""  # a boolean key: iteration 0 has the stage only while it is true
     recap_keys: tuple[str, ...] = ()  # keys it also reads at a RECAP iteration
     one_process: bool = False  # a training stage run as one process on one device (a smoke gate)
+    # "module:function(cfg)" run in a training stage's process before it joins its process group
+    # (pisft.train.job.setup_process): smoke_1card's memory estimates, made there in the process
+    before_group: str = ""
     gate: str | None = None  # the smoke gate whose passing report it needs first (its first output)
     resumable: bool = False  # checkpoints and resumes: a rerun after a failure goes on from there
     all_cores: bool = False  # the workflow gives it every core (Snakemake's `threads`)
@@ -292,7 +295,7 @@ SMOKE_1CARD = _row(Stage(
     (file("smoke/report.json"),),
     "a few optimizer steps on one device: the go/no-go report",
     reads=(Read("fetch_base"), Read("convert_recap", at="0")), training=True, shared=True, one_process=True,
-    all_cores=True))
+    all_cores=True, before_group="pisft.gates.smoke:estimate_before_group"))
 SMOKE_VALUE = _row(Stage(
     "smoke_value", "pisft.gates.value_smoke:run_value_smoke", ("device", "smoke", *VALUE_KEYS),
     (file("value_smoke/report.json"),),

@@ -88,6 +88,21 @@ def _estimate(cfg: Any) -> Any:
     return out
 
 
+def estimate_before_group(cfg: Any) -> None:
+    """smoke_1card's `before_group` (pisft.stages): `_estimate`'s estimates made in this process
+    before it joins its process group (pisft.introspect.estimate.estimate_before_process_group), so
+    that `_report_head` reads them instead of starting a process. A failure here is left to
+    `_estimate`, which asks again inside the group and records the error in the report."""
+    try:
+        from pisft.introspect.estimate import estimate_before_process_group
+    except ImportError:
+        return
+    try:
+        estimate_before_process_group(_estimated(cfg))
+    except Exception:  # noqa: BLE001 - informative only: `_estimate` records the error
+        pass
+
+
 class SignDescent(torch.optim.Optimizer):
     """AdamW's first step without AdamW's state: p <- p * (1 - lr * wd) - lr * sign(grad).
 

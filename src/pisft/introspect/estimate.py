@@ -111,14 +111,16 @@ def _base_of_preset(cfg: PisftConfig, *, quiet: bool = False) -> Any:
 
 
 
-_ELSEWHERE: dict[tuple[str, int], dict[str, Any]] = {}
+# The estimates this process made or read, by (the config as JSON, world size): the smoke stage's,
+# made before its process group (`estimate_before_process_group`) or from inside it by a fresh process.
+_KEPT: dict[tuple[str, int], dict[str, Any]] = {}
 
 
-def _simulate_elsewhere(cfg: PisftConfig, world: int) -> dict[str, Any]:
-    """The estimate from a fresh process (this one has a process group; the simulation needs its
-    own). One process computes the asked world size, 1 and the configured one (what the smoke
-    stage asks for); the answers are kept for this process, and in pisft.introspect.estimate_cache
-    for later ones (read back with this run's model folder as `model`)."""
+def _kept_for(cfg: PisftConfig, world: int) -> tuple[str, dict[int, str]]:
+    """The config as JSON and the cache key (pisft.introspect.estimate_cache) of each world size one
+    computation answers for `world`: it, 1 and the configured one (what the smoke stage asks for).
+    Those kept by an earlier smoke run of the same step are read into `_KEPT` (with this run's model
+    folder as `model`)."""
     from pisft import config as config_mod
 
     raw = json.dumps(config_mod.to_dict(cfg), sort_keys=True)
@@ -126,10 +128,39 @@ def _simulate_elsewhere(cfg: PisftConfig, world: int) -> dict[str, Any]:
     model_files = [] if base is None else [base / policy_mod.CONFIG_FILE, base / policy_mod.MODEL_INFO_FILE]
     label = f"preset {cfg.model.preset}" if base is None else str(base)
     keys = {w: estimate_cache.key(json.loads(raw), w, model_files, label) for w in sorted({world, 1, cfg.world_size})}
-    for w, cache_key in keys.items():  # kept by an earlier smoke run of the same step (estimate_cache)
-        if (raw, w) not in _ELSEWHERE and (kept := estimate_cache.read(cache_key)) is not None:
-            _ELSEWHERE[(raw, w)] = {**kept, "model": label}
-    if (raw, world) not in _ELSEWHERE:
+    for w, cache_key in keys.items():
+        if (raw, w) not in _KEPT and (kept := estimate_cache.read(cache_key)) is not None:
+            _KEPT[(raw, w)] = {**kept, "model": label}
+    return raw, keys
+
+
+def _keep(raw: str, keys: dict[int, str], estimates: dict[int, dict[str, Any]]) -> None:
+    for w, est in estimates.items():
+        _KEPT[(raw, w)] = est
+        estimate_cache.write(keys[w], est)
+
+
+def estimate_before_process_group(cfg: PisftConfig) -> None:
+    """The estimates a stage asks for once it holds a process group (world size 1 and the configured
+    one: smoke_1card's, pisft.gates.smoke), made now, in this process, which holds none yet: inside
+    the group `estimate_memory` answers from them instead of starting a fresh process, which spent
+    about 9 CPU s importing the model's libraries for 3 s of simulation (the tiny preset, both world
+    sizes). Kept for later smoke runs as the fresh process's are. torch's generator is left as it was
+    (the simulation builds its policy from a seed)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("estimate_before_process_group: this process already holds a process group")
+    raw, keys = _kept_for(cfg, cfg.world_size)
+    with torch.random.fork_rng(devices=[]):
+        _keep(raw, keys, {w: estimate_memory(cfg, world_size=w) for w in keys if (raw, w) not in _KEPT})
+
+
+def _simulate_elsewhere(cfg: PisftConfig, world: int) -> dict[str, Any]:
+    """The estimate from a fresh process (this one has a process group; the simulation needs its
+    own), unless this process made it before its group or an earlier smoke run kept it."""
+    raw, keys = _kept_for(cfg, world)
+    if (raw, world) not in _KEPT:
         worlds = list(keys)
         cmd = [sys.executable, "-m", "pisft.introspect.estimate", "--config-json", "-",
                "--world-sizes", ",".join(map(str, worlds))]
@@ -139,10 +170,8 @@ def _simulate_elsewhere(cfg: PisftConfig, world: int) -> dict[str, Any]:
         out = subprocess.run(cmd, input=raw, capture_output=True, text=True, env=env, check=False)
         if out.returncode != 0:
             raise RuntimeError(f"memory estimate in a subprocess failed: {out.stderr[-2000:]}")
-        for w, est in zip(worlds, json.loads(out.stdout.strip().splitlines()[-1]), strict=True):
-            _ELSEWHERE[(raw, w)] = est
-            estimate_cache.write(keys[w], est)
-    return _ELSEWHERE[(raw, world)]
+        _keep(raw, keys, dict(zip(worlds, json.loads(out.stdout.strip().splitlines()[-1]), strict=True)))
+    return _KEPT[(raw, world)]
 
 
 def estimate_memory(cfg: PisftConfig, *, world_size: int | None = None) -> dict[str, Any]:

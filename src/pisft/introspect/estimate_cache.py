@@ -1,11 +1,12 @@
 """The smoke gate's memory estimates, kept between processes.
 
-The smoke stages (`smoke_1card`, `smoke_value`) estimate the step's memory for 1 device and for
-the run's world size (pisft.introspect.estimate) in a fresh process, because their own process holds
-a process group and the estimate needs a fake one of its own. That process runs the whole training
-step on fake tensors: about as long as the smoke steps themselves on the embedded default, and
-the same answer every time the same step is estimated. So the answer is kept, one small JSON file
-per estimate, and a later smoke run of the same step reads it instead of simulating again.
+The smoke stage (`smoke_1card`) estimates the step's memory for 1 device and for the run's world
+size (pisft.introspect.estimate): in its own process before that joins its process group (the
+estimate needs a fake group of its own), or, asked inside the group, in a fresh process. Either
+runs the whole training step on fake tensors: about as long as the smoke steps themselves on the
+embedded default, and the same answer every time the same step is estimated. So the answer is
+kept, one small JSON file per estimate, and a later smoke run of the same step reads it instead of
+simulating again.
 
 What makes it the same step, all in the key (`key`):
 - the config, less where its results and data lie (`results_dir`, `data.recap_dir`): every key the
@@ -16,9 +17,9 @@ What makes it the same step, all in the key (`key`):
 - the code that computes it: a digest of every `.py` file of the pisft package as it lies on disk
   (what the estimating subprocess imports), torch's and LeRobot's versions, Python's.
 
-Only the subprocess path is kept (`pisft.introspect.estimate._simulate_elsewhere`): an estimate made
-in the asking process (`python -m pisft estimate`, the tests) always simulates, so code patched in
-memory is never answered from a file.
+Only the smoke stage's estimates are kept (`pisft.introspect.estimate.estimate_before_process_group`
+and `_simulate_elsewhere`): `estimate_memory` asked in a process without a group (`python -m pisft
+estimate`, the tests) always simulates, so code patched in memory is never answered from a file.
 
 The folder: `$PISFT_ESTIMATE_CACHE` ("off": always simulate), default
 `$XDG_CACHE_HOME/pisft/estimates`, else `~/.cache/pisft/estimates`. A file that cannot be read is

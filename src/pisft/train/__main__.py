@@ -38,15 +38,22 @@ def run_stage(stage: str, cfg: config_mod.PisftConfig) -> int:
     from pisft.train.launch import world_size_for
     from pisft.train.job import setup_process
 
-    ctx = setup_process(cfg, stage, world_size_for(stage, cfg))
+    ctx = setup_process(cfg, stage, world_size_for(stage, cfg), _function(STAGES[stage].before_group))
     try:
-        module, func = STAGES[stage].run.split(":")
-        stage_fn = getattr(importlib.import_module(module), func)
+        stage_fn = _function(STAGES[stage].run)
         with spec_for_preset(cfg.model.preset).fused_attention():  # fused kernels for the model's attention
             return stage_fn(ctx)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _function(name: str):
+    """The function a stage row names as "module:function" (None for "")."""
+    if not name:
+        return None
+    module, func = name.split(":")
+    return getattr(importlib.import_module(module), func)
 
 
 @record

@@ -248,12 +248,17 @@ def apply_trainable(ctx: Context, model: nn.Module, *, value_model: bool = False
     return applied
 
 
-def setup_process(cfg: PisftConfig, stage: str, expected_world_size: int) -> Context:
+def setup_process(cfg: PisftConfig, stage: str, expected_world_size: int,
+                  before_group: Callable[[PisftConfig], None] | None = None) -> Context:
     """Device, determinism and the process group; refuses a world of the wrong size; Python's and
-    NumPy's generators seeded for this rank from train.seed (`checkpoint.seed_host_generators`)."""
+    NumPy's generators seeded for this rank from train.seed (`checkpoint.seed_host_generators`).
+    `before_group`: the stage's work that needs this process without a group (the stage table's
+    `before_group`), run after determinism is set and before the group is made."""
     info = devices.setup(cfg.device)
     if cfg.train.deterministic:  # before HCCL communicator creation and the first operator
         devices.enable_determinism(info.kind)
+    if before_group is not None:
+        before_group(cfg)
     kwargs: dict[str, Any] = {"backend": info.backend}
     if info.row.init_with_device_id:
         kwargs["device_id"] = info.device
