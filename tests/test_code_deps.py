@@ -63,8 +63,9 @@ def test_each_stage_depends_on_the_files_its_entry_point_imports():
     deps = {name: code_graph.code_deps(name, "cpu") for name in stage_table.STAGES}
     assert deps == {name: code_graph.code_deps(name, "cpu") for name in stage_table.STAGES}
     for name, files in deps.items():
-        module = stage_table.STAGES[name].run.partition(":")[0]
-        assert "src/" + module.replace(".", "/") + ".py" in files, name
+        row = stage_table.STAGES[name]
+        for function in filter(None, (row.run, row.before_group)):  # what the row names runs
+            assert "src/" + function.partition(":")[0].replace(".", "/") + ".py" in files, (name, function)
         assert files == sorted(files[:-1]) + [files[-1]] and files[-1].endswith(".lock.txt")
         assert all((ROOT / f).is_file() for f in files), name
     assert "src/pisft/evaluate/report.py" in deps["evaluate"]
@@ -72,6 +73,14 @@ def test_each_stage_depends_on_the_files_its_entry_point_imports():
         assert "src/pisft/evaluate/report.py" not in deps[name], name
     assert "src/pisft/introspect/estimate.py" in deps["smoke_1card"]  # its report carries the estimate
     assert "src/pisft/train/launch.py" in deps["train_8card"]  # started by the launcher
+    # a row's before_group is code the stage runs, as its run is
+    import dataclasses
+
+    elsewhere = dataclasses.replace(stage_table.STAGES["smoke_1card"], before_group="pisft.recap.summary:run")
+    assert "src/pisft/recap/summary.py" not in deps["smoke_1card"]
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setitem(code_graph.STAGES, "smoke_1card", elsewhere)
+        assert "src/pisft/recap/summary.py" in code_graph.code_deps("smoke_1card", "cpu")
     assert "src/pisft/workflow/dvc_yaml.py" not in {f for fs in deps.values() for f in fs}
 
 

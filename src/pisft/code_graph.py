@@ -155,8 +155,8 @@ def files_of(modules: set[str], src: Path = SRC) -> list[str]:
     return sorted(files[m].relative_to(root).as_posix() for m in modules if m in files)
 
 
-# The code a stage depends on (`code_deps`) is what it runs, read from the imports: its function's
-# module (its row's `run`) and everything that one imports, inside functions too; what starts it
+# The code a stage depends on (`code_deps`) is what it runs, read from the imports: its functions'
+# modules (its row's `run` and `before_group`) and everything those import, inside functions too; what starts it
 # (`python -m pisft`, the DVC wrapper: their module-level imports); for a training stage the
 # launcher and the torchrun worker; and the dependency lock. An edit reruns exactly the stages
 # whose code reaches the edited file, and the list follows the code when it moves. (Here, not in
@@ -175,7 +175,8 @@ def lock_of(device: str) -> str:
 def code_modules(stage: str) -> set[str]:
     """The pisft modules `stage` runs (see RUNNERS above)."""
     row = STAGES[stage]
-    modules = reach((row.run.partition(":")[0],)) | reach(RUNNERS, top_level=True)
+    named = tuple(name.partition(":")[0] for name in (row.run, row.before_group) if name)  # its row's functions
+    modules = reach(named) | reach(RUNNERS, top_level=True)
     if row.training:
         modules |= reach(TRAINING_RUNNERS)
     return modules
