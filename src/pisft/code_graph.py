@@ -156,8 +156,8 @@ def files_of(modules: set[str], src: Path = SRC) -> list[str]:
 
 
 # The code a stage depends on (`code_deps`) is what it runs, read from the imports: its functions'
-# modules (its row's `run` and `before_group`) and everything those import, inside functions too; what starts it
-# (`python -m pisft`, the DVC wrapper: their module-level imports); for a training stage the
+# modules (its row's `run` and `before_group`) and everything those import, inside functions too;
+# what starts it (`python -m pisft`, the DVC wrapper: their module-level imports); for a training stage the
 # launcher and the torchrun worker; and the dependency lock. An edit reruns exactly the stages
 # whose code reaches the edited file, and the list follows the code when it moves. (Here, not in
 # pisft.stages: every module may read the stage table, and no stage runs this module.)

@@ -175,7 +175,7 @@ class Stage:
     recap_keys: tuple[str, ...] = ()  # keys it also reads at a RECAP iteration
     one_process: bool = False  # a training stage run as one process on one device (a smoke gate)
     # "module:function(cfg)" run in a training stage's process before it joins its process group
-    # (pisft.train.job.setup_process): smoke_1card's memory estimates, made there in the process
+    # (pisft.train.job.setup_process): smoke_1card's memory estimates, which need a process without one
     before_group: str = ""
     gate: str | None = None  # the smoke gate whose passing report it needs first (its first output)
     resumable: bool = False  # checkpoints and resumes: a rerun after a failure goes on from there

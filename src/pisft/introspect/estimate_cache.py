@@ -15,7 +15,7 @@ What makes it the same step, all in the key (`key`):
 - the bytes of the base model's config and pisft_model.json when the estimate builds the model
   from them (pisft.introspect.estimate: the fetched base of the config's preset), else the preset;
 - the code that computes it: a digest of every `.py` file of the pisft package as it lies on disk
-  (what the estimating subprocess imports), torch's and LeRobot's versions, Python's.
+  (what the estimating process imports), torch's and LeRobot's versions, Python's.
 
 Only the smoke stage's estimates are kept (`pisft.introspect.estimate.estimate_before_process_group`
 and `_simulate_elsewhere`): `estimate_memory` asked in a process without a group (`python -m pisft
