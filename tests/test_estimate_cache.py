@@ -116,11 +116,10 @@ def test_smoke_1card_estimates_before_it_joins_its_process_group(tmp_path, cache
     import torch.distributed as dist
 
     from pisft.gates import smoke
-    from pisft.stages import STAGES
-    from pisft.train import __main__ as worker
+    from pisft.stages import STAGES, resolve
     from pisft.train import job
 
-    hook = worker._function(STAGES["smoke_1card"].before_group)
+    hook = resolve(STAGES["smoke_1card"].before_group)  # as the torchrun worker finds it
     assert hook is smoke.estimate_before_group
     cfg = config_mod.load(CONFIG, [f"results_dir={tmp_path}/results", "train.micro_batch_size=auto"])
     order: list[str] = []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import importlib
 import signal
 import sys
 
@@ -25,16 +24,10 @@ from pisft.errors import PisftError, Terminated, restore_handlers, stop_on_termi
 from pisft.logs import tee_output
 from pisft.workflow.drivers import pin_threads
 from pisft.workflow.invalidate import invalidate_downstream
-from pisft.stages import STAGES, TRAINING_STAGES
+from pisft.stages import STAGES, TRAINING_STAGES, resolve
 
 # The stages this process runs itself (the training stages run under torchrun).
 IN_PROCESS = {name: stage for name, stage in STAGES.items() if not stage.training}
-
-
-def resolve(target: str):
-    """The function a stage's "module:function" names."""
-    module, func = target.split(":")
-    return getattr(importlib.import_module(module), func)
 
 
 def _description() -> str:

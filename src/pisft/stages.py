@@ -31,12 +31,20 @@ its keys changes, and `dvc.yaml` lists the same keys as params.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pisft import config
 from pisft.config import lookup
+
+
+def resolve(target: str):
+    """The function a row names as "module:function" (its `run`, `merge` or `before_group`)."""
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
 
 # The keys each stage reads, read off their marks in the schema (pisft.config: a key's roles are
 # marks on its field), in the schema's order.

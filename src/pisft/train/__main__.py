@@ -10,7 +10,6 @@ smoke report failed a check.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
@@ -18,7 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from pisft import config as config_mod
 from pisft.errors import PisftError, stop_on_termination
-from pisft.stages import STAGES, TRAINING_STAGES
+from pisft.stages import STAGES, TRAINING_STAGES, resolve
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -38,22 +37,16 @@ def run_stage(stage: str, cfg: config_mod.PisftConfig) -> int:
     from pisft.train.launch import world_size_for
     from pisft.train.job import setup_process
 
-    ctx = setup_process(cfg, stage, world_size_for(stage, cfg), _function(STAGES[stage].before_group))
+    row = STAGES[stage]
+    before_group = resolve(row.before_group) if row.before_group else None
+    ctx = setup_process(cfg, stage, world_size_for(stage, cfg), before_group)
     try:
-        stage_fn = _function(STAGES[stage].run)
+        stage_fn = resolve(row.run)
         with spec_for_preset(cfg.model.preset).fused_attention():  # fused kernels for the model's attention
             return stage_fn(ctx)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _function(name: str):
-    """The function a stage row names as "module:function" (None for "")."""
-    if not name:
-        return None
-    module, func = name.split(":")
-    return getattr(importlib.import_module(module), func)
 
 
 @record
