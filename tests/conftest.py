@@ -124,6 +124,14 @@ def run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 1800) ->
     return proc
 
 
+def planned(work: Path, *targets: str) -> set[str]:
+    """The rules `snakemake -n` would run in `work` (besides `all`)."""
+    import re
+
+    out = run(["snakemake", "-n", "--cores", "2", *targets], work).stdout
+    return set(re.findall(r"^rule (\w+):", out, re.M)) - {"all"}
+
+
 # The default pipeline's fixture runs the embedded default's DAG (every stage, the real simulator,
 # one RECAP iteration) with fewer optimizer and simulator steps: the tests read the numbers from its
 # config/config.yaml, and what the steps show (losses fall, the model learns, the loop runs) holds at

@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from conftest import run
+from conftest import planned, run
 
 pytestmark = pytest.mark.integration
 
@@ -74,14 +74,6 @@ def test_the_embedded_default_checks_the_closed_loop_in_the_real_simulator(defau
     report = (results / "eval/report.md").read_text()
     assert "## Closed-loop LIBERO success" in report and "Simulator: hf-libero" in report
     assert "Expect a success rate of about 0" in report and "../closed_loop/videos/libero_10_task00.mp4" in report
-
-
-def planned(work, *args) -> set[str]:
-    """The rules `snakemake -n` would run (besides `all`)."""
-    import re
-
-    out = run(["snakemake", "-n", "--cores", "2", *args], work).stdout
-    return set(re.findall(r"^rule (\w+):", out, re.M)) - {"all"}
 
 
 def test_the_embedded_default_runs_one_recap_iteration(default_pipeline):
