@@ -24,6 +24,15 @@ def cache(tmp_path, monkeypatch) -> Path:
     return folder
 
 
+@pytest.fixture
+def no_process(monkeypatch) -> None:
+    """Starting a process fails the test: the estimates are answered without the fresh one."""
+    def started(*_args, **_kwargs):
+        raise AssertionError("a process was started for an estimate already made or kept")
+
+    monkeypatch.setattr(estimate.subprocess, "run", started)
+
+
 def _raw(tmp_path, *sets: str) -> dict:
     return config_mod.to_dict(config_mod.load(CONFIG, [f"results_dir={tmp_path}/results", *sets]))
 
@@ -62,7 +71,7 @@ def test_off_keeps_nothing(tmp_path, monkeypatch):
     assert estimate_cache.read(key) is None
 
 
-def test_the_smoke_path_reads_the_kept_estimate_without_a_subprocess(tmp_path, cache, monkeypatch):
+def test_the_smoke_path_reads_the_kept_estimate_without_a_subprocess(tmp_path, cache, monkeypatch, no_process):
     """What the estimating subprocess wrote is what the next smoke run of the same step gets, with
     its own model folder as `model`; nothing is simulated (the subprocess is never started)."""
     cfg = config_mod.load(CONFIG, [f"results_dir={tmp_path}/results"])
@@ -71,15 +80,11 @@ def test_the_smoke_path_reads_the_kept_estimate_without_a_subprocess(tmp_path, c
         estimate_cache.write(estimate_cache.key(raw, world, [], f"preset {cfg.model.preset}"),
                              {"total_bytes": 1000 + world, "model": "elsewhere"})
     monkeypatch.setattr(estimate, "_KEPT", {})
-
-    def no_subprocess(*_args, **_kwargs):
-        raise AssertionError("simulated again although the estimate was kept")
-    monkeypatch.setattr(estimate.subprocess, "run", no_subprocess)
     got = estimate._simulate_elsewhere(cfg, cfg.world_size)
     assert got == {"total_bytes": 1000 + cfg.world_size, "model": f"preset {cfg.model.preset}"}
 
 
-def test_estimates_made_before_the_process_group_are_answered_inside_it(tmp_path, cache, monkeypatch):
+def test_estimates_made_before_the_process_group_are_answered_inside_it(tmp_path, cache, monkeypatch, no_process):
     """smoke_1card's way (the stage table's `before_group`, pisft.gates.smoke.estimate_before_group):
     both world sizes simulated in this process before it holds a group, then asked for inside one,
     where no process is started; torch's generator as it was; both kept for a later smoke run."""
@@ -93,11 +98,6 @@ def test_estimates_made_before_the_process_group_are_answered_inside_it(tmp_path
     estimate.estimate_before_process_group(cfg)
     assert torch.equal(torch.get_rng_state(), rng)
     made = {w: estimate.estimate_memory(cfg, world_size=w) for w in (1, 2)}  # here: no group, simulated again
-
-    def no_subprocess(*_args, **_kwargs):
-        raise AssertionError("a process was started for an estimate made before the group")
-
-    monkeypatch.setattr(estimate.subprocess, "run", no_subprocess)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(RuntimeError, match="already holds a process group"):
@@ -109,7 +109,7 @@ def test_estimates_made_before_the_process_group_are_answered_inside_it(tmp_path
     assert len(list(cache.glob("*.json"))) == 2  # kept for the next smoke run of the same step
 
 
-def test_smoke_1card_estimates_before_it_joins_its_process_group(tmp_path, cache, monkeypatch):
+def test_smoke_1card_estimates_before_it_joins_its_process_group(tmp_path, cache, monkeypatch, no_process):
     """The stage table's `before_group` runs before the group is made (pisft.train.job.setup_process),
     and the smoke gate's hook fills what its report asks for later, `auto` settings included
     (`_estimated`): the report's estimates come without a process started."""
@@ -131,11 +131,6 @@ def test_smoke_1card_estimates_before_it_joins_its_process_group(tmp_path, cache
         job.setup_process(cfg, "smoke_1card", 1, lambda _cfg: order.append("before_group"))
     assert order == ["before_group", "group"]
     hook(cfg)  # in the worker, where "before_group" stands (its simulation makes a fake group of its own)
-
-    def no_subprocess(*_args, **_kwargs):
-        raise AssertionError("a process was started for an estimate made before the group")
-
-    monkeypatch.setattr(estimate.subprocess, "run", no_subprocess)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         reported = smoke._estimate(smoke._estimated(cfg))  # what _report_head records
