@@ -143,10 +143,10 @@ def _keep(raw: str, keys: dict[int, str], estimates: dict[int, dict[str, Any]]) 
 def estimate_before_process_group(cfg: PisftConfig) -> None:
     """The estimates a stage asks for once it holds a process group (world size 1 and the configured
     one: smoke_1card's, pisft.gates.smoke), made now, in this process, which holds none yet: inside
-    the group `estimate_memory` answers from them instead of starting a fresh process, which spent
-    about 9 CPU s importing the model's libraries for 3 s of simulation (the tiny preset, both world
-    sizes). Kept for later smoke runs as the fresh process's are. torch's generator is left as it was
-    (the simulation builds its policy from a seed)."""
+    the group `estimate_memory` answers from them instead of starting a fresh process, which spends
+    most of its time importing the model's libraries (docs/memory.md). Kept for later smoke runs as
+    the fresh process's are. torch's generator is left as it was (the simulation builds its policy
+    from a seed)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
