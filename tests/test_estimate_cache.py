@@ -84,6 +84,7 @@ def test_the_smoke_path_reads_the_kept_estimate_without_a_subprocess(tmp_path, c
     assert got == {"total_bytes": 1000 + cfg.world_size, "model": f"preset {cfg.model.preset}"}
 
 
+@pytest.mark.integration  # about 11 s: four simulations; the fast tier keeps the next test's hook check
 def test_estimates_made_before_the_process_group_are_answered_inside_it(tmp_path, cache, monkeypatch, no_process):
     """smoke_1card's way (the stage table's `before_group`, pisft.gates.smoke.estimate_before_group):
     both world sizes simulated in this process before it holds a group, then asked for inside one,
