@@ -95,9 +95,7 @@ def estimate_before_group(cfg: Any) -> None:
     `_estimate`, which asks again inside the group and records the error in the report."""
     try:
         from pisft.introspect.estimate import estimate_before_process_group
-    except ImportError:
-        return
-    try:
+
         estimate_before_process_group(_estimated(cfg))
     except Exception:  # noqa: BLE001 - informative only: `_estimate` records the error
         pass
